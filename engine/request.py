@@ -1,0 +1,92 @@
+"""A request as the engine sees it: token ids, image spans, progress, blocks.
+
+Pure Python (no torch): the scheduler and block manager work on these.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class MMSpan:
+    """One image's placeholder run inside the prompt.
+
+    `offset` is the index of the first `<|image_pad|>` token in the prompt,
+    `length` the number of placeholder tokens (= merged vision tokens),
+    `grid_thw` the vision grid in patches (t, h, w) before the spatial merge.
+    """
+
+    offset: int
+    length: int
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    mm_spans: list[MMSpan] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed, bounded by the model length when known."""
+        limit = self.sampling_params.max_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - self.num_prompt_tokens
+            limit = room if limit is None else min(limit, room)
+        assert limit is not None, "max_tokens=None needs max_model_len"
+        return limit

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) and installs EPD into it, with the given extras.
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build 2.13.0
+# *before* anything else, so no dependency can pull a multi-GB CUDA build.
+# Usage: source scripts/env.sh [extras]    e.g. `source scripts/env.sh dev`
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EXTRAS="${1:-}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$ROOT/.venv/bin/python" ]; then
+    "$PY" -m venv "$ROOT/.venv"
+fi
+# shellcheck disable=SC1091
+source "$ROOT/.venv/bin/activate"
+STAMP="$ROOT/.venv/.epd-installed-${EXTRAS:-base}"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+    pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+    if ! python -c "import torch" 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            pip install -q torch
+        else
+            pip install -q torch==2.13.0
+        fi
+    fi
+    TARGET="$ROOT"
+    [ -n "$EXTRAS" ] && TARGET="$ROOT[$EXTRAS]"
+    pip install -q -e "$TARGET" 2>&1 | grep -v "^WARNING: Location" || true
+    python -c "import epd, torch; print('epd env ready: torch', torch.__version__)"
+    touch "$STAMP"
+fi
