@@ -1,0 +1,9 @@
+"""Wire format and embedding cache; imports nothing else of ours.
+
+codec.py       WireError, tensor <-> (meta, bytes), msgpack headers, typed header fields
+messages.py    every wire message (dataclasses) and decode_message()
+addresses.py   the one place zmq addresses are derived from config
+channels.py    typed PUSH/PULL wrappers, sync and asyncio
+mm_entry.py    MMEntry and its LMDB value format
+mm_cache.py    MMCache (LMDB, LRU, multi-process) and mm_hash()
+"""

@@ -1,0 +1,49 @@
+"""Child-process body for the multi-process cache test (a module so spawn can import it)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from transport.mm_cache import MMCache, mm_hash
+from transport.mm_entry import MMEntry
+
+FINGERPRINT = "test-model"
+
+
+def key_of(i: int) -> str:
+    return mm_hash(i.to_bytes(4, "little"), FINGERPRINT, {"patch_size": 16})
+
+
+def entry_of(i: int) -> MMEntry:
+    """Entry i: every element equals i, so any reader can check what it got."""
+    return MMEntry(torch.full((8, 16), float(i)), [torch.full((8, 16), float(-i))], (1, 4, 8))
+
+
+def check_new(cache: MMCache, pending: set[int]) -> None:
+    """Remove from `pending` every entry now readable, checking its contents."""
+    for i in list(pending):
+        got = cache.get(key_of(i))
+        if got is not None:
+            assert torch.equal(got.embeddings, entry_of(i).embeddings), f"entry {i} differs"
+            assert torch.equal(got.deepstack[0], entry_of(i).deepstack[0])
+            pending.discard(i)
+
+
+def run(path: str, max_bytes: int, mine: list[int], theirs: list[int], results) -> None:
+    """Write `mine`, then read until all of `theirs` appear with the right contents."""
+    try:
+        cache = MMCache(path, max_bytes, model_fingerprint=FINGERPRINT,
+                        touch_interval_s=0.0)
+        for i in mine:
+            assert cache.put(key_of(i), entry_of(i)), f"put {i} failed"
+        pending, deadline = set(theirs), time.monotonic() + 30
+        while pending and time.monotonic() < deadline:
+            check_new(cache, pending)
+            time.sleep(0.005)
+        assert not pending, f"never saw {sorted(pending)}"
+        cache.close()
+        results.put("ok")
+    except BaseException as e:  # report any failure to the parent
+        results.put(f"{type(e).__name__}: {e}")

@@ -1,0 +1,47 @@
+import pytest
+
+from transport.addresses import ROLES, Addresses, parse_worker_id, worker_id
+
+
+def test_ipc_layout():
+    addrs = Addresses.for_run("abc123")
+    assert addrs.worker("prefill", 0) == "ipc:///tmp/epd-abc123/prefill-0.sock"
+    assert addrs.worker("encoder", 3) == "ipc:///tmp/epd-abc123/encoder-3.sock"
+    assert addrs.collector() == "ipc:///tmp/epd-abc123/api.sock"
+
+
+def test_tcp_addresses_are_distinct_and_in_range():
+    addrs = Addresses.tcp(base_port=30000, max_workers_per_role=8)
+    all_addrs = [addrs.collector()] + [addrs.worker(r, k) for r in ROLES for k in range(8)]
+    assert len(set(all_addrs)) == len(all_addrs)
+    assert all(a.startswith("tcp://127.0.0.1:") for a in all_addrs)
+    ports = sorted(int(a.rsplit(":", 1)[1]) for a in all_addrs)
+    assert ports[0] == 30000 and ports[-1] == 30000 + len(ROLES) * 8
+
+
+def test_tcp_other_host():
+    assert Addresses.tcp("10.1.2.3", 40000).collector() == "tcp://10.1.2.3:40000"
+
+
+@pytest.mark.parametrize("role, index", [("vision", 0), ("prefill", -1), ("decode", 64)])
+def test_bad_worker_rejected(role, index):
+    with pytest.raises(ValueError):
+        Addresses.tcp().worker(role, index)
+
+
+def test_port_range_checked():
+    with pytest.raises(ValueError):
+        Addresses.tcp(base_port=65500)
+
+
+def test_ipc_path_too_long():
+    with pytest.raises(ValueError, match="too long"):
+        Addresses.ipc("/tmp/" + "x" * 120).collector()
+
+
+def test_worker_id_round_trip():
+    assert worker_id("pd", 12) == "pd-12"
+    assert parse_worker_id("pd-12") == ("pd", 12)
+    for bad in ("pd", "gpu-1", "prefill-x", "prefill--1"):
+        with pytest.raises(ValueError):
+            parse_worker_id(bad)

@@ -1,0 +1,274 @@
+from dataclasses import fields
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transport.messages import (
+    MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
+    PrefillRequest, Ready, Register, Shutdown, TokenOutput, WireError, WorkerStats,
+    decode_message,
+)
+
+
+HASH_A = "ab" * 32
+HASH_B = "cd" * 32
+
+
+def make_kv(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8,
+            dtype=torch.bfloat16) -> torch.Tensor:
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape).to(dtype)
+
+
+def make_messages() -> list[Message]:
+    """One instance of every wire type, tensors in several dtypes."""
+    spans = [MMSpan(3, 16, HASH_A, (1, 8, 8)), MMSpan(20, 4, HASH_B, (1, 4, 4))]
+    sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 32, "stop": ["\n"], "seed": None}
+    return [
+        EncodeRequest("req-1", HASH_A, bytes(range(256)) * 4, reply_to="prefill-0"),
+        EncodeRequest("req-2", HASH_B, b"", reply_to="pd-3"),  # empty blob frame
+        EncodeDone("req-1", HASH_A, ok=True),
+        EncodeDone("req-1", HASH_A, ok=False, error="decode failed"),
+        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(16, 32),
+                   deepstack=[torch.randn(16, 32) for _ in range(3)], grid_thw=(1, 8, 8)),
+        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(4, 8).half(),
+                   deepstack=[], grid_thw=(1, 4, 4)),
+        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.zeros(0, 8), grid_thw=(1, 0, 0)),
+        PrefillRequest("req-1", list(range(40)), spans, sampling, [151645, 151643], "decode-1",
+                       12.5),
+        PrefillRequest("req-2", [1, 2, 3], [], {}, [], None, 0),
+        KVTransfer("req-1", list(range(10)), 42, sampling, [2], spans, 1.0,
+                   make_kv(), make_kv()),
+        KVTransfer("req-1", [5], 1, {}, [], [], 1.0,
+                   make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
+        KVAck("req-1", ok=True),
+        KVAck("req-1", ok=False, error="out of blocks"),
+        TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
+                    num_cached_tokens=16, logprobs=[[-0.1, [[5, -0.1]]], [-0.2, []]]),
+        TokenOutput("req-1", []),
+        WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, {"steps": 10, "tok_per_s": 1.5}),
+        Ready("prefill-0", "prefill", {"inbox": "ipc:///tmp/epd-x/prefill-0.sock"}),
+        Register("encoder-7", "encoder", {"inbox": "tcp://10.0.0.2:27100"}),
+        Abort(["req-1", "req-2"]),
+        Abort([]),
+        Shutdown(),
+    ]
+
+
+def assert_same(a, b) -> None:
+    """Field-wise equality that compares tensors by dtype, shape and value."""
+    assert type(a) is type(b)
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+            assert len(x) == len(y), f.name
+            for u, v in zip(x, y):
+                assert u.dtype == v.dtype and torch.equal(u, v), f.name
+        elif isinstance(x, bytes):
+            assert bytes(x) == bytes(y), f.name
+        else:
+            assert x == y, f.name
+
+
+def _pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+@pytest.mark.parametrize("msg", make_messages(), ids=lambda m: m.TYPE)
+def test_round_trip(msg: Message):
+    frames = msg.to_wire()
+    # as zmq delivers them (bytes) and as handed over in-process (memoryviews)
+    for wire in ([bytes(f) for f in frames], frames):
+        out = decode_message(wire)
+        assert_same(msg, out)
+        assert_same(msg, type(msg).from_wire(wire))
+
+
+def test_every_type_is_covered_and_registered():
+    assert {m.TYPE for m in make_messages()} == set(MESSAGE_TYPES)
+
+
+def test_tensor_frames_are_zero_copy_views():
+    kv = make_kv(dtype=torch.float32)
+    frames = KVTransfer("r", [1], 2, {}, [], [], 0.0, kv, kv.clone()).to_wire()
+    assert len(frames) == 3 and isinstance(frames[1], memoryview)
+    kv.view(-1)[0] = 1234.0
+    assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 1234.0
+
+
+def test_kv_transfer_counts():
+    msg = decode_message(KVTransfer("r", [1] * 9, 2, {}, [], [], 0.0,
+                                    make_kv(num_layers=5, num_blocks=3),
+                                    make_kv(num_layers=5, num_blocks=3)).to_wire())
+    assert (msg.num_layers, msg.num_blocks) == (5, 3)
+
+
+def test_from_wire_rejects_other_type():
+    with pytest.raises(WireError, match="expected kv_ack"):
+        KVAck.from_wire(Shutdown().to_wire())
+
+
+def _good() -> list[bytes]:
+    msg = EncodeDone("r", "ab" * 32, True, None, torch.randn(4, 8), [torch.randn(4, 8)], (1, 4, 4))
+    return [bytes(f) for f in msg.to_wire()]
+
+
+def _header(frames) -> dict:
+    return msgpack.unpackb(frames[0])
+
+
+def _with(msg_frames, **changes) -> list[bytes]:
+    header = _header(msg_frames)
+    header.update(changes)
+    return [_pack(header), *msg_frames[1:]]
+
+
+def _meta_of(dtype: str, *shape: int) -> dict:
+    return {"dtype": dtype, "shape": list(shape)}
+
+
+def _without(frames, key) -> list[bytes]:
+    header = _header(frames)
+    del header[key]
+    return [_pack(header), *frames[1:]]
+
+
+@pytest.mark.parametrize("frames", [
+    [],
+    [b""],
+    [b"\xff\xfe garbage"],
+    [_pack([1, 2, 3])],
+    [_pack({"type": "nope", "v": 1, "frames": []})],
+    [_pack({"type": 7, "v": 1, "frames": []})],
+    [_pack({"type": "shutdown", "v": 2, "frames": []})],
+    [_pack({"type": "shutdown", "v": True, "frames": []})],
+    [_pack({"type": "shutdown", "frames": []})],
+    [_pack({"type": "shutdown", "v": 1})],
+    [_pack({"type": "shutdown", "v": 1, "frames": []}), b"extra"],
+    [_pack({"type": "shutdown", "v": 1, "frames": [3]}), b"abc"],  # payload on a no-payload type
+    _good()[:-1],                                     # a frame missing
+    [*_good(), b"x"],                                 # a frame too many
+    [_good()[0], _good()[1][:-1], _good()[2]],        # truncated tensor frame
+    [_good()[0], _good()[1] + b"\0\0\0\0", _good()[2]],
+    [_good()[0][:-3], *_good()[1:]],                  # truncated header
+    _with(_good(), ok="yes"),
+    _with(_good(), request_id=5),
+    _with(_good(), grid_thw=[1, 2]),
+    _with(_good(), error=b"bytes"),
+    _with(_good(), frames=[_meta_of("float8", 4, 8), _meta_of("float32", 4, 8)]),
+    _with(_good(), frames=[_meta_of("float32", 8, 4), _meta_of("float32", 4, 8)]),
+    _with(_good(), frames=[_meta_of("float32", 32), _meta_of("float32", 32)]),  # not [n, hidden]
+    _with(_good(), frames="two"),
+    _without(_good(), "mm_hash"),
+    [_pack({"type": "token_output", "v": 1, "frames": [], "request_id": "r",
+            "token_ids": [1, "2"], "finished": False, "finish_reason": None,
+            "num_prompt_tokens": 0, "num_cached_tokens": 0, "logprobs": None, "error": None})],
+    [_pack({"type": "abort", "v": 1, "frames": [], "request_ids": "r1"})],
+    [_pack({"type": "worker_stats", "v": 1, "frames": [], "worker_id": "w", "role": "decode",
+            "num_running": 1, "num_waiting": 1, "num_free_blocks": 1, "num_total_blocks": 1,
+            "queue_depth": 1, "counters": {"a": "x"}})],
+    [_pack({"type": "ready", "v": 1, "frames": [], "worker_id": "w", "role": "r",
+            "addresses": {b"k": "v"}})],
+    _with([bytes(f) for f in EncodeRequest("r", "h", b"img", "p").to_wire()], frames=[4]),
+    _with([bytes(f) for f in KVTransfer("r", [1] * 100, 1, {}, [], [], 0.0, make_kv(),
+                                        make_kv()).to_wire()], prompt_token_ids=[1] * 100),
+    _with([bytes(f) for f in KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(),
+                                        make_kv()).to_wire()], mm_spans=[[0, 1, "h", [1, 1]]]),
+    [_pack({"type": "prefill_request", "v": 1, "frames": [], "request_id": "r",
+            "prompt_token_ids": [1], "mm_spans": [], "sampling": {1: 2}, "eos_token_ids": [],
+            "decode_worker": None, "arrival_time_s": 0.0})],
+    ["not bytes"],
+    [None],
+], ids=range(36))
+def test_malformed_input_raises_wire_error(frames):
+    with pytest.raises(WireError):
+        decode_message(frames)
+
+
+def test_wire_error_names_the_field():
+    with pytest.raises(WireError, match=r"encode_done\.ok"):
+        decode_message(_with(_good(), ok="yes"))
+
+
+def test_mismatched_kv_blocks_rejected():
+    frames = KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(), make_kv()).to_wire()
+    frames_other = KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(num_blocks=2),
+                              make_kv(num_blocks=2)).to_wire()
+    header = _header(frames)
+    header["frames"][1] = _header(frames_other)["frames"][1]
+    with pytest.raises(WireError, match="k/v"):
+        decode_message([_pack(header), frames[1], frames_other[2]])
+
+
+# --- bounded fuzz: whatever arrives, decoding raises WireError or succeeds ------------------
+
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_tags = st.sampled_from(sorted(MESSAGE_TYPES) + ["bogus"])
+_meta = st.one_of(
+    st.integers(-1, 64),
+    st.fixed_dictionaries({"dtype": st.sampled_from(["float32", "bfloat16", "int64", "uint8", "x"]),
+                           "shape": st.lists(st.integers(-1, 8), max_size=4)}),
+    _plain,
+)
+
+
+@st.composite
+def _structured(draw):
+    """Headers that look right (real tag, version, plausible fields) with random values."""
+    tag = draw(_tags)
+    fields = draw(st.dictionaries(st.sampled_from(
+        ["request_id", "mm_hash", "reply_to", "ok", "error", "grid_thw", "token_ids", "finished",
+         "prompt_token_ids", "mm_spans", "sampling", "eos_token_ids", "request_ids", "counters",
+         "first_token_id", "arrival_time_s", "decode_worker", "addresses", "worker_id", "role"]),
+        _plain, max_size=10))
+    metas = draw(st.lists(_meta, max_size=3))
+    header = {"type": tag, "v": draw(st.sampled_from([1, 1, 1, 0, 2, "1"])), "frames": metas,
+              **fields}
+    payload = draw(st.lists(st.binary(max_size=64), min_size=len(metas), max_size=len(metas) + 1))
+    return [_pack(header), *payload]
+
+
+@st.composite
+def _mutated(draw):
+    """A valid message with one frame truncated, extended or bit-flipped, or frames dropped."""
+    frames = [bytes(f) for f in draw(st.sampled_from(make_messages())).to_wire()]
+    i = draw(st.integers(0, len(frames) - 1))
+    op = draw(st.sampled_from(["truncate", "extend", "flip", "drop", "add"]))
+    if op == "truncate":
+        frames[i] = frames[i][:draw(st.integers(0, max(0, len(frames[i]) - 1)))]
+    elif op == "extend":
+        frames[i] += draw(st.binary(min_size=1, max_size=8))
+    elif op == "flip" and frames[i]:
+        j = draw(st.integers(0, len(frames[i]) - 1))
+        flipped = bytes([frames[i][j] ^ draw(st.integers(1, 255))])
+        frames[i] = frames[i][:j] + flipped + frames[i][j + 1:]
+    elif op == "drop":
+        del frames[i]
+    else:
+        frames.insert(i, draw(st.binary(max_size=16)))
+    return frames
+
+
+_frames = st.one_of(st.lists(st.binary(max_size=64), max_size=4), _structured(), _mutated())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_frames)
+def test_fuzz_decode_never_raises_anything_but_wire_error(frames):
+    try:
+        msg = decode_message(frames)
+    except WireError:
+        return
+    assert isinstance(msg, Message)
+    decode_message(msg.to_wire())  # what decodes re-encodes

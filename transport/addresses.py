@@ -1,0 +1,88 @@
+"""Where every socket lives: the one place a ZeroMQ address is built.
+
+Each worker binds one PULL socket (its inbox) at `worker(role, index)`; the
+API binds one PULL socket (the collector: TokenOutput, WorkerStats, Ready) at
+`collector()`. Everyone else connects PUSH sockets to those.
+
+* `ipc://` on one host: `ipc://<run_dir>/<role>-<index>.sock`, `<run_dir>/api.sock`.
+* `tcp://` across hosts: collector at `base_port`, worker k of role r at
+  `base_port + 1 + r * max_workers_per_role + k` (r = position in ROLES).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# encoder / prefill / decode: the three disaggregated roles; pd: one worker
+# doing prefill and decode (modes e-pd and aggregated).
+ROLES = ("encoder", "prefill", "decode", "pd")
+DEFAULT_BASE_PORT = 27100
+_MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Addresses of one deployment. Build with `ipc(...)`, `for_run(...)` or `tcp(...)`."""
+
+    scheme: str  # "ipc" | "tcp"
+    run_dir: str = ""  # ipc only
+    host: str = "127.0.0.1"  # tcp only
+    base_port: int = DEFAULT_BASE_PORT  # tcp only
+    max_workers_per_role: int = 64
+
+    @classmethod
+    def ipc(cls, run_dir: str | os.PathLike) -> Addresses:
+        """Unix-socket addresses under `run_dir` (created by whoever binds)."""
+        return cls(scheme="ipc", run_dir=os.path.abspath(run_dir))
+
+    @classmethod
+    def for_run(cls, run_id: str, root: str = "/tmp") -> Addresses:
+        """ipc addresses under `<root>/epd-<run_id>/`."""
+        return cls.ipc(os.path.join(root, f"epd-{run_id}"))
+
+    @classmethod
+    def tcp(cls, host: str = "127.0.0.1", base_port: int = DEFAULT_BASE_PORT,
+            max_workers_per_role: int = 64) -> Addresses:
+        """TCP addresses on `host` (loopback by default) from `base_port` up."""
+        last = base_port + len(ROLES) * max_workers_per_role
+        if not (0 < base_port and last <= 65535):
+            raise ValueError(f"port range {base_port}..{last} is outside 1..65535")
+        return cls(scheme="tcp", host=host, base_port=base_port,
+                   max_workers_per_role=max_workers_per_role)
+
+    def worker(self, role: str, index: int) -> str:
+        """Inbox (PULL) address of worker `index` of `role`."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        if not 0 <= index < self.max_workers_per_role:
+            raise ValueError(f"worker index {index} outside 0..{self.max_workers_per_role - 1}")
+        if self.scheme == "ipc":
+            return self._ipc(f"{role}-{index}.sock")
+        offset = 1 + ROLES.index(role) * self.max_workers_per_role + index
+        return f"tcp://{self.host}:{self.base_port + offset}"
+
+    def collector(self) -> str:
+        """The API's PULL address: token outputs, stats and Ready messages."""
+        if self.scheme == "ipc":
+            return self._ipc("api.sock")
+        return f"tcp://{self.host}:{self.base_port}"
+
+    def _ipc(self, name: str) -> str:
+        path = os.path.join(self.run_dir, name)
+        if len(path.encode()) > _MAX_IPC_PATH_BYTES:
+            raise ValueError(f"ipc socket path too long ({len(path)} > 107 bytes): {path}")
+        return f"ipc://{path}"
+
+
+def worker_id(role: str, index: int) -> str:
+    """The canonical worker id, e.g. "prefill-0" (used as EncodeRequest.reply_to etc.)."""
+    return f"{role}-{index}"
+
+
+def parse_worker_id(worker_id_: str) -> tuple[str, int]:
+    """Inverse of `worker_id`: "prefill-0" -> ("prefill", 0); ValueError if malformed."""
+    role, sep, index = worker_id_.rpartition("-")
+    if not sep or role not in ROLES or not index.isdigit():
+        raise ValueError(f"bad worker id {worker_id_!r}")
+    return role, int(index)
