@@ -1,0 +1,267 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, prefix cache.
+
+Pure Python (no torch): the model runner owns the KV tensors; this class only
+decides which block ids a request's tokens live in.
+
+Invariants
+* Every block is in exactly one of three states:
+  - in use: ref_count > 0 (held by one or more requests);
+  - cached-free: ref_count == 0 and it still holds a block hash, so a later
+    request with the same prefix can reuse its KV; evicted least recently
+    used when a fresh block is needed;
+  - free: ref_count == 0 and no hash.
+  `num_free_blocks` counts the last two kinds: both can be handed out.
+* A block hash is registered only for a FULL block whose KV has been
+  computed (`cache_blocks` runs after the model step), so a prefix hit never
+  points at KV that is still being written.
+* Once every request is freed, `num_free_blocks == num_blocks`.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import msgpack
+
+from engine.request import MMSpan, Request
+
+# Parent hash of a prompt's first block: any fixed value works, it only has to
+# differ from every real digest.
+_ROOT_BLOCK_HASH = b"\x00" * 32
+
+
+def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: int,
+               mm_spans: Sequence[MMSpan]) -> bytes:
+    """Chained hash of one full block.
+
+    Covers the parent block's hash (so equal blocks match only after equal
+    prefixes), the block's token ids, and for every image span overlapping
+    the block its `mm_hash` plus the overlap range relative to the span: all
+    images share one placeholder token id, so token ids alone would let the
+    same text with a different image match.
+    """
+    block_end = block_start + len(token_ids)
+    mm_keys = [[span.mm_hash, max(span.offset, block_start) - span.offset,
+                min(span.end, block_end) - span.offset]
+               for span in mm_spans if span.offset < block_end and span.end > block_start]
+    # msgpack of ints/strings is byte-stable across processes (Python's hash() is not).
+    payload = msgpack.packb([list(token_ids), mm_keys])
+    return hashlib.sha256(parent_block_hash + payload).digest()
+
+
+class BlockManager:
+    """Allocates KV blocks to requests; shares full blocks by prefix hash.
+
+    Usage per request, as the scheduler drives it:
+      1. first schedule: `block_ids, num_cached_tokens = get_computed_blocks(r)`,
+         then `allocate(r, num_new_tokens, block_ids)`;
+      2. later chunks / decode steps: `allocate(r, num_new_tokens)`;
+      3. after each model step: `cache_blocks(r)` (registers newly full blocks);
+      4. finish, abort or preemption: `free(r)`.
+    `allocate` either succeeds completely or changes nothing.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16,
+                 enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be positive, "
+                             f"got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # Cached-free blocks in LRU order: the first key is evicted first.
+        self._cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
+        self._block_id_by_hash: dict[bytes, int] = {}
+        # Per request: its chain of full-block hashes (computed lazily, kept
+        # until free) and how many of its blocks went through `cache_blocks`.
+        self._request_block_hashes: dict[str, list[bytes]] = {}
+        self._num_hashed_blocks: dict[str, int] = {}
+
+        self.prefix_cache_queries = 0  # tokens looked up, counted per admission
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out: free plus cached-free (evictable)."""
+        return len(self._free_block_ids) + len(self._cached_free_block_ids)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------- prefix lookup
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of `request.all_token_ids`, in full blocks.
+
+        Returns `(block_ids, num_cached_tokens)`. Never covers all tokens: at
+        least one token is left to compute so the model has logits to sample
+        from, hence the cap at the last block boundary below `num_tokens`.
+        Pure lookup: touches no ref count and no counter.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_num_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = []
+        for block_hash in self._get_block_hashes(request, max_num_blocks):
+            block_id = self._block_id_by_hash.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def _get_block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """Chained hashes of the request's first `num_full_blocks` blocks."""
+        block_hashes = self._request_block_hashes.setdefault(request.request_id, [])
+        if len(block_hashes) < num_full_blocks:
+            token_ids = request.all_token_ids
+            for i in range(len(block_hashes), num_full_blocks):
+                start = i * self.block_size
+                parent = block_hashes[-1] if block_hashes else _ROOT_BLOCK_HASH
+                block_hashes.append(hash_block(parent, token_ids[start:start + self.block_size],
+                                               start, request.mm_spans))
+        return block_hashes[:num_full_blocks]
+
+    # ------------------------------------------------------------- allocation
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed_block_ids: Sequence[int] | None = None) -> bool:
+        """Whether `allocate` with the same arguments would succeed."""
+        return self._num_missing_blocks(request, num_new_tokens, computed_block_ids) \
+            <= self.num_free_blocks - self._num_cached_free(computed_block_ids)
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 computed_block_ids: Sequence[int] | None = None) -> bool:
+        """Give `request` room for `num_new_tokens` more tokens.
+
+        Without `computed_block_ids` the room is counted from
+        `request.num_computed_tokens`. With it (first allocation after
+        `get_computed_blocks`, request holds no blocks) the prefix-hit blocks
+        are shared (ref count + 1) and room is counted from the tokens they
+        cover; the prefix-cache counters are updated. Appends to
+        `request.block_ids`. Returns False, changing nothing, when there are
+        not enough free blocks.
+        """
+        if not self.can_allocate(request, num_new_tokens, computed_block_ids):
+            return False
+        num_missing_blocks = self._num_missing_blocks(request, num_new_tokens, computed_block_ids)
+        if computed_block_ids is not None:
+            assert not request.block_ids, "computed blocks are only for a first allocation"
+            for block_id in computed_block_ids:
+                self._touch(block_id)
+            request.block_ids.extend(computed_block_ids)
+            self._num_hashed_blocks[request.request_id] = len(computed_block_ids)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed_block_ids) * self.block_size
+        for _ in range(num_missing_blocks):
+            request.block_ids.append(self._pop_free_block())
+        return True
+
+    def _num_missing_blocks(self, request: Request, num_new_tokens: int,
+                            computed_block_ids: Sequence[int] | None) -> int:
+        if computed_block_ids is None:
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            num_held = len(request.block_ids)
+        else:
+            num_tokens = len(computed_block_ids) * self.block_size + num_new_tokens
+            num_held = len(computed_block_ids)
+        return max(0, self.num_blocks_for(num_tokens) - num_held)
+
+    def _num_cached_free(self, block_ids: Sequence[int] | None) -> int:
+        # A prefix hit on a cached-free block takes it out of the free pool.
+        return sum(1 for b in block_ids or () if self._ref_counts[b] == 0)
+
+    def _touch(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            del self._cached_free_block_ids[block_id]
+        self._ref_counts[block_id] += 1
+
+    def _pop_free_block(self) -> int:
+        # Prefer never-hashed blocks so cached prefixes live as long as possible.
+        if self._free_block_ids:
+            block_id = self._free_block_ids.popleft()
+        else:
+            block_id, _ = self._cached_free_block_ids.popitem(last=False)  # LRU
+            self._drop_hash(block_id)
+        assert self._ref_counts[block_id] == 0
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self._block_hashes[block_id]
+        if block_hash is not None and self._block_id_by_hash.get(block_hash) == block_id:
+            del self._block_id_by_hash[block_hash]
+        self._block_hashes[block_id] = None
+
+    # ---------------------------------------------------------------- caching
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register hashes of the request's blocks that are now full.
+
+        Call after the model step that computed them (i.e. after
+        `request.num_computed_tokens` advanced). When another block already
+        holds the same hash (two equal prompts computed side by side), the
+        first one stays canonical and this one is simply not cached.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full_blocks = min(request.num_computed_tokens // self.block_size,
+                              len(request.block_ids))
+        num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
+        if num_full_blocks <= num_hashed:
+            return
+        block_hashes = self._get_block_hashes(request, num_full_blocks)
+        for i in range(num_hashed, num_full_blocks):
+            block_id = request.block_ids[i]
+            block_hash = block_hashes[i]
+            if self._block_hashes[block_id] is None and block_hash not in self._block_id_by_hash:
+                self._block_hashes[block_id] = block_hash
+                self._block_id_by_hash[block_hash] = block_id
+        self._num_hashed_blocks[request.request_id] = num_full_blocks
+
+    # ------------------------------------------------------------------- free
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; idempotent.
+
+        Blocks are released tail first, so a request's last blocks (least
+        likely to be shared) are also the first to be evicted.
+        """
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self._ref_counts[block_id] == 0:
+                if self._block_hashes[block_id] is None:
+                    self._free_block_ids.append(block_id)
+                else:
+                    self._cached_free_block_ids[block_id] = None  # most recently used
+        request.block_ids.clear()
+        self._request_block_hashes.pop(request.request_id, None)
+        self._num_hashed_blocks.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block hash (e.g. after new weights are loaded).
+
+        Blocks in use stay allocated; they just stop being shareable.
+        """
+        for block_id in range(self.num_blocks):
+            self._block_hashes[block_id] = None
+        self._block_id_by_hash.clear()
+        self._free_block_ids.extend(self._cached_free_block_ids)
+        self._cached_free_block_ids.clear()

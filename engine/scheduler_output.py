@@ -1,0 +1,105 @@
+"""What one scheduler step hands to the model runner, and what `update` returns.
+
+Pure Python (no torch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import MMSpan, Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + num_new_tokens).
+
+    `start` is `request.num_computed_tokens` at schedule time; the runner
+    computes KV for `request.all_token_ids[start:start + num_new_tokens]` at
+    positions start.., writing into `request.block_ids` (block i holds
+    positions [i * block_size, (i + 1) * block_size)).
+
+    `is_last_chunk` is True when the chunk ends at `request.num_tokens`: the
+    runner must sample exactly one token for this request (from the logits
+    of its last new position) and pass it to `Scheduler.update`. A
+    mid-prompt chunk of a chunked prefill samples nothing.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    is_last_chunk: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Token ids to run this step, `num_new_tokens` of them."""
+        return self.request.all_token_ids[self.start:self.end]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while any prompt token is in this chunk (it may also sample)."""
+        return self.start < self.request.num_prompt_tokens
+
+    def mm_slices(self) -> list[tuple[MMSpan, int, int]]:
+        """Image spans overlapping this chunk, as (span, first, last + 1).
+
+        `first`/`last + 1` index the span's placeholder tokens (0..span.length),
+        i.e. the rows of that image's embeddings this chunk needs. A chunk
+        may start or end in the middle of an image.
+        """
+        return [(span, max(span.offset, self.start) - span.offset,
+                 min(span.end, self.end) - span.offset)
+                for span in self.request.mm_spans
+                if span.offset < self.end and span.end > self.start]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: the requests to run and how many tokens each.
+
+    `preempted_request_ids` lost their KV this step (they will be recomputed
+    from scratch); `finished_request_ids` finished, were aborted or released
+    since the previous step. Runners that keep per-request state drop it for
+    both.
+    """
+
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def sampling_request_ids(self) -> list[str]:
+        """Requests the runner must sample one token for, in batch order."""
+        return [s.request_id for s in self.scheduled if s.is_last_chunk]
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What `Scheduler.update` reports for one request that sampled.
+
+    `finish_reason` is "stop" (EOS or a stop token), "length" (max_tokens or
+    model length) or None. `is_prefilled` (prefill-only role) means the
+    prompt is done and the first token sampled: the request left the running
+    queue but still holds its blocks until `Scheduler.release`.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    is_prefilled: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None

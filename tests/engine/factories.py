@@ -1,0 +1,85 @@
+"""Builders and a fake model for fast scheduler / block-manager tests."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from engine.request import MMSpan, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler_output import SchedulerOutput
+
+IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it
+EOS_ID = 2
+
+_request_ids = itertools.count()
+
+
+def make_request(num_prompt_tokens: int = 8, *, request_id: str | None = None,
+                 prompt_token_ids: Sequence[int] | None = None,
+                 mm_spans: Sequence[MMSpan] = (), eos_token_ids: Sequence[int] = (),
+                 max_tokens: int | None = 4, **sampling: object) -> Request:
+    """A request; by default a prompt of distinct ids 1000.. (never EOS)."""
+    if prompt_token_ids is None:
+        prompt_token_ids = list(range(1000, 1000 + num_prompt_tokens))
+    for span in mm_spans:
+        assert all(t == IMAGE_PAD_ID for t in prompt_token_ids[span.offset:span.end]), \
+            "mm span must cover placeholder tokens"
+    return Request(
+        request_id=request_id or f"req-{next(_request_ids)}",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(max_tokens=max_tokens, **sampling),
+        mm_spans=list(mm_spans),
+        eos_token_ids=tuple(eos_token_ids))
+
+
+def make_image_prompt(num_text_before: int, num_image_tokens: int, num_text_after: int,
+                      mm_hash: str) -> tuple[list[int], MMSpan]:
+    """Prompt token ids text + placeholders + text, and the image's span."""
+    token_ids = (list(range(1, num_text_before + 1)) + [IMAGE_PAD_ID] * num_image_tokens
+                 + list(range(500, 500 + num_text_after)))
+    span = MMSpan(offset=num_text_before, length=num_image_tokens, mm_hash=mm_hash,
+                  grid_thw=(1, 2, 2 * num_image_tokens))
+    return token_ids, span
+
+
+def make_scheduler(num_blocks: int = 64, *, block_size: int = 4, max_num_seqs: int = 256,
+                   max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                   max_model_len: int | None = None, role: str = "combined") -> Scheduler:
+    """A scheduler with small blocks, so test prompts stay short."""
+    config = SchedulerConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching,
+                             max_model_len=max_model_len)
+    return Scheduler(config, num_blocks=num_blocks, role=role)
+
+
+def fake_token(request: Request) -> int:
+    """Deterministic "model": the next token depends only on the token count,
+    so a recomputed (preempted) request samples exactly what it would have."""
+    return 10_000 + request.num_tokens
+
+
+def fake_run(output: SchedulerOutput,
+             model: Callable[[Request], int] = fake_token) -> dict[str, int]:
+    """Sample one token for every chunk that ends at its request's last token."""
+    return {s.request_id: model(s.request) for s in output.scheduled if s.is_last_chunk}
+
+
+def run_until_done(scheduler: Scheduler, max_steps: int = 1000,
+                   model: Callable[[Request], int] = fake_token) -> list[SchedulerOutput]:
+    """Step schedule -> fake model -> update until nothing is left; returns the outputs."""
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return outputs
+        output = scheduler.schedule()
+        outputs.append(output)
+        scheduler.update(output, fake_run(output, model))
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
