@@ -1,0 +1,38 @@
+"""Paged attention backends.
+
+Both backends expose the same two calls, made by the model runner per layer:
+  store_kv(key, value, k_cache, v_cache, slot_mapping)
+  attention(query, k_cache, v_cache, meta, scale) -> out
+`torch` is the reference and the CPU path; `triton` the GPU path (imported
+lazily, so CPU-only installs and TRITON_INTERPRET set late both work).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "get_backend"]
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """"torch" or "triton"."""
+    if name == "torch":
+        from engine.attention import torch_attention as impl
+    elif name == "triton":
+        from engine.attention import triton_attention as impl
+    else:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
+    return AttentionBackend(name=name, store_kv=impl.store_kv, attention=impl.attention)

@@ -1,0 +1,122 @@
+"""Paged attention in plain torch: the reference and the CPU serving path.
+
+Each sequence's K/V is gathered from its blocks and handed to
+`scaled_dot_product_attention`. GQA folds the q heads of one kv head into the
+query rows ([num_kv_heads, group * q_len, head_dim]) so K/V are never
+repeated. Short decodes (q_len == 1) of similar length are batched into one call with
+a key-padding mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata, check_attention_inputs
+
+# A decode batch pads every sequence to its longest one; start a new batch
+# when a sequence is shorter than this fraction of that longest one.
+_DECODE_BATCH_MIN_FILL = 0.5
+# ... or when the batch's gathered K would pass this size. Batching only pays
+# for short contexts (per-call overhead); on CPU, big gather buffers cost more
+# in page faults than they save (measured: 16 decodes of 1k tokens take ~6x
+# longer as one batch than one at a time).
+_DECODE_BATCH_MAX_BYTES = 1 << 20
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_dim] at `slot_mapping`;
+    slots < 0 are padding and skipped."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal paged attention over a mixed batch; see `AttentionMetadata`.
+
+    query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
+    """
+    check_attention_inputs(query, k_cache, v_cache, meta)
+    out = torch.empty_like(query)
+    cu = meta.cu_seqlens_q.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    decode_ids = [b for b in range(len(seq_lens)) if cu[b + 1] - cu[b] == 1]
+    bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    for group in _group_decodes(decode_ids, seq_lens, bytes_per_token):
+        _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens)
+    for b in range(len(seq_lens)):
+        if cu[b + 1] - cu[b] > 1:
+            _prefill_one(query, k_cache, v_cache, meta, scale, out, b, cu[b], cu[b + 1], seq_lens[b])
+    return out
+
+
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_tokens, Hkv, D] cache rows in order."""
+    blocks = cache[block_ids]  # [..., num_blocks, block_size, Hkv, D]
+    return blocks.flatten(-4, -3)[..., :num_tokens, :, :]
+
+
+def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len) -> None:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    q_len = q_end - q_start
+    num_groups = query.shape[1] // num_kv_heads
+    num_blocks = -(-seq_len // block_size)
+    block_ids = meta.block_tables[b, :num_blocks].to(torch.long)
+    k = _gather_kv(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hkv, seq_len, D]
+    v = _gather_kv(v_cache, block_ids, seq_len).transpose(0, 1)
+    q = query[q_start:q_end].view(q_len, num_kv_heads, num_groups, head_dim)
+    q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, num_groups * q_len, head_dim)  # [Hkv, G*q_len, D]
+    positions = torch.arange(seq_len - q_len, seq_len, device=query.device)  # absolute query positions
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]  # [q_len, seq_len]
+    mask = mask.repeat(num_groups, 1)  # [G*q_len, seq_len], row order matches q
+    # 4-D inputs: the CPU flash kernel (3-D ones fall back to the slow math path)
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
+    o = o.view(num_kv_heads, num_groups, q_len, head_dim).permute(2, 0, 1, 3)
+    out[q_start:q_end] = o.reshape(q_len, -1, head_dim)
+
+
+def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens) -> None:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_groups = query.shape[1] // num_kv_heads
+    device = query.device
+    rows = torch.tensor([cu[b] for b in group], device=device)
+    lens = [seq_lens[b] for b in group]
+    max_len = max(lens)
+    num_blocks = -(-max_len // block_size)
+    block_ids = meta.block_tables[torch.tensor(group, device=device), :num_blocks].to(torch.long)
+    k = _gather_kv(k_cache, block_ids, max_len)  # [B, max_len, Hkv, D], a copy
+    v = _gather_kv(v_cache, block_ids, max_len)
+    q = query[rows].view(len(group), num_kv_heads, num_groups, head_dim)  # [B, Hkv, G, D]
+    mask = None
+    if min(lens) != max_len:
+        lens_t = torch.tensor(lens, device=device)
+        mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]  # [B, max_len]
+        # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through softmax
+        k.masked_fill_(~mask[:, :, None, None], 0)
+        v.masked_fill_(~mask[:, :, None, None], 0)
+        mask = mask[:, None, None, :]  # [B, 1, 1, max_len]
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    out[rows] = o.reshape(len(group), -1, head_dim)
+
+
+def _group_decodes(seq_ids: list[int], seq_lens: list[int], bytes_per_token: int) -> list[list[int]]:
+    """Splits decodes, longest first, into batches that waste at most half of
+    their padded size and gather at most _DECODE_BATCH_MAX_BYTES of K."""
+    groups: list[list[int]] = []
+    for b in sorted(seq_ids, key=lambda i: -seq_lens[i]):
+        if groups:
+            longest = seq_lens[groups[-1][0]]
+            fits = (len(groups[-1]) + 1) * longest * bytes_per_token <= _DECODE_BATCH_MAX_BYTES
+            if fits and seq_lens[b] >= _DECODE_BATCH_MIN_FILL * longest:
+                groups[-1].append(b)
+                continue
+        groups.append([b])
+    return groups

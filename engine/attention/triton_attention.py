@@ -1,0 +1,29 @@
+"""Triton attention backend: the GPU serving path.
+
+`store_kv` scatters new K/V into the paged cache; `attention` runs the
+split-K decode kernel when every sequence has one query token, and the paged
+prefill kernel (which handles any mix of prefill chunks and decodes)
+otherwise. Kernels live in triton_store.py / triton_prefill.py /
+triton_decode.py; the torch backend is their reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.triton_decode import paged_decode_attention
+from engine.attention.triton_prefill import paged_prefill_attention
+from engine.attention.triton_store import store_kv
+
+__all__ = ["attention", "store_kv"]
+
+
+def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal paged attention over a mixed batch; see `AttentionMetadata`.
+
+    query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
+    """
+    if meta.is_decode_only:
+        return paged_decode_attention(query, k_cache, v_cache, meta, scale)
+    return paged_prefill_attention(query, k_cache, v_cache, meta, scale)
