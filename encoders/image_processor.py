@@ -1,0 +1,90 @@
+"""Image geometry and preprocessing for Qwen3-VL checkpoints.
+
+`ImageGeometry` answers "how many placeholder tokens will this image take?"
+from its width and height alone (the API process relies on it and never
+decodes pixels). `ImagePreprocessor` turns decoded images into the vision
+tower's input through the checkpoint's own `AutoImageProcessor`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_ASPECT_RATIO = 200  # the Qwen2/3-VL image processors refuse anything longer
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """The resize rule of the checkpoint's image processor (`smart_resize`)."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ImageGeometry":
+        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        size = cfg.get("size") or {}
+        min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56
+        max_pixels = (cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+                      or 28 * 28 * 1280)
+        return cls(
+            patch_size=int(cfg.get("patch_size", 14)),
+            merge_size=int(cfg.get("merge_size", 2)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+        )
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) after the processor's resize; raises ValueError for
+        sizes the processor refuses (zero-sized, aspect ratio over 200)."""
+        if width < 1 or height < 1:
+            raise ValueError(f"image has an empty dimension ({width}x{height})")
+        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+            raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        f = self.factor
+        h_bar = round(height / f) * f
+        w_bar = round(width / f) * f
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt((height * width) / self.max_pixels)
+            h_bar = max(f, math.floor(height / beta / f) * f)
+            w_bar = max(f, math.floor(width / beta / f) * f)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / f) * f
+            w_bar = math.ceil(width * beta / f) * f
+        return w_bar, h_bar
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """Vision grid in patches (t, h, w) for a still image."""
+        w, h = self.resized_size(width, height)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens the image takes in the prompt (merged patches)."""
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w // self.merge_size ** 2
+
+
+class ImagePreprocessor:
+    """Decoded images -> (pixel_values [num_patches, C*t*p*p], grid_thw per image)."""
+
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        self.geometry = ImageGeometry.from_pretrained(model_dir)
+
+    def __call__(self, images: list) -> tuple["torch.Tensor", list[tuple[int, int, int]]]:  # noqa: F821
+        out = self.processor(images=images, return_tensors="pt")
+        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
+        return out["pixel_values"], grids

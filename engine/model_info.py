@@ -1,0 +1,91 @@
+"""Facts about a checkpoint discovered when it is opened (not configuration).
+
+Read from the Hugging Face directory: special token ids, EOS ids, the model
+length, KV geometry, the dtype, and a fingerprint of the weights used in
+embedding-cache keys so two checkpoints never share cache entries.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FINGERPRINT_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: str
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    spatial_merge_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    checkpoint_dtype: str
+    fingerprint: str
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, hf_config=None) -> "ModelInfo":
+        from transformers import AutoConfig
+
+        model_dir = Path(model_dir)
+        cfg = hf_config or AutoConfig.from_pretrained(str(model_dir))
+        if getattr(cfg, "model_type", None) != "qwen3_vl":
+            raise ValueError(f"{model_dir}: model_type {getattr(cfg, 'model_type', None)!r} is not supported "
+                             "(EPD serves Qwen3-VL dense checkpoints: model_type 'qwen3_vl')")
+        tc = cfg.text_config
+        return cls(
+            model_dir=str(model_dir),
+            image_token_id=cfg.image_token_id,
+            vision_start_token_id=cfg.vision_start_token_id,
+            vision_end_token_id=cfg.vision_end_token_id,
+            eos_token_ids=_eos_token_ids(model_dir, tc),
+            max_model_len=int(tc.max_position_embeddings),
+            spatial_merge_size=cfg.vision_config.spatial_merge_size,
+            num_layers=tc.num_hidden_layers,
+            num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            hidden_size=tc.hidden_size,
+            vocab_size=tc.vocab_size,
+            checkpoint_dtype=str(getattr(cfg, "dtype", None) or getattr(tc, "dtype", None) or "float32")
+            .replace("torch.", ""),
+            fingerprint=weights_fingerprint(model_dir),
+        )
+
+
+def _eos_token_ids(model_dir: Path, text_config) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    eos = getattr(text_config, "eos_token_id", None)
+    ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    tok_cfg = model_dir / "tokenizer_config.json"
+    if not ids and tok_cfg.exists():
+        pass  # the tokenizer's eos is added by the caller that loads the tokenizer
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """A cheap digest that changes when the weights change: config.json plus,
+    for every safetensors file, its size and its first and last MiB."""
+    model_dir = Path(model_dir)
+    h = hashlib.blake2b(digest_size=16)
+    h.update((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+            if size > FINGERPRINT_SAMPLE_BYTES:
+                f.seek(max(FINGERPRINT_SAMPLE_BYTES, size - FINGERPRINT_SAMPLE_BYTES))
+                h.update(f.read())
+    return h.hexdigest()

@@ -1,0 +1,215 @@
+"""Qwen3-VL language model on a paged KV cache.
+
+Qwen3 decoder layers (q/k RMSNorm per head, GQA, SwiGLU MLP) with interleaved
+multimodal RoPE and deepstack injection: the vision tower's intermediate
+features are added to the hidden states of image tokens after the first
+`num_deepstack` layers. Tokens arrive flattened `[num_tokens]` for a whole
+engine step (prefill chunks and decodes mixed); attention reads and writes
+the paged cache through the backend in the `ForwardBatch`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    mrope_interleaved: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "TextConfig":
+        tc = hf_config.text_config
+        rope = dict(getattr(tc, "rope_parameters", None) or {})
+        rope.update(getattr(tc, "rope_scaling", None) or {})
+        if rope.get("rope_type", "default") not in ("default", "mrope"):
+            raise ValueError(f"unsupported rope_type {rope.get('rope_type')!r}")
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        tie = getattr(hf_config, "tie_word_embeddings", None)
+        if tie is None:
+            tie = getattr(tc, "tie_word_embeddings", False)
+        return cls(
+            vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size, num_layers=tc.num_hidden_layers,
+            num_heads=tc.num_attention_heads, num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
+            head_dim=head_dim, rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 5_000_000.0))),
+            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
+            tie_word_embeddings=bool(tie), max_position_embeddings=tc.max_position_embeddings,
+        )
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one forward pass needs besides token ids; passed explicitly.
+
+    `backend` provides `store_kv(k, v, k_cache, v_cache, slot_mapping)` and
+    `attention(q, k_cache, v_cache, meta, scale)`; `kv_caches[layer]` is that
+    layer's `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """
+
+    positions: torch.Tensor  # [3, num_tokens] M-RoPE positions (t, h, w)
+    attn_meta: object
+    backend: object
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # Image embeddings for this step, if any token of the batch is an image placeholder.
+    mm_mask: torch.Tensor | None = None  # [num_tokens] bool
+    mm_embeds: torch.Tensor | None = None  # [num_mm_tokens, hidden]
+    mm_deepstack: torch.Tensor | None = None  # [num_deepstack, num_mm_tokens, hidden]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MRotaryEmbedding:
+    """Interleaved M-RoPE: frequency j rotates by the t, h or w position
+    according to `mrope_section`, laid out t,h,w,t,h,w,... (Qwen3-VL).
+
+    Not an nn.Module: its float32 tables must not follow the model's dtype.
+    """
+
+    def __init__(self, cfg: TextConfig, device: str | torch.device = "cpu"):
+        dim = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        half = dim // 2
+        axis = torch.zeros(half, dtype=torch.long)  # which position row drives frequency j
+        sec = cfg.mrope_section
+        if cfg.mrope_interleaved:
+            axis[1:sec[1] * 3:3] = 1
+            axis[2:sec[2] * 3:3] = 2
+        else:  # contiguous sections (Qwen2-VL style)
+            axis[sec[0]:sec[0] + sec[1]] = 1
+            axis[sec[0] + sec[1]:] = 2
+        self.axis = axis.to(device)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, num_tokens] -> cos, sin [num_tokens, head_dim] (float32)."""
+        pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1]))  # [half, N]
+        freqs = pos.t().float() * self.inv_freq  # [N, half]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one matmul (the loader stacks them).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, Hq, D]
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        c, s = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        k_cache, v_cache = batch.kv_caches[self.layer_idx]
+        batch.backend.store_kv(k, v, k_cache, v_cache, batch.attn_meta.slot_mapping)
+        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale)  # [N, Hq, D]
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3VLTextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(cfg, device=self.embed_tokens.weight.device)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        if batch.mm_mask is not None:
+            x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the ViT output
+        cos, sin = self.rotary(batch.positions)
+        num_deepstack = 0 if batch.mm_deepstack is None else batch.mm_deepstack.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, batch)
+            if i < num_deepstack:
+                x[batch.mm_mask] += batch.mm_deepstack[i].to(x.dtype)
+        return self.norm(x)
+
+
+class Qwen3VLForCausalLM(nn.Module):
+    """Language model + output head. The vision tower lives in encoders/."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen3VLTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,278 @@
+"""`epd make-model`: write a random-weight Qwen3-VL checkpoint in Hugging Face format.
+
+Nothing can be downloaded here, so every checkpoint we test or benchmark on is
+made locally with transformers' own config and model classes: the weights are
+transformers' random init, the tokenizer is a byte-level BPE trained on a
+built-in corpus with Qwen's special tokens, and the chat template follows
+Qwen3-VL's. The final RMSNorm weight is scaled so logits are peaked: greedy
+argmax must never be decided by float rounding noise.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen3-VL's chat template, reduced to text and images: string or list content,
+# multi-turn, system messages, an assistant prompt at the end on request.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] in ('image', 'image_url', 'image_pil') or 'image' in part %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}"
+    "{{- part['text'] }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Architecture of one checkpoint preset (text decoder + vision tower)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mrope_section: tuple[int, int, int]
+    vocab_size: int | None  # None: exactly the tokenizer's size
+    tie_word_embeddings: bool
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    num_position_embeddings: int
+    deepstack_indexes: tuple[int, ...]
+    min_pixels: int
+    max_pixels: int
+    tokenizer_vocab: int
+    dtype: str  # dtype the weights are stored in
+    rope_theta: float = 5_000_000.0
+    max_position_embeddings: int = 262_144
+
+
+PRESETS: dict[str, Preset] = {
+    # For tests: loads in well under a second.
+    "tiny": Preset(
+        hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, mrope_section=(4, 2, 2), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=3, vision_hidden=32, vision_heads=2,
+        vision_intermediate=64, num_position_embeddings=64, deepstack_indexes=(0, 1),
+        min_pixels=32 * 32, max_pixels=256 * 256, tokenizer_vocab=1024, dtype="float32",
+        max_position_embeddings=4096,
+    ),
+    # For CPU benchmarks: ~150M parameters, ViT ~35M; a 448x448 image costs
+    # about as much as a ~400-token prefill.
+    "small": Preset(
+        hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, head_dim=64,
+        intermediate_size=2304, mrope_section=(12, 10, 10), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=8, vision_hidden=512, vision_heads=8,
+        vision_intermediate=1536, num_position_embeddings=1024, deepstack_indexes=(2, 5),
+        min_pixels=32 * 32, max_pixels=512 * 512, tokenizer_vocab=8192, dtype="float32",
+        max_position_embeddings=32768,
+    ),
+    # Published architecture shapes (Qwen3-VL-2B/4B-Instruct), for GPU runs.
+    "qwen3-vl-2b": Preset(
+        hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+        intermediate_size=6144, mrope_section=(24, 20, 20), vocab_size=151936,
+        tie_word_embeddings=True, vision_depth=24, vision_hidden=1024, vision_heads=16,
+        vision_intermediate=4096, num_position_embeddings=2304, deepstack_indexes=(5, 11, 17),
+        min_pixels=65536, max_pixels=16777216, tokenizer_vocab=8192, dtype="bfloat16",
+    ),
+    "qwen3-vl-4b": Preset(
+        hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=9728, mrope_section=(24, 20, 20), vocab_size=151936,
+        tie_word_embeddings=True, vision_depth=24, vision_hidden=1024, vision_heads=16,
+        vision_intermediate=4096, num_position_embeddings=2304, deepstack_indexes=(5, 11, 17),
+        min_pixels=65536, max_pixels=16777216, tokenizer_vocab=8192, dtype="bfloat16",
+    ),
+}
+
+# Target standard deviation of the output logits: large enough that the top-2
+# margin of greedy decoding is orders of magnitude above float32 noise.
+LOGIT_STD = 8.0
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    """A deterministic training corpus: English-like text, numbers, code, and
+    multi-byte characters so byte-level merges cover them."""
+    base = (
+        "The quick brown fox jumps over the lazy dog. A picture is worth a thousand words. "
+        "Describe this image in detail. What is shown in the chart? The photo shows a cat "
+        "sitting on a red chair next to a window, with trees and a blue sky outside. "
+        "Serving vision language models means encoding images, prefilling prompts and "
+        "decoding tokens one by one. Please answer the question about the picture. "
+        "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2025 3.14 1,000. "
+        "def main(): return sum(x * x for x in range(10)) "
+        "héllo wörld, naïve café, Größe, 你好世界, こんにちは, 안녕하세요, Привет мир 🙂🚀 "
+    )
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "an", "el", "in", "on", "ur",
+                 "st", "tr", "ch", "sh", "th", "qu", "pr", "gr", "bl", "pl"]
+    lines = [base] * 20
+    for _ in range(4000):
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(4, 14))]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    """Trains a byte-level BPE tokenizer locally and wraps it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Writes a random-weight Qwen3-VL checkpoint to `out_dir` and returns its path."""
+    import torch
+    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(p.tokenizer_vocab)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = p.vocab_size or len(tokenizer)
+    assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
+
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=p.hidden_size,
+            intermediate_size=p.intermediate_size,
+            num_hidden_layers=p.num_layers,
+            num_attention_heads=p.num_heads,
+            num_key_value_heads=p.num_kv_heads,
+            head_dim=p.head_dim,
+            max_position_embeddings=p.max_position_embeddings,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
+                                 mrope_section=list(p.mrope_section), mrope_interleaved=True),
+            tie_word_embeddings=p.tie_word_embeddings,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+        ),
+        vision_config=dict(
+            depth=p.vision_depth,
+            hidden_size=p.vision_hidden,
+            hidden_act="gelu_pytorch_tanh",
+            intermediate_size=p.vision_intermediate,
+            num_heads=p.vision_heads,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=p.hidden_size,
+            num_position_embeddings=p.num_position_embeddings,
+            deepstack_visual_indexes=list(p.deepstack_indexes),
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=p.tie_word_embeddings,
+    )
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, p.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen3VLForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        # Peaked logits: logit std = norm_scale * init_std * sqrt(hidden).
+        init_std = model.lm_head.weight.float().std().item()
+        norm_scale = LOGIT_STD / (init_std * p.hidden_size ** 0.5)
+        model.model.language_model.norm.weight.mul_(norm_scale)
+    model.save_pretrained(out, safe_serialization=True)
+
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out)
+
+    tokenizer.save_pretrained(out)
+    _embed_chat_template(out)
+    _write_preprocessor_config(out, p)
+    return out
+
+
+def _embed_chat_template(out: Path) -> None:
+    """Keeps the chat template inside tokenizer_config.json (where vLLM and older
+    transformers look for it) as well as in chat_template.jinja if one was written."""
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_preprocessor_config(out: Path, p: Preset) -> None:
+    cfg = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
