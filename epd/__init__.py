@@ -1,0 +1,21 @@
+"""EPD: disaggregated encode / prefill / decode serving for vision-language models.
+
+`from epd import LLM, SamplingParams` for offline inference; `epd serve` for
+the OpenAI-compatible server. Heavy imports (torch) happen on first use.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from epd import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'epd' has no attribute {name!r}")

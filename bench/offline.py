@@ -1,0 +1,142 @@
+"""`epd bench offline`: engine throughput against transformers, same machine, one run.
+
+For each concurrency C (default 1, 8, 32), C text requests with the same
+prompt length and exactly `output_len` output tokens (EOS ignored) run
+through:
+  * epd    — our engine (`LLM.generate`, continuous batching, paged KV);
+  * hf-1   — transformers `generate` one request at a time;
+  * hf-pad — transformers `generate` on static left-padded batches of C.
+Output tokens/s are reported per engine, plus, at C=1, our time per output
+token against one bare decode forward step of our model (the floor).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _prompts(tokenizer, num: int, input_len: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    low = 300  # stay clear of the special tokens at the start of the vocab
+    high = len(tokenizer)
+    return [torch.randint(low, high, (input_len,), generator=gen).tolist() for _ in range(num)]
+
+
+def bench_epd(llm, prompts, output_len: int) -> float:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def bench_hf(hf_model, prompts, output_len: int, batch_size: int, pad_id: int) -> float:
+    """transformers generate on static left-padded batches (batch_size 1 = one at a time)."""
+    import torch
+
+    @torch.inference_mode()
+    def run(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+        assert out.shape[1] - width == output_len
+    run(prompts[:1])  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        run(prompts[i:i + batch_size])
+    elapsed = time.perf_counter() - start
+    return len(prompts) * output_len / elapsed
+
+
+def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
+    """Median time of one decode forward of our model alone (no scheduler,
+    no sampler): one token attending to `context_len` cached tokens."""
+    import torch
+
+    from engine.attention.metadata import AttentionMetadata
+    from engine.models.qwen3_vl import ForwardBatch
+
+    runner = llm.engine.runner
+    block_size = runner.block_size
+    num_blocks = context_len // block_size + 1
+    blocks = list(range(num_blocks))
+    meta = AttentionMetadata.build([1], [context_len], [blocks], block_size, device=runner.device)
+    batch = ForwardBatch(positions=torch.full((3, 1), context_len - 1, device=runner.device), attn_meta=meta,
+                         backend=runner.backend, kv_caches=runner.kv_caches)
+    ids = torch.tensor([100], device=runner.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 3):
+            start = time.perf_counter()
+            hidden = runner.model(ids, batch)
+            runner.model.compute_logits(hidden)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[3:])
+
+
+def main(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from epd.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads = torch.get_num_threads()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=max(args.concurrency),
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32).eval()
+    pad_id = tokenizer.pad_token_id or 0
+    rows = []
+    for c in args.concurrency:
+        prompts = _prompts(tokenizer, c, args.input_len, seed=c)
+        row = {"concurrency": c, "epd_tok_s": bench_epd(llm, prompts, args.output_len)}
+        one_at_a_time = prompts[:min(c, args.hf_sequential_max)]  # the rate does not depend on C
+        row["hf_sequential_tok_s"] = bench_hf(hf, one_at_a_time, args.output_len, 1, pad_id)
+        row["hf_static_batch_tok_s"] = bench_hf(hf, prompts, args.output_len, c, pad_id)
+        row["vs_hf_sequential"] = row["epd_tok_s"] / row["hf_sequential_tok_s"]
+        row["vs_hf_static_batch"] = row["epd_tok_s"] / row["hf_static_batch_tok_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    step_s = bare_decode_step_s(llm, args.input_len + args.output_len // 2)
+    tpot_s = 1.0 / rows[0]["epd_tok_s"] if rows[0]["concurrency"] == 1 else float("nan")
+    result = {"model": args.model, "threads": args.threads, "input_len": args.input_len,
+              "output_len": args.output_len, "rows": rows, "bare_decode_step_ms": step_s * 1e3,
+              "epd_tpot_ms_at_1": tpot_s * 1e3, "tpot_over_bare_step": tpot_s / step_s}
+    _print_table(result)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print_table(result: dict) -> None:
+    print(f"\n{'C':>4} {'epd tok/s':>10} {'hf-1 tok/s':>11} {'hf-pad tok/s':>13} {'x hf-1':>7} {'x hf-pad':>9}")
+    for r in result["rows"]:
+        print(f"{r['concurrency']:>4} {r['epd_tok_s']:>10.1f} {r['hf_sequential_tok_s']:>11.1f} "
+              f"{r['hf_static_batch_tok_s']:>13.1f} {r['vs_hf_sequential']:>7.2f} {r['vs_hf_static_batch']:>9.2f}")
+    print(f"batch 1: TPOT {result['epd_tpot_ms_at_1']:.2f} ms vs bare decode step "
+          f"{result['bare_decode_step_ms']:.2f} ms -> {result['tpot_over_bare_step']:.2f}x")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint directory (e.g. made with `epd make-model --preset small`)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-sequential-max", type=int, default=4,
+                   help="requests run one at a time through transformers (its rate does not depend on C)")
+    p.add_argument("--save-result", default=None)

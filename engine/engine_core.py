@@ -1,0 +1,107 @@
+"""The engine every worker runs: scheduler + model runner, one step at a time.
+
+    step():  schedule() -> SchedulerOutput -> runner.execute() -> scheduler.update()
+
+Works on token ids and image embeddings only: tokenizing, detokenizing, stop
+strings and the vision tower live with the caller (the offline `LLM`, a
+worker process). The same object serves prefill-only, decode-only and
+combined roles (see `Scheduler`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
+from engine.loader import load_language_model, resolve_dtype
+from engine.model_info import ModelInfo
+from engine.model_runner import MMEmbedding, ModelRunner
+from engine.request import Request
+from engine.sampler import TokenLogprobs
+from engine.scheduler import Scheduler
+from engine.scheduler_output import RequestUpdate
+
+
+@dataclass
+class StepResult:
+    updates: list[RequestUpdate] = field(default_factory=list)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    num_batched_tokens: int = 0
+
+
+class EngineCore:
+    def __init__(self, model_dir: str, config: EngineConfig, role: str = "combined",
+                 hf_config=None, info: ModelInfo | None = None):
+        from transformers import AutoConfig
+
+        hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
+        self.info = info or ModelInfo.from_pretrained(model_dir, hf_config)
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
+        model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
+                                      config.block_size, self.dtype)
+        num_blocks = num_kv_blocks(config, block_bytes, self.device)
+        sched_cfg = config.scheduler_config()
+        max_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        sched_cfg = type(sched_cfg)(**{**sched_cfg.__dict__, "max_model_len": max_len})
+        self.scheduler = Scheduler(sched_cfg, num_blocks, role=role)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.info.spatial_merge_size,
+                                  self.info.image_token_id, config.resolved_backend(self.device), self.device)
+        self.num_blocks = num_blocks
+        self._mm_users: dict[str, set[str]] = {}  # mm_hash -> request ids holding it
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    def add_request(self, request: Request, mm_embeddings: dict[str, MMEmbedding] | None = None) -> None:
+        """Queues a request; `mm_embeddings` must hold every image of its spans."""
+        missing = [s.mm_hash for s in request.mm_spans
+                   if s.mm_hash not in (mm_embeddings or {}) and s.mm_hash not in self.runner.mm_embeddings]
+        if missing:
+            raise ValueError(f"request {request.request_id}: no embeddings for images {missing}")
+        if not request.eos_token_ids:
+            request.eos_token_ids = self.info.eos_token_ids
+        if request.max_model_len is None:
+            request.max_model_len = self.max_model_len
+        self.scheduler.add_request(request)
+        for mm_hash, emb in (mm_embeddings or {}).items():
+            self.runner.mm_embeddings.setdefault(mm_hash, emb)
+        for span in request.mm_spans:
+            self._mm_users.setdefault(span.mm_hash, set()).add(request.request_id)
+
+    def abort(self, request_ids) -> list[str]:
+        aborted = self.scheduler.abort(request_ids)
+        self._release(aborted)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> StepResult:
+        out = self.scheduler.schedule()
+        runner_out = self.runner.execute(out)
+        updates = self.scheduler.update(out, runner_out.sampled_token_ids)
+        self._release([u.request_id for u in updates if u.is_finished])
+        return StepResult(updates, runner_out.logprobs, out.num_batched_tokens)
+
+    def _release(self, request_ids) -> None:
+        """Drops image embeddings no unfinished request needs any more."""
+        done = set(request_ids)
+        if not done:
+            return
+        self.runner.drop(done)
+        for mm_hash in list(self._mm_users):
+            users = self._mm_users[mm_hash]
+            users -= done
+            if not users:
+                del self._mm_users[mm_hash]
+                self.runner.mm_embeddings.pop(mm_hash, None)
+
+    def stats(self) -> dict[str, int | float]:
+        return self.scheduler.stats()
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free_blocks

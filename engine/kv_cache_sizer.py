@@ -1,0 +1,44 @@
+"""How many KV blocks fit: from a fixed count, a byte budget, or GPU profiling."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+    """K and V of every layer for one block of tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
+                  profile_forward=None) -> int:
+    """The number of KV blocks to allocate.
+
+    `profile_forward()` runs the largest forward pass the engine will run
+    (max_num_batched_tokens) so its peak activation memory is counted before
+    the GPU budget is split; it is only called on CUDA without an explicit size.
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_gb is not None:
+        budget = int(config.kv_cache_gb * (1 << 30))
+    elif device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        if profile_forward is not None:
+            profile_forward()
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free - torch.cuda.memory_reserved(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        budget = int(total * config.gpu_memory_utilization) - peak - used_by_others
+    else:
+        budget = int(DEFAULT_CPU_KV_CACHE_GB * (1 << 30))
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(f"no room for a single KV block ({block_bytes} bytes) in a budget of {budget} bytes; "
+                         "lower the model size or raise kv_cache_gb / gpu_memory_utilization")
+    return blocks

@@ -1,0 +1,157 @@
+"""Turns one scheduler step into tensors, runs the language model, samples.
+
+One flattened variable-length batch per step: every scheduled request
+contributes its chunk of tokens (a prefill chunk or one decode token), with
+M-RoPE positions, cache slots and its block table. Image placeholder tokens
+take their rows of the image embeddings (a chunk may start or end inside an
+image) and deepstack features; logits are computed only for the rows that
+sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import get_backend
+from engine.attention.metadata import AttentionMetadata
+from engine.models.mrope import mrope_positions
+from engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
+from engine.request import Request
+from engine.sampler import Sampler, SamplingBatch, SamplingInput, TokenLogprobs, make_generator
+from engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class MMEmbedding:
+    """One image's encoder output, as the language model consumes it."""
+
+    embeds: torch.Tensor  # [num_tokens, hidden]
+    deepstack: torch.Tensor  # [num_deepstack, num_tokens, hidden]
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class _RequestState:
+    prompt_positions: torch.Tensor  # [3, num_prompt_tokens]
+    delta: int  # position of token i >= num_prompt_tokens is i + delta
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
+                 spatial_merge_size: int, image_token_id: int, attention_backend: str = "torch",
+                 device: str | torch.device = "cpu"):
+        self.model = model
+        self.block_size = block_size
+        self.spatial_merge_size = spatial_merge_size
+        self.image_token_id = image_token_id
+        self.device = torch.device(device)
+        self.backend = get_backend(attention_backend)
+        self.sampler = Sampler()
+        cfg = model.cfg
+        dtype = model.lm_head.weight.dtype
+        # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation.
+        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
+        self.mm_embeddings: dict[str, MMEmbedding] = {}  # mm_hash -> encoder output
+        self._states: dict[str, _RequestState] = {}
+
+    # -- per-request state -----------------------------------------------------
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
+                                               self.spatial_merge_size)
+            seed = request.sampling_params.seed
+            generator = make_generator(seed, self.device) if seed is not None else None
+            state = _RequestState(positions.to(self.device), delta, generator)
+            self._states[request.request_id] = state
+        return state
+
+    def drop(self, request_ids) -> None:
+        for rid in request_ids:
+            self._states.pop(rid, None)
+
+    # -- one step ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.drop(out.finished_request_ids)
+        if out.is_empty:
+            return RunnerOutput()
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        mm_mask: list[bool] = []
+        mm_rows: list[tuple[MMEmbedding, int, int]] = []
+        q_lens, seq_lens, block_tables, sample_rows, sample_reqs = [], [], [], [], []
+        for s in out.scheduled:
+            req, state = s.request, self._state(s.request)
+            token_ids += s.token_ids
+            positions.append(self._positions(req, state, s.start, s.end))
+            chunk_mask = [False] * s.num_new_tokens
+            for span, first, last in s.mm_slices():
+                emb = self.mm_embeddings.get(span.mm_hash)
+                if emb is None:
+                    raise RuntimeError(f"request {req.request_id}: no embedding for image {span.mm_hash}")
+                mm_rows.append((emb, first, last))
+                begin = span.offset + first - s.start
+                chunk_mask[begin:begin + last - first] = [True] * (last - first)
+            mm_mask += chunk_mask
+            q_lens.append(s.num_new_tokens)
+            seq_lens.append(s.end)
+            block_tables.append(req.block_ids)
+            if s.is_last_chunk:
+                sample_rows.append(len(token_ids) - 1)
+                sample_reqs.append(req)
+
+        meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device=self.device)
+        batch = ForwardBatch(positions=torch.cat(positions, dim=1), attn_meta=meta, backend=self.backend,
+                             kv_caches=self.kv_caches)
+        if mm_rows:
+            batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
+            batch.mm_embeds = torch.cat([e.embeds[a:b] for e, a, b in mm_rows]).to(self.device)
+            batch.mm_deepstack = torch.cat([e.deepstack[:, a:b] for e, a, b in mm_rows], dim=1).to(self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
+        if not sample_rows:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return self._sample(logits, sample_reqs)
+
+    def _positions(self, req: Request, state: _RequestState, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of tokens start..end of the request."""
+        num_prompt = req.num_prompt_tokens
+        parts = []
+        if start < num_prompt:
+            parts.append(state.prompt_positions[:, start:min(end, num_prompt)])
+        if end > num_prompt:
+            first = max(start, num_prompt)
+            parts.append(torch.arange(first + state.delta, end + state.delta, device=self.device).expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> RunnerOutput:
+        inputs = []
+        for req in reqs:
+            params = req.sampling_params
+            banned = ()
+            if req.num_output_tokens < params.min_tokens:
+                banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else req.eos_token_ids)
+            inputs.append(SamplingInput(params=params, prompt_token_ids=req.prompt_token_ids,
+                                        output_token_ids=req.output_token_ids,
+                                        generator=self._states[req.request_id].generator,
+                                        banned_token_ids=banned))
+        result = self.sampler(logits, SamplingBatch.from_inputs(inputs, device=self.device))
+        out = RunnerOutput()
+        for i, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
+            out.sampled_token_ids[req.request_id] = token
+            if result.logprobs is not None and result.logprobs[i] is not None:
+                out.logprobs[req.request_id] = result.logprobs[i]
+        return out

@@ -1,0 +1,179 @@
+"""Offline inference: `from epd import LLM, SamplingParams`.
+
+One process runs everything (the aggregated path): the vision tower encodes
+each distinct image once, the engine schedules all requests together with
+continuous batching, and each request's text is detokenized incrementally
+with stop strings applied.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from encoders.image_encoder import ImageEncoder
+from encoders.image_io import read_image_size
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.model_runner import MMEmbedding
+from engine.request import Request
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from epd.media import MediaPolicy, image_part_source, load_image_bytes
+from epd.prompt import IMAGE_PART_TYPES, ImageRef, PromptBuilder
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+@dataclass
+class _Pending:
+    """One running sequence of the current call."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str, *, num_kv_blocks: int | None = None, kv_cache_gb: float | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, attention_backend: str = "auto",
+                 gpu_memory_utilization: float = 0.9):
+        from transformers import AutoConfig, AutoTokenizer
+
+        if not (Path(model) / "config.json").exists():
+            raise FileNotFoundError(f"{model} is not a checkpoint directory (no config.json)")
+        self.config = EngineConfig(
+            num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            dtype=dtype, device=device, max_model_len=max_model_len, attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization)
+        hf_config = AutoConfig.from_pretrained(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.engine = EngineCore(model, self.config, hf_config=hf_config)
+        info = self.engine.info
+        self.encoder = ImageEncoder(model, hf_config, self.engine.dtype, self.engine.device,
+                                    model_fingerprint=info.fingerprint)
+        self.prompts = PromptBuilder(self.tokenizer, self.encoder.preprocess.geometry, info.image_token_id)
+        self.media_policy = MediaPolicy(allowed_local_media_path="/")  # offline: the caller's own files
+        self._ids = itertools.count()
+
+    # -- public API ----------------------------------------------------------------
+
+    def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Each conversation is a list of OpenAI-format messages; a single
+        conversation may be passed directly."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        params = self._params_list(sampling_params, len(conversations))
+        requests = []
+        for messages, p in zip(conversations, params):
+            image_bytes = [load_image_bytes(image_part_source(part), self.media_policy)
+                           for msg in messages if not isinstance(msg.get("content"), (str, type(None)))
+                           for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
+            refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
+                    for b in image_bytes]
+            prompt = self.prompts.build(messages, refs, add_generation_prompt)
+            requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)), p))
+        return self._run(requests)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Plain text prompts (no chat template) or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_list(sampling_params, len(prompts))
+        requests = []
+        for prompt, p in zip(prompts, params):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            requests.append((ids, [], {}, p))
+        return self._run(requests)
+
+    def stats(self) -> dict[str, int | float]:
+        return self.engine.stats()
+
+    # -- internals -------------------------------------------------------------------
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
+        return list(sampling_params)
+
+    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEmbedding]:
+        hashes = list(wanted)
+        encoded = self.encoder.encode([wanted[h] for h in hashes]) if hashes else []
+        return {h: MMEmbedding(e.embeds, e.deepstack) for h, e in zip(hashes, encoded)}
+
+    def _run(self, requests) -> list[RequestOutput]:
+        images: dict[str, bytes] = {}
+        for _, _, mm, _ in requests:
+            images.update(mm)
+        embeddings = self._encode_images(images)
+
+        outputs: list[RequestOutput] = []
+        pending: dict[str, _Pending] = {}
+        for token_ids, spans, mm, params in requests:
+            rid = str(next(self._ids))
+            out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
+            outputs.append(out)
+            for index in range(params.n):
+                sub_params = params
+                if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
+                    sub_params = SamplingParams(**{**params.__dict__, "seed": params.seed + index, "n": 1})
+                request = Request(request_id=f"{rid}-{index}", prompt_token_ids=list(token_ids),
+                                  sampling_params=sub_params, mm_spans=list(spans))
+                self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
+                pending[request.request_id] = _Pending(
+                    request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
+                                                    params.stop),
+                    [] if params.logprobs is not None else None)
+
+        while self.engine.has_unfinished():
+            result = self.engine.step()
+            stopped = []
+            for update in result.updates:
+                p = pending[update.request_id]
+                p.detokenizer.push(update.new_token_ids)
+                if p.logprobs is not None and update.request_id in result.logprobs:
+                    p.logprobs.append(result.logprobs[update.request_id])
+                if update.finish_reason is not None:
+                    p.finish_reason = update.finish_reason
+                elif p.detokenizer.is_stopped:
+                    p.finish_reason = "stop"
+                    stopped.append(update.request_id)
+            if stopped:
+                self.engine.abort(stopped)
+
+        for out in outputs:
+            for index in itertools.count():
+                p = pending.get(f"{out.request_id}-{index}")
+                if p is None:
+                    break
+                p.detokenizer.finish()
+                out.outputs.append(CompletionOutput(index, p.detokenizer.text, list(p.request.output_token_ids),
+                                                    p.finish_reason, p.logprobs))
+        return outputs

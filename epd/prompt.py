@@ -1,0 +1,116 @@
+"""Chat messages -> prompt token ids and image spans, without decoding pixels.
+
+The chat template renders one `<|image_pad|>` per image; each is expanded to
+the number of placeholder tokens the image will take, computed from its width
+and height alone (`ImageGeometry`), exactly as transformers' Qwen3-VL
+processor does after decoding. Image parts are recognised in the OpenAI form
+(`image_url`) and in transformers' (`image`, `image_pil`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from encoders.image_processor import ImageGeometry
+from engine.request import MMSpan
+
+IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
+IMAGE_PAD = "<|image_pad|>"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """What the prompt needs to know of one image: size and content key."""
+
+    width: int
+    height: int
+    mm_hash: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    mm_spans: list[MMSpan]
+
+
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """Messages with content as a string or a list of {"type": "text"|"image"} parts,
+    the form the chat template reads. Image payloads are dropped: the template
+    only needs their position."""
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind in IMAGE_PART_TYPES:
+                    parts.append({"type": "image"})
+                elif kind == "text":
+                    parts.append({"type": "text", "text": part.get("text", "")})
+                else:
+                    raise ValueError(f"unsupported content part type {kind!r}")
+            content = parts
+        out.append({"role": msg["role"], "content": content})
+    return out
+
+
+def count_images(messages: list[dict]) -> int:
+    return sum(1 for m in messages if not isinstance(m.get("content"), (str, type(None)))
+               for p in m["content"] if p.get("type") in IMAGE_PART_TYPES)
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, geometry: ImageGeometry, image_token_id: int):
+        self.tokenizer = tokenizer
+        self.geometry = geometry
+        self.image_token_id = image_token_id
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def build(self, messages: list[dict], images: list[ImageRef],
+              add_generation_prompt: bool = True) -> Prompt:
+        """`images` in the order their parts appear in `messages`."""
+        text = self.render(messages, add_generation_prompt)
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the chat template rendered {len(pieces) - 1} images, {len(images)} were given")
+        expanded = [pieces[0]]
+        for img, piece in zip(images, pieces[1:]):
+            expanded.append(IMAGE_PAD * self.geometry.num_image_tokens(img.width, img.height))
+            expanded.append(piece)
+        token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
+        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images))
+
+    def build_text(self, text: str) -> Prompt:
+        """A plain completion prompt (no chat template, no images)."""
+        return Prompt(token_ids=self.tokenizer.encode(text, add_special_tokens=False), mm_spans=[])
+
+    def spans(self, token_ids: list[int], images: list[ImageRef]) -> list[MMSpan]:
+        spans = []
+        i, n = 0, len(token_ids)
+        it = iter(images)
+        while i < n:
+            if token_ids[i] != self.image_token_id:
+                i += 1
+                continue
+            j = i
+            while j < n and token_ids[j] == self.image_token_id:
+                j += 1
+            img = next(it, None)
+            if img is None:
+                raise ValueError("the prompt holds more image placeholders than images")
+            grid = self.geometry.grid_thw(img.width, img.height)
+            spans.append(MMSpan(offset=i, length=j - i, mm_hash=img.mm_hash, grid_thw=grid))
+            i = j
+        if next(it, None) is not None:
+            raise ValueError("fewer image placeholders in the prompt than images")
+        for span in spans:
+            t, h, w = span.grid_thw
+            expected = t * h * w // self.geometry.merge_size ** 2
+            if span.length != expected:
+                raise ValueError(f"image placeholder run of {span.length} tokens, expected {expected}")
+        return spans

@@ -1,0 +1,105 @@
+"""The paged engine under pressure gives exactly transformers' greedy tokens:
+a mixed batch, a KV budget small enough to force preemption, and a token
+budget that splits image placeholders across prefill chunks."""
+from __future__ import annotations
+
+import pytest
+from hf_reference import hf_greedy
+from media import image_bytes, image_part
+
+from engine.sampling_params import SamplingParams
+
+IMGS = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
+
+
+def _conversations():
+    text = lambda t: {"type": "text", "text": t}  # noqa: E731
+    return [
+        [{"role": "user", "content": "Hello there, how are you today?"}],
+        [{"role": "user", "content": [image_part(IMGS[0]), text("Describe it.")]}],
+        [{"role": "user", "content": [image_part(IMGS[1]), image_part(IMGS[2]), text("Compare them.")]}],
+        [{"role": "user", "content": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20, continue."}],
+        [{"role": "user", "content": [text("First this"), image_part(IMGS[3]), text("then that.")]}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
+        [{"role": "user", "content": [image_part(IMGS[2]), text("A short question?")]}],
+        [{"role": "user", "content": [image_part(IMGS[3]), image_part(IMGS[0]), text("Two images, long prompt "
+                                                                                     "with several words.")]}],
+    ]
+
+
+def _images_of(messages):
+    lookup = {image_part(b)["image_url"]["url"]: b for b in IMGS}
+    return [lookup[p["image_url"]["url"]] for m in messages if not isinstance(m["content"], str)
+            for p in m["content"] if p["type"] == "image_url"]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model):
+    return [hf_greedy(tiny_model, c, _images_of(c), num_tokens=12) for c in _conversations()]
+
+
+def test_mixed_batch_with_preemption_and_split_images(tiny_model, expected):
+    from epd import LLM
+
+    llm = LLM(tiny_model, num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8,
+              dtype="float32", device="cpu")
+    scheduler = llm.engine.scheduler
+    split_inside_image = []
+    original = scheduler.schedule
+
+    def recording_schedule():
+        out = original()
+        for s in out.scheduled:
+            for span in s.request.mm_spans:
+                if span.offset < s.end < span.end:
+                    split_inside_image.append(s.request_id)
+        return out
+
+    scheduler.schedule = recording_schedule
+    outs = llm.chat(_conversations(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
+    assert split_inside_image, "the token budget was meant to split an image's placeholders"
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+
+
+def test_prefix_cache_hits_and_image_sensitivity(tiny_model):
+    from epd import LLM
+
+    llm = LLM(tiny_model, num_kv_blocks=64, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    system = {"role": "system", "content": "You are a careful assistant who describes pictures in detail. " * 3}
+
+    def hits_after(conversation):
+        before = llm.stats()["prefix_cache_hits"]
+        llm.chat([conversation], params)
+        return llm.stats()["prefix_cache_hits"] - before
+
+    hits_after([system, {"role": "user", "content": "First question?"}])
+    assert hits_after([system, {"role": "user", "content": "Second question?"}]) >= 32  # the system prompt
+
+    image_prompt = lambda img: [{"role": "user", "content": [  # noqa: E731
+        image_part(img), {"type": "text", "text": "Describe this picture in as much detail as you can."}]}]
+    big_a, big_b = image_bytes(256, 256, seed=10), image_bytes(256, 256, seed=11)
+    hits_after(image_prompt(big_a))
+    assert hits_after(image_prompt(big_a)) >= 64  # same image + text: the image blocks hit
+    # Same text, same size, different pixels: only the few blocks before the image may match.
+    assert hits_after(image_prompt(big_b)) < 16
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+
+
+def test_abort_frees_every_block(tiny_model):
+    from engine.request import Request
+
+    from epd import LLM
+
+    llm = LLM(tiny_model, num_kv_blocks=32, dtype="float32", device="cpu")
+    core = llm.engine
+    for i in range(4):
+        core.add_request(Request(f"r{i}", list(range(10, 60 + i)), SamplingParams(max_tokens=50, ignore_eos=True)))
+    core.step()
+    core.step()
+    assert core.num_free_blocks() < core.num_blocks
+    assert sorted(core.abort(["r0", "r1", "r2", "r3"])) == ["r0", "r1", "r2", "r3"]
+    assert not core.has_unfinished()
+    assert core.num_free_blocks() == core.num_blocks
