@@ -1,0 +1,232 @@
+"""Request datasets for `epd bench serve`: random text, random text + images, jsonl.
+
+Every dataset yields `BenchRequest`s, built before the run starts (images
+are encoded up front so the load generator spends no CPU on them while it
+measures). All randomness comes from `seed`: the same flags give the same
+prompts and the same image bytes.
+
+The client does not tokenize: a random prompt is about `input_len` words,
+and the input length recorded in the results is the server's
+`usage.prompt_tokens` (text plus image placeholder tokens).
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+# Short common English words; most are one token for a BPE vocabulary.
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name team minute idea kid body "
+    "information back parent face others level office door health person art war history party "
+    "result change morning reason research girl guy moment air teacher force education red blue "
+    "green small large old new good high long little great big open run walk read write see "
+    "make take give find tell ask seem feel try leave call keep let begin show hear play move "
+    "live believe hold bring happen stand lose pay meet include continue set learn lead "
+    "understand watch follow stop create speak spend grow offer remember love consider appear "
+    "buy wait serve die send expect build stay fall cut reach kill remain river tree stone cloud"
+).split()
+
+IMAGE_POOL_SIZE = 8  # distinct images that `repeat_image_ratio` draws from
+_MIME = {"jpeg": "image/jpeg", "png": "image/png"}
+_SUFFIX_MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png",
+                ".webp": "image/webp", ".gif": "image/gif", ".bmp": "image/bmp"}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One chat request: a user turn with `image_urls` (data URLs) first, then `prompt`."""
+
+    prompt: str
+    output_len: int
+    image_urls: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def num_images(self) -> int:
+        return len(self.image_urls)
+
+
+def random_prompt(rng: random.Random, num_words: int) -> str:
+    """`num_words` random words (about that many tokens); never empty."""
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
+
+
+def make_image_bytes(width: int, height: int, seed: int | list[int], fmt: str = "jpeg") -> bytes:
+    """A real encoded image (JPEG or PNG) of exactly `width` x `height`, seeded.
+
+    A smooth random colour field, a few random shapes and mild noise: distinct
+    bytes for distinct seeds, and a file size close to a photo's, not a
+    pathological all-noise one.
+    """
+    if fmt not in _MIME:
+        raise ValueError(f"image format must be one of {sorted(_MIME)}, got {fmt!r}")
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    rng = np.random.default_rng(seed)
+    grid = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)  # [4, 4, rgb]
+    img = Image.fromarray(grid).resize((width, height), Image.BILINEAR)
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 8))):
+        x0, x1 = sorted(rng.integers(0, width, size=2).tolist())
+        y0, y1 = sorted(rng.integers(0, height, size=2).tolist())
+        colour = tuple(rng.integers(0, 256, size=3).tolist())
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape((x0, y0, x1, y1), fill=colour)
+    tile = rng.integers(-12, 13, size=(64, 64, 1), dtype=np.int16)  # cheap noise, tiled
+    noise = np.tile(tile, (height // 64 + 1, width // 64 + 1, 3))[:height, :width]
+    pixels = np.clip(np.asarray(img, dtype=np.int16) + noise, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt.upper(), **({"quality": 90} if fmt == "jpeg" else {}))
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    """`data:<mime>;base64,<payload>` for an `image_url` content part."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def parse_image_sizes(text: str) -> list[tuple[int, int]]:
+    """'1024x768,640x480' -> [(1024, 768), (640, 480)] (width, height)."""
+    sizes = []
+    for item in text.split(","):
+        try:
+            w, h = (int(v) for v in item.strip().lower().split("x"))
+        except ValueError:
+            raise ValueError(f"image size must look like WxH (e.g. 1024x768), got {item!r}") from None
+        if w <= 0 or h <= 0:
+            raise ValueError(f"image size must be positive, got {item!r}")
+        sizes.append((w, h))
+    return sizes
+
+
+def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
+    """Text-only requests of about `input_len` random words, `output_len` tokens out."""
+    rng = random.Random(seed)
+    return [BenchRequest(random_prompt(rng, input_len), output_len) for _ in range(num_prompts)]
+
+
+def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
+                     images_per_request: int = 1, images_range_ratio: float = 0.0,
+                     image_sizes: list[tuple[int, int]] | None = None,
+                     repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
+                     image_format: str = "jpeg", seed: int = 0) -> list[BenchRequest]:
+    """Random text plus K images per request.
+
+    * K is drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
+      (r = `images_range_ratio`).
+    * Each image's size is drawn from `image_sizes` (width, height).
+    * With probability `repeat_image_ratio` an image comes from a fixed pool
+      of `IMAGE_POOL_SIZE` images (embedding-cache hits); otherwise it is
+      unique to the whole run.
+    * With probability `text_only_ratio` a request has no images at all.
+    """
+    if not 0.0 <= images_range_ratio <= 1.0:
+        raise ValueError(f"--images-range-ratio must be in [0, 1], got {images_range_ratio}")
+    for name, ratio in (("--repeat-image-ratio", repeat_image_ratio), ("--text-only-ratio", text_only_ratio)):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {ratio}")
+    if images_per_request < 0:
+        raise ValueError(f"--images-per-request must be >= 0, got {images_per_request}")
+    sizes = image_sizes or [(1024, 1024)]
+    mime = _MIME.get(image_format)
+    if mime is None:
+        raise ValueError(f"image format must be one of {sorted(_MIME)}, got {image_format!r}")
+    rng = random.Random(seed)
+    pool: dict[int, str] = {}  # pool index -> data URL, made on first use
+
+    def pooled(index: int) -> str:
+        if index not in pool:
+            w, h = sizes[index % len(sizes)]
+            pool[index] = data_url(make_image_bytes(w, h, seed=_image_seed(seed, "pool", index), fmt=image_format), mime)
+        return pool[index]
+
+    low = max(0, round(images_per_request * (1 - images_range_ratio)))
+    high = max(low, round(images_per_request * (1 + images_range_ratio)))
+    num_unique = 0
+    requests = []
+    for _ in range(num_prompts):
+        prompt = random_prompt(rng, input_len)
+        num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
+        urls = []
+        for _ in range(num_images):
+            if rng.random() < repeat_image_ratio:
+                urls.append(pooled(rng.randrange(IMAGE_POOL_SIZE)))
+            else:
+                w, h = rng.choice(sizes)
+                data = make_image_bytes(w, h, seed=_image_seed(seed, "unique", num_unique), fmt=image_format)
+                urls.append(data_url(data, mime))
+                num_unique += 1
+        requests.append(BenchRequest(prompt, output_len, tuple(urls)))
+    return requests
+
+
+def load_jsonl(path: str | Path, num_prompts: int | None, default_output_len: int) -> list[BenchRequest]:
+    """Requests from a jsonl file: one `{"prompt": str, "images": [path]?, "output_len": int?}` a line.
+
+    Image paths are relative to the file's directory. Blank lines are
+    skipped; the first `num_prompts` requests are used (all when None).
+    A malformed line raises ValueError naming the file and line number.
+    """
+    path = Path(path)
+    requests = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            if num_prompts is not None and len(requests) >= num_prompts:
+                break
+            try:
+                requests.append(_parse_jsonl_line(line, path.parent, default_output_len))
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"{path}:{line_no}: {exc}") from None
+    if not requests:
+        raise ValueError(f"{path}: no requests in file")
+    return requests
+
+
+def _parse_jsonl_line(line: str, base_dir: Path, default_output_len: int) -> BenchRequest:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    unknown = set(obj) - {"prompt", "images", "output_len"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} (allowed: prompt, images, output_len)")
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str):
+        raise ValueError('"prompt" must be a string')
+    images = obj.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise ValueError('"images" must be a list of file paths')
+    output_len = obj.get("output_len", default_output_len)
+    if not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1:
+        raise ValueError(f'"output_len" must be a positive integer, got {output_len!r}')
+    urls = []
+    for image in images:
+        image_path = base_dir / image
+        urls.append(data_url(image_path.read_bytes(), _mime_of(image_path)))
+    return BenchRequest(prompt, output_len, tuple(urls))
+
+
+def _mime_of(path: Path) -> str:
+    mime = _SUFFIX_MIME.get(path.suffix.lower())
+    if mime is None:
+        raise ValueError(f"{path}: unknown image type (use one of {sorted(_SUFFIX_MIME)})")
+    return mime
+
+
+def _image_seed(seed: int, kind: str, index: int) -> list[int]:
+    # independent, reproducible streams for pool and unique images (numpy SeedSequence entropy)
+    return [seed, 0 if kind == "pool" else 1, index]

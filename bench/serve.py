@@ -1,0 +1,190 @@
+"""`epd bench serve`: open-loop load against an OpenAI-compatible server, goodput and latency.
+
+Modelled on `vllm bench serve` (openai-chat backend): build the dataset,
+check the server answers, send requests on a Poisson/gamma schedule
+(optionally capped by `--max-concurrency`), then print the summary table and
+write the result JSON (vLLM field names). HTTP only: it works against any
+server that speaks `/v1/chat/completions` with SSE streaming.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from datetime import datetime
+
+import httpx
+
+from bench.arrivals import arrival_times_s, parse_rate
+from bench.client import RequestResult, send_chat_request
+from bench.datasets import BenchRequest, load_jsonl, parse_image_sizes, sample_random, sample_random_mm
+from bench.load import run_load
+from bench.metrics import compute_metrics, parse_goodput, parse_percentiles
+from bench.report import detailed_fields, format_table, write_result
+
+DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `epd bench serve`."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--dataset", default="random-mm", choices=["random-mm", "random", "jsonl"])
+    p.add_argument("--dataset-path", default=None, help="the jsonl file for --dataset jsonl")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests to send (default {DEFAULT_NUM_PROMPTS}; jsonl: all lines)")
+    p.add_argument("--request-rate", type=_argtype(parse_rate), default=math.inf,
+                   help="requests/s, or 'inf' to send all at once (default inf)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--input-len", type=int, default=1024, help="random datasets: about this many prompt tokens")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="exact output tokens per request (jsonl: unless a line sets output_len)")
+    p.add_argument("--images-per-request", type=int, default=1, help="random-mm: K images per request")
+    p.add_argument("--images-range-ratio", type=float, default=0.0,
+                   help="random-mm: K drawn uniformly from [K(1-r), K(1+r)]")
+    p.add_argument("--image-size", type=_argtype(parse_image_sizes), default=[(1024, 1024)],
+                   help="random-mm: WxH[,WxH...], one chosen per image (default 1024x1024)")
+    p.add_argument("--image-format", default="jpeg", choices=["jpeg", "png"], help="random-mm image encoding")
+    p.add_argument("--repeat-image-ratio", type=float, default=0.0,
+                   help="random-mm: share of images drawn from a pool of 8 fixed images (cache hits)")
+    p.add_argument("--text-only-ratio", type=float, default=0.0,
+                   help="random-mm: share of requests sent with no image (mixed traffic)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    p.add_argument("--percentiles", type=_argtype(parse_percentiles), default=[50.0, 90.0, 99.0],
+                   help="comma-separated percentiles to report (default 50,90,99)")
+    p.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
+    p.add_argument("--save-detailed", action="store_true", help="include per-request arrays in the JSON")
+    p.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by `args`; print the table, save if asked, return the result.
+
+    The returned dict always holds the per-request arrays; the saved file
+    holds them only with `--save-detailed`. Bad flags raise ValueError.
+    """
+    slos_ms = parse_goodput(args.goodput) if args.goodput else {}
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.timeout_s <= 0:
+        raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    requests = build_requests(args)
+    base_url = args.base_url.rstrip("/")
+    outcome = asyncio.run(_run(args, base_url, requests))
+    model, results, duration_s = outcome
+    _warn_on_output_lengths(requests, results)
+
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai-chat",
+        "base_url": base_url,
+        "model_id": model,
+        "tokenizer_id": model,  # the server tokenizes; the client has no tokenizer
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "dataset": args.dataset,
+        "seed": args.seed,
+        "goodput_slos_ms": slos_ms or None,
+        "duration": duration_s,
+    }
+    if args.dataset != "jsonl":
+        result.update(input_len=args.input_len, output_len=args.output_len)
+    if args.dataset == "random-mm":
+        result.update(images_per_request=args.images_per_request, images_range_ratio=args.images_range_ratio,
+                      image_sizes=[f"{w}x{h}" for w, h in args.image_size], image_format=args.image_format,
+                      repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio)
+    result.update(compute_metrics(results, duration_s, args.percentiles, slos_ms or None))
+    result.update(detailed_fields(results))
+    print(format_table(result, args.percentiles))
+    if args.save_result:
+        write_result(args.save_result, result, save_detailed=args.save_detailed)
+    return result
+
+
+def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    """The dataset named by `--dataset`, seeded by `--seed`."""
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+    if args.dataset == "jsonl":
+        if not args.dataset_path:
+            raise ValueError("--dataset jsonl needs --dataset-path FILE")
+        return load_jsonl(args.dataset_path, args.num_prompts, args.output_len)
+    if args.dataset_path:
+        raise ValueError(f"--dataset-path is for --dataset jsonl, not {args.dataset}")
+    if args.input_len < 1:
+        raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
+    num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
+    if args.dataset == "random":
+        return sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed)
+    return sample_random_mm(
+        num_prompts, args.input_len, args.output_len, images_per_request=args.images_per_request,
+        images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
+        repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
+        image_format=args.image_format, seed=args.seed)
+
+
+async def _run(args: argparse.Namespace, base_url: str,
+               requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float]:
+    url = f"{base_url}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # httpx caps at 100 otherwise
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout_s)) as http:
+        model = args.model or await _first_model(http, base_url, headers)
+        probe = await send_chat_request(http, url, model, BenchRequest("Hello", 2), api_key=args.api_key,
+                                        timeout_s=args.timeout_s)
+        if not probe.success:
+            raise ValueError(f"test request to {url} failed: {probe.error}")
+        times_s = arrival_times_s(len(requests), args.request_rate, args.burstiness, seed=args.seed)
+
+        async def send(request: BenchRequest, run_start_s: float) -> RequestResult:
+            return await send_chat_request(http, url, model, request, api_key=args.api_key,
+                                           timeout_s=args.timeout_s, run_start_s=run_start_s)
+
+        results, duration_s = await run_load(requests, times_s, send, max_concurrency=args.max_concurrency,
+                                             progress=not args.no_progress)
+    return model, results, duration_s
+
+
+async def _first_model(http: httpx.AsyncClient, base_url: str, headers: dict) -> str:
+    url = f"{base_url}/v1/models"
+    try:
+        response = await http.get(url, headers=headers)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"cannot get the model name from {url} ({type(exc).__name__}: {exc}); "
+                         "is the server up? pass --model to skip this") from None
+
+
+def _warn_on_output_lengths(requests: list[BenchRequest], results: list[RequestResult]) -> None:
+    wrong = sum(r.success and r.output_len != q.output_len for q, r in zip(requests, results))
+    if wrong:
+        print(f"warning: {wrong} requests returned a different number of tokens than asked "
+              "(does the server honour ignore_eos / min_tokens?)", file=sys.stderr)
+    failed = [r.error for r in results if not r.success]
+    for i, error in enumerate(failed[:5]):
+        print(f"error {i}: {error}", file=sys.stderr)
+
+
+def _argtype(parse):
+    """An argparse `type=` from a parser that raises ValueError with a clear message."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
