@@ -1,0 +1,349 @@
+"""OpenAI request bodies -> our types, and the two types the orchestrator speaks.
+
+Validation happens here, at the edge: every refusal is a `RequestError`
+(an HTTP 4xx with an OpenAI error body) naming the offending field in
+`param`. Pydantic checks the shape and the documented ranges; the
+`to_generate_request` methods check what spans fields (`top_logprobs` needs
+`logprobs`, `stream_options` needs `stream`, ...) and build `SamplingParams`.
+
+The orchestrator receives one `GenerateRequest` per sequence (the API fans
+`n > 1` out, see `fan_out`) and yields `Delta`s.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine.sampler imports torch; the API layer only reads attributes
+    from engine.sampler import TokenLogprobs
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+
+
+class RequestError(Exception):
+    """A request we refuse; rendered as `{"error": {message, type, param, code}}`.
+
+    `status` 422 is folded into 400 (OpenAI never answers 422). `type` follows
+    the status unless given: 401 authentication_error, 404 not_found_error,
+    other 4xx invalid_request_error, 5xx server_error.
+    """
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = 400 if status == 422 else status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate. Exactly one of `messages` (chat, validated OpenAI
+    message dicts, see `validate_messages`) and `prompt` (completions) is set."""
+
+    request_id: str
+    messages: list[dict] | None
+    prompt: str | list[int] | None
+    sampling: SamplingParams
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class Delta:
+    """New output of one sequence since the previous Delta; the last one has
+    `finish_reason` set ("stop" or "length")."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
+
+
+def fan_out(request: GenerateRequest) -> list[GenerateRequest]:
+    """`n` single-sequence requests with distinct ids; a seeded request gives
+    sample i the seed `seed + i` (distinct but reproducible)."""
+    n = request.sampling.n
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        seed = None if request.sampling.seed is None else request.sampling.seed + i
+        out.append(replace(request, request_id=f"{request.request_id}-{i}",
+                           sampling=replace(request.sampling, n=1, seed=seed)))
+    return out
+
+
+def check_model(requested: str, served_model_name: str) -> None:
+    if requested != served_model_name:
+        raise RequestError(f"The model `{requested}` does not exist.", status=404, param="model",
+                           code="model_not_found")
+
+
+# -- pydantic errors -> RequestError ------------------------------------------------------
+
+def format_loc(loc: Sequence[str | int]) -> str:
+    """("body", "messages", 0, "role") -> "messages[0].role"; pydantic's union-member
+    tags ("str", "list[int]") are dropped: they name our types, not the client's fields."""
+    out = ""
+    for part in loc:
+        if (part == "body" and not out) or _is_schema_tag(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _is_schema_tag(part: str | int) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
+
+
+def request_error_from_validation(errors: Sequence[dict]) -> RequestError:
+    """The first error of a pydantic / FastAPI validation failure, as a 400."""
+    if not errors:
+        return RequestError("invalid request body")
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        reason = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+        return RequestError(f"Invalid JSON body: {reason}", code="invalid_json")
+    param = format_loc(err.get("loc", ())) or None
+    if param is None and err.get("type") in ("model_attributes_type", "model_type", "dict_type"):
+        return RequestError("The request body must be a JSON object (with Content-Type: application/json)")
+    if param is not None and err.get("type") == "missing":
+        return RequestError(f"{param}: field required", param=param)
+    # a union reports one error per member: say what each member wanted
+    messages = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors
+                                  if (format_loc(e.get("loc", ())) or None) == param))
+    message = " or ".join(messages)
+    return RequestError(f"{param}: {message}" if param else message, param=param)
+
+
+def _parse(model: type[BaseModel], body: Any):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise request_error_from_validation(exc.errors()) from None
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """A decoded JSON body -> ChatCompletionRequest, or RequestError (what FastAPI
+    does for the route, usable without it)."""
+    return _parse(ChatCompletionRequest, body)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    return _parse(CompletionRequest, body)
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored
+
+    model: Annotated[str, Field(min_length=1)]
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    user: str | None = None
+    # vLLM extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be set when stream is true", param="stream_options")
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", param="logit_bias")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = normalize_stop(self.stop)
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                               param="min_tokens")
+        try:
+            return SamplingParams(
+                n=self.n or 1,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stop,
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:  # SamplingParams names the field first: "top_k must be ..."
+            message = str(exc)
+            raise RequestError(message, param=message.split(" ", 1)[0]) from None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM extra
+
+    def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None
+                            ) -> GenerateRequest:
+        """Raises RequestError for what the schema alone cannot catch."""
+        self._check_common()
+        if self.tools:
+            raise RequestError("tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise RequestError("tool_choice is not supported by this server", param="tool_choice")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise RequestError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        messages = validate_messages(self.messages, max_images_per_prompt)
+        # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerateRequest(request_id=request_id, messages=messages, prompt=None,
+                               sampling=self._sampling_params(max_tokens, logprobs),
+                               add_generation_prompt=self.add_generation_prompt)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's and vLLM's default here
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def to_generate_request(self, request_id: str) -> GenerateRequest:
+        self._check_common()
+        if self.echo:
+            raise RequestError("echo is not supported", param="echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        return GenerateRequest(request_id=request_id, messages=None, prompt=normalize_prompt(self.prompt),
+                               sampling=self._sampling_params(self.max_tokens, self.logprobs))
+
+
+# -- field normalisation -----------------------------------------------------------------------
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}",
+                           param="stop")
+    if any(s == "" for s in stops):
+        raise RequestError("stop sequences must be non-empty", param="stop")
+    return stops
+
+
+def normalize_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    """One text prompt or one list of token ids (a batch of one is unwrapped)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RequestError("batched prompts are not supported: send one prompt per request",
+                               param="prompt")
+        prompt = prompt[0]
+    if len(prompt) == 0:
+        raise RequestError("prompt must not be empty", param="prompt")
+    if isinstance(prompt, list) and any(t < 0 for t in prompt):
+        raise RequestError("prompt token ids must be non-negative", param="prompt")
+    return prompt
+
+
+def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None) -> list[dict]:
+    """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant
+    ("developer" becomes "system") and content a string or a list of
+    {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} parts."""
+    out = []
+    num_images = 0
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role: unsupported role {role!r}; expected one of "
+                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        if msg.get("tool_calls"):
+            raise RequestError(f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls")
+        content = msg.get("content")
+        if content is None:
+            if role != "assistant":
+                raise RequestError(f"{where}.content: field required", param=f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            content = [_content_part(part, role, f"{where}.content[{j}]") for j, part in enumerate(content)]
+            num_images += sum(1 for part in content if part["type"] == "image_url")
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content: must be a string or a list of content parts",
+                               param=f"{where}.content")
+        out.append({"role": CHAT_ROLES[role], "content": content})
+    if max_images is not None and num_images > max_images:
+        raise RequestError(f"at most {max_images} images per request are allowed, got {num_images}",
+                           param="messages")
+    return out
+
+
+def _content_part(part: Any, role: str, where: str) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.text: must be a string", param=f"{where}.text")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        if role != "user":
+            raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
+                       param=f"{where}.type")
+
