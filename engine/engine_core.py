@@ -27,6 +27,7 @@ class StepResult:
     updates: list[RequestUpdate] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     num_batched_tokens: int = 0
+    requests: dict[str, Request] = field(default_factory=dict)  # every request run this step
 
 
 class EngineCore:
@@ -85,7 +86,8 @@ class EngineCore:
         runner_out = self.runner.execute(out)
         updates = self.scheduler.update(out, runner_out.sampled_token_ids)
         self._release([u.request_id for u in updates if u.is_finished])
-        return StepResult(updates, runner_out.logprobs, out.num_batched_tokens)
+        return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
+                          {s.request_id: s.request for s in out.scheduled})
 
     def _release(self, request_ids) -> None:
         """Drops image embeddings no unfinished request needs any more."""

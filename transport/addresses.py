@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass
 
 # encoder / prefill / decode: the three disaggregated roles; pd: one worker
-# doing prefill and decode (modes e-pd and aggregated).
-ROLES = ("encoder", "prefill", "decode", "pd")
+# doing prefill and decode (mode e-pd); aggregated: pd with the encoder in-process.
+ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
 DEFAULT_BASE_PORT = 27100
 _MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 

@@ -131,3 +131,42 @@ class AsyncReceiver(_Channel):
         if timeout_s is not None and not await self.poll(timeout_s):
             return None
         return decode_message(await self.socket.recv_multipart(copy=False))
+
+
+class Outbox:
+    """Senders to many peers, connected on first use and kept: a worker
+    replies to whatever address a message names (reply_to, decode worker)."""
+
+    def __init__(self, ctx: zmq.Context | None = None):
+        self._ctx = ctx
+        self._senders: dict[str, Sender] = {}
+
+    def send(self, address: str, msg: Message) -> None:
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self._senders[address] = Sender(address, ctx=self._ctx)
+        sender.send(msg)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()
+
+
+class AsyncOutbox:
+    """`Outbox` for the asyncio API process."""
+
+    def __init__(self, ctx: zmq.asyncio.Context | None = None):
+        self._ctx = ctx
+        self._senders: dict[str, AsyncSender] = {}
+
+    async def send(self, address: str, msg: Message) -> None:
+        sender = self._senders.get(address)
+        if sender is None:
+            sender = self._senders[address] = AsyncSender(address, ctx=self._ctx)
+        await sender.send(msg)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders.clear()

@@ -138,7 +138,8 @@ def _need(ok: bool, tag: str, what: str) -> None:
 
 @dataclass
 class EncodeRequest(Message):
-    """API -> encoder: encode one image; send EncodeDone to worker `reply_to`."""
+    """API -> encoder: encode one image; send EncodeDone to the address `reply_to`
+    (with the tensors when `with_tensors`: the prefill worker shares no cache dir)."""
 
     TYPE: ClassVar[str] = "encode_request"
     HAS_PAYLOAD: ClassVar[bool] = True
@@ -146,9 +147,11 @@ class EncodeRequest(Message):
     mm_hash: str
     image: bytes  # raw encoded file bytes (JPEG/PNG/...), its own frame
     reply_to: str
+    with_tensors: bool = False
 
     def _fields(self):
-        return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to}
+        return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
+                "with_tensors": self.with_tensors}
 
     def _payload(self):
         return [self.image]
@@ -156,7 +159,8 @@ class EncodeRequest(Message):
     @classmethod
     def _build(cls, f, payload):
         _need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
-        return cls(f.str("request_id"), f.str("mm_hash"), payload[0], f.str("reply_to"))
+        return cls(f.str("request_id"), f.str("mm_hash"), payload[0], f.str("reply_to"),
+                   f.bool("with_tensors"))
 
 
 @dataclass
@@ -248,6 +252,7 @@ class KVTransfer(Message):
     arrival_time_s: float
     k_blocks: torch.Tensor
     v_blocks: torch.Tensor
+    reply_to: str = ""  # address of the prefill worker, for the KVAck
 
     @property
     def num_layers(self) -> int:
@@ -262,7 +267,7 @@ class KVTransfer(Message):
                 "first_token_id": self.first_token_id, "sampling": self.sampling,
                 "eos_token_ids": list(self.eos_token_ids),
                 "mm_spans": [s.to_list() for s in self.mm_spans],
-                "arrival_time_s": self.arrival_time_s}
+                "arrival_time_s": self.arrival_time_s, "reply_to": self.reply_to}
 
     def _payload(self):
         return [self.k_blocks, self.v_blocks]
@@ -278,7 +283,7 @@ class KVTransfer(Message):
         _need(k.shape[1] * k.shape[2] >= len(prompt), cls.TYPE, "KV blocks shorter than prompt")
         return cls(f.str("request_id"), prompt, f.int("first_token_id"), f.plain_dict("sampling"),
                    f.int_list("eos_token_ids"), _spans(f, "mm_spans"), f.float("arrival_time_s"),
-                   k, v)
+                   k, v, f.str("reply_to"))
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""The encoder worker loop: EncodeRequests in, embeddings to LMDB, EncodeDone out.
+
+    loop:  drain inbox (batch up to a patch budget) -> skip images already in
+           the cache -> decode + preprocess + ViT -> cache.put -> EncodeDone
+           to the prefill worker named in each request (with the tensors when
+           it shares no cache dir) -> WorkerStats every `stats_interval_s`
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+from encoders.image_encoder import ImageEncoder
+from encoders.image_io import ImageError, read_image_size
+from transport.channels import Outbox, Receiver
+from transport.messages import (Abort, EncodeDone, EncodeRequest, Ready, Shutdown, WireError,
+                                WorkerStats)
+from transport.mm_cache import MMCache
+from transport.mm_entry import MMEntry
+
+log = logging.getLogger("epd.encoder")
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    worker_id: str
+    inbox: str
+    api: str
+    mm_cache_dir: str | None = None
+    mm_cache_bytes: int = 1 << 30
+    max_batch_patches: int = 16384
+    stats_interval_s: float = 0.25
+
+
+@dataclass
+class _Job:
+    msg: EncodeRequest
+    received_s: float
+    num_patches: int
+
+
+class EncoderWorker:
+    def __init__(self, spec: EncoderSpec, encoder: ImageEncoder):
+        self.spec = spec
+        self.encoder = encoder
+        self.inbox = Receiver(spec.inbox)
+        self.outbox = Outbox()
+        self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=encoder.model_fingerprint)
+                      if spec.mm_cache_dir else None)
+        self.queue: list[_Job] = []
+        self.running = True
+        self.counters = {"encoder_images": 0.0, "encoder_cache_skips": 0.0, "encode_seconds_sum": 0.0,
+                         "encoder_queue_seconds_sum": 0.0, "encoder_errors": 0.0}
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, "encoder", {
+            "inbox": self.inbox.address, "host": socket.gethostname(), "mm_cache_dir": self.spec.mm_cache_dir or ""}))
+        try:
+            while self.running:
+                self._drain(timeout_s=0.0 if self.queue else 0.05)
+                if self.queue:
+                    self._encode_batch()
+                self._maybe_send_stats()
+        finally:
+            if self.cache is not None:
+                self.cache.close()
+            self.inbox.close()
+            self.outbox.close()
+
+    def _drain(self, timeout_s: float) -> None:
+        while True:
+            try:
+                msg = self.inbox.recv(timeout_s)
+            except WireError as exc:
+                log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
+                continue
+            if msg is None:
+                return
+            timeout_s = 0.0
+            if isinstance(msg, EncodeRequest):
+                self._enqueue(msg)
+            elif isinstance(msg, Abort):  # pending encoder work of aborted requests is dropped
+                dropped = set(msg.request_ids)
+                self.queue = [j for j in self.queue if j.msg.request_id not in dropped]
+            elif isinstance(msg, Shutdown):
+                self.running = False
+            else:
+                log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
+
+    def _enqueue(self, msg: EncodeRequest) -> None:
+        try:
+            width, height = read_image_size(msg.image, self.encoder.max_image_pixels)
+            t, h, w = self.encoder.preprocess.geometry.grid_thw(width, height)
+        except (ImageError, ValueError) as exc:
+            self._done(msg, error=str(exc))
+            return
+        self.queue.append(_Job(msg, time.perf_counter(), t * h * w))
+
+    def _encode_batch(self) -> None:
+        """Encodes queued images, oldest first, up to the patch budget."""
+        batch, patches = [], 0
+        while self.queue and (not batch or patches + self.queue[0].num_patches <= self.spec.max_batch_patches):
+            job = self.queue.pop(0)
+            if self.cache is not None and not job.msg.with_tensors and self.cache.contains(job.msg.mm_hash):
+                self.counters["encoder_cache_skips"] += 1  # encoded meanwhile for another request
+                self._done(job.msg)
+                continue
+            batch.append(job)
+            patches += job.num_patches
+        if not batch:
+            return
+        start = time.perf_counter()
+        for job in batch:
+            self.counters["encoder_queue_seconds_sum"] += start - job.received_s
+        try:
+            results = self.encoder.encode([job.msg.image for job in batch])
+        except ImageError:
+            results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+        self.counters["encode_seconds_sum"] += time.perf_counter() - start
+        for job, result in zip(batch, results):
+            if isinstance(result, str):
+                self._done(job.msg, error=result)
+                continue
+            self.counters["encoder_images"] += 1
+            entry = MMEntry(result.embeds, list(result.deepstack), result.grid_thw)
+            if self.cache is not None:
+                self.cache.put(job.msg.mm_hash, entry)
+            self._done(job.msg, entry=entry if (job.msg.with_tensors or self.cache is None) else None)
+
+    def _encode_one(self, image: bytes):
+        try:
+            return self.encoder.encode([image])[0]
+        except ImageError as exc:
+            return str(exc)
+
+    def _done(self, msg: EncodeRequest, entry: MMEntry | None = None, error: str | None = None) -> None:
+        if error is not None:
+            self.counters["encoder_errors"] += 1
+            done = EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=error)
+        elif entry is not None:
+            done = EncodeDone(msg.request_id, msg.mm_hash, ok=True, embeddings=entry.embeddings,
+                              deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
+        else:
+            done = EncodeDone(msg.request_id, msg.mm_hash, ok=True)
+        self.outbox.send(msg.reply_to, done)
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < self.spec.stats_interval_s:
+            return
+        self._last_stats = now
+        self.outbox.send(self.spec.api, WorkerStats(
+            self.spec.worker_id, "encoder", num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
+            num_total_blocks=0, queue_depth=len(self.queue), counters=dict(self.counters)))

@@ -1,0 +1,358 @@
+"""The prefill / decode / pd / aggregated worker loop around an `EngineCore`.
+
+    loop:  drain inbox -> admit requests whose images are ready -> engine.step()
+           -> TokenOutput to the API (and KVTransfer to decode, prefill role)
+           -> WorkerStats every `stats_interval_s`
+
+Roles:
+  prefill     computes prompts, streams the first token, ships KV blocks to the
+              decode worker named in the request, frees them on its KVAck.
+  decode      takes KVTransfers, acks once the blocks are written, decodes.
+  pd          prefill + decode in one engine (the e-pd mode).
+  aggregated  pd + the vision encoder in-process (the baseline): EncodeRequests
+              are encoded inline, between engine steps.
+A request's images come from the embedding cache (LMDB) or with an EncodeDone;
+it is admitted to the engine only once all of them are here.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.engine_core import EngineCore
+from engine.model_runner import MMEmbedding
+from engine.request import MMSpan, Request
+from engine.sampling_params import SamplingParams
+from transport.channels import Outbox, Receiver
+from transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
+                                PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats)
+from transport.messages import MMSpan as WireSpan
+from transport.mm_cache import MMCache
+from transport.mm_entry import MMEntry
+
+log = logging.getLogger("epd.worker")
+
+ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "aggregated": "combined"}
+MAX_EARLY_EMBEDDINGS = 256  # EncodeDones that arrived before their PrefillRequest
+
+# An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
+EncodeFn = Callable[[list[bytes]], list["MMEmbedding | str"]]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    role: str
+    inbox: str  # address this worker binds
+    api: str  # the API's collector address
+    mm_cache_dir: str | None = None
+    mm_cache_bytes: int = 1 << 30
+    stats_interval_s: float = 0.25
+
+
+def to_wire_spans(spans: list[MMSpan]) -> list[WireSpan]:
+    return [WireSpan(s.offset, s.length, s.mm_hash, tuple(s.grid_thw)) for s in spans]
+
+
+def from_wire_spans(spans: list[WireSpan]) -> list[MMSpan]:
+    return [MMSpan(s.offset, s.length, s.mm_hash, tuple(s.grid_thw)) for s in spans]
+
+
+def entry_to_embedding(entry: MMEntry) -> MMEmbedding:
+    deepstack = (torch.stack(entry.deepstack) if entry.deepstack
+                 else entry.embeddings.new_zeros(0, *entry.embeddings.shape))
+    return MMEmbedding(entry.embeddings, deepstack)
+
+
+class EngineWorker:
+    def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
+        if spec.role not in ENGINE_ROLES:
+            raise ValueError(f"unknown engine worker role {spec.role!r}")
+        self.spec = spec
+        self.core = core
+        self.encode_fn = encode_fn
+        self.inbox = Receiver(spec.inbox)
+        self.outbox = Outbox()
+        self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=core.info.fingerprint)
+                      if spec.mm_cache_dir else None)
+        self.pending: dict[str, tuple[Request, set[str]]] = {}  # waiting for images
+        self.staged: dict[str, MMEmbedding] = {}  # images of pending requests, ready
+        self.early: OrderedDict[str, MMEmbedding | None] = OrderedDict()  # EncodeDone before its request
+        self.failed_images: dict[str, str] = {}  # mm_hash -> error, while a pending request needs it
+        self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
+        self.transfer_start: dict[str, float] = {}
+        self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
+        self.running = True
+        self.counters: dict[str, float] = {"generation_tokens": 0, "kv_transfer_bytes": 0,
+                                           "kv_transfer_seconds_sum": 0, "kv_transfer_count": 0,
+                                           "encoder_images": 0, "encode_seconds_sum": 0}
+        self._last_stats = 0.0
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, self.spec.role, {
+            "inbox": self.inbox.address, "host": socket.gethostname(), "mm_cache_dir": self.spec.mm_cache_dir or ""}))
+        try:
+            while self.running:
+                busy = self.core.has_unfinished() or bool(self.incoming)
+                self._drain(timeout_s=0.0 if busy else 0.05)
+                self._admit_transfers()
+                if self.core.has_unfinished():
+                    self._step()
+                self._maybe_send_stats()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.inbox.close()
+        self.outbox.close()
+
+    def _drain(self, timeout_s: float) -> None:
+        while True:
+            try:
+                msg = self.inbox.recv(timeout_s)
+            except WireError as exc:  # garbage on the socket: log, keep serving
+                log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
+                continue
+            if msg is None:
+                return
+            timeout_s = 0.0
+            try:
+                self._handle(msg)
+            except Exception:  # one bad message must not take the worker down
+                log.exception("%s: failed to handle %s", self.spec.worker_id, type(msg).__name__)
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):
+            self._on_prefill_request(msg)
+        elif isinstance(msg, EncodeDone):
+            self._on_encode_done(msg)
+        elif isinstance(msg, EncodeRequest) and self.encode_fn is not None:
+            self._on_encode_request([msg])
+        elif isinstance(msg, KVTransfer):
+            self.incoming.append(msg)
+        elif isinstance(msg, KVAck):
+            self._on_kv_ack(msg)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_ids)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+        else:
+            log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
+
+    # ---------------------------------------------------------- admission
+
+    def _on_prefill_request(self, msg: PrefillRequest) -> None:
+        request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
+                          mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
+        if msg.decode_worker:
+            self.decode_target[msg.request_id] = msg.decode_worker
+        missing = set()
+        for mm_hash in {s.mm_hash for s in request.mm_spans}:
+            if mm_hash in self.staged or mm_hash in self.core.runner.mm_embeddings:
+                continue
+            emb = self._from_cache_or_early(mm_hash)
+            if emb is None:
+                missing.add(mm_hash)
+            else:
+                self.staged[mm_hash] = emb
+        self.pending[msg.request_id] = (request, missing)
+        self._try_admit(msg.request_id)
+
+    def _from_cache_or_early(self, mm_hash: str) -> MMEmbedding | None:
+        emb = self.early.pop(mm_hash, None)
+        if emb is not None:
+            return emb
+        if self.cache is not None:
+            entry = self.cache.get(mm_hash)
+            if entry is not None:
+                return entry_to_embedding(entry)
+        return None
+
+    def _on_encode_done(self, msg: EncodeDone) -> None:
+        waiting = [rid for rid, (_, missing) in self.pending.items() if msg.mm_hash in missing]
+        if not msg.ok:
+            for rid in waiting:
+                self._fail(rid, f"image could not be encoded: {msg.error}")
+            return
+        if msg.embeddings is not None:
+            deepstack = (torch.stack(msg.deepstack) if msg.deepstack
+                         else msg.embeddings.new_zeros(0, *msg.embeddings.shape))
+            emb = MMEmbedding(msg.embeddings, deepstack)
+            if self.cache is not None:  # no shared cache dir: keep a copy in ours
+                self.cache.put(msg.mm_hash, MMEntry(msg.embeddings, list(msg.deepstack), msg.grid_thw or (1, 1, 1)))
+        else:
+            emb = self._from_cache_or_early(msg.mm_hash)
+            if emb is None:
+                for rid in waiting:
+                    self._fail(rid, "image embedding missing from the cache (evicted before use?)")
+                return
+        if not waiting:
+            self.early[msg.mm_hash] = emb
+            while len(self.early) > MAX_EARLY_EMBEDDINGS:
+                self.early.popitem(last=False)
+            return
+        self.staged[msg.mm_hash] = emb
+        for rid in waiting:
+            self.pending[rid][1].discard(msg.mm_hash)
+            self._try_admit(rid)
+
+    def _on_encode_request(self, msgs: list[EncodeRequest]) -> None:
+        """Aggregated role: encode in-process, then proceed as if EncodeDone arrived."""
+        start = time.perf_counter()
+        results = self.encode_fn([m.image for m in msgs])
+        self.counters["encode_seconds_sum"] += time.perf_counter() - start
+        self.counters["encoder_images"] += len(msgs)
+        for msg, result in zip(msgs, results):
+            if isinstance(result, str):
+                self._on_encode_done(EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=result))
+                continue
+            if self.cache is not None:
+                self.cache.put(msg.mm_hash, MMEntry(result.embeds, list(result.deepstack), (1, 1, 1)))
+            self.early.pop(msg.mm_hash, None)
+            waiting = [rid for rid, (_, missing) in self.pending.items() if msg.mm_hash in missing]
+            self.staged[msg.mm_hash] = result
+            for rid in waiting:
+                self.pending[rid][1].discard(msg.mm_hash)
+                self._try_admit(rid)
+            if not waiting:
+                self.early[msg.mm_hash] = result
+
+    def _try_admit(self, request_id: str) -> None:
+        request, missing = self.pending[request_id]
+        if missing:
+            return
+        del self.pending[request_id]
+        needed = {s.mm_hash for s in request.mm_spans}
+        embeddings = {h: self.staged[h] for h in needed if h in self.staged}
+        try:
+            self.core.add_request(request, embeddings)
+        except ValueError as exc:
+            self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=str(exc)))
+        self._unstage(needed)
+
+    def _unstage(self, mm_hashes) -> None:
+        still_needed = {h for _, missing in self.pending.values() for h in missing} | \
+                       {s.mm_hash for r, _ in self.pending.values() for s in r.mm_spans}
+        for h in mm_hashes:
+            if h not in still_needed:
+                self.staged.pop(h, None)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        request, _ = self.pending.pop(request_id, (None, None))
+        if request is not None:
+            self._unstage({s.mm_hash for s in request.mm_spans})
+        self.decode_target.pop(request_id, None)
+        self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if rid in self.pending:
+                request, _ = self.pending.pop(rid)
+                self._unstage({s.mm_hash for s in request.mm_spans})
+            self.decode_target.pop(rid, None)
+            self.transfer_start.pop(rid, None)
+        self.incoming = [t for t in self.incoming if t.request_id not in set(request_ids)]
+        self.core.abort(request_ids)
+
+    # ------------------------------------------------------------- KV moves
+
+    def _admit_transfers(self) -> None:
+        """Decode role: write arrived KV into fresh blocks, then ack."""
+        still_waiting = []
+        for msg in self.incoming:
+            request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
+                              mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids),
+                              max_model_len=self.core.max_model_len)
+            request.output_token_ids.append(msg.first_token_id)
+            try:
+                block_ids = self.core.scheduler.add_prefilled(request)
+            except ValueError as exc:
+                self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=False, error=str(exc)))
+                self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                              error=str(exc)))
+                continue
+            if block_ids is None:
+                still_waiting.append(msg)  # no room yet; prefill keeps its copy meanwhile
+                continue
+            kv = self.core.runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+            index = torch.tensor(block_ids, device=kv.device)
+            kv[0][:, index] = msg.k_blocks[:, :len(block_ids)].to(kv.device, kv.dtype)
+            kv[1][:, index] = msg.v_blocks[:, :len(block_ids)].to(kv.device, kv.dtype)
+            self.counters["kv_transfer_bytes"] += msg.k_blocks.nbytes + msg.v_blocks.nbytes
+            self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=True))
+        self.incoming = still_waiting
+
+    def _send_kv(self, request_id: str) -> None:
+        """Prefill role: ship a prefilled request's blocks to its decode worker."""
+        request = self.core.scheduler.get_request(request_id)
+        target = self.decode_target.pop(request_id, None)
+        if request is None or target is None:
+            return
+        kv = self.core.runner.kv_cache
+        num_blocks = -(-request.num_prompt_tokens // self.core.config.block_size)
+        index = torch.tensor(request.block_ids[:num_blocks], device=kv.device)
+        k, v = kv[0][:, index].cpu(), kv[1][:, index].cpu()  # [layers, blocks, block_size, kv_heads, head_dim]
+        self.transfer_start[request_id] = time.perf_counter()
+        self.outbox.send(target, KVTransfer(
+            request_id, list(request.prompt_token_ids), request.output_token_ids[0],
+            dict(request.sampling_params.__dict__), list(request.eos_token_ids), to_wire_spans(request.mm_spans),
+            request.arrival_time, k, v, reply_to=self.inbox.address))
+
+    def _on_kv_ack(self, msg: KVAck) -> None:
+        start = self.transfer_start.pop(msg.request_id, None)
+        if start is not None:
+            self.counters["kv_transfer_seconds_sum"] += time.perf_counter() - start
+            self.counters["kv_transfer_count"] += 1
+        try:
+            self.core.scheduler.release(msg.request_id)
+        except ValueError:
+            pass  # aborted meanwhile: already freed
+
+    # ------------------------------------------------------------------ step
+
+    def _step(self) -> None:
+        result = self.core.step()
+        for update in result.updates:
+            request = result.requests[update.request_id]
+            logprobs = None
+            if update.request_id in result.logprobs:
+                lp = result.logprobs[update.request_id]
+                logprobs = [[lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]]
+            self.counters["generation_tokens"] += len(update.new_token_ids)
+            self._send_output(TokenOutput(
+                update.request_id, list(update.new_token_ids), finished=update.is_finished,
+                finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens, logprobs=logprobs))
+            if update.is_prefilled:
+                self._send_kv(update.request_id)
+            elif update.is_finished:
+                self.decode_target.pop(update.request_id, None)
+
+    def _send_output(self, out: TokenOutput) -> None:
+        self.outbox.send(self.spec.api, out)
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats < self.spec.stats_interval_s:
+            return
+        self._last_stats = now
+        stats = self.core.stats()
+        counters = dict(self.counters)
+        counters.update({k: float(stats[k]) for k in ("num_preemptions", "prefix_cache_queries",
+                                                      "prefix_cache_hits")})
+        counters["kv_cache_usage"] = float(stats.get("kv_usage", 0.0))
+        self.outbox.send(self.spec.api, WorkerStats(
+            self.spec.worker_id, self.spec.role, num_running=self.core.scheduler.num_running,
+            num_waiting=self.core.scheduler.num_waiting + len(self.pending) + len(self.incoming),
+            num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
+            queue_depth=len(self.pending), counters=counters))

@@ -1,0 +1,86 @@
+"""The server's one composed, frozen configuration, built once by the CLI.
+
+Values discovered at run time (KV blocks, EOS ids, worker addresses) live in
+their own objects, never here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+MODES = ("aggregated", "e-pd", "e-p-d")
+ROUTERS = ("round_robin", "least_loaded", "prefix_hash")
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 64_000_000
+    media_fetch_timeout_s: float = 5.0
+    limit_images_per_prompt: int | None = None
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str
+    mode: str = "e-p-d"
+    num_encoders: int = 1
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mm_cache_dir: str | None = None  # None: a fresh directory under the run dir
+    mm_cache_gb: float = 4.0
+    router: str = "least_loaded"
+    served_model_name: str | None = None
+    api_key: str | None = None
+    external_workers: bool = False
+    worker_port: int | None = None  # collector port for external workers (default: port + 1)
+    threads_per_worker: int | None = None  # None: the machine's cores split over the workers
+    ready_timeout_s: float = 600.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        for name in ("num_encoders", "num_prefill", "num_decode"):
+            if getattr(self, name) < 0 or (getattr(self, name) == 0 and not self.external_workers):
+                raise ValueError(f"--{name.split('_')[1]} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.mm_cache_gb <= 0:
+            raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"{self.model} is not a checkpoint directory (no config.json)")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def mm_cache_bytes(self) -> int:
+        return int(self.mm_cache_gb * (1 << 30))
+
+    def worker_roles(self) -> list[tuple[str, int]]:
+        """(role, index) of every worker the launcher starts for this mode."""
+        if self.external_workers:
+            return []
+        if self.mode == "aggregated":
+            return [("aggregated", i) for i in range(self.num_prefill)]
+        encoders = [("encoder", i) for i in range(self.num_encoders)]
+        if self.mode == "e-pd":
+            return encoders + [("pd", i) for i in range(self.num_prefill)]
+        return encoders + [("prefill", i) for i in range(self.num_prefill)] + \
+            [("decode", i) for i in range(self.num_decode)]
+
+    def threads_for_each_worker(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))

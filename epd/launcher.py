@@ -1,0 +1,132 @@
+"""`epd serve`: start every worker, wait for each one's Ready, serve HTTP,
+and on Ctrl-C / SIGTERM shut everything down with no process left behind.
+
+`epd worker`: one worker of a multi-machine deployment, registering itself
+with an API started with `--external-workers`.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import replace
+
+from epd.config import ServeConfig
+from epd.roles import WorkerLaunch, run_worker
+from transport.addresses import Addresses
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+def expected_workers(config: ServeConfig) -> int:
+    """How many Ready messages to wait for (external workers included)."""
+    if not config.external_workers:
+        return len(config.worker_roles())
+    if config.mode == "aggregated":
+        return config.num_prefill
+    if config.mode == "e-pd":
+        return config.num_encoders + config.num_prefill
+    return config.num_encoders + config.num_prefill + config.num_decode
+
+
+def _stop_processes(procs: list) -> None:
+    for p in procs:
+        p.join(timeout=SHUTDOWN_GRACE_S)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=SHUTDOWN_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def serve(config: ServeConfig) -> int:
+    import uvicorn
+
+    from epd.api_server import ApiSettings, build_app
+    from epd.orchestrator import Orchestrator
+
+    run_dir = tempfile.mkdtemp(prefix="epd-")
+    config = replace(config, mm_cache_dir=os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache")))
+    os.makedirs(config.mm_cache_dir, exist_ok=True)
+    if config.external_workers:
+        collector = f"tcp://{config.host}:{config.worker_port or config.port + 1}"
+        addresses = None
+    else:
+        addresses = Addresses.ipc(run_dir)
+        collector = addresses.collector()
+    ctx = multiprocessing.get_context("spawn")
+    threads = config.threads_for_each_worker()
+    procs = []
+    for role, index in config.worker_roles():
+        launch = WorkerLaunch(role=role, index=index, model=config.model, inbox=addresses.worker(role, index),
+                              api=collector, engine=config.engine, mm_cache_dir=config.mm_cache_dir,
+                              mm_cache_bytes=config.mm_cache_bytes, max_image_pixels=config.media.max_image_pixels,
+                              num_threads=threads)
+        procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{launch.id}", daemon=False))
+
+    orchestrator = Orchestrator(config, collector)
+    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await orchestrator.start()
+        for p in procs:
+            p.start()
+        try:
+            n = expected_workers(config)
+            if config.external_workers:
+                print(f"EPD: waiting for {n} external workers to register at {collector}", flush=True)
+            await orchestrator.wait_for_workers(n, config.ready_timeout_s, alive=lambda: all(p.is_alive() for p in procs))
+        except Exception as exc:
+            print(f"EPD: start-up failed: {exc}", file=sys.stderr, flush=True)
+            await orchestrator.stop()
+            _stop_processes(procs)
+            raise
+        roles = ", ".join(sorted(f"{w.worker_id}" for w in orchestrator.registry.workers.values()))
+        print(f"EPD ready ({config.mode}: {roles}); serving {config.model_name!r} on "
+              f"http://{config.host}:{config.port}/v1", flush=True)
+        try:
+            yield
+        finally:
+            await orchestrator.stop()
+            _stop_processes(procs)
+
+    app.router.lifespan_context = lifespan
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=3))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        _stop_processes([p for p in procs if p.pid is not None])
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if server.started:
+        print("EPD: stopped; every worker exited", flush=True)
+    return 0 if server.started else 1
+
+
+def run_external_worker(role: str, api: str, model: str, engine_config, host: str, port: int,
+                        mm_cache_dir: str | None, mm_cache_gb: float, max_image_pixels: int,
+                        num_threads: int | None) -> int:
+    """`epd worker`: bind an inbox on tcp://host:port and register with the API at `api`."""
+    if port == 0:
+        with socket.socket() as s:  # pick a free port for the inbox
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    launch = WorkerLaunch(role=role, index=0, model=model, inbox=f"tcp://{host}:{port}", api=api,
+                          engine=engine_config, mm_cache_dir=mm_cache_dir, mm_cache_bytes=int(mm_cache_gb * (1 << 30)),
+                          max_image_pixels=max_image_pixels, num_threads=num_threads or (os.cpu_count() or 1),
+                          worker_id=f"{role}@{socket.gethostname()}:{port}")
+    print(f"EPD worker {launch.id}: inbox {launch.inbox}, registering with {api}", flush=True)
+    try:
+        run_worker(launch, spawned=False)
+    except KeyboardInterrupt:
+        pass
+    return 0

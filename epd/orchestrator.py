@@ -1,0 +1,289 @@
+"""The API process's side of a request: prompt, routing, fan-out, streaming back.
+
+    generate(request):
+      media -> raw bytes (never pixels) -> header size -> mm_hash    epd/media.py, encoders/image_io.py
+      chat template + placeholder expansion                          epd/prompt.py
+      route: prefill (or pd / aggregated) worker, decode worker      epd/router.py
+      embedding cache lookup; misses -> EncodeRequest, one image per encoder in turn
+      PrefillRequest at once (the worker waits for its images)
+      TokenOutputs from the collector -> detokenize, stop strings -> Delta
+      closed early (client gone) or stopped by a stop string -> Abort to every worker involved
+
+The collector socket receives everything workers send the API: Ready,
+WorkerStats, TokenOutput.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from encoders.image_io import ImageError, read_image_size
+from encoders.image_processor import ImageGeometry
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_info import ModelInfo
+from engine.sampler import TokenLogprobs
+from epd.config import ServeConfig
+from epd.media import MediaError, MediaPolicy, image_part_source, load_image_bytes
+from epd.prompt import IMAGE_PART_TYPES, ImageRef, PromptBuilder
+from epd.protocol import Delta, GenerateRequest, RequestError
+from epd.router import RoundRobinRouter, make_router
+from epd.worker_metrics import WorkerMetrics
+from epd.worker_registry import WorkerInfo, WorkerRegistry
+from engine.request import MMSpan
+from engine.worker import to_wire_spans
+from transport.channels import AsyncOutbox, AsyncReceiver
+from transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
+                                WireError, WorkerStats)
+from transport.mm_cache import MMCache, mm_hash
+
+log = logging.getLogger("epd.api")
+
+PREFILL_ROLES = ("prefill", "pd", "aggregated")
+
+
+@dataclass
+class _Prepared:
+    token_ids: list[int]
+    mm_spans: list[MMSpan]
+    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images
+
+
+class Orchestrator:
+    def __init__(self, config: ServeConfig, collector_address: str):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        hf_config = AutoConfig.from_pretrained(config.model)
+        self.info = ModelInfo.from_pretrained(config.model, hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.geometry = ImageGeometry.from_pretrained(config.model)
+        self.prompts = PromptBuilder(self.tokenizer, self.geometry, self.info.image_token_id)
+        self.processor_config = json.loads((Path(config.model) / "preprocessor_config.json").read_text())
+        self.media_policy = MediaPolicy(config.media.allowed_local_media_path, config.media.max_image_bytes)
+        self.model_name = config.model_name
+        self.max_model_len = min(config.engine.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.collector_address = collector_address
+        self.host = socket.gethostname()
+        self.registry = WorkerRegistry()
+        self.metrics = WorkerMetrics(self.registry)
+        self.prefill_router = make_router(config.router)
+        self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
+        self.encoder_turn = RoundRobinRouter()
+        self.cache: MMCache | None = None
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._receiver: AsyncReceiver | None = None
+        self._outbox: AsyncOutbox | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+
+    # ---------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self._receiver = AsyncReceiver(self.collector_address)
+        self._outbox = AsyncOutbox()
+        self._dispatcher = asyncio.create_task(self._dispatch())
+
+    async def wait_for_workers(self, expected: int, timeout_s: float, alive=lambda: True) -> None:
+        """Until `expected` workers sent Ready; raises if one died or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.registry.workers) < expected:
+            if not alive():
+                raise RuntimeError("a worker process exited during start-up (see its log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.registry.workers)} of {expected} workers ready "
+                                   f"after {timeout_s:.0f} s")
+            await asyncio.sleep(0.05)
+        self._open_cache()
+
+    def _open_cache(self) -> None:
+        if self.cache is None and self.config.mm_cache_dir and (Path(self.config.mm_cache_dir) / "data.mdb").exists():
+            self.cache = MMCache(self.config.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
+                                 model_fingerprint=self.info.fingerprint)
+
+    async def stop(self) -> None:
+        if self._outbox is not None:
+            for w in list(self.registry.workers.values()):
+                try:
+                    await asyncio.wait_for(self._outbox.send(w.inbox, Shutdown()), 1.0)
+                except (asyncio.TimeoutError, Exception):
+                    log.warning("could not send Shutdown to %s", w.worker_id)
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        if self.cache is not None:
+            self.cache.close()
+        await asyncio.sleep(0.05)  # let the Shutdowns leave
+        if self._outbox is not None:
+            self._outbox.close()
+        if self._receiver is not None:
+            self._receiver.close()
+
+    async def _dispatch(self) -> None:
+        while True:
+            try:
+                msg = await self._receiver.recv()
+            except WireError as exc:
+                log.warning("collector: dropped a malformed message: %s", exc)
+                continue
+            if isinstance(msg, TokenOutput):
+                queue = self.streams.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            elif isinstance(msg, WorkerStats):
+                self.registry.on_stats(msg)
+            elif isinstance(msg, Ready):
+                info = self.registry.on_ready(msg)
+                log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
+                self._open_cache()
+
+    # ------------------------------------------------------------- facade
+
+    def is_healthy(self) -> bool:
+        return self.registry.all_alive()
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ requests
+
+    def _prepare(self, req: GenerateRequest) -> _Prepared:
+        """Tokens, image spans and raw image bytes; RequestError for bad input."""
+        if req.messages is None:
+            prompt = req.prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise RequestError(status=400, message="the prompt is empty", param="prompt")
+            if any(not 0 <= t < self.info.vocab_size for t in ids):
+                raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
+            return _Prepared(ids, [], {})
+        image_parts = [part for msg in req.messages if isinstance(msg.get("content"), list)
+                       for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
+        limit = self.config.media.limit_images_per_prompt
+        if limit is not None and len(image_parts) > limit:
+            raise RequestError(status=400, message=f"at most {limit} images per prompt are allowed, got {len(image_parts)}",
+                               param="messages")
+        images, refs = {}, []
+        for part in image_parts:
+            try:
+                data = load_image_bytes(image_part_source(part), self.media_policy)
+                width, height = read_image_size(data, self.config.media.max_image_pixels)
+                self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
+            except (MediaError, ImageError, ValueError) as exc:
+                raise RequestError(status=400, message=str(exc), param="messages") from None
+            key = mm_hash(data, self.info.fingerprint, self.processor_config)
+            images[key] = data
+            refs.append(ImageRef(width, height, key))
+        try:
+            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt)
+        except ValueError as exc:
+            raise RequestError(status=400, message=str(exc), param="messages") from None
+        return _Prepared(prompt.token_ids, prompt.mm_spans, images)
+
+    def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
+        """The max_tokens to use; RequestError when the prompt leaves no room."""
+        room = self.max_model_len - num_prompt_tokens
+        max_tokens = req.sampling.max_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = num_prompt_tokens + (max_tokens or 1)
+            raise RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} tokens; the "
+                               f"request asks for {asked} ({num_prompt_tokens} in the prompt, "
+                               f"{max_tokens or 1} to generate)", param="max_tokens")
+        return max_tokens if max_tokens is not None else room
+
+    def _cache_reaches(self, worker: WorkerInfo) -> bool:
+        """Whether `worker` reads the cache this process looks up (same dir, same host)."""
+        return self.cache is not None and worker.mm_cache_dir == self.config.mm_cache_dir \
+            and worker.host in ("", self.host)
+
+    def _workers(self, *roles: str) -> list[WorkerInfo]:
+        workers = [w for w in self.registry.by_role(*roles) if self.registry.is_alive(w)]
+        return workers or self.registry.by_role(*roles)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
+        prep = await asyncio.to_thread(self._prepare, req)
+        max_tokens = self._check_length(req, len(prep.token_ids))
+        sampling = dict(req.sampling.__dict__, max_tokens=max_tokens, n=1)
+        prefill_workers = self._workers(*PREFILL_ROLES)
+        if not prefill_workers:
+            raise RequestError(status=503, message="no prefill worker is registered yet", type="service_unavailable")
+        prefill = self.prefill_router.choose(prefill_workers, prep.token_ids)
+        decode = None
+        if prefill.role == "prefill":
+            decode_workers = self._workers("decode")
+            if not decode_workers:
+                raise RequestError(status=503, message="no decode worker is registered yet", type="service_unavailable")
+            decode = self.decode_router.choose(decode_workers, prep.token_ids)
+        encoders = [prefill] if prefill.role == "aggregated" else self._workers("encoder")
+        rid = req.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = queue
+        involved = [prefill] + ([decode] if decode else [])
+        done = False
+        try:
+            for key, data in prep.images.items():
+                self.metrics.mm_cache_queries += 1
+                if self._cache_reaches(prefill) and self.cache.contains(key):
+                    self.metrics.mm_cache_hits += 1  # the prefill worker reads it: no encoder work
+                    continue
+                if not encoders:
+                    raise RequestError(status=503, message="no encoder worker is registered yet", type="service_unavailable")
+                enc = self.encoder_turn.choose(encoders, prep.token_ids)
+                if enc not in involved:
+                    involved.append(enc)
+                await self._outbox.send(enc.inbox, EncodeRequest(
+                    rid, key, data, reply_to=prefill.inbox,
+                    with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+            await self._outbox.send(prefill.inbox, PrefillRequest(
+                rid, prep.token_ids, to_wire_spans(prep.mm_spans), sampling, list(self.info.eos_token_ids),
+                decode.inbox if decode else None, time.time()))
+            detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, req.sampling.skip_special_tokens,
+                                           req.sampling.stop)
+            num_cached = 0
+            num_emitted = 0
+            while True:
+                out: TokenOutput = await queue.get()
+                if out.error is not None:
+                    if num_emitted == 0:
+                        raise RequestError(status=400, message=out.error, param="messages" if prep.images else None)
+                    yield Delta("", [], "abort", len(prep.token_ids), num_cached)
+                    done = True
+                    return
+                if num_emitted == 0:
+                    num_cached = out.num_cached_tokens
+                num_emitted += len(out.token_ids)
+                text = detok.push(out.token_ids)
+                finish = out.finish_reason if out.finished else None
+                if finish is None and detok.is_stopped:
+                    finish = "stop"
+                if finish is not None:
+                    text += detok.finish()
+                yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
+                            _logprobs(out.logprobs))
+                if finish is not None:
+                    done = out.finished
+                    return
+        finally:
+            self.streams.pop(rid, None)
+            if not done:  # client gone, stop string, or error: free every worker's share of it
+                for w in involved:
+                    try:
+                        await self._outbox.send(w.inbox, Abort([rid]))
+                    except Exception:
+                        log.warning("could not send Abort to %s", w.worker_id)
+
+
+def _logprobs(raw) -> list[TokenLogprobs] | None:
+    if not raw:
+        return None
+    return [TokenLogprobs(int(t), float(lp), int(rank), [(int(i), float(p)) for i, p in top])
+            for t, lp, rank, top in raw]

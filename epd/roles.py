@@ -1,0 +1,124 @@
+"""One entry function per worker process: `run_worker(WorkerLaunch)`.
+
+Builds what the role needs (engine, vision encoder or both), then runs its
+loop until Shutdown. The process dies with its parent (PR_SET_PDEATHSIG), so
+a killed launcher leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+
+ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """Everything a worker process needs, picklable for multiprocessing spawn."""
+
+    role: str
+    index: int
+    model: str
+    inbox: str  # address to bind
+    api: str  # the API collector's address
+    engine: "EngineConfig"  # noqa: F821
+    mm_cache_dir: str | None
+    mm_cache_bytes: int
+    max_image_pixels: int
+    num_threads: int
+    worker_id: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or f"{self.role}-{self.index}"
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
+    """Process entry: never returns before Shutdown (or a signal). A worker
+    `spawned` by the launcher ignores Ctrl-C (the launcher sends Shutdown) and
+    dies with it; a standalone `epd worker` stops on Ctrl-C."""
+    if spawned:
+        _die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s {launch.id} %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(launch.num_threads)
+    from transformers import AutoConfig
+
+    from engine.model_info import ModelInfo
+
+    hf_config = AutoConfig.from_pretrained(launch.model)
+    info = ModelInfo.from_pretrained(launch.model, hf_config)
+    if launch.role == "encoder":
+        _run_encoder(launch, hf_config, info)
+    elif launch.role in ("prefill", "decode", "pd", "aggregated"):
+        _run_engine(launch, hf_config, info)
+    else:
+        raise ValueError(f"unknown role {launch.role!r}; choose one of {', '.join(ROLES)}")
+
+
+def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
+    from encoders.image_encoder import ImageEncoder
+
+    return ImageEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint,
+                        max_image_pixels=launch.max_image_pixels)
+
+
+def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
+    from encoders.encoder_worker import EncoderSpec, EncoderWorker
+    from engine.loader import resolve_dtype
+
+    device = launch.engine.resolved_device()
+    encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
+                             device)
+    spec = EncoderSpec(launch.id, launch.inbox, launch.api, launch.mm_cache_dir, launch.mm_cache_bytes)
+    EncoderWorker(spec, encoder).run()
+
+
+def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
+    from engine.engine_core import EngineCore
+    from engine.model_runner import MMEmbedding
+    from engine.worker import ENGINE_ROLES, EngineWorker, WorkerSpec
+
+    core = EngineCore(launch.model, launch.engine, role=ENGINE_ROLES[launch.role], hf_config=hf_config, info=info)
+    encode_fn = None
+    if launch.role == "aggregated":
+        from encoders.image_io import ImageError
+
+        encoder = _image_encoder(launch, hf_config, info, core.dtype, core.device)
+
+        def encode_fn(images: list[bytes]):
+            try:
+                return [MMEmbedding(e.embeds, e.deepstack) for e in encoder.encode(images)]
+            except ImageError:
+                out = []
+                for image in images:
+                    try:
+                        e = encoder.encode([image])[0]
+                        out.append(MMEmbedding(e.embeds, e.deepstack))
+                    except ImageError as exc:
+                        out.append(str(exc))
+                return out
+
+    spec = WorkerSpec(launch.id, launch.role, launch.inbox, launch.api, launch.mm_cache_dir, launch.mm_cache_bytes)
+    EngineWorker(spec, core, encode_fn).run()
+
+
+def worker_host() -> str:
+    return socket.gethostname()

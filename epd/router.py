@@ -1,0 +1,71 @@
+"""Choosing a worker for a request (`--router`).
+
+round_robin   workers in turn.
+least_loaded  power of two choices: of two workers drawn at random, the one
+              with fewer running + waiting requests in its latest stats.
+prefix_hash   consistent hashing of the prompt's first block-aligned tokens,
+              so requests sharing a prefix land where its KV is cached.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import random
+import struct
+
+PREFIX_TOKENS = 64  # tokens of the prompt that pick the worker (4 KV blocks)
+VIRTUAL_NODES = 64  # ring points per worker, for an even spread
+
+
+class RoundRobinRouter:
+    def __init__(self):
+        self._counter = itertools.count()
+
+    def choose(self, workers: list, prompt_token_ids: list[int]):
+        return workers[next(self._counter) % len(workers)]
+
+
+class LeastLoadedRouter:
+    def __init__(self, seed: int = 0):
+        self._rng = random.Random(seed)
+
+    def choose(self, workers: list, prompt_token_ids: list[int]):
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self._rng.sample(workers, 2)
+        return a if a.load <= b.load else b
+
+
+class PrefixHashRouter:
+    def __init__(self):
+        self._ring: list[tuple[int, str]] = []
+        self._members: tuple[str, ...] = ()
+
+    @staticmethod
+    def _hash(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    def _rebuild(self, workers: list) -> None:
+        self._members = tuple(sorted(w.worker_id for w in workers))
+        self._ring = sorted((self._hash(f"{wid}#{v}".encode()), wid)
+                            for wid in self._members for v in range(VIRTUAL_NODES))
+
+    def choose(self, workers: list, prompt_token_ids: list[int]):
+        if tuple(sorted(w.worker_id for w in workers)) != self._members:
+            self._rebuild(workers)
+        prefix = prompt_token_ids[:PREFIX_TOKENS]
+        key = self._hash(struct.pack(f"<{len(prefix)}q", *prefix))
+        i = bisect.bisect(self._ring, (key, "")) % len(self._ring)
+        wid = self._ring[i][1]
+        return next(w for w in workers if w.worker_id == wid)
+
+
+def make_router(name: str):
+    if name == "round_robin":
+        return RoundRobinRouter()
+    if name == "least_loaded":
+        return LeastLoadedRouter()
+    if name == "prefix_hash":
+        return PrefixHashRouter()
+    raise ValueError(f"unknown router {name!r}")

@@ -1,0 +1,184 @@
+"""`epd serve` end to end: real worker processes, ZeroMQ, LMDB, HTTP, and the
+official `openai` client, against transformers' greedy text."""
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+from hf_reference import hf_generate_text
+from media import image_bytes, image_part
+from server import ServerProcess, free_port
+
+IMG_A = image_bytes(100, 60, seed=1)
+IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")
+MAX_TOKENS = 10
+
+CHATS = {
+    "text_only": ([{"role": "user", "content": "Tell me about the red chair."}], []),
+    "one_image": ([{"role": "user", "content": [image_part(IMG_A), {"type": "text", "text": "Describe it."}]}],
+                  [IMG_A]),
+    "two_images": ([{"role": "user", "content": [image_part(IMG_A), image_part(IMG_B),
+                                                 {"type": "text", "text": "Compare them."}]}], [IMG_A, IMG_B]),
+    "multi_turn": ([{"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": [image_part(IMG_B), {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": "Noise."},
+                    {"role": "user", "content": [{"type": "text", "text": "And this?"}, image_part(IMG_A)]}],
+                   [IMG_B, IMG_A]),
+}
+
+
+def start_server(tiny_model, tmp_path, mode: str, *extra: str) -> ServerProcess:
+    port = free_port()
+    args = ["serve", tiny_model, "--mode", mode, "--port", str(port), "--num-kv-blocks", "256",
+            "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1", *extra]
+    return ServerProcess(args, port, str(tmp_path / f"server-{mode}-{port}.log")).wait_ready()
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chat_text(server, messages, max_tokens=MAX_TOKENS, stream=False) -> str:
+    c = client(server)
+    if not stream:
+        r = c.chat.completions.create(model=server_model(server), messages=messages, max_tokens=max_tokens,
+                                      temperature=0)
+        return r.choices[0].message.content
+    chunks = c.chat.completions.create(model=server_model(server), messages=messages, max_tokens=max_tokens,
+                                       temperature=0, stream=True)
+    return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+def server_model(server) -> str:
+    return client(server).models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def expected_texts(tiny_model):
+    return {name: hf_generate_text(tiny_model, m, imgs, max_new_tokens=MAX_TOKENS) for name, (m, imgs) in CHATS.items()}
+
+
+@pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
+def server(request, tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache")] if request.param == "e-p-d" else []
+    if request.param == "e-pd":
+        extra = ["--mm-cache-gb", "0.0001"]  # ~100 KiB: a handful of tiny embeddings, then eviction
+    srv = start_server(tiny_model, tmp, request.param, *extra)
+    srv.cache_dir = str(tmp / "cache")
+    srv.mode = request.param
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert not srv.group_alive(), "a server process survived Ctrl-C"
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_greedy_text_equals_transformers(server, expected_texts, chat):
+    messages, _ = CHATS[chat]
+    assert chat_text(server, messages) == expected_texts[chat]
+    assert chat_text(server, messages, stream=True) == expected_texts[chat]
+
+
+def test_text_only_request_skips_the_encoder(server):
+    before = server.settled_sum("epd:encoder_images_total")
+    chat_text(server, [{"role": "user", "content": "Only words here, no pictures at all."}])
+    assert server.settled_sum("epd:encoder_images_total") == before
+
+
+def test_kv_transfer_moves_exactly_the_request_blocks_and_frees_them(server):
+    if server.mode != "e-p-d":
+        pytest.skip("KV moves only in e-p-d")
+    before = server.settled_sum("epd:kv_transfer_bytes_total")
+    r = client(server).chat.completions.create(model=server_model(server), max_tokens=5, temperature=0,
+                                               messages=[{"role": "user", "content": "Count the blocks, please."}])
+    block_bytes = 2 * 3 * 16 * 2 * 16 * 4  # k+v, tiny: 3 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
+    expected = math.ceil(r.usage.prompt_tokens / 16) * block_bytes
+    _wait_for(lambda: server.metric_sum("epd:kv_transfer_bytes_total") - before == expected)
+    _wait_for(lambda: server.metric_sum("epd:kv_cache_usage_perc", role="prefill") == 0
+              and server.metric_sum("epd:kv_cache_usage_perc", role="decode") == 0)
+
+
+def test_four_images_spread_over_two_encoders(server):
+    if server.mode != "e-p-d":
+        pytest.skip("two encoders only in the e-p-d fixture")
+    imgs = [image_bytes(64 + 8 * i, 48, seed=100 + i) for i in range(4)]
+    per_encoder = [server.settled_sum("epd:encoder_images_total", worker=f"encoder-{i}") for i in range(2)]
+    chat_text(server, [{"role": "user", "content": [*map(image_part, imgs), {"type": "text", "text": "All four?"}]}])
+    _wait_for(lambda: sum(server.metric_sum("epd:encoder_images_total", worker=f"encoder-{i}")
+                          for i in range(2)) - sum(per_encoder) == 4)
+    for i in range(2):
+        assert server.metric_sum("epd:encoder_images_total", worker=f"encoder-{i}") > per_encoder[i]
+
+
+def test_repeated_image_hits_the_cache(server):
+    img = image_bytes(90, 90, seed=77)
+    messages = [{"role": "user", "content": [image_part(img), {"type": "text", "text": "Again?"}]}]
+    first = chat_text(server, messages)
+    encoded = server.settled_sum("epd:encoder_images_total")
+    hits = server.metric_sum("epd:mm_cache_hits_total")
+    assert chat_text(server, messages) == first
+    assert server.metric_sum("epd:mm_cache_hits_total") == hits + 1
+    assert server.settled_sum("epd:encoder_images_total") == encoded
+
+
+def test_small_cache_evicts_and_every_request_succeeds(server):
+    if server.mode != "e-pd":
+        pytest.skip("the tiny cache is in the e-pd fixture")
+    for i in range(12):
+        img = image_bytes(128, 128, seed=500 + i)
+        text = chat_text(server, [{"role": "user", "content": [image_part(img), {"type": "text", "text": "Hm?"}]}],
+                         max_tokens=3)
+        assert isinstance(text, str)
+
+
+def _wait_for(predicate, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.1)
+
+
+def test_cache_survives_a_restart(tiny_model, tmp_path):
+    """A warm cache dir: the same image after a restart costs no encoder time."""
+    cache = str(tmp_path / "cache")
+    img = image_bytes(80, 120, seed=31)
+    messages = [{"role": "user", "content": [image_part(img), {"type": "text", "text": "Remember me?"}]}]
+    first = start_server(tiny_model, tmp_path, "e-p-d", "--mm-cache-dir", cache)
+    try:
+        text = chat_text(first, messages)
+        assert first.settled_sum("epd:encoder_images_total") == 1
+    finally:
+        assert first.stop() == 0
+    second = start_server(tiny_model, tmp_path, "e-p-d", "--mm-cache-dir", cache)
+    try:
+        assert chat_text(second, messages) == text
+        assert second.metric_sum("epd:mm_cache_hits_total") == 1
+        assert second.settled_sum("epd:encoder_images_total") == 0
+    finally:
+        assert second.stop() == 0
+    assert not second.group_alive()
+
+
+def test_external_worker_over_tcp(tiny_model, tmp_path, expected_texts):
+    """`epd serve --external-workers` + `epd worker --api tcp://...` on loopback."""
+    port = free_port()
+    worker_port = free_port()
+    api = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--external-workers", "--port", str(port),
+                         "--worker-port", str(worker_port)], port, str(tmp_path / "api.log"))
+    worker = ServerProcess(["worker", tiny_model, "--role", "aggregated", "--api", f"tcp://127.0.0.1:{worker_port}",
+                            "--num-kv-blocks", "128", "--dtype", "float32", "--device", "cpu", "--threads", "1"],
+                           worker_port, str(tmp_path / "worker.log"))
+    try:
+        api.wait_ready()
+        messages, _ = CHATS["one_image"]
+        assert chat_text(api, messages) == expected_texts["one_image"]
+        workers = [k for k in api.metrics() if k.startswith("epd:num_requests_running{")]
+        assert len(workers) == 1 and 'worker="aggregated@' in workers[0]
+    finally:
+        api.stop()
+        worker.stop()
+    assert not api.group_alive() and not worker.group_alive()
