@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs EPD on a built-in demo checkpoint (random weights, made on first run).
+# Serves a built-in demo checkpoint (random weights, made on first run) with
+# `epd serve` on http://127.0.0.1:8000/v1. Extra arguments go to `epd serve`
+# (e.g. `bash scripts/demo.sh --mode aggregated --port 9000`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh"
@@ -7,4 +9,4 @@ DEMO="$ROOT/.demo/tiny"
 if [ ! -f "$DEMO/config.json" ]; then
     epd make-model "$DEMO" --preset tiny
 fi
-exec epd chat "$DEMO" --prompt "${1:-Describe this picture.}" --image "$ROOT/docs/demo.png" --max-tokens 24
+exec epd serve "$DEMO" --served-model-name epd-demo --mm-cache-dir "$ROOT/.demo/mm-cache" "$@"
