@@ -4,7 +4,7 @@
 # (e.g. `bash scripts/demo.sh --mode aggregated --port 9000`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/env.sh"
+source "$ROOT/scripts/env.sh" ""  # no extras (and not this script's arguments)
 DEMO="$ROOT/.demo/tiny"
 if [ ! -f "$DEMO/config.json" ]; then
     epd make-model "$DEMO" --preset tiny

@@ -14,7 +14,7 @@ fi
 source "$ROOT/.venv/bin/activate"
 STAMP="$ROOT/.venv/.epd-installed-${EXTRAS:-base}"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+    pip install -q --upgrade pip
     if ! python -c "import torch" 2>/dev/null; then
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             pip install -q torch
@@ -24,7 +24,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     fi
     TARGET="$ROOT"
     [ -n "$EXTRAS" ] && TARGET="$ROOT[$EXTRAS]"
-    pip install -q -e "$TARGET" 2>&1 | grep -v "^WARNING: Location" || true
+    pip install -q -e "$TARGET"
     python -c "import epd, torch; print('epd env ready: torch', torch.__version__)"
     touch "$STAMP"
 fi
