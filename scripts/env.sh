@@ -14,7 +14,6 @@ fi
 source "$ROOT/.venv/bin/activate"
 STAMP="$ROOT/.venv/.epd-installed-${EXTRAS:-base}"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    pip install -q --upgrade pip
     if ! python -c "import torch" 2>/dev/null; then
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             pip install -q torch
