@@ -119,6 +119,13 @@ def _bench_serve(args) -> int:
     return 0
 
 
+def _bench_compare(args) -> int:
+    from bench.compare import main as run
+
+    run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="Disaggregated VLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -189,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("serve", help="goodput benchmark against a running server (like `vllm bench serve`)")
     serve_arguments(p)
     p.set_defaults(func=_bench_serve)
+
+    from bench.compare import add_arguments as compare_arguments
+
+    p = bench.add_parser("compare", help="aggregated vs e-pd vs e-p-d on one machine, one request trace")
+    compare_arguments(p)
+    p.set_defaults(func=_bench_compare)
     return parser
 
 

@@ -1,0 +1,213 @@
+"""`epd bench compare`: every mode on the same machine and cores, one request trace.
+
+For each mode (default aggregated, e-pd, e-p-d) it starts `epd serve` as a
+subprocess pinned to the same CPU set, replays the identical request trace
+(same dataset, same seed, same arrival times) at each rate, and stops the
+server. Per mode it reports
+  (a) goodput — DistServe's: the highest rate at which >= 90% of requests
+      meet both the TTFT and the TPOT SLO;
+  (b) the published EPD results' rate: the highest rate at which P99 TTFT
+      and P99 TPOT both meet their SLOs;
+with the ratio to the first mode, a JSON file and a PNG plot. SLOs are
+absolute (`--slo-ttft-ms`, `--slo-tpot-ms`) or relative (`--slo-scale X`:
+X times the median solo latency of a few requests, measured on the first
+mode with nothing else running).
+Like every bench/ module it talks to the server over HTTP only.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import serve as bench_serve
+from bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
+from bench.report import results_from_json
+
+WORKERS_PER_MODE = {"aggregated": 1, "e-pd": 2, "e-p-d": 3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="checkpoint directory to serve")
+    p.add_argument("--modes", default="aggregated,e-pd,e-p-d", help="comma-separated; the first is the baseline")
+    p.add_argument("--rates", required=True, help="comma-separated request rates (requests/s)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-scale", type=float, default=None,
+                   help="SLOs as multiples of the median solo TTFT/TPOT (measured first, on the first mode)")
+    p.add_argument("--slo-probe-requests", type=int, default=4, help="requests run alone to measure solo latency")
+    p.add_argument("--cpus", default=None, help="CPU list every server is pinned to, e.g. 0-1 (default: all)")
+    p.add_argument("--server-args", default="", help="extra `epd serve` flags, e.g. '--max-num-seqs 32'")
+    p.add_argument("--output-dir", default="bench-results", help="JSON, per-run results and the PNG go here")
+    bench_serve.add_arguments(p)
+    p.set_defaults(num_prompts=40, input_len=400, output_len=32, image_size=[(448, 448)], no_progress=True)
+
+
+def _cpu_set(text: str | None) -> set[int]:
+    if not text:
+        return set(os.sched_getaffinity(0))
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """One `epd serve` subprocess, pinned to `cpus`, ready when /health is 200."""
+
+    def __init__(self, args, mode: str, cpus: set[int], log_path: Path):
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        threads = max(1, len(cpus) // WORKERS_PER_MODE.get(mode, 1))
+        cmd = [sys.executable, "-m", "epd.cli", "serve", args.model_dir, "--mode", mode, "--port", str(self.port),
+               "--threads-per-worker", str(threads), *args.server_args.split()]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"epd serve not ready after {timeout_s} s (see {self._log.name})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(2)  # SIGINT: graceful, like Ctrl-C
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _run_at(args, base_url: str, rate: float, out: Path) -> dict:
+    run = copy.copy(args)
+    run.base_url, run.request_rate, run.save_result, run.save_detailed = base_url, rate, str(out), True
+    return bench_serve.main(run)
+
+
+def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
+    probe = copy.copy(args)
+    probe.num_prompts = args.slo_probe_requests
+    probe.max_concurrency = 1
+    result = _run_at(probe, base_url, float("inf"), out_dir / "solo.json")
+    ttfts = [t * 1e3 for t in result["ttfts"] if t]
+    tpots = [(e - t) * 1e3 / (n - 1) for e, t, n in zip(result["latencies"], result["ttfts"], result["output_lens"])
+             if n and n > 1]
+    return args.slo_scale * statistics.median(ttfts), args.slo_scale * statistics.median(tpots)
+
+
+def main(args) -> dict:
+    modes = [m for m in args.modes.split(",") if m]
+    rates = sorted(float(r) for r in args.rates.split(","))
+    if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
+        raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
+    cpus = _cpu_set(args.cpus)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ttft_slo, tpot_slo = args.slo_ttft_ms, args.slo_tpot_ms
+    per_mode: dict[str, dict] = {}
+    for mode in modes:
+        server = _Server(args, mode, cpus, out_dir / f"server-{mode}.log")
+        try:
+            server.wait_ready()
+            if ttft_slo is None:  # relative SLOs: measured once, on the baseline
+                ttft_slo, tpot_slo = _solo_slos(args, server.base_url, out_dir)
+                print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
+            sweep, rows = [], []
+            for rate in rates:
+                result = _run_at(args, server.base_url, rate, out_dir / f"{mode}-rate{rate:g}.json")
+                results = results_from_json(result)
+                sweep.append((rate, results))
+                p99_ttft, p99_tpot = tail_latencies_ms(results)
+                row = {"rate": rate, "request_throughput": result["request_throughput"],
+                       "slo_attainment": slo_attainment(results, ttft_slo, tpot_slo),
+                       "p99_ttft_ms": p99_ttft, "p99_tpot_ms": p99_tpot,
+                       "failed": result["failed"]}
+                for key in ("text_only_p99_ttft_ms", "image_p99_ttft_ms"):
+                    if key in result:
+                        row[key] = result[key]
+                rows.append(row)
+                print(f"{mode:>10} rate {rate:g}: {json.dumps(row)}", flush=True)
+        finally:
+            server.stop()
+        per_mode[mode] = {"rows": rows, "goodput_distserve": distserve_max_rate(sweep, ttft_slo, tpot_slo),
+                          "goodput_p99": p99_max_rate(sweep, ttft_slo, tpot_slo)}
+    summary = {"model_dir": args.model_dir, "modes": modes, "rates": rates, "cpus": sorted(cpus),
+               "slo_ttft_ms": ttft_slo, "slo_tpot_ms": tpot_slo, "num_prompts": args.num_prompts,
+               "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+               "images_per_request": args.images_per_request,
+               "image_size": [f"{w}x{h}" for w, h in args.image_size],
+               "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
+               "per_mode": per_mode}
+    print(format_comparison(summary))
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out_dir / "compare.png")
+    return summary
+
+
+def format_comparison(summary: dict) -> str:
+    modes = summary["modes"]
+    base = summary["per_mode"][modes[0]]
+    lines = [f"SLOs: TTFT {summary['slo_ttft_ms']:.0f} ms, TPOT {summary['slo_tpot_ms']:.1f} ms",
+             f"{'mode':>10} {'goodput(90%)':>13} {'x base':>7} {'P99 rate':>9} {'x base':>7}"]
+    for mode in modes:
+        m = summary["per_mode"][mode]
+        r1 = m["goodput_distserve"] / base["goodput_distserve"] if base["goodput_distserve"] else float("nan")
+        r2 = m["goodput_p99"] / base["goodput_p99"] if base["goodput_p99"] else float("nan")
+        lines.append(f"{mode:>10} {m['goodput_distserve']:>13.3g} {r1:>7.2f} {m['goodput_p99']:>9.3g} {r2:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("slo_attainment", "SLO attainment (TTFT and TPOT)", None),
+              ("p99_ttft_ms", "P99 TTFT (ms)", summary["slo_ttft_ms"]),
+              ("p99_tpot_ms", "P99 TPOT (ms)", summary["slo_tpot_ms"])]
+    for ax, (key, title, slo) in zip(axes, panels):
+        for mode in summary["modes"]:
+            rows = summary["per_mode"][mode]["rows"]
+            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=mode)
+        if slo is not None:
+            ax.axhline(slo, color="gray", linestyle="--", linewidth=1, label="SLO")
+        if key == "slo_attainment":
+            ax.axhline(0.9, color="gray", linestyle="--", linewidth=1, label="90%")
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"{summary['images_per_request']} image(s)/request, ~{summary['input_len']} prompt tokens, "
+                 f"{summary['output_len']} output tokens, CPUs {summary['cpus']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
