@@ -136,6 +136,9 @@ def main(args) -> dict:
         server = _Server(args, mode, cpus, out_dir / f"server-{mode}.log")
         try:
             server.wait_ready()
+            warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep
+            warmup.num_prompts, warmup.seed = 2, args.seed + 1000  # other images: the trace's stay uncached
+            _run_at(warmup, server.base_url, float("inf"), out_dir / f"{mode}-warmup.json")
             if ttft_slo is None:  # relative SLOs: measured once, on the baseline
                 ttft_slo, tpot_slo = _solo_slos(args, server.base_url, out_dir)
                 print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
