@@ -1,11 +1,15 @@
 """`epd bench offline`: engine throughput against transformers, same machine, one run.
 
-For each concurrency C (default 1, 8, 32), C text requests with the same
-prompt length and exactly `output_len` output tokens (EOS ignored) run
-through:
+For each concurrency C (default 1, 8, 32), C text requests run through
+the engines below, with EOS ignored so every request produces exactly its
+own output length. Lengths are drawn uniformly from
+[L(1-r), L(1+r)] for prompts and outputs (`--range-ratio r`, as vLLM's
+random dataset; r=0 gives equal lengths, static batching's best case):
   * epd    — our engine (`LLM.generate`, continuous batching, paged KV);
   * hf-1   — transformers `generate` one request at a time;
-  * hf-pad — transformers `generate` on static left-padded batches of C.
+  * hf-pad — transformers `generate` on static left-padded batches of C; a
+             batch runs until its longest output, and only each request's own
+             tokens count.
 Output tokens/s are reported per engine, plus, at C=1, our time per output
 token against one bare decode forward step of our model (the floor).
 """
@@ -17,45 +21,52 @@ import statistics
 import time
 
 
-def _prompts(tokenizer, num: int, input_len: int, seed: int) -> list[list[int]]:
-    import torch
+def _workload(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float,
+              seed: int) -> tuple[list[list[int]], list[int]]:
+    """(prompts as token ids, output lengths), seeded."""
+    import random
 
-    gen = torch.Generator().manual_seed(seed)
-    low = 300  # stay clear of the special tokens at the start of the vocab
-    high = len(tokenizer)
-    return [torch.randint(low, high, (input_len,), generator=gen).tolist() for _ in range(num)]
+    rng = random.Random(seed)
+    low, high = 300, len(tokenizer)  # stay clear of the special tokens at the start of the vocab
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(round(n * (1 - range_ratio)), round(n * (1 + range_ratio))))
+
+    prompts = [[rng.randrange(low, high) for _ in range(length(input_len))] for _ in range(num)]
+    return prompts, [length(output_len) for _ in range(num)]
 
 
-def bench_epd(llm, prompts, output_len: int) -> float:
+def bench_epd(llm, prompts, output_lens: list[int]) -> float:
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return len(prompts) * output_len / elapsed
+    assert [len(o.outputs[0].token_ids) for o in outs] == output_lens
+    return sum(output_lens) / elapsed
 
 
-def bench_hf(hf_model, prompts, output_len: int, batch_size: int, pad_id: int) -> float:
-    """transformers generate on static left-padded batches (batch_size 1 = one at a time)."""
+def bench_hf(hf_model, prompts, output_lens: list[int], batch_size: int, pad_id: int) -> float:
+    """transformers generate on static left-padded batches (batch_size 1 = one at a time).
+    A batch generates its longest output; only each request's own tokens count."""
     import torch
 
     @torch.inference_mode()
-    def run(batch):
+    def run(batch, new_tokens: int):
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
-        assert out.shape[1] - width == output_len
-    run(prompts[:1])  # warm-up
+        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+        assert out.shape[1] - width == new_tokens
+    run(prompts[:1], 2)  # warm-up
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        run(prompts[i:i + batch_size])
+        run(prompts[i:i + batch_size], max(output_lens[i:i + batch_size]))
     elapsed = time.perf_counter() - start
-    return len(prompts) * output_len / elapsed
+    return sum(output_lens) / elapsed
 
 
 def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
@@ -100,11 +111,11 @@ def main(args) -> dict:
     pad_id = tokenizer.pad_token_id or 0
     rows = []
     for c in args.concurrency:
-        prompts = _prompts(tokenizer, c, args.input_len, seed=c)
-        row = {"concurrency": c, "epd_tok_s": bench_epd(llm, prompts, args.output_len)}
-        one_at_a_time = prompts[:min(c, args.hf_sequential_max)]  # the rate does not depend on C
-        row["hf_sequential_tok_s"] = bench_hf(hf, one_at_a_time, args.output_len, 1, pad_id)
-        row["hf_static_batch_tok_s"] = bench_hf(hf, prompts, args.output_len, c, pad_id)
+        prompts, output_lens = _workload(tokenizer, c, args.input_len, args.output_len, args.range_ratio, seed=c)
+        row = {"concurrency": c, "epd_tok_s": bench_epd(llm, prompts, output_lens)}
+        k = min(c, args.hf_sequential_max)  # one at a time: the rate does not depend on C
+        row["hf_sequential_tok_s"] = bench_hf(hf, prompts[:k], output_lens[:k], 1, pad_id)
+        row["hf_static_batch_tok_s"] = bench_hf(hf, prompts, output_lens, c, pad_id)
         row["vs_hf_sequential"] = row["epd_tok_s"] / row["hf_sequential_tok_s"]
         row["vs_hf_static_batch"] = row["epd_tok_s"] / row["hf_static_batch_tok_s"]
         rows.append(row)
@@ -112,7 +123,7 @@ def main(args) -> dict:
     step_s = bare_decode_step_s(llm, args.input_len + args.output_len // 2)
     tpot_s = 1.0 / rows[0]["epd_tok_s"] if rows[0]["concurrency"] == 1 else float("nan")
     result = {"model": args.model, "threads": args.threads, "input_len": args.input_len,
-              "output_len": args.output_len, "rows": rows, "bare_decode_step_ms": step_s * 1e3,
+              "output_len": args.output_len, "range_ratio": args.range_ratio, "rows": rows, "bare_decode_step_ms": step_s * 1e3,
               "epd_tpot_ms_at_1": tpot_s * 1e3, "tpot_over_bare_step": tpot_s / step_s}
     _print_table(result)
     if args.save_result:
@@ -135,6 +146,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="lengths uniform in [L(1-r), L(1+r)]; 0 = every request alike")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-sequential-max", type=int, default=4,

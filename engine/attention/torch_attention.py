@@ -60,7 +60,10 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[..., num_blocks] block ids -> [..., num_tokens, Hkv, D] cache rows in order."""
-    blocks = cache[block_ids]  # [..., num_blocks, block_size, Hkv, D]
+    # index_select on [num_blocks, block_size*Hkv*D] rows: a plain row copy, several
+    # times faster on CPU than advanced indexing of the 4-D cache.
+    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids.reshape(-1))
+    blocks = rows.view(*block_ids.shape, *cache.shape[1:])  # [..., num_blocks, block_size, Hkv, D]
     return blocks.flatten(-4, -3)[..., :num_tokens, :, :]
 
 
