@@ -82,13 +82,18 @@ def _limit_images(value: str | None) -> int | None:
     return int(num)
 
 
-def _serve(args) -> int:
+def _domains(value: str | None) -> tuple[str, ...]:
+    """'Host1, host2' -> ("host1", "host2")."""
+    return tuple(d.strip().lower() for d in (value or "").split(",") if d.strip())
+
+
+def serve_config(args):
+    """The ServeConfig of parsed `epd serve` arguments (EPD_API_KEY when --api-key is absent)."""
     import os
 
     from epd.config import MediaConfig, ServeConfig
-    from epd.launcher import serve
 
-    config = ServeConfig(
+    return ServeConfig(
         model=args.model, mode=args.mode, num_encoders=args.encoders, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
         mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
@@ -96,9 +101,16 @@ def _serve(args) -> int:
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         engine=_engine_config(args),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
+                          allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                          media_fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt)))
-    return serve(config)
+
+
+def _serve(args) -> int:
+    from epd.launcher import serve
+
+    return serve(serve_config(args))
 
 
 def _worker(args) -> int:
@@ -121,6 +133,13 @@ def _bench_serve(args) -> int:
 
 def _bench_compare(args) -> int:
     from bench.compare import main as run
+
+    run(args)
+    return 0
+
+
+def _bench_cache_hit(args) -> int:
+    from bench.cache_hit import main as run
 
     run(args)
     return 0
@@ -164,9 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=None, help="port workers register on (default: --port + 1)")
     p.add_argument("--threads-per-worker", type=int, default=None)
-    p.add_argument("--allowed-local-media-path", default=None)
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="directory file:// image URLs may read from (default: file:// refused)")
+    p.add_argument("--allowed-media-domains", default=None,
+                   help="host1,host2: hosts http(s):// image URLs may be fetched from (default: none, refused)")
+    p.add_argument("--media-fetch-timeout", type=float, default=5.0,
+                   help="seconds one http(s) image fetch may take, redirects included")
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--max-image-pixels", type=int, default=64_000_000)
+    p.add_argument("--max-image-pixels", type=int, default=64_000_000, help="refuse larger images (from the header)")
     p.add_argument("--limit-mm-per-prompt", default=None, help="image=N")
     _add_engine_args(p)
     p.set_defaults(func=_serve)
@@ -202,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("compare", help="aggregated vs e-pd vs e-p-d on one machine, one request trace")
     compare_arguments(p)
     p.set_defaults(func=_bench_compare)
+
+    from bench.cache_hit import add_arguments as cache_hit_arguments
+
+    p = bench.add_parser("cache-hit", help="TTFT of a cached-image request vs a text-only one of equal length")
+    cache_hit_arguments(p)
+    p.set_defaults(func=_bench_cache_hit)
     return parser
 
 
