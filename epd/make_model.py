@@ -168,14 +168,15 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
-def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Writes a random-weight Qwen3-VL checkpoint to `out_dir` and returns its path."""
+def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0) -> Path:
+    """Writes a random-weight Qwen3-VL checkpoint to `out_dir` and returns its path.
+    `preset` is a name from PRESETS or a `Preset` (tests build variants)."""
     import torch
     from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    if preset not in PRESETS:
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset]
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,54 @@
+"""Routers pick workers as documented."""
+from __future__ import annotations
+
+from collections import Counter
+
+from epd.router import LeastLoadedRouter, PrefixHashRouter, RoundRobinRouter, make_router
+from epd.worker_registry import WorkerInfo
+from transport.messages import WorkerStats
+
+
+def _workers(loads):
+    out = []
+    for i, load in enumerate(loads):
+        w = WorkerInfo(f"prefill-{i}", "prefill", f"ipc:///tmp/x/prefill-{i}.sock")
+        w.stats = WorkerStats(w.worker_id, "prefill", num_running=load, num_waiting=0, num_free_blocks=0,
+                              num_total_blocks=0, queue_depth=0)
+        out.append(w)
+    return out
+
+
+def test_round_robin_cycles():
+    workers = _workers([0, 0, 0])
+    router = RoundRobinRouter()
+    assert [router.choose(workers, [1]).worker_id for _ in range(6)] == \
+        ["prefill-0", "prefill-1", "prefill-2"] * 2
+
+
+def test_least_loaded_prefers_the_idle_worker():
+    workers = _workers([50, 0])
+    router = LeastLoadedRouter(seed=1)
+    picks = Counter(router.choose(workers, [1]).worker_id for _ in range(100))
+    assert picks == {"prefill-1": 100}  # of two choices among two workers, the idle one always wins
+    many = _workers([9, 9, 9, 0])
+    picks = Counter(router.choose(many, [1]).worker_id for _ in range(300))
+    assert picks.most_common(1)[0][0] == "prefill-3"
+
+
+def test_prefix_hash_is_sticky_and_spreads():
+    workers = _workers([0, 0, 0, 0])
+    router = PrefixHashRouter()
+    prompts = [[i] * 80 for i in range(200)]
+    first = [router.choose(workers, p).worker_id for p in prompts]
+    assert first == [router.choose(workers, p).worker_id for p in prompts]  # same prefix, same worker
+    assert len(set(first)) == 4
+    # Only the first block-aligned tokens matter: a different tail keeps the worker.
+    assert router.choose(workers, [5] * 64 + [1, 2, 3]).worker_id == router.choose(workers, [5] * 64).worker_id
+    # Removing a worker moves only the prompts that were on it (consistent hashing).
+    fewer = [w for w in workers if w.worker_id != "prefill-0"]
+    moved = sum(a != router.choose(fewer, p).worker_id for a, p in zip(first, prompts) if a != "prefill-0")
+    assert moved == 0
+
+
+def test_make_router_names():
+    assert isinstance(make_router("prefix_hash"), PrefixHashRouter)
