@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig
 from engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from engine.loader import load_language_model, resolve_dtype
@@ -20,6 +22,27 @@ from engine.request import Request
 from engine.sampler import TokenLogprobs
 from engine.scheduler import Scheduler
 from engine.scheduler_output import RequestUpdate
+
+
+@torch.inference_mode()
+def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
+    """The largest forward an engine step runs (a full token budget, logits for
+    max_num_seqs rows) on a throwaway cache, so its peak activation memory is
+    measured before the KV cache takes the rest of the GPU."""
+    from engine.attention import get_backend
+    from engine.attention.metadata import AttentionMetadata
+    from engine.models.qwen3_vl import ForwardBatch
+
+    cfg, n, bs = model.cfg, config.max_num_batched_tokens, config.block_size
+    blocks = n // bs + 1
+    dtype = model.lm_head.weight.dtype
+    cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
+                         attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
+                         backend=get_backend(config.resolved_backend(device)),
+                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
+    hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
+    return model.compute_logits(hidden[-min(n, config.max_num_seqs):])  # [rows, vocab]
 
 
 @dataclass
@@ -43,7 +66,8 @@ class EngineCore:
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.block_size, self.dtype)
-        num_blocks = num_kv_blocks(config, block_bytes, self.device)
+        num_blocks = num_kv_blocks(config, block_bytes, self.device,
+                                   profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = config.scheduler_config()
         max_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
         sched_cfg = type(sched_cfg)(**{**sched_cfg.__dict__, "max_model_len": max_len})

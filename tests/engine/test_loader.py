@@ -61,3 +61,13 @@ def test_bfloat16_load_keeps_rotary_tables_in_float32(tiny_model):
     model = load_language_model(tiny_model, _config(tiny_model), torch.bfloat16)
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert model.model.rotary.inv_freq.dtype == torch.float32
+
+
+def test_profile_forward_runs_a_full_token_budget(tiny_model):
+    """The pass that sizes the GPU KV cache, exercised on CPU."""
+    from engine.config import EngineConfig
+    from engine.engine_core import profile_forward
+
+    model = load_language_model(tiny_model, _config(tiny_model), torch.float32)
+    logits = profile_forward(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, device="cpu"), "cpu")
+    assert logits.shape == (8, model.cfg.vocab_size) and torch.isfinite(logits).all()
