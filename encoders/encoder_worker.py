@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from encoders.image_encoder import ImageEncoder
 from encoders.image_io import ImageError, read_image_size
 from transport.channels import Outbox, Receiver
-from transport.messages import (Abort, EncodeDone, EncodeRequest, Ready, Shutdown, WireError,
-                                WorkerStats)
+from transport.messages import Abort, EncodeDone, EncodeRequest, Ready, Shutdown, WorkerStats
 from transport.mm_cache import MMCache
 from transport.mm_entry import MMEntry
 
@@ -71,15 +70,7 @@ class EncoderWorker:
             self.outbox.close()
 
     def _drain(self, timeout_s: float) -> None:
-        while True:
-            try:
-                msg = self.inbox.recv(timeout_s)
-            except WireError as exc:
-                log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
-                continue
-            if msg is None:
-                return
-            timeout_s = 0.0
+        for msg in self.inbox.drain(timeout_s, self.spec.worker_id):
             if isinstance(msg, EncodeRequest):
                 self._enqueue(msg)
             elif isinstance(msg, Abort):  # pending encoder work of aborted requests is dropped

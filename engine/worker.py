@@ -31,7 +31,7 @@ from engine.request import MMSpan, Request
 from engine.sampling_params import SamplingParams
 from transport.channels import Outbox, Receiver
 from transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
-                                PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats)
+                                PrefillRequest, Ready, Shutdown, TokenOutput, WorkerStats)
 from transport.messages import MMSpan as WireSpan
 from transport.mm_cache import MMCache
 from transport.mm_entry import MMEntry
@@ -117,15 +117,7 @@ class EngineWorker:
         self.outbox.close()
 
     def _drain(self, timeout_s: float) -> None:
-        while True:
-            try:
-                msg = self.inbox.recv(timeout_s)
-            except WireError as exc:  # garbage on the socket: log, keep serving
-                log.warning("%s: dropped a malformed message: %s", self.spec.worker_id, exc)
-                continue
-            if msg is None:
-                return
-            timeout_s = 0.0
+        for msg in self.inbox.drain(timeout_s, self.spec.worker_id):
             try:
                 self._handle(msg)
             except Exception:  # one bad message must not take the worker down

@@ -12,13 +12,16 @@ that do not decode: the caller logs and keeps receiving, the socket is fine.
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import zmq
 import zmq.asyncio
 
-from transport.messages import Message, decode_message
+from transport.messages import Message, WireError, decode_message
+
+log = logging.getLogger("epd.transport")
 
 # Messages, not bytes. A full queue blocks the sender (backpressure); 10k keeps
 # bursts of small TokenOutputs from stalling a decode step while bounding memory.
@@ -99,6 +102,20 @@ class Receiver(_Channel):
         if timeout_s is not None and not self.poll(timeout_s):
             return None
         return decode_message(self.socket.recv_multipart(copy=False))
+
+    def drain(self, timeout_s: float, name: str = "") -> Iterator[Message]:
+        """Every message ready now, waiting up to `timeout_s` for the first.
+        Garbage is logged and skipped: a worker loop keeps serving."""
+        while True:
+            try:
+                msg = self.recv(timeout_s)
+            except WireError as exc:
+                log.warning("%s: dropped a malformed message: %s", name or self.address, exc)
+                continue
+            if msg is None:
+                return
+            timeout_s = 0.0
+            yield msg
 
 
 class AsyncSender(_Channel):

@@ -27,7 +27,7 @@ from transport.codec import pack_header, unpack_header
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
     "KVTransfer", "KVAck", "TokenOutput", "WorkerStats", "Ready", "Abort", "Shutdown",
-    "Register", "MESSAGE_TYPES", "decode_message",
+    "MESSAGE_TYPES", "decode_message",
 ]
 
 Payload = torch.Tensor | bytes
@@ -360,26 +360,11 @@ class WorkerStats(Message):
 
 @dataclass
 class Ready(Message):
-    """Worker -> launcher/API: started, sockets bound at `addresses` (name -> zmq address)."""
+    """Worker -> API: started, sockets bound at `addresses` (name -> zmq address,
+    plus "host" and "mm_cache_dir"). From an `epd worker` on another host this
+    is also its registration."""
 
     TYPE: ClassVar[str] = "ready"
-    worker_id: str
-    role: str
-    addresses: dict[str, str] = field(default_factory=dict)
-
-    def _fields(self):
-        return {"worker_id": self.worker_id, "role": self.role, "addresses": self.addresses}
-
-    @classmethod
-    def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.str("role"), f.str_dict("addresses"))
-
-
-@dataclass
-class Register(Message):
-    """External worker (another host) -> API: add me to the pool at `addresses`."""
-
-    TYPE: ClassVar[str] = "register"
     worker_id: str
     role: str
     addresses: dict[str, str] = field(default_factory=dict)
@@ -424,7 +409,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "token_output": TokenOutput,
     "worker_stats": WorkerStats,
     "ready": Ready,
-    "register": Register,
     "abort": Abort,
     "shutdown": Shutdown,
 }

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    PrefillRequest, Ready, Register, Shutdown, TokenOutput, WireError, WorkerStats,
+    PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats,
     decode_message,
 )
 
@@ -51,7 +51,7 @@ def make_messages() -> list[Message]:
         TokenOutput("req-1", []),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, {"steps": 10, "tok_per_s": 1.5}),
         Ready("prefill-0", "prefill", {"inbox": "ipc:///tmp/epd-x/prefill-0.sock"}),
-        Register("encoder-7", "encoder", {"inbox": "tcp://10.0.0.2:27100"}),
+        Ready("encoder-7", "encoder", {"inbox": "tcp://10.0.0.2:27100", "host": "b", "mm_cache_dir": ""}),
         Abort(["req-1", "req-2"]),
         Abort([]),
         Shutdown(),
