@@ -1,9 +1,10 @@
 """`epd bench compare`: every mode on the same machine and cores, one request trace.
 
 For each mode (default aggregated, e-pd, e-p-d) it starts `epd serve` as a
-subprocess pinned to the same CPU set, replays the identical request trace
-(same dataset, same seed, same arrival times) at each rate, and stops the
-server. Per mode it reports
+subprocess pinned to the same CPU set, sends at each rate the identical
+request trace (same dataset, seed and arrival times in every mode; a fresh
+seed per rate, so no run finds the previous one's images and prefixes in
+the caches), and stops the server. Per mode it reports
   (a) goodput — DistServe's: the highest rate at which >= 90% of requests
       meet both the TTFT and the TPOT SLO;
   (b) the published EPD results' rate: the highest rate at which P99 TTFT
@@ -105,17 +106,26 @@ class _Server:
         self._log.close()
 
 
-def _run_at(args, base_url: str, rate: float, out: Path) -> dict:
+def _run_at(args, base_url: str, rate: float, out: Path, seed: int | None = None) -> dict:
     run = copy.copy(args)
     run.base_url, run.request_rate, run.save_result, run.save_detailed = base_url, rate, str(out), True
+    if seed is not None:
+        run.seed = seed
     return bench_serve.main(run)
+
+
+def trace_seed(args, rate_index: int) -> int:
+    """Each rate replays its own trace (same in every mode): a server keeps its
+    embedding and prefix caches across rates, so reusing one trace would turn
+    every run after the first into cache hits."""
+    return args.seed + 7919 * rate_index
 
 
 def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
     probe = copy.copy(args)
     probe.num_prompts = args.slo_probe_requests
     probe.max_concurrency = 1
-    result = _run_at(probe, base_url, float("inf"), out_dir / "solo.json")
+    result = _run_at(probe, base_url, float("inf"), out_dir / "solo.json", seed=args.seed + 2000)
     ttfts = [t * 1e3 for t in result["ttfts"] if t]
     tpots = [(e - t) * 1e3 / (n - 1) for e, t, n in zip(result["latencies"], result["ttfts"], result["output_lens"])
              if n and n > 1]
@@ -143,8 +153,9 @@ def main(args) -> dict:
                 ttft_slo, tpot_slo = _solo_slos(args, server.base_url, out_dir)
                 print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
             sweep, rows = [], []
-            for rate in rates:
-                result = _run_at(args, server.base_url, rate, out_dir / f"{mode}-rate{rate:g}.json")
+            for i, rate in enumerate(rates):
+                result = _run_at(args, server.base_url, rate, out_dir / f"{mode}-rate{rate:g}.json",
+                                 seed=trace_seed(args, i))
                 results = results_from_json(result)
                 sweep.append((rate, results))
                 p99_ttft, p99_tpot = tail_latencies_ms(results)
