@@ -84,7 +84,7 @@ class EngineWorker:
         self.pending: dict[str, tuple[Request, set[str]]] = {}  # waiting for images
         self.staged: dict[str, MMEmbedding] = {}  # images of pending requests, ready
         self.early: OrderedDict[str, MMEmbedding | None] = OrderedDict()  # EncodeDone before its request
-        self.failed_images: dict[str, str] = {}  # mm_hash -> error, while a pending request needs it
+        self.early_failures: OrderedDict[str, str] = OrderedDict()  # request id -> error, before its request
         self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
         self.transfer_start: dict[str, float] = {}
         self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
@@ -146,6 +146,10 @@ class EngineWorker:
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
         request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
                           mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
+        error = self.early_failures.pop(msg.request_id, None)
+        if error is not None:  # one of its images failed before the request got here
+            self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error", error=error))
+            return
         if msg.decode_worker:
             self.decode_target[msg.request_id] = msg.decode_worker
         missing = set()
@@ -173,8 +177,13 @@ class EngineWorker:
     def _on_encode_done(self, msg: EncodeDone) -> None:
         waiting = [rid for rid, (_, missing) in self.pending.items() if msg.mm_hash in missing]
         if not msg.ok:
+            error = f"image could not be encoded: {msg.error}"
             for rid in waiting:
-                self._fail(rid, f"image could not be encoded: {msg.error}")
+                self._fail(rid, error)
+            if msg.request_id not in waiting:  # it overtook its PrefillRequest (ZeroMQ fair-queues the pipes)
+                self.early_failures[msg.request_id] = error
+                while len(self.early_failures) > MAX_EARLY_EMBEDDINGS:
+                    self.early_failures.popitem(last=False)
             return
         if msg.embeddings is not None:
             deepstack = (torch.stack(msg.deepstack) if msg.deepstack

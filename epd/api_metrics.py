@@ -3,7 +3,14 @@
 Exposed names (each labelled `model_name`): `epd:prompt_tokens_total`,
 `epd:generation_tokens_total`, `epd:request_success_total{finished_reason}`,
 `epd:time_to_first_token_seconds`, `epd:inter_token_latency_seconds`,
-`epd:e2e_request_latency_seconds` (histograms with vLLM's buckets).
+`epd:e2e_request_latency_seconds`, `epd:request_queue_time_seconds` (histograms
+with vLLM's buckets).
+
+`request_queue_time_seconds` is measured here, at the API: from the request's
+arrival until its PrefillRequest leaves for a prefill worker (media fetch,
+tokenization, routing), read from the first Delta's `dispatched_s`. vLLM's
+counts time in the engine's waiting queue; ours does not see the prefill
+worker's queue (its `num_requests_waiting` gauge does).
 prometheus_client appends `_total` to counters, so they are declared without it.
 Server-level gauges (running, waiting, KV usage) come from the workers, through
 the orchestrator's `metrics_text()`.
@@ -44,6 +51,10 @@ class ApiMetrics:
         self.inter_token_latency = Histogram(
             "epd:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             labels, buckets=ITL_BUCKETS_S, registry=self.registry).labels(model_name)
+        self.request_queue_time = Histogram(
+            "epd:request_queue_time_seconds",
+            "Histogram of time from arrival at the API until the request is handed to a prefill worker.",
+            labels, buckets=E2E_BUCKETS_S, registry=self.registry).labels(model_name)
         self.e2e_request_latency = Histogram(
             "epd:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
             labels, buckets=E2E_BUCKETS_S, registry=self.registry).labels(model_name)
@@ -69,6 +80,7 @@ class RequestTracker:
         self.metrics = metrics
         self.arrival_s = arrival_s
         self._last_token_s: list[float | None] = [None] * num_sequences
+        self._queued = [False] * num_sequences
         self._counted_prompt = False
 
     def on_delta(self, index: int, delta: Delta, now_s: float | None = None) -> None:
@@ -77,6 +89,9 @@ class RequestTracker:
         if not self._counted_prompt:
             self._counted_prompt = True
             m.prompt_tokens.inc(delta.num_prompt_tokens)
+        if not self._queued[index] and delta.dispatched_s is not None:
+            self._queued[index] = True
+            m.request_queue_time.observe(max(0.0, delta.dispatched_s - self.arrival_s))
         if delta.token_ids:
             m.generation_tokens.inc(len(delta.token_ids))
             last_s = self._last_token_s[index]

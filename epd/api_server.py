@@ -39,6 +39,7 @@ ResponseFormat = ChatFormat | CompletionFormat
 
 _REQUEST_ID_KEY = "epd.request_id"  # ASGI scope keys set by _ApiMiddleware
 _REQUEST_ID_GENERATED_KEY = "epd.request_id_generated"
+_ARRIVAL_KEY = "epd.arrival_s"  # time.monotonic() when the request reached the middleware
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,7 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
     async def _serve(raw: Request, request: GenerateRequest, fmt: ResponseFormat, stream: bool,
                      include_usage: bool) -> Response:
         sequences = fan_out(request)
-        tracker = metrics.track(len(sequences))
+        tracker = metrics.track(len(sequences), raw.scope.get(_ARRIVAL_KEY))
         try:
             if not stream:
                 return JSONResponse(await _until_disconnect(raw, _collect(orchestrator, sequences, fmt, tracker)))
@@ -312,6 +313,7 @@ class _ApiMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[_ARRIVAL_KEY] = time.monotonic()
         headers = Headers(scope=scope)
         request_id = headers.get("x-request-id")
         scope[_REQUEST_ID_GENERATED_KEY] = request_id is None

@@ -16,12 +16,30 @@ ROUTERS = ("round_robin", "least_loaded", "prefix_hash")
 
 @dataclass(frozen=True)
 class MediaConfig:
+    """What requests may reference. http(s) image URLs are off unless
+    `allowed_media_domains` names hosts (exact, lower-case host names or IP
+    addresses; IPv6 without brackets)."""
+
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 64_000_000
     media_fetch_timeout_s: float = 5.0
     limit_images_per_prompt: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValueError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout_s}")
+        if self.limit_images_per_prompt is not None and self.limit_images_per_prompt < 0:
+            raise ValueError(f"--limit-mm-per-prompt image=N needs N >= 0, got {self.limit_images_per_prompt}")
+        if any(not d or d != d.strip().lower() or "/" in d or d.count(":") == 1 for d in self.allowed_media_domains):
+            raise ValueError("--allowed-media-domains takes lower-case host names separated by commas "
+                             f"(no scheme, port or path), got {','.join(self.allowed_media_domains)!r}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory")
 
 
 @dataclass(frozen=True)

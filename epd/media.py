@@ -1,11 +1,17 @@
-"""Fetching the raw bytes of an image part: `data:` URLs and `file://` paths.
+"""Fetching the raw bytes of an image part: `data:` URLs, `file://` paths and,
+on the server, `http(s)://` URLs from allowed hosts.
 
 Raw bytes are what gets hashed (cache key) and sent to encoders; pixels are
 decoded only in the encoder. Every refusal is a `MediaError` whose message
 is fit for an HTTP 400.
+
+`load_image_bytes` is synchronous and local (data:, file://, PIL images);
+`MediaFetcher` is the server's asynchronous front: it fetches http(s) URLs
+itself and hands everything else to `load_image_bytes` in a thread.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -15,6 +21,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_FETCH_TIMEOUT_S = 5.0
+MAX_REDIRECTS = 5
 
 
 class MediaError(ValueError):
@@ -23,10 +31,14 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """What a request may reference. `allowed_local_media_path=None` forbids `file://`."""
+    """What a request may reference. `allowed_local_media_path=None` forbids `file://`;
+    an empty `allowed_media_domains` forbids `http(s)://` (hosts match exactly,
+    case-insensitively, any port)."""
 
     allowed_local_media_path: str | None = None
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    allowed_media_domains: tuple[str, ...] = ()
+    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
 
 
 def image_part_source(part: dict):
@@ -42,6 +54,10 @@ def image_part_source(part: dict):
     raise MediaError(f"content part of type {kind!r} is not an image")
 
 
+def is_remote(source) -> bool:
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
+
+
 def load_image_bytes(source, policy: MediaPolicy) -> bytes:
     """Raw encoded bytes of an image given as a data URL, file URL or PIL image."""
     if hasattr(source, "save") and hasattr(source, "size"):  # a PIL image
@@ -54,9 +70,30 @@ def load_image_bytes(source, policy: MediaPolicy) -> bytes:
         return _data_url_bytes(source, policy)
     if source.startswith("file://"):
         return _file_bytes(source, policy)
+    if is_remote(source):
+        check_remote_url(source, policy)
+        raise MediaError("http(s) image URLs are fetched by the server only (epd serve)")
     scheme = source.split(":", 1)[0] if ":" in source else ""
     raise MediaError(f"unsupported image URL scheme {scheme!r}: use a data: URL"
-                     + (" or file://" if policy.allowed_local_media_path else ""))
+                     + (" or file://" if policy.allowed_local_media_path else "")
+                     + (" or http(s)://" if policy.allowed_media_domains else ""))
+
+
+def check_remote_url(url: str, policy: MediaPolicy) -> str:
+    """The host of an http(s) URL the policy allows; MediaError otherwise."""
+    if not policy.allowed_media_domains:
+        raise MediaError("http(s) image URLs are not allowed (start the server with --allowed-media-domains)")
+    try:
+        parsed = urlparse(url)
+        host = (parsed.hostname or "").lower()
+        parsed.port  # noqa: B018 -- raises ValueError for a malformed port
+    except ValueError:
+        raise MediaError("malformed image URL") from None
+    if parsed.scheme.lower() not in ("http", "https") or not host:
+        raise MediaError("malformed image URL: expected http(s)://host/...")
+    if host not in policy.allowed_media_domains:
+        raise MediaError(f"image URL host {host!r} is not in --allowed-media-domains")
+    return host
 
 
 def _data_url_bytes(url: str, policy: MediaPolicy) -> bytes:
@@ -96,3 +133,69 @@ def _file_bytes(url: str, policy: MediaPolicy) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise MediaError(f"cannot read {path}: {exc.strerror}") from None
+
+
+class MediaFetcher:
+    """The server's loader: `await load(source)` -> raw bytes or MediaError.
+
+    http(s): one shared httpx client (no proxies from the environment, no
+    automatic redirects: each hop is checked against the allowed hosts, at most
+    `MAX_REDIRECTS`), the body streamed undecoded (`Accept-Encoding: identity`,
+    so a compressed bomb never expands) and abandoned past `max_image_bytes`,
+    the whole fetch bounded by `fetch_timeout_s`. Whether the body is an image
+    is decided by the caller's header check, not by Content-Type.
+    """
+
+    def __init__(self, policy: MediaPolicy):
+        self.policy = policy
+        self._client = None  # httpx.AsyncClient, made on the first remote fetch
+
+    async def load(self, source) -> bytes:
+        if not is_remote(source):
+            return await asyncio.to_thread(load_image_bytes, source, self.policy)
+        check_remote_url(source, self.policy)
+        import httpx
+
+        try:
+            return await asyncio.wait_for(self._fetch(source), self.policy.fetch_timeout_s)
+        except asyncio.TimeoutError:
+            raise MediaError(f"fetching the image URL timed out after {self.policy.fetch_timeout_s:g} s") from None
+        except httpx.HTTPError as exc:
+            raise MediaError(f"cannot fetch the image URL: {exc.__class__.__name__}") from None
+
+    async def _fetch(self, url: str) -> bytes:
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(trust_env=False, follow_redirects=False,
+                                             timeout=self.policy.fetch_timeout_s,
+                                             headers={"accept-encoding": "identity", "accept": "image/*"})
+        cap = self.policy.max_image_bytes
+        for _ in range(MAX_REDIRECTS + 1):
+            check_remote_url(url, self.policy)
+            async with self._client.stream("GET", url) as resp:
+                if resp.is_redirect:
+                    location = resp.headers.get("location")
+                    if not location:
+                        raise MediaError(f"image URL answered HTTP {resp.status_code} without a Location")
+                    url = str(resp.url.join(location))
+                    continue
+                if not 200 <= resp.status_code < 300:
+                    raise MediaError(f"image URL answered HTTP {resp.status_code}")
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > cap:
+                    raise MediaError(f"image of {declared} bytes exceeds the limit of {cap} bytes")
+                body = bytearray()
+                async for chunk in resp.aiter_raw():
+                    body += chunk
+                    if len(body) > cap:  # stop reading: the rest never arrives here
+                        raise MediaError(f"image exceeds the limit of {cap} bytes")
+                if not body:
+                    raise MediaError("image URL answered with an empty body")
+                return bytes(body)
+        raise MediaError(f"image URL redirected more than {MAX_REDIRECTS} times")
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,11 +1,14 @@
 """The API process's side of a request: prompt, routing, fan-out, streaming back.
 
     generate(request):
-      media -> raw bytes (never pixels) -> header size -> mm_hash    epd/media.py, encoders/image_io.py
+      media -> raw bytes (never pixels): data:, file:// in a thread,   epd/media.py
+               http(s):// fetched with httpx on the event loop
+      header size -> mm_hash, in a thread                            encoders/image_io.py
       chat template + placeholder expansion                          epd/prompt.py
       route: prefill (or pd / aggregated) worker, decode worker      epd/router.py
-      embedding cache lookup; misses -> EncodeRequest, one image per encoder in turn
-      PrefillRequest at once (the worker waits for its images)
+      embedding cache lookup
+      PrefillRequest at once (the worker waits for its images), then
+      misses -> EncodeRequest, one image per encoder in turn
       TokenOutputs from the collector -> detokenize, stop strings -> Delta
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
@@ -30,7 +33,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.model_info import ModelInfo
 from engine.sampler import TokenLogprobs
 from epd.config import ServeConfig
-from epd.media import MediaError, MediaPolicy, image_part_source, load_image_bytes
+from epd.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
 from epd.prompt import IMAGE_PART_TYPES, ImageRef, PromptBuilder
 from epd.protocol import Delta, GenerateRequest, RequestError
 from epd.router import RoundRobinRouter, make_router
@@ -66,7 +69,9 @@ class Orchestrator:
         self.geometry = ImageGeometry.from_pretrained(config.model)
         self.prompts = PromptBuilder(self.tokenizer, self.geometry, self.info.image_token_id)
         self.processor_config = json.loads((Path(config.model) / "preprocessor_config.json").read_text())
-        self.media_policy = MediaPolicy(config.media.allowed_local_media_path, config.media.max_image_bytes)
+        media = config.media
+        self.media = MediaFetcher(MediaPolicy(media.allowed_local_media_path, media.max_image_bytes,
+                                              media.allowed_media_domains, media.media_fetch_timeout_s))
         self.model_name = config.model_name
         self.max_model_len = min(config.engine.max_model_len or self.info.max_model_len, self.info.max_model_len)
         self.collector_address = collector_address
@@ -102,6 +107,10 @@ class Orchestrator:
                                    f"after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
         self._open_cache()
+        # where every socket lives, for operators (and the garbage-frame tests)
+        workers = sorted(self.registry.workers.values(), key=lambda w: w.worker_id)
+        sockets = [f"api={self.collector_address}"] + [f"{w.worker_id}={w.inbox}" for w in workers]
+        print(f"EPD sockets: {' '.join(sockets)}", flush=True)
 
     def _open_cache(self) -> None:
         if self.cache is None and self.config.mm_cache_dir and (Path(self.config.mm_cache_dir) / "data.mdb").exists():
@@ -119,6 +128,7 @@ class Orchestrator:
             self._dispatcher.cancel()
         if self.cache is not None:
             self.cache.close()
+        await self.media.aclose()
         await asyncio.sleep(0.05)  # let the Shutdowns leave
         if self._outbox is not None:
             self._outbox.close()
@@ -156,8 +166,29 @@ class Orchestrator:
 
     # ------------------------------------------------------------ requests
 
-    def _prepare(self, req: GenerateRequest) -> _Prepared:
-        """Tokens, image spans and raw image bytes; RequestError for bad input."""
+    async def _load_images(self, req: GenerateRequest) -> list[bytes]:
+        """Raw bytes of every image part, in order, fetched concurrently; RequestError
+        for a refused one (the others are cancelled)."""
+        if req.messages is None:
+            return []
+        image_parts = [part for msg in req.messages if isinstance(msg.get("content"), list)
+                       for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
+        limit = self.config.media.limit_images_per_prompt
+        if limit is not None and len(image_parts) > limit:
+            raise RequestError(status=400, message=f"at most {limit} images per prompt are allowed, got {len(image_parts)}",
+                               param="messages")
+        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in image_parts]
+        try:
+            return list(await asyncio.gather(*loads))
+        except MediaError as exc:
+            raise RequestError(status=400, message=str(exc), param="messages") from None
+        finally:
+            for load in loads:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+
+    def _prepare(self, req: GenerateRequest, raw_images: list[bytes]) -> _Prepared:
+        """Tokens, image spans and distinct images; RequestError for bad input."""
         if req.messages is None:
             prompt = req.prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
@@ -166,19 +197,12 @@ class Orchestrator:
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
             return _Prepared(ids, [], {})
-        image_parts = [part for msg in req.messages if isinstance(msg.get("content"), list)
-                       for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
-        limit = self.config.media.limit_images_per_prompt
-        if limit is not None and len(image_parts) > limit:
-            raise RequestError(status=400, message=f"at most {limit} images per prompt are allowed, got {len(image_parts)}",
-                               param="messages")
         images, refs = {}, []
-        for part in image_parts:
+        for data in raw_images:
             try:
-                data = load_image_bytes(image_part_source(part), self.media_policy)
                 width, height = read_image_size(data, self.config.media.max_image_pixels)
                 self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
-            except (MediaError, ImageError, ValueError) as exc:
+            except (ImageError, ValueError) as exc:
                 raise RequestError(status=400, message=str(exc), param="messages") from None
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
             images[key] = data
@@ -210,7 +234,8 @@ class Orchestrator:
         return workers or self.registry.by_role(*roles)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        prep = await asyncio.to_thread(self._prepare, req)
+        raw_images = await self._load_images(req)
+        prep = await asyncio.to_thread(self._prepare, req, raw_images)
         max_tokens = self._check_length(req, len(prep.token_ids))
         sampling = dict(req.sampling.__dict__, max_tokens=max_tokens, n=1)
         prefill_workers = self._workers(*PREFILL_ROLES)
@@ -224,28 +249,34 @@ class Orchestrator:
                 raise RequestError(status=503, message="no decode worker is registered yet", type="service_unavailable")
             decode = self.decode_router.choose(decode_workers, prep.token_ids)
         encoders = [prefill] if prefill.role == "aggregated" else self._workers("encoder")
+        misses = []
+        for key, data in prep.images.items():
+            self.metrics.mm_cache_queries += 1
+            if self._cache_reaches(prefill) and self.cache.contains(key):
+                self.metrics.mm_cache_hits += 1  # the prefill worker reads it: no encoder work
+            elif not encoders:
+                raise RequestError(status=503, message="no encoder worker is registered yet", type="service_unavailable")
+            else:
+                misses.append((key, data))
         rid = req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         involved = [prefill] + ([decode] if decode else [])
         done = False
         try:
-            for key, data in prep.images.items():
-                self.metrics.mm_cache_queries += 1
-                if self._cache_reaches(prefill) and self.cache.contains(key):
-                    self.metrics.mm_cache_hits += 1  # the prefill worker reads it: no encoder work
-                    continue
-                if not encoders:
-                    raise RequestError(status=503, message="no encoder worker is registered yet", type="service_unavailable")
+            # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
+            # has it before any EncodeDone (a busy one may still read them out of order).
+            await self._outbox.send(prefill.inbox, PrefillRequest(
+                rid, prep.token_ids, to_wire_spans(prep.mm_spans), sampling, list(self.info.eos_token_ids),
+                decode.inbox if decode else None, time.time()))
+            dispatched_s = time.monotonic()  # the end of request_queue_time_seconds
+            for key, data in misses:
                 enc = self.encoder_turn.choose(encoders, prep.token_ids)
                 if enc not in involved:
                     involved.append(enc)
                 await self._outbox.send(enc.inbox, EncodeRequest(
                     rid, key, data, reply_to=prefill.inbox,
                     with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
-            await self._outbox.send(prefill.inbox, PrefillRequest(
-                rid, prep.token_ids, to_wire_spans(prep.mm_spans), sampling, list(self.info.eos_token_ids),
-                decode.inbox if decode else None, time.time()))
             detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, req.sampling.skip_special_tokens,
                                            req.sampling.stop)
             num_cached = 0
@@ -268,7 +299,7 @@ class Orchestrator:
                 if finish is not None:
                     text += detok.finish()
                 yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
-                            _logprobs(out.logprobs))
+                            _logprobs(out.logprobs), dispatched_s=dispatched_s)
                 if finish is not None:
                     done = out.finished
                     return

@@ -73,6 +73,7 @@ class Delta:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
+    dispatched_s: float | None = None  # time.monotonic() when the request was handed to a prefill worker
 
 
 def fan_out(request: GenerateRequest) -> list[GenerateRequest]:
@@ -307,7 +308,7 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = msg.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise RequestError(f"{where}.role: unsupported role {role!r}; expected one of "
                                f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
         if msg.get("tool_calls"):

@@ -367,7 +367,8 @@ def test_metrics(client, base_url):
 def test_client_disconnect_mid_stream_closes_the_orchestrator_stream(base_url, fake):
     body = {"model": MODEL, "messages": user("SLOW"), "stream": True, "n": 2}
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=AUTH) as response:
-        next(response.iter_lines())
+        lines = response.iter_lines()  # kept: a discarded iterator would close the connection early
+        next(lines)
         rid = fake.requests[-1].request_id.rsplit("-", 1)[0]
         assert not {f"{rid}-0", f"{rid}-1"} & fake.closed
     assert wait_until(lambda: {f"{rid}-0", f"{rid}-1"} <= fake.closed)
