@@ -102,9 +102,11 @@ def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens
     if min(lens) != max_len:
         lens_t = torch.tensor(lens, device=device)
         mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]  # [B, max_len]
-        # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through softmax
-        k.masked_fill_(~mask[:, :, None, None], 0)
-        v.masked_fill_(~mask[:, :, None, None], 0)
+        # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through
+        # softmax, so zero them — only them (a full masked_fill cost a third of the call)
+        pad_b, pad_t = (~mask).nonzero(as_tuple=True)
+        k[pad_b, pad_t] = 0
+        v[pad_b, pad_t] = 0
         mask = mask[:, None, None, :]  # [B, 1, 1, max_len]
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     out[rows] = o.reshape(len(group), -1, head_dim)
