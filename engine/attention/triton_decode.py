@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.metadata import AttentionMetadata, check_attention_inputs
-from engine.attention.triton_prefill import check_kernel_layout
+from engine.attention.triton_prefill import check_kernel_layout, load_kv_tile
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -77,16 +77,9 @@ def _decode_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         mask_n = offs_n < end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d, kv_head,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            BLOCK_SIZE, UPCAST)  # [N, D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G, N]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))

@@ -25,6 +25,25 @@ LOG2E = 1.0 / math.log(2.0)
 
 
 @triton.jit
+def load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d, kv_head,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V rows [N, D] of one kv head at token positions `offs_n` of one
+    sequence, read from the paged cache through its block table `table`."""
+    block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -74,16 +93,9 @@ def _prefill_kernel(
     for start_n in range(0, kv_end, BLOCK_N):
         offs_n = start_n + offs_n0
         mask_n = offs_n < kv_end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d, kv_head,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            BLOCK_SIZE, UPCAST)  # [N, D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
         visible = (offs_n[None, :] <= positions[:, None]) & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
