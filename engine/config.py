@@ -55,6 +55,10 @@ class EngineConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_max_model_len(self, model_max_len: int) -> int:
+        """`max_model_len` if set, never beyond what the checkpoint supports."""
+        return min(self.max_model_len or model_max_len, model_max_len)
+
     def resolved_backend(self, device: str) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend

@@ -9,6 +9,7 @@ combined roles (see `Scheduler`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -68,9 +69,8 @@ class EngineCore:
                                       config.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device))
-        sched_cfg = config.scheduler_config()
-        max_len = min(config.max_model_len or self.info.max_model_len, self.info.max_model_len)
-        sched_cfg = type(sched_cfg)(**{**sched_cfg.__dict__, "max_model_len": max_len})
+        sched_cfg = dataclasses.replace(config.scheduler_config(),
+                                        max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, config.resolved_backend(self.device), self.device)

@@ -64,10 +64,17 @@ def from_wire_spans(spans: list[WireSpan]) -> list[MMSpan]:
     return [MMSpan(s.offset, s.length, s.mm_hash, tuple(s.grid_thw)) for s in spans]
 
 
-def entry_to_embedding(entry: MMEntry) -> MMEmbedding:
-    deepstack = (torch.stack(entry.deepstack) if entry.deepstack
-                 else entry.embeddings.new_zeros(0, *entry.embeddings.shape))
-    return MMEmbedding(entry.embeddings, deepstack)
+def to_embedding(embeddings: torch.Tensor, deepstack: list[torch.Tensor]) -> MMEmbedding:
+    """Embeddings [n, hidden] + deepstack features (each [n, hidden]), as the runner takes them."""
+    stacked = torch.stack(deepstack) if deepstack else embeddings.new_zeros(0, *embeddings.shape)
+    return MMEmbedding(embeddings, stacked)
+
+
+def _remember(bounded: OrderedDict, key: str, value) -> None:
+    """Keeps `value` under `key`, forgetting the oldest entries past MAX_EARLY_EMBEDDINGS."""
+    bounded[key] = value
+    while len(bounded) > MAX_EARLY_EMBEDDINGS:
+        bounded.popitem(last=False)
 
 
 class EngineWorker:
@@ -144,12 +151,12 @@ class EngineWorker:
     # ---------------------------------------------------------- admission
 
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
-        request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
-                          mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         error = self.early_failures.pop(msg.request_id, None)
         if error is not None:  # one of its images failed before the request got here
             self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error", error=error))
             return
+        request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
+                          mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         if msg.decode_worker:
             self.decode_target[msg.request_id] = msg.decode_worker
         missing = set()
@@ -171,41 +178,29 @@ class EngineWorker:
         if self.cache is not None:
             entry = self.cache.get(mm_hash)
             if entry is not None:
-                return entry_to_embedding(entry)
+                return to_embedding(entry.embeddings, entry.deepstack)
         return None
 
     def _on_encode_done(self, msg: EncodeDone) -> None:
-        waiting = [rid for rid, (_, missing) in self.pending.items() if msg.mm_hash in missing]
         if not msg.ok:
             error = f"image could not be encoded: {msg.error}"
+            waiting = self._waiting_for(msg.mm_hash)
             for rid in waiting:
                 self._fail(rid, error)
             if msg.request_id not in waiting:  # it overtook its PrefillRequest (ZeroMQ fair-queues the pipes)
-                self.early_failures[msg.request_id] = error
-                while len(self.early_failures) > MAX_EARLY_EMBEDDINGS:
-                    self.early_failures.popitem(last=False)
+                _remember(self.early_failures, msg.request_id, error)
             return
         if msg.embeddings is not None:
-            deepstack = (torch.stack(msg.deepstack) if msg.deepstack
-                         else msg.embeddings.new_zeros(0, *msg.embeddings.shape))
-            emb = MMEmbedding(msg.embeddings, deepstack)
+            emb = to_embedding(msg.embeddings, msg.deepstack)
             if self.cache is not None:  # no shared cache dir: keep a copy in ours
                 self.cache.put(msg.mm_hash, MMEntry(msg.embeddings, list(msg.deepstack), msg.grid_thw or (1, 1, 1)))
         else:
             emb = self._from_cache_or_early(msg.mm_hash)
             if emb is None:
-                for rid in waiting:
+                for rid in self._waiting_for(msg.mm_hash):
                     self._fail(rid, "image embedding missing from the cache (evicted before use?)")
                 return
-        if not waiting:
-            self.early[msg.mm_hash] = emb
-            while len(self.early) > MAX_EARLY_EMBEDDINGS:
-                self.early.popitem(last=False)
-            return
-        self.staged[msg.mm_hash] = emb
-        for rid in waiting:
-            self.pending[rid][1].discard(msg.mm_hash)
-            self._try_admit(rid)
+        self._embedding_arrived(msg.mm_hash, emb)
 
     def _on_encode_request(self, msgs: list[EncodeRequest]) -> None:
         """Aggregated role: encode in-process, then proceed as if EncodeDone arrived."""
@@ -219,14 +214,22 @@ class EngineWorker:
                 continue
             if self.cache is not None:
                 self.cache.put(msg.mm_hash, MMEntry(result.embeds, list(result.deepstack), (1, 1, 1)))
-            self.early.pop(msg.mm_hash, None)
-            waiting = [rid for rid, (_, missing) in self.pending.items() if msg.mm_hash in missing]
-            self.staged[msg.mm_hash] = result
-            for rid in waiting:
-                self.pending[rid][1].discard(msg.mm_hash)
-                self._try_admit(rid)
-            if not waiting:
-                self.early[msg.mm_hash] = result
+            self._embedding_arrived(msg.mm_hash, result)
+
+    def _waiting_for(self, mm_hash: str) -> list[str]:
+        return [rid for rid, (_, missing) in self.pending.items() if mm_hash in missing]
+
+    def _embedding_arrived(self, mm_hash: str, emb: MMEmbedding) -> None:
+        """Admits the pending requests it completes; kept for a request still to come otherwise."""
+        waiting = self._waiting_for(mm_hash)
+        if not waiting:
+            _remember(self.early, mm_hash, emb)
+            return
+        self.early.pop(mm_hash, None)
+        self.staged[mm_hash] = emb
+        for rid in waiting:
+            self.pending[rid][1].discard(mm_hash)
+            self._try_admit(rid)
 
     def _try_admit(self, request_id: str) -> None:
         request, missing = self.pending[request_id]
@@ -242,8 +245,7 @@ class EngineWorker:
         self._unstage(needed)
 
     def _unstage(self, mm_hashes) -> None:
-        still_needed = {h for _, missing in self.pending.values() for h in missing} | \
-                       {s.mm_hash for r, _ in self.pending.values() for s in r.mm_spans}
+        still_needed = {s.mm_hash for r, _ in self.pending.values() for s in r.mm_spans}
         for h in mm_hashes:
             if h not in still_needed:
                 self.staged.pop(h, None)

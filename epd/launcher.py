@@ -71,7 +71,8 @@ def serve(config: ServeConfig) -> int:
         procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{launch.id}", daemon=False))
 
     orchestrator = Orchestrator(config, collector)
-    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key))
+    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
+                                                max_images_per_prompt=config.media.limit_images_per_prompt))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

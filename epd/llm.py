@@ -21,7 +21,7 @@ from engine.request import Request
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from epd.media import MediaPolicy, image_part_source, load_image_bytes
-from epd.prompt import IMAGE_PART_TYPES, ImageRef, PromptBuilder
+from epd.prompt import ImageRef, PromptBuilder, image_parts
 
 
 @dataclass
@@ -88,8 +88,7 @@ class LLM:
         requests = []
         for messages, p in zip(conversations, params):
             image_bytes = [load_image_bytes(image_part_source(part), self.media_policy)
-                           for msg in messages if not isinstance(msg.get("content"), (str, type(None)))
-                           for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
+                           for part in image_parts(messages)]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
             prompt = self.prompts.build(messages, refs, add_generation_prompt)

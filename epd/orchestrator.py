@@ -34,7 +34,7 @@ from engine.model_info import ModelInfo
 from engine.sampler import TokenLogprobs
 from epd.config import ServeConfig
 from epd.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
-from epd.prompt import IMAGE_PART_TYPES, ImageRef, PromptBuilder
+from epd.prompt import ImageRef, PromptBuilder, image_parts
 from epd.protocol import Delta, GenerateRequest, RequestError
 from epd.router import RoundRobinRouter, make_router
 from epd.worker_metrics import WorkerMetrics
@@ -73,7 +73,7 @@ class Orchestrator:
         self.media = MediaFetcher(MediaPolicy(media.allowed_local_media_path, media.max_image_bytes,
                                               media.allowed_media_domains, media.media_fetch_timeout_s))
         self.model_name = config.model_name
-        self.max_model_len = min(config.engine.max_model_len or self.info.max_model_len, self.info.max_model_len)
+        self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
         self.collector_address = collector_address
         self.host = socket.gethostname()
         self.registry = WorkerRegistry()
@@ -168,16 +168,12 @@ class Orchestrator:
 
     async def _load_images(self, req: GenerateRequest) -> list[bytes]:
         """Raw bytes of every image part, in order, fetched concurrently; RequestError
-        for a refused one (the others are cancelled)."""
+        for a refused one (the others are cancelled). The per-prompt image limit was
+        checked by the API layer (protocol.validate_messages) before any fetch."""
         if req.messages is None:
             return []
-        image_parts = [part for msg in req.messages if isinstance(msg.get("content"), list)
-                       for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
-        limit = self.config.media.limit_images_per_prompt
-        if limit is not None and len(image_parts) > limit:
-            raise RequestError(status=400, message=f"at most {limit} images per prompt are allowed, got {len(image_parts)}",
-                               param="messages")
-        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in image_parts]
+        loads = [asyncio.ensure_future(self.media.load(image_part_source(part)))
+                 for part in image_parts(req.messages)]
         try:
             return list(await asyncio.gather(*loads))
         except MediaError as exc:

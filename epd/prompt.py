@@ -56,9 +56,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def count_images(messages: list[dict]) -> int:
-    return sum(1 for m in messages if not isinstance(m.get("content"), (str, type(None)))
-               for p in m["content"] if p.get("type") in IMAGE_PART_TYPES)
+def image_parts(messages: list[dict]) -> list[dict]:
+    """The image content parts of `messages`, in prompt order."""
+    return [part for msg in messages if isinstance(msg.get("content"), list)
+            for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
 
 
 class PromptBuilder:
