@@ -34,12 +34,11 @@ from bench import serve as bench_serve
 from bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
 from bench.report import results_from_json
 
-WORKERS_PER_MODE = {"aggregated": 1, "e-pd": 2, "e-p-d": 3}
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory to serve")
-    p.add_argument("--modes", default="aggregated,e-pd,e-p-d", help="comma-separated; the first is the baseline")
+    p.add_argument("--modes", default="aggregated,e-pd,e-p-d",
+                   help="comma-separated MODE[/SHARING] (e.g. e-p-d/shared); the first is the baseline")
     p.add_argument("--rates", required=True, help="comma-separated request rates (requests/s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -47,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs as multiples of the median solo TTFT/TPOT (measured first, on the first mode)")
     p.add_argument("--slo-probe-requests", type=int, default=4, help="requests run alone to measure solo latency")
     p.add_argument("--cpus", default=None, help="CPU list every server is pinned to, e.g. 0-1 (default: all)")
+    p.add_argument("--cpu-sharing", default="shared", choices=["split", "shared"],
+                   help="how each server's workers use the CPU set (`epd serve --cpu-sharing`)")
     p.add_argument("--server-args", default="", help="extra `epd serve` flags, e.g. '--max-num-seqs 32'")
     p.add_argument("--output-dir", default="bench-results", help="JSON, per-run results and the PNG go here")
     bench_serve.add_arguments(p)
@@ -63,6 +64,18 @@ def _cpu_set(text: str | None) -> set[int]:
     return cpus
 
 
+def parse_mode(label: str, default_sharing: str) -> tuple[str, str]:
+    """'e-p-d/shared' -> ('e-p-d', 'shared'); 'e-pd' -> ('e-pd', default_sharing)."""
+    from epd.config import CPU_SHARING, MODES
+
+    mode, _, sharing = label.partition("/")
+    sharing = sharing or default_sharing
+    if mode not in MODES or sharing not in CPU_SHARING:
+        raise ValueError(f"--modes: {label!r} is not MODE[/SHARING] with MODE one of {', '.join(MODES)} "
+                         f"and SHARING one of {', '.join(CPU_SHARING)}")
+    return mode, sharing
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,12 +85,13 @@ def _free_port() -> int:
 class _Server:
     """One `epd serve` subprocess, pinned to `cpus`, ready when /health is 200."""
 
-    def __init__(self, args, mode: str, cpus: set[int], log_path: Path):
+    def __init__(self, args, label: str, cpus: set[int], log_path: Path):
+        mode, sharing = parse_mode(label, args.cpu_sharing)
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        threads = max(1, len(cpus) // WORKERS_PER_MODE.get(mode, 1))
+        # the server sizes its workers' threads from the CPU set it is pinned to
         cmd = [sys.executable, "-m", "epd.cli", "serve", args.model_dir, "--mode", mode, "--port", str(self.port),
-               "--threads-per-worker", str(threads), *args.server_args.split()]
+               "--cpu-sharing", sharing, *args.server_args.split()]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
@@ -134,6 +148,8 @@ def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
 
 def main(args) -> dict:
     modes = [m for m in args.modes.split(",") if m]
+    for label in modes:
+        parse_mode(label, args.cpu_sharing)  # a typo fails now, not after the first mode's sweep
     rates = sorted(float(r) for r in args.rates.split(","))
     if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
         raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
@@ -143,18 +159,19 @@ def main(args) -> dict:
     ttft_slo, tpot_slo = args.slo_ttft_ms, args.slo_tpot_ms
     per_mode: dict[str, dict] = {}
     for mode in modes:
-        server = _Server(args, mode, cpus, out_dir / f"server-{mode}.log")
+        file_label = mode.replace("/", "-")
+        server = _Server(args, mode, cpus, out_dir / f"server-{file_label}.log")
         try:
             server.wait_ready()
             warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep
             warmup.num_prompts, warmup.seed = 2, args.seed + 1000  # other images: the trace's stay uncached
-            _run_at(warmup, server.base_url, float("inf"), out_dir / f"{mode}-warmup.json")
+            _run_at(warmup, server.base_url, float("inf"), out_dir / f"{file_label}-warmup.json")
             if ttft_slo is None:  # relative SLOs: measured once, on the baseline
                 ttft_slo, tpot_slo = _solo_slos(args, server.base_url, out_dir)
                 print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
             sweep, rows = [], []
             for i, rate in enumerate(rates):
-                result = _run_at(args, server.base_url, rate, out_dir / f"{mode}-rate{rate:g}.json",
+                result = _run_at(args, server.base_url, rate, out_dir / f"{file_label}-rate{rate:g}.json",
                                  seed=trace_seed(args, i))
                 results = results_from_json(result)
                 sweep.append((rate, results))

@@ -99,6 +99,7 @@ def serve_config(args):
         mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
+        cpu_sharing=args.cpu_sharing,
         engine=_engine_config(args),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=None, help="port workers register on (default: --port + 1)")
     p.add_argument("--threads-per-worker", type=int, default=None)
+    p.add_argument("--cpu-sharing", default="shared", choices=["split", "shared"],
+                   help="shared (default): every worker may use every core, later stages first (decode, then "
+                        "prefill, then encode); split: the cores divided over the workers")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory file:// image URLs may read from (default: file:// refused)")
     p.add_argument("--allowed-media-domains", default=None,

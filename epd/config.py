@@ -42,6 +42,12 @@ class MediaConfig:
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory")
 
 
+CPU_SHARING = ("split", "shared")
+# Niceness per role when workers share cores ("shared"). CFS weights fall
+# ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
+SHARED_CPU_NICE = {"decode": 0, "pd": 0, "aggregated": 0, "prefill": 2, "encoder": 4}
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str
@@ -58,7 +64,8 @@ class ServeConfig:
     api_key: str | None = None
     external_workers: bool = False
     worker_port: int | None = None  # collector port for external workers (default: port + 1)
-    threads_per_worker: int | None = None  # None: the machine's cores split over the workers
+    threads_per_worker: int | None = None  # None: decided by cpu_sharing
+    cpu_sharing: str = "shared"  # or "split"; see threads_for_each_worker
     ready_timeout_s: float = 600.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
@@ -66,6 +73,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.cpu_sharing not in CPU_SHARING:
+            raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         for name in ("num_encoders", "num_prefill", "num_decode"):
@@ -99,6 +108,19 @@ class ServeConfig:
             [("decode", i) for i in range(self.num_decode)]
 
     def threads_for_each_worker(self) -> int:
+        """"split": the cores this process may run on, divided over the
+        workers. "shared": every worker may use all of them and the kernel
+        shares them out by priority (`worker_nice`), so an idle stage's cores
+        go to a busy one."""
         if self.threads_per_worker:
             return self.threads_per_worker
-        return max(1, (os.cpu_count() or 1) // max(1, len(self.worker_roles())))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if self.cpu_sharing == "shared":
+            return cores
+        return max(1, cores // max(1, len(self.worker_roles())))
+
+    def worker_nice(self, role: str) -> int:
+        """The niceness a worker of `role` runs at: 0 unless the cores are
+        shared, then later stages first (a decode step, then a prefill, then
+        an encode), so work already under way finishes before new work starts."""
+        return SHARED_CPU_NICE.get(role, 0) if self.cpu_sharing == "shared" else 0

@@ -61,13 +61,16 @@ def serve(config: ServeConfig) -> int:
         addresses = Addresses.ipc(run_dir)
         collector = addresses.collector()
     ctx = multiprocessing.get_context("spawn")
+    if config.cpu_sharing == "shared":
+        # workers whose threads outnumber the cores must not spin while they wait
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = config.threads_for_each_worker()
     procs = []
     for role, index in config.worker_roles():
         launch = WorkerLaunch(role=role, index=index, model=config.model, inbox=addresses.worker(role, index),
                               api=collector, engine=config.engine, mm_cache_dir=config.mm_cache_dir,
                               mm_cache_bytes=config.mm_cache_bytes, max_image_pixels=config.media.max_image_pixels,
-                              num_threads=threads)
+                              num_threads=threads, nice=config.worker_nice(role))
         procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{launch.id}", daemon=False))
 
     orchestrator = Orchestrator(config, collector)

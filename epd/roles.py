@@ -32,6 +32,7 @@ class WorkerLaunch:
     max_image_pixels: int
     num_threads: int
     worker_id: str = ""
+    nice: int = 0  # added to the process's niceness before any work
 
     @property
     def id(self) -> str:
@@ -56,6 +57,8 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s {launch.id} %(levelname)s %(message)s")
+    if launch.nice:
+        os.nice(launch.nice)
     import torch
 
     torch.set_num_threads(launch.num_threads)

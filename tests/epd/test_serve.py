@@ -3,6 +3,7 @@ official `openai` client, against transformers' greedy text."""
 from __future__ import annotations
 
 import math
+import subprocess
 
 import openai
 import pytest
@@ -62,9 +63,11 @@ def expected_texts(tiny_model):
 @pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
 def server(request, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
-    extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache")] if request.param == "e-p-d" else []
+    extra = []
+    if request.param == "e-p-d":  # shared cores (the default); e-pd splits them: the same outputs either way
+        extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache")]
     if request.param == "e-pd":
-        extra = ["--mm-cache-gb", "0.0001"]  # ~100 KiB: a handful of tiny embeddings, then eviction
+        extra = ["--mm-cache-gb", "0.0001", "--cpu-sharing", "split"]  # ~100 KiB: a few embeddings, then eviction
     srv = start_server(tiny_model, tmp, request.param, *extra)
     srv.cache_dir = str(tmp / "cache")
     srv.mode = request.param
@@ -120,6 +123,17 @@ def test_repeated_image_hits_the_cache(server):
     assert chat_text(server, messages) == first
     assert server.metric_sum("epd:mm_cache_hits_total") == hits + 1
     assert server.settled_sum("epd:encoder_images_total") == encoded
+
+
+def test_shared_cores_run_later_stages_first(server):
+    """With --cpu-sharing shared the kernel, not the launcher, shares the cores:
+    the decode worker keeps niceness 0, the prefill worker 2, each encoder 4."""
+    if server.mode != "e-p-d":
+        pytest.skip("the e-p-d server shares its cores (the default); e-pd splits them")
+    out = subprocess.run(["ps", "-eo", "pgid=,ni=,comm="], capture_output=True, text=True, check=True).stdout
+    nice = [int(ni) for pgid, ni, *_ in (line.split() for line in out.splitlines()) if int(pgid) == server.pgid]
+    assert nice.count(4) == 2 and nice.count(2) == 1, nice  # two encoders, one prefill worker
+    assert 0 in nice  # the API and the decode worker
 
 
 def test_small_cache_evicts_and_every_request_succeeds(server):
