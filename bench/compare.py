@@ -147,6 +147,7 @@ def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
 
 
 def main(args) -> dict:
+    args.tokenizer = args.tokenizer or args.model_dir  # prompts of exactly --input-len tokens
     modes = [m for m in args.modes.split(",") if m]
     for label in modes:
         parse_mode(label, args.cpu_sharing)  # a typo fails now, not after the first mode's sweep

@@ -5,8 +5,11 @@ are encoded up front so the load generator spends no CPU on them while it
 measures). All randomness comes from `seed`: the same flags give the same
 prompts and the same image bytes.
 
-The client does not tokenize: a random prompt is about `input_len` words,
-and the input length recorded in the results is the server's
+With a tokenizer (`--tokenizer`, as `vllm bench serve` has) a random
+prompt is `input_len` tokens of it; without one it is `input_len` words,
+which is about as many tokens only for a large-vocabulary BPE (a small
+vocabulary splits words: the `small` preset's makes ~3.6 tokens a word). The
+input length recorded in the results is always the server's
 `usage.prompt_tokens` (text plus image placeholder tokens).
 """
 from __future__ import annotations
@@ -56,9 +59,26 @@ class BenchRequest:
         return len(self.image_urls)
 
 
-def random_prompt(rng: random.Random, num_words: int) -> str:
-    """`num_words` random words (about that many tokens); never empty."""
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
+def random_prompt(rng: random.Random, num_tokens: int, tokenizer=None) -> str:
+    """Random words: `num_tokens` tokens of `tokenizer` (re-tokenizing the text
+    may differ by a token or two at the cut), or `num_tokens` words without one."""
+    text = " ".join(rng.choice(_WORDS) for _ in range(max(1, num_tokens)))
+    if tokenizer is None:
+        return text
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max(1, num_tokens)]  # every word is >= 1 token
+    return tokenizer.decode(ids)
+
+
+def load_tokenizer(path: str | None):
+    """A Hugging Face tokenizer from a local directory, or None."""
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({exc})") from None
 
 
 def make_image_bytes(width: int, height: int, seed: int | list[int], fmt: str = "jpeg") -> bytes:
@@ -109,18 +129,19 @@ def parse_image_sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> list[BenchRequest]:
-    """Text-only requests of about `input_len` random words, `output_len` tokens out."""
+def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                  tokenizer=None) -> list[BenchRequest]:
+    """Text-only requests of `input_len` random tokens (words without a tokenizer), `output_len` out."""
     rng = random.Random(seed)
-    return [BenchRequest(random_prompt(rng, input_len), output_len) for _ in range(num_prompts)]
+    return [BenchRequest(random_prompt(rng, input_len, tokenizer), output_len) for _ in range(num_prompts)]
 
 
 def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
                      images_per_request: int = 1, images_range_ratio: float = 0.0,
                      image_sizes: list[tuple[int, int]] | None = None,
                      repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
-                     image_format: str = "jpeg", seed: int = 0) -> list[BenchRequest]:
-    """Random text plus K images per request.
+                     image_format: str = "jpeg", seed: int = 0, tokenizer=None) -> list[BenchRequest]:
+    """Random text (as `sample_random`) plus K images per request.
 
     * K is drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
       (r = `images_range_ratio`).
@@ -155,7 +176,7 @@ def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
     num_unique = 0
     requests = []
     for _ in range(num_prompts):
-        prompt = random_prompt(rng, input_len)
+        prompt = random_prompt(rng, input_len, tokenizer)
         num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
         urls = []
         for _ in range(num_images):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 from datetime import datetime
 
@@ -18,7 +19,8 @@ import httpx
 
 from bench.arrivals import arrival_times_s, parse_rate
 from bench.client import RequestResult, send_chat_request
-from bench.datasets import BenchRequest, load_jsonl, parse_image_sizes, sample_random, sample_random_mm
+from bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, sample_random,
+                            sample_random_mm)
 from bench.load import run_load
 from bench.metrics import compute_metrics, parse_goodput, parse_percentiles
 from bench.report import detailed_fields, format_table, write_result
@@ -40,7 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    p.add_argument("--input-len", type=int, default=1024, help="random datasets: about this many prompt tokens")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory for random prompts of exactly --input-len tokens "
+                        "(default: --model when it is a local directory; without one, --input-len words)")
+    p.add_argument("--input-len", type=int, default=1024,
+                   help="random datasets: text tokens per prompt (images add their own)")
     p.add_argument("--output-len", type=int, default=128,
                    help="exact output tokens per request (jsonl: unless a line sets output_len)")
     p.add_argument("--images-per-request", type=int, default=1, help="random-mm: K images per request")
@@ -88,7 +94,7 @@ def main(args: argparse.Namespace) -> dict:
         "backend": "openai-chat",
         "base_url": base_url,
         "model_id": model,
-        "tokenizer_id": model,  # the server tokenizes; the client has no tokenizer
+        "tokenizer_id": tokenizer_path(args),  # None: prompts were counted in words
         "num_prompts": len(requests),
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness,
@@ -112,6 +118,13 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def tokenizer_path(args: argparse.Namespace) -> str | None:
+    if args.tokenizer:
+        return args.tokenizer
+    model = getattr(args, "model", None)
+    return model if model and os.path.isfile(os.path.join(model, "tokenizer_config.json")) else None
+
+
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     """The dataset named by `--dataset`, seeded by `--seed`."""
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -127,13 +140,14 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
     num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
+    tokenizer = load_tokenizer(tokenizer_path(args))
     if args.dataset == "random":
-        return sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed)
+        return sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed, tokenizer=tokenizer)
     return sample_random_mm(
         num_prompts, args.input_len, args.output_len, images_per_request=args.images_per_request,
         images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
         repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
-        image_format=args.image_format, seed=args.seed)
+        image_format=args.image_format, seed=args.seed, tokenizer=tokenizer)
 
 
 async def _run(args: argparse.Namespace, base_url: str,

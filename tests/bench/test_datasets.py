@@ -4,13 +4,14 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 from collections import Counter
 
 import pytest
 from PIL import Image
 
-from bench.datasets import (IMAGE_POOL_SIZE, load_jsonl, make_image_bytes, parse_image_sizes, sample_random,
-                            sample_random_mm)
+from bench.datasets import (IMAGE_POOL_SIZE, load_jsonl, load_tokenizer, make_image_bytes, parse_image_sizes,
+                            sample_random, sample_random_mm)
 
 
 def _decode(url: str) -> Image.Image:
@@ -81,6 +82,22 @@ def test_random_text_dataset():
     assert all(r.num_images == 0 and len(r.prompt.split()) == 30 and r.output_len == 9 for r in requests)
     assert len({r.prompt for r in requests}) == 5
     assert requests == sample_random(5, 30, 9, seed=4)
+
+
+def test_with_a_tokenizer_a_prompt_is_input_len_tokens(tiny_model):
+    """The tiny checkpoint's small vocabulary splits words, so words != tokens there."""
+    tokenizer = load_tokenizer(tiny_model)
+    for n in (1, 50, 400):
+        requests = sample_random_mm(3, n, 4, images_per_request=1, image_sizes=[(16, 16)], seed=n,
+                                    tokenizer=tokenizer)
+        for r in requests:
+            assert abs(len(tokenizer.encode(r.prompt, add_special_tokens=False)) - n) <= 2
+        assert requests == sample_random_mm(3, n, 4, images_per_request=1, image_sizes=[(16, 16)], seed=n,
+                                            tokenizer=tokenizer)
+    words = sample_random(1, 400, 4, seed=0)[0].prompt
+    assert len(tokenizer.encode(words, add_special_tokens=False)) > 500  # why --tokenizer exists
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(str(Path(tiny_model) / "no-such-dir"))
 
 
 def test_bad_dataset_options_raise():
