@@ -204,15 +204,27 @@ def main(args) -> dict:
 
 
 def format_comparison(summary: dict) -> str:
+    """The side-by-side table. A goodput of 0 means no tested rate passed:
+    shown as "<lowest rate", and a ratio against it as a lower bound (">x")."""
     modes = summary["modes"]
-    base = summary["per_mode"][modes[0]]
+    lowest = min(summary["rates"])
+
+    def rate(value: float) -> str:
+        return f"{value:.3g}" if value else f"<{lowest:g}"
+
+    def ratio(value: float, base: float) -> str:
+        if base:
+            return f"{value / base:.2f}"
+        return f">{value / lowest:.2f}" if value else "-"
+
     lines = [f"SLOs: TTFT {summary['slo_ttft_ms']:.0f} ms, TPOT {summary['slo_tpot_ms']:.1f} ms",
-             f"{'mode':>10} {'goodput(90%)':>13} {'x base':>7} {'P99 rate':>9} {'x base':>7}"]
+             f"{'mode':>12} {'goodput(90%)':>13} {'x base':>7} {'P99 rate':>9} {'x base':>7}"]
+    base = summary["per_mode"][modes[0]]
     for mode in modes:
         m = summary["per_mode"][mode]
-        r1 = m["goodput_distserve"] / base["goodput_distserve"] if base["goodput_distserve"] else float("nan")
-        r2 = m["goodput_p99"] / base["goodput_p99"] if base["goodput_p99"] else float("nan")
-        lines.append(f"{mode:>10} {m['goodput_distserve']:>13.3g} {r1:>7.2f} {m['goodput_p99']:>9.3g} {r2:>7.2f}")
+        lines.append(f"{mode:>12} {rate(m['goodput_distserve']):>13} "
+                     f"{ratio(m['goodput_distserve'], base['goodput_distserve']):>7} "
+                     f"{rate(m['goodput_p99']):>9} {ratio(m['goodput_p99'], base['goodput_p99']):>7}")
     return "\n".join(lines)
 
 

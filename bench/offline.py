@@ -40,7 +40,8 @@ def bench_epd(llm, prompts, output_lens: list[int]) -> float:
     from engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    # warm-up on a prompt the run does not contain: the run must find nothing in the prefix cache
+    llm.generate([prompts[0][::-1]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -95,6 +96,15 @@ def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
     return statistics.median(times[3:])
 
 
+def matmul_seconds(fn) -> float:
+    """CPU seconds `fn()` spends in the weight matmuls (aten::mm/addmm), by torch's profiler."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm")) / 1e6
+
+
 def main(args) -> dict:
     import torch
     from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
@@ -120,6 +130,19 @@ def main(args) -> dict:
         row["vs_hf_static_batch"] = row["epd_tok_s"] / row["hf_static_batch_tok_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.matmul_floor:
+        # The same matmuls in both engines: if transformers' static batch finishes in
+        # less than 1.5x our matmul time, no attention or scheduler work can reach 1.5x.
+        c = rows[-1]["concurrency"]
+        prompts, output_lens = _workload(tokenizer, c, args.input_len, args.output_len, args.range_ratio, seed=c)
+        # new first tokens: the engine's prefix cache still holds the measured run's prompts
+        fresh = [[p[0] ^ 1] + p[1:] for p in prompts]
+        epd_mm = matmul_seconds(lambda: bench_epd(llm, fresh, output_lens))
+        hf_mm = matmul_seconds(lambda: bench_hf(hf, prompts, output_lens, c, pad_id))
+        hf_wall = sum(output_lens) / rows[-1]["hf_static_batch_tok_s"]
+        rows[-1].update({"epd_matmul_s": epd_mm, "hf_static_batch_matmul_s": hf_mm,
+                         "hf_static_batch_wall_s": hf_wall, "ceiling_vs_hf_static_batch": hf_wall / epd_mm})
+        print(json.dumps(rows[-1]), flush=True)
     step_s = bare_decode_step_s(llm, args.input_len + args.output_len // 2)
     tpot_s = 1.0 / rows[0]["epd_tok_s"] if rows[0]["concurrency"] == 1 else float("nan")
     result = {"model": args.model, "threads": args.threads, "input_len": args.input_len,
@@ -137,6 +160,12 @@ def _print_table(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['concurrency']:>4} {r['epd_tok_s']:>10.1f} {r['hf_sequential_tok_s']:>11.1f} "
               f"{r['hf_static_batch_tok_s']:>13.1f} {r['vs_hf_sequential']:>7.2f} {r['vs_hf_static_batch']:>9.2f}")
+    last = result["rows"][-1]
+    if "epd_matmul_s" in last:
+        print(f"C={last['concurrency']}: matmuls take {last['epd_matmul_s']:.2f} s in epd and "
+              f"{last['hf_static_batch_matmul_s']:.2f} s in transformers; its static batch takes "
+              f"{last['hf_static_batch_wall_s']:.2f} s in all -> epd can be at most "
+              f"{last['ceiling_vs_hf_static_batch']:.2f}x faster without doing fewer matmul FLOPs")
     print(f"batch 1: TPOT {result['epd_tpot_ms_at_1']:.2f} ms vs bare decode step "
           f"{result['bare_decode_step_ms']:.2f} ms -> {result['tpot_over_bare_step']:.2f}x")
 
@@ -152,4 +181,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-sequential-max", type=int, default=4,
                    help="requests run one at a time through transformers (its rate does not depend on C)")
+    p.add_argument("--matmul-floor", action="store_true",
+                   help="at the largest C, also profile both engines' matmul time (the ceiling on any speed-up)")
     p.add_argument("--save-result", default=None)

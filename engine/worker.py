@@ -42,7 +42,7 @@ ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "agg
 MAX_EARLY_EMBEDDINGS = 256  # EncodeDones that arrived before their PrefillRequest
 
 # An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
-EncodeFn = Callable[[list[bytes]], list["MMEmbedding | str"]]
+EncodeFn = Callable[[list[bytes]], list["ImageEmbedding | str"]]  # encoders.image_encoder.ImageEmbedding
 
 
 @dataclass(frozen=True)
@@ -213,8 +213,8 @@ class EngineWorker:
                 self._on_encode_done(EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=result))
                 continue
             if self.cache is not None:
-                self.cache.put(msg.mm_hash, MMEntry(result.embeds, list(result.deepstack), (1, 1, 1)))
-            self._embedding_arrived(msg.mm_hash, result)
+                self.cache.put(msg.mm_hash, MMEntry(result.embeds, list(result.deepstack), result.grid_thw))
+            self._embedding_arrived(msg.mm_hash, MMEmbedding(result.embeds, result.deepstack))
 
     def _waiting_for(self, mm_hash: str) -> list[str]:
         return [rid for rid, (_, missing) in self.pending.items() if mm_hash in missing]

@@ -96,7 +96,6 @@ def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
 
 def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
     from engine.engine_core import EngineCore
-    from engine.model_runner import MMEmbedding
     from engine.worker import ENGINE_ROLES, EngineWorker, WorkerSpec
 
     core = EngineCore(launch.model, launch.engine, role=ENGINE_ROLES[launch.role], hf_config=hf_config, info=info)
@@ -108,13 +107,12 @@ def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
 
         def encode_fn(images: list[bytes]):
             try:
-                return [MMEmbedding(e.embeds, e.deepstack) for e in encoder.encode(images)]
+                return encoder.encode(images)
             except ImageError:
                 out = []
                 for image in images:
                     try:
-                        e = encoder.encode([image])[0]
-                        out.append(MMEmbedding(e.embeds, e.deepstack))
+                        out.append(encoder.encode([image])[0])
                     except ImageError as exc:
                         out.append(str(exc))
                 return out

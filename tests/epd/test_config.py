@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-from bench.compare import parse_mode
 from epd.config import ServeConfig
 
 
@@ -25,12 +24,3 @@ def test_split_divides_the_pinned_cores_and_shared_gives_each_worker_all(tiny_mo
 def test_bad_sharing_is_refused(tiny_model):
     with pytest.raises(ValueError, match="--cpu-sharing must be one of split, shared"):
         ServeConfig(model=tiny_model, cpu_sharing="spread")
-
-
-def test_compare_mode_labels():
-    assert parse_mode("e-p-d/shared", "split") == ("e-p-d", "shared")
-    assert parse_mode("aggregated", "shared") == ("aggregated", "shared")
-    assert parse_mode("e-pd/", "split") == ("e-pd", "split")  # an empty suffix is the default
-    for bad in ("e-p-d/spread", "epd"):
-        with pytest.raises(ValueError, match="MODE\\[/SHARING\\]"):
-            parse_mode(bad, "split")

@@ -156,17 +156,38 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def _cache_entries(cache_dir: str, model: str) -> list:
+    import lmdb
+    from transformers import AutoConfig
+
+    from engine.model_info import ModelInfo
+    from transport.mm_entry import decode_entry
+
+    fingerprint = ModelInfo.from_pretrained(model, AutoConfig.from_pretrained(model)).fingerprint
+    env = lmdb.open(cache_dir, readonly=True, lock=False, max_dbs=3)
+    try:
+        with env.begin(db=env.open_db(b"entries", create=False)) as txn:
+            return [decode_entry(value, fingerprint) for _, value in txn.cursor()]
+    finally:
+        env.close()
+
+
 def test_cache_survives_a_restart(tiny_model, tmp_path):
-    """A warm cache dir: the same image after a restart costs no encoder time."""
+    """A warm cache dir: the same image after a restart costs no encoder time,
+    even when another mode wrote it (here the aggregated worker's in-process encoder)."""
+    from encoders.image_processor import ImagePreprocessor
+
     cache = str(tmp_path / "cache")
     img = image_bytes(80, 120, seed=31)
     messages = [{"role": "user", "content": [image_part(img), {"type": "text", "text": "Remember me?"}]}]
-    first = start_server(tiny_model, tmp_path, "e-p-d", "--mm-cache-dir", cache)
+    first = start_server(tiny_model, tmp_path, "aggregated", "--mm-cache-dir", cache)
     try:
         text = chat_text(first, messages)
         assert first.settled_sum("epd:encoder_images_total") == 1
     finally:
         assert first.stop() == 0
+    [entry] = _cache_entries(cache, tiny_model)
+    assert tuple(entry.grid_thw) == ImagePreprocessor(tiny_model).geometry.grid_thw(80, 120)
     second = start_server(tiny_model, tmp_path, "e-p-d", "--mm-cache-dir", cache)
     try:
         assert chat_text(second, messages) == text

@@ -1,0 +1,25 @@
+"""`epd bench offline` on the tiny checkpoint: a smoke run through the real command."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_offline_run_reports_consistent_rates_and_the_matmul_ceiling(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    proc = subprocess.run([sys.executable, "-m", "epd.cli", "bench", "offline", tiny_model, "--concurrency", "1,3",
+                           "--input-len", "12", "--output-len", "4", "--range-ratio", "0.5",
+                           "--hf-sequential-max", "1", "--threads", "1", "--matmul-floor", "--save-result", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["concurrency"] for r in result["rows"]] == [1, 3]
+    for r in result["rows"]:
+        assert r["epd_tok_s"] > 0 and r["hf_sequential_tok_s"] > 0 and r["hf_static_batch_tok_s"] > 0
+        assert abs(r["vs_hf_static_batch"] - r["epd_tok_s"] / r["hf_static_batch_tok_s"]) < 1e-9
+    last = result["rows"][-1]
+    assert 0 < last["epd_matmul_s"] and 0 < last["hf_static_batch_matmul_s"]
+    assert abs(last["ceiling_vs_hf_static_batch"] - last["hf_static_batch_wall_s"] / last["epd_matmul_s"]) < 1e-9
+    assert result["tpot_over_bare_step"] > 0
+    assert "x hf-pad" in proc.stdout and "matmuls take" in proc.stdout
