@@ -85,8 +85,7 @@ def _free_port() -> int:
 class _Server:
     """One `epd serve` subprocess, pinned to `cpus`, ready when /health is 200."""
 
-    def __init__(self, args, label: str, cpus: set[int], log_path: Path):
-        mode, sharing = parse_mode(label, args.cpu_sharing)
+    def __init__(self, args, mode: str, sharing: str, cpus: set[int], log_path: Path):
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         # the server sizes its workers' threads from the CPU set it is pinned to
@@ -149,8 +148,8 @@ def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
 def main(args) -> dict:
     args.tokenizer = args.tokenizer or args.model_dir  # prompts of exactly --input-len tokens
     modes = [m for m in args.modes.split(",") if m]
-    for label in modes:
-        parse_mode(label, args.cpu_sharing)  # a typo fails now, not after the first mode's sweep
+    # parsed up front: a typo fails now, not after the first mode's sweep
+    launches = {label: parse_mode(label, args.cpu_sharing) for label in modes}
     rates = sorted(float(r) for r in args.rates.split(","))
     if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
         raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
@@ -161,7 +160,7 @@ def main(args) -> dict:
     per_mode: dict[str, dict] = {}
     for mode in modes:
         file_label = mode.replace("/", "-")
-        server = _Server(args, mode, cpus, out_dir / f"server-{file_label}.log")
+        server = _Server(args, *launches[mode], cpus, out_dir / f"server-{file_label}.log")
         try:
             server.wait_ready()
             warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep

@@ -15,6 +15,7 @@ input length recorded in the results is always the server's
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import random
@@ -69,8 +70,10 @@ def random_prompt(rng: random.Random, num_tokens: int, tokenizer=None) -> str:
     return tokenizer.decode(ids)
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(path: str | None):
-    """A Hugging Face tokenizer from a local directory, or None."""
+    """A Hugging Face tokenizer from a local directory, or None (loaded once per
+    path: `epd bench compare` builds a dataset for every mode and rate)."""
     if not path:
         return None
     from transformers import AutoTokenizer

@@ -133,8 +133,7 @@ def main(args) -> dict:
     if args.matmul_floor:
         # The same matmuls in both engines: if transformers' static batch finishes in
         # less than 1.5x our matmul time, no attention or scheduler work can reach 1.5x.
-        c = rows[-1]["concurrency"]
-        prompts, output_lens = _workload(tokenizer, c, args.input_len, args.output_len, args.range_ratio, seed=c)
+        c = rows[-1]["concurrency"]  # `prompts` and `output_lens` are still the loop's last workload
         # new first tokens: the engine's prefix cache still holds the measured run's prompts
         fresh = [[p[0] ^ 1] + p[1:] for p in prompts]
         epd_mm = matmul_seconds(lambda: bench_epd(llm, fresh, output_lens))

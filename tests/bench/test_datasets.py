@@ -4,8 +4,8 @@ from __future__ import annotations
 import base64
 import io
 import json
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from PIL import Image
