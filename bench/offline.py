@@ -12,6 +12,8 @@ random dataset; r=0 gives equal lengths, static batching's best case):
              tokens count.
 Output tokens/s are reported per engine, plus, at C=1, our time per output
 token against one bare decode forward step of our model (the floor).
+`--device cuda --dtype bfloat16` runs both engines on a GPU (our attention
+then uses the Triton kernels).
 """
 from __future__ import annotations
 
@@ -57,8 +59,8 @@ def bench_hf(hf_model, prompts, output_lens: list[int], batch_size: int, pad_id:
     @torch.inference_mode()
     def run(batch, new_tokens: int):
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=hf_model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=hf_model.device)
         out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
         assert out.shape[1] - width == new_tokens
@@ -66,6 +68,7 @@ def bench_hf(hf_model, prompts, output_lens: list[int], batch_size: int, pad_id:
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         run(prompts[i:i + batch_size], max(output_lens[i:i + batch_size]))
+    _synchronize(hf_model.device)
     elapsed = time.perf_counter() - start
     return sum(output_lens) / elapsed
 
@@ -92,8 +95,16 @@ def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
             start = time.perf_counter()
             hidden = runner.model(ids, batch)
             runner.model.compute_logits(hidden)
+            _synchronize(runner.device)
             times.append(time.perf_counter() - start)
     return statistics.median(times[3:])
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def matmul_seconds(fn) -> float:
@@ -111,13 +122,16 @@ def main(args) -> dict:
 
     from epd.llm import LLM
 
+    if args.matmul_floor and args.device != "cpu":
+        raise SystemExit("epd bench offline: --matmul-floor profiles CPU matmuls; use it with --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.threads = torch.get_num_threads()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=max(args.concurrency),
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency),
               max_num_batched_tokens=args.max_num_batched_tokens)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=llm.engine.dtype)
+    hf = hf.to(llm.engine.device).eval()
     pad_id = tokenizer.pad_token_id or 0
     rows = []
     for c in args.concurrency:
@@ -144,7 +158,8 @@ def main(args) -> dict:
         print(json.dumps(rows[-1]), flush=True)
     step_s = bare_decode_step_s(llm, args.input_len + args.output_len // 2)
     tpot_s = 1.0 / rows[0]["epd_tok_s"] if rows[0]["concurrency"] == 1 else float("nan")
-    result = {"model": args.model, "threads": args.threads, "input_len": args.input_len,
+    result = {"model": args.model, "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
+              "threads": args.threads, "input_len": args.input_len,
               "output_len": args.output_len, "range_ratio": args.range_ratio, "rows": rows, "bare_decode_step_ms": step_s * 1e3,
               "epd_tpot_ms_at_1": tpot_s * 1e3, "tpot_over_bare_step": tpot_s / step_s}
     _print_table(result)
@@ -177,6 +192,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.5,
                    help="lengths uniform in [L(1-r), L(1+r)]; 0 = every request alike")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--device", default="cpu", help="cpu (the issue's targets) or cuda[:N]")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16, for both engines")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-sequential-max", type=int, default=4,
                    help="requests run one at a time through transformers (its rate does not depend on C)")

@@ -31,10 +31,18 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
         if profile_forward is not None:
             profile_forward()
         torch.cuda.synchronize(device)
+        # As in vLLM, gpu_memory_utilization is this engine's share of the whole card (workers
+        # sharing one GPU split it: ServeConfig.worker_engines), weights and peak activations
+        # included, so engines starting side by side do not depend on each other's timing.
         free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free - torch.cuda.memory_reserved(device)
         peak = torch.cuda.max_memory_allocated(device)
-        budget = int(total * config.gpu_memory_utilization) - peak - used_by_others
+        budget = int(total * config.gpu_memory_utilization) - peak
+        available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if budget > available:
+            gib = 1 << 30
+            raise ValueError(f"gpu_memory_utilization {config.gpu_memory_utilization:.2f} of {device} leaves "
+                             f"{budget / gib:.1f} GiB for the KV cache, but only {available / gib:.1f} GiB is free: "
+                             "other processes hold the rest; lower --gpu-memory-utilization or set --kv-cache-gb")
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GB * (1 << 30))
     blocks = budget // block_bytes

@@ -6,7 +6,8 @@ their own objects, never here.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 
@@ -46,6 +47,7 @@ CPU_SHARING = ("split", "shared")
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {"decode": 0, "pd": 0, "aggregated": 0, "prefill": 2, "encoder": 4}
+ENGINE_ROLES = ("aggregated", "pd", "prefill", "decode")  # the roles that hold a KV cache
 
 
 @dataclass(frozen=True)
@@ -124,3 +126,29 @@ class ServeConfig:
         shared, then later stages first (a decode step, then a prefill, then
         an encode), so work already under way finishes before new work starts."""
         return SHARED_CPU_NICE.get(role, 0) if self.cpu_sharing == "shared" else 0
+
+    def worker_engines(self, num_gpus: int) -> list[EngineConfig]:
+        """The engine settings of each worker, in `worker_roles()` order.
+
+        On CPU (or `--device auto` with no GPU visible) every worker gets
+        `self.engine`. On GPUs the workers go round robin over the visible
+        ones, KV-cache workers first, so that two GPUs put a prefill and a
+        decode worker apart and a third takes the encoder; `cuda:N` pins every
+        worker to GPU N. The KV-cache workers that share a GPU split
+        `gpu_memory_utilization` evenly (as in vLLM, the share of each GPU's
+        memory the server may take); encoders hold no KV cache and use what
+        their forward pass needs."""
+        roles = [role for role, _ in self.worker_roles()]
+        device = self.engine.device
+        if device == "cpu" or (device == "auto" and num_gpus == 0):
+            return [self.engine] * len(roles)
+        gpus = [device] if device.startswith("cuda:") else [f"cuda:{i}" for i in range(max(1, num_gpus))]
+        order = sorted(range(len(roles)), key=lambda i: roles[i] not in ENGINE_ROLES)  # stable
+        placed = {worker: gpus[slot % len(gpus)] for slot, worker in enumerate(order)}
+        kv_workers = Counter(placed[i] for i, role in enumerate(roles) if role in ENGINE_ROLES)
+        engines = []
+        for i, role in enumerate(roles):
+            share = kv_workers[placed[i]] if role in ENGINE_ROLES else 1
+            engines.append(replace(self.engine, device=placed[i],
+                                   gpu_memory_utilization=self.engine.gpu_memory_utilization / share))
+        return engines

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from epd.config import ServeConfig
+from epd.config import ENGINE_ROLES, ServeConfig
 from epd.roles import WorkerLaunch, run_worker
 from transport.addresses import Addresses
 
@@ -31,6 +31,15 @@ def expected_workers(config: ServeConfig) -> int:
     if config.mode == "e-pd":
         return config.num_encoders + config.num_prefill
     return config.num_encoders + config.num_prefill + config.num_decode
+
+
+def visible_gpus(device: str) -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when told to use the CPU."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _stop_processes(procs: list) -> None:
@@ -65,10 +74,15 @@ def serve(config: ServeConfig) -> int:
         # workers whose threads outnumber the cores must not spin while they wait
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = config.threads_for_each_worker()
+    engines = config.worker_engines(visible_gpus(config.engine.device))
     procs = []
-    for role, index in config.worker_roles():
+    for (role, index), engine in zip(config.worker_roles(), engines):
+        if engine.device.startswith("cuda"):
+            print(f"EPD: {role}-{index} on {engine.device}"
+                  + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
+                     if role in ENGINE_ROLES else ""), flush=True)
         launch = WorkerLaunch(role=role, index=index, model=config.model, inbox=addresses.worker(role, index),
-                              api=collector, engine=config.engine, mm_cache_dir=config.mm_cache_dir,
+                              api=collector, engine=engine, mm_cache_dir=config.mm_cache_dir,
                               mm_cache_bytes=config.mm_cache_bytes, max_image_pixels=config.media.max_image_pixels,
                               num_threads=threads, nice=config.worker_nice(role))
         procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{launch.id}", daemon=False))

@@ -3,6 +3,7 @@ pixels, the placeholder expansion follows Qwen3VLProcessor (grid from the
 decoded image), and its model computes the logits."""
 from __future__ import annotations
 
+import inspect
 import io
 from functools import lru_cache
 
@@ -42,8 +43,14 @@ def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes]) -> dict
         inputs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     inputs["input_ids"] = ids
-    inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    if _takes_mm_token_types(model):
+        inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
     return inputs
+
+
+def _takes_mm_token_types(model) -> bool:
+    """Newer transformers need `mm_token_type_ids` for M-RoPE; older ones have no such argument."""
+    return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
 
 
 @torch.no_grad()
@@ -62,7 +69,9 @@ def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tok
     ids = inputs["input_ids"]
     out = []
     for _ in range(num_tokens):
-        step = dict(inputs, input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int())
+        step = dict(inputs, input_ids=ids)
+        if _takes_mm_token_types(model):
+            step["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         nxt = int(model(**step).logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)

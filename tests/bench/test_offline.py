@@ -22,4 +22,12 @@ def test_offline_run_reports_consistent_rates_and_the_matmul_ceiling(tiny_model,
     assert 0 < last["epd_matmul_s"] and 0 < last["hf_static_batch_matmul_s"]
     assert abs(last["ceiling_vs_hf_static_batch"] - last["hf_static_batch_wall_s"] / last["epd_matmul_s"]) < 1e-9
     assert result["tpot_over_bare_step"] > 0
+    assert (result["device"], result["dtype"]) == ("cpu", "torch.float32")
     assert "x hf-pad" in proc.stdout and "matmuls take" in proc.stdout
+
+
+def test_matmul_floor_is_cpu_only(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "epd.cli", "bench", "offline", tiny_model, "--device", "cuda",
+                           "--matmul-floor"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--matmul-floor profiles CPU matmuls" in proc.stderr

@@ -4,6 +4,7 @@ budget that splits image placeholders across prefill chunks."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_reference import hf_greedy
 from media import image_bytes, image_part
 
@@ -38,11 +39,16 @@ def expected(tiny_model):
     return [hf_greedy(tiny_model, c, _images_of(c), num_tokens=12) for c in _conversations()]
 
 
-def test_mixed_batch_with_preemption_and_split_images(tiny_model, expected):
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])  # cuda runs the Triton kernels
+def test_mixed_batch_with_preemption_and_split_images(tiny_model, expected, device):
     from epd import LLM
 
     llm = LLM(tiny_model, num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8,
-              dtype="float32", device="cpu")
+              dtype="float32", device=device)
     scheduler = llm.engine.scheduler
     split_inside_image = []
     original = scheduler.schedule

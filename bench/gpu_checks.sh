@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one run, each step's output saved under
+# OUT_DIR (default gpu-results/):
+#   1. the Triton kernels and the whole engine on the GPU against their references
+#      (pytest -m gpu: kernels vs the torch backend, greedy tokens vs transformers);
+#   2. the decode kernel's achieved memory bandwidth (python -m bench.kernels);
+#   3. offline throughput of our engine and of transformers on the GPU, small preset;
+#   4. serving: aggregated against e-p-d on the one GPU, four images a request.
+#
+#     bash bench/gpu_checks.sh [OUT_DIR]
+#     GPU_STEPS="pytest_gpu serving" bash bench/gpu_checks.sh   # some steps only
+#
+# A failed step does not stop the later ones; the exit status is the first failure's.
+set -uo pipefail
+out=${1:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+status=0
+step() {  # step NAME CMD... : run CMD, tee its output to $out/NAME.txt, remember a failure
+    local name=$1; shift
+    case " ${GPU_STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
+    echo "== $name: $*"
+    local start=$SECONDS
+    "$@" 2>&1 | tee "$out/$name.txt"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc in $((SECONDS - start)) s"
+    [ "$status" -ne 0 ] || status=$rc
+}
+
+step versions bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
+    $python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'"
+step pytest_gpu "$python" -m pytest -q -m gpu -p no:cacheprovider \
+    tests/engine/test_attention.py tests/engine/test_engine_vs_transformers.py tests/epd/test_serve_gpu.py
+step kernels "$python" -m bench.kernels
+model=${EPD_GPU_MODEL:-/tmp/epd-gpu-small}
+[ -d "$model" ] || "$python" -m epd.cli make-model "$model" --preset small >/dev/null
+step offline_bf16 "$python" -m epd.cli bench offline "$model" --device cuda --dtype bfloat16 \
+    --concurrency 1,8,32 --save-result "$out/offline_bf16.json"
+step serving timeout 360 "$python" -m epd.cli bench compare "$model" --modes aggregated,e-p-d \
+    --rates 3,5,8,16 --num-prompts 48 --slo-scale 3 --images-per-request 4 --image-size 448x448 \
+    --input-len 400 --output-len 64 --server-args "--dtype bfloat16" --output-dir "$out/serving" --no-progress
+exit "$status"
