@@ -8,16 +8,14 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass
 
 from encoders.image_encoder import ImageEncoder
 from encoders.image_io import ImageError, read_image_size
-from transport.channels import Outbox, Receiver
-from transport.messages import Abort, EncodeDone, EncodeRequest, Ready, Shutdown, WorkerStats
-from transport.mm_cache import MMCache
+from transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from transport.mm_entry import MMEntry
+from transport.worker_io import WorkerIO
 
 log = logging.getLogger("epd.encoder")
 
@@ -40,14 +38,10 @@ class _Job:
     num_patches: int
 
 
-class EncoderWorker:
+class EncoderWorker(WorkerIO):
     def __init__(self, spec: EncoderSpec, encoder: ImageEncoder):
-        self.spec = spec
+        super().__init__(spec, encoder.model_fingerprint)
         self.encoder = encoder
-        self.inbox = Receiver(spec.inbox)
-        self.outbox = Outbox()
-        self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=encoder.model_fingerprint)
-                      if spec.mm_cache_dir else None)
         self.queue: list[_Job] = []
         self.running = True
         self.counters = {"encoder_images": 0.0, "encoder_cache_skips": 0.0, "encode_seconds_sum": 0.0,
@@ -55,8 +49,7 @@ class EncoderWorker:
         self._last_stats = 0.0
 
     def run(self) -> None:
-        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, "encoder", {
-            "inbox": self.inbox.address, "host": socket.gethostname(), "mm_cache_dir": self.spec.mm_cache_dir or ""}))
+        self.announce("encoder")
         try:
             while self.running:
                 self._drain(timeout_s=0.0 if self.queue else 0.05)
@@ -64,10 +57,7 @@ class EncoderWorker:
                     self._encode_batch()
                 self._maybe_send_stats()
         finally:
-            if self.cache is not None:
-                self.cache.close()
-            self.inbox.close()
-            self.outbox.close()
+            self.close()
 
     def _drain(self, timeout_s: float) -> None:
         for msg in self.inbox.drain(timeout_s, self.spec.worker_id):

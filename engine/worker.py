@@ -17,11 +17,10 @@ it is admitted to the engine only once all of them are here.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,12 +28,14 @@ from engine.engine_core import EngineCore
 from engine.model_runner import MMEmbedding
 from engine.request import MMSpan, Request
 from engine.sampling_params import SamplingParams
-from transport.channels import Outbox, Receiver
 from transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
-                                PrefillRequest, Ready, Shutdown, TokenOutput, WorkerStats)
+                                PrefillRequest, Shutdown, TokenOutput, WorkerStats)
 from transport.messages import MMSpan as WireSpan
-from transport.mm_cache import MMCache
 from transport.mm_entry import MMEntry
+from transport.worker_io import WorkerIO
+
+if TYPE_CHECKING:
+    from encoders.image_encoder import ImageEmbedding
 
 log = logging.getLogger("epd.worker")
 
@@ -42,7 +43,7 @@ ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "agg
 MAX_EARLY_EMBEDDINGS = 256  # EncodeDones that arrived before their PrefillRequest
 
 # An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
-EncodeFn = Callable[[list[bytes]], list["ImageEmbedding | str"]]  # encoders.image_encoder.ImageEmbedding
+EncodeFn = Callable[[list[bytes]], list["ImageEmbedding | str"]]
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,13 @@ def _remember(bounded: OrderedDict, key: str, value) -> None:
         bounded.popitem(last=False)
 
 
-class EngineWorker:
+class EngineWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
         if spec.role not in ENGINE_ROLES:
             raise ValueError(f"unknown engine worker role {spec.role!r}")
-        self.spec = spec
+        super().__init__(spec, core.info.fingerprint)
         self.core = core
         self.encode_fn = encode_fn
-        self.inbox = Receiver(spec.inbox)
-        self.outbox = Outbox()
-        self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=core.info.fingerprint)
-                      if spec.mm_cache_dir else None)
         self.pending: dict[str, tuple[Request, set[str]]] = {}  # waiting for images
         self.staged: dict[str, MMEmbedding] = {}  # images of pending requests, ready
         self.early: OrderedDict[str, MMEmbedding | None] = OrderedDict()  # EncodeDone before its request
@@ -104,8 +101,7 @@ class EngineWorker:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
-        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, self.spec.role, {
-            "inbox": self.inbox.address, "host": socket.gethostname(), "mm_cache_dir": self.spec.mm_cache_dir or ""}))
+        self.announce(self.spec.role)
         try:
             while self.running:
                 busy = self.core.has_unfinished() or bool(self.incoming)
@@ -116,12 +112,6 @@ class EngineWorker:
                 self._maybe_send_stats()
         finally:
             self.close()
-
-    def close(self) -> None:
-        if self.cache is not None:
-            self.cache.close()
-        self.inbox.close()
-        self.outbox.close()
 
     def _drain(self, timeout_s: float) -> None:
         for msg in self.inbox.drain(timeout_s, self.spec.worker_id):
