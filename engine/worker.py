@@ -325,7 +325,8 @@ class EngineWorker(WorkerIO):
             self._send_output(TokenOutput(
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens, logprobs=logprobs))
+                num_cached_tokens=request.num_cached_tokens, logprobs=logprobs,
+                index=request.num_output_tokens - len(update.new_token_ids)))
             if update.is_prefilled:
                 self._send_kv(update.request_id)
             elif update.is_finished:

@@ -277,8 +277,9 @@ class Orchestrator:
                                            req.sampling.stop)
             num_cached = 0
             num_emitted = 0
+            in_order = TokenOrder(queue)
             while True:
-                out: TokenOutput = await queue.get()
+                out = await in_order.next()
                 if out.error is not None:
                     if num_emitted == 0:
                         raise RequestError(status=400, message=out.error, param="messages" if prep.images else None)
@@ -307,6 +308,29 @@ class Orchestrator:
                         await self._outbox.send(w.inbox, Abort([rid]))
                     except Exception:
                         log.warning("could not send Abort to %s", w.worker_id)
+
+
+class TokenOrder:
+    """A request's TokenOutputs in output order. Its tokens come from up to two
+    workers (prefill: the first, decode: the rest) over two pipes that the
+    collector reads in turn, so a delta can overtake the one before it; each
+    waits here until the tokens before it are out. A message without tokens
+    (an error) ends the request and is passed on at once."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+        self.waiting: dict[int, TokenOutput] = {}  # index of its first token -> delta
+        self.next_index = 0
+
+    async def next(self) -> TokenOutput:
+        while self.next_index not in self.waiting:
+            out: TokenOutput = await self.queue.get()
+            if not out.token_ids:
+                return out
+            self.waiting[out.index] = out
+        out = self.waiting.pop(self.next_index)
+        self.next_index += len(out.token_ids)
+        return out
 
 
 def _logprobs(raw) -> list[TokenLogprobs] | None:

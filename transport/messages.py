@@ -305,7 +305,11 @@ class KVAck(Message):
 
 @dataclass
 class TokenOutput(Message):
-    """Worker -> API: new tokens of one request (a delta, not the whole text)."""
+    """Worker -> API: new tokens of one request (a delta, not the whole text).
+
+    `index` is the position of token_ids[0] in the request's output: the
+    prefill worker sends token 0 and the decode worker the rest, over two
+    pipes the API reads in turn, so a later delta can arrive first."""
 
     TYPE: ClassVar[str] = "token_output"
     request_id: str
@@ -316,19 +320,20 @@ class TokenOutput(Message):
     num_cached_tokens: int = 0
     logprobs: list | None = None  # plain lists, one entry per token
     error: str | None = None
+    index: int = 0
 
     def _fields(self):
         return {"request_id": self.request_id, "token_ids": list(self.token_ids),
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "logprobs": self.logprobs,
-                "error": self.error}
+                "error": self.error, "index": self.index}
 
     @classmethod
     def _build(cls, f, payload):
         return cls(f.str("request_id"), f.int_list("token_ids"), f.bool("finished"),
                    f.opt_str("finish_reason"), f.int("num_prompt_tokens"),
-                   f.int("num_cached_tokens"), f.opt_list("logprobs"), f.opt_str("error"))
+                   f.int("num_cached_tokens"), f.opt_list("logprobs"), f.opt_str("error"), f.int("index"))
 
 
 @dataclass

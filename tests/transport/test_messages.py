@@ -49,6 +49,7 @@ def make_messages() -> list[Message]:
         TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
                     num_cached_tokens=16, logprobs=[[-0.1, [[5, -0.1]]], [-0.2, []]]),
         TokenOutput("req-1", []),
+        TokenOutput("req-1", [9], index=7),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, {"steps": 10, "tok_per_s": 1.5}),
         Ready("prefill-0", "prefill", {"inbox": "ipc:///tmp/epd-x/prefill-0.sock"}),
         Ready("encoder-7", "encoder", {"inbox": "tcp://10.0.0.2:27100", "host": "b", "mm_cache_dir": ""}),

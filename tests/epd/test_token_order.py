@@ -1,0 +1,32 @@
+"""The API puts a request's token deltas back in output order: the prefill
+worker's first token and the decode worker's next ones travel on two pipes,
+and under load a later delta arrives first (seen in the 200-request test)."""
+from __future__ import annotations
+
+import asyncio
+
+from epd.orchestrator import TokenOrder
+from transport.messages import TokenOutput
+
+
+def _drain(arrivals: list[TokenOutput], count: int) -> list[TokenOutput]:
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        for out in arrivals:
+            queue.put_nowait(out)
+        order = TokenOrder(queue)
+        return [await asyncio.wait_for(order.next(), 1) for _ in range(count)]
+    return asyncio.run(run())
+
+
+def test_a_delta_that_overtook_the_first_token_waits_for_it():
+    first = TokenOutput("r", [11], index=0)
+    second = TokenOutput("r", [12, 13], index=1)
+    last = TokenOutput("r", [14], finished=True, finish_reason="length", index=3)
+    assert _drain([second, last, first], 3) == [first, second, last]
+    assert _drain([first, second, last], 3) == [first, second, last]
+
+
+def test_an_error_is_passed_on_at_once():
+    error = TokenOutput("r", [], finished=True, finish_reason="error", error="could not be encoded")
+    assert _drain([TokenOutput("r", [12], index=1), error], 1) == [error]
