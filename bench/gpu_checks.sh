@@ -34,7 +34,9 @@ step pytest_gpu "$python" -m pytest -q -m gpu -p no:cacheprovider \
     tests/engine/test_attention.py tests/engine/test_engine_vs_transformers.py tests/epd/test_serve_gpu.py
 step kernels "$python" -m bench.kernels
 model=${EPD_GPU_MODEL:-/tmp/epd-gpu-small}
-[ -d "$model" ] || "$python" -m epd.cli make-model "$model" --preset small >/dev/null
+case " ${GPU_STEPS:-offline_bf16} " in *" offline_bf16 "* | *" serving "*)  # the steps that need a checkpoint
+    [ -d "$model" ] || "$python" -m epd.cli make-model "$model" --preset small >/dev/null ;;
+esac
 step offline_bf16 "$python" -m epd.cli bench offline "$model" --device cuda --dtype bfloat16 \
     --concurrency 1,8,32 --save-result "$out/offline_bf16.json"
 step serving timeout 360 "$python" -m epd.cli bench compare "$model" --modes aggregated,e-p-d \

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+# Worker roles that run an engine (and hold a KV cache) -> the EngineCore role they run.
+ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "aggregated": "combined"}
 
 
 @dataclass(frozen=True)

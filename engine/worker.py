@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.config import ENGINE_ROLES
 from engine.engine_core import EngineCore
 from engine.model_runner import MMEmbedding
 from engine.request import MMSpan, Request
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.worker")
 
-ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "aggregated": "combined"}
 MAX_EARLY_EMBEDDINGS = 256  # EncodeDones that arrived before their PrefillRequest
 
 # An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.

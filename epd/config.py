@@ -9,7 +9,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from engine.config import EngineConfig
+from engine.config import ENGINE_ROLES, EngineConfig
 
 MODES = ("aggregated", "e-pd", "e-p-d")
 ROUTERS = ("round_robin", "least_loaded", "prefix_hash")
@@ -47,7 +47,6 @@ CPU_SHARING = ("split", "shared")
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {"decode": 0, "pd": 0, "aggregated": 0, "prefill": 2, "encoder": 4}
-ENGINE_ROLES = ("aggregated", "pd", "prefill", "decode")  # the roles that hold a KV cache
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from epd.config import ENGINE_ROLES, ServeConfig
+from engine.config import ENGINE_ROLES
+from epd.config import ServeConfig
 from epd.roles import WorkerLaunch, run_worker
 from transport.addresses import Addresses
 

@@ -96,7 +96,8 @@ def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
 
 def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
     from engine.engine_core import EngineCore
-    from engine.worker import ENGINE_ROLES, EngineWorker, WorkerSpec
+    from engine.config import ENGINE_ROLES
+    from engine.worker import EngineWorker, WorkerSpec
 
     core = EngineCore(launch.model, launch.engine, role=ENGINE_ROLES[launch.role], hf_config=hf_config, info=info)
     encode_fn = None
