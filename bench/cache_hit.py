@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from bench.datasets import data_url, make_image_bytes, parse_image_sizes
+from epd.bench.datasets import data_url, make_image_bytes, parse_image_sizes
 
 WORDS = ("red chair window tree sky cat photo picture detail color light shadow table lamp river "
          "mountain city road car house garden flower bird cloud water stone").split()

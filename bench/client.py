@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from bench.datasets import BenchRequest
+from epd.bench.datasets import BenchRequest
 
 
 @dataclass

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import httpx
 
-from bench import serve as bench_serve
-from bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
-from bench.report import results_from_json
+from epd.bench import serve as bench_serve
+from epd.bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
+from epd.bench.report import results_from_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

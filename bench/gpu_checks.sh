@@ -3,7 +3,7 @@
 # OUT_DIR (default gpu-results/):
 #   1. the Triton kernels and the whole engine on the GPU against their references
 #      (pytest -m gpu: kernels vs the torch backend, greedy tokens vs transformers);
-#   2. the decode kernel's achieved memory bandwidth (python -m bench.kernels);
+#   2. the decode kernel's achieved memory bandwidth (python -m epd.bench.kernels);
 #   3. offline throughput of our engine and of transformers on the GPU, small preset;
 #   4. serving: aggregated against e-p-d on the one GPU, four images a request.
 #
@@ -32,7 +32,7 @@ step versions bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version -
     $python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'"
 step pytest_gpu "$python" -m pytest -q -m gpu -p no:cacheprovider \
     tests/engine/test_attention.py tests/engine/test_engine_vs_transformers.py tests/epd/test_serve_gpu.py
-step kernels "$python" -m bench.kernels
+step kernels "$python" -m epd.bench.kernels
 model=${EPD_GPU_MODEL:-/tmp/epd-gpu-small}
 case " ${GPU_STEPS:-offline_bf16} " in *" offline_bf16 "* | *" serving "*)  # the steps that need a checkpoint
     [ -d "$model" ] || "$python" -m epd.cli make-model "$model" --preset small >/dev/null ;;

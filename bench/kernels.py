@@ -1,6 +1,6 @@
 """GPU micro-benchmark of the paged decode attention kernel.
 
-    python -m bench.kernels [--peak-gbps 4800] [--batch-sizes 1,8,32,128] [--context-lens 1024,4096]
+    python -m epd.bench.kernels [--peak-gbps 4800] [--batch-sizes 1,8,32,128] [--context-lens 1024,4096]
 
 Times the Triton split-K decode kernel on a Qwen3-VL-4B-like layer (32 q heads,
 8 kv heads, head_dim 128, bf16 by default) and the torch backend on the same
@@ -19,14 +19,14 @@ import sys
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from epd.engine.attention.metadata import AttentionMetadata
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-VL-4B text layer
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m epd.bench.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-gbps", type=float, default=4800.0, help="peak memory bandwidth, GB/s")
     parser.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated decode batch sizes")
     parser.add_argument("--context-lens", default="1024,4096", help="comma-separated tokens per sequence")
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     import triton.testing
 
-    from engine.attention import torch_attention
-    from engine.attention.triton_decode import choose_num_splits, paged_decode_attention
+    from epd.engine.attention import torch_attention
+    from epd.engine.attention.triton_decode import choose_num_splits, paged_decode_attention
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]

@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Awaitable, Callable, Sequence, TextIO
 
-from bench.client import RequestResult
-from bench.datasets import BenchRequest
+from epd.bench.client import RequestResult
+from epd.bench.datasets import BenchRequest
 
 SendFn = Callable[[BenchRequest, float], Awaitable[RequestResult]]  # (request, run_start_s) -> result
 

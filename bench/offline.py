@@ -39,7 +39,7 @@ def _workload(tokenizer, num: int, input_len: int, output_len: int, range_ratio:
 
 
 def bench_epd(llm, prompts, output_lens: list[int]) -> float:
-    from engine.sampling_params import SamplingParams
+    from epd.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     # warm-up on a prompt the run does not contain: the run must find nothing in the prefix cache
@@ -78,8 +78,8 @@ def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
     no sampler): one token attending to `context_len` cached tokens."""
     import torch
 
-    from engine.attention.metadata import AttentionMetadata
-    from engine.models.qwen3_vl import ForwardBatch
+    from epd.engine.attention.metadata import AttentionMetadata
+    from epd.engine.models.qwen3_vl import ForwardBatch
 
     runner = llm.engine.runner
     block_size = runner.block_size

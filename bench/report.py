@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from bench.client import RequestResult
-from bench.metrics import percentile_key
+from epd.bench.client import RequestResult
+from epd.bench.metrics import percentile_key
 
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
                    "generated_texts", "errors", "num_images")

@@ -17,13 +17,13 @@ from datetime import datetime
 
 import httpx
 
-from bench.arrivals import arrival_times_s, parse_rate
-from bench.client import RequestResult, send_chat_request
-from bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, sample_random,
+from epd.bench.arrivals import arrival_times_s, parse_rate
+from epd.bench.client import RequestResult, send_chat_request
+from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, sample_random,
                             sample_random_mm)
-from bench.load import run_load
-from bench.metrics import compute_metrics, parse_goodput, parse_percentiles
-from bench.report import detailed_fields, format_table, write_result
+from epd.bench.load import run_load
+from epd.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
+from epd.bench.report import detailed_fields, format_table, write_result
 
 DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
 

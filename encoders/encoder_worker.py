@@ -11,11 +11,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from encoders.image_encoder import ImageEncoder
-from encoders.image_io import ImageError, read_image_size
-from transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
-from transport.mm_entry import MMEntry
-from transport.worker_io import WorkerIO
+from epd.encoders.image_encoder import ImageEncoder
+from epd.encoders.image_io import ImageError, read_image_size
+from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
+from epd.transport.mm_entry import MMEntry
+from epd.transport.worker_io import WorkerIO
 
 log = logging.getLogger("epd.encoder")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image
-from encoders.image_processor import ImagePreprocessor
-from encoders.loader import load_vision_tower
-from transport.mm_cache import mm_hash
+from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image
+from epd.encoders.image_processor import ImagePreprocessor
+from epd.encoders.loader import load_vision_tower
+from epd.transport.mm_cache import mm_hash
 
 DEFAULT_MAX_BATCH_PATCHES = 16384
 

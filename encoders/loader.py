@@ -5,8 +5,8 @@ from pathlib import Path
 
 import torch
 
-from encoders.vision_tower import VisionConfig, VisionTower
-from transport.checkpoint import load_weights
+from epd.encoders.vision_tower import VisionConfig, VisionTower
+from epd.transport.checkpoint import load_weights
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 

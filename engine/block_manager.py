@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import msgpack
 
-from engine.request import MMSpan, Request
+from epd.engine.request import MMSpan, Request
 
 # Parent hash of a prompt's first block: any fixed value works, it only has to
 # differ from every real digest.

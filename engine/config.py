@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler import SchedulerConfig
+from epd.engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 # Worker roles that run an engine (and hold a KV cache) -> the EngineCore role they run.

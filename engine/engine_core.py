@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
-from engine.loader import load_language_model, resolve_dtype
-from engine.model_info import ModelInfo
-from engine.model_runner import MMEmbedding, ModelRunner
-from engine.request import Request
-from engine.sampler import TokenLogprobs
-from engine.scheduler import Scheduler
-from engine.scheduler_output import RequestUpdate
+from epd.engine.config import EngineConfig
+from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
+from epd.engine.loader import load_language_model, resolve_dtype
+from epd.engine.model_info import ModelInfo
+from epd.engine.model_runner import MMEmbedding, ModelRunner
+from epd.engine.request import Request
+from epd.engine.sampler import TokenLogprobs
+from epd.engine.scheduler import Scheduler
+from epd.engine.scheduler_output import RequestUpdate
 
 
 @torch.inference_mode()
@@ -30,9 +30,9 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     """The largest forward an engine step runs (a full token budget, logits for
     max_num_seqs rows) on a throwaway cache, so its peak activation memory is
     measured before the KV cache takes the rest of the GPU."""
-    from engine.attention import get_backend
-    from engine.attention.metadata import AttentionMetadata
-    from engine.models.qwen3_vl import ForwardBatch
+    from epd.engine.attention import get_backend
+    from epd.engine.attention.metadata import AttentionMetadata
+    from epd.engine.models.qwen3_vl import ForwardBatch
 
     cfg, n, bs = model.cfg, config.max_num_batched_tokens, config.block_size
     blocks = n // bs + 1

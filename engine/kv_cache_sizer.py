@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
+from epd.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForCausalLM, TextConfig
-from transport.checkpoint import load_weights
+from epd.engine.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForCausalLM, TextConfig
+from epd.transport.checkpoint import load_weights
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}

@@ -68,9 +68,6 @@ def _eos_token_ids(model_dir: Path, text_config) -> tuple[int, ...]:
         ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     eos = getattr(text_config, "eos_token_id", None)
     ids += eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    tok_cfg = model_dir / "tokenizer_config.json"
-    if not ids and tok_cfg.exists():
-        pass  # the tokenizer's eos is added by the caller that loads the tokenizer
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 

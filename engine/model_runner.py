@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import get_backend
-from engine.attention.metadata import AttentionMetadata
-from engine.models.mrope import mrope_positions
-from engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
-from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch, SamplingInput, TokenLogprobs, make_generator
-from engine.scheduler_output import SchedulerOutput
+from epd.engine.attention import get_backend
+from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.models.mrope import mrope_positions
+from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
+from epd.engine.request import Request
+from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, TokenLogprobs, make_generator
+from epd.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass

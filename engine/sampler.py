@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from epd.engine.sampling_params import SamplingParams
 
 # Below this temperature a row is greedy: dividing by it would overflow float32.
 _SAMPLING_EPS = 1e-5
@@ -39,7 +39,7 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 class SamplingInput:
     """What the sampler needs to know about one sequence at this step.
 
-    `banned_token_ids` are never sampled this step; the scheduler passes the EOS
+    `banned_token_ids` are never sampled this step; the runner passes the EOS
     and stop-token ids here while the sequence is short of `min_tokens`.
     """
 

@@ -2,7 +2,7 @@
 
 Pure Python (no torch), vLLM V1 style: a step is
     out = scheduler.schedule()          # which requests, how many tokens each
-    sampled = runner.run(out)           # {request_id: token_id} for chunks that sample
+    sampled = runner.execute(out)       # {request_id: token_id} for chunks that sample
     updates = scheduler.update(out, sampled)
 The same object serves combined, prefill-only and decode-only workers
 (`role`), see `update`, `release` and `add_prefilled`.
@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from epd.engine.block_manager import BlockManager
+from epd.engine.request import Request, RequestStatus
+from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
 ROLES = ("combined", "prefill", "decode")
 

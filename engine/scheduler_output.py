@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import MMSpan, Request
+from epd.engine.request import MMSpan, Request
 
 
 @dataclass(frozen=True)

@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.config import ENGINE_ROLES
-from engine.engine_core import EngineCore
-from engine.model_runner import MMEmbedding
-from engine.request import MMSpan, Request
-from engine.sampling_params import SamplingParams
-from transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
+from epd.engine.config import ENGINE_ROLES
+from epd.engine.engine_core import EngineCore
+from epd.engine.model_runner import MMEmbedding
+from epd.engine.request import MMSpan, Request
+from epd.engine.sampling_params import SamplingParams
+from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, WorkerStats)
-from transport.messages import MMSpan as WireSpan
-from transport.mm_entry import MMEntry
-from transport.worker_io import WorkerIO
+from epd.transport.messages import MMSpan as WireSpan
+from epd.transport.mm_entry import MMEntry
+from epd.transport.worker_io import WorkerIO
 
 if TYPE_CHECKING:
-    from encoders.image_encoder import ImageEmbedding
+    from epd.encoders.image_encoder import ImageEmbedding
 
 log = logging.getLogger("epd.worker")
 

@@ -1,4 +1,4 @@
-"""The `epd` command: make-model, chat (and, as they land, serve, worker, bench)."""
+"""The `epd` command: serve, worker, chat, bench, make-model."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def _make_model(args) -> int:
-    from epd.make_model import make_model
+    from epd.tools.make_model import make_model
 
     out = make_model(args.dir, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} checkpoint to {out}")
@@ -15,9 +15,9 @@ def _make_model(args) -> int:
 
 
 def _chat(args) -> int:
-    from encoders.image_io import ImageError, read_image_size
+    from epd.encoders.image_io import ImageError, read_image_size
     from epd.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from epd.engine.sampling_params import SamplingParams
 
     if not (Path(args.model) / "config.json").exists():
         print(f"epd chat: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
@@ -43,7 +43,7 @@ def _chat(args) -> int:
 
 
 def _bench_offline(args) -> int:
-    from bench.offline import main as run
+    from epd.bench.offline import main as run
 
     run(args)
     return 0
@@ -64,7 +64,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args):
-    from engine.config import EngineConfig
+    from epd.engine.config import EngineConfig
 
     return EngineConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb,
                         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -109,13 +109,13 @@ def serve_config(args):
 
 
 def _serve(args) -> int:
-    from epd.launcher import serve
+    from epd.serve.launcher import serve
 
     return serve(serve_config(args))
 
 
 def _worker(args) -> int:
-    from epd.launcher import run_external_worker
+    from epd.serve.launcher import run_external_worker
 
     if not args.api.startswith("tcp://"):
         raise ValueError(f"--api must be a tcp:// address (the API's worker port), got {args.api!r}")
@@ -126,21 +126,21 @@ def _worker(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from bench.serve import main as run
+    from epd.bench.serve import main as run
 
     run(args)
     return 0
 
 
 def _bench_compare(args) -> int:
-    from bench.compare import main as run
+    from epd.bench.compare import main as run
 
     run(args)
     return 0
 
 
 def _bench_cache_hit(args) -> int:
-    from bench.cache_hit import main as run
+    from epd.bench.cache_hit import main as run
 
     run(args)
     return 0
@@ -213,25 +213,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_worker)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    from bench.offline import add_arguments as offline_arguments
+    from epd.bench.offline import add_arguments as offline_arguments
 
     p = bench.add_parser("offline", help="engine throughput against transformers (same machine, one run)")
     offline_arguments(p)
     p.set_defaults(func=_bench_offline)
 
-    from bench.serve import add_arguments as serve_arguments
+    from epd.bench.serve import add_arguments as serve_arguments
 
     p = bench.add_parser("serve", help="goodput benchmark against a running server (like `vllm bench serve`)")
     serve_arguments(p)
     p.set_defaults(func=_bench_serve)
 
-    from bench.compare import add_arguments as compare_arguments
+    from epd.bench.compare import add_arguments as compare_arguments
 
     p = bench.add_parser("compare", help="aggregated vs e-pd vs e-p-d on one machine, one request trace")
     compare_arguments(p)
     p.set_defaults(func=_bench_compare)
 
-    from bench.cache_hit import add_arguments as cache_hit_arguments
+    from epd.bench.cache_hit import add_arguments as cache_hit_arguments
 
     p = bench.add_parser("cache-hit", help="TTFT of a cached-image request vs a text-only one of equal length")
     cache_hit_arguments(p)

@@ -9,7 +9,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from engine.config import ENGINE_ROLES, EngineConfig
+from epd.engine.config import ENGINE_ROLES, EngineConfig
 
 MODES = ("aggregated", "e-pd", "e-p-d")
 ROUTERS = ("round_robin", "least_loaded", "prefix_hash")

@@ -11,17 +11,17 @@ import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from encoders.image_encoder import ImageEncoder
-from encoders.image_io import read_image_size
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
-from engine.model_runner import MMEmbedding
-from engine.request import Request
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from epd.media import MediaPolicy, image_part_source, load_image_bytes
-from epd.prompt import ImageRef, PromptBuilder, image_parts
+from epd.encoders.image_encoder import ImageEncoder
+from epd.encoders.image_io import read_image_size
+from epd.engine.config import EngineConfig
+from epd.detokenizer import IncrementalDetokenizer
+from epd.engine.engine_core import EngineCore
+from epd.engine.model_runner import MMEmbedding
+from epd.engine.request import Request
+from epd.engine.sampler import TokenLogprobs
+from epd.engine.sampling_params import SamplingParams
+from epd.inputs.media import MediaPolicy, image_part_source, load_image_bytes
+from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 
 
 @dataclass

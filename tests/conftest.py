@@ -10,6 +10,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from epd.make_model import make_model
+    from epd.tools.make_model import make_model
 
     return str(make_model(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0))

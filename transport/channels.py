@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import zmq
 import zmq.asyncio
 
-from transport.messages import Message, WireError, decode_message
+from epd.transport.messages import Message, WireError, decode_message
 
 log = logging.getLogger("epd.transport")
 

@@ -21,8 +21,8 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
-from transport.codec import pack_header, unpack_header
+from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
+from epd.transport.codec import pack_header, unpack_header
 
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",

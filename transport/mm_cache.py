@@ -33,8 +33,8 @@ from typing import Any
 import lmdb
 import msgpack
 
-from transport.codec import WireError
-from transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
+from epd.transport.codec import WireError
+from epd.transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from transport.codec import Fields, WireError, decode_tensor, encode_tensor, pack_header
-from transport.codec import tensor_nbytes, unpack_header
+from epd.transport.codec import Fields, WireError, decode_tensor, encode_tensor, pack_header
+from epd.transport.codec import tensor_nbytes, unpack_header
 
 MAGIC = b"EPDMM\x00v1"
 FORMAT_VERSION = 1

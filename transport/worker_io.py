@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import socket
 
-from transport.channels import Outbox, Receiver
-from transport.messages import Ready
-from transport.mm_cache import MMCache
+from epd.transport.channels import Outbox, Receiver
+from epd.transport.messages import Ready
+from epd.transport.mm_cache import MMCache
 
 
 class WorkerIO:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from epd.engine.attention.metadata import AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKEND_NAMES", "get_backend"]
 
@@ -30,9 +30,9 @@ class AttentionBackend:
 def get_backend(name: str) -> AttentionBackend:
     """"torch" or "triton"."""
     if name == "torch":
-        from engine.attention import torch_attention as impl
+        from epd.engine.attention import torch_attention as impl
     elif name == "triton":
-        from engine.attention import triton_attention as impl
+        from epd.engine.attention import triton_attention as impl
     else:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
     return AttentionBackend(name=name, store_kv=impl.store_kv, attention=impl.attention)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata, check_attention_inputs
+from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
 
 # A decode batch pads every sequence to its longest one; start a new batch
 # when a sequence is shorter than this fraction of that longest one.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.triton_decode import paged_decode_attention
-from engine.attention.triton_prefill import paged_prefill_attention
-from engine.attention.triton_store import store_kv
+from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.attention.triton_decode import paged_decode_attention
+from epd.engine.attention.triton_prefill import paged_prefill_attention
+from epd.engine.attention.triton_store import store_kv
 
 __all__ = ["attention", "store_kv"]
 

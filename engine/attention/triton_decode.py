@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import AttentionMetadata, check_attention_inputs
-from engine.attention.triton_prefill import check_kernel_layout, load_kv_tile
+from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
+from epd.engine.attention.triton_prefill import check_kernel_layout, load_kv_tile
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

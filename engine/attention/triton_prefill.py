@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import AttentionMetadata, check_attention_inputs
+from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

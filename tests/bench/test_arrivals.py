@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import arrival_times_s, parse_rate
+from epd.bench.arrivals import arrival_times_s, parse_rate
 
 
 def _gaps(times_s: list[float]) -> np.ndarray:

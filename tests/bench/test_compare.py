@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compare import format_comparison, parse_mode
+from epd.bench.compare import format_comparison, parse_mode
 
 
 def test_mode_labels():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from bench.datasets import (IMAGE_POOL_SIZE, load_jsonl, load_tokenizer, make_image_bytes, parse_image_sizes,
+from epd.bench.datasets import (IMAGE_POOL_SIZE, load_jsonl, load_tokenizer, make_image_bytes, parse_image_sizes,
                             sample_random, sample_random_mm)
 
 

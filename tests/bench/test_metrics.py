@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.client import RequestResult
-from bench.metrics import (compute_metrics, distserve_max_rate, meets_slos, p99_max_rate, parse_goodput,
+from epd.bench.client import RequestResult
+from epd.bench.metrics import (compute_metrics, distserve_max_rate, meets_slos, p99_max_rate, parse_goodput,
                            parse_percentiles, request_tpot_ms, slo_attainment, tail_latencies_ms)
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.client import send_chat_request
-from bench.datasets import BenchRequest, make_image_bytes
-from bench.metrics import compute_metrics
-from bench.report import format_table, results_from_json
-from bench.serve import add_arguments, main
+from epd.bench.client import send_chat_request
+from epd.bench.datasets import BenchRequest, make_image_bytes
+from epd.bench.metrics import compute_metrics
+from epd.bench.report import format_table, results_from_json
+from epd.bench.serve import add_arguments, main
 
 from tests.bench.conftest import MODEL_NAME, TOKENS_PER_IMAGE
 

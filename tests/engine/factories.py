@@ -4,10 +4,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from engine.request import MMSpan, Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.scheduler_output import SchedulerOutput
+from epd.engine.request import MMSpan, Request
+from epd.engine.sampling_params import SamplingParams
+from epd.engine.scheduler import Scheduler, SchedulerConfig
+from epd.engine.scheduler_output import SchedulerOutput
 
 IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it
 EOS_ID = 2

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, get_backend
-from engine.attention import torch_attention
+from epd.engine.attention import AttentionMetadata, get_backend
+from epd.engine.attention import torch_attention
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -178,7 +178,7 @@ TRITON_CASES = [
 
 
 def check_triton_case(name, q_lens, prefix_lens, heads, block_size, dtype, device):
-    from engine.attention import triton_decode, triton_prefill, triton_store
+    from epd.engine.attention import triton_decode, triton_prefill, triton_store
 
     num_q_heads, num_kv_heads, head_dim = heads
     batch = make_batch(q_lens, prefix_lens, num_q_heads, num_kv_heads, head_dim, block_size,
@@ -251,7 +251,7 @@ def test_triton_gpu(case, dtype):
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only message")
 def test_bench_kernels_without_cuda_exits_with_message(capsys):
-    from bench import kernels
+    from epd.bench import kernels
 
     assert kernels.main([]) == 1
     assert "CUDA" in capsys.readouterr().err

@@ -4,8 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from engine.block_manager import BlockManager, hash_block
-from engine.request import MMSpan
+from epd.engine.block_manager import BlockManager, hash_block
+from epd.engine.request import MMSpan
 
 from tests.engine.factories import make_image_prompt, make_request
 
@@ -216,7 +216,7 @@ def test_reset_and_disabled_prefix_cache_give_no_hits():
 
 
 def test_scheduler_and_block_manager_do_not_import_torch():
-    code = ("import sys, engine.block_manager, engine.scheduler, engine.scheduler_output; "
+    code = ("import sys, epd.engine.block_manager, epd.engine.scheduler, epd.engine.scheduler_output; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

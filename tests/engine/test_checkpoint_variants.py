@@ -9,8 +9,8 @@ import pytest
 from hf_reference import hf_greedy
 from media import image_bytes, image_part
 
-from engine.sampling_params import SamplingParams
-from epd.make_model import PRESETS, make_model
+from epd.engine.sampling_params import SamplingParams
+from epd.tools.make_model import PRESETS, make_model
 
 VARIANTS = {
     "tied_mqa_padded_vocab": dict(tie_word_embeddings=True, num_kv_heads=1, vocab_size=1100,

@@ -8,7 +8,7 @@ import torch
 from hf_reference import hf_greedy
 from media import image_bytes, image_part
 
-from engine.sampling_params import SamplingParams
+from epd.engine.sampling_params import SamplingParams
 
 IMGS = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
 
@@ -95,7 +95,7 @@ def test_prefix_cache_hits_and_image_sensitivity(tiny_model):
 
 
 def test_abort_frees_every_block(tiny_model):
-    from engine.request import Request
+    from epd.engine.request import Request
 
     from epd import LLM
 

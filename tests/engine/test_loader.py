@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_language_model
-from encoders.loader import load_vision_tower
-from transport.checkpoint import CheckpointError
+from epd.engine.loader import load_language_model
+from epd.encoders.loader import load_vision_tower
+from epd.transport.checkpoint import CheckpointError
 
 
 def _broken_copy(tiny_model, tmp_path, edit) -> str:
@@ -65,8 +65,8 @@ def test_bfloat16_load_keeps_rotary_tables_in_float32(tiny_model):
 
 def test_profile_forward_runs_a_full_token_budget(tiny_model):
     """The pass that sizes the GPU KV cache, exercised on CPU."""
-    from engine.config import EngineConfig
-    from engine.engine_core import profile_forward
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import profile_forward
 
     model = load_language_model(tiny_model, _config(tiny_model), torch.float32)
     logits = profile_forward(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, device="cpu"), "cpu")

@@ -7,16 +7,16 @@ import torch
 from hf_reference import hf_greedy, hf_prompt_logits
 from media import image_bytes, image_part
 
-from encoders.image_encoder import ImageEncoder
-from encoders.image_io import read_image_size
-from engine.attention import get_backend
-from engine.attention.metadata import AttentionMetadata
-from engine.loader import load_language_model
-from engine.model_info import ModelInfo
-from engine.models.mrope import mrope_positions
-from engine.models.qwen3_vl import ForwardBatch
-from engine.sampling_params import SamplingParams
-from epd.prompt import ImageRef, PromptBuilder
+from epd.encoders.image_encoder import ImageEncoder
+from epd.encoders.image_io import read_image_size
+from epd.engine.attention import get_backend
+from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.loader import load_language_model
+from epd.engine.model_info import ModelInfo
+from epd.engine.models.mrope import mrope_positions
+from epd.engine.models.qwen3_vl import ForwardBatch
+from epd.engine.sampling_params import SamplingParams
+from epd.inputs.prompt import ImageRef, PromptBuilder
 
 IMG_A = image_bytes(100, 60, seed=1)
 IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request, RequestStatus
+from epd.engine.request import Request, RequestStatus
 
 from tests.engine.factories import (EOS_ID, assert_all_blocks_free, fake_run, fake_token,
                                     make_image_prompt, make_request, make_scheduler,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible app under a real uvicorn, driven by the `openai` client and httpx.
 
-`FakeOrchestrator` stands in for epd.orchestrator (end-to-end tests with real
+`FakeOrchestrator` stands in for epd.serve.orchestrator (end-to-end tests with real
 workers live elsewhere): it implements `OrchestratorLike` deterministically,
 answering every sequence with tokens 10, 11, ... (shifted by the seed), text
 " w<id>" per token, finishing with "stop" after 5 tokens or "length" at
@@ -21,9 +21,9 @@ import openai
 import pytest
 import uvicorn
 
-from engine.sampler import TokenLogprobs
-from epd.api_server import ApiSettings, build_app
-from epd.protocol import Delta, GenerateRequest, RequestError
+from epd.engine.sampler import TokenLogprobs
+from epd.api.server import ApiSettings, build_app
+from epd.api.protocol import Delta, GenerateRequest, RequestError
 
 MODEL = "qwen3-vl-test"
 API_KEY = "sk-test"

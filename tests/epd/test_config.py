@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from engine.config import EngineConfig
+from epd.engine.config import EngineConfig
 from epd.config import ServeConfig
 
 

@@ -9,7 +9,7 @@ from media import data_url, image_bytes
 
 from epd.cli import build_parser, serve_config
 from epd.config import MediaConfig
-from epd.media import MediaError, MediaFetcher, MediaPolicy, check_remote_url, load_image_bytes
+from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, check_remote_url, load_image_bytes
 
 IMG = image_bytes(16, 16)
 ALLOWED = MediaPolicy(allowed_media_domains=("images.example", "127.0.0.1"))

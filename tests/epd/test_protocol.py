@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from epd.protocol import (GenerateRequest, RequestError, check_model, fan_out, format_loc, parse_chat_request,
+from epd.api.protocol import (GenerateRequest, RequestError, check_model, fan_out, format_loc, parse_chat_request,
                           parse_completion_request, request_error_from_validation)
-from engine.sampling_params import SamplingParams
+from epd.engine.sampling_params import SamplingParams
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 

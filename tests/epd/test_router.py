@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from epd.router import LeastLoadedRouter, PrefixHashRouter, RoundRobinRouter, make_router
-from epd.worker_registry import WorkerInfo
-from transport.messages import WorkerStats
+from epd.serve.router import LeastLoadedRouter, PrefixHashRouter, RoundRobinRouter, make_router
+from epd.serve.registry import WorkerInfo
+from epd.transport.messages import WorkerStats
 
 
 def _workers(loads):

@@ -160,8 +160,8 @@ def _cache_entries(cache_dir: str, model: str) -> list:
     import lmdb
     from transformers import AutoConfig
 
-    from engine.model_info import ModelInfo
-    from transport.mm_entry import decode_entry
+    from epd.engine.model_info import ModelInfo
+    from epd.transport.mm_entry import decode_entry
 
     fingerprint = ModelInfo.from_pretrained(model, AutoConfig.from_pretrained(model)).fingerprint
     env = lmdb.open(cache_dir, readonly=True, lock=False, max_dbs=3)
@@ -175,7 +175,7 @@ def _cache_entries(cache_dir: str, model: str) -> list:
 def test_cache_survives_a_restart(tiny_model, tmp_path):
     """A warm cache dir: the same image after a restart costs no encoder time,
     even when another mode wrote it (here the aggregated worker's in-process encoder)."""
-    from encoders.image_processor import ImagePreprocessor
+    from epd.encoders.image_processor import ImagePreprocessor
 
     cache = str(tmp_path / "cache")
     img = image_bytes(80, 120, seed=31)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from epd.orchestrator import TokenOrder
-from transport.messages import TokenOutput
+from epd.serve.token_order import TokenOrder
+from epd.transport.messages import TokenOutput
 
 
 def _drain(arrivals: list[TokenOutput], count: int) -> list[TokenOutput]:

@@ -1,6 +1,6 @@
 import pytest
 
-from transport.addresses import ROLES, Addresses, parse_worker_id, worker_id
+from epd.transport.addresses import ROLES, Addresses, parse_worker_id, worker_id
 
 
 def test_ipc_layout():

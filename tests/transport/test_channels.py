@@ -5,9 +5,9 @@ import pytest
 import torch
 import zmq
 
-from transport.addresses import Addresses
-from transport.channels import AsyncReceiver, AsyncSender, Receiver, Sender
-from transport.messages import EncodeDone, KVAck, KVTransfer, TokenOutput, WireError
+from epd.transport.addresses import Addresses
+from epd.transport.channels import AsyncReceiver, AsyncSender, Receiver, Sender
+from epd.transport.messages import EncodeDone, KVAck, KVTransfer, TokenOutput, WireError
 
 TIMEOUT_S = 5.0
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport.messages import (
+from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
     PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats,
     decode_message,

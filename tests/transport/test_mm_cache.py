@@ -8,8 +8,8 @@ import lmdb
 import pytest
 import torch
 
-from transport.mm_cache import MMCache, mm_hash
-from transport.mm_entry import MMEntry, encode_entry
+from epd.transport.mm_cache import MMCache, mm_hash
+from epd.transport.mm_entry import MMEntry, encode_entry
 
 FP = "test-model"
 MiB = 1 << 20
@@ -139,7 +139,7 @@ def test_every_put_succeeds_under_a_small_cap(tmp_path):
 def test_oversize_entry_is_skipped_with_a_warning(tmp_path, caplog):
     with MMCache(tmp_path / "mm", 4096, model_fingerprint=FP) as c:
         assert c.put(key(0), entry(0, n=2, hidden=4))
-        with caplog.at_level(logging.WARNING, logger="transport.mm_cache"):
+        with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
             assert c.put(key(1), entry(1, n=64, hidden=64)) is False
         assert "exceeds" in caplog.text
         assert c.stats.skipped_puts == 1 and not c.contains(key(1)) and c.contains(key(0))

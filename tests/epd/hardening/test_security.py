@@ -17,7 +17,7 @@ import zmq
 from api_checks import (IMG, TEXT_MESSAGES, assert_error, assert_still_serving, chat_body, group_processes,
                         plain_server_model, post, worker_set, worker_sockets)
 
-from transport.messages import EncodeRequest, PrefillRequest
+from epd.transport.messages import EncodeRequest, PrefillRequest
 
 
 def test_api_key_from_the_environment(plain_server):

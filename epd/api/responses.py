@@ -2,7 +2,7 @@
 
 A format object (`ChatFormat`, `CompletionFormat`) knows one HTTP request's
 id, model and whether logprobs were asked, and builds every JSON object the
-request answers with, streamed or not; `api_server` only moves Deltas.
+request answers with, streamed or not; `epd.api.server` only moves Deltas.
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from epd.protocol import Delta
+from epd.api.protocol import Delta
 
 if TYPE_CHECKING:
-    from engine.sampler import TokenLogprobs
+    from epd.engine.sampler import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value

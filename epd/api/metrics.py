@@ -21,7 +21,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from epd.protocol import Delta
+from epd.api.protocol import Delta
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours unchanged
 TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

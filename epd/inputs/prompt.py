@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from encoders.image_processor import ImageGeometry
-from engine.request import MMSpan
+from epd.encoders.image_processor import ImageGeometry
+from epd.engine.request import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 IMAGE_PAD = "<|image_pad|>"
@@ -85,10 +85,6 @@ class PromptBuilder:
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
         return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images))
-
-    def build_text(self, text: str) -> Prompt:
-        """A plain completion prompt (no chat template, no images)."""
-        return Prompt(token_ids=self.tokenizer.encode(text, add_special_tokens=False), mm_spans=[])
 
     def spans(self, token_ids: list[int], images: list[ImageRef]) -> list[MMSpan]:
         spans = []

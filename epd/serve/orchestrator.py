@@ -1,11 +1,11 @@
 """The API process's side of a request: prompt, routing, fan-out, streaming back.
 
     generate(request):
-      media -> raw bytes (never pixels): data:, file:// in a thread,   epd/media.py
+      media -> raw bytes (never pixels): data:, file:// in a thread,   epd/inputs/media.py
                http(s):// fetched with httpx on the event loop
       header size -> mm_hash, in a thread                            encoders/image_io.py
-      chat template + placeholder expansion                          epd/prompt.py
-      route: prefill (or pd / aggregated) worker, decode worker      epd/router.py
+      chat template + placeholder expansion                          epd/inputs/prompt.py
+      route: prefill (or pd / aggregated) worker, decode worker      epd/serve/router.py
       embedding cache lookup
       PrefillRequest at once (the worker waits for its images), then
       misses -> EncodeRequest, one image per encoder in turn
@@ -18,7 +18,6 @@ WorkerStats, TokenOutput.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import socket
@@ -27,24 +26,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
-from encoders.image_io import ImageError, read_image_size
-from encoders.image_processor import ImageGeometry
-from engine.detokenizer import IncrementalDetokenizer
-from engine.model_info import ModelInfo
-from engine.sampler import TokenLogprobs
+from epd.encoders.image_io import ImageError, read_image_size
+from epd.encoders.image_processor import ImageGeometry
+from epd.detokenizer import IncrementalDetokenizer
+from epd.engine.model_info import ModelInfo
+from epd.engine.sampler import TokenLogprobs
 from epd.config import ServeConfig
-from epd.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
-from epd.prompt import ImageRef, PromptBuilder, image_parts
-from epd.protocol import Delta, GenerateRequest, RequestError
-from epd.router import RoundRobinRouter, make_router
-from epd.worker_metrics import WorkerMetrics
-from epd.worker_registry import WorkerInfo, WorkerRegistry
-from engine.request import MMSpan
-from engine.worker import to_wire_spans
-from transport.channels import AsyncOutbox, AsyncReceiver
-from transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
+from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
+from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.api.protocol import Delta, GenerateRequest, RequestError
+from epd.serve.router import RoundRobinRouter, make_router
+from epd.serve.worker_metrics import WorkerMetrics
+from epd.serve.registry import WorkerInfo, WorkerRegistry
+from epd.serve.token_order import TokenOrder
+from epd.engine.request import MMSpan
+from epd.engine.worker import to_wire_spans
+from epd.transport.channels import AsyncOutbox, AsyncReceiver
+from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
                                 WireError, WorkerStats)
-from transport.mm_cache import MMCache, mm_hash
+from epd.transport.mm_cache import MMCache, mm_hash
 
 log = logging.getLogger("epd.api")
 
@@ -83,11 +83,9 @@ class Orchestrator:
         self.encoder_turn = RoundRobinRouter()
         self.cache: MMCache | None = None
         self.streams: dict[str, asyncio.Queue] = {}
-        self._ids = itertools.count()
         self._receiver: AsyncReceiver | None = None
         self._outbox: AsyncOutbox | None = None
         self._dispatcher: asyncio.Task | None = None
-        self._ready = asyncio.Event()
 
     # ---------------------------------------------------------- lifecycle
 
@@ -308,29 +306,6 @@ class Orchestrator:
                         await self._outbox.send(w.inbox, Abort([rid]))
                     except Exception:
                         log.warning("could not send Abort to %s", w.worker_id)
-
-
-class TokenOrder:
-    """A request's TokenOutputs in output order. Its tokens come from up to two
-    workers (prefill: the first, decode: the rest) over two pipes that the
-    collector reads in turn, so a delta can overtake the one before it; each
-    waits here until the tokens before it are out. A message without tokens
-    (an error) ends the request and is passed on at once."""
-
-    def __init__(self, queue: asyncio.Queue):
-        self.queue = queue
-        self.waiting: dict[int, TokenOutput] = {}  # index of its first token -> delta
-        self.next_index = 0
-
-    async def next(self) -> TokenOutput:
-        while self.next_index not in self.waiting:
-            out: TokenOutput = await self.queue.get()
-            if not out.token_ids:
-                return out
-            self.waiting[out.index] = out
-        out = self.waiting.pop(self.next_index)
-        self.next_index += len(out.token_ids)
-        return out
 
 
 def _logprobs(raw) -> list[TokenLogprobs] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-from epd.worker_registry import WorkerRegistry
+from epd.serve.registry import WorkerRegistry
 
 # worker counter key -> (metric name without _total, help)
 COUNTERS = {

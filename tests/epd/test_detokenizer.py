@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from epd.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo wörld 你好 🙂 the quick brown fox jumps over the lazy dog",

@@ -2,7 +2,7 @@
 
 Clients (the `openai` SDK among them) read `{"error": {"message", "type",
 "param", "code"}}`; FastAPI's own `{"detail": ...}` and its 422 never reach
-them. Unhandled exceptions become a 500 in `api_server`'s middleware.
+them. Unhandled exceptions become a 500 in the app's middleware (epd/api/server.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd.protocol import RequestError, request_error_from_validation
+from epd.api.protocol import RequestError, request_error_from_validation
 
 
 def error_body(error: RequestError) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from transport.messages import Ready, WorkerStats
+from epd.transport.messages import Ready, WorkerStats
 
 STATS_STALE_S = 5.0  # a worker silent for this long counts as down
 

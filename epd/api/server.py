@@ -28,11 +28,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from starlette.datastructures import Headers
 
-from epd.api_errors import error_body, error_response, install_error_handlers, internal_error
-from epd.api_metrics import ApiMetrics, RequestTracker
-from epd.protocol import (ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, RequestError,
+from epd.api.errors import error_body, error_response, install_error_handlers, internal_error
+from epd.api.metrics import ApiMetrics, RequestTracker
+from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, RequestError,
                           check_model, fan_out)
-from epd.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
+from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
 
 logger = logging.getLogger(__name__)
 ResponseFormat = ChatFormat | CompletionFormat

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import SamplingParams
+from epd.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # engine.sampler imports torch; the API layer only reads attributes
-    from engine.sampler import TokenLogprobs
+    from epd.engine.sampler import TokenLogprobs
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4

@@ -10,7 +10,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
     torch.set_num_threads(launch.num_threads)
     from transformers import AutoConfig
 
-    from engine.model_info import ModelInfo
+    from epd.engine.model_info import ModelInfo
 
     hf_config = AutoConfig.from_pretrained(launch.model)
     info = ModelInfo.from_pretrained(launch.model, hf_config)
@@ -77,15 +76,15 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
 
 
 def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
-    from encoders.image_encoder import ImageEncoder
+    from epd.encoders.image_encoder import ImageEncoder
 
     return ImageEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint,
                         max_image_pixels=launch.max_image_pixels)
 
 
 def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
-    from encoders.encoder_worker import EncoderSpec, EncoderWorker
-    from engine.loader import resolve_dtype
+    from epd.encoders.encoder_worker import EncoderSpec, EncoderWorker
+    from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
@@ -95,14 +94,14 @@ def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
 
 
 def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
-    from engine.engine_core import EngineCore
-    from engine.config import ENGINE_ROLES
-    from engine.worker import EngineWorker, WorkerSpec
+    from epd.engine.engine_core import EngineCore
+    from epd.engine.config import ENGINE_ROLES
+    from epd.engine.worker import EngineWorker, WorkerSpec
 
     core = EngineCore(launch.model, launch.engine, role=ENGINE_ROLES[launch.role], hf_config=hf_config, info=info)
     encode_fn = None
     if launch.role == "aggregated":
-        from encoders.image_io import ImageError
+        from epd.encoders.image_io import ImageError
 
         encoder = _image_encoder(launch, hf_config, info, core.dtype, core.device)
 
@@ -120,7 +119,3 @@ def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
 
     spec = WorkerSpec(launch.id, launch.role, launch.inbox, launch.api, launch.mm_cache_dir, launch.mm_cache_bytes)
     EngineWorker(spec, core, encode_fn).run()
-
-
-def worker_host() -> str:
-    return socket.gethostname()

@@ -15,10 +15,10 @@ import sys
 import tempfile
 from dataclasses import replace
 
-from engine.config import ENGINE_ROLES
+from epd.engine.config import ENGINE_ROLES
 from epd.config import ServeConfig
-from epd.roles import WorkerLaunch, run_worker
-from transport.addresses import Addresses
+from epd.serve.roles import WorkerLaunch, run_worker
+from epd.transport.addresses import Addresses
 
 SHUTDOWN_GRACE_S = 5.0
 
@@ -58,8 +58,8 @@ def _stop_processes(procs: list) -> None:
 def serve(config: ServeConfig) -> int:
     import uvicorn
 
-    from epd.api_server import ApiSettings, build_app
-    from epd.orchestrator import Orchestrator
+    from epd.api.server import ApiSettings, build_app
+    from epd.serve.orchestrator import Orchestrator
 
     run_dir = tempfile.mkdtemp(prefix="epd-")
     config = replace(config, mm_cache_dir=os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache")))

@@ -1,0 +1,1 @@
+"""What enters a request: media fetching and prompt building (chat template + placeholders)."""

@@ -1,0 +1,29 @@
+"""A request's token outputs put back in output order."""
+from __future__ import annotations
+
+import asyncio
+
+from epd.transport.messages import TokenOutput
+
+
+class TokenOrder:
+    """A request's TokenOutputs in output order. Its tokens come from up to two
+    workers (prefill: the first, decode: the rest) over two pipes that the
+    collector reads in turn, so a delta can overtake the one before it; each
+    waits here until the tokens before it are out. A message without tokens
+    (an error) ends the request and is passed on at once."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+        self.waiting: dict[int, TokenOutput] = {}  # index of its first token -> delta
+        self.next_index = 0
+
+    async def next(self) -> TokenOutput:
+        while self.next_index not in self.waiting:
+            out: TokenOutput = await self.queue.get()
+            if not out.token_ids:
+                return out
+            self.waiting[out.index] = out
+        out = self.waiting.pop(self.next_index)
+        self.next_index += len(out.token_ids)
+        return out
