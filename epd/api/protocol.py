@@ -76,6 +76,16 @@ class Delta:
     dispatched_s: float | None = None  # time.monotonic() when the request was handed to a prefill worker
 
 
+def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
+    """Token ids the client names must exist in the model: a stop token id past
+    the vocabulary would otherwise reach the sampler (and fail there)."""
+    for name, ids in (("stop_token_ids", request.sampling.stop_token_ids),
+                      ("prompt", request.prompt if isinstance(request.prompt, list) else ())):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
+
+
 def fan_out(request: GenerateRequest) -> list[GenerateRequest]:
     """`n` single-sequence requests with distinct ids; a seeded request gives
     sample i the seed `seed + i` (distinct but reproducible)."""
@@ -153,6 +163,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 # -- request bodies ----------------------------------------------------------------------------
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# Integers cross the wire as msgpack int64: anything larger is refused here, not by the encoder.
+WireInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+WireInt1 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # below the vocabulary size: `check_token_ids`
 
 
 class StreamOptions(BaseModel):
@@ -162,13 +176,15 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")  # like vLLM: unknown fields are ignored
+    # like vLLM: unknown fields are ignored; NaN and infinities (which Python's
+    # JSON parser accepts) are refused in every float field
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Annotated[str, Field(min_length=1)]
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: WireInt1 | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
@@ -178,12 +194,12 @@ class _GenerationRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: str | None = None
     # vLLM extra sampling parameters
-    top_k: int | None = None
+    top_k: WireInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
 
     @property
@@ -229,7 +245,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: WireInt1 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -257,8 +273,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's and vLLM's default here
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: WireInt1 | None = 16  # OpenAI's and vLLM's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = False
     suffix: str | None = None

@@ -31,7 +31,7 @@ from starlette.datastructures import Headers
 from epd.api.errors import error_body, error_response, install_error_handlers, internal_error
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, RequestError,
-                          check_model, fan_out)
+                          check_model, check_token_ids, fan_out)
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
 
     async def _serve(raw: Request, request: GenerateRequest, fmt: ResponseFormat, stream: bool,
                      include_usage: bool) -> Response:
+        check_token_ids(request, orchestrator.info.vocab_size)
         sequences = fan_out(request)
         tracker = metrics.track(len(sequences), raw.scope.get(_ARRIVAL_KEY))
         try:

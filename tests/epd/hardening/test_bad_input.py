@@ -5,7 +5,6 @@ host), limits."""
 from __future__ import annotations
 
 import io
-import time
 
 import pytest
 from api_checks import (HUGE_BODY_BYTES, IMG, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_MODEL_LEN, MODEL,
@@ -77,10 +76,10 @@ def test_bad_image_is_refused_before_the_first_byte(server, expected, name, stre
 
 
 def test_decompression_bomb_is_refused_from_the_header(server, expected):
-    started = time.monotonic()
+    encoded = server.settled_sum("epd:encoder_images_total", role="encoder")
     assert_error(post(server, chat_body(messages_with(image_part(_bomb())))), 400,
                  f"exceeds the limit of {MAX_IMAGE_PIXELS} pixels", "messages")
-    assert time.monotonic() - started < 5  # never decoded
+    assert server.settled_sum("epd:encoder_images_total", role="encoder") == encoded  # never reached an encoder
     assert_still_serving(server, expected, "image")
 
 
@@ -117,9 +116,7 @@ def test_http_image_from_an_allowed_host(server, expected, media_host):
 ])
 def test_bad_http_image_is_refused(server, expected, media_host, path, message):
     base, httpd = media_host
-    started = time.monotonic()
     assert_error(post(server, chat_body(messages_with(url_part(base + path)))), 400, message, "messages")
-    assert time.monotonic() - started < 2.5  # the timeout is 1 s; nothing waits for the slow host
     if path == "/huge.png":
         assert httpd.huge_sent < HUGE_BODY_BYTES / 2  # the fetcher stopped reading past the cap
     assert_still_serving(server, expected)
