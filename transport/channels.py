@@ -8,6 +8,11 @@ same over `zmq.asyncio` for the API process.
 
 `recv` returns a message, None on timeout, or raises `WireError` for bytes
 that do not decode: the caller logs and keeps receiving, the socket is fine.
+
+With `keys` (transport/auth.py), tcp sockets are CURVE: a binding Receiver
+admits only the plane's clients, and drops a `Shutdown` that the API's key did
+not send; Senders and Outboxes connect as CURVE clients. ipc sockets ignore
+`keys` (their run directory is 0700).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any, Iterator
 import zmq
 import zmq.asyncio
 
-from epd.transport.messages import Message, WireError, decode_message
+from epd.transport.auth import INBOX_DOMAIN, PlaneKeys, secure_client, secure_server
+from epd.transport.messages import Message, Shutdown, WireError, decode_message
 
 log = logging.getLogger("epd.transport")
 
@@ -28,10 +34,16 @@ log = logging.getLogger("epd.transport")
 DEFAULT_HWM = 10_000
 
 
-def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, hwm: int) -> zmq.Socket:
+def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, hwm: int,
+          keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN, server_key: bytes | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, hwm)
+    if keys is not None and address.startswith("tcp://"):
+        if bind:
+            secure_server(sock, keys, domain)
+        else:
+            secure_client(sock, keys, server_key or keys.worker_public)
     try:
         if bind:
             if address.startswith("ipc://"):
@@ -70,12 +82,14 @@ class _Channel:
 
 
 class Sender(_Channel):
-    """PUSH end of a channel; connects by default."""
+    """PUSH end of a channel; connects by default. With `keys`, over tcp a CURVE
+    client of `server_key` (default: a worker's)."""
 
     def __init__(self, address: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, server_key: bytes | None = None):
         self.address = address
-        self.socket = _open(ctx or zmq.Context.instance(), zmq.PUSH, address, bind, hwm)
+        self.socket = _open(ctx or zmq.Context.instance(), zmq.PUSH, address, bind, hwm, keys,
+                            server_key=server_key)
 
     def send(self, msg: Message) -> None:
         """Send one message; blocks while the queue is at its high-water mark.
@@ -85,13 +99,34 @@ class Sender(_Channel):
         self.socket.send_multipart(msg.to_wire(), copy=False)
 
 
-class Receiver(_Channel):
-    """PULL end of a channel; binds by default."""
+class _Admits:
+    """What a receiving end accepts from whom: with CURVE, `Shutdown` only from the API."""
+
+    api_user_id: str | None = None
+
+    def _check(self, msg: Message, frames: list) -> Message:
+        if self.api_user_id is not None and isinstance(msg, Shutdown) and _user_id(frames) != self.api_user_id:
+            raise WireError("Shutdown from a peer that is not the API: ignored")
+        return msg
+
+
+def _user_id(frames: list) -> str | None:
+    try:
+        return frames[0].get("User-Id")
+    except (zmq.ZMQError, AttributeError):  # no CURVE on this connection
+        return None
+
+
+class Receiver(_Channel, _Admits):
+    """PULL end of a channel; binds by default. With `keys`, over tcp a CURVE
+    server admitting `domain`'s clients."""
 
     def __init__(self, address: str, *, bind: bool = True, hwm: int = DEFAULT_HWM,
-                 ctx: zmq.Context | None = None):
-        self.socket = _open(ctx or zmq.Context.instance(), zmq.PULL, address, bind, hwm)
+                 ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN):
+        self.socket = _open(ctx or zmq.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain)
         self.address = _endpoint(self.socket, address, bind)
+        if keys is not None and address.startswith("tcp://"):
+            self.api_user_id = keys.api_user_id
 
     def poll(self, timeout_s: float | None = None) -> bool:
         """True if a message is ready within `timeout_s` (None: wait forever)."""
@@ -101,7 +136,8 @@ class Receiver(_Channel):
         """Next message, None after `timeout_s`; raises WireError for garbage."""
         if timeout_s is not None and not self.poll(timeout_s):
             return None
-        return decode_message(self.socket.recv_multipart(copy=False))
+        frames = self.socket.recv_multipart(copy=False)
+        return self._check(decode_message(frames), frames)
 
     def drain(self, timeout_s: float, name: str = "") -> Iterator[Message]:
         """Every message ready now, waiting up to `timeout_s` for the first.
@@ -122,22 +158,27 @@ class AsyncSender(_Channel):
     """asyncio PUSH end of a channel; connects by default."""
 
     def __init__(self, address: str, *, bind: bool = False, hwm: int = DEFAULT_HWM,
-                 ctx: zmq.asyncio.Context | None = None):
+                 ctx: zmq.asyncio.Context | None = None, keys: PlaneKeys | None = None,
+                 server_key: bytes | None = None):
         self.address = address
-        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PUSH, address, bind, hwm)
+        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PUSH, address, bind, hwm, keys,
+                            server_key=server_key)
 
     async def send(self, msg: Message) -> None:
         """Send one message; waits while the queue is at its high-water mark."""
         await self.socket.send_multipart(msg.to_wire(), copy=False)
 
 
-class AsyncReceiver(_Channel):
+class AsyncReceiver(_Channel, _Admits):
     """asyncio PULL end of a channel; binds by default."""
 
     def __init__(self, address: str, *, bind: bool = True, hwm: int = DEFAULT_HWM,
-                 ctx: zmq.asyncio.Context | None = None):
-        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PULL, address, bind, hwm)
+                 ctx: zmq.asyncio.Context | None = None, keys: PlaneKeys | None = None,
+                 domain: str = INBOX_DOMAIN):
+        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain)
         self.address = _endpoint(self.socket, address, bind)
+        if keys is not None and address.startswith("tcp://"):
+            self.api_user_id = keys.api_user_id
 
     async def poll(self, timeout_s: float | None = None) -> bool:
         """True if a message is ready within `timeout_s` (None: wait forever)."""
@@ -147,21 +188,26 @@ class AsyncReceiver(_Channel):
         """Next message, None after `timeout_s`; raises WireError for garbage."""
         if timeout_s is not None and not await self.poll(timeout_s):
             return None
-        return decode_message(await self.socket.recv_multipart(copy=False))
+        frames = await self.socket.recv_multipart(copy=False)
+        return self._check(decode_message(frames), frames)
 
 
 class Outbox:
     """Senders to many peers, connected on first use and kept: a worker
-    replies to whatever address a message names (reply_to, decode worker)."""
+    replies to whatever address a message names (reply_to, decode worker).
+    With `keys`, `api_address` is the one peer holding the API's key."""
 
-    def __init__(self, ctx: zmq.Context | None = None):
+    def __init__(self, ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, api_address: str = ""):
         self._ctx = ctx
+        self._keys = keys
+        self._api_address = api_address
         self._senders: dict[str, Sender] = {}
 
     def send(self, address: str, msg: Message) -> None:
         sender = self._senders.get(address)
         if sender is None:
-            sender = self._senders[address] = Sender(address, ctx=self._ctx)
+            server_key = self._keys.server_key(address, self._api_address) if self._keys else None
+            sender = self._senders[address] = Sender(address, ctx=self._ctx, keys=self._keys, server_key=server_key)
         sender.send(msg)
 
     def close(self) -> None:
@@ -171,16 +217,17 @@ class Outbox:
 
 
 class AsyncOutbox:
-    """`Outbox` for the asyncio API process."""
+    """`Outbox` for the asyncio API process (its peers are all workers)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context | None = None):
+    def __init__(self, ctx: zmq.asyncio.Context | None = None, keys: PlaneKeys | None = None):
         self._ctx = ctx
+        self._keys = keys
         self._senders: dict[str, AsyncSender] = {}
 
     async def send(self, address: str, msg: Message) -> None:
         sender = self._senders.get(address)
         if sender is None:
-            sender = self._senders[address] = AsyncSender(address, ctx=self._ctx)
+            sender = self._senders[address] = AsyncSender(address, ctx=self._ctx, keys=self._keys)
         await sender.send(msg)
 
     def close(self) -> None:
