@@ -16,6 +16,8 @@ import base64
 import binascii
 import io
 import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -23,6 +25,7 @@ from urllib.parse import unquote, urlparse
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 MAX_REDIRECTS = 5
+MAX_FILE_READERS = 4  # threads reading file:// images; a stuck read never takes a text request's thread
 
 
 class MediaError(ValueError):
@@ -117,22 +120,43 @@ def _data_url_bytes(url: str, policy: MediaPolicy) -> bytes:
 
 
 def _file_bytes(url: str, policy: MediaPolicy) -> bytes:
+    """A regular file under the allowed path. Messages never show the resolved
+    path (it would tell a client about the server's file system)."""
     if policy.allowed_local_media_path is None:
         raise MediaError("file:// image URLs are not allowed (start the server with --allowed-local-media-path)")
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise MediaError(f"file:// URL with a remote host {parsed.netloc!r} is not allowed")
-    path = Path(unquote(parsed.path)).resolve()
-    root = Path(policy.allowed_local_media_path).resolve()
-    if path != root and root not in path.parents:
-        raise MediaError(f"file {path} is outside the allowed media path {root}")
     try:
-        size = os.path.getsize(path)
-        if size > policy.max_image_bytes:
-            raise MediaError(f"image of {size} bytes exceeds the limit of {policy.max_image_bytes} bytes")
-        return path.read_bytes()
+        path = Path(unquote(parsed.path)).resolve()
+        root = Path(policy.allowed_local_media_path).resolve()
+    except (OSError, ValueError, RuntimeError):  # NUL bytes, symlink loops
+        raise MediaError("malformed file:// URL") from None
+    if path != root and root not in path.parents:
+        raise MediaError("the file is outside the allowed media path (--allowed-local-media-path)")
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError) as exc:
+        raise MediaError(f"cannot read the file: {getattr(exc, 'strerror', None) or 'invalid path'}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError("cannot read the file: not a regular file")
+        if info.st_size > policy.max_image_bytes:
+            raise MediaError(f"image of {info.st_size} bytes exceeds the limit of {policy.max_image_bytes} bytes")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(policy.max_image_bytes + 1)  # the size can lie (/proc, a file growing)
     except OSError as exc:
-        raise MediaError(f"cannot read {path}: {exc.strerror}") from None
+        raise MediaError(f"cannot read the file: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > policy.max_image_bytes:
+        raise MediaError(f"image exceeds the limit of {policy.max_image_bytes} bytes")
+    if not data:
+        raise MediaError("cannot read the file: it is empty")
+    return data
 
 
 class MediaFetcher:
@@ -149,8 +173,17 @@ class MediaFetcher:
     def __init__(self, policy: MediaPolicy):
         self.policy = policy
         self._client = None  # httpx.AsyncClient, made on the first remote fetch
+        # file:// reads (a slow disk, a network mount) wait in their own threads, bounded by the fetch timeout
+        self._file_readers = ThreadPoolExecutor(MAX_FILE_READERS, thread_name_prefix="epd-file-media")
 
     async def load(self, source) -> bytes:
+        if isinstance(source, str) and source.startswith("file://"):
+            loop = asyncio.get_running_loop()
+            read = loop.run_in_executor(self._file_readers, load_image_bytes, source, self.policy)
+            try:
+                return await asyncio.wait_for(read, self.policy.fetch_timeout_s)
+            except asyncio.TimeoutError:
+                raise MediaError(f"reading the file timed out after {self.policy.fetch_timeout_s:g} s") from None
         if not is_remote(source):
             return await asyncio.to_thread(load_image_bytes, source, self.policy)
         check_remote_url(source, self.policy)
@@ -196,6 +229,7 @@ class MediaFetcher:
         raise MediaError(f"image URL redirected more than {MAX_REDIRECTS} times")
 
     async def aclose(self) -> None:
+        self._file_readers.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
