@@ -107,9 +107,10 @@ class EncoderWorker(WorkerIO):
                 continue
             self.counters["encoder_images"] += 1
             entry = MMEntry(result.embeds, list(result.deepstack), result.grid_thw)
-            if self.cache is not None:
-                self.cache.put(job.msg.mm_hash, entry)
-            self._done(job.msg, entry=entry if (job.msg.with_tensors or self.cache is None) else None)
+            # a cache that cannot take it (too large, map full, disk error) is our fault, not the
+            # request's: the tensors then travel inline, as to a prefill worker on another host
+            cached = self.cache is not None and self.cache.put(job.msg.mm_hash, entry)
+            self._done(job.msg, entry=entry if (job.msg.with_tensors or not cached) else None)
 
     def _encode_one(self, image: bytes):
         try:

@@ -22,3 +22,20 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+IMG_A = image_bytes(100, 60, seed=1)
+IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")
+# name -> (messages, images in order): the chats every serving test compares with transformers
+CHATS = {
+    "text_only": ([{"role": "user", "content": "Tell me about the red chair."}], []),
+    "one_image": ([{"role": "user", "content": [image_part(IMG_A), {"type": "text", "text": "Describe it."}]}],
+                  [IMG_A]),
+    "two_images": ([{"role": "user", "content": [image_part(IMG_A), image_part(IMG_B),
+                                                 {"type": "text", "text": "Compare them."}]}], [IMG_A, IMG_B]),
+    "multi_turn": ([{"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": [image_part(IMG_B), {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": "Noise."},
+                    {"role": "user", "content": [{"type": "text", "text": "And this?"}, image_part(IMG_A)]}],
+                   [IMG_B, IMG_A]),
+}

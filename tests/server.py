@@ -3,6 +3,7 @@ own process group, ready when /health answers 200, stopped with SIGINT like
 Ctrl-C, and checked to leave no process behind."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,8 +11,30 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+
+
+def start_server(model: str, log_dir, mode: str, *extra: str) -> ServerProcess:
+    """`epd serve` of `model` on a free port, small KV cache, float32 on CPU, one thread a worker."""
+    port = free_port()
+    args = ["serve", model, "--mode", mode, "--port", str(port), "--num-kv-blocks", "256",
+            "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1", *extra]
+    return ServerProcess(args, port, str(Path(log_dir) / f"server-{mode}-{port}.log")).wait_ready()
+
+
+def chat_text(server: ServerProcess, messages: list[dict], max_tokens: int, stream: bool = False) -> str:
+    """Greedy text of one chat, over plain HTTP (streamed: the deltas joined)."""
+    model = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]["message"]["content"]
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all("error" not in c for c in chunks), r.text
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
 def free_port() -> int:

@@ -8,32 +8,10 @@ import subprocess
 import openai
 import pytest
 from hf_reference import hf_generate_text
-from media import image_bytes, image_part
-from server import ServerProcess, free_port
+from media import CHATS, image_bytes, image_part
+from server import ServerProcess, free_port, start_server
 
-IMG_A = image_bytes(100, 60, seed=1)
-IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")
 MAX_TOKENS = 10
-
-CHATS = {
-    "text_only": ([{"role": "user", "content": "Tell me about the red chair."}], []),
-    "one_image": ([{"role": "user", "content": [image_part(IMG_A), {"type": "text", "text": "Describe it."}]}],
-                  [IMG_A]),
-    "two_images": ([{"role": "user", "content": [image_part(IMG_A), image_part(IMG_B),
-                                                 {"type": "text", "text": "Compare them."}]}], [IMG_A, IMG_B]),
-    "multi_turn": ([{"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": [image_part(IMG_B), {"type": "text", "text": "What is it?"}]},
-                    {"role": "assistant", "content": "Noise."},
-                    {"role": "user", "content": [{"type": "text", "text": "And this?"}, image_part(IMG_A)]}],
-                   [IMG_B, IMG_A]),
-}
-
-
-def start_server(tiny_model, tmp_path, mode: str, *extra: str) -> ServerProcess:
-    port = free_port()
-    args = ["serve", tiny_model, "--mode", mode, "--port", str(port), "--num-kv-blocks", "256",
-            "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1", *extra]
-    return ServerProcess(args, port, str(tmp_path / f"server-{mode}-{port}.log")).wait_ready()
 
 
 def client(server: ServerProcess) -> openai.OpenAI:
