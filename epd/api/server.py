@@ -52,6 +52,7 @@ class ApiSettings:
 class OrchestratorLike(Protocol):
     model_name: str
     max_model_len: int
+    vocab_size: int  # token ids a client names must be below it
 
     def is_healthy(self) -> bool: ...
 
@@ -124,7 +125,7 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
 
     async def _serve(raw: Request, request: GenerateRequest, fmt: ResponseFormat, stream: bool,
                      include_usage: bool) -> Response:
-        check_token_ids(request, orchestrator.info.vocab_size)
+        check_token_ids(request, orchestrator.vocab_size)
         sequences = fan_out(request)
         tracker = metrics.track(len(sequences), raw.scope.get(_ARRIVAL_KEY))
         try:

@@ -74,6 +74,7 @@ class Orchestrator:
                                               media.allowed_media_domains, media.media_fetch_timeout_s))
         self.model_name = config.model_name
         self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
+        self.vocab_size = self.info.vocab_size
         self.collector_address = collector_address
         self.host = socket.gethostname()
         self.registry = WorkerRegistry()

@@ -34,6 +34,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 class FakeOrchestrator:
     model_name = MODEL
     max_model_len = 4096
+    vocab_size = 1000
 
     def __init__(self):
         self.healthy = True
