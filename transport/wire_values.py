@@ -86,9 +86,10 @@ class EngineCounters:
 
     @staticmethod
     def from_map(m: Fields) -> EngineCounters:
-        out = EngineCounters(m.int("num_preemptions"), m.int("prefix_cache_queries"), m.int("prefix_cache_hits"),
-                             m.int("kv_transfer_bytes"), m.int("num_kv_transfers"),
-                             m.float("kv_transfer_seconds_sum"))
+        out = EngineCounters(
+            num_preemptions=m.int("num_preemptions"), prefix_cache_queries=m.int("prefix_cache_queries"),
+            prefix_cache_hits=m.int("prefix_cache_hits"), kv_transfer_bytes=m.int("kv_transfer_bytes"),
+            num_kv_transfers=m.int("num_kv_transfers"), kv_transfer_seconds_sum=m.float("kv_transfer_seconds_sum"))
         m.reject_unknown(out.to_map())
         return out
 
@@ -112,7 +113,9 @@ class EncoderCounters:
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
-        out = EncoderCounters(m.int("num_images"), m.int("num_errors"), m.int("num_cache_skips"),
-                              m.float("encode_seconds_sum"), m.int("num_queued"), m.float("queue_seconds_sum"))
+        out = EncoderCounters(
+            num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
+            encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
+            queue_seconds_sum=m.float("queue_seconds_sum"))
         m.reject_unknown(out.to_map())
         return out
