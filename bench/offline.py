@@ -39,7 +39,7 @@ def _workload(tokenizer, num: int, input_len: int, output_len: int, range_ratio:
 
 
 def bench_epd(llm, prompts, output_lens: list[int]) -> float:
-    from epd.engine.sampling_params import SamplingParams
+    from epd.transport.sampling import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     # warm-up on a prompt the run does not contain: the run must find nothing in the prefix cache

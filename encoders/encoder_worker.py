@@ -15,6 +15,7 @@ from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
+from epd.transport.wire_values import EncoderCounters
 from epd.transport.worker_io import WorkerIO
 
 log = logging.getLogger("epd.encoder")
@@ -44,8 +45,7 @@ class EncoderWorker(WorkerIO):
         self.encoder = encoder
         self.queue: list[_Job] = []
         self.running = True
-        self.counters = {"encoder_images": 0.0, "encoder_cache_skips": 0.0, "encode_seconds_sum": 0.0,
-                         "encoder_queue_seconds_sum": 0.0, "encoder_errors": 0.0}
+        self.counters = EncoderCounters()
         self._last_stats = 0.0
 
     def run(self) -> None:
@@ -86,7 +86,7 @@ class EncoderWorker(WorkerIO):
         while self.queue and (not batch or patches + self.queue[0].num_patches <= self.spec.max_batch_patches):
             job = self.queue.pop(0)
             if self.cache is not None and not job.msg.with_tensors and self.cache.contains(job.msg.mm_hash):
-                self.counters["encoder_cache_skips"] += 1  # encoded meanwhile for another request
+                self.counters.num_cache_skips += 1  # encoded meanwhile for another request
                 self._done(job.msg)
                 continue
             batch.append(job)
@@ -95,17 +95,18 @@ class EncoderWorker(WorkerIO):
             return
         start = time.perf_counter()
         for job in batch:
-            self.counters["encoder_queue_seconds_sum"] += start - job.received_s
+            self.counters.queue_seconds_sum += start - job.received_s
+        self.counters.num_queued += len(batch)
         try:
             results = self.encoder.encode([job.msg.image for job in batch])
         except ImageError:
             results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
-        self.counters["encode_seconds_sum"] += time.perf_counter() - start
+        self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
             if isinstance(result, str):
                 self._done(job.msg, error=result)
                 continue
-            self.counters["encoder_images"] += 1
+            self.counters.num_images += 1
             entry = MMEntry(result.embeds, list(result.deepstack), result.grid_thw)
             # a cache that cannot take it (too large, map full, disk error) is our fault, not the
             # request's: the tensors then travel inline, as to a prefill worker on another host
@@ -120,7 +121,7 @@ class EncoderWorker(WorkerIO):
 
     def _done(self, msg: EncodeRequest, entry: MMEntry | None = None, error: str | None = None) -> None:
         if error is not None:
-            self.counters["encoder_errors"] += 1
+            self.counters.num_errors += 1
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=error)
         elif entry is not None:
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=True, embeddings=entry.embeddings,
@@ -136,4 +137,4 @@ class EncoderWorker(WorkerIO):
         self._last_stats = now
         self.outbox.send(self.spec.api, WorkerStats(
             self.spec.worker_id, "encoder", num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
-            num_total_blocks=0, queue_depth=len(self.queue), counters=dict(self.counters)))
+            num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

@@ -8,7 +8,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams, TokenLogprobs
 
 # Below this temperature a row is greedy: dividing by it would overflow float32.
 _SAMPLING_EPS = 1e-5
@@ -48,20 +48,6 @@ class SamplingInput:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs of one sampled token under the raw model distribution.
-
-    `rank` is 1 for the most likely token; `top` holds the `logprobs=k` most
-    likely (token id, logprob) pairs, most likely first (empty when k == 0).
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass

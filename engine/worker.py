@@ -28,11 +28,11 @@ from epd.engine.config import ENGINE_ROLES
 from epd.engine.engine_core import EngineCore
 from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import MMSpan, Request
-from epd.engine.sampling_params import SamplingParams
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, WorkerStats)
 from epd.transport.messages import MMSpan as WireSpan
 from epd.transport.mm_entry import MMEntry
+from epd.transport.wire_values import EncoderCounters, EngineCounters
 from epd.transport.worker_io import WorkerIO
 
 if TYPE_CHECKING:
@@ -93,9 +93,8 @@ class EngineWorker(WorkerIO):
         self.transfer_start: dict[str, float] = {}
         self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
         self.running = True
-        self.counters: dict[str, float] = {"generation_tokens": 0, "kv_transfer_bytes": 0,
-                                           "kv_transfer_seconds_sum": 0, "kv_transfer_count": 0,
-                                           "encoder_images": 0, "encode_seconds_sum": 0}
+        self.counters = EngineCounters()  # the scheduler's own counters are copied in at each WorkerStats
+        self.encoder_counters = EncoderCounters() if encode_fn is not None else None
         self._last_stats = 0.0
 
     # ------------------------------------------------------------------ loop
@@ -145,7 +144,7 @@ class EngineWorker(WorkerIO):
         if error is not None:  # one of its images failed before the request got here
             self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error", error=error))
             return
-        request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
+        request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         if msg.decode_worker:
             self.decode_target[msg.request_id] = msg.decode_worker
@@ -196,12 +195,13 @@ class EngineWorker(WorkerIO):
         """Aggregated role: encode in-process, then proceed as if EncodeDone arrived."""
         start = time.perf_counter()
         results = self.encode_fn([m.image for m in msgs])
-        self.counters["encode_seconds_sum"] += time.perf_counter() - start
-        self.counters["encoder_images"] += len(msgs)
+        self.encoder_counters.encode_seconds_sum += time.perf_counter() - start
         for msg, result in zip(msgs, results):
             if isinstance(result, str):
+                self.encoder_counters.num_errors += 1
                 self._on_encode_done(EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=result))
                 continue
+            self.encoder_counters.num_images += 1
             if self.cache is not None:
                 self.cache.put(msg.mm_hash, MMEntry(result.embeds, list(result.deepstack), result.grid_thw))
             self._embedding_arrived(msg.mm_hash, MMEmbedding(result.embeds, result.deepstack))
@@ -263,7 +263,7 @@ class EngineWorker(WorkerIO):
         """Decode role: write arrived KV into fresh blocks, then ack."""
         still_waiting = []
         for msg in self.incoming:
-            request = Request(msg.request_id, list(msg.prompt_token_ids), SamplingParams(**msg.sampling),
+            request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                               mm_spans=from_wire_spans(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids),
                               max_model_len=self.core.max_model_len)
             request.output_token_ids.append(msg.first_token_id)
@@ -281,7 +281,7 @@ class EngineWorker(WorkerIO):
             index = torch.tensor(block_ids, device=kv.device)
             kv[0][:, index] = msg.k_blocks[:, :len(block_ids)].to(kv.device, kv.dtype)
             kv[1][:, index] = msg.v_blocks[:, :len(block_ids)].to(kv.device, kv.dtype)
-            self.counters["kv_transfer_bytes"] += msg.k_blocks.nbytes + msg.v_blocks.nbytes
+            self.counters.kv_transfer_bytes += msg.k_blocks.nbytes + msg.v_blocks.nbytes
             self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=True))
         self.incoming = still_waiting
 
@@ -298,14 +298,14 @@ class EngineWorker(WorkerIO):
         self.transfer_start[request_id] = time.perf_counter()
         self.outbox.send(target, KVTransfer(
             request_id, list(request.prompt_token_ids), request.output_token_ids[0],
-            dict(request.sampling_params.__dict__), list(request.eos_token_ids), to_wire_spans(request.mm_spans),
-            request.arrival_time, k, v, reply_to=self.inbox.address))
+            request.sampling_params, list(request.eos_token_ids), to_wire_spans(request.mm_spans),
+            k, v, reply_to=self.inbox.address))
 
     def _on_kv_ack(self, msg: KVAck) -> None:
         start = self.transfer_start.pop(msg.request_id, None)
         if start is not None:
-            self.counters["kv_transfer_seconds_sum"] += time.perf_counter() - start
-            self.counters["kv_transfer_count"] += 1
+            self.counters.kv_transfer_seconds_sum += time.perf_counter() - start
+            self.counters.num_kv_transfers += 1
         try:
             self.core.scheduler.release(msg.request_id)
         except ValueError:
@@ -317,15 +317,11 @@ class EngineWorker(WorkerIO):
         result = self.core.step()
         for update in result.updates:
             request = result.requests[update.request_id]
-            logprobs = None
-            if update.request_id in result.logprobs:
-                lp = result.logprobs[update.request_id]
-                logprobs = [[lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]]
-            self.counters["generation_tokens"] += len(update.new_token_ids)
+            lp = result.logprobs.get(update.request_id)
             self._send_output(TokenOutput(
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens, logprobs=logprobs,
+                num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
                 index=request.num_output_tokens - len(update.new_token_ids)))
             if update.is_prefilled:
                 self._send_kv(update.request_id)
@@ -341,12 +337,11 @@ class EngineWorker(WorkerIO):
             return
         self._last_stats = now
         stats = self.core.stats()
-        counters = dict(self.counters)
-        counters.update({k: float(stats[k]) for k in ("num_preemptions", "prefix_cache_queries",
-                                                      "prefix_cache_hits")})
-        counters["kv_cache_usage"] = float(stats.get("kv_usage", 0.0))
+        self.counters.num_preemptions = stats["num_preemptions"]
+        self.counters.prefix_cache_queries = stats["prefix_cache_queries"]
+        self.counters.prefix_cache_hits = stats["prefix_cache_hits"]
         self.outbox.send(self.spec.api, WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=self.core.scheduler.num_running,
             num_waiting=self.core.scheduler.num_waiting + len(self.pending) + len(self.incoming),
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
-            queue_depth=len(self.pending), counters=counters))
+            queue_depth=len(self.pending), engine=self.counters, encoder=self.encoder_counters))

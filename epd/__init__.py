@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 def __getattr__(name: str):
     if name == "SamplingParams":
-        from epd.engine.sampling_params import SamplingParams
+        from epd.transport.sampling import SamplingParams
 
         return SamplingParams
     if name in ("LLM", "RequestOutput", "CompletionOutput"):

@@ -17,7 +17,7 @@ def _make_model(args) -> int:
 def _chat(args) -> int:
     from epd.encoders.image_io import ImageError, read_image_size
     from epd.llm import LLM
-    from epd.engine.sampling_params import SamplingParams
+    from epd.transport.sampling import SamplingParams
 
     if not (Path(args.model) / "config.json").exists():
         print(f"epd chat: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)

@@ -18,8 +18,8 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import Request
-from epd.engine.sampler import TokenLogprobs
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import TokenLogprobs
+from epd.transport.sampling import SamplingParams
 from epd.inputs.media import MediaPolicy, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 

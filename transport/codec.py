@@ -117,7 +117,8 @@ def unpack_header(data: Any) -> dict[str, Any]:
 
 
 class Fields:
-    """Typed getters over a decoded header; any mismatch is a WireError naming the field."""
+    """Typed getters over a decoded header (or a map nested in one); any mismatch
+    is a WireError naming the field."""
 
     def __init__(self, header: dict[str, Any], tag: str):
         self.header, self.tag = header, tag
@@ -133,6 +134,9 @@ class Fields:
     def int(self, name: str) -> int:
         return self._get(name, lambda v: type(v) is int, "int")
 
+    def opt_int(self, name: str) -> int | None:
+        return self._get(name, lambda v: v is None or type(v) is int, "int or None")
+
     def float(self, name: str) -> float:
         return float(self._get(name, lambda v: type(v) in (int, float), "float"))
 
@@ -145,24 +149,37 @@ class Fields:
     def opt_str(self, name: str) -> str | None:
         return self._get(name, lambda v: v is None or type(v) is str, "str or None")
 
+    def one_of(self, name: str, choices: tuple[str | None, ...]) -> str | None:
+        return self._get(name, lambda v: v in choices and (v is None or type(v) is str), f"one of {choices}")
+
+    def mm_hash(self, name: str) -> str:
+        return self._get(name, Fields.is_mm_hash, "64 lowercase hex chars")
+
     def int_list(self, name: str) -> list[int]:
         return self._get(name, _is_int_list, "list[int]")
+
+    def token_ids(self, name: str) -> list[int]:
+        return self._get(name, lambda v: _is_int_list(v) and all(x >= 0 for x in v), "list of token ids >= 0")
 
     def list_of(self, name: str, kind: type) -> list:
         return self._get(name, lambda v: _is_list_of(v, kind), f"list[{kind.__name__}]")
 
-    def str_dict(self, name: str) -> dict[str, str]:
-        return self._get(name, lambda v: _is_dict_of(v, (str,)), "dict[str, str]")
-
-    def float_dict(self, name: str) -> dict[str, float]:
-        value = self._get(name, lambda v: _is_dict_of(v, (int, float)), "dict[str, float]")
-        return {k: float(x) for k, x in value.items()}
-
-    def plain_dict(self, name: str) -> dict[str, Any]:
-        return self._get(name, lambda v: _is_dict_of(v, None), "dict with str keys")
-
     def opt_list(self, name: str) -> list | None:
         return self._get(name, lambda v: v is None or isinstance(v, list), "list or None")
+
+    def map(self, name: str) -> Fields:
+        """A nested map, read with the same getters; its errors name `tag.name.field`."""
+        return Fields(self._get(name, lambda v: _is_str_map(v), "map with str keys"), f"{self.tag}.{name}")
+
+    def opt_map(self, name: str) -> Fields | None:
+        value = self._get(name, lambda v: v is None or _is_str_map(v), "map with str keys or None")
+        return None if value is None else Fields(value, f"{self.tag}.{name}")
+
+    def reject_unknown(self, known) -> None:
+        """For nested maps whose keys are a closed set: any other key is a WireError."""
+        unknown = sorted(set(self.header) - set(known))
+        if unknown:
+            raise WireError(f"{self.tag}: unknown fields {unknown!r:.80}")
 
     def grid(self, name: str) -> tuple[int, int, int] | None:
         value = self._get(name, lambda v: v is None or Fields.is_grid(v), "[t, h, w] or None")
@@ -173,6 +190,15 @@ class Fields:
         """[t, h, w]: three non-negative ints."""
         return _is_int_list(v) and len(v) == 3 and all(x >= 0 for x in v)
 
+    @staticmethod
+    def is_mm_hash(v: Any) -> bool:
+        """A content key as `mm_cache.mm_hash` writes it: 32 bytes as 64 lowercase hex chars."""
+        return type(v) is str and len(v) == 64 and all(c in _HEX for c in v)
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
 def _is_int_list(v: Any) -> bool:
     return isinstance(v, list) and all(type(x) is int for x in v)
 
@@ -181,11 +207,8 @@ def _is_list_of(v: Any, kind: type) -> bool:
     return isinstance(v, list) and all(type(x) is kind for x in v)
 
 
-def _is_dict_of(v: Any, kinds: tuple[type, ...] | None) -> bool:
-    """A str-keyed dict whose values' types are in `kinds` (any type if None)."""
-    return isinstance(v, dict) and all(
-        type(k) is str and (kinds is None or type(x) in kinds) for k, x in v.items()
-    )
+def _is_str_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(type(k) is str for k in v)
 
 
 def _check_meta(meta: Any) -> tuple[torch.dtype, list[int]]:

@@ -9,8 +9,12 @@ Wire layout of one message (a ZeroMQ multipart message):
 
 Each class writes its fields explicitly in `_fields()` / `_payload()` and reads
 them back with typed getters in `_build()`; `MESSAGE_TYPES` maps tag -> class.
+Values nested in a message have explicit forms too: MMSpan and TokenLogprobs as
+lists, SamplingParams and the worker counters as maps with a closed key set.
 `decode_message(frames)` raises `WireError` (and nothing else) for any bad
-input: garbage, truncation, wrong types, wrong frame count, unknown tag/version.
+input: garbage, truncation, wrong types, wrong frame count, unknown tag/version,
+and fields that decode but no worker could use (an unknown sampling key, a
+sampling value SamplingParams refuses, a non-hex mm_hash, a span outside the prompt).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from epd.transport.addresses import ROLES
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
+from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire_values import (EncoderCounters, EngineCounters, logprobs_from_list, logprobs_to_list,
+                                       sampling_from_map, sampling_to_map)
 
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
@@ -123,12 +131,18 @@ def decode_message(frames: Sequence[Any]) -> Message:
     return cls._build(Fields(header, tag), payload)
 
 
-def _spans(f: Fields, name: str) -> list[MMSpan]:
+def _spans(f: Fields, name: str, num_prompt_tokens: int) -> list[MMSpan]:
+    """Image spans, each a run of placeholder tokens inside the prompt, keyed by a real mm_hash."""
     items = f.list_of(name, list)
     try:
-        return [MMSpan.from_list(item) for item in items]
+        spans = [MMSpan.from_list(item) for item in items]
     except WireError as e:
         raise WireError(f"{f.tag}.{name}: {e}") from None
+    for s in spans:
+        _need(Fields.is_mm_hash(s.mm_hash), f.tag, f"{name}: mm_hash must be 64 hex chars, got {s.mm_hash!r:.80}")
+        _need(s.offset >= 0 and s.length >= 1 and s.offset + s.length <= num_prompt_tokens, f.tag,
+              f"{name}: span [{s.offset}, +{s.length}) outside the prompt of {num_prompt_tokens} tokens")
+    return spans
 
 
 def _need(ok: bool, tag: str, what: str) -> None:
@@ -159,7 +173,7 @@ class EncodeRequest(Message):
     @classmethod
     def _build(cls, f, payload):
         _need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
-        return cls(f.str("request_id"), f.str("mm_hash"), payload[0], f.str("reply_to"),
+        return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], f.str("reply_to"),
                    f.bool("with_tensors"))
 
 
@@ -202,7 +216,7 @@ class EncodeDone(Message):
             _need(embeddings.ndim == 2, cls.TYPE, "embeddings must be [n, hidden]")
             _need(all(d.shape == embeddings.shape for d in deepstack), cls.TYPE,
                   "deepstack features must match embeddings' shape")
-        return cls(f.str("request_id"), f.str("mm_hash"), f.bool("ok"), f.opt_str("error"),
+        return cls(f.str("request_id"), f.mm_hash("mm_hash"), f.bool("ok"), f.opt_str("error"),
                    embeddings, list(deepstack), f.grid("grid_thw"))
 
 
@@ -214,22 +228,20 @@ class PrefillRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     mm_spans: list[MMSpan]
-    sampling: dict[str, Any]  # SamplingParams as a plain dict
+    sampling: SamplingParams  # n == 1: the API fans n > 1 out into requests
     eos_token_ids: list[int]
     decode_worker: str | None  # None: this worker decodes too (e-pd / aggregated)
-    arrival_time_s: float  # time.time() at the API
 
     def _fields(self):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "mm_spans": [s.to_list() for s in self.mm_spans], "sampling": self.sampling,
-                "eos_token_ids": list(self.eos_token_ids), "decode_worker": self.decode_worker,
-                "arrival_time_s": self.arrival_time_s}
+                "mm_spans": [s.to_list() for s in self.mm_spans], "sampling": sampling_to_map(self.sampling),
+                "eos_token_ids": list(self.eos_token_ids), "decode_worker": self.decode_worker}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("request_id"), f.int_list("prompt_token_ids"), _spans(f, "mm_spans"),
-                   f.plain_dict("sampling"), f.int_list("eos_token_ids"),
-                   f.opt_str("decode_worker"), f.float("arrival_time_s"))
+        prompt = f.token_ids("prompt_token_ids")
+        return cls(f.str("request_id"), prompt, _spans(f, "mm_spans", len(prompt)),
+                   sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"), f.opt_str("decode_worker"))
 
 
 @dataclass
@@ -246,10 +258,9 @@ class KVTransfer(Message):
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int  # sampled by prefill; decode continues from here
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     eos_token_ids: list[int]
     mm_spans: list[MMSpan]
-    arrival_time_s: float
     k_blocks: torch.Tensor
     v_blocks: torch.Tensor
     reply_to: str = ""  # address of the prefill worker, for the KVAck
@@ -264,10 +275,9 @@ class KVTransfer(Message):
 
     def _fields(self):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "first_token_id": self.first_token_id, "sampling": self.sampling,
+                "first_token_id": self.first_token_id, "sampling": sampling_to_map(self.sampling),
                 "eos_token_ids": list(self.eos_token_ids),
-                "mm_spans": [s.to_list() for s in self.mm_spans],
-                "arrival_time_s": self.arrival_time_s, "reply_to": self.reply_to}
+                "mm_spans": [s.to_list() for s in self.mm_spans], "reply_to": self.reply_to}
 
     def _payload(self):
         return [self.k_blocks, self.v_blocks]
@@ -279,11 +289,12 @@ class KVTransfer(Message):
         k, v = payload
         _need(k.ndim == 5 and k.shape == v.shape and k.dtype == v.dtype, cls.TYPE,
               "k/v must be equal [layers, blocks, block_size, kv_heads, head_dim]")
-        prompt = f.int_list("prompt_token_ids")
+        prompt = f.token_ids("prompt_token_ids")
         _need(k.shape[1] * k.shape[2] >= len(prompt), cls.TYPE, "KV blocks shorter than prompt")
-        return cls(f.str("request_id"), prompt, f.int("first_token_id"), f.plain_dict("sampling"),
-                   f.int_list("eos_token_ids"), _spans(f, "mm_spans"), f.float("arrival_time_s"),
-                   k, v, f.str("reply_to"))
+        first_token_id = f.int("first_token_id")
+        _need(first_token_id >= 0, cls.TYPE, "first_token_id must be a token id >= 0")
+        return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
+                   f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v, f.str("reply_to"))
 
 
 @dataclass
@@ -303,6 +314,9 @@ class KVAck(Message):
         return cls(f.str("request_id"), f.bool("ok"), f.opt_str("error"))
 
 
+FINISH_REASONS = (None, "stop", "length", "abort", "error")
+
+
 @dataclass
 class TokenOutput(Message):
     """Worker -> API: new tokens of one request (a delta, not the whole text).
@@ -315,10 +329,10 @@ class TokenOutput(Message):
     request_id: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # one of FINISH_REASONS
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: list | None = None  # plain lists, one entry per token
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     error: str | None = None
     index: int = 0
 
@@ -326,19 +340,23 @@ class TokenOutput(Message):
         return {"request_id": self.request_id, "token_ids": list(self.token_ids),
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "num_prompt_tokens": self.num_prompt_tokens,
-                "num_cached_tokens": self.num_cached_tokens, "logprobs": self.logprobs,
+                "num_cached_tokens": self.num_cached_tokens, "logprobs": logprobs_to_list(self.logprobs),
                 "error": self.error, "index": self.index}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("request_id"), f.int_list("token_ids"), f.bool("finished"),
-                   f.opt_str("finish_reason"), f.int("num_prompt_tokens"),
-                   f.int("num_cached_tokens"), f.opt_list("logprobs"), f.opt_str("error"), f.int("index"))
+        token_ids, logprobs = f.token_ids("token_ids"), f.opt_list("logprobs")
+        if logprobs is not None:
+            _need(len(logprobs) == len(token_ids), cls.TYPE, "logprobs: one entry per token")
+            logprobs = logprobs_from_list(logprobs, f"{cls.TYPE}.logprobs")
+        return cls(f.str("request_id"), token_ids, f.bool("finished"),
+                   f.one_of("finish_reason", FINISH_REASONS), f.int("num_prompt_tokens"),
+                   f.int("num_cached_tokens"), logprobs, f.opt_str("error"), f.int("index"))
 
 
 @dataclass
 class WorkerStats(Message):
-    """Worker -> API, every few hundred ms: load for the router."""
+    """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
 
     TYPE: ClassVar[str] = "worker_stats"
     worker_id: str
@@ -348,38 +366,45 @@ class WorkerStats(Message):
     num_free_blocks: int
     num_total_blocks: int
     queue_depth: int
-    counters: dict[str, float] = field(default_factory=dict)
+    engine: EngineCounters | None = None  # engine roles
+    encoder: EncoderCounters | None = None  # encoders, and the aggregated worker's in-process one
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "num_running": self.num_running,
                 "num_waiting": self.num_waiting, "num_free_blocks": self.num_free_blocks,
                 "num_total_blocks": self.num_total_blocks, "queue_depth": self.queue_depth,
-                "counters": self.counters}
+                "engine": None if self.engine is None else self.engine.to_map(),
+                "encoder": None if self.encoder is None else self.encoder.to_map()}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.str("role"), f.int("num_running"), f.int("num_waiting"),
+        engine, encoder = f.opt_map("engine"), f.opt_map("encoder")
+        return cls(f.str("worker_id"), f.one_of("role", ROLES), f.int("num_running"), f.int("num_waiting"),
                    f.int("num_free_blocks"), f.int("num_total_blocks"), f.int("queue_depth"),
-                   f.float_dict("counters"))
+                   None if engine is None else EngineCounters.from_map(engine),
+                   None if encoder is None else EncoderCounters.from_map(encoder))
 
 
 @dataclass
 class Ready(Message):
-    """Worker -> API: started, sockets bound at `addresses` (name -> zmq address,
-    plus "host" and "mm_cache_dir"). From an `epd worker` on another host this
-    is also its registration."""
+    """Worker -> API: started, inbox bound. From an `epd worker` on another host
+    this is also its registration."""
 
     TYPE: ClassVar[str] = "ready"
     worker_id: str
     role: str
-    addresses: dict[str, str] = field(default_factory=dict)
+    inbox: str  # the address its inbox is bound at
+    host: str  # its socket.gethostname(): a cache dir is shared only on the same host
+    mm_cache_dir: str | None = None  # the embedding cache it reads and writes; None: none
 
     def _fields(self):
-        return {"worker_id": self.worker_id, "role": self.role, "addresses": self.addresses}
+        return {"worker_id": self.worker_id, "role": self.role, "inbox": self.inbox, "host": self.host,
+                "mm_cache_dir": self.mm_cache_dir}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.str("role"), f.str_dict("addresses"))
+        return cls(f.str("worker_id"), f.one_of("role", ROLES), f.str("inbox"), f.str("host"),
+                   f.opt_str("mm_cache_dir"))
 
 
 @dataclass

@@ -23,8 +23,8 @@ class WorkerIO:
 
     def announce(self, role: str) -> None:
         """Registers with the API: where to reach this worker and which cache it reads."""
-        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, role, {
-            "inbox": self.inbox.address, "host": socket.gethostname(), "mm_cache_dir": self.spec.mm_cache_dir or ""}))
+        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, role, self.inbox.address, socket.gethostname(),
+                                              self.spec.mm_cache_dir or None))
 
     def close(self) -> None:
         if self.cache is not None:

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from epd.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # engine.sampler imports torch; the API layer only reads attributes
-    from epd.engine.sampler import TokenLogprobs
+from epd.transport.sampling import SamplingParams, TokenLogprobs
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4

@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from epd.api.protocol import Delta
-
-if TYPE_CHECKING:
-    from epd.engine.sampler import TokenLogprobs
+from epd.transport.sampling import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value

@@ -22,7 +22,7 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -30,7 +30,6 @@ from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import ImageGeometry
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.model_info import ModelInfo
-from epd.engine.sampler import TokenLogprobs
 from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
@@ -232,7 +231,7 @@ class Orchestrator:
         raw_images = await self._load_images(req)
         prep = await asyncio.to_thread(self._prepare, req, raw_images)
         max_tokens = self._check_length(req, len(prep.token_ids))
-        sampling = dict(req.sampling.__dict__, max_tokens=max_tokens, n=1)
+        sampling = replace(req.sampling, max_tokens=max_tokens, n=1)
         prefill_workers = self._workers(*PREFILL_ROLES)
         if not prefill_workers:
             raise RequestError(status=503, message="no prefill worker is registered yet", type="service_unavailable")
@@ -263,7 +262,7 @@ class Orchestrator:
             # has it before any EncodeDone (a busy one may still read them out of order).
             await self._outbox.send(prefill.inbox, PrefillRequest(
                 rid, prep.token_ids, to_wire_spans(prep.mm_spans), sampling, list(self.info.eos_token_ids),
-                decode.inbox if decode else None, time.time()))
+                decode.inbox if decode else None))
             dispatched_s = time.monotonic()  # the end of request_queue_time_seconds
             for key, data in misses:
                 enc = self.encoder_turn.choose(encoders, prep.token_ids)
@@ -295,7 +294,7 @@ class Orchestrator:
                 if finish is not None:
                     text += detok.finish()
                 yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
-                            _logprobs(out.logprobs), dispatched_s=dispatched_s)
+                            out.logprobs, dispatched_s=dispatched_s)
                 if finish is not None:
                     done = out.finished
                     return
@@ -308,9 +307,3 @@ class Orchestrator:
                     except Exception:
                         log.warning("could not send Abort to %s", w.worker_id)
 
-
-def _logprobs(raw) -> list[TokenLogprobs] | None:
-    if not raw:
-        return None
-    return [TokenLogprobs(int(t), float(lp), int(rank), [(int(i), float(p)) for i, p in top])
-            for t, lp, rank, top in raw]

@@ -39,8 +39,7 @@ class WorkerRegistry:
         self.workers: dict[str, WorkerInfo] = {}
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
-        info = WorkerInfo(msg.worker_id, msg.role, msg.addresses.get("inbox", ""),
-                          host=msg.addresses.get("host", ""), mm_cache_dir=msg.addresses.get("mm_cache_dir") or None)
+        info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir)
         self.workers[msg.worker_id] = info
         return info
 

@@ -6,27 +6,57 @@ counters); the API process renders the latest of each, so a scrape of
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
 from epd.serve.registry import WorkerRegistry
+from epd.transport.wire_values import EncoderCounters, EngineCounters
 
-# worker counter key -> (metric name without _total, help)
-COUNTERS = {
-    "encoder_images": ("epd:encoder_images", "Images encoded by the vision tower."),
-    "kv_transfer_bytes": ("epd:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers."),
-    "num_preemptions": ("epd:num_preemptions", "Requests preempted for lack of KV blocks."),
-    "prefix_cache_queries": ("epd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits": ("epd:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-}
-# (sum key, count key) -> (metric name, help)
-SUMMARIES = {
-    ("encode_seconds_sum", "encoder_images"): ("epd:encode_seconds", "Vision tower time per image batch."),
-    ("encoder_queue_seconds_sum", "encoder_images"): ("epd:encoder_queue_time_seconds",
-                                                       "Time images waited in an encoder's queue."),
-    ("kv_transfer_seconds_sum", "kv_transfer_count"): ("epd:kv_transfer_seconds",
-                                                        "Prefill-to-decode KV transfer time, send to ack."),
-}
+# Every counter a worker sends is exported (tests/epd/test_worker_metrics.py checks that none is left out).
+# Counters: (metric name without _total, help, the value). Summaries: (name, help, (count, sum)).
+ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
+    ("epd:num_preemptions", "Requests preempted for lack of KV blocks.", lambda c: c.num_preemptions),
+    ("epd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda c: c.prefix_cache_queries),
+    ("epd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda c: c.prefix_cache_hits),
+    ("epd:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.", lambda c: c.kv_transfer_bytes),
+]
+ENGINE_SUMMARIES: list[tuple[str, str, Callable[[EngineCounters], tuple[int, float]]]] = [
+    ("epd:kv_transfer_seconds", "Prefill-to-decode KV transfer time, send to ack.",
+     lambda c: (c.num_kv_transfers, c.kv_transfer_seconds_sum)),
+]
+ENCODER_COUNTERS: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
+    ("epd:encoder_images", "Images encoded by the vision tower.", lambda c: c.num_images),
+    ("epd:encoder_errors", "Images an encoder refused or failed to encode.", lambda c: c.num_errors),
+    ("epd:encoder_cache_skips", "Queued images already in the cache when their turn came (not encoded again).",
+     lambda c: c.num_cache_skips),
+]
+ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, float]]]] = [
+    ("epd:encode_seconds", "Vision tower time per image (a batch's time over its images).",
+     lambda c: (c.num_images, c.encode_seconds_sum)),
+    ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.",
+     lambda c: (c.num_queued, c.queue_seconds_sum)),
+]
+LABELS = ["role", "worker"]
+
+
+class _Families:
+    """The metric families of one counters type, filled worker by worker."""
+
+    def __init__(self, counters, summaries):
+        self.counters = [(CounterMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in counters]
+        self.summaries = [(SummaryMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in summaries]
+
+    def add(self, labels: list[str], source) -> None:
+        for family, value in self.counters:
+            family.add_metric(labels, value(source))
+        for family, value in self.summaries:
+            count, total = value(source)
+            family.add_metric(labels, count_value=count, sum_value=total)
+
+    def __iter__(self):
+        yield from (family for family, _ in self.counters + self.summaries)
 
 
 class WorkerMetrics:
@@ -43,32 +73,29 @@ class WorkerMetrics:
         return generate_latest(self._prom)
 
     def collect(self):
-        labels = ["role", "worker"]
-        running = GaugeMetricFamily("epd:num_requests_running", "Requests running on a worker.", labels=labels)
-        waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=labels)
-        usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels)
-        counters = {key: CounterMetricFamily(name, doc, labels=labels) for key, (name, doc) in COUNTERS.items()}
-        summaries = {keys: SummaryMetricFamily(name, doc, labels=labels) for keys, (name, doc) in SUMMARIES.items()}
+        running = GaugeMetricFamily("epd:num_requests_running", "Requests running on a worker.", labels=LABELS)
+        waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
+        usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
+        engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
+        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES)
         for w in self.registry.workers.values():
-            if w.stats is None:
-                continue
-            lv = [w.role, w.worker_id]
             s = w.stats
-            running.add_metric(lv, s.num_running)
-            waiting.add_metric(lv, s.num_waiting)
+            if s is None:
+                continue
+            labels = [w.role, w.worker_id]
+            running.add_metric(labels, s.num_running)
+            waiting.add_metric(labels, s.num_waiting)
             if s.num_total_blocks:
-                usage.add_metric(lv, s.counters.get("kv_cache_usage", 0.0))
-            for key, family in counters.items():
-                if key in s.counters:
-                    family.add_metric(lv, s.counters[key])
-            for (sum_key, count_key), family in summaries.items():
-                if sum_key in s.counters:
-                    family.add_metric(lv, count_value=s.counters.get(count_key, 0.0), sum_value=s.counters[sum_key])
+                usage.add_metric(labels, 1.0 - s.num_free_blocks / s.num_total_blocks)
+            if s.engine is not None:
+                engine.add(labels, s.engine)
+            if s.encoder is not None:  # encoders, and the aggregated worker's in-process encoder
+                encoder.add(labels, s.encoder)
         yield running
         yield waiting
         yield usage
-        yield from counters.values()
-        yield from summaries.values()
+        yield from engine
+        yield from encoder
         queries = CounterMetricFamily("epd:mm_cache_queries", "Images looked up in the embedding cache.")
         queries.add_metric([], self.mm_cache_queries)
         hits = CounterMetricFamily("epd:mm_cache_hits", "Images found in the embedding cache.")

@@ -5,7 +5,7 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from epd.engine.request import MMSpan, Request
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
 

@@ -9,7 +9,7 @@ import pytest
 from hf_reference import hf_greedy
 from media import image_bytes, image_part
 
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams
 from epd.tools.make_model import PRESETS, make_model
 
 VARIANTS = {

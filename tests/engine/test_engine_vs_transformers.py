@@ -8,7 +8,7 @@ import torch
 from hf_reference import hf_greedy
 from media import image_bytes, image_part
 
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams
 
 IMGS = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
 

@@ -15,7 +15,7 @@ from epd.engine.loader import load_language_model
 from epd.engine.model_info import ModelInfo
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch
-from epd.engine.sampling_params import SamplingParams
+from epd.transport.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef, PromptBuilder
 
 IMG_A = image_bytes(100, 60, seed=1)

@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from epd.engine.sampler import TokenLogprobs
+from epd.transport.sampling import TokenLogprobs
 from epd.api.server import ApiSettings, build_app
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 

@@ -8,6 +8,7 @@ import zmq
 from epd.transport.addresses import Addresses
 from epd.transport.channels import AsyncReceiver, AsyncSender, Receiver, Sender
 from epd.transport.messages import EncodeDone, KVAck, KVTransfer, TokenOutput, WireError
+from epd.transport.sampling import SamplingParams
 
 TIMEOUT_S = 5.0
 
@@ -15,7 +16,7 @@ TIMEOUT_S = 5.0
 def _kv_transfer() -> KVTransfer:
     # [layers, blocks, block_size, kv_heads, head_dim]: ~1 MiB per frame, above zmq's copy threshold
     k = torch.randn(4, 8, 16, 4, 32).to(torch.bfloat16)
-    return KVTransfer("req-9", list(range(100)), 7, {"temperature": 0.0}, [2], [], 1.5,
+    return KVTransfer("req-9", list(range(100)), 7, SamplingParams(temperature=0.0), [2], [],
                       k, torch.randn(4, 8, 16, 4, 32).to(torch.bfloat16))
 
 

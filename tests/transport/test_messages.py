@@ -11,10 +11,18 @@ from epd.transport.messages import (
     PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats,
     decode_message,
 )
+from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire_values import EncoderCounters, EngineCounters, sampling_to_map
 
 
 HASH_A = "ab" * 32
 HASH_B = "cd" * 32
+# every field away from its default, so a field the wire dropped would show
+SAMPLING = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=7, presence_penalty=0.5,
+                          frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=32, min_tokens=2,
+                          stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=3,
+                          skip_special_tokens=False)
+GREEDY = SamplingParams(temperature=0)
 
 
 def make_kv(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8,
@@ -26,7 +34,6 @@ def make_kv(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8
 def make_messages() -> list[Message]:
     """One instance of every wire type, tensors in several dtypes."""
     spans = [MMSpan(3, 16, HASH_A, (1, 8, 8)), MMSpan(20, 4, HASH_B, (1, 4, 4))]
-    sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 32, "stop": ["\n"], "seed": None}
     return [
         EncodeRequest("req-1", HASH_A, bytes(range(256)) * 4, reply_to="prefill-0"),
         EncodeRequest("req-2", HASH_B, b"", reply_to="pd-3"),  # empty blob frame
@@ -37,22 +44,25 @@ def make_messages() -> list[Message]:
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(4, 8).half(),
                    deepstack=[], grid_thw=(1, 4, 4)),
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.zeros(0, 8), grid_thw=(1, 0, 0)),
-        PrefillRequest("req-1", list(range(40)), spans, sampling, [151645, 151643], "decode-1",
-                       12.5),
-        PrefillRequest("req-2", [1, 2, 3], [], {}, [], None, 0),
-        KVTransfer("req-1", list(range(10)), 42, sampling, [2], spans, 1.0,
+        PrefillRequest("req-1", list(range(40)), spans, SAMPLING, [151645, 151643], "decode-1"),
+        PrefillRequest("req-2", [1, 2, 3], [], SamplingParams(), [], None),
+        KVTransfer("req-1", list(range(10)), 42, SAMPLING, [2], [MMSpan(2, 4, HASH_A, (1, 4, 4))],
                    make_kv(), make_kv()),
-        KVTransfer("req-1", [5], 1, {}, [], [], 1.0,
+        KVTransfer("req-1", [5], 1, GREEDY, [], [],
                    make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
         KVAck("req-1", ok=True),
         KVAck("req-1", ok=False, error="out of blocks"),
         TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
-                    num_cached_tokens=16, logprobs=[[-0.1, [[5, -0.1]]], [-0.2, []]]),
+                    num_cached_tokens=16, logprobs=[TokenLogprobs(5, -0.1, 1, [(5, -0.1), (9, -2.5)]),
+                                                    TokenLogprobs(6, -0.2, 3, [])]),
         TokenOutput("req-1", []),
         TokenOutput("req-1", [9], index=7),
-        WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, {"steps": 10, "tok_per_s": 1.5}),
-        Ready("prefill-0", "prefill", {"inbox": "ipc:///tmp/epd-x/prefill-0.sock"}),
-        Ready("encoder-7", "encoder", {"inbox": "tcp://10.0.0.2:27100", "host": "b", "mm_cache_dir": ""}),
+        WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
+        WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
+                    encoder=EncoderCounters(1, 2, 3, 4.5, 5, 6.5)),
+        WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters()),
+        Ready("prefill-0", "prefill", "ipc:///tmp/epd-x/prefill-0.sock", "a"),
+        Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
         Abort(["req-1", "req-2"]),
         Abort([]),
         Shutdown(),
@@ -96,14 +106,14 @@ def test_every_type_is_covered_and_registered():
 
 def test_tensor_frames_are_zero_copy_views():
     kv = make_kv(dtype=torch.float32)
-    frames = KVTransfer("r", [1], 2, {}, [], [], 0.0, kv, kv.clone()).to_wire()
+    frames = KVTransfer("r", [1], 2, GREEDY, [], [], kv, kv.clone()).to_wire()
     assert len(frames) == 3 and isinstance(frames[1], memoryview)
     kv.view(-1)[0] = 1234.0
     assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 1234.0
 
 
 def test_kv_transfer_counts():
-    msg = decode_message(KVTransfer("r", [1] * 9, 2, {}, [], [], 0.0,
+    msg = decode_message(KVTransfer("r", [1] * 9, 2, GREEDY, [], [],
                                     make_kv(num_layers=5, num_blocks=3),
                                     make_kv(num_layers=5, num_blocks=3)).to_wire())
     assert (msg.num_layers, msg.num_blocks) == (5, 3)
@@ -172,17 +182,18 @@ def _without(frames, key) -> list[bytes]:
     [_pack({"type": "abort", "v": 1, "frames": [], "request_ids": "r1"})],
     [_pack({"type": "worker_stats", "v": 1, "frames": [], "worker_id": "w", "role": "decode",
             "num_running": 1, "num_waiting": 1, "num_free_blocks": 1, "num_total_blocks": 1,
-            "queue_depth": 1, "counters": {"a": "x"}})],
-    [_pack({"type": "ready", "v": 1, "frames": [], "worker_id": "w", "role": "r",
-            "addresses": {b"k": "v"}})],
-    _with([bytes(f) for f in EncodeRequest("r", "h", b"img", "p").to_wire()], frames=[4]),
-    _with([bytes(f) for f in KVTransfer("r", [1] * 100, 1, {}, [], [], 0.0, make_kv(),
+            "queue_depth": 1, "engine": {**EngineCounters().to_map(), "num_preemptions": "x"},
+            "encoder": None})],
+    [_pack({"type": "ready", "v": 1, "frames": [], "worker_id": "w", "role": "decode",
+            "inbox": b"ipc:///x", "host": "h", "mm_cache_dir": None})],
+    _with([bytes(f) for f in EncodeRequest("r", HASH_A, b"img", "p").to_wire()], frames=[4]),
+    _with([bytes(f) for f in KVTransfer("r", [1] * 100, 1, GREEDY, [], [], make_kv(),
                                         make_kv()).to_wire()], prompt_token_ids=[1] * 100),
-    _with([bytes(f) for f in KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(),
-                                        make_kv()).to_wire()], mm_spans=[[0, 1, "h", [1, 1]]]),
+    _with([bytes(f) for f in KVTransfer("r", [1], 1, GREEDY, [], [], make_kv(),
+                                        make_kv()).to_wire()], mm_spans=[[0, 1, HASH_A, [1, 1]]]),
     [_pack({"type": "prefill_request", "v": 1, "frames": [], "request_id": "r",
             "prompt_token_ids": [1], "mm_spans": [], "sampling": {1: 2}, "eos_token_ids": [],
-            "decode_worker": None, "arrival_time_s": 0.0})],
+            "decode_worker": None})],
     ["not bytes"],
     [None],
 ], ids=range(36))
@@ -197,13 +208,102 @@ def test_wire_error_names_the_field():
 
 
 def test_mismatched_kv_blocks_rejected():
-    frames = KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(), make_kv()).to_wire()
-    frames_other = KVTransfer("r", [1], 1, {}, [], [], 0.0, make_kv(num_blocks=2),
+    frames = KVTransfer("r", [1], 1, GREEDY, [], [], make_kv(), make_kv()).to_wire()
+    frames_other = KVTransfer("r", [1], 1, GREEDY, [], [], make_kv(num_blocks=2),
                               make_kv(num_blocks=2)).to_wire()
     header = _header(frames)
     header["frames"][1] = _header(frames_other)["frames"][1]
     with pytest.raises(WireError, match="k/v"):
         decode_message([_pack(header), frames[1], frames_other[2]])
+
+
+# --- fields that decode but no worker could use: refused at decode, not later in the worker ------
+
+def _frames(msg: Message, **changes) -> list[bytes]:
+    return _with([bytes(f) for f in msg.to_wire()], **changes)
+
+
+def _prefill(**changes) -> list[bytes]:
+    return _frames(PrefillRequest("r", list(range(20)), [MMSpan(2, 4, HASH_A, (1, 4, 4))], SAMPLING, [2], None),
+                   **changes)
+
+
+def _sampling(**changes) -> dict:
+    return {**sampling_to_map(SAMPLING), **changes}
+
+
+def _sampling_without(key: str) -> dict:
+    return {k: v for k, v in sampling_to_map(SAMPLING).items() if k != key}
+
+
+def _token_output(**changes) -> list[bytes]:
+    return _frames(TokenOutput("r", [5], logprobs=[TokenLogprobs(5, -0.1, 1, [(5, -0.1)])]), **changes)
+
+
+def _stats(**changes) -> list[bytes]:
+    return _frames(WorkerStats("w", "aggregated", 0, 0, 1, 1, 0, EngineCounters(), EncoderCounters()), **changes)
+
+
+@pytest.mark.parametrize("frames, match", [
+    (_prefill(sampling=_sampling(no_such_field=1)), r"prefill_request\.sampling: unknown fields \['no_such_field'\]"),
+    (_prefill(sampling=_sampling_without("max_tokens")), r"prefill_request\.sampling: missing field 'max_tokens'"),
+    (_prefill(sampling=_sampling(temperature="hot")), r"prefill_request\.sampling\.temperature: expected float"),
+    (_prefill(sampling=_sampling(top_k=1.5)), r"sampling\.top_k: expected int"),
+    (_prefill(sampling=_sampling(seed=True)), r"sampling\.seed: expected int or None"),
+    (_prefill(sampling=_sampling(stop="\n")), r"sampling\.stop: expected list\[str\]"),
+    (_prefill(sampling=_sampling(stop_token_ids=[-1])), r"sampling\.stop_token_ids"),
+    (_prefill(sampling=_sampling(top_p=0.0)), r"prefill_request\.sampling: top_p must be in \(0, 1\]"),
+    (_prefill(sampling=_sampling(logprobs=21)), r"sampling: logprobs must be in \[0, 20\]"),
+    (_prefill(sampling=[1, 2]), r"prefill_request\.sampling: expected map"),
+    (_prefill(prompt_token_ids=[1, -2, *range(18)]), r"prefill_request\.prompt_token_ids: expected list of token ids"),
+    (_prefill(eos_token_ids=[2.0]), r"prefill_request\.eos_token_ids"),
+    (_prefill(mm_spans=[[2, 4, "zz" * 32, [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[2, 4, HASH_A.upper(), [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[2, 4, HASH_A[:-1], [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[18, 4, HASH_A, [1, 4, 4]]]), r"mm_spans: span \[18, \+4\) outside the prompt of 20"),
+    (_prefill(mm_spans=[[-1, 4, HASH_A, [1, 4, 4]]]), r"outside the prompt"),
+    (_frames(EncodeRequest("r", HASH_A, b"img", "p"), mm_hash="not-a-hash"),
+     r"encode_request\.mm_hash: expected 64 lowercase hex chars"),
+    (_with(_good(), mm_hash=HASH_A[:-2]), r"encode_done\.mm_hash: expected 64 lowercase hex chars"),
+    (_frames(KVTransfer("r", [1], 1, GREEDY, [], [], make_kv(), make_kv()), sampling={"temperature": 0.0}),
+     r"kv_transfer\.sampling: missing field"),
+    (_frames(KVTransfer("r", [1], 1, GREEDY, [], [], make_kv(), make_kv()), first_token_id=-1),
+     r"kv_transfer: first_token_id"),
+    (_token_output(token_ids=[5, 6]), r"token_output: logprobs: one entry per token"),
+    (_token_output(logprobs=[[5, -0.1, 0, []]]), r"token_output\.logprobs: entries must be"),
+    (_token_output(logprobs=[[5, -0.1, 1, [[5, "x"]]]]), r"token_output\.logprobs: entries must be"),
+    (_token_output(logprobs=[[-0.1, [[5, -0.1]]]]), r"token_output\.logprobs: entries must be"),
+    (_token_output(finish_reason="done"), r"token_output\.finish_reason: expected one of"),
+    (_frames(Ready("w", "decode", "ipc:///x", "h"), role="gpu"), r"ready\.role: expected one of"),
+    (_frames(Ready("w", "decode", "ipc:///x", "h"), mm_cache_dir=3), r"ready\.mm_cache_dir"),
+    (_stats(engine={**EngineCounters().to_map(), "generation_tokens": 1}),
+     r"worker_stats\.engine: unknown fields \['generation_tokens'\]"),
+    (_stats(encoder={k: v for k, v in EncoderCounters().to_map().items() if k != "num_images"}),
+     r"worker_stats\.encoder: missing field 'num_images'"),
+    (_stats(encoder={**EncoderCounters().to_map(), "queue_seconds_sum": "1"}),
+     r"worker_stats\.encoder\.queue_seconds_sum: expected float"),
+    (_stats(role="combined"), r"worker_stats\.role: expected one of"),
+])
+def test_unusable_fields_raise_wire_error_at_decode(frames, match):
+    with pytest.raises(WireError, match=match):
+        decode_message(frames)
+
+
+def test_every_sampling_field_crosses_the_wire():
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(sampling_to_map(SAMPLING)) == names
+    # SAMPLING differs from the defaults everywhere, so test_round_trip sees each field arrive
+    assert [n for n in names if getattr(SAMPLING, n) == getattr(SamplingParams(), n)] == []
+    out = decode_message(PrefillRequest("r", [1], [], SAMPLING, [], None).to_wire())
+    assert out.sampling == SAMPLING and out.sampling is not SAMPLING
+
+
+def test_every_counter_crosses_the_wire():
+    engine, encoder = EngineCounters(1, 2, 3, 4, 5, 6.5), EncoderCounters(7, 8, 9, 10.5, 11, 12.5)
+    assert set(engine.to_map()) == {f.name for f in fields(EngineCounters)}
+    assert set(encoder.to_map()) == {f.name for f in fields(EncoderCounters)}
+    out = decode_message(WorkerStats("w", "aggregated", 0, 0, 1, 1, 0, engine, encoder).to_wire())
+    assert (out.engine, out.encoder) == (engine, encoder)
 
 
 # --- bounded fuzz: whatever arrives, decoding raises WireError or succeeds ------------------
@@ -230,8 +330,8 @@ def _structured(draw):
     tag = draw(_tags)
     fields = draw(st.dictionaries(st.sampled_from(
         ["request_id", "mm_hash", "reply_to", "ok", "error", "grid_thw", "token_ids", "finished",
-         "prompt_token_ids", "mm_spans", "sampling", "eos_token_ids", "request_ids", "counters",
-         "first_token_id", "arrival_time_s", "decode_worker", "addresses", "worker_id", "role"]),
+         "prompt_token_ids", "mm_spans", "sampling", "eos_token_ids", "request_ids", "engine", "encoder",
+         "first_token_id", "logprobs", "decode_worker", "inbox", "host", "mm_cache_dir", "worker_id", "role"]),
         _plain, max_size=10))
     metas = draw(st.lists(_meta, max_size=3))
     header = {"type": tag, "v": draw(st.sampled_from([1, 1, 1, 0, 2, "1"])), "frames": metas,

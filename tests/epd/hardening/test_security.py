@@ -18,6 +18,7 @@ from api_checks import (IMG, TEXT_MESSAGES, assert_error, assert_still_serving, 
                         plain_server_model, post, worker_set, worker_sockets)
 
 from epd.transport.messages import EncodeRequest, PrefillRequest
+from epd.transport.sampling import SamplingParams
 
 
 def test_api_key_from_the_environment(plain_server):
@@ -73,8 +74,8 @@ def _garbage_frames(marker: Path) -> list[list[bytes]]:
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    prefill = PrefillRequest("evil", [1, 2, 3], [], {}, [0], None, 0.0).to_wire()
-    encode = EncodeRequest("evil", "ab" * 16, IMG, reply_to="ipc:///nowhere").to_wire()
+    prefill = PrefillRequest("evil", [1, 2, 3], [], SamplingParams(), [0], None).to_wire()
+    encode = EncodeRequest("evil", "ab" * 32, IMG, reply_to="ipc:///nowhere").to_wire()
     header = msgpack.unpackb(bytes(encode[0]))
     return [
         [b"\x00\xffnot msgpack at all"],
@@ -127,9 +128,15 @@ def test_garbage_frames_to_every_socket_harm_no_worker(server, expected, tmp_pat
 
 
 def test_semantically_bad_wire_message_is_survived(server, expected):
-    """Well-formed frames with contents no worker can use (unknown sampling field)."""
+    """Well-formed frames with contents no worker can use (unknown sampling field):
+    refused when decoded, and every worker keeps serving."""
     sockets = worker_sockets(server)
     pids = group_processes(server)
+    good = PrefillRequest("bogus", [1, 2], [], SamplingParams(), [0], None).to_wire()
+    header = msgpack.unpackb(bytes(good[0]))
+    header["sampling"]["no_such_field"] = 1
+    names = [name for name in sockets if name != "api"]
+    dropped = {name: server.log().count(f"{name}: dropped a malformed message") for name in names}
     ctx = zmq.Context()
     try:
         for name, address in sockets.items():
@@ -138,12 +145,15 @@ def test_semantically_bad_wire_message_is_survived(server, expected):
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 5000)
             sock.connect(address)
-            sock.send_multipart(PrefillRequest(f"bogus-{name}", [1, 2], [], {"no_such_field": 1}, [0], None,
-                                               0.0).to_wire())
+            sock.send_multipart([msgpack.packb({**header, "request_id": f"bogus-{name}"})])
             sock.close()
     finally:
         ctx.term()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            server.log().count(f"{name}: dropped a malformed message") == dropped[name] for name in names):
+        time.sleep(0.2)
+    assert all(server.log().count(f"{name}: dropped a malformed message") > dropped[name] for name in names)
     assert_still_serving(server, expected)
     assert group_processes(server) == pids
 

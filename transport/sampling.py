@@ -1,4 +1,10 @@
-"""Per-request sampling and stopping parameters (pure Python, no torch)."""
+"""What to sample and what came out: `SamplingParams` and `TokenLogprobs`.
+
+Both are built by users of the engine (the API, the offline `LLM`), read by the
+sampler, and cross the wire inside PrefillRequest, KVTransfer and TokenOutput
+(their msgpack forms are written out in messages.py). Pure Python, no torch:
+the scheduler imports this and its tests check it stays torch-free.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,3 +72,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token under the raw model distribution.
+
+    `rank` is 1 for the most likely token; `top` holds the `logprobs=k` most
+    likely (token id, logprob) pairs, most likely first (empty when k == 0).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]

@@ -1,0 +1,121 @@
+"""The values messages carry, with their msgpack forms: sampling parameters,
+token logprobs and the worker counters.
+
+SamplingParams and TokenLogprobs are defined in sampling.py, torch-free, since
+the scheduler and the API build and read them away from the wire; their forms
+are here because reading a form needs codec.Fields (which imports torch).
+Each form is written out field by field, and reading one checks it as strictly
+as a message header: a missing, unknown or mistyped key is a WireError, and so
+is a SamplingParams that `validate` refuses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from epd.transport.codec import Fields, WireError
+from epd.transport.sampling import SamplingParams, TokenLogprobs
+
+__all__ = ["EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
+           "sampling_from_map", "sampling_to_map"]
+
+
+def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
+    """Every SamplingParams field by name (tests/transport/test_messages.py checks none is left out)."""
+    return {"n": p.n, "temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": p.top_k,
+            "min_p": float(p.min_p), "seed": p.seed, "presence_penalty": float(p.presence_penalty),
+            "frequency_penalty": float(p.frequency_penalty), "repetition_penalty": float(p.repetition_penalty),
+            "max_tokens": p.max_tokens, "min_tokens": p.min_tokens, "stop": list(p.stop),
+            "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos, "logprobs": p.logprobs,
+            "skip_special_tokens": p.skip_special_tokens}
+
+
+def sampling_from_map(m: Fields) -> SamplingParams:
+    """Every key present and typed, no other key, and values SamplingParams.validate
+    accepts (the same check the API's edge runs)."""
+    kwargs = dict(
+        n=m.int("n"), temperature=m.float("temperature"), top_p=m.float("top_p"), top_k=m.int("top_k"),
+        min_p=m.float("min_p"), seed=m.opt_int("seed"), presence_penalty=m.float("presence_penalty"),
+        frequency_penalty=m.float("frequency_penalty"), repetition_penalty=m.float("repetition_penalty"),
+        max_tokens=m.opt_int("max_tokens"), min_tokens=m.int("min_tokens"), stop=m.list_of("stop", str),
+        stop_token_ids=m.token_ids("stop_token_ids"), ignore_eos=m.bool("ignore_eos"),
+        logprobs=m.opt_int("logprobs"), skip_special_tokens=m.bool("skip_special_tokens"))
+    m.reject_unknown(kwargs)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise WireError(f"{m.tag}: {e}") from None
+
+
+def logprobs_to_list(entries: list[TokenLogprobs] | None) -> list | None:
+    """One [token_id, logprob, rank, [[id, logprob], ...]] per token."""
+    if entries is None:
+        return None
+    return [[e.token_id, e.logprob, e.rank, [[i, lp] for i, lp in e.top]] for e in entries]
+
+
+def logprobs_from_list(items: list, where: str) -> list[TokenLogprobs]:
+    if not all(_is_logprob_entry(v) for v in items):
+        raise WireError(f"{where}: entries must be [token_id, logprob, rank >= 1, [[id, logprob], ...]]")
+    return [TokenLogprobs(v[0], float(v[1]), v[2], [(i, float(lp)) for i, lp in v[3]]) for v in items]
+
+
+def _is_logprob_entry(v: Any) -> bool:
+    return (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and v[0] >= 0
+            and type(v[1]) in (int, float) and type(v[2]) is int and v[2] >= 1 and isinstance(v[3], list)
+            and all(isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                    and type(p[1]) in (int, float) for p in v[3]))
+
+
+@dataclass
+class EngineCounters:
+    """Totals since an engine worker (prefill, decode, pd, aggregated) started; each
+    one is exported by epd/serve/worker_metrics.py."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found
+    kv_transfer_bytes: int = 0  # decode side: KV received from prefill workers
+    num_kv_transfers: int = 0  # prefill side: KV sent and acked, timed in kv_transfer_seconds_sum
+    kv_transfer_seconds_sum: float = 0.0  # send to ack
+
+    def to_map(self) -> dict[str, Any]:
+        return {"num_preemptions": self.num_preemptions, "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits, "kv_transfer_bytes": self.kv_transfer_bytes,
+                "num_kv_transfers": self.num_kv_transfers, "kv_transfer_seconds_sum": self.kv_transfer_seconds_sum}
+
+    @staticmethod
+    def from_map(m: Fields) -> EngineCounters:
+        out = EngineCounters(
+            num_preemptions=m.int("num_preemptions"), prefix_cache_queries=m.int("prefix_cache_queries"),
+            prefix_cache_hits=m.int("prefix_cache_hits"), kv_transfer_bytes=m.int("kv_transfer_bytes"),
+            num_kv_transfers=m.int("num_kv_transfers"), kv_transfer_seconds_sum=m.float("kv_transfer_seconds_sum"))
+        m.reject_unknown(out.to_map())
+        return out
+
+
+@dataclass
+class EncoderCounters:
+    """Totals since an encoder (or the aggregated worker's in-process encoder) started;
+    each one is exported by epd/serve/worker_metrics.py."""
+
+    num_images: int = 0  # encoded by the vision tower
+    num_errors: int = 0  # refused or failed to decode: answered with EncodeDone(ok=False)
+    num_cache_skips: int = 0  # queued, then found in the cache (encoded meanwhile for another request)
+    encode_seconds_sum: float = 0.0  # vision tower time, all batches
+    num_queued: int = 0  # images whose wait in the encoder's queue is in queue_seconds_sum
+    queue_seconds_sum: float = 0.0
+
+    def to_map(self) -> dict[str, Any]:
+        return {"num_images": self.num_images, "num_errors": self.num_errors,
+                "num_cache_skips": self.num_cache_skips, "encode_seconds_sum": self.encode_seconds_sum,
+                "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum}
+
+    @staticmethod
+    def from_map(m: Fields) -> EncoderCounters:
+        out = EncoderCounters(
+            num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
+            encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
+            queue_seconds_sum=m.float("queue_seconds_sum"))
+        m.reject_unknown(out.to_map())
+        return out
