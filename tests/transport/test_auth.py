@@ -21,7 +21,7 @@ def keys_dir(tmp_path_factory):
 
 
 def _ready(worker_id: str = "prefill-9") -> Ready:
-    return Ready(worker_id, "prefill", {"inbox": "tcp://127.0.0.1:1", "host": "h", "mm_cache_dir": ""})
+    return Ready(worker_id, "prefill", inbox="tcp://127.0.0.1:1", host="h")
 
 
 def test_make_keys_writes_private_files_and_refuses_to_overwrite(keys_dir):
