@@ -20,8 +20,8 @@ class WorkerSpec:
     role: Role
     inbox: str  # address this worker binds
     api: str  # the API's collector address
-    mm_cache_dir: str | None = None  # None: no embedding cache on this worker
-    mm_cache_bytes: int = 1 << 30
+    mm_cache_dir: str | None  # None: no embedding cache on this worker
+    mm_cache_bytes: int
     stats_interval_s: float = 0.25
 
     def __post_init__(self) -> None:

@@ -30,3 +30,12 @@ def test_each_mode_starts_its_workers():
     assert Mode.parse("e-pd") is Mode.E_PD and [str(m) for m in Mode] == ["aggregated", "e-pd", "e-p-d"]
     with pytest.raises(ValueError, match="--mode must be one of aggregated, e-pd, e-p-d, got 'epd'"):
         Mode.parse("epd")
+
+
+def test_a_worker_spec_holds_a_role():
+    from epd.transport.worker_io import WorkerSpec
+
+    spec = WorkerSpec("pd-0", "pd", "ipc:///tmp/x/pd-0.sock", "ipc:///tmp/x/api.sock", None, 0)
+    assert spec.role is Role.PD and spec.role.holds_kv
+    with pytest.raises(ValueError, match="unknown role 'gpu'"):
+        WorkerSpec("gpu-0", "gpu", "ipc:///tmp/x/gpu-0.sock", "ipc:///tmp/x/api.sock", None, 0)
