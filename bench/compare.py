@@ -33,11 +33,13 @@ import httpx
 from epd.bench import serve as bench_serve
 from epd.bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
 from epd.bench.report import results_from_json
+from epd.config import CPU_SHARING, ServeConfig, field_default
+from epd.transport.roles import Mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory to serve")
-    p.add_argument("--modes", default="aggregated,e-pd,e-p-d",
+    p.add_argument("--modes", default=",".join(Mode),
                    help="comma-separated MODE[/SHARING] (e.g. e-p-d/shared); the first is the baseline")
     p.add_argument("--rates", required=True, help="comma-separated request rates (requests/s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs as multiples of the median solo TTFT/TPOT (measured first, on the first mode)")
     p.add_argument("--slo-probe-requests", type=int, default=4, help="requests run alone to measure solo latency")
     p.add_argument("--cpus", default=None, help="CPU list every server is pinned to, e.g. 0-1 (default: all)")
-    p.add_argument("--cpu-sharing", default="shared", choices=["split", "shared"],
+    p.add_argument("--cpu-sharing", default=field_default(ServeConfig, "cpu_sharing"), choices=list(CPU_SHARING),
                    help="how each server's workers use the CPU set (`epd serve --cpu-sharing`)")
     p.add_argument("--server-args", default="", help="extra `epd serve` flags, e.g. '--max-num-seqs 32'")
     p.add_argument("--output-dir", default="bench-results", help="JSON, per-run results and the PNG go here")
@@ -66,12 +68,10 @@ def _cpu_set(text: str | None) -> set[int]:
 
 def parse_mode(label: str, default_sharing: str) -> tuple[str, str]:
     """'e-p-d/shared' -> ('e-p-d', 'shared'); 'e-pd' -> ('e-pd', default_sharing)."""
-    from epd.config import CPU_SHARING, MODES
-
     mode, _, sharing = label.partition("/")
     sharing = sharing or default_sharing
-    if mode not in MODES or sharing not in CPU_SHARING:
-        raise ValueError(f"--modes: {label!r} is not MODE[/SHARING] with MODE one of {', '.join(MODES)} "
+    if mode not in set(Mode) or sharing not in CPU_SHARING:
+        raise ValueError(f"--modes: {label!r} is not MODE[/SHARING] with MODE one of {', '.join(Mode)} "
                          f"and SHARING one of {', '.join(CPU_SHARING)}")
     return mode, sharing
 

@@ -15,21 +15,11 @@ from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
+from epd.transport.roles import Role
 from epd.transport.wire_values import EncoderCounters
-from epd.transport.worker_io import WorkerIO
+from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    worker_id: str
-    inbox: str
-    api: str
-    mm_cache_dir: str | None = None
-    mm_cache_bytes: int = 1 << 30
-    max_batch_patches: int = 16384
-    stats_interval_s: float = 0.25
 
 
 @dataclass
@@ -40,7 +30,9 @@ class _Job:
 
 
 class EncoderWorker(WorkerIO):
-    def __init__(self, spec: EncoderSpec, encoder: ImageEncoder):
+    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder):
+        if spec.role != Role.ENCODER:
+            raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
         super().__init__(spec, encoder.model_fingerprint)
         self.encoder = encoder
         self.queue: list[_Job] = []
@@ -49,7 +41,7 @@ class EncoderWorker(WorkerIO):
         self._last_stats = 0.0
 
     def run(self) -> None:
-        self.announce("encoder")
+        self.announce()
         try:
             while self.running:
                 self._drain(timeout_s=0.0 if self.queue else 0.05)
@@ -83,7 +75,7 @@ class EncoderWorker(WorkerIO):
     def _encode_batch(self) -> None:
         """Encodes queued images, oldest first, up to the patch budget."""
         batch, patches = [], 0
-        while self.queue and (not batch or patches + self.queue[0].num_patches <= self.spec.max_batch_patches):
+        while self.queue and (not batch or patches + self.queue[0].num_patches <= self.encoder.max_batch_patches):
             job = self.queue.pop(0)
             if self.cache is not None and not job.msg.with_tensors and self.cache.contains(job.msg.mm_hash):
                 self.counters.num_cache_skips += 1  # encoded meanwhile for another request
@@ -136,5 +128,5 @@ class EncoderWorker(WorkerIO):
             return
         self._last_stats = now
         self.outbox.send(self.spec.api, WorkerStats(
-            self.spec.worker_id, "encoder", num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
+            self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

@@ -1,13 +1,20 @@
-"""The engine's launch-time configuration (frozen, built once by the CLI or `LLM`)."""
+"""The engine's launch-time configuration (frozen, built once by the CLI or `LLM`).
+
+    EngineConfig            memory, precision, device, attention backend
+      scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len
+
+`EngineConfig.from_flat(**settings)` takes the flat vLLM names of both
+(`max_num_seqs=8, device="cpu"`), as `LLM(...)` and the CLI flags do.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 from epd.engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
-# Worker roles that run an engine (and hold a KV cache) -> the EngineCore role they run.
-ENGINE_ROLES = {"prefill": "prefill", "decode": "decode", "pd": "combined", "aggregated": "combined"}
 
 
 @dataclass(frozen=True)
@@ -19,14 +26,10 @@ class EngineConfig:
     on CPU `DEFAULT_CPU_KV_CACHE_GB`.
     """
 
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_kv_blocks: int | None = None
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # torch on CPU, triton on GPU
@@ -42,13 +45,25 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        self.scheduler_config()  # validates the scheduling limits
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens,
-                               enable_prefix_caching=self.enable_prefix_caching,
-                               max_model_len=self.max_model_len)
+    @classmethod
+    def from_flat(cls, **settings: Any) -> EngineConfig:
+        """From the flat names of this class's and `SchedulerConfig`'s fields;
+        TypeError naming any other."""
+        own, sched = _field_names(cls) - {"scheduler"}, _field_names(SchedulerConfig)
+        unknown = set(settings) - own - sched
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {', '.join(sorted(unknown))}; "
+                            f"expected some of {', '.join(sorted(own | sched))}")
+        return cls(scheduler=SchedulerConfig(**{k: v for k, v in settings.items() if k in sched}),
+                   **{k: v for k, v in settings.items() if k in own})
+
+    @classmethod
+    def flat_defaults(cls) -> dict[str, Any]:
+        """Every flat setting `from_flat` takes, with its default."""
+        config = cls()
+        return {**dataclasses.asdict(config.scheduler),
+                **{name: getattr(config, name) for name in _field_names(cls) - {"scheduler"}}}
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -59,9 +74,13 @@ class EngineConfig:
 
     def resolved_max_model_len(self, model_max_len: int) -> int:
         """`max_model_len` if set, never beyond what the checkpoint supports."""
-        return min(self.max_model_len or model_max_len, model_max_len)
+        return min(self.scheduler.max_model_len or model_max_len, model_max_len)
 
     def resolved_backend(self, device: str) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if device.startswith("cuda") else "torch"
+
+
+def _field_names(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}

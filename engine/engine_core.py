@@ -34,7 +34,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     from epd.engine.attention.metadata import AttentionMetadata
     from epd.engine.models.qwen3_vl import ForwardBatch
 
-    cfg, n, bs = model.cfg, config.max_num_batched_tokens, config.block_size
+    cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
     dtype = model.lm_head.weight.dtype
     cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -43,7 +43,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
                          backend=get_backend(config.resolved_backend(device)),
                          kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
-    return model.compute_logits(hidden[-min(n, config.max_num_seqs):])  # [rows, vocab]
+    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs):])  # [rows, vocab]
 
 
 @dataclass
@@ -66,13 +66,13 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
-                                      config.block_size, self.dtype)
+                                      config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device))
-        sched_cfg = dataclasses.replace(config.scheduler_config(),
+        sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.info.spatial_merge_size,
+        self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, config.resolved_backend(self.device), self.device)
         self.num_blocks = num_blocks
         self._mm_users: dict[str, set[str]] = {}  # mm_hash -> request ids holding it

@@ -19,12 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from epd.engine.config import ENGINE_ROLES
 from epd.engine.engine_core import EngineCore
 from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import MMSpan, Request
@@ -33,7 +31,7 @@ from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVT
 from epd.transport.messages import MMSpan as WireSpan
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
-from epd.transport.worker_io import WorkerIO
+from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 if TYPE_CHECKING:
     from epd.encoders.image_encoder import ImageEmbedding
@@ -44,17 +42,6 @@ MAX_EARLY_EMBEDDINGS = 256  # EncodeDones that arrived before their PrefillReque
 
 # An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
 EncodeFn = Callable[[list[bytes]], list["ImageEmbedding | str"]]
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    worker_id: str
-    role: str
-    inbox: str  # address this worker binds
-    api: str  # the API's collector address
-    mm_cache_dir: str | None = None
-    mm_cache_bytes: int = 1 << 30
-    stats_interval_s: float = 0.25
 
 
 def to_wire_spans(spans: list[MMSpan]) -> list[WireSpan]:
@@ -80,8 +67,8 @@ def _remember(bounded: OrderedDict, key: str, value) -> None:
 
 class EngineWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
-        if spec.role not in ENGINE_ROLES:
-            raise ValueError(f"unknown engine worker role {spec.role!r}")
+        if not spec.role.holds_kv:
+            raise ValueError(f"an engine worker cannot take the role '{spec.role}'")
         super().__init__(spec, core.info.fingerprint)
         self.core = core
         self.encode_fn = encode_fn
@@ -100,7 +87,7 @@ class EngineWorker(WorkerIO):
     # ------------------------------------------------------------------ loop
 
     def run(self) -> None:
-        self.announce(self.spec.role)
+        self.announce()
         try:
             while self.running:
                 busy = self.core.has_unfinished() or bool(self.incoming)
@@ -292,7 +279,7 @@ class EngineWorker(WorkerIO):
         if request is None or target is None:
             return
         kv = self.core.runner.kv_cache
-        num_blocks = -(-request.num_prompt_tokens // self.core.config.block_size)
+        num_blocks = -(-request.num_prompt_tokens // self.core.config.scheduler.block_size)
         index = torch.tensor(request.block_ids[:num_blocks], device=kv.device)
         k, v = kv[0][:, index].cpu(), kv[1][:, index].cpu()  # [layers, blocks, block_size, kv_heads, head_dim]
         self.transfer_start[request_id] = time.perf_counter()

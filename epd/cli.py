@@ -5,6 +5,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from epd.config import CPU_SHARING, ServeConfig, WorkerConfig, field_default
+from epd.engine.config import EngineConfig
+from epd.inputs.media import MediaConfig
+from epd.serve.router import ROUTERS
+from epd.transport.roles import Mode, Role
+
+# flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
+ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend")
+
 
 def _make_model(args) -> int:
     from epd.tools.make_model import make_model
@@ -35,7 +45,7 @@ def _chat(args) -> int:
             return 2
         parts.append({"type": "image_url", "image_url": {"url": Path(path).resolve().as_uri()}})
     parts.append({"type": "text", "text": args.prompt})
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, EngineConfig(dtype=args.dtype, device=args.device))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     out = llm.chat([[{"role": "user", "content": parts}]], params)[0]
     print(out.outputs[0].text)
@@ -50,27 +60,23 @@ def _bench_offline(args) -> int:
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig.flat_defaults()
     g = p.add_argument_group("engine")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-gb", type=float, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--num-kv-blocks", type=int, default=defaults["num_kv_blocks"])
+    g.add_argument("--kv-cache-gb", type=float, default=defaults["kv_cache_gb"])
+    g.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"])
+    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"])
+    g.add_argument("--max-model-len", type=int, default=defaults["max_model_len"])
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=defaults["enable_prefix_caching"])
+    g.add_argument("--dtype", default=defaults["dtype"], choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=defaults["device"])
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"])
 
 
-def _engine_config(args):
-    from epd.engine.config import EngineConfig
-
-    return EngineConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_gb=args.kv_cache_gb,
-                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        enable_prefix_caching=args.enable_prefix_caching, dtype=args.dtype, device=args.device,
-                        attention_backend=args.attention_backend)
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
 
 
 def _limit_images(value: str | None) -> int | None:
@@ -87,11 +93,9 @@ def _domains(value: str | None) -> tuple[str, ...]:
     return tuple(d.strip().lower() for d in (value or "").split(",") if d.strip())
 
 
-def serve_config(args):
+def serve_config(args) -> ServeConfig:
     """The ServeConfig of parsed `epd serve` arguments (EPD_API_KEY when --api-key is absent)."""
     import os
-
-    from epd.config import MediaConfig, ServeConfig
 
     return ServeConfig(
         model=args.model, mode=args.mode, num_encoders=args.encoders, num_prefill=args.prefill,
@@ -104,7 +108,7 @@ def serve_config(args):
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-                          media_fetch_timeout_s=args.media_fetch_timeout,
+                          fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt)))
 
 
@@ -114,15 +118,18 @@ def _serve(args) -> int:
     return serve(serve_config(args))
 
 
+def worker_config(args) -> WorkerConfig:
+    """The WorkerConfig of parsed `epd worker` arguments."""
+    return WorkerConfig(model=args.model, role=args.role, api=args.api, host=args.host, port=args.port,
+                        mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
+                        max_image_pixels=args.max_image_pixels, num_threads=args.threads,
+                        engine=_engine_config(args))
+
+
 def _worker(args) -> int:
     from epd.serve.launcher import run_external_worker
 
-    if not args.api.startswith("tcp://"):
-        raise ValueError(f"--api must be a tcp:// address (the API's worker port), got {args.api!r}")
-    if not (Path(args.model) / "config.json").exists():
-        raise ValueError(f"{args.model} is not a checkpoint directory (no config.json)")
-    return run_external_worker(args.role, args.api, args.model, _engine_config(args), args.host, args.port,
-                               args.mm_cache_dir, args.mm_cache_gb, args.max_image_pixels, args.threads)
+    return run_external_worker(worker_config(args))
 
 
 def _bench_serve(args) -> int:
@@ -163,52 +170,62 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
+    p.add_argument("--device", default=field_default(EngineConfig, "device"))
     p.set_defaults(func=_chat)
 
+    serve = {name: field_default(ServeConfig, name) for name in (
+        "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
+        "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing")}
+    media = {name: field_default(MediaConfig, name) for name in (
+        "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
     p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
     p.add_argument("model", help="checkpoint directory")
-    p.add_argument("--mode", default="e-p-d", choices=["aggregated", "e-pd", "e-p-d"])
-    p.add_argument("--encoders", type=int, default=1)
-    p.add_argument("--prefill", type=int, default=1, help="prefill (or pd / aggregated) workers")
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--mm-cache-dir", default=None, help="embedding cache (LMDB) directory; kept across restarts")
-    p.add_argument("--mm-cache-gb", type=float, default=4.0)
-    p.add_argument("--router", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_hash"])
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", default=None, help="require this bearer token (also EPD_API_KEY)")
+    p.add_argument("--mode", default=str(serve["mode"]), choices=[str(m) for m in Mode])
+    p.add_argument("--encoders", type=int, default=serve["num_encoders"])
+    p.add_argument("--prefill", type=int, default=serve["num_prefill"], help="prefill (or pd / aggregated) workers")
+    p.add_argument("--decode", type=int, default=serve["num_decode"])
+    p.add_argument("--host", default=serve["host"])
+    p.add_argument("--port", type=int, default=serve["port"])
+    p.add_argument("--mm-cache-dir", default=serve["mm_cache_dir"],
+                   help="embedding cache (LMDB) directory; kept across restarts")
+    p.add_argument("--mm-cache-gb", type=float, default=serve["mm_cache_gb"])
+    p.add_argument("--router", default=serve["router"], choices=list(ROUTERS))
+    p.add_argument("--served-model-name", default=serve["served_model_name"])
+    p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY)")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers; wait for `epd worker` processes to register")
-    p.add_argument("--worker-port", type=int, default=None, help="port workers register on (default: --port + 1)")
-    p.add_argument("--threads-per-worker", type=int, default=None)
-    p.add_argument("--cpu-sharing", default="shared", choices=["split", "shared"],
+    p.add_argument("--worker-port", type=int, default=serve["worker_port"],
+                   help="port workers register on (default: --port + 1)")
+    p.add_argument("--threads-per-worker", type=int, default=serve["threads_per_worker"])
+    p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "
                         "prefill, then encode); split: the cores divided over the workers")
-    p.add_argument("--allowed-local-media-path", default=None,
+    p.add_argument("--allowed-local-media-path", default=media["allowed_local_media_path"],
                    help="directory file:// image URLs may read from (default: file:// refused)")
     p.add_argument("--allowed-media-domains", default=None,
                    help="host1,host2: hosts http(s):// image URLs may be fetched from (default: none, refused)")
-    p.add_argument("--media-fetch-timeout", type=float, default=5.0,
+    p.add_argument("--media-fetch-timeout", type=float, default=media["fetch_timeout_s"],
                    help="seconds one http(s) image fetch may take, redirects included")
-    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--max-image-pixels", type=int, default=64_000_000, help="refuse larger images (from the header)")
+    p.add_argument("--max-image-bytes", type=int, default=media["max_image_bytes"])
+    p.add_argument("--max-image-pixels", type=int, default=media["max_image_pixels"],
+                   help="refuse larger images (from the header)")
     p.add_argument("--limit-mm-per-prompt", default=None, help="image=N")
     _add_engine_args(p)
     p.set_defaults(func=_serve)
 
+    worker = {name: field_default(WorkerConfig, name) for name in (
+        "host", "port", "mm_cache_dir", "mm_cache_gb", "max_image_pixels", "num_threads")}
     p = sub.add_parser("worker", help="one worker on this host, registering with a remote `epd serve`")
     p.add_argument("model", help="checkpoint directory")
-    p.add_argument("--role", required=True, choices=["encoder", "prefill", "decode", "pd", "aggregated"])
+    p.add_argument("--role", required=True, choices=[str(r) for r in Role])
     p.add_argument("--api", required=True, help="tcp://HOST:PORT of the API's worker port")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind this worker's inbox on")
-    p.add_argument("--port", type=int, default=0, help="inbox port (0: any free port)")
-    p.add_argument("--mm-cache-dir", default=None)
-    p.add_argument("--mm-cache-gb", type=float, default=4.0)
-    p.add_argument("--max-image-pixels", type=int, default=64_000_000)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--host", default=worker["host"], help="address to bind this worker's inbox on")
+    p.add_argument("--port", type=int, default=worker["port"], help="inbox port (0: any free port)")
+    p.add_argument("--mm-cache-dir", default=worker["mm_cache_dir"])
+    p.add_argument("--mm-cache-gb", type=float, default=worker["mm_cache_gb"])
+    p.add_argument("--max-image-pixels", type=int, default=worker["max_image_pixels"])
+    p.add_argument("--threads", type=int, default=worker["num_threads"])
     _add_engine_args(p)
     p.set_defaults(func=_worker)
 

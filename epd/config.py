@@ -1,66 +1,60 @@
-"""The server's one composed, frozen configuration, built once by the CLI.
+"""The one composed, frozen configuration of each command, built once by the CLI.
 
-Values discovered at run time (KV blocks, EOS ids, worker addresses) live in
-their own objects, never here.
+    ServeConfig (epd serve)          mode, worker counts, HTTP, routing, cores
+      engine: EngineConfig           epd/engine/config.py
+        scheduler: SchedulerConfig   epd/engine/scheduler.py
+      media: MediaConfig             epd/inputs/media.py
+    WorkerConfig (epd worker)        one worker registering with a remote API
+      engine: EngineConfig
+
+Every default is written once, on its field; the CLI's flag defaults are read
+from these classes (`field_default`). Values discovered at run time (KV
+blocks, EOS ids, worker addresses) live in their own objects, never here.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from epd.engine.config import ENGINE_ROLES, EngineConfig
-
-MODES = ("aggregated", "e-pd", "e-p-d")
-ROUTERS = ("round_robin", "least_loaded", "prefix_hash")
-
-
-@dataclass(frozen=True)
-class MediaConfig:
-    """What requests may reference. http(s) image URLs are off unless
-    `allowed_media_domains` names hosts (exact, lower-case host names or IP
-    addresses; IPv6 without brackets)."""
-
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 64_000_000
-    media_fetch_timeout_s: float = 5.0
-    limit_images_per_prompt: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_image_bytes", "max_image_pixels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not self.media_fetch_timeout_s > 0:
-            raise ValueError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout_s}")
-        if self.limit_images_per_prompt is not None and self.limit_images_per_prompt < 0:
-            raise ValueError(f"--limit-mm-per-prompt image=N needs N >= 0, got {self.limit_images_per_prompt}")
-        if any(not d or d != d.strip().lower() or "/" in d or d.count(":") == 1 for d in self.allowed_media_domains):
-            raise ValueError("--allowed-media-domains takes lower-case host names separated by commas "
-                             f"(no scheme, port or path), got {','.join(self.allowed_media_domains)!r}")
-        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
-            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory")
-
+from epd.engine.config import EngineConfig
+from epd.inputs.media import MediaConfig
+from epd.serve.router import ROUTERS
+from epd.transport.addresses import is_tcp_address
+from epd.transport.roles import Mode, Role
 
 CPU_SHARING = ("split", "shared")
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
-SHARED_CPU_NICE = {"decode": 0, "pd": 0, "aggregated": 0, "prefill": 2, "encoder": 4}
+SHARED_CPU_NICE = {Role.DECODE: 0, Role.PD: 0, Role.AGGREGATED: 0, Role.PREFILL: 2, Role.ENCODER: 4}
+DEFAULT_MM_CACHE_GB = 4.0  # the embedding cache of `epd serve` and of `epd worker`
+
+
+def field_default(cls, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (a CLI flag's default)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _check_checkpoint(model: str) -> None:
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"{model} is not a checkpoint directory (no config.json)")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
     model: str
-    mode: str = "e-p-d"
+    mode: Mode = Mode.E_P_D  # a mode's name is accepted too
     num_encoders: int = 1
-    num_prefill: int = 1
+    num_prefill: int = 1  # prefill, pd or aggregated workers, by mode
     num_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
     mm_cache_dir: str | None = None  # None: a fresh directory under the run dir
-    mm_cache_gb: float = 4.0
-    router: str = "least_loaded"
+    mm_cache_gb: float = DEFAULT_MM_CACHE_GB
+    router: str = "least_loaded"  # one of ROUTERS
     served_model_name: str | None = None
     api_key: str | None = None
     external_workers: bool = False
@@ -72,8 +66,7 @@ class ServeConfig:
     media: MediaConfig = field(default_factory=MediaConfig)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.cpu_sharing not in CPU_SHARING:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if self.router not in ROUTERS:
@@ -85,8 +78,7 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"{self.model} is not a checkpoint directory (no config.json)")
+        _check_checkpoint(self.model)
 
     @property
     def model_name(self) -> str:
@@ -96,17 +88,13 @@ class ServeConfig:
     def mm_cache_bytes(self) -> int:
         return int(self.mm_cache_gb * (1 << 30))
 
-    def worker_roles(self) -> list[tuple[str, int]]:
-        """(role, index) of every worker the launcher starts for this mode."""
-        if self.external_workers:
-            return []
-        if self.mode == "aggregated":
-            return [("aggregated", i) for i in range(self.num_prefill)]
-        encoders = [("encoder", i) for i in range(self.num_encoders)]
-        if self.mode == "e-pd":
-            return encoders + [("pd", i) for i in range(self.num_prefill)]
-        return encoders + [("prefill", i) for i in range(self.num_prefill)] + \
-            [("decode", i) for i in range(self.num_decode)]
+    def mode_roles(self) -> list[tuple[Role, int]]:
+        """(role, index) of every worker this mode runs, wherever it is started."""
+        return self.mode.roles(self.num_encoders, self.num_prefill, self.num_decode)
+
+    def worker_roles(self) -> list[tuple[Role, int]]:
+        """(role, index) of every worker the launcher starts (none with external workers)."""
+        return [] if self.external_workers else self.mode_roles()
 
     def threads_for_each_worker(self) -> int:
         """"split": the cores this process may run on, divided over the
@@ -120,11 +108,11 @@ class ServeConfig:
             return cores
         return max(1, cores // max(1, len(self.worker_roles())))
 
-    def worker_nice(self, role: str) -> int:
+    def worker_nice(self, role: Role | str) -> int:
         """The niceness a worker of `role` runs at: 0 unless the cores are
         shared, then later stages first (a decode step, then a prefill, then
         an encode), so work already under way finishes before new work starts."""
-        return SHARED_CPU_NICE.get(role, 0) if self.cpu_sharing == "shared" else 0
+        return SHARED_CPU_NICE[Role.parse(role)] if self.cpu_sharing == "shared" else 0
 
     def worker_engines(self, num_gpus: int) -> list[EngineConfig]:
         """The engine settings of each worker, in `worker_roles()` order.
@@ -142,12 +130,42 @@ class ServeConfig:
         if device == "cpu" or (device == "auto" and num_gpus == 0):
             return [self.engine] * len(roles)
         gpus = [device] if device.startswith("cuda:") else [f"cuda:{i}" for i in range(max(1, num_gpus))]
-        order = sorted(range(len(roles)), key=lambda i: roles[i] not in ENGINE_ROLES)  # stable
+        order = sorted(range(len(roles)), key=lambda i: not roles[i].holds_kv)  # stable
         placed = {worker: gpus[slot % len(gpus)] for slot, worker in enumerate(order)}
-        kv_workers = Counter(placed[i] for i, role in enumerate(roles) if role in ENGINE_ROLES)
+        kv_workers = Counter(placed[i] for i, role in enumerate(roles) if role.holds_kv)
         engines = []
         for i, role in enumerate(roles):
-            share = kv_workers[placed[i]] if role in ENGINE_ROLES else 1
+            share = kv_workers[placed[i]] if role.holds_kv else 1
             engines.append(replace(self.engine, device=placed[i],
                                    gpu_memory_utilization=self.engine.gpu_memory_utilization / share))
         return engines
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """`epd worker`: one worker on this host, registering with the API at `api`."""
+
+    model: str
+    role: Role  # a role's name is accepted too
+    api: str  # tcp://HOST:PORT, the API's worker port
+    host: str = "127.0.0.1"  # address this worker's inbox binds on
+    port: int = 0  # inbox port; 0: any free port
+    mm_cache_dir: str | None = None  # None: no embedding cache on this worker
+    mm_cache_gb: float = DEFAULT_MM_CACHE_GB
+    max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
+    num_threads: int | None = None  # None: every core
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.parse(self.role))
+        if not is_tcp_address(self.api):
+            raise ValueError(f"--api must be a tcp:// address (the API's worker port), got {self.api!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.mm_cache_gb <= 0:
+            raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        _check_checkpoint(self.model)
+
+    @property
+    def mm_cache_bytes(self) -> int:
+        return int(self.mm_cache_gb * (1 << 30))

@@ -18,9 +18,8 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import Request
-from epd.transport.sampling import TokenLogprobs
-from epd.transport.sampling import SamplingParams
-from epd.inputs.media import MediaPolicy, image_part_source, load_image_bytes
+from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 
 
@@ -52,20 +51,17 @@ class _Pending:
 
 
 class LLM:
-    def __init__(self, model: str, *, num_kv_blocks: int | None = None, kv_cache_gb: float | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 gpu_memory_utilization: float = 0.9):
+    """`LLM(model, max_num_seqs=8, device="cpu")`: engine settings by their flat
+    vLLM names (`EngineConfig.from_flat`), or a whole `EngineConfig`."""
+
+    def __init__(self, model: str, config: EngineConfig | None = None, **engine_settings):
         from transformers import AutoConfig, AutoTokenizer
 
+        if config is not None and engine_settings:
+            raise TypeError("pass either an EngineConfig or engine settings, not both")
         if not (Path(model) / "config.json").exists():
             raise FileNotFoundError(f"{model} is not a checkpoint directory (no config.json)")
-        self.config = EngineConfig(
-            num_kv_blocks=num_kv_blocks, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            dtype=dtype, device=device, max_model_len=max_model_len, attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization)
+        self.config = config or EngineConfig.from_flat(**engine_settings)
         hf_config = AutoConfig.from_pretrained(model)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = EngineCore(model, self.config, hf_config=hf_config)
@@ -73,7 +69,7 @@ class LLM:
         self.encoder = ImageEncoder(model, hf_config, self.engine.dtype, self.engine.device,
                                     model_fingerprint=info.fingerprint)
         self.prompts = PromptBuilder(self.tokenizer, self.encoder.preprocess.geometry, info.image_token_id)
-        self.media_policy = MediaPolicy(allowed_local_media_path="/")  # offline: the caller's own files
+        self.media = MediaConfig(allowed_local_media_path="/")  # offline: the caller's own files
         self._ids = itertools.count()
 
     # -- public API ----------------------------------------------------------------
@@ -87,7 +83,7 @@ class LLM:
         params = self._params_list(sampling_params, len(conversations))
         requests = []
         for messages, p in zip(conversations, params):
-            image_bytes = [load_image_bytes(image_part_source(part), self.media_policy)
+            image_bytes = [load_image_bytes(image_part_source(part), self.media)
                            for part in image_parts(messages)]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]

@@ -6,7 +6,9 @@ API binds one PULL socket (the collector: TokenOutput, WorkerStats, Ready) at
 
 * `ipc://` on one host: `ipc://<run_dir>/<role>-<index>.sock`, `<run_dir>/api.sock`.
 * `tcp://` across hosts: collector at `base_port`, worker k of role r at
-  `base_port + 1 + r * max_workers_per_role + k` (r = position in ROLES).
+  `base_port + 1 + r * max_workers_per_role + k` (r = position in `Role`);
+  a single endpoint (the collector `epd worker` registers with, its own
+  inbox) is `tcp_address(host, port)`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# encoder / prefill / decode: the three disaggregated roles; pd: one worker
-# doing prefill and decode (mode e-pd); aggregated: pd with the encoder in-process.
-ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
+from epd.transport.roles import Role
+
 DEFAULT_BASE_PORT = 27100
 _MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
@@ -45,28 +46,27 @@ class Addresses:
     def tcp(cls, host: str = "127.0.0.1", base_port: int = DEFAULT_BASE_PORT,
             max_workers_per_role: int = 64) -> Addresses:
         """TCP addresses on `host` (loopback by default) from `base_port` up."""
-        last = base_port + len(ROLES) * max_workers_per_role
+        last = base_port + len(Role) * max_workers_per_role
         if not (0 < base_port and last <= 65535):
             raise ValueError(f"port range {base_port}..{last} is outside 1..65535")
         return cls(scheme="tcp", host=host, base_port=base_port,
                    max_workers_per_role=max_workers_per_role)
 
-    def worker(self, role: str, index: int) -> str:
+    def worker(self, role: Role | str, index: int) -> str:
         """Inbox (PULL) address of worker `index` of `role`."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+        role = Role.parse(role)
         if not 0 <= index < self.max_workers_per_role:
             raise ValueError(f"worker index {index} outside 0..{self.max_workers_per_role - 1}")
         if self.scheme == "ipc":
             return self._ipc(f"{role}-{index}.sock")
-        offset = 1 + ROLES.index(role) * self.max_workers_per_role + index
-        return f"tcp://{self.host}:{self.base_port + offset}"
+        offset = 1 + list(Role).index(role) * self.max_workers_per_role + index
+        return tcp_address(self.host, self.base_port + offset)
 
     def collector(self) -> str:
         """The API's PULL address: token outputs, stats and Ready messages."""
         if self.scheme == "ipc":
             return self._ipc("api.sock")
-        return f"tcp://{self.host}:{self.base_port}"
+        return tcp_address(self.host, self.base_port)
 
     def _ipc(self, name: str) -> str:
         path = os.path.join(self.run_dir, name)
@@ -75,14 +75,27 @@ class Addresses:
         return f"ipc://{path}"
 
 
-def worker_id(role: str, index: int) -> str:
+def tcp_address(host: str, port: int) -> str:
+    """`tcp://host:port`; ValueError for a port outside 1..65535."""
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} is outside 1..65535")
+    return f"tcp://{host}:{port}"
+
+
+def is_tcp_address(address: str) -> bool:
+    """Whether `address` is `tcp://HOST:PORT` with a port in 1..65535."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    return address.startswith("tcp://") and bool(host and sep) and port.isdigit() and 0 < int(port) < 65536
+
+
+def worker_id(role: Role | str, index: int) -> str:
     """The canonical worker id, e.g. "prefill-0" (used as EncodeRequest.reply_to etc.)."""
     return f"{role}-{index}"
 
 
-def parse_worker_id(worker_id_: str) -> tuple[str, int]:
+def parse_worker_id(worker_id_: str) -> tuple[Role, int]:
     """Inverse of `worker_id`: "prefill-0" -> ("prefill", 0); ValueError if malformed."""
     role, sep, index = worker_id_.rpartition("-")
-    if not sep or role not in ROLES or not index.isdigit():
+    if not sep or role not in set(Role) or not index.isdigit():
         raise ValueError(f"bad worker id {worker_id_!r}")
-    return role, int(index)
+    return Role(role), int(index)

@@ -4,26 +4,43 @@ registers it with the API, and closing all three."""
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 
 from epd.transport.channels import Outbox, Receiver
 from epd.transport.messages import Ready
 from epd.transport.mm_cache import MMCache
+from epd.transport.roles import Role
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Who a worker is and where it talks: the part every worker has."""
+
+    worker_id: str
+    role: Role
+    inbox: str  # address this worker binds
+    api: str  # the API's collector address
+    mm_cache_dir: str | None  # None: no embedding cache on this worker
+    mm_cache_bytes: int
+    stats_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too
 
 
 class WorkerIO:
-    """Base of the encoder and engine workers. `spec` needs worker_id, inbox
-    (the address to bind), api, mm_cache_dir and mm_cache_bytes."""
+    """Base of the encoder and engine workers."""
 
-    def __init__(self, spec, model_fingerprint: str):
+    def __init__(self, spec: WorkerSpec, model_fingerprint: str):
         self.spec = spec
         self.inbox = Receiver(spec.inbox)
         self.outbox = Outbox()
         self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
                       if spec.mm_cache_dir else None)
 
-    def announce(self, role: str) -> None:
+    def announce(self) -> None:
         """Registers with the API: where to reach this worker and which cache it reads."""
-        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, role, self.inbox.address, socket.gethostname(),
+        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, self.spec.role, self.inbox.address, socket.gethostname(),
                                               self.spec.mm_cache_dir or None))
 
     def close(self) -> None:

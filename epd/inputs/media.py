@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
-DEFAULT_FETCH_TIMEOUT_S = 5.0
+from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS
+
 MAX_REDIRECTS = 5
 MAX_FILE_READERS = 4  # threads reading file:// images; a stuck read never takes a text request's thread
 
@@ -33,15 +33,36 @@ class MediaError(ValueError):
 
 
 @dataclass(frozen=True)
-class MediaPolicy:
-    """What a request may reference. `allowed_local_media_path=None` forbids `file://`;
-    an empty `allowed_media_domains` forbids `http(s)://` (hosts match exactly,
-    case-insensitively, any port)."""
+class MediaConfig:
+    """What requests may reference (`epd serve`'s media flags).
+
+    `allowed_local_media_path=None` forbids `file://`; an empty
+    `allowed_media_domains` forbids `http(s)://`, otherwise it names hosts
+    that match exactly, any port (lower-case host names or IP addresses; IPv6
+    without brackets). Images are refused past `max_image_bytes` of encoded
+    data or `max_image_pixels` (read from the header), requests past
+    `limit_images_per_prompt` images (None: no limit)."""
 
     allowed_local_media_path: str | None = None
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     allowed_media_domains: tuple[str, ...] = ()
-    fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    fetch_timeout_s: float = 5.0
+    limit_images_per_prompt: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"--media-fetch-timeout must be positive, got {self.fetch_timeout_s}")
+        if self.limit_images_per_prompt is not None and self.limit_images_per_prompt < 0:
+            raise ValueError(f"--limit-mm-per-prompt image=N needs N >= 0, got {self.limit_images_per_prompt}")
+        if any(not d or d != d.strip().lower() or "/" in d or d.count(":") == 1 for d in self.allowed_media_domains):
+            raise ValueError("--allowed-media-domains takes lower-case host names separated by commas "
+                             f"(no scheme, port or path), got {','.join(self.allowed_media_domains)!r}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory")
 
 
 def image_part_source(part: dict):
@@ -61,7 +82,7 @@ def is_remote(source) -> bool:
     return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
-def load_image_bytes(source, policy: MediaPolicy) -> bytes:
+def load_image_bytes(source, policy: MediaConfig) -> bytes:
     """Raw encoded bytes of an image given as a data URL, file URL or PIL image."""
     if hasattr(source, "save") and hasattr(source, "size"):  # a PIL image
         buf = io.BytesIO()
@@ -82,7 +103,7 @@ def load_image_bytes(source, policy: MediaPolicy) -> bytes:
                      + (" or http(s)://" if policy.allowed_media_domains else ""))
 
 
-def check_remote_url(url: str, policy: MediaPolicy) -> str:
+def check_remote_url(url: str, policy: MediaConfig) -> str:
     """The host of an http(s) URL the policy allows; MediaError otherwise."""
     if not policy.allowed_media_domains:
         raise MediaError("http(s) image URLs are not allowed (start the server with --allowed-media-domains)")
@@ -99,7 +120,7 @@ def check_remote_url(url: str, policy: MediaPolicy) -> str:
     return host
 
 
-def _data_url_bytes(url: str, policy: MediaPolicy) -> bytes:
+def _data_url_bytes(url: str, policy: MediaConfig) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep:
         raise MediaError("malformed data URL: no ',' separating header and payload")
@@ -119,7 +140,7 @@ def _data_url_bytes(url: str, policy: MediaPolicy) -> bytes:
     return data
 
 
-def _file_bytes(url: str, policy: MediaPolicy) -> bytes:
+def _file_bytes(url: str, policy: MediaConfig) -> bytes:
     """A regular file under the allowed path. Messages never show the resolved
     path (it would tell a client about the server's file system)."""
     if policy.allowed_local_media_path is None:
@@ -170,7 +191,7 @@ class MediaFetcher:
     is decided by the caller's header check, not by Content-Type.
     """
 
-    def __init__(self, policy: MediaPolicy):
+    def __init__(self, policy: MediaConfig):
         self.policy = policy
         self._client = None  # httpx.AsyncClient, made on the first remote fetch
         # file:// reads (a slow disk, a network mount) wait in their own threads, bounded by the fetch timeout

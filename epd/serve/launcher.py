@@ -13,25 +13,12 @@ import shutil
 import socket
 import sys
 import tempfile
-from dataclasses import replace
-
-from epd.engine.config import ENGINE_ROLES
-from epd.config import ServeConfig
+from epd.config import ServeConfig, WorkerConfig
 from epd.serve.roles import WorkerLaunch, run_worker
-from epd.transport.addresses import Addresses
+from epd.transport.addresses import Addresses, tcp_address, worker_id
+from epd.transport.worker_io import WorkerSpec
 
 SHUTDOWN_GRACE_S = 5.0
-
-
-def expected_workers(config: ServeConfig) -> int:
-    """How many Ready messages to wait for (external workers included)."""
-    if not config.external_workers:
-        return len(config.worker_roles())
-    if config.mode == "aggregated":
-        return config.num_prefill
-    if config.mode == "e-pd":
-        return config.num_encoders + config.num_prefill
-    return config.num_encoders + config.num_prefill + config.num_decode
 
 
 def visible_gpus(device: str) -> int:
@@ -62,10 +49,10 @@ def serve(config: ServeConfig) -> int:
     from epd.serve.orchestrator import Orchestrator
 
     run_dir = tempfile.mkdtemp(prefix="epd-")
-    config = replace(config, mm_cache_dir=os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache")))
-    os.makedirs(config.mm_cache_dir, exist_ok=True)
+    mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
+    os.makedirs(mm_cache_dir, exist_ok=True)
     if config.external_workers:
-        collector = f"tcp://{config.host}:{config.worker_port or config.port + 1}"
+        collector = tcp_address(config.host, config.worker_port or config.port + 1)
         addresses = None
     else:
         addresses = Addresses.ipc(run_dir)
@@ -78,17 +65,17 @@ def serve(config: ServeConfig) -> int:
     engines = config.worker_engines(visible_gpus(config.engine.device))
     procs = []
     for (role, index), engine in zip(config.worker_roles(), engines):
+        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collector,
+                          mm_cache_dir, config.mm_cache_bytes)
         if engine.device.startswith("cuda"):
-            print(f"EPD: {role}-{index} on {engine.device}"
+            print(f"EPD: {spec.worker_id} on {engine.device}"
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
-                     if role in ENGINE_ROLES else ""), flush=True)
-        launch = WorkerLaunch(role=role, index=index, model=config.model, inbox=addresses.worker(role, index),
-                              api=collector, engine=engine, mm_cache_dir=config.mm_cache_dir,
-                              mm_cache_bytes=config.mm_cache_bytes, max_image_pixels=config.media.max_image_pixels,
+                     if role.holds_kv else ""), flush=True)
+        launch = WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
                               num_threads=threads, nice=config.worker_nice(role))
-        procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{launch.id}", daemon=False))
+        procs.append(ctx.Process(target=run_worker, args=(launch,), name=f"epd-{spec.worker_id}", daemon=False))
 
-    orchestrator = Orchestrator(config, collector)
+    orchestrator = Orchestrator(config, collector, mm_cache_dir)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt))
 
@@ -98,7 +85,7 @@ def serve(config: ServeConfig) -> int:
         for p in procs:
             p.start()
         try:
-            n = expected_workers(config)
+            n = len(config.mode_roles())  # Ready messages to wait for, external workers included
             if config.external_workers:
                 print(f"EPD: waiting for {n} external workers to register at {collector}", flush=True)
             await orchestrator.wait_for_workers(n, config.ready_timeout_s, alive=lambda: all(p.is_alive() for p in procs))
@@ -131,19 +118,18 @@ def serve(config: ServeConfig) -> int:
     return 0 if server.started else 1
 
 
-def run_external_worker(role: str, api: str, model: str, engine_config, host: str, port: int,
-                        mm_cache_dir: str | None, mm_cache_gb: float, max_image_pixels: int,
-                        num_threads: int | None) -> int:
-    """`epd worker`: bind an inbox on tcp://host:port and register with the API at `api`."""
+def run_external_worker(config: WorkerConfig) -> int:
+    """`epd worker`: bind an inbox on tcp://host:port and register with the API at `config.api`."""
+    port = config.port
     if port == 0:
         with socket.socket() as s:  # pick a free port for the inbox
-            s.bind((host, 0))
+            s.bind((config.host, 0))
             port = s.getsockname()[1]
-    launch = WorkerLaunch(role=role, index=0, model=model, inbox=f"tcp://{host}:{port}", api=api,
-                          engine=engine_config, mm_cache_dir=mm_cache_dir, mm_cache_bytes=int(mm_cache_gb * (1 << 30)),
-                          max_image_pixels=max_image_pixels, num_threads=num_threads or (os.cpu_count() or 1),
-                          worker_id=f"{role}@{socket.gethostname()}:{port}")
-    print(f"EPD worker {launch.id}: inbox {launch.inbox}, registering with {api}", flush=True)
+    spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
+                      config.api, config.mm_cache_dir, config.mm_cache_bytes)
+    launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
+                          num_threads=config.num_threads or (os.cpu_count() or 1))
+    print(f"EPD worker {spec.worker_id}: inbox {spec.inbox}, registering with {spec.api}", flush=True)
     try:
         run_worker(launch, spawned=False)
     except KeyboardInterrupt:

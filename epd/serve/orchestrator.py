@@ -31,7 +31,7 @@ from epd.encoders.image_processor import ImageGeometry
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.model_info import ModelInfo
 from epd.config import ServeConfig
-from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, image_part_source
+from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.serve.router import RoundRobinRouter, make_router
@@ -44,10 +44,9 @@ from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
                                 WireError, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
+from epd.transport.roles import Role
 
 log = logging.getLogger("epd.api")
-
-PREFILL_ROLES = ("prefill", "pd", "aggregated")
 
 
 @dataclass
@@ -58,19 +57,20 @@ class _Prepared:
 
 
 class Orchestrator:
-    def __init__(self, config: ServeConfig, collector_address: str):
+    def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str):
+        """`mm_cache_dir`: the embedding cache the launcher's workers share
+        (`--mm-cache-dir`, or one it made under its run dir)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
+        self.mm_cache_dir = mm_cache_dir
         hf_config = AutoConfig.from_pretrained(config.model)
         self.info = ModelInfo.from_pretrained(config.model, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.geometry = ImageGeometry.from_pretrained(config.model)
         self.prompts = PromptBuilder(self.tokenizer, self.geometry, self.info.image_token_id)
         self.processor_config = json.loads((Path(config.model) / "preprocessor_config.json").read_text())
-        media = config.media
-        self.media = MediaFetcher(MediaPolicy(media.allowed_local_media_path, media.max_image_bytes,
-                                              media.allowed_media_domains, media.media_fetch_timeout_s))
+        self.media = MediaFetcher(config.media)
         self.model_name = config.model_name
         self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
@@ -111,8 +111,8 @@ class Orchestrator:
         print(f"EPD sockets: {' '.join(sockets)}", flush=True)
 
     def _open_cache(self) -> None:
-        if self.cache is None and self.config.mm_cache_dir and (Path(self.config.mm_cache_dir) / "data.mdb").exists():
-            self.cache = MMCache(self.config.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
+        if self.cache is None and (Path(self.mm_cache_dir) / "data.mdb").exists():
+            self.cache = MMCache(self.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
                                  model_fingerprint=self.info.fingerprint)
 
     async def stop(self) -> None:
@@ -220,7 +220,7 @@ class Orchestrator:
 
     def _cache_reaches(self, worker: WorkerInfo) -> bool:
         """Whether `worker` reads the cache this process looks up (same dir, same host)."""
-        return self.cache is not None and worker.mm_cache_dir == self.config.mm_cache_dir \
+        return self.cache is not None and worker.mm_cache_dir == self.mm_cache_dir \
             and worker.host in ("", self.host)
 
     def _workers(self, *roles: str) -> list[WorkerInfo]:
@@ -232,17 +232,17 @@ class Orchestrator:
         prep = await asyncio.to_thread(self._prepare, req, raw_images)
         max_tokens = self._check_length(req, len(prep.token_ids))
         sampling = replace(req.sampling, max_tokens=max_tokens, n=1)
-        prefill_workers = self._workers(*PREFILL_ROLES)
+        prefill_workers = self._workers(*(role for role in Role if role.takes_prefill))
         if not prefill_workers:
             raise RequestError(status=503, message="no prefill worker is registered yet", type="service_unavailable")
         prefill = self.prefill_router.choose(prefill_workers, prep.token_ids)
         decode = None
-        if prefill.role == "prefill":
-            decode_workers = self._workers("decode")
+        if prefill.role == Role.PREFILL:
+            decode_workers = self._workers(Role.DECODE)
             if not decode_workers:
                 raise RequestError(status=503, message="no decode worker is registered yet", type="service_unavailable")
             decode = self.decode_router.choose(decode_workers, prep.token_ids)
-        encoders = [prefill] if prefill.role == "aggregated" else self._workers("encoder")
+        encoders = [prefill] if prefill.role == Role.AGGREGATED else self._workers(Role.ENCODER)
         misses = []
         for key, data in prep.images.items():
             self.metrics.mm_cache_queries += 1

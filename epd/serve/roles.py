@@ -13,29 +13,21 @@ import signal
 import sys
 from dataclasses import dataclass
 
-ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
+from epd.engine.config import EngineConfig
+from epd.transport.worker_io import WorkerSpec
 
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """Everything a worker process needs, picklable for multiprocessing spawn."""
+    """Everything a worker process needs, picklable for multiprocessing spawn:
+    the `spec` its worker loop takes, and what building the model needs."""
 
-    role: str
-    index: int
+    spec: WorkerSpec  # id, role, inbox to bind, the API's address, embedding cache
     model: str
-    inbox: str  # address to bind
-    api: str  # the API collector's address
-    engine: "EngineConfig"  # noqa: F821
-    mm_cache_dir: str | None
-    mm_cache_bytes: int
+    engine: EngineConfig
     max_image_pixels: int
     num_threads: int
-    worker_id: str = ""
     nice: int = 0  # added to the process's niceness before any work
-
-    @property
-    def id(self) -> str:
-        return self.worker_id or f"{self.role}-{self.index}"
 
 
 def _die_with_parent() -> None:
@@ -55,7 +47,7 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s {launch.id} %(levelname)s %(message)s")
+                        format=f"%(asctime)s {launch.spec.worker_id} %(levelname)s %(message)s")
     if launch.nice:
         os.nice(launch.nice)
     import torch
@@ -67,12 +59,10 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
 
     hf_config = AutoConfig.from_pretrained(launch.model)
     info = ModelInfo.from_pretrained(launch.model, hf_config)
-    if launch.role == "encoder":
-        _run_encoder(launch, hf_config, info)
-    elif launch.role in ("prefill", "decode", "pd", "aggregated"):
+    if launch.spec.role.holds_kv:
         _run_engine(launch, hf_config, info)
     else:
-        raise ValueError(f"unknown role {launch.role!r}; choose one of {', '.join(ROLES)}")
+        _run_encoder(launch, hf_config, info)
 
 
 def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
@@ -83,24 +73,23 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
 
 
 def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
-    from epd.encoders.encoder_worker import EncoderSpec, EncoderWorker
+    from epd.encoders.encoder_worker import EncoderWorker
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
                              device)
-    spec = EncoderSpec(launch.id, launch.inbox, launch.api, launch.mm_cache_dir, launch.mm_cache_bytes)
-    EncoderWorker(spec, encoder).run()
+    EncoderWorker(launch.spec, encoder).run()
 
 
 def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
     from epd.engine.engine_core import EngineCore
-    from epd.engine.config import ENGINE_ROLES
-    from epd.engine.worker import EngineWorker, WorkerSpec
+    from epd.engine.worker import EngineWorker
 
-    core = EngineCore(launch.model, launch.engine, role=ENGINE_ROLES[launch.role], hf_config=hf_config, info=info)
+    role = launch.spec.role
+    core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info)
     encode_fn = None
-    if launch.role == "aggregated":
+    if role.encodes:  # aggregated: the vision encoder in-process
         from epd.encoders.image_io import ImageError
 
         encoder = _image_encoder(launch, hf_config, info, core.dtype, core.device)
@@ -117,5 +106,4 @@ def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
                         out.append(str(exc))
                 return out
 
-    spec = WorkerSpec(launch.id, launch.role, launch.inbox, launch.api, launch.mm_cache_dir, launch.mm_cache_bytes)
-    EngineWorker(spec, core, encode_fn).run()
+    EngineWorker(launch.spec, core, encode_fn).run()

@@ -61,11 +61,10 @@ class PrefixHashRouter:
         return next(w for w in workers if w.worker_id == wid)
 
 
+ROUTERS = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_hash": PrefixHashRouter}
+
+
 def make_router(name: str):
-    if name == "round_robin":
-        return RoundRobinRouter()
-    if name == "least_loaded":
-        return LeastLoadedRouter()
-    if name == "prefix_hash":
-        return PrefixHashRouter()
-    raise ValueError(f"unknown router {name!r}")
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}")
+    return ROUTERS[name]()

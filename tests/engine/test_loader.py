@@ -69,5 +69,5 @@ def test_profile_forward_runs_a_full_token_budget(tiny_model):
     from epd.engine.engine_core import profile_forward
 
     model = load_language_model(tiny_model, _config(tiny_model), torch.float32)
-    logits = profile_forward(model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, device="cpu"), "cpu")
+    logits = profile_forward(model, EngineConfig.from_flat(max_num_batched_tokens=64, max_num_seqs=8, device="cpu"), "cpu")
     assert logits.shape == (8, model.cfg.vocab_size) and torch.isfinite(logits).all()

@@ -1,12 +1,86 @@
-"""How `epd serve` sizes its workers: threads, priorities, GPUs and their memory."""
+"""The composed configs and how `epd serve` sizes its workers: threads,
+priorities, GPUs and their memory."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
+from epd.cli import build_parser, serve_config, worker_config
+from epd.config import SHARED_CPU_NICE, ServeConfig, WorkerConfig
 from epd.engine.config import EngineConfig
-from epd.config import ServeConfig
+from epd.engine.scheduler import SchedulerConfig
+from epd.inputs.media import MediaConfig
+from epd.transport.roles import Mode, Role
+
+
+def test_flag_defaults_are_the_config_defaults(tiny_model, monkeypatch):
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", tiny_model])) == ServeConfig(model=tiny_model)
+    assert worker_config(parse(["worker", tiny_model, "--role", "pd", "--api", "tcp://10.0.0.1:8001"])) == \
+        WorkerConfig(tiny_model, Role.PD, "tcp://10.0.0.1:8001")
+    # the defaults themselves, written once on the fields
+    config = ServeConfig(model=tiny_model)
+    assert (config.mode, config.num_encoders, config.num_prefill, config.num_decode) == (Mode.E_P_D, 1, 1, 1)
+    assert (config.host, config.port, config.mm_cache_gb, config.router, config.cpu_sharing) == \
+        ("127.0.0.1", 8000, 4.0, "least_loaded", "shared")
+    assert config.media == MediaConfig(max_image_bytes=20 * 1024 * 1024, max_image_pixels=64_000_000,
+                                       fetch_timeout_s=5.0)
+    assert config.engine == EngineConfig(SchedulerConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
+                                                         enable_prefix_caching=True, max_model_len=None),
+                                         gpu_memory_utilization=0.9, dtype="auto", device="auto")
+    worker = WorkerConfig(tiny_model, "encoder", "tcp://h:1")
+    assert (worker.port, worker.mm_cache_gb, worker.max_image_pixels) == (0, 4.0, 64_000_000)
+
+
+def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
+    args = build_parser().parse_args(["serve", tiny_model, "--max-num-seqs", "8", "--max-model-len", "512",
+                                      "--no-enable-prefix-caching", "--device", "cpu", "--kv-cache-gb", "2"])
+    assert serve_config(args).engine == EngineConfig(
+        SchedulerConfig(max_num_seqs=8, max_model_len=512, enable_prefix_caching=False), kv_cache_gb=2.0, device="cpu")
+    assert EngineConfig.from_flat(max_num_batched_tokens=64, dtype="float32") == \
+        EngineConfig(SchedulerConfig(max_num_batched_tokens=64), dtype="float32")
+    assert EngineConfig.from_flat() == EngineConfig()
+    assert set(EngineConfig.flat_defaults()) == {
+        "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
+        "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend"}
+    with pytest.raises(TypeError, match="unknown engine setting.* max_num_sequences"):
+        EngineConfig.from_flat(max_num_sequences=8)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        EngineConfig.from_flat(max_num_seqs=0)
+
+
+def test_llm_takes_flat_settings_or_a_config_not_both(tiny_model):
+    from epd.llm import LLM
+
+    with pytest.raises(TypeError, match="not both"):
+        LLM(tiny_model, EngineConfig(), max_num_seqs=8)
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(tiny_model, max_num_sequences=8)
+
+
+def test_modes_and_roles_by_name(tiny_model):
+    config = ServeConfig(model=tiny_model, mode="e-pd", num_prefill=2)
+    assert config.mode is Mode.E_PD and config.worker_roles() == [(Role.ENCODER, 0), (Role.PD, 0), (Role.PD, 1)]
+    external = ServeConfig(model=tiny_model, mode="e-pd", num_encoders=0, num_prefill=2, external_workers=True)
+    assert external.worker_roles() == [] and external.mode_roles() == [(Role.PD, 0), (Role.PD, 1)]
+    with pytest.raises(ValueError, match="--mode must be one of aggregated, e-pd, e-p-d, got 'e-d'"):
+        ServeConfig(model=tiny_model, mode="e-d")
+    assert set(SHARED_CPU_NICE) == set(Role)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(api="127.0.0.1:8001"), "--api must be a tcp:// address"),
+    (dict(api="tcp://127.0.0.1"), "--api must be a tcp:// address"),
+    (dict(role="vision"), "unknown role 'vision'"),
+    (dict(port=70000), "--port must be in 0..65535"),
+    (dict(model="/no/such/checkpoint"), "not a checkpoint directory"),
+])
+def test_bad_worker_flags_are_clear_errors(tiny_model, change, message):
+    settings = dict(model=tiny_model, role="prefill", api="tcp://127.0.0.1:8001") | change
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(**settings)
 
 
 def test_split_divides_the_pinned_cores_and_shared_gives_each_worker_all(tiny_model):

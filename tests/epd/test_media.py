@@ -8,11 +8,10 @@ import pytest
 from media import data_url, image_bytes
 
 from epd.cli import build_parser, serve_config
-from epd.config import MediaConfig
-from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, check_remote_url, load_image_bytes
+from epd.inputs.media import MediaConfig, MediaError, MediaFetcher, check_remote_url, load_image_bytes
 
 IMG = image_bytes(16, 16)
-ALLOWED = MediaPolicy(allowed_media_domains=("images.example", "127.0.0.1"))
+ALLOWED = MediaConfig(allowed_media_domains=("images.example", "127.0.0.1"))
 
 
 @pytest.mark.parametrize("url", ["http://images.example/a.png", "https://IMAGES.example:8443/a.png?x=1",
@@ -37,15 +36,15 @@ def test_other_hosts_are_refused(url, message):
 
 def test_http_is_off_by_default():
     with pytest.raises(MediaError, match="not allowed .*--allowed-media-domains"):
-        load_image_bytes("https://images.example/a.png", MediaPolicy())
+        load_image_bytes("https://images.example/a.png", MediaConfig())
     with pytest.raises(MediaError, match="not allowed"):
-        asyncio.run(MediaFetcher(MediaPolicy()).load("http://images.example/a.png"))
+        asyncio.run(MediaFetcher(MediaConfig()).load("http://images.example/a.png"))
 
 
 def test_fetcher_loads_local_sources_in_a_thread():
-    assert asyncio.run(MediaFetcher(MediaPolicy()).load(data_url(IMG))) == IMG
+    assert asyncio.run(MediaFetcher(MediaConfig()).load(data_url(IMG))) == IMG
     with pytest.raises(MediaError, match="invalid base64"):
-        asyncio.run(MediaFetcher(MediaPolicy()).load("data:image/png;base64,@@"))
+        asyncio.run(MediaFetcher(MediaConfig()).load("data:image/png;base64,@@"))
 
 
 def test_refused_before_any_connection_for_a_disallowed_host():
@@ -67,7 +66,7 @@ def test_serve_flags_build_the_media_config(tiny_model, tmp_path, monkeypatch):
                                      "--allowed-local-media-path", str(tmp_path)))
     assert config.media == MediaConfig(allowed_local_media_path=str(tmp_path),
                                        allowed_media_domains=("images.example", "127.0.0.1"), max_image_bytes=1000,
-                                       max_image_pixels=500, media_fetch_timeout_s=2.5, limit_images_per_prompt=3)
+                                       max_image_pixels=500, fetch_timeout_s=2.5, limit_images_per_prompt=3)
     assert config.host == "127.0.0.1" and config.api_key is None
     assert serve_config(serve_args(tiny_model)).media == MediaConfig()  # http(s) and file:// off
     monkeypatch.setenv("EPD_API_KEY", "from-env")

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from api_checks import IMG, assert_error, assert_still_serving, chat_body, messages_with, post, url_part
 
-from epd.inputs.media import MediaError, MediaFetcher, MediaPolicy, load_image_bytes
+from epd.inputs.media import MediaError, MediaFetcher, MediaConfig, load_image_bytes
 
 
 @pytest.fixture
@@ -32,14 +32,14 @@ def allowed(tmp_path):
     ("loop.png", "malformed|cannot read"),  # a symlink loop
 ])
 def test_only_regular_files_are_read(allowed, name, message):
-    policy = MediaPolicy(allowed_local_media_path=str(allowed))
+    policy = MediaConfig(allowed_local_media_path=str(allowed))
     with pytest.raises(MediaError, match=message) as err:
         load_image_bytes((allowed / name).as_uri(), policy)
     assert str(allowed) not in str(err.value) and str(allowed.resolve()) not in str(err.value)
 
 
 def test_malformed_and_outside_paths_name_no_path(allowed, tmp_path):
-    policy = MediaPolicy(allowed_local_media_path=str(allowed))
+    policy = MediaConfig(allowed_local_media_path=str(allowed))
     for url, message in (("file:///a%00b.png", "malformed"), ((tmp_path / "x.png").as_uri(), "outside the allowed"),
                          ("file://" + "/a" * 5000, "outside the allowed")):
         with pytest.raises(MediaError, match=message) as err:
@@ -51,7 +51,7 @@ def test_malformed_and_outside_paths_name_no_path(allowed, tmp_path):
 def test_file_reads_do_not_take_the_shared_thread_pool(allowed):
     """Eight file:// loads at once, with the event loop's default pool (what
     text requests' tokenizing uses) held to one thread that stays free."""
-    policy = MediaPolicy(allowed_local_media_path=str(allowed), fetch_timeout_s=5)
+    policy = MediaConfig(allowed_local_media_path=str(allowed), fetch_timeout_s=5)
 
     async def scenario():
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
