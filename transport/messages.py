@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from epd.transport.addresses import ROLES
+from epd.transport.roles import Role
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
 from epd.transport.sampling import SamplingParams, TokenLogprobs
@@ -379,7 +379,7 @@ class WorkerStats(Message):
     @classmethod
     def _build(cls, f, payload):
         engine, encoder = f.opt_map("engine"), f.opt_map("encoder")
-        return cls(f.str("worker_id"), f.one_of("role", ROLES), f.int("num_running"), f.int("num_waiting"),
+        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), f.int("num_running"), f.int("num_waiting"),
                    f.int("num_free_blocks"), f.int("num_total_blocks"), f.int("queue_depth"),
                    None if engine is None else EngineCounters.from_map(engine),
                    None if encoder is None else EncoderCounters.from_map(encoder))
@@ -403,7 +403,7 @@ class Ready(Message):
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.one_of("role", ROLES), f.str("inbox"), f.str("host"),
+        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), f.str("inbox"), f.str("host"),
                    f.opt_str("mm_cache_dir"))
 
 
