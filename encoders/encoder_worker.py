@@ -106,7 +106,7 @@ class EncoderWorker(WorkerIO):
                 self._done(job.msg, error=result)
                 continue
             self.counters["encoder_images"] += 1
-            entry = MMEntry(result.embeds, list(result.deepstack), result.grid_thw)
+            entry = result
             if self.cache is not None:
                 self.cache.put(job.msg.mm_hash, entry)
             self._done(job.msg, entry=entry if (job.msg.with_tensors or self.cache is None) else None)

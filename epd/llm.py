@@ -16,12 +16,12 @@ from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
-from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import Request
 from epd.engine.sampler import TokenLogprobs
 from epd.engine.sampling_params import SamplingParams
 from epd.inputs.media import MediaPolicy, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.transport.mm_entry import MMEntry
 
 
 @dataclass
@@ -122,10 +122,10 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
 
-    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEmbedding]:
+    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEntry]:
         hashes = list(wanted)
         encoded = self.encoder.encode([wanted[h] for h in hashes]) if hashes else []
-        return {h: MMEmbedding(e.embeds, e.deepstack) for h, e in zip(hashes, encoded)}
+        return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
         images: dict[str, bytes] = {}

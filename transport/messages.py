@@ -23,6 +23,7 @@ import torch
 
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
+from epd.transport.mm_span import MMSpan
 
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
@@ -32,26 +33,6 @@ __all__ = [
 
 Payload = torch.Tensor | bytes
 _RESERVED = ("type", "v", "frames")
-
-
-@dataclass
-class MMSpan:
-    """One image in a prompt: `length` placeholder tokens starting at token `offset`."""
-
-    offset: int
-    length: int
-    mm_hash: str
-    grid_thw: tuple[int, int, int]
-
-    def to_list(self) -> list:
-        return [self.offset, self.length, self.mm_hash, list(self.grid_thw)]
-
-    @staticmethod
-    def from_list(item: list) -> MMSpan:
-        if not (len(item) == 4 and type(item[0]) is int and type(item[1]) is int
-                and type(item[2]) is str and Fields.is_grid(item[3])):
-            raise WireError(f"bad mm span {item!r:.80}")
-        return MMSpan(item[0], item[1], item[2], tuple(item[3]))
 
 
 class Message:
@@ -127,7 +108,7 @@ def _spans(f: Fields, name: str) -> list[MMSpan]:
     items = f.list_of(name, list)
     try:
         return [MMSpan.from_list(item) for item in items]
-    except WireError as e:
+    except ValueError as e:
         raise WireError(f"{f.tag}.{name}: {e}") from None
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from epd.engine.request import MMSpan, Request
+from epd.engine.request import Request
 from epd.engine.sampling_params import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
+from epd.transport.mm_span import MMSpan
 
 IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it
 EOS_ID = 2
