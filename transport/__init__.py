@@ -2,6 +2,7 @@
 
 codec.py       WireError, tensor <-> (meta, bytes), msgpack headers, typed header fields
 messages.py    every wire message (dataclasses) and decode_message()
+mm_span.py     MMSpan, an image's placeholder run in a prompt (torch-free: the scheduler reads it)
 addresses.py   the one place zmq addresses are derived from config
 channels.py    typed PUSH/PULL wrappers, sync and asyncio
 mm_entry.py    MMEntry and its LMDB value format
