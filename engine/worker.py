@@ -154,12 +154,18 @@ class EngineWorker(WorkerIO):
         for outcome in outcomes:
             if isinstance(outcome, Failed):
                 self._fail(outcome.request_id, outcome.error)
-                continue
-            assert isinstance(outcome, Ready)
-            try:
-                self.core.add_request(outcome.request, outcome.embeddings)
-            except ValueError as exc:
-                self._fail(outcome.request.request_id, str(exc))
+            else:
+                self._admit(outcome)
+
+    def _admit(self, ready: Ready) -> None:
+        request_id = ready.request.request_id
+        try:
+            self.core.add_request(ready.request, ready.embeddings)
+        except ValueError as exc:  # e.g. a prompt that cannot fit the KV cache
+            self._fail(request_id, str(exc))
+        except Exception:  # fails this request only; the others of `outcomes` still settle
+            log.exception("%s: could not admit %s", self.spec.worker_id, request_id)
+            self._fail(request_id, "internal error while admitting the request")
 
     def _fail(self, request_id: str, error: str) -> None:
         self.decode_target.pop(request_id, None)
