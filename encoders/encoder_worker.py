@@ -99,7 +99,7 @@ class EncoderWorker(WorkerIO):
                 self._done(job.msg, error=result)
                 continue
             self.counters.num_images += 1
-            entry = MMEntry(result.embeds, list(result.deepstack), result.grid_thw)
+            entry = result
             # a cache that cannot take it (too large, map full, disk error) is our fault, not the
             # request's: the tensors then travel inline, as to a prefill worker on another host
             cached = self.cache is not None and self.cache.put(job.msg.mm_hash, entry)

@@ -2,11 +2,12 @@
 
 Used in-process by the aggregated worker and the offline `LLM`, and by the
 encoder worker. Images are batched through the tower up to a patch budget.
+Each image's output is an `MMEntry` (transport/mm_entry.py): the one type
+the cache stores, EncodeDone carries and the engine consumes.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,17 +16,9 @@ from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image
 from epd.encoders.image_processor import ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
+from epd.transport.mm_entry import MMEntry
 
 DEFAULT_MAX_BATCH_PATCHES = 16384
-
-
-@dataclass
-class ImageEmbedding:
-    """One image's encoder output."""
-
-    embeds: torch.Tensor  # [num_tokens, out_hidden]
-    deepstack: torch.Tensor  # [num_deepstack, num_tokens, out_hidden]
-    grid_thw: tuple[int, int, int]
 
 
 class ImageEncoder:
@@ -46,11 +39,11 @@ class ImageEncoder:
         return mm_hash(image_bytes, self.model_fingerprint, self.processor_config)
 
     @torch.inference_mode()
-    def encode(self, images: list[bytes]) -> list[ImageEmbedding]:
+    def encode(self, images: list[bytes]) -> list[MMEntry]:
         """Encodes raw images (raises encoders.image_io.ImageError on bad bytes)."""
         decoded = [load_image(data, self.max_image_pixels) for data in images]
         geometry = self.preprocess.geometry
-        out: list[ImageEmbedding] = []
+        out: list[MMEntry] = []
         batch: list = []
         batch_patches = 0
         for img in decoded:
@@ -64,7 +57,8 @@ class ImageEncoder:
             out += self._run(batch)
         return out
 
-    def _run(self, images: list) -> list[ImageEmbedding]:
+    def _run(self, images: list) -> list[MMEntry]:
         pixel_values, grids = self.preprocess(images)
         result = self.tower(pixel_values.to(self.device, self.dtype), grids)
-        return [ImageEmbedding(e, d, g) for e, d, g in zip(result.embeds, result.deepstack, grids)]
+        # deepstack [num_deepstack, num_tokens, out_hidden] -> views, each [num_tokens, out_hidden]
+        return [MMEntry(e, list(d.unbind(0)), g) for e, d, g in zip(result.embeds, result.deepstack, grids)]

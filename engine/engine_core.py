@@ -6,6 +6,10 @@ Works on token ids and image embeddings only: tokenizing, detokenizing, stop
 strings and the vision tower live with the caller (the offline `LLM`, a
 worker process). The same object serves prefill-only, decode-only and
 combined roles (see `Scheduler`).
+
+It is the only door into the engine: callers use the verbs below
+(`add_request`, `add_prefilled`, `export_kv`, `release`, `abort`, `step`,
+`get_embedding`, the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from epd.engine.config import EngineConfig
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.model_info import ModelInfo
-from epd.engine.model_runner import MMEmbedding, ModelRunner
+from epd.engine.model_runner import ModelRunner
 from epd.engine.request import Request
-from epd.engine.sampler import TokenLogprobs
+from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
+from epd.transport.mm_entry import MMEntry
 
 
 @torch.inference_mode()
@@ -75,16 +80,20 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, config.resolved_backend(self.device), self.device)
         self.num_blocks = num_blocks
-        self._mm_users: dict[str, set[str]] = {}  # mm_hash -> request ids holding it
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
-    def add_request(self, request: Request, mm_embeddings: dict[str, MMEmbedding] | None = None) -> None:
-        """Queues a request; `mm_embeddings` must hold every image of its spans."""
-        missing = [s.mm_hash for s in request.mm_spans
-                   if s.mm_hash not in (mm_embeddings or {}) and s.mm_hash not in self.runner.mm_embeddings]
+    # -- intake ------------------------------------------------------------------
+
+    def add_request(self, request: Request, mm_embeddings: dict[str, MMEntry] | None = None) -> None:
+        """Queues a request; `mm_embeddings` must hold every image of its spans
+        the engine does not hold already (`get_embedding`). ValueError if not,
+        or if the scheduler refuses the request."""
+        mm_embeddings = mm_embeddings or {}
+        missing = [h for h in request.mm_hashes
+                   if h not in mm_embeddings and self.runner.get_embedding(h) is None]
         if missing:
             raise ValueError(f"request {request.request_id}: no embeddings for images {missing}")
         if not request.eos_token_ids:
@@ -92,15 +101,52 @@ class EngineCore:
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
         self.scheduler.add_request(request)
-        for mm_hash, emb in (mm_embeddings or {}).items():
-            self.runner.mm_embeddings.setdefault(mm_hash, emb)
-        for span in request.mm_spans:
-            self._mm_users.setdefault(span.mm_hash, set()).add(request.request_id)
+        # Only its own images: the scheduler frees exactly those when it is done.
+        self.runner.add_embeddings({h: mm_embeddings[h] for h in request.mm_hashes if h in mm_embeddings})
+
+    def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
+        """Decode role: takes a request prefilled elsewhere with its prompt KV
+        (k/v each [num_layers, num_blocks, block_size, num_kv_heads, head_dim],
+        blocks in token order) and `output_token_ids` holding its first token.
+        False, changing nothing, when there is no room now: retry later.
+        ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
+        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        if request.max_model_len is None:
+            request.max_model_len = self.max_model_len
+        block_ids = self.scheduler.add_prefilled(request)
+        if block_ids is None:
+            return False
+        self.runner.write_blocks(block_ids, k_blocks, v_blocks)
+        return True
+
+    # -- prefill role: hand the KV over ---------------------------------------------
+
+    def export_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill role: a prefilled request's prompt KV, on the CPU for the wire:
+        k and v, each [num_layers, num_blocks, block_size, num_kv_heads, head_dim],
+        blocks in token order. It stays held here until `release`."""
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not held")
+        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        k, v = self.runner.read_blocks(request.block_ids[:num_blocks])
+        return k.cpu(), v.cpu()
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: frees a prefilled request's blocks once the decode
+        worker has its KV. False when it is no longer held (aborted meanwhile)."""
+        try:
+            self.scheduler.release(request_id)
+        except ValueError:
+            return False
+        return True
 
     def abort(self, request_ids) -> list[str]:
-        aborted = self.scheduler.abort(request_ids)
-        self._release(aborted)
-        return aborted
+        """Finishes the requests wherever they are; returns the ids actually aborted."""
+        return self.scheduler.abort(request_ids)
+
+    # -- one step --------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -109,25 +155,26 @@ class EngineCore:
         out = self.scheduler.schedule()
         runner_out = self.runner.execute(out)
         updates = self.scheduler.update(out, runner_out.sampled_token_ids)
-        self._release([u.request_id for u in updates if u.is_finished])
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
                           {s.request_id: s.request for s in out.scheduled})
 
-    def _release(self, request_ids) -> None:
-        """Drops image embeddings no unfinished request needs any more."""
-        done = set(request_ids)
-        if not done:
-            return
-        self.runner.drop(done)
-        for mm_hash in list(self._mm_users):
-            users = self._mm_users[mm_hash]
-            users -= done
-            if not users:
-                del self._mm_users[mm_hash]
-                self.runner.mm_embeddings.pop(mm_hash, None)
+    # -- state -----------------------------------------------------------------------
+
+    def get_embedding(self, mm_hash: str) -> MMEntry | None:
+        """An image's encoder output while the engine holds it (a request
+        still uses it, or the step that drops it has not run yet)."""
+        return self.runner.get_embedding(mm_hash)
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks

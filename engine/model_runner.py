@@ -6,6 +6,11 @@ M-RoPE positions, cache slots and its block table. Image placeholder tokens
 take their rows of the image embeddings (a chunk may start or end inside an
 image) and deepstack features; logits are computed only for the rows that
 sample.
+
+The runner owns the KV cache and the image embeddings of its requests:
+`read_blocks` / `write_blocks` move whole blocks in and out (KV transfer),
+`add_embeddings` takes an image's encoder output, and the scheduler's
+`freed_mm_hashes` say when to drop it.
 """
 from __future__ import annotations
 
@@ -18,17 +23,10 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
-from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, TokenLogprobs, make_generator
+from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator
+from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import SchedulerOutput
-
-
-@dataclass
-class MMEmbedding:
-    """One image's encoder output, as the language model consumes it."""
-
-    embeds: torch.Tensor  # [num_tokens, hidden]
-    deepstack: torch.Tensor  # [num_deepstack, num_tokens, hidden]
-
+from epd.transport.mm_entry import MMEntry
 
 @dataclass
 class RunnerOutput:
@@ -60,8 +58,55 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
-        self.mm_embeddings: dict[str, MMEmbedding] = {}  # mm_hash -> encoder output
+        self._mm_embeddings: dict[str, MMEntry] = {}  # mm_hash -> encoder output
         self._states: dict[str, _RequestState] = {}
+
+    # -- KV blocks (transfer between workers) --------------------------------------
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        """(num_layers, block_size, num_kv_heads, head_dim) of one block's K (or V)."""
+        _, num_layers, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
+        return num_layers, block_size, num_kv_heads, head_dim
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of K and V of `block_ids`, in that order: each
+        [num_layers, len(block_ids), block_size, num_kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self.kv_cache[0][:, index], self.kv_cache[1][:, index]
+
+    def write_blocks(self, block_ids: list[int], k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
+        """Writes K/V (shaped as `read_blocks` returns them, at least len(block_ids)
+        blocks; extra blocks are ignored) into `block_ids`, in order."""
+        self.check_blocks(k_blocks, v_blocks, len(block_ids))
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        num_blocks = len(block_ids)
+        self.kv_cache[0][:, index] = k_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
+        self.kv_cache[1][:, index] = v_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
+
+    def check_blocks(self, k_blocks: torch.Tensor, v_blocks: torch.Tensor, num_blocks: int) -> None:
+        """ValueError unless K and V are [num_layers, >= num_blocks, block_size,
+        num_kv_heads, head_dim] of this cache (e.g. a peer with another block size)."""
+        num_layers, block_size, num_kv_heads, head_dim = self.block_shape
+        for name, t in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+            if t.ndim != 5 or t.shape[1] < num_blocks \
+                    or (t.shape[0], *t.shape[2:]) != (num_layers, block_size, num_kv_heads, head_dim):
+                raise ValueError(f"{name} {list(t.shape)} do not fit this KV cache: want "
+                                 f"[{num_layers}, >={num_blocks}, {block_size}, {num_kv_heads}, {head_dim}]")
+
+    # -- image embeddings ------------------------------------------------------------
+
+    def add_embeddings(self, embeddings: dict[str, MMEntry]) -> None:
+        """Keeps each image's encoder output until a step's `freed_mm_hashes` names it."""
+        for mm_hash, entry in embeddings.items():
+            self._mm_embeddings.setdefault(mm_hash, entry)
+
+    def get_embedding(self, mm_hash: str) -> MMEntry | None:
+        return self._mm_embeddings.get(mm_hash)
+
+    @property
+    def num_embeddings(self) -> int:
+        return len(self._mm_embeddings)
 
     # -- per-request state -----------------------------------------------------
 
@@ -85,12 +130,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.drop(out.finished_request_ids)
+        for mm_hash in out.freed_mm_hashes:
+            self._mm_embeddings.pop(mm_hash, None)  # a decode worker never had them
         if out.is_empty:
             return RunnerOutput()
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         mm_mask: list[bool] = []
-        mm_rows: list[tuple[MMEmbedding, int, int]] = []
+        mm_rows: list[tuple[MMEntry, int, int]] = []
         q_lens, seq_lens, block_tables, sample_rows, sample_reqs = [], [], [], [], []
         for s in out.scheduled:
             req, state = s.request, self._state(s.request)
@@ -98,7 +145,7 @@ class ModelRunner:
             positions.append(self._positions(req, state, s.start, s.end))
             chunk_mask = [False] * s.num_new_tokens
             for span, first, last in s.mm_slices():
-                emb = self.mm_embeddings.get(span.mm_hash)
+                emb = self._mm_embeddings.get(span.mm_hash)
                 if emb is None:
                     raise RuntimeError(f"request {req.request_id}: no embedding for image {span.mm_hash}")
                 mm_rows.append((emb, first, last))
@@ -117,8 +164,11 @@ class ModelRunner:
                              kv_caches=self.kv_caches)
         if mm_rows:
             batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
-            batch.mm_embeds = torch.cat([e.embeds[a:b] for e, a, b in mm_rows]).to(self.device)
-            batch.mm_deepstack = torch.cat([e.deepstack[:, a:b] for e, a, b in mm_rows], dim=1).to(self.device)
+            batch.mm_embeds = torch.cat([e.embeddings[a:b] for e, a, b in mm_rows]).to(self.device)
+            num_deepstack = len(mm_rows[0][0].deepstack)
+            if num_deepstack:  # [num_deepstack, num_mm_tokens, hidden]
+                batch.mm_deepstack = torch.stack([torch.cat([e.deepstack[i][a:b] for e, a, b in mm_rows])
+                                                  for i in range(num_deepstack)]).to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
         if not sample_rows:

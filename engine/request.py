@@ -1,6 +1,7 @@
 """A request as the engine sees it: token ids, image spans, progress, blocks.
 
 Pure Python (no torch): the scheduler and block manager work on these.
+`MMSpan` is transport's (the API builds spans, the wire carries them).
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from epd.transport.mm_span import MMSpan  # the one span type, shared with the wire
 from epd.transport.sampling import SamplingParams
 
 
@@ -23,25 +25,6 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
-
-
-@dataclass(frozen=True)
-class MMSpan:
-    """One image's placeholder run inside the prompt.
-
-    `offset` is the index of the first `<|image_pad|>` token in the prompt,
-    `length` the number of placeholder tokens (= merged vision tokens),
-    `grid_thw` the vision grid in patches (t, h, w) before the spatial merge.
-    """
-
-    offset: int
-    length: int
-    mm_hash: str
-    grid_thw: tuple[int, int, int]
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 @dataclass
@@ -80,6 +63,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def mm_hashes(self) -> list[str]:
+        """Its distinct images, in prompt order."""
+        return list(dict.fromkeys(s.mm_hash for s in self.mm_spans))
 
     @property
     def max_tokens(self) -> int:

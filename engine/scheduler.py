@@ -16,6 +16,9 @@ Invariants
 * A running request always has at least one token left to compute
   (`num_computed_tokens < num_tokens`), so each step it is scheduled it
   computes KV and the last chunk samples.
+* An image is in use from the moment a request holding it is added until
+  the last such request finishes or is released; the next `schedule()`
+  then reports it in `freed_mm_hashes` (unless a new request took it again).
 """
 from __future__ import annotations
 
@@ -84,6 +87,8 @@ class Scheduler:
         self._arrival_keys: dict[str, tuple[float, int]] = {}
         self._num_added = 0
         self._finished_request_ids: list[str] = []  # since the last schedule()
+        self._mm_users: dict[str, int] = {}  # mm_hash -> unfinished requests holding it
+        self._freed_mm_hashes: dict[str, None] = {}  # since the last schedule(), in order
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- intake
@@ -154,6 +159,9 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._arrival_keys[request.request_id] = (request.arrival_time, self._num_added)
         self._num_added += 1
+        for mm_hash in request.mm_hashes:
+            self._mm_users[mm_hash] = self._mm_users.get(mm_hash, 0) + 1
+            self._freed_mm_hashes.pop(mm_hash, None)  # taken again before the runner dropped it
 
     def _arrival_key(self, request: Request) -> tuple[float, int]:
         return self._arrival_keys[request.request_id]
@@ -208,11 +216,13 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
+        freed_mm_hashes, self._freed_mm_hashes = list(self._freed_mm_hashes), {}
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
             preempted_request_ids=preempted_ids,
-            finished_request_ids=finished_ids)
+            finished_request_ids=finished_ids,
+            freed_mm_hashes=freed_mm_hashes)
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -310,12 +320,17 @@ class Scheduler:
         """Mark finished and free blocks; the caller drops it from `running`."""
         request.status = status
         self.block_manager.free(request)
-        self._forget(request.request_id)
+        self._forget(request)
 
-    def _forget(self, request_id: str) -> None:
-        del self._requests[request_id]
-        del self._arrival_keys[request_id]
-        self._finished_request_ids.append(request_id)
+    def _forget(self, request: Request) -> None:
+        del self._requests[request.request_id]
+        del self._arrival_keys[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+        for mm_hash in request.mm_hashes:
+            self._mm_users[mm_hash] -= 1
+            if not self._mm_users[mm_hash]:
+                del self._mm_users[mm_hash]
+                self._freed_mm_hashes[mm_hash] = None
 
     # ---------------------------------------------------------- abort/release
 
@@ -346,7 +361,7 @@ class Scheduler:
         if request is None:
             raise ValueError(f"request {request_id!r} is not held as prefilled")
         self.block_manager.free(request)
-        self._forget(request_id)
+        self._forget(request)
 
     # ------------------------------------------------------------------ state
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epd.engine.request import MMSpan, Request
+from epd.engine.request import Request
+from epd.transport.mm_span import MMSpan
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,16 @@ class SchedulerOutput:
     `preempted_request_ids` lost their KV this step (they will be recomputed
     from scratch); `finished_request_ids` finished, were aborted or released
     since the previous step. Runners that keep per-request state drop it for
-    both.
+    both. `freed_mm_hashes` are images no unfinished request uses any more:
+    the runner drops their embeddings (as vLLM frees encoder outputs through
+    its scheduler output). None of them is used by this step's requests.
     """
 
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    freed_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

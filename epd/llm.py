@@ -16,11 +16,11 @@ from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
-from epd.engine.model_runner import MMEmbedding
 from epd.engine.request import Request
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.transport.mm_entry import MMEntry
 
 
 @dataclass
@@ -118,10 +118,10 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
 
-    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEmbedding]:
+    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEntry]:
         hashes = list(wanted)
         encoded = self.encoder.encode([wanted[h] for h in hashes]) if hashes else []
-        return {h: MMEmbedding(e.embeds, e.deepstack) for h, e in zip(hashes, encoded)}
+        return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
         images: dict[str, bytes] = {}

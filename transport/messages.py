@@ -31,6 +31,7 @@ from epd.transport.codec import pack_header, unpack_header
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.transport.wire_values import (EncoderCounters, EngineCounters, logprobs_from_list, logprobs_to_list,
                                        sampling_from_map, sampling_to_map)
+from epd.transport.mm_span import MMSpan
 
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
@@ -40,26 +41,6 @@ __all__ = [
 
 Payload = torch.Tensor | bytes
 _RESERVED = ("type", "v", "frames")
-
-
-@dataclass
-class MMSpan:
-    """One image in a prompt: `length` placeholder tokens starting at token `offset`."""
-
-    offset: int
-    length: int
-    mm_hash: str
-    grid_thw: tuple[int, int, int]
-
-    def to_list(self) -> list:
-        return [self.offset, self.length, self.mm_hash, list(self.grid_thw)]
-
-    @staticmethod
-    def from_list(item: list) -> MMSpan:
-        if not (len(item) == 4 and type(item[0]) is int and type(item[1]) is int
-                and type(item[2]) is str and Fields.is_grid(item[3])):
-            raise WireError(f"bad mm span {item!r:.80}")
-        return MMSpan(item[0], item[1], item[2], tuple(item[3]))
 
 
 class Message:
@@ -136,7 +117,7 @@ def _spans(f: Fields, name: str, num_prompt_tokens: int) -> list[MMSpan]:
     items = f.list_of(name, list)
     try:
         spans = [MMSpan.from_list(item) for item in items]
-    except WireError as e:
+    except ValueError as e:
         raise WireError(f"{f.tag}.{name}: {e}") from None
     for s in spans:
         _need(Fields.is_mm_hash(s.mm_hash), f.tag, f"{name}: mm_hash must be 64 hex chars, got {s.mm_hash!r:.80}")

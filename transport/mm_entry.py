@@ -31,7 +31,12 @@ _PREFIX = struct.Struct("<8sI")  # magic, header length
 
 @dataclass
 class MMEntry:
-    """Vision-tower output for one image, as the language model consumes it."""
+    """Vision-tower output for one image, as the language model consumes it.
+
+    The one type for it in every layer: the encoder returns it, the cache
+    stores it, EncodeDone carries its tensors and the engine's runner merges
+    it at the image's placeholder tokens.
+    """
 
     embeddings: torch.Tensor  # [n, hidden], n = placeholder tokens of the image
     deepstack: list[torch.Tensor]  # each [n, hidden]; [] for models without deepstack

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epd.encoders.image_processor import ImageGeometry
-from epd.engine.request import MMSpan
+from epd.transport.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 IMAGE_PAD = "<|image_pad|>"

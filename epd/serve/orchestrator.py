@@ -38,12 +38,11 @@ from epd.serve.router import RoundRobinRouter, make_router
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.token_order import TokenOrder
-from epd.engine.request import MMSpan
-from epd.engine.worker import to_wire_spans
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
                                 WireError, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
+from epd.transport.mm_span import MMSpan
 from epd.transport.roles import Role
 
 log = logging.getLogger("epd.api")
@@ -261,7 +260,7 @@ class Orchestrator:
             # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
             # has it before any EncodeDone (a busy one may still read them out of order).
             await self._outbox.send(prefill.inbox, PrefillRequest(
-                rid, prep.token_ids, to_wire_spans(prep.mm_spans), sampling, list(self.info.eos_token_ids),
+                rid, prep.token_ids, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
                 decode.inbox if decode else None))
             dispatched_s = time.monotonic()  # the end of request_queue_time_seconds
             for key, data in misses:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from epd.engine.request import MMSpan, Request
+from epd.engine.request import Request
+from epd.transport.mm_span import MMSpan
 from epd.transport.sampling import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput

@@ -1,0 +1,162 @@
+"""Requests waiting for their images, and images waiting for their requests.
+
+A prefill (or pd, aggregated) worker admits a request to the engine only once
+every image of it is here: held by the engine already, in the embedding
+cache, or arrived with an EncodeDone (or encoded in-process). Messages come
+in any order (ZeroMQ fair-queues the API's and the encoders' pipes into one
+inbox), so an image, or an image's failure, may overtake its PrefillRequest:
+both are kept, bounded, until the request arrives.
+
+    add(request)              -> [Ready] when all its images are here, [Failed] if one failed early
+    arrived(mm_hash, entry)   -> the requests it completes, each Ready
+    arrived_in_cache(mm_hash) -> the same, reading the entry back (EncodeDone without tensors)
+    failed(mm_hash, error)    -> the requests waiting for it, each Failed
+
+Pure Python (no torch): an image's encoder output is an opaque value here.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from epd.engine.request import Request
+
+if TYPE_CHECKING:
+    from epd.transport.mm_entry import MMEntry
+
+MAX_EARLY = 256  # images (and failures) that arrived before their request, kept at most
+
+
+@dataclass
+class Ready:
+    """All images of `request` are here: admit it to the engine."""
+
+    request: Request
+    embeddings: dict[str, MMEntry] = field(default_factory=dict)  # mm_hash -> encoder output, each image
+
+
+@dataclass
+class Failed:
+    """One of the request's images failed: answer it with `error`."""
+
+    request_id: str
+    error: str
+
+
+Outcome = Ready | Failed
+
+
+class ImageArrivals:
+    def __init__(self, lookup: Callable[[str], MMEntry | None], max_early: int = MAX_EARLY):
+        """`lookup(mm_hash)`: the image's encoder output if the engine or the
+        embedding cache has it, else None."""
+        self.lookup = lookup
+        self.max_early = max_early
+        self._pending: dict[str, tuple[Request, set[str]]] = {}  # request id -> (request, missing mm_hashes)
+        self._staged: dict[str, MMEntry] = {}  # images of pending requests, here
+        self._early: OrderedDict[str, MMEntry] = OrderedDict()  # images no request waited for yet
+        self._early_failures: OrderedDict[str, str] = OrderedDict()  # request id -> error, before the request
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    # -- events ------------------------------------------------------------------
+
+    def add(self, request: Request) -> list[Outcome]:
+        """A request arrived. Kept until its last image is here, unless one
+        already failed (it is then not kept)."""
+        error = self._early_failures.pop(request.request_id, None)
+        if error is not None:
+            return [Failed(request.request_id, error)]
+        missing = set()
+        for mm_hash in request.mm_hashes:
+            if mm_hash in self._staged:
+                continue
+            entry = self._find(mm_hash)
+            if entry is None:
+                missing.add(mm_hash)
+            else:
+                self._staged[mm_hash] = entry
+        self._pending[request.request_id] = (request, missing)
+        return [] if missing else [self._take(request.request_id)]
+
+    def arrived(self, mm_hash: str, entry: MMEntry) -> list[Ready]:
+        """An image is here; kept for a request still to come if none waits for it."""
+        waiting = self._waiting_for(mm_hash)
+        if not waiting:
+            self._remember(self._early, mm_hash, entry)
+            return []
+        self._early.pop(mm_hash, None)
+        self._staged[mm_hash] = entry
+        ready = []
+        for request_id in waiting:
+            missing = self._pending[request_id][1]
+            missing.discard(mm_hash)
+            if not missing:
+                ready.append(self._take(request_id))
+        return ready
+
+    def arrived_in_cache(self, mm_hash: str) -> list[Outcome]:
+        """An image was written to the shared cache; fails those waiting for it
+        when it is gone already (evicted before use)."""
+        entry = self._find(mm_hash)
+        if entry is None:
+            return self.failed(mm_hash, "image embedding missing from the cache (evicted before use?)")
+        return self.arrived(mm_hash, entry)
+
+    def failed(self, mm_hash: str, error: str, request_id: str | None = None) -> list[Failed]:
+        """An image could not be encoded: every request waiting for it fails.
+        `request_id`, the request the encode was for, is remembered when it
+        has not arrived yet (its EncodeDone overtook it)."""
+        waiting = self._waiting_for(mm_hash)
+        for rid in waiting:
+            self._drop(rid)
+        if request_id is not None and request_id not in waiting:
+            self._remember(self._early_failures, request_id, error)
+        return [Failed(rid, error) for rid in waiting]
+
+    def remove(self, request_id: str) -> bool:
+        """Forgets a pending request (aborted); False if it was not pending."""
+        if request_id not in self._pending:
+            return False
+        self._drop(request_id)
+        return True
+
+    # -- internals ---------------------------------------------------------------
+
+    def _find(self, mm_hash: str) -> MMEntry | None:
+        entry = self._early.pop(mm_hash, None)
+        return entry if entry is not None else self.lookup(mm_hash)
+
+    def _waiting_for(self, mm_hash: str) -> list[str]:
+        return [rid for rid, (_, missing) in self._pending.items() if mm_hash in missing]
+
+    def _take(self, request_id: str) -> Ready:
+        request, missing = self._pending.pop(request_id)
+        assert not missing, f"request {request_id} still misses images {missing}"
+        embeddings = {h: self._staged[h] for h in request.mm_hashes}
+        self._unstage(request.mm_hashes)
+        return Ready(request, embeddings)
+
+    def _drop(self, request_id: str) -> None:
+        request, _ = self._pending.pop(request_id)
+        self._unstage(request.mm_hashes)
+
+    def _unstage(self, mm_hashes: list[str]) -> None:
+        """Drops staged images no pending request needs any more."""
+        still_needed = {h for request, _ in self._pending.values() for h in request.mm_hashes}
+        for mm_hash in mm_hashes:
+            if mm_hash not in still_needed:
+                self._staged.pop(mm_hash, None)
+
+    def _remember(self, bounded: OrderedDict, key: str, value) -> None:
+        """Keeps `value` under `key`, forgetting the oldest entries past `max_early`."""
+        bounded[key] = value
+        while len(bounded) > self.max_early:
+            bounded.popitem(last=False)

@@ -1,0 +1,45 @@
+"""One image's placeholder run inside a prompt: the span every layer shares.
+
+The API builds spans from the prompt, they travel inside PrefillRequest and
+KVTransfer, and the engine's scheduler, block manager and runner read them.
+Pure Python (no torch), so the scheduler stays torch-free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MMSpan:
+    """`length` placeholder tokens of image `mm_hash`, starting at prompt token `offset`.
+
+    `offset` is the index of the first `<|image_pad|>` token in the prompt,
+    `length` the number of placeholder tokens (= merged vision tokens),
+    `grid_thw` the vision grid in patches (t, h, w) before the spatial merge.
+    """
+
+    offset: int
+    length: int
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def to_list(self) -> list:
+        return [self.offset, self.length, self.mm_hash, list(self.grid_thw)]
+
+    @staticmethod
+    def from_list(item: Any) -> MMSpan:
+        """The inverse of `to_list`; ValueError for anything else."""
+        if not (isinstance(item, list) and len(item) == 4 and type(item[0]) is int
+                and type(item[1]) is int and type(item[2]) is str and _is_grid(item[3])):
+            raise ValueError(f"bad mm span {item!r:.80}")
+        return MMSpan(item[0], item[1], item[2], tuple(item[3]))
+
+
+def _is_grid(v: Any) -> bool:
+    """[t, h, w]: three non-negative ints."""
+    return isinstance(v, list) and len(v) == 3 and all(type(x) is int and x >= 0 for x in v)
