@@ -51,6 +51,15 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs):])  # [rows, vocab]
 
 
+class StepFailed(RuntimeError):
+    """A step raised: its requests (`request_ids`) were aborted, every other
+    request and the engine itself are as before the step."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"a step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
+
+
 @dataclass
 class StepResult:
     updates: list[RequestUpdate] = field(default_factory=list)
@@ -152,9 +161,16 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepResult:
+        """schedule -> run -> update. An exception while running or updating
+        aborts the step's requests and raises StepFailed naming them."""
         out = self.scheduler.schedule()
-        runner_out = self.runner.execute(out)
-        updates = self.scheduler.update(out, runner_out.sampled_token_ids)
+        try:
+            runner_out = self.runner.execute(out)
+            updates = self.scheduler.update(out, runner_out.sampled_token_ids)
+        except Exception as exc:
+            request_ids = [s.request_id for s in out.scheduled]
+            self.scheduler.abort(request_ids)
+            raise StepFailed(request_ids) from exc
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
                           {s.request_id: s.request for s in out.scheduled})
 

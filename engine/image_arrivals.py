@@ -11,6 +11,7 @@ both are kept, bounded, until the request arrives.
     arrived(mm_hash, entry)   -> the requests it completes, each Ready
     arrived_in_cache(mm_hash) -> the same, reading the entry back (EncodeDone without tensors)
     failed(mm_hash, error)    -> the requests waiting for it, each Failed
+    expire(now_s, max_wait_s) -> the requests waiting longer than that, each Failed
 
 Pure Python (no torch): an image's encoder output is an opaque value here.
 """
@@ -58,6 +59,7 @@ class ImageArrivals:
         self._staged: dict[str, MMEntry] = {}  # images of pending requests, here
         self._early: OrderedDict[str, MMEntry] = OrderedDict()  # images no request waited for yet
         self._early_failures: OrderedDict[str, str] = OrderedDict()  # request id -> error, before the request
+        self._since_s: dict[str, float] = {}  # request id -> when it started waiting (the caller's clock)
 
     @property
     def num_pending(self) -> int:
@@ -68,9 +70,9 @@ class ImageArrivals:
 
     # -- events ------------------------------------------------------------------
 
-    def add(self, request: Request) -> list[Outcome]:
-        """A request arrived. Kept until its last image is here, unless one
-        already failed (it is then not kept)."""
+    def add(self, request: Request, now_s: float = 0.0) -> list[Outcome]:
+        """A request arrived (at `now_s`). Kept until its last image is here,
+        unless one already failed (it is then not kept)."""
         error = self._early_failures.pop(request.request_id, None)
         if error is not None:
             return [Failed(request.request_id, error)]
@@ -84,6 +86,7 @@ class ImageArrivals:
             else:
                 self._staged[mm_hash] = entry
         self._pending[request.request_id] = (request, missing)
+        self._since_s[request.request_id] = now_s
         return [] if missing else [self._take(request.request_id)]
 
     def arrived(self, mm_hash: str, entry: MMEntry) -> list[Ready]:
@@ -121,6 +124,14 @@ class ImageArrivals:
             self._remember(self._early_failures, request_id, error)
         return [Failed(rid, error) for rid in waiting]
 
+    def expire(self, now_s: float, max_wait_s: float) -> list[Failed]:
+        """Gives up on requests that waited more than `max_wait_s` for an image
+        (its encoder died, or the API that would abort it did)."""
+        late = [rid for rid, since in self._since_s.items() if now_s - since > max_wait_s]
+        for rid in late:
+            self._drop(rid)
+        return [Failed(rid, f"gave up waiting {max_wait_s:g} s for an image") for rid in late]
+
     def remove(self, request_id: str) -> bool:
         """Forgets a pending request (aborted); False if it was not pending."""
         if request_id not in self._pending:
@@ -139,6 +150,7 @@ class ImageArrivals:
 
     def _take(self, request_id: str) -> Ready:
         request, missing = self._pending.pop(request_id)
+        self._since_s.pop(request_id, None)
         assert not missing, f"request {request_id} still misses images {missing}"
         embeddings = {h: self._staged[h] for h in request.mm_hashes}
         self._unstage(request.mm_hashes)
@@ -146,6 +158,7 @@ class ImageArrivals:
 
     def _drop(self, request_id: str) -> None:
         request, _ = self._pending.pop(request_id)
+        self._since_s.pop(request_id, None)
         self._unstage(request.mm_hashes)
 
     def _unstage(self, mm_hashes: list[str]) -> None:

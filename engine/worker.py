@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Callable
 
-from epd.engine.engine_core import EngineCore
+from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.image_arrivals import Failed, ImageArrivals, Outcome, Ready
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
@@ -32,6 +32,10 @@ from epd.transport.wire_values import EncoderCounters, EngineCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
+
+# A request waits at most this long for an image. The API's own deadline
+# (--request-timeout) aborts it sooner; this bound holds when nobody will.
+MAX_IMAGE_WAIT_S = 600.0
 
 # An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
 EncodeFn = Callable[[list[bytes]], list[MMEntry | str]]
@@ -62,6 +66,7 @@ class EngineWorker(WorkerIO):
                 busy = self.core.has_unfinished() or bool(self.incoming)
                 self._drain(timeout_s=0.0 if busy else 0.05)
                 self._admit_transfers()
+                self._settle(self.arrivals.expire(time.monotonic(), MAX_IMAGE_WAIT_S))
                 if self.core.has_unfinished():
                     self._step()
                 self._maybe_send_stats()
@@ -72,8 +77,11 @@ class EngineWorker(WorkerIO):
         for msg in self.inbox.drain(timeout_s, self.spec.worker_id):
             try:
                 self._handle(msg)
-            except Exception:  # one bad message must not take the worker down
+            except Exception:  # one bad message must not take the worker down; it fails its request
                 log.exception("%s: failed to handle %s", self.spec.worker_id, type(msg).__name__)
+                request_id = getattr(msg, "request_id", None)
+                if isinstance(request_id, str):
+                    self._fail(request_id, f"internal error handling {type(msg).__name__}", is_internal=True)
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
@@ -100,7 +108,7 @@ class EngineWorker(WorkerIO):
                           mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         if msg.decode_worker:
             self.decode_target[msg.request_id] = msg.decode_worker
-        self._settle(self.arrivals.add(request))
+        self._settle(self.arrivals.add(request, time.monotonic()))
 
     def _lookup_embedding(self, mm_hash: str) -> MMEntry | None:
         """An image the engine holds already, or the embedding cache."""
@@ -152,11 +160,12 @@ class EngineWorker(WorkerIO):
             self._fail(request_id, str(exc))
         except Exception:  # fails this request only; the others of `outcomes` still settle
             log.exception("%s: could not admit %s", self.spec.worker_id, request_id)
-            self._fail(request_id, "internal error while admitting the request")
+            self._fail(request_id, "internal error while admitting the request", is_internal=True)
 
-    def _fail(self, request_id: str, error: str) -> None:
+    def _fail(self, request_id: str, error: str, is_internal: bool = False) -> None:
         self.decode_target.pop(request_id, None)
-        self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error))
+        self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
+                                      is_internal_error=is_internal))
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -211,7 +220,16 @@ class EngineWorker(WorkerIO):
     # ------------------------------------------------------------------ step
 
     def _step(self) -> None:
-        result = self.core.step()
+        try:
+            result = self.core.step()
+        except StepFailed as exc:  # those requests fail (the API may retry them elsewhere); we serve on
+            log.exception("%s: a step failed; failing its %d requests", self.spec.worker_id,
+                          len(exc.request_ids))
+            for request_id in exc.request_ids:
+                self.decode_target.pop(request_id, None)
+                self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error",
+                                              error="internal error in the engine", is_internal_error=True))
+            return
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)

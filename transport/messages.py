@@ -316,13 +316,14 @@ class TokenOutput(Message):
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked
     error: str | None = None
     index: int = 0
+    is_internal_error: bool = False  # the worker's fault, not the request's: the API may retry it
 
     def _fields(self):
         return {"request_id": self.request_id, "token_ids": list(self.token_ids),
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "logprobs": logprobs_to_list(self.logprobs),
-                "error": self.error, "index": self.index}
+                "error": self.error, "index": self.index, "is_internal_error": self.is_internal_error}
 
     @classmethod
     def _build(cls, f, payload):
@@ -332,7 +333,8 @@ class TokenOutput(Message):
             logprobs = logprobs_from_list(logprobs, f"{cls.TYPE}.logprobs")
         return cls(f.str("request_id"), token_ids, f.bool("finished"),
                    f.one_of("finish_reason", FINISH_REASONS), f.int("num_prompt_tokens"),
-                   f.int("num_cached_tokens"), logprobs, f.opt_str("error"), f.int("index"))
+                   f.int("num_cached_tokens"), logprobs, f.opt_str("error"), f.int("index"),
+                   f.bool("is_internal_error"))
 
 
 @dataclass

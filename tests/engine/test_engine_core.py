@@ -9,7 +9,7 @@ from media import image_bytes, image_part
 
 from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
-from epd.engine.engine_core import EngineCore
+from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.request import Request
 from epd.transport.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef
@@ -129,3 +129,22 @@ def test_an_image_lives_while_a_request_uses_it(llm, image_prompt):
     core.step()
     assert core.get_embedding(mm_hash) is None
     assert core.num_free_blocks() == core.num_blocks
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model):
+    """The request that used to kill a worker (a stop token id past the
+    vocabulary with min_tokens, which the API now refuses) fails its step; the
+    engine frees its blocks and the next request runs as on a fresh engine."""
+    core = make_core(tiny_model, "combined")
+    expected = make_core(tiny_model, "combined")
+    expected.add_request(Request("ref", [1, 2, 3, 4], GREEDY))
+    expected_tokens = [t for u in run_to_end(expected) for t in u.new_token_ids]
+
+    bad = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=[core.info.vocab_size + 5])
+    core.add_request(Request("bad", [5, 6, 7], bad))
+    with pytest.raises(StepFailed) as failed:
+        core.step()
+    assert failed.value.request_ids == ["bad"]
+    assert not core.has_unfinished() and core.num_free_blocks() == core.num_blocks
+    core.add_request(Request("good", [1, 2, 3, 4], GREEDY))
+    assert [t for u in run_to_end(core) for t in u.new_token_ids] == expected_tokens

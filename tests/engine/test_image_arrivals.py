@@ -145,3 +145,16 @@ def test_image_arrivals_does_not_import_torch():
     code = "import sys, epd.engine.image_arrivals; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_request_waiting_too_long_for_an_image_gives_up():
+    arrivals, _, _ = make_arrivals()
+    assert arrivals.add(image_request("old", ["cat"]), now_s=100.0) == []
+    assert arrivals.add(image_request("new", ["cat", "dog"]), now_s=150.0) == []
+    assert arrivals.expire(now_s=160.0, max_wait_s=60.0) == []
+    [failed] = arrivals.expire(now_s=161.0, max_wait_s=60.0)
+    assert isinstance(failed, Failed) and failed.request_id == "old" and "gave up" in failed.error
+    assert "old" not in arrivals and "new" in arrivals
+    assert admitted(arrivals.arrived("cat", "emb-cat")) == {}  # "new" still misses "dog"
+    assert admitted(arrivals.arrived("dog", "emb-dog")) == {"new": {"cat": "emb-cat", "dog": "emb-dog"}}
+    assert arrivals.expire(now_s=10_000.0, max_wait_s=60.0) == []  # admitted requests are not waiting
