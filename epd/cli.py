@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from epd.config import CPU_SHARING, ServeConfig, WorkerConfig, field_default
+from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, field_default
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.router import ROUTERS
@@ -109,7 +109,11 @@ def serve_config(args) -> ServeConfig:
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
-                          limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt)))
+                          limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt)),
+        limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
+                             max_pending_requests=args.max_pending_requests,
+                             max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
+                             max_restarts=args.max_restarts))
 
 
 def _serve(args) -> int:
@@ -211,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=media["max_image_pixels"],
                    help="refuse larger images (from the header)")
     p.add_argument("--limit-mm-per-prompt", default=None, help="image=N")
+    limits = {name: field_default(ServingLimits, name) for name in (
+        "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes", "max_restarts")}
+    p.add_argument("--request-timeout", type=float, default=limits["request_timeout_s"],
+                   help="seconds a request may take in all; then an error (503)")
+    p.add_argument("--shutdown-grace", type=float, default=limits["shutdown_grace_s"],
+                   help="on SIGTERM, seconds requests in flight may take to finish (new ones get 503)")
+    p.add_argument("--max-pending-requests", type=int, default=limits["max_pending_requests"],
+                   help="sequences in the server at once; more get 503 with Retry-After")
+    p.add_argument("--max-pending-image-mb", type=float, default=limits["max_pending_image_bytes"] / (1 << 20),
+                   help="raw image MiB of requests not yet prefilled; more get 503 with Retry-After")
+    p.add_argument("--max-restarts", type=int, default=limits["max_restarts"],
+                   help="restarts of one worker within a minute before its role is reported down")
     _add_engine_args(p)
     p.set_defaults(func=_serve)
 

@@ -44,6 +44,28 @@ def _check_checkpoint(model: str) -> None:
 
 
 @dataclass(frozen=True)
+class ServingLimits:
+    """Deadlines and bounds of serving: no request waits forever, no queue
+    grows without bound, a worker that keeps dying stops being restarted."""
+
+    request_timeout_s: float = 600.0  # a request not finished by then gets an error (503)
+    shutdown_grace_s: float = 30.0  # SIGTERM: requests in flight may finish this long
+    max_pending_requests: int = 1024  # sequences in the API at once; beyond: 503 + Retry-After
+    max_pending_image_bytes: int = 1 << 30  # raw image bytes of requests not yet prefilled; beyond: 503
+    max_restarts: int = 5  # restarts of one worker within restart_window_s; then its role is down
+    restart_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
+                     "restart_window_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be non-negative, got {self.max_restarts}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     model: str
     mode: Mode = Mode.E_P_D  # a mode's name is accepted too
@@ -64,6 +86,7 @@ class ServeConfig:
     ready_timeout_s: float = 600.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    limits: ServingLimits = field(default_factory=ServingLimits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))

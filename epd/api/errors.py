@@ -19,6 +19,8 @@ def error_body(error: RequestError) -> dict:
 
 
 def error_response(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if error.retry_after_s is not None:
+        headers = {**(headers or {}), "retry-after": str(error.retry_after_s)}
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 

@@ -37,8 +37,9 @@ class RequestError(Exception):
     """
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 the client may try again)
         self.status = 400 if status == 422 else status
         self.message = message
         self.param = param

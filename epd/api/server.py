@@ -54,7 +54,9 @@ class OrchestratorLike(Protocol):
     max_model_len: int
     vocab_size: int  # token ids a client names must be below it
 
-    def is_healthy(self) -> bool: ...
+    def missing_roles(self) -> list[str]:
+        """Roles the deployment needs that have no live worker now ([]: healthy)."""
+        ...
 
     def metrics_text(self) -> bytes: ...
 
@@ -81,9 +83,11 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if orchestrator.is_healthy():
+        missing = orchestrator.missing_roles()
+        if not missing:
             return Response(status_code=200)
-        return error_response(RequestError("not every worker is up", status=503))
+        error = RequestError(f"no live worker for: {', '.join(missing)}", status=503)
+        return JSONResponse({**error_body(error), "missing_roles": missing}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

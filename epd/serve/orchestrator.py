@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import OrderedDict
 import logging
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -40,12 +41,18 @@ from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.token_order import TokenOrder
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
-                                WireError, WorkerStats)
+                                    WireError, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
 from epd.transport.mm_span import MMSpan
 from epd.transport.roles import Role
 
 log = logging.getLogger("epd.api")
+
+PREFILL_ROLES = tuple(role for role in Role if role.takes_prefill)
+MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
+NO_WORKER_POLL_S = 0.05  # while no live worker of a role exists, look again this often
+HEARTBEAT_CHECK_S = 0.5
+MAX_ABANDONED = 4096  # ids of abandoned tries whose late outputs are answered with Abort
 
 
 @dataclass
@@ -81,17 +88,23 @@ class Orchestrator:
         self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
         self.encoder_turn = RoundRobinRouter()
         self.cache: MMCache | None = None
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.attempts: dict[str, _Attempt] = {}  # attempt id -> the try its TokenOutputs go to
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
+        self._silent: set[str] = set()  # workers past the heartbeat timeout, already failed over
+        self.num_active = 0  # sequences in generate()
+        self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
+        self.draining = False  # SIGTERM: refuse new requests, let these finish
+        self.required_roles = [role for role, _ in config.mode_roles()]
         self._receiver: AsyncReceiver | None = None
         self._outbox: AsyncOutbox | None = None
-        self._dispatcher: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # ---------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
         self._receiver = AsyncReceiver(self.collector_address)
         self._outbox = AsyncOutbox()
-        self._dispatcher = asyncio.create_task(self._dispatch())
+        self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
 
     async def wait_for_workers(self, expected: int, timeout_s: float, alive=lambda: True) -> None:
         """Until `expected` workers sent Ready; raises if one died or time ran out."""
@@ -121,8 +134,8 @@ class Orchestrator:
                     await asyncio.wait_for(self._outbox.send(w.inbox, Shutdown()), 1.0)
                 except (asyncio.TimeoutError, Exception):
                     log.warning("could not send Shutdown to %s", w.worker_id)
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self.cache is not None:
             self.cache.close()
         await self.media.aclose()
@@ -140,20 +153,32 @@ class Orchestrator:
                 log.warning("collector: dropped a malformed message: %s", exc)
                 continue
             if isinstance(msg, TokenOutput):
-                queue = self.streams.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(msg)
+                attempt = self.attempts.get(msg.request_id)
+                if attempt is not None:
+                    attempt.queue.put_nowait(msg)
+                elif self._abandoned.pop(msg.request_id, 0) is None:
+                    await self._abort_everywhere(msg.request_id)  # a restarted worker ran a stale try
             elif isinstance(msg, WorkerStats):
                 self.registry.on_stats(msg)
+                self._silent.discard(msg.worker_id)
             elif isinstance(msg, Ready):
+                self._silent.discard(msg.worker_id)
                 info = self.registry.on_ready(msg)
                 log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
                 self._open_cache()
 
     # ------------------------------------------------------------- facade
 
+    async def _abort_everywhere(self, attempt_id: str) -> None:
+        for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
+            await self._outbox.send(w.inbox, Abort([attempt_id]))
+
+    def missing_roles(self) -> list[str]:
+        """The roles this mode needs that have no live worker now."""
+        return self.registry.missing_roles(self.required_roles)
+
     def is_healthy(self) -> bool:
-        return self.registry.all_alive()
+        return not self.missing_roles()
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -222,87 +247,236 @@ class Orchestrator:
         return self.cache is not None and worker.mm_cache_dir == self.mm_cache_dir \
             and worker.host in ("", self.host)
 
-    def _workers(self, *roles: str) -> list[WorkerInfo]:
-        workers = [w for w in self.registry.by_role(*roles) if self.registry.is_alive(w)]
-        return workers or self.registry.by_role(*roles)
+    # ------------------------------------------------------------ requests
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
-        raw_images = await self._load_images(req)
-        prep = await asyncio.to_thread(self._prepare, req, raw_images)
-        max_tokens = self._check_length(req, len(prep.token_ids))
-        sampling = replace(req.sampling, max_tokens=max_tokens, n=1)
-        prefill_workers = self._workers(*(role for role in Role if role.takes_prefill))
-        if not prefill_workers:
-            raise RequestError(status=503, message="no prefill worker is registered yet", type="service_unavailable")
-        prefill = self.prefill_router.choose(prefill_workers, prep.token_ids)
-        decode = None
-        if prefill.role == Role.PREFILL:
-            decode_workers = self._workers(Role.DECODE)
-            if not decode_workers:
-                raise RequestError(status=503, message="no decode worker is registered yet", type="service_unavailable")
-            decode = self.decode_router.choose(decode_workers, prep.token_ids)
-        encoders = [prefill] if prefill.role == Role.AGGREGATED else self._workers(Role.ENCODER)
-        misses = []
-        for key, data in prep.images.items():
-            self.metrics.mm_cache_queries += 1
-            if self._cache_reaches(prefill) and self.cache.contains(key):
-                self.metrics.mm_cache_hits += 1  # the prefill worker reads it: no encoder work
-            elif not encoders:
-                raise RequestError(status=503, message="no encoder worker is registered yet", type="service_unavailable")
-            else:
-                misses.append((key, data))
-        rid = req.request_id
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[rid] = queue
-        involved = [prefill] + ([decode] if decode else [])
-        done = False
+        """One sequence, start to finish. A worker that dies under it (or fails
+        a step) costs nothing visible: the request is sent again, as prompt plus
+        the tokens already streamed, to live workers (`_Retry`)."""
+        limits = self.config.limits
+        deadline = time.monotonic() + limits.request_timeout_s
+        self._admit_request()
+        self.num_active += 1
+        held_image_bytes = 0
         try:
-            # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
-            # has it before any EncodeDone (a busy one may still read them out of order).
-            await self._outbox.send(prefill.inbox, PrefillRequest(
-                rid, prep.token_ids, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
-                decode.inbox if decode else None))
-            dispatched_s = time.monotonic()  # the end of request_queue_time_seconds
-            for key, data in misses:
-                enc = self.encoder_turn.choose(encoders, prep.token_ids)
-                if enc not in involved:
-                    involved.append(enc)
-                await self._outbox.send(enc.inbox, EncodeRequest(
-                    rid, key, data, reply_to=prefill.inbox,
-                    with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+            raw_images = await self._load_images(req)
+            held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
+            prep = await asyncio.to_thread(self._prepare, req, raw_images)
+            max_tokens = self._check_length(req, len(prep.token_ids))
             detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, req.sampling.skip_special_tokens,
                                            req.sampling.stop)
-            num_cached = 0
-            num_emitted = 0
-            in_order = TokenOrder(queue)
-            while True:
-                out = await in_order.next()
-                if out.error is not None:
-                    if num_emitted == 0:
-                        raise RequestError(status=400, message=out.error, param="messages" if prep.images else None)
-                    yield Delta("", [], "abort", len(prep.token_ids), num_cached)
-                    done = True
-                    return
-                if num_emitted == 0:
-                    num_cached = out.num_cached_tokens
-                num_emitted += len(out.token_ids)
-                text = detok.push(out.token_ids)
-                finish = out.finish_reason if out.finished else None
-                if finish is None and detok.is_stopped:
-                    finish = "stop"
-                if finish is not None:
-                    text += detok.finish()
-                yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
-                            out.logprobs, dispatched_s=dispatched_s)
-                if finish is not None:
-                    done = out.finished
-                    return
+            emitted: list[int] = []  # every token streamed so far, over all attempts
+            num_cached, dispatched_s, why = 0, None, ""
+            for attempt_no in range(MAX_ATTEMPTS):
+                if attempt_no:
+                    self.metrics.requests_recovered["resumed" if emitted else "retried"] += 1
+                attempt = await self._start_attempt(req, prep, emitted, max_tokens, attempt_no, deadline)
+                dispatched_s = dispatched_s or time.monotonic()  # the end of request_queue_time_seconds
+                in_order = TokenOrder(attempt.queue)
+                try:
+                    while True:
+                        out = await self._next_output(in_order, deadline)
+                        if isinstance(out, _Lost):
+                            raise _Retry(f"worker {out.worker_id} is gone")
+                        if out.error is not None:
+                            if out.is_internal_error:
+                                raise _Retry(out.error)
+                            self.metrics.requests_failed["bad_input" if not emitted else "worker_error"] += 1
+                            if not emitted:
+                                raise RequestError(status=400, message=out.error,
+                                                   param="messages" if prep.images else None)
+                            yield Delta("", [], "abort", len(prep.token_ids), num_cached)
+                            return
+                        if held_image_bytes:  # prefilled: its images are no longer needed
+                            self._release_image_bytes(held_image_bytes)
+                            held_image_bytes = 0
+                        if not emitted:
+                            num_cached = out.num_cached_tokens
+                        attempt.num_emitted += len(out.token_ids)
+                        emitted += out.token_ids
+                        text = detok.push(out.token_ids)
+                        finish = out.finish_reason if out.finished else None
+                        if finish is None and detok.is_stopped:
+                            finish = "stop"
+                        if finish is not None:
+                            text += detok.finish()
+                        yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
+                                    out.logprobs, dispatched_s=dispatched_s)
+                        if finish is not None:
+                            attempt.is_finished = out.finished
+                            return
+                except _Retry as retry:
+                    why = str(retry)
+                    log.warning("request %s: %s; sending it again (%d tokens streamed)", req.request_id, why,
+                                len(emitted))
+                finally:
+                    await self._end_attempt(attempt)
+            self.metrics.requests_failed["worker_error"] += 1
+            raise RequestError(status=503, message=f"the request failed on {MAX_ATTEMPTS} workers in turn ({why})",
+                               type="service_unavailable", retry_after_s=1)
         finally:
-            self.streams.pop(rid, None)
-            if not done:  # client gone, stop string, or error: free every worker's share of it
-                for w in involved:
-                    try:
-                        await self._outbox.send(w.inbox, Abort([rid]))
-                    except Exception:
-                        log.warning("could not send Abort to %s", w.worker_id)
+            self.num_active -= 1
+            self._release_image_bytes(held_image_bytes)
 
+    def _admit_request(self) -> None:
+        limits = self.config.limits
+        if self.draining:
+            self.metrics.requests_refused["draining"] += 1
+            raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
+                               retry_after_s=5)
+        if self.num_active >= limits.max_pending_requests:
+            self.metrics.requests_refused["busy"] += 1
+            raise RequestError(status=503, message=f"the server is busy: {self.num_active} requests in progress "
+                               f"(--max-pending-requests)", type="service_unavailable", retry_after_s=1)
+
+    def _admit_image_bytes(self, num_bytes: int) -> int:
+        limit = self.config.limits.max_pending_image_bytes
+        if num_bytes and self.pending_image_bytes + num_bytes > limit:
+            self.metrics.requests_refused["image_bytes"] += 1
+            raise RequestError(status=503, message=f"the server is busy: {self.pending_image_bytes} image bytes are "
+                               f"waiting to be encoded (--max-pending-image-mb)", type="service_unavailable",
+                               retry_after_s=1)
+        self.pending_image_bytes += num_bytes
+        return num_bytes
+
+    def _release_image_bytes(self, num_bytes: int) -> None:
+        self.pending_image_bytes -= num_bytes
+
+    async def _next_output(self, in_order: TokenOrder, deadline: float):
+        try:
+            return await asyncio.wait_for(in_order.next(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self.metrics.requests_failed["timeout"] += 1
+            raise RequestError(status=503, message=f"the request did not finish within --request-timeout "
+                               f"({self.config.limits.request_timeout_s:g} s)", type="service_unavailable",
+                               retry_after_s=1) from None
+
+    async def _choose(self, roles: tuple[str, ...], deadline: float) -> list[WorkerInfo]:
+        """Live workers of `roles`, waiting (until the deadline) while a restart brings one back."""
+        while True:
+            workers = self.registry.live(*roles)
+            if workers:
+                return workers
+            if time.monotonic() > deadline:
+                self.metrics.requests_failed["no_worker"] += 1
+                raise RequestError(status=503, message=f"no live {' or '.join(map(str, roles))} worker",
+                                   type="service_unavailable", retry_after_s=5)
+            await asyncio.sleep(NO_WORKER_POLL_S)
+
+    async def _start_attempt(self, req: GenerateRequest, prep: _Prepared, emitted: list[int], max_tokens: int,
+                             attempt_no: int, deadline: float) -> _Attempt:
+        """Routes and sends one try of a request: prompt + `emitted`, with the
+        rest of its token budget, to live workers."""
+        prefill = self.prefill_router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
+        decode = None
+        if prefill.role == Role.PREFILL:
+            decode = self.decode_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
+        misses = []
+        for key, data in prep.images.items():
+            if attempt_no == 0:
+                self.metrics.mm_cache_queries += 1
+            if self._cache_reaches(prefill) and self.cache.contains(key):
+                self.metrics.mm_cache_hits += attempt_no == 0  # the prefill worker reads it: no encoder work
+            else:
+                misses.append((key, data))
+        encoders = [prefill] if prefill.role == Role.AGGREGATED else (
+            await self._choose((Role.ENCODER,), deadline) if misses else [])
+        attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
+        attempt = _Attempt(attempt_id, asyncio.Queue(), prefill, decode)
+        self.attempts[attempt_id] = attempt
+        sampling = replace(req.sampling, max_tokens=max_tokens - len(emitted), n=1,
+                           min_tokens=max(0, req.sampling.min_tokens - len(emitted)))
+        # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
+        # has it before any EncodeDone (a busy one may still read them out of order).
+        await self._outbox.send(prefill.inbox, PrefillRequest(
+            attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
+            decode.inbox if decode else None))
+        for key, data in misses:
+            enc = self.encoder_turn.choose(encoders, prep.token_ids)
+            attempt.encoders.append(enc)
+            await self._outbox.send(enc.inbox, EncodeRequest(
+                attempt_id, key, data, reply_to=prefill.inbox,
+                with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+        return attempt
+
+    async def _end_attempt(self, attempt: _Attempt) -> None:
+        """Forgets an attempt; unless it finished, frees every worker's share of it
+        (client gone, stop string, error, or a retry elsewhere)."""
+        self.attempts.pop(attempt.attempt_id, None)
+        if attempt.is_finished:
+            return
+        self._abandoned[attempt.attempt_id] = None
+        while len(self._abandoned) > MAX_ABANDONED:
+            self._abandoned.popitem(last=False)
+        for w in attempt.workers():
+            try:
+                await self._outbox.send(w.inbox, Abort([attempt.attempt_id]))
+            except Exception:
+                log.warning("could not send Abort to %s", w.worker_id)
+
+    # ------------------------------------------------------- worker faults
+
+    def on_worker_exit(self, worker_id: str, exit_code: int | None) -> None:
+        """The supervisor saw a worker process exit: route around it and
+        recover the requests it held."""
+        info = self.registry.mark_dead(worker_id)
+        log.warning("worker %s exited (code %s)", worker_id, exit_code)
+        if info is not None:
+            self._fail_over(worker_id)
+
+    def _fail_over(self, worker_id: str) -> None:
+        for attempt in list(self.attempts.values()):
+            if attempt.needs(worker_id):
+                attempt.queue.put_nowait(_Lost(worker_id))
+
+    async def _watch_heartbeats(self) -> None:
+        """Workers nobody supervises here (`epd worker` on other hosts) are dead
+        once silent past the registry's heartbeat timeout."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_CHECK_S)
+            for w in list(self.registry.workers.values()):
+                if w.is_dead or self.registry.is_alive(w) or w.worker_id in self._silent:
+                    continue
+                self._silent.add(w.worker_id)
+                log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,
+                            self.registry.heartbeat_timeout_s)
+                self._fail_over(w.worker_id)
+
+
+class _Retry(Exception):
+    """This attempt's work is lost (a worker died or failed a step): send the request again."""
+
+
+@dataclass
+class _Lost:
+    """Queued to an attempt whose worker is gone."""
+
+    worker_id: str
+
+
+@dataclass
+class _Attempt:
+    """One try of a request on one set of workers, under its own id (so late
+    outputs of an abandoned try are never taken for the new one's)."""
+
+    attempt_id: str
+    queue: asyncio.Queue  # TokenOutputs (and _Lost) for this try
+    prefill: WorkerInfo  # prefill, pd or aggregated
+    decode: WorkerInfo | None
+    encoders: list[WorkerInfo] = field(default_factory=list)
+    num_emitted: int = 0  # tokens this try produced
+    is_finished: bool = False
+
+    def workers(self) -> list[WorkerInfo]:
+        every = [self.prefill] + ([self.decode] if self.decode else []) + self.encoders
+        return list({w.worker_id: w for w in every}.values())
+
+    def needs(self, worker_id: str) -> bool:
+        """Whether losing `worker_id` loses this try's work."""
+        if worker_id == self.prefill.worker_id:
+            # a prefill worker hands over at the first token; until the decode worker's
+            # first token the KV transfer may not have arrived
+            return self.decode is None or self.num_emitted < 2
+        if self.decode is not None and worker_id == self.decode.worker_id:
+            return True
+        return self.num_emitted == 0 and any(e.worker_id == worker_id for e in self.encoders)

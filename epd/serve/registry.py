@@ -1,17 +1,23 @@
-"""The API process's view of its workers: addresses, roles, latest load.
+"""The API process's view of its workers: addresses, roles, latest load, life.
 
 Workers announce themselves with `Ready` (spawned by the launcher, or
 started elsewhere with `epd worker`, which is how external workers register)
-and publish `WorkerStats` a few times a second.
+and publish `WorkerStats` a few times a second. A worker is dead when its
+supervisor saw its process exit (`mark_dead`) or when it has been silent for
+`HEARTBEAT_TIMEOUT_S`; a `Ready` (a restarted process) brings it back.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from epd.transport.messages import Ready, WorkerStats
 
-STATS_STALE_S = 5.0  # a worker silent for this long counts as down
+# Silent this long (no WorkerStats, sent every 0.25 s) counts as dead. Generous:
+# a worker sends nothing during one step, and a long prefill step on a busy CPU
+# takes seconds; a local worker's exit is seen at once by its supervisor.
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -23,6 +29,7 @@ class WorkerInfo:
     mm_cache_dir: str | None = None
     stats: WorkerStats | None = None
     last_seen_s: float = field(default_factory=time.monotonic)
+    is_dead: bool = False  # its process exited (told by the supervisor)
 
     @property
     def load(self) -> int:
@@ -30,30 +37,43 @@ class WorkerInfo:
         s = self.stats
         return 0 if s is None else s.num_running + s.num_waiting + s.queue_depth
 
-    def shares_cache_with(self, other: "WorkerInfo") -> bool:
+    def shares_cache_with(self, other: WorkerInfo) -> bool:
         return bool(self.mm_cache_dir) and self.host == other.host and self.mm_cache_dir == other.mm_cache_dir
 
 
 class WorkerRegistry:
-    def __init__(self):
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
         self.workers: dict[str, WorkerInfo] = {}
+        self.heartbeat_timeout_s = heartbeat_timeout_s
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
+        """A worker (re)started: alive from now, whatever came before."""
         info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir)
         self.workers[msg.worker_id] = info
         return info
 
     def on_stats(self, msg: WorkerStats) -> None:
         info = self.workers.get(msg.worker_id)
-        if info is not None:
+        if info is not None and not info.is_dead:
             info.stats = msg
             info.last_seen_s = time.monotonic()
+
+    def mark_dead(self, worker_id: str) -> WorkerInfo | None:
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.is_dead = True
+        return info
 
     def by_role(self, *roles: str) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role in roles]
 
-    def is_alive(self, info: WorkerInfo) -> bool:
-        return time.monotonic() - info.last_seen_s < STATS_STALE_S
+    def live(self, *roles: str) -> list[WorkerInfo]:
+        """The workers of `roles` the router may choose: never a dead one."""
+        return [w for w in self.by_role(*roles) if self.is_alive(w)]
 
-    def all_alive(self) -> bool:
-        return bool(self.workers) and all(self.is_alive(w) for w in self.workers.values())
+    def is_alive(self, info: WorkerInfo) -> bool:
+        return not info.is_dead and time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s
+
+    def missing_roles(self, required: Iterable[str]) -> list[str]:
+        """The roles in `required` without a live worker, in order."""
+        return [str(role) for role in dict.fromkeys(required) if not self.live(role)]

@@ -6,6 +6,7 @@ counters); the API process renders the latest of each, so a scrape of
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -66,6 +67,10 @@ class WorkerMetrics:
         self.registry = registry
         self.mm_cache_queries = 0
         self.mm_cache_hits = 0
+        self.requests_failed: Counter[str] = Counter()  # reason -> requests that got an error we caused
+        self.requests_recovered: Counter[str] = Counter()  # "retried" (nothing streamed yet) | "resumed"
+        self.requests_refused: Counter[str] = Counter()  # reason -> requests refused by admission control
+        self.worker_restarts: Callable[[], dict[str, int]] = dict  # role -> restarts, from the supervisor
         self._prom = CollectorRegistry(auto_describe=False)
         self._prom.register(self)
 
@@ -102,3 +107,19 @@ class WorkerMetrics:
         hits.add_metric([], self.mm_cache_hits)
         yield queries
         yield hits
+        yield _labelled("epd:worker_restarts", "Worker processes restarted after they exited.", "role",
+                        self.worker_restarts())
+        yield _labelled("epd:requests_failed", "Requests answered with an error the server caused "
+                        "(timeout, no live worker, worker errors) or bad input found by a worker.", "reason",
+                        self.requests_failed)
+        yield _labelled("epd:requests_recovered", "Requests sent again after a worker died under them: "
+                        "retried before any token, or resumed mid-stream.", "how", self.requests_recovered)
+        yield _labelled("epd:requests_refused", "Requests refused by admission control (503 + Retry-After).",
+                        "reason", self.requests_refused)
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([str(key)], value)
+    return family

@@ -41,8 +41,8 @@ class FakeOrchestrator:
         self.requests: list[GenerateRequest] = []
         self.closed: set[str] = set()  # request ids whose generator ran its finally
 
-    def is_healthy(self) -> bool:
-        return self.healthy
+    def missing_roles(self) -> list[str]:
+        return [] if self.healthy else ["decode"]
 
     def metrics_text(self) -> bytes:
         return b"# TYPE epd:num_requests_running gauge\nepd:num_requests_running 0.0\n"
@@ -341,6 +341,7 @@ def test_health_follows_the_orchestrator(base_url, fake):
     assert httpx.get(f"{base_url}/health").status_code == 200
     fake.healthy = False
     assert error_of(httpx.get(f"{base_url}/health"), 503)["type"] == "server_error"
+    assert httpx.get(f"{base_url}/health").json()["missing_roles"] == ["decode"]
 
 
 def test_metrics(client, base_url):

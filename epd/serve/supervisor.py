@@ -1,0 +1,131 @@
+"""Keeping workers up: one interface for whatever starts worker processes.
+
+    start()                     start every worker
+    all_alive()                 every worker process runs (start-up checks this)
+    await watch(on_exit)        until cancelled: notice an exit within POLL_S, report
+                                it, restart the worker after a backoff
+    stop()                      stop them all, no process left behind
+
+`LocalSupervisor` runs workers as child processes (multiprocessing spawn).
+An exited worker is logged with its exit code and started again after
+0.5 s, doubling up to 8 s while it keeps dying; past `max_restarts` exits
+within `restart_window_s` its role is reported down and it stays down. The
+new process binds the same inbox and registers with `Ready` again: the
+orchestrator, told of the exit through `on_exit(worker_id, exit_code)`,
+stops routing to it meanwhile and recovers its requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from epd.serve.roles import WorkerLaunch, run_worker
+
+log = logging.getLogger("epd.supervisor")
+
+POLL_S = 0.1  # how often process exits are looked for
+SHUTDOWN_GRACE_S = 5.0  # a worker told to stop gets this long before SIGTERM, then SIGKILL
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
+
+ExitCallback = Callable[[str, "int | None"], None]
+
+
+class Supervisor(Protocol):
+    """What the launcher and the orchestrator need of whoever runs the workers
+    (local processes here; Ray actors would be another implementation)."""
+
+    restarts: dict[str, int]  # role -> restarts so far (a metric)
+    down: set[str]  # worker ids no longer restarted
+
+    def start(self) -> None: ...
+
+    def all_alive(self) -> bool: ...
+
+    async def watch(self, on_exit: ExitCallback) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LocalSupervisor:
+    def __init__(self, launches: list[WorkerLaunch], mp_context, max_restarts: int = 5,
+                 restart_window_s: float = 60.0):
+        self.launches = {launch.spec.worker_id: launch for launch in launches}
+        self.ctx = mp_context
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.procs: dict[str, object] = {}  # worker id -> multiprocessing.Process
+        self.restarts: dict[str, int] = {}
+        self.down: set[str] = set()
+        self._exits: dict[str, deque[float]] = {}  # worker id -> recent exit times
+        self._stopping = False
+
+    def start(self) -> None:
+        for worker_id in self.launches:
+            self._spawn(worker_id)
+
+    def _spawn(self, worker_id: str) -> None:
+        launch = self.launches[worker_id]
+        proc = self.ctx.Process(target=run_worker, args=(launch,), name=f"epd-{worker_id}", daemon=False)
+        proc.start()
+        self.procs[worker_id] = proc
+        print(f"EPD: worker {worker_id} pid {proc.pid}", flush=True)  # operators (and the chaos test) read it
+
+    def all_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs.values())
+
+    async def watch(self, on_exit: ExitCallback) -> None:
+        restarting: set[str] = set()
+        while True:
+            for worker_id, proc in list(self.procs.items()):
+                if worker_id in restarting or worker_id in self.down or proc.exitcode is None:
+                    continue
+                code = proc.exitcode
+                proc.join(timeout=0)
+                on_exit(worker_id, code)
+                delay = self._next_delay(worker_id)
+                if delay is None:
+                    self.down.add(worker_id)
+                    print(f"EPD: worker {worker_id} exited with code {code}; it exited {self.max_restarts + 1} "
+                          f"times within {self.restart_window_s:g} s: not restarted, its role is down", flush=True)
+                    continue
+                print(f"EPD: worker {worker_id} exited with code {code}; restarting in {delay:g} s", flush=True)
+                restarting.add(worker_id)
+                asyncio.get_running_loop().call_later(delay, self._restart, worker_id, restarting)
+            await asyncio.sleep(POLL_S)
+
+    def _next_delay(self, worker_id: str) -> float | None:
+        """Backoff before restarting `worker_id`, or None once it has used up its restarts."""
+        now = time.monotonic()
+        exits = self._exits.setdefault(worker_id, deque())
+        exits.append(now)
+        while exits and now - exits[0] > self.restart_window_s:
+            exits.popleft()
+        if len(exits) > self.max_restarts:
+            return None
+        return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(exits) - 1))
+
+    def _restart(self, worker_id: str, restarting: set[str]) -> None:
+        restarting.discard(worker_id)
+        if self._stopping:
+            return
+        role = str(self.launches[worker_id].spec.role)
+        self.restarts[role] = self.restarts.get(role, 0) + 1
+        self._spawn(worker_id)
+
+    def stop(self) -> None:
+        """Joins workers told to stop (Shutdown), then SIGTERM, then SIGKILL."""
+        self._stopping = True
+        procs = [p for p in self.procs.values() if p.pid is not None]
+        for p in procs:
+            p.join(timeout=SHUTDOWN_GRACE_S)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=SHUTDOWN_GRACE_S)
+            if p.is_alive():
+                p.kill()
+                p.join()
