@@ -11,17 +11,18 @@ class TokenOrder:
     workers (prefill: the first, decode: the rest) over two pipes that the
     collector reads in turn, so a delta can overtake the one before it; each
     waits here until the tokens before it are out. A message without tokens
-    (an error) ends the request and is passed on at once."""
+    (an error) ends the request and is passed on at once, and so is anything
+    that is not a TokenOutput (the orchestrator's own events: a worker lost)."""
 
     def __init__(self, queue: asyncio.Queue):
         self.queue = queue
         self.waiting: dict[int, TokenOutput] = {}  # index of its first token -> delta
         self.next_index = 0
 
-    async def next(self) -> TokenOutput:
+    async def next(self) -> TokenOutput | object:
         while self.next_index not in self.waiting:
-            out: TokenOutput = await self.queue.get()
-            if not out.token_ids:
+            out = await self.queue.get()
+            if not isinstance(out, TokenOutput) or not out.token_ids:
                 return out
             self.waiting[out.index] = out
         out = self.waiting.pop(self.next_index)

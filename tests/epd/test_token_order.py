@@ -30,3 +30,8 @@ def test_a_delta_that_overtook_the_first_token_waits_for_it():
 def test_an_error_is_passed_on_at_once():
     error = TokenOutput("r", [], finished=True, finish_reason="error", error="could not be encoded")
     assert _drain([TokenOutput("r", [12], index=1), error], 1) == [error]
+
+
+def test_an_event_that_is_no_token_output_passes_at_once():
+    event = object()  # e.g. the orchestrator's "worker lost"
+    assert _drain([TokenOutput("r", [7], index=1), event], 1) == [event]  # token 7 waits for index 0
