@@ -1,0 +1,55 @@
+"""SIGTERM drains: requests in flight finish, new ones get 503 with Retry-After,
+then the server stops like Ctrl-C: exit 0, no process and no run directory left."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+
+import httpx
+import pytest
+from media import CHATS
+from server import start_server
+
+MAX_TOKENS = 3000  # long enough to be in flight while the drain is probed (the tiny model: ~4k context)
+
+
+@pytest.mark.slow
+def test_sigterm_lets_requests_in_flight_finish_then_exits_cleanly(tiny_model, tmp_path):
+    server = start_server(tiny_model, tmp_path, "e-p-d", "--shutdown-grace", "120")
+    run_dir = re.search(r"api=ipc://(\S+)/api\.sock", server.log()).group(1)
+    assert os.path.isdir(run_dir) and oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
+    model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    first_token, chunks = threading.Event(), []
+
+    def stream():
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    first_token.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_token.wait(120)
+    server.proc.send_signal(signal.SIGTERM)
+    refused = None
+    while client.is_alive() and refused is None:  # a new request meets the drain
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=30,
+                       json={"model": model, "messages": CHATS["text_only"][0], "max_tokens": 1})
+        if r.status_code == 503:
+            refused = r
+    client.join(300)
+    assert refused is not None, "the request finished before the drain could be seen"
+    assert refused.headers["retry-after"] and "shutting down" in refused.json()["error"]["message"]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == MAX_TOKENS  # finished, not cut
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert server.proc.wait(120) == 0, server.log()[-3000:]
+    assert "EPD: stopped; every worker exited" in server.log()
+    assert not os.path.exists(run_dir)
+    assert not server.group_alive()
