@@ -1,0 +1,113 @@
+"""The dependency rule of DESIGN.md, checked on every import statement.
+
+    transport  imports nothing of ours
+    encoders   imports transport only
+    engine     imports transport only
+    bench      talks to the server over HTTP (the offline and kernel benchmarks
+               and the mode comparison, which launches servers, aside)
+    epd        wires everything; only the CLI reaches into bench
+
+Imports inside functions and under `if TYPE_CHECKING:` count too: a reader
+following a type across the rule crosses it as much as the interpreter does.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# repository folder -> installed package
+PACKAGES = {"epd": "epd", "engine": "epd.engine", "transport": "epd.transport",
+            "encoders": "epd.encoders", "bench": "epd.bench"}
+LAYERS = ("epd.engine", "epd.transport", "epd.encoders", "epd.bench")
+
+# layer -> the other layers of ours it may import
+ALLOWED = {
+    "epd.transport": set(),
+    "epd.encoders": {"epd.transport"},
+    "epd.engine": {"epd.transport"},
+    "epd.bench": set(),
+}
+# bench modules that run our code in-process, and why
+BENCH_IN_PROCESS = {
+    "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
+    "epd.bench.kernels": "times the attention kernels directly",
+    "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
+}
+TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
+
+
+def _modules():
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            yield ".".join([package, *parts]), path
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}:{node.lineno}: relative import; use the full epd.* name")
+    return found
+
+
+def _layer(module: str) -> str:
+    for layer in LAYERS:
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return "epd" if module == "epd" or module.startswith("epd.") else ""
+
+
+def test_no_module_crosses_the_layering_rule():
+    violations = []
+    for module, path in _modules():
+        own = _layer(module)
+        for line, target in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            if target.split(".")[0] in TOP_LEVEL_NAMES:
+                violations.append(f"{where} (installed only as epd.{target.split('.')[0]})")
+                continue
+            dep = _layer(target)
+            if not dep or dep == own:
+                continue
+            if own == "epd":
+                if dep == "epd.bench" and module != "epd.cli":
+                    violations.append(f"{where} (only the CLI runs benchmarks)")
+                continue
+            if own == "epd.bench" and module in BENCH_IN_PROCESS:
+                continue
+            if dep not in ALLOWED[own]:
+                violations.append(f"{where} ({own} may import {sorted(ALLOWED[own]) or 'nothing of ours'})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_walker_sees_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from epd.engine.worker import EngineWorker\n")
+    assert (2, "epd.engine.worker.EngineWorker") in _imports(bad)
+    assert _layer("epd.engine.worker.EngineWorker") == "epd.engine"
+    assert "epd.engine" not in ALLOWED["epd.transport"]
+
+
+@pytest.mark.parametrize("entry", ["epd.api.server", "epd.serve.orchestrator"])
+def test_the_api_process_does_not_load_model_code(entry):
+    """The API converts spans, reads headers and routes: it needs no model, no
+    engine worker and no vision tower in its process."""
+    code = (f"import sys, {entry}\n"
+            "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker', 'epd.engine.models',"
+            " 'epd.engine.model_runner', 'epd.encoders.vision_tower', 'epd.encoders.image_encoder',"
+            " 'epd.encoders.encoder_worker'))]\n"
+            "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
+    assert result.returncode == 0, result.stderr
