@@ -103,7 +103,7 @@ def serve_config(args) -> ServeConfig:
         mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
-        cpu_sharing=args.cpu_sharing,
+        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys,
         engine=_engine_config(args),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
@@ -127,7 +127,21 @@ def worker_config(args) -> WorkerConfig:
     return WorkerConfig(model=args.model, role=args.role, api=args.api, host=args.host, port=args.port,
                         mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
                         max_image_pixels=args.max_image_pixels, num_threads=args.threads,
-                        engine=_engine_config(args))
+                        worker_keys=args.worker_keys, engine=_engine_config(args))
+
+
+def _keys(args) -> int:
+    from epd.transport.auth import PlaneKeyError, make_keys
+
+    try:
+        directory = make_keys(args.dir)
+    except PlaneKeyError as exc:
+        print(f"epd keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"worker-plane keys in {directory}:\n"
+          f"  API host:     api.key_secret, api.key, worker.key   (epd serve ... --worker-keys DIR)\n"
+          f"  worker hosts: worker.key_secret, worker.key, api.key (epd worker ... --worker-keys DIR)")
+    return 0
 
 
 def _worker(args) -> int:
@@ -201,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=serve["worker_port"],
                    help="port workers register on (default: --port + 1)")
+    p.add_argument("--worker-keys", default=None, metavar="DIR",
+                   help="worker-plane keys made by `epd keys DIR` (needed with --external-workers: the worker "
+                        "port is ZeroMQ CURVE, authenticated and encrypted)")
     p.add_argument("--threads-per-worker", type=int, default=serve["threads_per_worker"])
     p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "
@@ -242,8 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-cache-gb", type=float, default=worker["mm_cache_gb"])
     p.add_argument("--max-image-pixels", type=int, default=worker["max_image_pixels"])
     p.add_argument("--threads", type=int, default=worker["num_threads"])
+    p.add_argument("--worker-keys", required=True, metavar="DIR",
+                   help="worker-plane keys made by `epd keys DIR` (this host needs worker.key_secret)")
     _add_engine_args(p)
     p.set_defaults(func=_worker)
+
+    p = sub.add_parser("keys", help="make the worker-plane keys (CURVE) for a multi-host deployment")
+    p.add_argument("dir", help="new directory for api.key[_secret] and worker.key[_secret]")
+    p.set_defaults(func=_keys)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from epd.bench.offline import add_arguments as offline_arguments

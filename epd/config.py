@@ -23,6 +23,7 @@ from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.router import ROUTERS
 from epd.transport.addresses import is_tcp_address
+from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
 
 CPU_SHARING = ("split", "shared")
@@ -84,6 +85,7 @@ class ServeConfig:
     threads_per_worker: int | None = None  # None: decided by cpu_sharing
     cpu_sharing: str = "shared"  # or "split"; see threads_for_each_worker
     ready_timeout_s: float = 600.0
+    worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -101,6 +103,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        if self.external_workers:
+            _check_keys(self.worker_keys, API, "--external-workers")
         _check_checkpoint(self.model)
 
     @property
@@ -177,6 +181,7 @@ class WorkerConfig:
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
     num_threads: int | None = None  # None: every core
+    worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -188,7 +193,19 @@ class WorkerConfig:
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
         _check_checkpoint(self.model)
+        _check_keys(self.worker_keys, WORKER, "epd worker")
 
     @property
     def mm_cache_bytes(self) -> int:
         return int(self.mm_cache_gb * (1 << 30))
+
+
+def _check_keys(keys_dir: str | None, role: str, what: str) -> None:
+    """Worker sockets on tcp are always authenticated: the keys must be there and readable."""
+    if not keys_dir:
+        raise ValueError(f"{what} listens on tcp: pass --worker-keys DIR (make the keys once with "
+                         f"`epd keys DIR` and copy the directory to every host)")
+    try:
+        PlaneKeys.load(keys_dir, role)
+    except PlaneKeyError as exc:
+        raise ValueError(str(exc)) from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from epd.transport.auth import WORKER, PlaneKeys
 from epd.transport.channels import Outbox, Receiver
 from epd.transport.messages import Ready
 from epd.transport.mm_cache import MMCache
@@ -23,6 +24,7 @@ class WorkerSpec:
     mm_cache_dir: str | None  # None: no embedding cache on this worker
     mm_cache_bytes: int
     stats_interval_s: float = 0.25
+    keys_dir: str | None = None  # worker-plane keys (`epd keys`): CURVE on tcp sockets; None on one host
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too
@@ -33,15 +35,16 @@ class WorkerIO:
 
     def __init__(self, spec: WorkerSpec, model_fingerprint: str):
         self.spec = spec
-        self.inbox = Receiver(spec.inbox)
-        self.outbox = Outbox()
+        keys = PlaneKeys.load(spec.keys_dir, WORKER) if spec.keys_dir else None
+        self.inbox = Receiver(spec.inbox, keys=keys)
+        self.outbox = Outbox(keys=keys, api_address=spec.api)
         self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
                       if spec.mm_cache_dir else None)
 
     def announce(self) -> None:
         """Registers with the API: where to reach this worker and which cache it reads."""
-        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, self.spec.role, self.inbox.address, socket.gethostname(),
-                                              self.spec.mm_cache_dir or None))
+        self.outbox.send(self.spec.api, Ready(self.spec.worker_id, self.spec.role, self.inbox.address,
+                                              socket.gethostname(), self.spec.mm_cache_dir or None))
 
     def close(self) -> None:
         if self.cache is not None:

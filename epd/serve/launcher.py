@@ -179,10 +179,10 @@ def run_external_worker(config: WorkerConfig) -> int:
             s.bind((config.host, 0))
             port = s.getsockname()[1]
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
-                      config.api, config.mm_cache_dir, config.mm_cache_bytes)
+                      config.api, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
                           num_threads=config.num_threads or (os.cpu_count() or 1))
-    print(f"EPD worker {spec.worker_id}: inbox {spec.inbox}, registering with {spec.api}", flush=True)
+    print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {spec.api}", flush=True)
     try:
         run_worker(launch, spawned=False)
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ from epd.serve.router import RoundRobinRouter, make_router
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.token_order import TokenOrder
+from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
                                     WireError, WorkerStats)
@@ -102,8 +103,9 @@ class Orchestrator:
     # ---------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        self._receiver = AsyncReceiver(self.collector_address)
-        self._outbox = AsyncOutbox()
+        keys = PlaneKeys.load(self.config.worker_keys, API) if self.config.worker_keys else None
+        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN)
+        self._outbox = AsyncOutbox(keys=keys)
         self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
 
     async def wait_for_workers(self, expected: int, timeout_s: float, alive=lambda: True) -> None:

@@ -11,15 +11,22 @@ from epd.config import SHARED_CPU_NICE, ServeConfig, WorkerConfig
 from epd.engine.config import EngineConfig
 from epd.engine.scheduler import SchedulerConfig
 from epd.inputs.media import MediaConfig
+from epd.transport.auth import make_keys
 from epd.transport.roles import Mode, Role
 
 
-def test_flag_defaults_are_the_config_defaults(tiny_model, monkeypatch):
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> str:
+    return str(make_keys(tmp_path_factory.mktemp("plane") / "keys"))
+
+
+def test_flag_defaults_are_the_config_defaults(tiny_model, keys, monkeypatch):
     monkeypatch.delenv("EPD_API_KEY", raising=False)
     parse = build_parser().parse_args
     assert serve_config(parse(["serve", tiny_model])) == ServeConfig(model=tiny_model)
-    assert worker_config(parse(["worker", tiny_model, "--role", "pd", "--api", "tcp://10.0.0.1:8001"])) == \
-        WorkerConfig(tiny_model, Role.PD, "tcp://10.0.0.1:8001")
+    assert worker_config(parse(["worker", tiny_model, "--role", "pd", "--api", "tcp://10.0.0.1:8001",
+                                "--worker-keys", keys])) == WorkerConfig(tiny_model, Role.PD, "tcp://10.0.0.1:8001",
+                                                                         worker_keys=keys)
     # the defaults themselves, written once on the fields
     config = ServeConfig(model=tiny_model)
     assert (config.mode, config.num_encoders, config.num_prefill, config.num_decode) == (Mode.E_P_D, 1, 1, 1)
@@ -30,7 +37,7 @@ def test_flag_defaults_are_the_config_defaults(tiny_model, monkeypatch):
     assert config.engine == EngineConfig(SchedulerConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,
                                                          enable_prefix_caching=True, max_model_len=None),
                                          gpu_memory_utilization=0.9, dtype="auto", device="auto")
-    worker = WorkerConfig(tiny_model, "encoder", "tcp://h:1")
+    worker = WorkerConfig(tiny_model, "encoder", "tcp://h:1", worker_keys=keys)
     assert (worker.port, worker.mm_cache_gb, worker.max_image_pixels) == (0, 4.0, 64_000_000)
 
 
@@ -60,10 +67,11 @@ def test_llm_takes_flat_settings_or_a_config_not_both(tiny_model):
         LLM(tiny_model, max_num_sequences=8)
 
 
-def test_modes_and_roles_by_name(tiny_model):
+def test_modes_and_roles_by_name(tiny_model, keys):
     config = ServeConfig(model=tiny_model, mode="e-pd", num_prefill=2)
     assert config.mode is Mode.E_PD and config.worker_roles() == [(Role.ENCODER, 0), (Role.PD, 0), (Role.PD, 1)]
-    external = ServeConfig(model=tiny_model, mode="e-pd", num_encoders=0, num_prefill=2, external_workers=True)
+    external = ServeConfig(model=tiny_model, mode="e-pd", num_encoders=0, num_prefill=2, external_workers=True,
+                           worker_keys=keys)
     assert external.worker_roles() == [] and external.mode_roles() == [(Role.PD, 0), (Role.PD, 1)]
     with pytest.raises(ValueError, match="--mode must be one of aggregated, e-pd, e-p-d, got 'e-d'"):
         ServeConfig(model=tiny_model, mode="e-d")
@@ -76,9 +84,11 @@ def test_modes_and_roles_by_name(tiny_model):
     (dict(role="vision"), "unknown role 'vision'"),
     (dict(port=70000), "--port must be in 0..65535"),
     (dict(model="/no/such/checkpoint"), "not a checkpoint directory"),
+    (dict(worker_keys=None), "pass --worker-keys DIR"),
+    (dict(worker_keys="/no/such/keys"), "cannot read worker-plane key /no/such/keys/api.key"),
 ])
-def test_bad_worker_flags_are_clear_errors(tiny_model, change, message):
-    settings = dict(model=tiny_model, role="prefill", api="tcp://127.0.0.1:8001") | change
+def test_bad_worker_flags_are_clear_errors(tiny_model, keys, change, message):
+    settings = dict(model=tiny_model, role="prefill", api="tcp://127.0.0.1:8001", worker_keys=keys) | change
     with pytest.raises(ValueError, match=message):
         WorkerConfig(**settings)
 
@@ -132,3 +142,14 @@ def test_cpu_or_a_pinned_gpu_keeps_the_placement(tiny_model):
     pinned = ServeConfig(model=tiny_model, mode="e-p-d", engine=EngineConfig(device="cuda:3"))
     assert _placement(pinned, 8) == [("encoder-0", "cuda:3", 0.9), ("prefill-0", "cuda:3", 0.45),
                                      ("decode-0", "cuda:3", 0.45)]
+
+
+def test_external_workers_need_the_api_key_pair(tiny_model, keys, tmp_path):
+    with pytest.raises(ValueError, match="--external-workers listens on tcp: pass --worker-keys DIR"):
+        ServeConfig(model=tiny_model, external_workers=True)
+    worker_host = tmp_path / "worker-host"  # what a worker host holds: no api.key_secret
+    worker_host.mkdir()
+    for name in ("api.key", "worker.key", "worker.key_secret"):
+        (worker_host / name).write_bytes(open(f"{keys}/{name}", "rb").read())
+    with pytest.raises(ValueError, match="api.key_secret"):
+        ServeConfig(model=tiny_model, external_workers=True, worker_keys=str(worker_host))

@@ -2,8 +2,11 @@
 official `openai` client, against transformers' greedy text."""
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 import subprocess
+import sys
 
 import openai
 import pytest
@@ -177,21 +180,55 @@ def test_cache_survives_a_restart(tiny_model, tmp_path):
 
 
 def test_external_worker_over_tcp(tiny_model, tmp_path, expected_texts):
-    """`epd serve --external-workers` + `epd worker --api tcp://...` on loopback."""
+    """`epd serve --external-workers` + `epd worker --api tcp://...` on loopback,
+    with worker-plane keys: a peer without them joins nothing and stops nothing."""
+    keys = tmp_path / "keys"
+    assert subprocess.run([sys.executable, "-m", "epd.cli", "keys", str(keys)]).returncode == 0
     port = free_port()
     worker_port = free_port()
     api = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--external-workers", "--port", str(port),
-                         "--worker-port", str(worker_port)], port, str(tmp_path / "api.log"))
+                         "--worker-port", str(worker_port), "--worker-keys", str(keys)], port, str(tmp_path / "api.log"))
     worker = ServerProcess(["worker", tiny_model, "--role", "aggregated", "--api", f"tcp://127.0.0.1:{worker_port}",
-                            "--num-kv-blocks", "128", "--dtype", "float32", "--device", "cpu", "--threads", "1"],
-                           worker_port, str(tmp_path / "worker.log"))
+                            "--num-kv-blocks", "128", "--dtype", "float32", "--device", "cpu", "--threads", "1",
+                            "--worker-keys", str(keys)], worker_port, str(tmp_path / "worker.log"))
     try:
         api.wait_ready()
         messages, _ = CHATS["one_image"]
         assert chat_text(api, messages) == expected_texts["one_image"]
         workers = [k for k in api.metrics() if k.startswith("epd:num_requests_running{")]
         assert len(workers) == 1 and 'worker="aggregated@' in workers[0]
+        inbox = re.search(r"inbox (tcp://\S+)", worker.log()).group(1)
+        with _forged_peer(f"tcp://127.0.0.1:{worker_port}", inbox) as rogue:
+            for _ in range(3):  # the worker was not stopped, and no request goes to the rogue
+                assert chat_text(api, messages) == expected_texts["one_image"]
+            assert rogue.poll(1000) == 0
+        assert [k for k in api.metrics() if k.startswith("epd:num_requests_running{")] == workers
     finally:
         api.stop()
         worker.stop()
     assert not api.group_alive() and not worker.group_alive()
+
+
+@contextlib.contextmanager
+def _forged_peer(collector: str, inbox: str):
+    """A peer without the plane's keys sends a Ready for a rogue prefill worker
+    (which would receive users' prompts) and a Shutdown to the real worker;
+    yields the rogue's inbox."""
+    import zmq
+
+    from epd.transport.messages import Ready, Shutdown
+
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.PULL)
+        rogue_port = rogue.bind_to_random_port("tcp://127.0.0.1")
+        for address, msg in ((collector, Ready("prefill-66", "prefill", f"tcp://127.0.0.1:{rogue_port}", "evil")),
+                             (inbox, Shutdown())):
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(address)
+            push.send_multipart(msg.to_wire())
+            push.close()
+        yield rogue
+    finally:
+        ctx.destroy(linger=0)
