@@ -57,7 +57,9 @@ class EncoderWorker(WorkerIO):
                 self._enqueue(msg)
             elif isinstance(msg, Abort):  # pending encoder work of aborted requests is dropped
                 dropped = set(msg.request_ids)
-                self.queue = [j for j in self.queue if j.msg.request_id not in dropped]
+                kept = [j for j in self.queue if j.msg.request_id not in dropped]
+                self.counters.num_aborted += len(self.queue) - len(kept)
+                self.queue = kept
             elif isinstance(msg, Shutdown):
                 self.running = False
             else:

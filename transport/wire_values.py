@@ -78,18 +78,21 @@ class EngineCounters:
     kv_transfer_bytes: int = 0  # decode side: KV received from prefill workers
     num_kv_transfers: int = 0  # prefill side: KV sent and acked, timed in kv_transfer_seconds_sum
     kv_transfer_seconds_sum: float = 0.0  # send to ack
+    num_aborted: int = 0  # requests an Abort took out of this worker (waiting, running or in transfer)
 
     def to_map(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits, "kv_transfer_bytes": self.kv_transfer_bytes,
-                "num_kv_transfers": self.num_kv_transfers, "kv_transfer_seconds_sum": self.kv_transfer_seconds_sum}
+                "num_kv_transfers": self.num_kv_transfers, "kv_transfer_seconds_sum": self.kv_transfer_seconds_sum,
+                "num_aborted": self.num_aborted}
 
     @staticmethod
     def from_map(m: Fields) -> EngineCounters:
         out = EngineCounters(
             num_preemptions=m.int("num_preemptions"), prefix_cache_queries=m.int("prefix_cache_queries"),
             prefix_cache_hits=m.int("prefix_cache_hits"), kv_transfer_bytes=m.int("kv_transfer_bytes"),
-            num_kv_transfers=m.int("num_kv_transfers"), kv_transfer_seconds_sum=m.float("kv_transfer_seconds_sum"))
+            num_kv_transfers=m.int("num_kv_transfers"), kv_transfer_seconds_sum=m.float("kv_transfer_seconds_sum"),
+            num_aborted=m.int("num_aborted"))
         m.reject_unknown(out.to_map())
         return out
 
@@ -105,17 +108,19 @@ class EncoderCounters:
     encode_seconds_sum: float = 0.0  # vision tower time, all batches
     num_queued: int = 0  # images whose wait in the encoder's queue is in queue_seconds_sum
     queue_seconds_sum: float = 0.0
+    num_aborted: int = 0  # queued images dropped because their request was aborted
 
     def to_map(self) -> dict[str, Any]:
         return {"num_images": self.num_images, "num_errors": self.num_errors,
                 "num_cache_skips": self.num_cache_skips, "encode_seconds_sum": self.encode_seconds_sum,
-                "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum}
+                "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum,
+                "num_aborted": self.num_aborted}
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
         out = EncoderCounters(
             num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
             encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
-            queue_seconds_sum=m.float("queue_seconds_sum"))
+            queue_seconds_sum=m.float("queue_seconds_sum"), num_aborted=m.int("num_aborted"))
         m.reject_unknown(out.to_map())
         return out

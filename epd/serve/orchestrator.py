@@ -275,9 +275,19 @@ class Orchestrator:
                 attempt = await self._start_attempt(req, prep, emitted, max_tokens, attempt_no, deadline)
                 dispatched_s = dispatched_s or time.monotonic()  # the end of request_queue_time_seconds
                 in_order = TokenOrder(attempt.queue)
+                # the deadline arrives as an event in the queue: asyncio.wait_for (Python 3.11) can
+                # swallow the cancellation that a client leaving delivers, and the request would run on
+                timer = asyncio.get_running_loop().call_at(
+                    asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic()),
+                    attempt.queue.put_nowait, _DEADLINE)
                 try:
                     while True:
-                        out = await self._next_output(in_order, deadline)
+                        out = await in_order.next()
+                        if out is _DEADLINE:
+                            self.metrics.requests_failed["timeout"] += 1
+                            raise RequestError(status=503, message=f"the request did not finish within "
+                                               f"--request-timeout ({limits.request_timeout_s:g} s)",
+                                               type="service_unavailable", retry_after_s=1)
                         if isinstance(out, _Lost):
                             raise _Retry(f"worker {out.worker_id} is gone")
                         if out.error is not None:
@@ -312,6 +322,7 @@ class Orchestrator:
                     log.warning("request %s: %s; sending it again (%d tokens streamed)", req.request_id, why,
                                 len(emitted))
                 finally:
+                    timer.cancel()
                     await self._end_attempt(attempt)
             self.metrics.requests_failed["worker_error"] += 1
             raise RequestError(status=503, message=f"the request failed on {MAX_ATTEMPTS} workers in turn ({why})",
@@ -343,15 +354,6 @@ class Orchestrator:
 
     def _release_image_bytes(self, num_bytes: int) -> None:
         self.pending_image_bytes -= num_bytes
-
-    async def _next_output(self, in_order: TokenOrder, deadline: float):
-        try:
-            return await asyncio.wait_for(in_order.next(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            self.metrics.requests_failed["timeout"] += 1
-            raise RequestError(status=503, message=f"the request did not finish within --request-timeout "
-                               f"({self.config.limits.request_timeout_s:g} s)", type="service_unavailable",
-                               retry_after_s=1) from None
 
     async def _choose(self, roles: tuple[str, ...], deadline: float) -> list[WorkerInfo]:
         """Live workers of `roles`, waiting (until the deadline) while a restart brings one back."""
@@ -388,17 +390,21 @@ class Orchestrator:
         self.attempts[attempt_id] = attempt
         sampling = replace(req.sampling, max_tokens=max_tokens - len(emitted), n=1,
                            min_tokens=max(0, req.sampling.min_tokens - len(emitted)))
-        # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
-        # has it before any EncodeDone (a busy one may still read them out of order).
-        await self._outbox.send(prefill.inbox, PrefillRequest(
-            attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
-            decode.inbox if decode else None))
-        for key, data in misses:
-            enc = self.encoder_turn.choose(encoders, prep.token_ids)
-            attempt.encoders.append(enc)
-            await self._outbox.send(enc.inbox, EncodeRequest(
-                attempt_id, key, data, reply_to=prefill.inbox,
-                with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+        try:
+            # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
+            # has it before any EncodeDone (a busy one may still read them out of order).
+            await self._outbox.send(prefill.inbox, PrefillRequest(
+                attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
+                decode.inbox if decode else None))
+            for key, data in misses:
+                enc = self.encoder_turn.choose(encoders, prep.token_ids)
+                attempt.encoders.append(enc)
+                await self._outbox.send(enc.inbox, EncodeRequest(
+                    attempt_id, key, data, reply_to=prefill.inbox,
+                    with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+        except BaseException:  # the client left while we sent (cancelled): what was sent is aborted
+            await self._end_attempt(attempt)
+            raise
         return attempt
 
     async def _end_attempt(self, attempt: _Attempt) -> None:
@@ -447,6 +453,9 @@ class Orchestrator:
 
 class _Retry(Exception):
     """This attempt's work is lost (a worker died or failed a step): send the request again."""
+
+
+_DEADLINE = object()  # queued to an attempt when its request's deadline passes
 
 
 @dataclass

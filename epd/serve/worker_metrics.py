@@ -22,6 +22,8 @@ ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
     ("epd:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lambda c: c.prefix_cache_queries),
     ("epd:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lambda c: c.prefix_cache_hits),
     ("epd:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.", lambda c: c.kv_transfer_bytes),
+    ("epd:requests_aborted", "Requests an Abort took out of a worker (client gone, stop string, retried elsewhere).",
+     lambda c: c.num_aborted),
 ]
 ENGINE_SUMMARIES: list[tuple[str, str, Callable[[EngineCounters], tuple[int, float]]]] = [
     ("epd:kv_transfer_seconds", "Prefill-to-decode KV transfer time, send to ack.",
@@ -32,6 +34,8 @@ ENCODER_COUNTERS: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
     ("epd:encoder_errors", "Images an encoder refused or failed to encode.", lambda c: c.num_errors),
     ("epd:encoder_cache_skips", "Queued images already in the cache when their turn came (not encoded again).",
      lambda c: c.num_cache_skips),
+    ("epd:encoder_images_aborted", "Queued images dropped because their request was aborted.",
+     lambda c: c.num_aborted),
 ]
 ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, float]]]] = [
     ("epd:encode_seconds", "Vision tower time per image (a batch's time over its images).",

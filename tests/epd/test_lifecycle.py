@@ -53,3 +53,24 @@ def test_sigterm_lets_requests_in_flight_finish_then_exits_cleanly(tiny_model, t
     assert "EPD: stopped; every worker exited" in server.log()
     assert not os.path.exists(run_dir)
     assert not server.group_alive()
+
+
+@pytest.mark.slow
+def test_a_request_past_its_deadline_gets_an_error_and_frees_its_worker(tiny_model, tmp_path):
+    server = start_server(tiny_model, tmp_path, "aggregated", "--request-timeout", "2")
+    try:
+        model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "temperature": 0}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "--request-timeout" in r.json()["error"]["message"]
+        assert r.headers["retry-after"]
+        streamed = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+        assert streamed.status_code == 200  # the first token came in time; the error comes in-band
+        events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "--request-timeout" in events[-2]
+        assert server.metric_sum("epd:requests_failed_total", reason="timeout") == 2
+        assert server.settled_sum("epd:requests_aborted_total") == 2  # the worker let both go
+        assert server.settled_sum("epd:num_requests_running") == 0
+    finally:
+        assert server.stop() == 0
