@@ -12,19 +12,23 @@ from pathlib import Path
 
 import torch
 
-from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image
+from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image, read_image_size
 from epd.encoders.image_processor import ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_entry import MMEntry
 
 DEFAULT_MAX_BATCH_PATCHES = 16384
+# Full-resolution pixels decoded at once: a batch closes before it would pass this
+# (one image larger than it is decoded alone). Headers give sizes without decoding.
+DEFAULT_MAX_DECODED_PIXELS = DEFAULT_MAX_IMAGE_PIXELS
 
 
 class ImageEncoder:
     def __init__(self, model_dir: str | Path, hf_config, dtype: torch.dtype, device: str = "cpu",
                  model_fingerprint: str = "", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES):
+                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES,
+                 max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS):
         self.preprocess = ImagePreprocessor(model_dir)
         self.tower = load_vision_tower(model_dir, hf_config, dtype, device)
         self.device = device
@@ -33,6 +37,7 @@ class ImageEncoder:
         self.processor_config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
         self.max_image_pixels = max_image_pixels
         self.max_batch_patches = max_batch_patches
+        self.max_decoded_pixels = max_decoded_pixels
 
     def mm_hash(self, image_bytes: bytes) -> str:
         """Content key of an image for this model and image processor."""
@@ -40,25 +45,31 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def encode(self, images: list[bytes]) -> list[MMEntry]:
-        """Encodes raw images (raises encoders.image_io.ImageError on bad bytes)."""
-        decoded = [load_image(data, self.max_image_pixels) for data in images]
+        """Encodes raw images (raises encoders.image_io.ImageError on bad bytes).
+
+        Batches are bounded by patches (the tower's work) and by decoded pixels
+        (memory): an image is decoded only when its batch runs, so a request of
+        several huge images never holds them all decoded at once."""
         geometry = self.preprocess.geometry
         out: list[MMEntry] = []
-        batch: list = []
-        batch_patches = 0
-        for img in decoded:
-            t, h, w = geometry.grid_thw(*img.size)
-            if batch and batch_patches + t * h * w > self.max_batch_patches:
+        batch: list[bytes] = []
+        batch_patches = batch_pixels = 0
+        for data in images:
+            width, height = read_image_size(data, self.max_image_pixels)
+            t, h, w = geometry.grid_thw(width, height)
+            if batch and (batch_patches + t * h * w > self.max_batch_patches
+                          or batch_pixels + width * height > self.max_decoded_pixels):
                 out += self._run(batch)
-                batch, batch_patches = [], 0
-            batch.append(img)
+                batch, batch_patches, batch_pixels = [], 0, 0
+            batch.append(data)
             batch_patches += t * h * w
+            batch_pixels += width * height
         if batch:
             out += self._run(batch)
         return out
 
-    def _run(self, images: list) -> list[MMEntry]:
-        pixel_values, grids = self.preprocess(images)
+    def _run(self, images: list[bytes]) -> list[MMEntry]:
+        pixel_values, grids = self.preprocess([load_image(data, self.max_image_pixels) for data in images])
         result = self.tower(pixel_values.to(self.device, self.dtype), grids)
         # deepstack [num_deepstack, num_tokens, out_hidden] -> views, each [num_tokens, out_hidden]
         return [MMEntry(e, list(d.unbind(0)), g) for e, d, g in zip(result.embeds, result.deepstack, grids)]

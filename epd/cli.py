@@ -81,7 +81,7 @@ def _engine_config(args) -> EngineConfig:
 
 def _limit_images(value: str | None) -> int | None:
     if value is None:
-        return None
+        return field_default(MediaConfig, "limit_images_per_prompt")
     key, _, num = value.partition("=")
     if key != "image" or not num.isdigit():
         raise ValueError(f"--limit-mm-per-prompt takes image=N, got {value!r}")
@@ -109,7 +109,8 @@ def serve_config(args) -> ServeConfig:
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
-                          limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt)),
+                          limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt),
+                          max_request_pixels=args.max_request_pixels),
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
@@ -231,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-bytes", type=int, default=media["max_image_bytes"])
     p.add_argument("--max-image-pixels", type=int, default=media["max_image_pixels"],
                    help="refuse larger images (from the header)")
-    p.add_argument("--limit-mm-per-prompt", default=None, help="image=N")
+    p.add_argument("--limit-mm-per-prompt", default=None,
+                   help=f"image=N: images a request may hold (default {field_default(MediaConfig, 'limit_images_per_prompt')})")
+    p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
+                   help="pixels of all of a request's images together (from their headers)")
     limits = {name: field_default(ServingLimits, name) for name in (
         "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes", "max_restarts")}
     p.add_argument("--request-timeout", type=float, default=limits["request_timeout_s"],

@@ -16,6 +16,7 @@ MODEL = "epd-hardened"
 MAX_MODEL_LEN = 4000  # the tiny checkpoint's own limit is 4096
 MAX_IMAGE_BYTES = 1_000_000
 MAX_IMAGE_PIXELS = 4_000_000
+MAX_REQUEST_PIXELS = 200_000  # two 256x256 images pass, two 400x300 do not
 MAX_TOKENS = 4
 IMG = image_bytes(64, 48, seed=3)
 TEXT_MESSAGES = [{"role": "user", "content": "Say something about boats."}]

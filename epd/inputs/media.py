@@ -41,17 +41,19 @@ class MediaConfig:
     that match exactly, any port (lower-case host names or IP addresses; IPv6
     without brackets). Images are refused past `max_image_bytes` of encoded
     data or `max_image_pixels` (read from the header), requests past
-    `limit_images_per_prompt` images (None: no limit)."""
+    `limit_images_per_prompt` images or `max_request_pixels` in all (the
+    encoder decodes every pixel: a bound on its memory and time)."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     fetch_timeout_s: float = 5.0
-    limit_images_per_prompt: int | None = None
+    limit_images_per_prompt: int | None = 16
+    max_request_pixels: int = 2 * DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
-        for name in ("max_image_bytes", "max_image_pixels"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not self.fetch_timeout_s > 0:

@@ -217,13 +217,18 @@ class Orchestrator:
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
             return _Prepared(ids, [], {})
-        images, refs = {}, []
+        images, refs, num_pixels = {}, [], 0
         for data in raw_images:
             try:
                 width, height = read_image_size(data, self.config.media.max_image_pixels)
                 self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
             except (ImageError, ValueError) as exc:
                 raise RequestError(status=400, message=str(exc), param="messages") from None
+            num_pixels += width * height
+            if num_pixels > self.config.media.max_request_pixels:
+                raise RequestError(status=400, message=f"the request's images have more than "
+                                   f"{self.config.media.max_request_pixels} pixels in all (--max-request-pixels)",
+                                   param="messages")
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
             images[key] = data
             refs.append(ImageRef(width, height, key))

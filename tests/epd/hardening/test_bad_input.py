@@ -46,6 +46,8 @@ BAD_MEDIA = {  # name -> (messages, message); all 400, param "messages"
     "truncated": (messages_with(image_part(IMG[: len(IMG) // 2])), "could not be encoded"),
     "too_many_bytes": (messages_with(image_part(image_bytes(600, 600, seed=9))), "exceeds the limit"),
     "too_many_images": (messages_with(image_part(IMG), image_part(IMG), image_part(IMG)), "at most 2 images"),
+    "too_many_pixels": (messages_with(image_part(image_bytes(400, 300, seed=5)), image_part(image_bytes(400, 300, seed=6))),
+                        "pixels in all"),
     "unsupported_scheme": (messages_with(url_part("ftp://127.0.0.1/x.png")), "unsupported image url scheme"),
 }
 
