@@ -165,6 +165,13 @@ def _bench_compare(args) -> int:
     return 0
 
 
+def _bench_fault(args) -> int:
+    from epd.bench.fault import main as run
+
+    run(args)
+    return 0
+
+
 def _bench_cache_hit(args) -> int:
     from epd.bench.cache_hit import main as run
 
@@ -296,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("cache-hit", help="TTFT of a cached-image request vs a text-only one of equal length")
     cache_hit_arguments(p)
     p.set_defaults(func=_bench_cache_hit)
+
+    from epd.bench.fault import add_arguments as fault_arguments
+
+    p = bench.add_parser("fault", help="kill one worker mid-trace: requests completed, recovered, failed, "
+                                       "time until goodput is back")
+    fault_arguments(p)
+    p.set_defaults(func=_bench_fault)
     return parser
 
 

@@ -37,6 +37,7 @@ BENCH_IN_PROCESS = {
     "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
     "epd.bench.kernels": "times the attention kernels directly",
     "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
+    "epd.bench.fault": "launches `epd serve`, kills one of its workers and reads the role names",
 }
 TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
 
