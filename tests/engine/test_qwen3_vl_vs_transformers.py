@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_greedy, hf_prompt_logits
-from media import image_bytes, image_part
+from media import CHATS
 
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
@@ -18,22 +18,7 @@ from epd.engine.models.qwen3_vl import ForwardBatch
 from epd.transport.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef, PromptBuilder
 
-IMG_A = image_bytes(100, 60, seed=1)
-IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")
-
-CASES = {
-    "text_only": ([{"role": "user", "content": "Tell me a story about a red chair."}], []),
-    "one_image": ([{"role": "user", "content": [image_part(IMG_A), {"type": "text", "text": "Describe it."}]}],
-                  [IMG_A]),
-    "two_images": ([{"role": "user", "content": [image_part(IMG_A), image_part(IMG_B),
-                                                 {"type": "text", "text": "Compare the two pictures."}]}],
-                   [IMG_A, IMG_B]),
-    "multi_turn": ([{"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": [image_part(IMG_B), {"type": "text", "text": "What is it?"}]},
-                    {"role": "assistant", "content": "A picture of noise."},
-                    {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(IMG_A)]}],
-                   [IMG_B, IMG_A]),
-}
+CASES = CHATS  # text only, one image, two images, multi-turn (tests/media.py)
 
 
 class OurModel:
