@@ -110,7 +110,7 @@ class EngineCore:
         blocks in token order) and `output_token_ids` holding its first token.
         False, changing nothing, when there is no room now: retry later.
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
-        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
@@ -129,7 +129,7 @@ class EngineCore:
         request = self.scheduler.get_request(request_id)
         if request is None:
             raise KeyError(f"request {request_id!r} is not held")
-        num_blocks = -(-request.num_prompt_tokens // self.config.block_size)
+        num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         k, v = self.runner.read_blocks(request.block_ids[:num_blocks])
         return k.cpu(), v.cpu()
 
