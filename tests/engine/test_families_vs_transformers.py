@@ -82,13 +82,18 @@ def test_prompt_logits_match_transformers(family):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
 
 
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])  # cuda runs the Triton attention and fused-MoE kernels
 @pytest.mark.parametrize("family", FAMILIES)
-def test_mixed_batch_with_preemption_and_split_images(family):
+def test_mixed_batch_with_preemption_and_split_images(family, device):
     from epd import LLM
 
     model_dir = family_checkpoint(family)
     expected = [hf_greedy(model_dir, c, _images_of(c), num_tokens=NUM_TOKENS) for c in CONVERSATIONS]
-    llm = LLM(model_dir, num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8, dtype="float32", device="cpu")
+    llm = LLM(model_dir, num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8, dtype="float32", device=device)
     assert llm.engine.info.family == family
     scheduler = llm.engine.scheduler
     split_inside_image = []
