@@ -51,3 +51,25 @@ def test_cli_start_up_error_is_a_message_not_a_traceback(tmp_path, command):
     assert "Traceback" not in proc.stderr
     assert f"epd {command[0]}: model_type 'llava'" in proc.stderr
     assert all(s in proc.stderr for s in SUPPORTED)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-vl-moe-tiny", "qwen3-vl-moe-small", "qwen3-vl-30b-a3b",
+                                    "qwen2.5-vl-tiny", "qwen2.5-vl-small", "qwen2.5-vl-7b"])
+def test_every_new_preset_is_a_config_our_models_accept(preset):
+    """The presets' configs (no weights: the published shapes are far too big
+    here) are accepted by transformers and parse into our decoder and tower."""
+    from epd.encoders.loader import TOWERS
+    from epd.engine.models.registry import family_of
+    from epd.tools.make_model import PRESETS, SPECIAL_TOKENS, _hf_config
+
+    p = PRESETS[preset]
+    config_cls, _, kwargs = _hf_config(p, {t: i for i, t in enumerate(SPECIAL_TOKENS)}, p.vocab_size or 1024)
+    hf_config = config_cls(**kwargs)
+    family = family_of(hf_config)
+    text = family.text_config(hf_config)
+    assert family.model_type == p.family and text.hidden_size == p.hidden_size
+    assert text.num_heads * text.head_dim == (p.hidden_size if p.family == "qwen2_5_vl" else p.num_heads * p.head_dim)
+    assert 2 * sum(text.mrope_section) == text.head_dim
+    assert text.moe_layer_ids == (tuple(range(p.num_layers)) if p.num_experts else ())
+    vision_cfg_cls, _ = TOWERS[p.family]
+    assert vision_cfg_cls.from_hf(hf_config.vision_config).depth == p.vision_depth
