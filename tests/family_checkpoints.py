@@ -4,7 +4,9 @@ dense layer among the MoE ones, ragged vision windows. Made once per test
 process (nothing is downloaded)."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import shutil
 import tempfile
 from functools import lru_cache
 
@@ -27,4 +29,6 @@ FAMILY_VARIANTS = {
 
 @lru_cache(maxsize=None)
 def family_checkpoint(family: str) -> str:
-    return str(make_model(tempfile.mkdtemp(prefix=f"epd-{family}-"), FAMILY_VARIANTS[family], seed=11))
+    path = tempfile.mkdtemp(prefix=f"epd-{family}-")
+    atexit.register(shutil.rmtree, path, True)  # gone with the test process
+    return str(make_model(path, FAMILY_VARIANTS[family], seed=11))
