@@ -118,7 +118,7 @@ def matmul_seconds(fn) -> float:
 
 def main(args) -> dict:
     import torch
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     from epd.llm import LLM
 
@@ -130,7 +130,8 @@ def main(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency),
               max_num_batched_tokens=args.max_num_batched_tokens)
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(args.model, dtype=llm.engine.dtype)
+    # transformers' class of the checkpoint's family (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL)
+    hf = AutoModelForImageTextToText.from_pretrained(args.model, dtype=llm.engine.dtype)
     hf = hf.to(llm.engine.device).eval()
     pad_id = tokenizer.pad_token_id or 0
     rows = []

@@ -1,4 +1,7 @@
-"""Image geometry and preprocessing for Qwen3-VL checkpoints.
+"""Image geometry and preprocessing for Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
+checkpoints (all use Qwen2-VL's image processor; the settings — patch size,
+pixel limits, normalisation — come from each checkpoint's preprocessor_config.json,
+whether the limits are written as `size` or as top-level min/max_pixels).
 
 `ImageGeometry` answers "how many placeholder tokens will this image take?"
 from its width and height alone (the API process relies on it and never

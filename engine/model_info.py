@@ -11,12 +11,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from epd.engine.models.registry import check_family, family_of
+
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     model_dir: str
+    family: str  # model_type of a family in engine/models/registry.py
     image_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
@@ -36,13 +39,14 @@ class ModelInfo:
         from transformers import AutoConfig
 
         model_dir = Path(model_dir)
+        if hf_config is None:
+            check_family(model_dir)  # before transformers, which may not know the type either
         cfg = hf_config or AutoConfig.from_pretrained(str(model_dir))
-        if getattr(cfg, "model_type", None) != "qwen3_vl":
-            raise ValueError(f"{model_dir}: model_type {getattr(cfg, 'model_type', None)!r} is not supported "
-                             "(EPD serves Qwen3-VL dense checkpoints: model_type 'qwen3_vl')")
+        family = family_of(cfg)
         tc = cfg.text_config
         return cls(
             model_dir=str(model_dir),
+            family=family.model_type,
             image_token_id=cfg.image_token_id,
             vision_start_token_id=cfg.vision_start_token_id,
             vision_end_token_id=cfg.vision_end_token_id,
@@ -51,7 +55,7 @@ class ModelInfo:
             spatial_merge_size=cfg.vision_config.spatial_merge_size,
             num_layers=tc.num_hidden_layers,
             num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            head_dim=family.text_config(cfg).head_dim,
             hidden_size=tc.hidden_size,
             vocab_size=tc.vocab_size,
             checkpoint_dtype=str(getattr(cfg, "dtype", None) or getattr(tc, "dtype", None) or "float32")

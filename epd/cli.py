@@ -183,9 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="Disaggregated VLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write a random-weight Qwen3-VL checkpoint")
+    from epd.tools.make_model import PRESETS
+
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL)")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "qwen3-vl-2b", "qwen3-vl-4b"])
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_model)
 

@@ -16,6 +16,7 @@ from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
+from epd.engine.models.registry import check_family
 from epd.engine.request import Request
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
@@ -62,6 +63,7 @@ class LLM:
         if not (Path(model) / "config.json").exists():
             raise FileNotFoundError(f"{model} is not a checkpoint directory (no config.json)")
         self.config = config or EngineConfig.from_flat(**engine_settings)
+        check_family(model)  # an unsupported family fails here, with the supported ones named
         hf_config = AutoConfig.from_pretrained(model)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = EngineCore(model, self.config, hf_config=hf_config)

@@ -1,4 +1,5 @@
-"""transformers' own Qwen3-VL as the reference: its image processor decodes the
+"""transformers' own model of the checkpoint's family (Qwen3-VL, Qwen3-VL-MoE,
+Qwen2.5-VL) as the reference: its image processor decodes the
 pixels, the placeholder expansion follows Qwen3VLProcessor (grid from the
 decoded image), and its model computes the logits."""
 from __future__ import annotations
@@ -11,11 +12,24 @@ import torch
 from PIL import Image
 
 
+REFERENCE_CLASSES = {  # model_type -> transformers' class
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
+
+
 @lru_cache(maxsize=4)
 def _load(model_dir: str):
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+    import json
+    from pathlib import Path
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    model_cls = getattr(transformers, REFERENCE_CLASSES[model_type])
+    model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_dir), AutoImageProcessor.from_pretrained(model_dir)
 
 

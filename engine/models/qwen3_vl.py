@@ -1,9 +1,12 @@
-"""Qwen3-VL language model on a paged KV cache.
+"""Qwen3-VL language model on a paged KV cache (and its relatives, by config).
 
 Qwen3 decoder layers (q/k RMSNorm per head, GQA, SwiGLU MLP) with interleaved
 multimodal RoPE and deepstack injection: the vision tower's intermediate
 features are added to the hidden states of image tokens after the first
-`num_deepstack` layers. Tokens arrive flattened `[num_tokens]` for a whole
+`num_deepstack` layers. The same modules serve Qwen3-VL-MoE (sparse MoE
+blocks in `moe_layer_ids`, models/moe.py) and Qwen2.5-VL (q/k/v biases, no
+q/k norm, contiguous M-RoPE sections, no deepstack); engine/models/registry.py
+maps each family's config onto `TextConfig`. Tokens arrive flattened `[num_tokens]` for a whole
 engine step (prefill chunks and decodes mixed); attention reads and writes
 the paged cache through the backend in the `ForwardBatch`.
 """
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from epd.engine.models.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,14 @@ class TextConfig:
     mrope_interleaved: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    attention_bias: bool = False  # q/k/v projections with biases (Qwen2.5-VL)
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3)
+    # Sparse MoE (Qwen3-VL-MoE): the layers whose MLP is a routed mixture of experts.
+    moe_layer_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
 
     @classmethod
     def from_hf(cls, hf_config) -> "TextConfig":
@@ -129,17 +142,21 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v projections fused into one matmul (the loader stacks them).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # [N, Hq, D]
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))  # [N, Hkv, D]
+        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         c, s = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
         q = q * c + _rotate_half(q) * s
@@ -166,13 +183,18 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.is_moe = layer_idx in cfg.moe_layer_ids
+        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                  cfg.num_experts_per_tok, cfg.norm_topk_prob) if self.is_moe else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:  # the fused Triton kernel where the attention runs in Triton too (GPU)
+            return x + self.mlp(h, use_triton=batch.backend.name == "triton")
+        return x + self.mlp(h)
 
 
 class Qwen3VLTextModel(nn.Module):

@@ -31,6 +31,7 @@ from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import ImageGeometry
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.model_info import ModelInfo
+from epd.engine.models.registry import check_family
 from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
@@ -71,6 +72,7 @@ class Orchestrator:
 
         self.config = config
         self.mm_cache_dir = mm_cache_dir
+        check_family(config.model)  # an unsupported family stops start-up with a clear message
         hf_config = AutoConfig.from_pretrained(config.model)
         self.info = ModelInfo.from_pretrained(config.model, hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)

@@ -1,11 +1,14 @@
-"""`epd make-model`: write a random-weight Qwen3-VL checkpoint in Hugging Face format.
+"""`epd make-model`: write a random-weight checkpoint in Hugging Face format, of
+any family EPD serves: Qwen3-VL, Qwen3-VL-MoE or Qwen2.5-VL (`Preset.family`).
 
 Nothing can be downloaded here, so every checkpoint we test or benchmark on is
 made locally with transformers' own config and model classes: the weights are
 transformers' random init, the tokenizer is a byte-level BPE trained on a
 built-in corpus with Qwen's special tokens, and the chat template follows
-Qwen3-VL's. The final RMSNorm weight is scaled so logits are peaked: greedy
-argmax must never be decided by float rounding noise.
+Qwen3-VL's (Qwen2.5-VL's is the same for text and images). The final RMSNorm
+weight is scaled so logits are peaked: greedy argmax must never be decided by
+float rounding noise; for the same reason MoE router weights are scaled so
+routing is decisive.
 """
 from __future__ import annotations
 
@@ -73,6 +76,16 @@ class Preset:
     dtype: str  # dtype the weights are stored in
     rope_theta: float = 5_000_000.0
     max_position_embeddings: int = 262_144
+    family: str = "qwen3_vl"  # model_type: qwen3_vl, qwen3_vl_moe or qwen2_5_vl
+    # qwen3_vl_moe: sparse MLPs except in mlp_only_layers (those use intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    # qwen2_5_vl: window attention except in the fullatt blocks (head_dim = hidden / heads)
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = ()
+    patch_size: int = 16  # Qwen2.5-VL: 14
 
 
 PRESETS: dict[str, Preset] = {
@@ -110,7 +123,76 @@ PRESETS: dict[str, Preset] = {
         vision_intermediate=4096, num_position_embeddings=2304, deepstack_indexes=(5, 11, 17),
         min_pixels=65536, max_pixels=16777216, tokenizer_vocab=8192, dtype="bfloat16",
     ),
+    # Qwen3-VL-MoE: Qwen3-VL's tower with sparse MoE decoder layers.
+    "qwen3-vl-moe-tiny": Preset(
+        hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, mrope_section=(4, 2, 2), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=3, vision_hidden=32, vision_heads=2,
+        vision_intermediate=64, num_position_embeddings=64, deepstack_indexes=(0, 1),
+        min_pixels=32 * 32, max_pixels=256 * 256, tokenizer_vocab=1024, dtype="float32",
+        max_position_embeddings=4096, family="qwen3_vl_moe",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    ),
+    # CPU benchmarks: ~250M parameters in all, ~70M active per token.
+    "qwen3-vl-moe-small": Preset(
+        hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=64,
+        intermediate_size=1536, mrope_section=(12, 10, 10), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=8, vision_hidden=512, vision_heads=8,
+        vision_intermediate=1536, num_position_embeddings=1024, deepstack_indexes=(2, 5),
+        min_pixels=32 * 32, max_pixels=512 * 512, tokenizer_vocab=8192, dtype="float32",
+        max_position_embeddings=32768, family="qwen3_vl_moe",
+        num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+    ),
+    # Published shapes of Qwen3-VL-30B-A3B-Instruct (128 experts, 8 active), for GPU runs.
+    "qwen3-vl-30b-a3b": Preset(
+        hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        intermediate_size=6144, mrope_section=(24, 20, 20), vocab_size=151936,
+        tie_word_embeddings=False, vision_depth=27, vision_hidden=1152, vision_heads=16,
+        vision_intermediate=4304, num_position_embeddings=2304, deepstack_indexes=(8, 16, 24),
+        min_pixels=65536, max_pixels=16777216, tokenizer_vocab=8192, dtype="bfloat16",
+        family="qwen3_vl_moe", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    ),
+    # Qwen2.5-VL: windowed ViT with 14-pixel patches, Qwen2 decoder.
+    "qwen2.5-vl-tiny": Preset(
+        hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, mrope_section=(2, 3, 3), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=3, vision_hidden=32, vision_heads=2,
+        vision_intermediate=64, num_position_embeddings=0, deepstack_indexes=(),
+        min_pixels=28 * 28, max_pixels=224 * 224, tokenizer_vocab=1024, dtype="float32",
+        rope_theta=1_000_000.0, max_position_embeddings=4096, family="qwen2_5_vl",
+        window_size=56, fullatt_block_indexes=(1,), patch_size=14,
+    ),
+    "qwen2.5-vl-small": Preset(
+        hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, head_dim=64,
+        intermediate_size=2304, mrope_section=(8, 12, 12), vocab_size=None,
+        tie_word_embeddings=False, vision_depth=8, vision_hidden=512, vision_heads=8,
+        vision_intermediate=1536, num_position_embeddings=0, deepstack_indexes=(),
+        min_pixels=28 * 28, max_pixels=448 * 448, tokenizer_vocab=8192, dtype="float32",
+        rope_theta=1_000_000.0, max_position_embeddings=32768, family="qwen2_5_vl",
+        window_size=112, fullatt_block_indexes=(3, 7), patch_size=14,
+    ),
+    # Published shapes of Qwen2.5-VL-7B-Instruct, for GPU runs.
+    "qwen2.5-vl-7b": Preset(
+        hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        intermediate_size=18944, mrope_section=(16, 24, 24), vocab_size=152064,
+        tie_word_embeddings=False, vision_depth=32, vision_hidden=1280, vision_heads=16,
+        vision_intermediate=3420, num_position_embeddings=0, deepstack_indexes=(),
+        min_pixels=3136, max_pixels=12845056, tokenizer_vocab=8192, dtype="bfloat16",
+        rope_theta=1_000_000.0, max_position_embeddings=128000, family="qwen2_5_vl",
+        window_size=112, fullatt_block_indexes=(7, 15, 23, 31), patch_size=14,
+    ),
 }
+
+# Image normalisation of each family's processor (Qwen2.5-VL keeps CLIP's).
+IMAGE_MEAN_STD = {
+    "qwen3_vl": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+    "qwen3_vl_moe": ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+    "qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
+}
+PROCESSOR_CLASS = {"qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor",
+                   "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+# Standard deviation of the MoE router logits: top-k choices far apart.
+ROUTER_LOGIT_STD = 4.0
 
 # Target standard deviation of the output logits: large enough that the top-2
 # margin of greedy decoding is orders of magnitude above float32 noise.
@@ -169,14 +251,16 @@ def build_tokenizer(vocab_size: int):
 
 
 def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0) -> Path:
-    """Writes a random-weight Qwen3-VL checkpoint to `out_dir` and returns its path.
+    """Writes a random-weight checkpoint to `out_dir` and returns its path.
     `preset` is a name from PRESETS or a `Preset` (tests build variants)."""
     import torch
-    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import GenerationConfig
 
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset] if isinstance(preset, str) else preset
+    if p.family not in PROCESSOR_CLASS:
+        raise ValueError(f"unknown family {p.family!r}; choose one of {', '.join(PROCESSOR_CLASS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -184,50 +268,14 @@ def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = p.vocab_size or len(tokenizer)
     assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
-
-    config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=p.hidden_size,
-            intermediate_size=p.intermediate_size,
-            num_hidden_layers=p.num_layers,
-            num_attention_heads=p.num_heads,
-            num_key_value_heads=p.num_kv_heads,
-            head_dim=p.head_dim,
-            max_position_embeddings=p.max_position_embeddings,
-            rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
-                                 mrope_section=list(p.mrope_section), mrope_interleaved=True),
-            tie_word_embeddings=p.tie_word_embeddings,
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-        ),
-        vision_config=dict(
-            depth=p.vision_depth,
-            hidden_size=p.vision_hidden,
-            hidden_act="gelu_pytorch_tanh",
-            intermediate_size=p.vision_intermediate,
-            num_heads=p.vision_heads,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=p.hidden_size,
-            num_position_embeddings=p.num_position_embeddings,
-            deepstack_visual_indexes=list(p.deepstack_indexes),
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=p.tie_word_embeddings,
-    )
+    config_cls, model_cls, config = _hf_config(p, ids, vocab_size)
 
     torch.manual_seed(seed)
     dtype = getattr(torch, p.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = Qwen3VLForConditionalGeneration(config).eval()
+        model = model_cls(config_cls(**config)).eval()
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
@@ -235,6 +283,10 @@ def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0
         init_std = model.lm_head.weight.float().std().item()
         norm_scale = LOGIT_STD / (init_std * p.hidden_size ** 0.5)
         model.model.language_model.norm.weight.mul_(norm_scale)
+        for layer in model.model.language_model.layers:
+            router = getattr(layer.mlp, "gate", None)
+            if isinstance(router, torch.nn.Module):  # decisive routing: router logit std ~ ROUTER_LOGIT_STD
+                router.weight.mul_(ROUTER_LOGIT_STD / (router.weight.float().std().item() * p.hidden_size ** 0.5))
     model.save_pretrained(out, safe_serialization=True)
 
     GenerationConfig(
@@ -250,6 +302,44 @@ def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0
     return out
 
 
+def _hf_config(p: Preset, ids: dict[str, int], vocab_size: int):
+    """(transformers config class, model class, config kwargs) for the preset's family."""
+    import transformers
+
+    text = dict(
+        vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_position_embeddings, rms_norm_eps=1e-6,
+        tie_word_embeddings=p.tie_word_embeddings,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+    )
+    vision = dict(depth=p.vision_depth, hidden_size=p.vision_hidden, intermediate_size=p.vision_intermediate,
+                  num_heads=p.vision_heads, patch_size=p.patch_size, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=p.hidden_size)
+    top = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+               tie_word_embeddings=p.tie_word_embeddings)
+    if p.family == "qwen2_5_vl":
+        text.update(rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
+                                         mrope_section=list(p.mrope_section)))
+        vision.update(hidden_act="silu", window_size=p.window_size,
+                      fullatt_block_indexes=list(p.fullatt_block_indexes))
+        return (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                dict(text_config=text, vision_config=vision, **top))
+    text.update(head_dim=p.head_dim, rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
+                                                         mrope_section=list(p.mrope_section),
+                                                         mrope_interleaved=True))
+    vision.update(hidden_act="gelu_pytorch_tanh", num_position_embeddings=p.num_position_embeddings,
+                  deepstack_visual_indexes=list(p.deepstack_indexes))
+    if p.family == "qwen3_vl_moe":
+        text.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                    moe_intermediate_size=p.moe_intermediate_size, mlp_only_layers=list(p.mlp_only_layers))
+        return (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration,
+                dict(text_config=text, vision_config=vision, **top))
+    return (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration,
+            dict(text_config=text, vision_config=vision, **top))
+
+
 def _embed_chat_template(out: Path) -> None:
     """Keeps the chat template inside tokenizer_config.json (where vLLM and older
     transformers look for it) as well as in chat_template.jinja if one was written."""
@@ -260,19 +350,20 @@ def _embed_chat_template(out: Path) -> None:
 
 
 def _write_preprocessor_config(out: Path, p: Preset) -> None:
+    mean, std = IMAGE_MEAN_STD[p.family]
     cfg = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
+        "processor_class": PROCESSOR_CLASS[p.family],
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
+        "image_mean": mean,
+        "image_std": std,
         "resample": 3,
         "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
-        "patch_size": 16,
+        "patch_size": p.patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }

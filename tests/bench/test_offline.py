@@ -5,6 +5,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+from family_checkpoints import family_checkpoint
+
 
 def test_offline_run_reports_consistent_rates_and_the_matmul_ceiling(tiny_model, tmp_path):
     out = tmp_path / "offline.json"
@@ -31,3 +34,14 @@ def test_matmul_floor_is_cpu_only(tiny_model):
                            "--matmul-floor"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--matmul-floor profiles CPU matmuls" in proc.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen2_5_vl"])
+def test_offline_runs_on_every_family(family, tmp_path):
+    out = tmp_path / "offline.json"
+    proc = subprocess.run([sys.executable, "-m", "epd.cli", "bench", "offline", family_checkpoint(family),
+                           "--concurrency", "2", "--input-len", "8", "--output-len", "3", "--hf-sequential-max", "1",
+                           "--threads", "1", "--save-result", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["epd_tok_s"] > 0 and row["hf_static_batch_tok_s"] > 0

@@ -1,0 +1,184 @@
+"""Qwen2.5-VL vision tower: patch embedding (no bias, no position table), 2-D
+rotary attention blocks with RMSNorm and a gated SiLU MLP, window attention
+except in the `fullatt_block_indexes` blocks, and an RMSNorm patch merger.
+No deepstack.
+
+Window attention: the merged-token grid of each image is cut into windows of
+`window_size // (patch_size * spatial_merge_size)` merged tokens a side
+(ragged at the right and bottom edges). The patches are reordered window by
+window (whole merge groups move together) before the first block, every
+window block attends within a window, full-attention blocks within an image,
+and the merger's output is put back in the image processor's order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd.encoders.vision_tower import VisionAttention, VisionOutput, _activation
+
+
+@dataclass(frozen=True)
+class Qwen2_5VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    out_hidden_size: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    rope_theta: float
+
+    @classmethod
+    def from_hf(cls, vc) -> "Qwen2_5VisionConfig":
+        rope = getattr(vc, "rope_parameters", None) or {}
+        return cls(
+            depth=vc.depth, hidden_size=vc.hidden_size, num_heads=vc.num_heads,
+            intermediate_size=vc.intermediate_size, hidden_act=vc.hidden_act,
+            patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+            spatial_merge_size=vc.spatial_merge_size, in_channels=vc.in_channels,
+            out_hidden_size=vc.out_hidden_size, window_size=vc.window_size,
+            fullatt_block_indexes=tuple(vc.fullatt_block_indexes),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: Qwen2_5VisionConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen2_5VisionConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, x, cos, sin, seq_lens):
+        x = x + self.attn(self.norm1(x), cos, sin, seq_lens)
+        return x + self.mlp(self.norm2(x))
+
+
+class Merger(nn.Module):
+    """RMSNorm per patch, then each spatial-merge group concatenated -> MLP."""
+
+    def __init__(self, cfg: Qwen2_5VisionConfig):
+        super().__init__()
+        self.merged_size = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(cfg.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_size, self.merged_size), nn.GELU(),
+                                 nn.Linear(self.merged_size, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_size))
+
+
+def block_order_rows_cols(t: int, h: int, w: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every patch in the order the image processor emits
+    them: (block_row, block_col, in_row, in_col) for merge size m, each frame."""
+    rows = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+    cols = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+    return rows.permute(0, 2, 1, 3).reshape(-1).repeat(t), cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+
+
+def window_index(grid_thw: list[tuple[int, int, int]], spatial_merge_size: int,
+                 merger_window: int) -> tuple[torch.Tensor, list[int]]:
+    """(merged-token order window by window [num_merged], patches per window).
+
+    Merged token j of the output comes from position argsort(order)[j]; every
+    window length is in patches (merged tokens x spatial_merge_size^2)."""
+    order, window_lens, offset = [], [], 0
+    unit = spatial_merge_size ** 2
+    for t, h, w in grid_thw:
+        mh, mw = h // spatial_merge_size, w // spatial_merge_size
+        index = torch.arange(t * mh * mw).view(t, mh, mw)
+        for frame in range(t):
+            for r in range(0, mh, merger_window):
+                for c in range(0, mw, merger_window):
+                    ids = index[frame, r:r + merger_window, c:c + merger_window].reshape(-1)
+                    order.append(ids + offset)
+                    window_lens.append(ids.numel() * unit)
+        offset += t * mh * mw
+    return torch.cat(order), window_lens
+
+
+class Qwen2_5VisionTower(nn.Module):
+    def __init__(self, cfg: Qwen2_5VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = Merger(cfg)
+        self.reset_rotary(self.patch_embed.proj.weight.device)
+
+    def reset_rotary(self, device) -> None:
+        """The 2-D rotary table: float32 whatever the tower's dtype (not a weight)."""
+        half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
+        self.inv_freq = 1.0 / (self.cfg.rope_theta
+                               ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+
+    def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        # [num_patches, C * t * p * p] -> [num_patches, C, t, p, p]; the conv covers the whole patch
+        x = pixel_values.view(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        return self.patch_embed.proj(x.to(self.patch_embed.proj.weight.dtype)).view(-1, c.hidden_size)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionOutput:
+        """pixel_values: [num_patches, C*t*p*p] for all images; grid_thw: one (t, h, w) per image."""
+        c, device = self.cfg, pixel_values.device
+        unit = c.spatial_merge_size ** 2
+        rows, cols = zip(*(block_order_rows_cols(t, h, w, c.spatial_merge_size, device) for t, h, w in grid_thw))
+        freqs = torch.cat([torch.cat(rows)[:, None].float() * self.inv_freq,
+                           torch.cat(cols)[:, None].float() * self.inv_freq], -1)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [num_patches, head_dim]
+
+        order, window_lens = window_index(grid_thw, c.spatial_merge_size,
+                                          c.window_size // c.spatial_merge_size // c.patch_size)
+        order = order.to(device)
+
+        def by_window(x: torch.Tensor) -> torch.Tensor:  # whole merge groups move together
+            return x.view(-1, unit, x.shape[-1])[order].view(-1, x.shape[-1])
+
+        x = by_window(self._embed(pixel_values))  # [num_patches, hidden], window order
+        cos, sin = by_window(emb.cos()), by_window(emb.sin())
+        image_lens = [t * h * w for t, h, w in grid_thw]  # windows never cross images
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, image_lens if i in c.fullatt_block_indexes else window_lens)
+        merged = self.merger(x)[torch.argsort(order)]  # [num_tokens, out_hidden], processor order
+        token_counts = [n // unit for n in image_lens]
+        embeds = list(merged.split(token_counts))
+        return VisionOutput(embeds=embeds, deepstack=[merged.new_zeros(0, n, merged.shape[-1])
+                                                      for n in token_counts])

@@ -1,0 +1,77 @@
+"""Sparse mixture-of-experts MLP (Qwen3-VL-MoE), computing only routed experts.
+
+Router: softmax over all experts in float32, top-k, optionally renormalised
+to sum to 1 (Qwen3-VL-MoE always does), cast back to the activation dtype.
+Experts are SwiGLU MLPs stored fused as the checkpoints hold them:
+`w13` [num_experts, 2 * intermediate, hidden] (gate rows, then up rows) and
+`w2` [num_experts, hidden, intermediate]. The expert weights are buffers, not
+parameters: engine/loader.py fills them itself because checkpoints store
+them in either orientation.
+
+CPU path (`fused_moe_torch`): the (token, expert) pairs are sorted by expert
+and each expert that got tokens runs once on its rows. GPU path: the Triton
+kernel in models/triton_moe.py, tested against this one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [num_tokens, num_experts] -> (topk_weights, topk_ids), each [num_tokens, top_k]."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair ids sorted by expert [num_tokens * top_k], tokens per expert [num_experts]).
+    Pair p is token p // top_k's choice p % top_k; the sort is stable, so an
+    expert's rows keep token order."""
+    flat = topk_ids.flatten()
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, hidden] -> [num_tokens, hidden]: sum over each token's k
+    experts of weight * down(silu(gate(x)) * up(x))."""
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    inter = w2.shape[2]
+    pairs, counts = sort_by_expert(topk_ids, num_experts)
+    flat_weights = topk_weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n == 0:  # never touched: no work for an expert nobody chose
+            continue
+        rows = pairs[start:start + n]
+        start += n
+        tokens = rows // top_k
+        h = F.linear(x[tokens], w13[expert])  # [n, 2 * inter]
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[expert])  # [n, hidden]
+        out.index_add_(0, tokens, y * flat_weights[rows, None])
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 normalize: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.register_buffer("w13", torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.register_buffer("w2", torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+        """x [num_tokens, hidden] -> [num_tokens, hidden]."""
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)
+        if use_triton:
+            from epd.engine.models.triton_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        return fused_moe_torch(x, self.w13, self.w2, topk_weights, topk_ids)
