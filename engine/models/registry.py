@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from epd.engine.models import qwen2_5_vl, qwen3_vl_moe
-from epd.engine.models.qwen3_vl import TextConfig
+if TYPE_CHECKING:  # the API process asks for the family and must not load model code (torch)
+    from epd.engine.models.qwen3_vl import TextConfig
 
 
 class UnsupportedModelError(ValueError):
@@ -30,12 +30,28 @@ class ModelFamily:
     text_config: Callable[[object], TextConfig]  # hf config -> our decoder's config
 
 
+def _qwen3_vl(hf_config) -> TextConfig:
+    from epd.engine.models.qwen3_vl import TextConfig
+
+    return TextConfig.from_hf(hf_config)
+
+
+def _qwen3_vl_moe(hf_config) -> TextConfig:
+    from epd.engine.models.qwen3_vl_moe import text_config_from_hf
+
+    return text_config_from_hf(hf_config)
+
+
+def _qwen2_5_vl(hf_config) -> TextConfig:
+    from epd.engine.models.qwen2_5_vl import text_config_from_hf
+
+    return text_config_from_hf(hf_config)
+
+
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", TextConfig.from_hf),
-    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",
-                qwen3_vl_moe.text_config_from_hf),
-    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration",
-                qwen2_5_vl.text_config_from_hf),
+    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl),
+    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe),
+    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl),
 )}
 
 
