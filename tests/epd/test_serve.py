@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import re
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 from hf_reference import hf_generate_text
 from media import CHATS, image_bytes, image_part
 from server import ServerProcess, free_port, start_server
+
+from epd.serve.registry import HEARTBEAT_TIMEOUT_S
 
 MAX_TOKENS = 10
 
@@ -203,6 +207,13 @@ def test_external_worker_over_tcp(tiny_model, tmp_path, expected_texts):
                 assert chat_text(api, messages) == expected_texts["one_image"]
             assert rogue.poll(1000) == 0
         assert [k for k in api.metrics() if k.startswith("epd:num_requests_running{")] == workers
+        # nobody here supervises an external worker: silent past the heartbeat timeout, it is dead
+        worker.proc.kill()
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 20
+        while (health := httpx.get(api.base_url + "/health")).status_code == 200:
+            assert time.monotonic() < deadline, "the silent worker was never declared dead"
+            time.sleep(0.5)
+        assert health.status_code == 503 and health.json()["missing_roles"] == ["aggregated"]
     finally:
         api.stop()
         worker.stop()
