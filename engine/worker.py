@@ -212,6 +212,8 @@ class EngineWorker(WorkerIO):
 
     def _step(self) -> None:
         result = self.core.step()
+        for request_id, error in result.failed.items():  # e.g. a grammar this engine cannot compile
+            self._fail(request_id, error)
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)

@@ -37,7 +37,7 @@ def image_prompt(llm):
 
 
 def make_core(tiny_model, role: str, num_kv_blocks: int = 64, block_size: int = BLOCK_SIZE) -> EngineCore:
-    config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32", device="cpu")
+    config = EngineConfig.from_flat(num_kv_blocks=num_kv_blocks, block_size=block_size, dtype="float32", device="cpu")
     return EngineCore(tiny_model, config, role=role)
 
 
