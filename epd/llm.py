@@ -75,9 +75,11 @@ class LLM:
     # -- public API ----------------------------------------------------------------
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
-        conversation may be passed directly."""
+        conversation may be passed directly. `tools` (OpenAI function tools) are
+        rendered by the chat template; constrain the output with
+        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
@@ -87,7 +89,7 @@ class LLM:
                            for part in image_parts(messages)]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
-            prompt = self.prompts.build(messages, refs, add_generation_prompt)
+            prompt = self.prompts.build(messages, refs, add_generation_prompt, tools)
             requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)), p))
         return self._run(requests)
 

@@ -32,6 +32,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (("regex", str), ("grammar", str), ("choice", list), ("json_object", bool)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise ValueError(f"structured_outputs.{name} must be a {kind.__name__}")
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
         if len(kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
