@@ -180,8 +180,11 @@ class GrammarState:
         self.num_seen = len(output_token_ids)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of an [num_rows, ceil(vocab / 32)] int32 bitmask: bit t set = token t allowed."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        """Row `row` of an [num_rows, ceil(vocab / 32)] int32 bitmask: bit t set = token t allowed.
+        A grammar already ended by its stop token (the request ignores EOS) masks nothing more,
+        as in vLLM; the row stays as allocated (all allowed)."""
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

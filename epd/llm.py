@@ -17,6 +17,7 @@ from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
+from epd.engine.structured_output import check_constraint
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
@@ -126,6 +127,9 @@ class LLM:
         return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
+        for _, _, _, params in requests:  # a schema xgrammar refuses: ValueError before any work
+            if params.structured_outputs is not None:
+                check_constraint(params.structured_outputs)
         images: dict[str, bytes] = {}
         for _, _, mm, _ in requests:
             images.update(mm)
@@ -151,6 +155,8 @@ class LLM:
 
         while self.engine.has_unfinished():
             result = self.engine.step()
+            for request_id in result.failed:  # its grammar failed to compile in the engine
+                pending[request_id].finish_reason = "error"
             stopped = []
             for update in result.updates:
                 p = pending[update.request_id]

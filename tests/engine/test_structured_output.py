@@ -192,3 +192,10 @@ def test_structured_outputs_params_are_checked():
     with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
         SamplingParams(allowed_token_ids=[])
     assert SO.from_kind(*SO(choice=["a", "b"]).key) == SO(choice=["a", "b"])
+
+
+def test_a_finished_grammar_masks_nothing_more_when_eos_is_ignored(llm):
+    [out] = _texts(llm, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                        structured_outputs=SO(choice=["cat", "dog"]))])
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    assert out.text[:3] in ("cat", "dog")
