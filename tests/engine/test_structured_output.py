@@ -199,3 +199,30 @@ def test_a_finished_grammar_masks_nothing_more_when_eos_is_ignored(llm):
                                         structured_outputs=SO(choice=["cat", "dog"]))])
     assert out.finish_reason == "length" and len(out.token_ids) == 12
     assert out.text[:3] in ("cat", "dog")
+
+
+def test_compiling_never_holds_back_other_requests(llm):
+    """While the compiler thread is busy (held here by an event), a plain request
+    steps to its end and the constrained one waits outside the scheduler."""
+    import threading
+
+    core, gate = llm.engine, threading.Event()
+    core.grammars._executor.submit(gate.wait)  # the compiler thread is taken until set()
+    so = SO(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["n"]})
+    core.add_request(Request("constrained", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                      structured_outputs=so)))
+    core.add_request(Request("plain", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)))
+    plain = []
+    try:
+        for _ in range(4):
+            result = core.step()
+            assert "constrained" not in result.requests
+            plain += [t for u in result.updates for t in u.new_token_ids]
+        assert len(plain) == 4 and core.has_unfinished()
+    finally:
+        gate.set()
+    tokens = []
+    while core.has_unfinished():
+        tokens += [t for u in core.step().updates for t in u.new_token_ids]
+    assert json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True))["n"] in range(10)
