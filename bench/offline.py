@@ -38,12 +38,17 @@ def _workload(tokenizer, num: int, input_len: int, output_len: int, range_ratio:
     return prompts, [length(output_len) for _ in range(num)]
 
 
-def bench_epd(llm, prompts, output_lens: list[int]) -> float:
-    from epd.transport.sampling import SamplingParams
+def bench_epd(llm, prompts, output_lens: list[int], json_schema: dict | None = None) -> float:
+    """Output tokens/s; with `json_schema` every request is constrained to it (structured outputs)."""
+    from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    so = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=so)
+              for n in output_lens]
     # warm-up on a prompt the run does not contain: the run must find nothing in the prefix cache
-    llm.generate([prompts[0][::-1]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    # (and, constrained, the schema is compiled before the clock starts)
+    llm.generate([prompts[0][::-1]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                    structured_outputs=so))
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -137,7 +142,7 @@ def main(args) -> dict:
     rows = []
     for c in args.concurrency:
         prompts, output_lens = _workload(tokenizer, c, args.input_len, args.output_len, args.range_ratio, seed=c)
-        row = {"concurrency": c, "epd_tok_s": bench_epd(llm, prompts, output_lens)}
+        row = {"concurrency": c, "epd_tok_s": bench_epd(llm, prompts, output_lens, args.json_schema)}
         k = min(c, args.hf_sequential_max)  # one at a time: the rate does not depend on C
         row["hf_sequential_tok_s"] = bench_hf(hf, prompts[:k], output_lens[:k], 1, pad_id)
         row["hf_static_batch_tok_s"] = bench_hf(hf, prompts, output_lens, c, pad_id)
@@ -161,7 +166,8 @@ def main(args) -> dict:
     tpot_s = 1.0 / rows[0]["epd_tok_s"] if rows[0]["concurrency"] == 1 else float("nan")
     result = {"model": args.model, "device": str(llm.engine.device), "dtype": str(llm.engine.dtype),
               "threads": args.threads, "input_len": args.input_len,
-              "output_len": args.output_len, "range_ratio": args.range_ratio, "rows": rows, "bare_decode_step_ms": step_s * 1e3,
+              "output_len": args.output_len, "range_ratio": args.range_ratio, "json_schema": args.json_schema,
+              "rows": rows, "bare_decode_step_ms": step_s * 1e3,
               "epd_tpot_ms_at_1": tpot_s * 1e3, "tpot_over_bare_step": tpot_s / step_s}
     _print_table(result)
     if args.save_result:
@@ -185,6 +191,24 @@ def _print_table(result: dict) -> None:
           f"{result['bare_decode_step_ms']:.2f} ms -> {result['tpot_over_bare_step']:.2f}x")
 
 
+def _json_schema(value: str) -> dict:
+    """--json-schema: inline JSON or a path to a JSON file."""
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            with open(value) as f:
+                text = f.read()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"not inline JSON and not a readable file: {exc}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("a JSON schema must be an object")
+    return schema
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="checkpoint directory (e.g. made with `epd make-model --preset small`)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
@@ -201,3 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matmul-floor", action="store_true",
                    help="at the largest C, also profile both engines' matmul time (the ceiling on any speed-up)")
     p.add_argument("--save-result", default=None)
+    p.add_argument("--json-schema", type=_json_schema, default=None,
+                   help="constrain EPD's outputs to this JSON schema (inline JSON or a file), to measure "
+                        "structured outputs' cost per token; e.g. '{\"type\": \"array\", \"items\": "
+                        "{\"type\": \"integer\"}}' never ends early (transformers runs unconstrained)")

@@ -14,6 +14,7 @@ It is the only door into the engine: callers use the verbs below
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ from epd.engine.request import Request
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
+from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.mm_entry import MMEntry
 
 
@@ -55,9 +57,10 @@ class StepFailed(RuntimeError):
     """A step raised: its requests (`request_ids`) were aborted, every other
     request and the engine itself are as before the step."""
 
-    def __init__(self, request_ids: list[str]):
+    def __init__(self, request_ids: list[str], failed: dict[str, str] | None = None):
         super().__init__(f"a step of {len(request_ids)} requests failed")
         self.request_ids = request_ids
+        self.failed = failed or {}  # request id -> error: grammars that failed before the step
 
 
 @dataclass
@@ -66,6 +69,7 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     num_batched_tokens: int = 0
     requests: dict[str, Request] = field(default_factory=dict)  # every request run this step
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> error (e.g. a grammar that fails to compile)
 
 
 class EngineCore:
@@ -89,6 +93,10 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, config.resolved_backend(self.device), self.device)
         self.num_blocks = num_blocks
+        self.grammars = GrammarCompilerPool(model_dir, self.info.vocab_size, self.info.eos_token_ids)
+        # Requests whose grammar (or bad words) are being prepared in the compiler
+        # thread: they enter the scheduler when done, so no step waits for a compile.
+        self._preparing: dict[str, tuple[Request, dict[str, MMEntry], Future]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -109,9 +117,16 @@ class EngineCore:
             request.eos_token_ids = self.info.eos_token_ids
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
-        self.scheduler.add_request(request)
+        if request.request_id in self._preparing:
+            raise ValueError(f"request {request.request_id} is already queued")
         # Only its own images: the scheduler frees exactly those when it is done.
-        self.runner.add_embeddings({h: mm_embeddings[h] for h in request.mm_hashes if h in mm_embeddings})
+        own = {h: mm_embeddings[h] for h in request.mm_hashes if h in mm_embeddings}
+        if GrammarCompilerPool.needs(request.sampling_params):
+            self.scheduler._check_new(request)  # refuse what the scheduler would refuse, now
+            self._preparing[request.request_id] = (request, own, self.grammars.prepare(request.sampling_params))
+            return
+        self.scheduler.add_request(request)
+        self.runner.add_embeddings(own)
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV
@@ -123,10 +138,18 @@ class EngineCore:
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
+        prepared = None
+        if GrammarCompilerPool.needs(request.sampling_params):
+            future = self.grammars.prepare(request.sampling_params)  # compiled once, then cached
+            if not future.done():
+                return False  # the caller retries; the grammar compiles meanwhile
+            prepared = future.result()  # ValueError: it cannot compile here either
         block_ids = self.scheduler.add_prefilled(request)
         if block_ids is None:
             return False
         self.runner.write_blocks(block_ids, k_blocks, v_blocks)
+        if prepared is not None:  # its matcher catches up on the first token at the next sample
+            self.runner.add_constraints(request, prepared)
         return True
 
     # -- prefill role: hand the KV over ---------------------------------------------
@@ -153,16 +176,20 @@ class EngineCore:
 
     def abort(self, request_ids) -> list[str]:
         """Finishes the requests wherever they are; returns the ids actually aborted."""
-        return self.scheduler.abort(request_ids)
+        request_ids = list(request_ids)
+        parked = [rid for rid in request_ids if self._preparing.pop(rid, None) is not None]
+        return parked + self.scheduler.abort(request_ids)
 
     # -- one step --------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._preparing)
 
     def step(self) -> StepResult:
-        """schedule -> run -> update. An exception while running or updating
-        aborts the step's requests and raises StepFailed naming them."""
+        """Admit requests whose grammar is ready, then schedule -> run -> update.
+        An exception while running or updating aborts the step's requests and
+        raises StepFailed naming them (and the grammars that failed meanwhile)."""
+        failed = self._admit_prepared()
         out = self.scheduler.schedule()
         try:
             runner_out = self.runner.execute(out)
@@ -170,9 +197,31 @@ class EngineCore:
         except Exception as exc:
             request_ids = [s.request_id for s in out.scheduled]
             self.scheduler.abort(request_ids)
-            raise StepFailed(request_ids) from exc
+            raise StepFailed(request_ids, failed) from exc
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
-                          {s.request_id: s.request for s in out.scheduled})
+                          {s.request_id: s.request for s in out.scheduled}, failed)
+
+    def _admit_prepared(self) -> dict[str, str]:
+        """Moves requests whose grammar is compiled into the scheduler; returns those
+        that failed to compile. Waits a little only when nothing else could run."""
+        if not self._preparing:
+            return {}
+        if not self.scheduler.has_unfinished():
+            wait([f for _, _, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        failed = {}
+        for rid, (request, embeddings, future) in list(self._preparing.items()):
+            if not future.done():
+                continue
+            del self._preparing[rid]
+            try:
+                prepared = future.result()
+                self.scheduler.add_request(request)
+            except ValueError as exc:
+                failed[rid] = str(exc)
+                continue
+            self.runner.add_embeddings(embeddings)
+            self.runner.add_constraints(request, prepared)
+        return failed
 
     # -- state -----------------------------------------------------------------------
 

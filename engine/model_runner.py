@@ -24,6 +24,7 @@ from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator
+from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import SchedulerOutput
 from epd.transport.mm_entry import MMEntry
@@ -60,6 +61,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
         self._mm_embeddings: dict[str, MMEntry] = {}  # mm_hash -> encoder output
         self._states: dict[str, _RequestState] = {}
+        self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
+        self._bad_words: dict[str, list[list[int]]] = {}  # request id -> each bad word's token ids
 
     # -- KV blocks (transfer between workers) --------------------------------------
 
@@ -124,6 +127,17 @@ class ModelRunner:
     def drop(self, request_ids) -> None:
         for rid in request_ids:
             self._states.pop(rid, None)
+            self._grammars.pop(rid, None)
+            self._bad_words.pop(rid, None)
+
+    def add_constraints(self, request: Request, prepared: Prepared) -> None:
+        """A request's compiled grammar and tokenized bad words (engine/structured_output.py);
+        kept until it finishes, across preemptions."""
+        if prepared.grammar is not None:
+            stop_ids = list(request.eos_token_ids) + list(request.sampling_params.stop_token_ids)
+            self._grammars[request.request_id] = GrammarState(prepared.grammar, stop_ids)
+        if prepared.bad_words_token_ids:
+            self._bad_words[request.request_id] = prepared.bad_words_token_ids
 
     # -- one step ----------------------------------------------------------------
 
@@ -188,16 +202,28 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> RunnerOutput:
+        masked = [r for r in reqs if r.request_id in self._grammars]
+        bitmask = allocate_bitmask(len(masked), logits.shape[-1]) if masked else None
+        rows = {}
+        for row, req in enumerate(masked):  # catch up on tokens sampled since (or elsewhere), then mask
+            grammar = self._grammars[req.request_id]
+            grammar.advance(req.output_token_ids)
+            grammar.fill_bitmask(bitmask, row)
+            rows[req.request_id] = row
         inputs = []
         for req in reqs:
             params = req.sampling_params
             banned = ()
             if req.num_output_tokens < params.min_tokens:
                 banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else req.eos_token_ids)
+            if req.request_id in self._bad_words:
+                banned += _bad_word_ends(self._bad_words[req.request_id], req.output_token_ids)
+            row = rows.get(req.request_id)
             inputs.append(SamplingInput(params=params, prompt_token_ids=req.prompt_token_ids,
                                         output_token_ids=req.output_token_ids,
                                         generator=self._states[req.request_id].generator,
-                                        banned_token_ids=banned))
+                                        banned_token_ids=banned,
+                                        token_bitmask=None if row is None else bitmask[row]))
         result = self.sampler(logits, SamplingBatch.from_inputs(inputs, device=self.device))
         out = RunnerOutput()
         for i, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
@@ -205,3 +231,13 @@ class ModelRunner:
             if result.logprobs is not None and result.logprobs[i] is not None:
                 out.logprobs[req.request_id] = result.logprobs[i]
         return out
+
+
+def _bad_word_ends(words: list[list[int]], output_token_ids: list[int]) -> tuple[int, ...]:
+    """The last token of each bad word whose other tokens end the output (vLLM's rule)."""
+    out = []
+    for ids in words:
+        prefix = ids[:-1]
+        if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
+            out.append(ids[-1])
+    return tuple(out)

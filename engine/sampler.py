@@ -3,7 +3,8 @@
 Order of processing, as in vLLM V1:
 
     raw logits ──▶ logprobs (log_softmax of the raw logits, when asked)
-               ──▶ banned ids (-inf) ──▶ repetition / frequency / presence penalties
+               ──▶ grammar mask, allowed_token_ids, banned ids (-inf) ──▶ logit_bias
+               ──▶ repetition / frequency / presence penalties
                ──▶ greedy rows: argmax
                ──▶ temperature ──▶ min-p ──▶ top-k ──▶ top-p ──▶ random rows: sample
 
@@ -40,7 +41,10 @@ class SamplingInput:
     """What the sampler needs to know about one sequence at this step.
 
     `banned_token_ids` are never sampled this step; the runner passes the EOS
-    and stop-token ids here while the sequence is short of `min_tokens`.
+    and stop-token ids here while the sequence is short of `min_tokens`, and
+    the last token of any bad word the output is about to complete.
+    `token_bitmask` ([ceil(vocab / 32)] int32, bit t set = token t allowed) is
+    the grammar's mask for this step (structured outputs).
     """
 
     params: SamplingParams
@@ -48,6 +52,7 @@ class SamplingInput:
     output_token_ids: Sequence[int] = ()
     generator: torch.Generator | None = None
     banned_token_ids: Sequence[int] = ()
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -91,6 +96,13 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # [num_banned] int64
     banned_ids: torch.Tensor | None = None  # [num_banned] int64
     num_logprobs: list[int | None] | None = None  # per row, None when no row asks
+    bitmask_rows: torch.Tensor | None = None  # [num_masked] int64
+    bitmask: torch.Tensor | None = None  # [num_masked, ceil(vocab / 32)] int32
+    allowed_rows: torch.Tensor | None = None  # [num_allowed_rows] int64
+    allowed_pairs: tuple[torch.Tensor, torch.Tensor] | None = None  # (index into allowed_rows, token id)
+    bias_rows: torch.Tensor | None = None  # [num_biases] int64
+    bias_ids: torch.Tensor | None = None  # [num_biases] int64
+    bias_values: torch.Tensor | None = None  # [num_biases] float32
 
     @classmethod
     def from_inputs(cls, inputs: Sequence[SamplingInput],
@@ -140,11 +152,37 @@ class SamplingBatch:
 
         if any(p.logprobs is not None for p in params):
             batch.num_logprobs = [p.logprobs for p in params]
+        batch._add_constraints(inputs, device)
         return batch
+
+    def _add_constraints(self, inputs: Sequence[SamplingInput], device: torch.device | str) -> None:
+        """Grammar masks, allowed_token_ids and logit_bias of the rows that have them."""
+        rows = [i for i, x in enumerate(inputs) if x.token_bitmask is not None]
+        if rows:
+            self.bitmask_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            self.bitmask = torch.stack([inputs[i].token_bitmask for i in rows]).to(device)
+        rows = [i for i, x in enumerate(inputs) if x.params.allowed_token_ids is not None]
+        if rows:
+            self.allowed_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+            index = [j for j, i in enumerate(rows) for _ in inputs[i].params.allowed_token_ids]
+            ids = [t for i in rows for t in inputs[i].params.allowed_token_ids]
+            self.allowed_pairs = (torch.tensor(index, dtype=torch.int64, device=device),
+                                  torch.tensor(ids, dtype=torch.int64, device=device))
+        if any(x.params.logit_bias for x in inputs):
+            pairs = [(i, t, b) for i, x in enumerate(inputs) for t, b in (x.params.logit_bias or {}).items()]
+            self.bias_rows = torch.tensor([r for r, _, _ in pairs], dtype=torch.int64, device=device)
+            self.bias_ids = torch.tensor([t for _, t, _ in pairs], dtype=torch.int64, device=device)
+            self.bias_values = torch.tensor([b for _, _, b in pairs], dtype=torch.float32, device=device)
 
     @property
     def has_penalties(self) -> bool:
         return self.penalty_rows is not None
+
+    @property
+    def has_logit_edits(self) -> bool:
+        """Anything that changes logits before argmax besides penalties."""
+        return (self.banned_ids is not None or self.bitmask is not None or self.allowed_rows is not None
+                or self.bias_ids is not None)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -218,6 +256,38 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return logits
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(vocab / 32)] int32 (bit j of word w = token 32 w + j) -> [rows, vocab] bool allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place on float32 logits [num_seqs, vocab]: the grammar mask, allowed_token_ids
+    and banned ids set -inf, then logit_bias is added. Ids past the logits' width
+    (a vocabulary padded differently) are ignored."""
+    vocab_size = logits.shape[-1]
+    neg_inf = torch.tensor(float("-inf"), device=logits.device)
+    if batch.bitmask is not None:
+        allowed = unpack_bitmask(batch.bitmask, vocab_size)  # [num_masked, vocab]
+        rows = logits.index_select(0, batch.bitmask_rows)
+        logits.index_copy_(0, batch.bitmask_rows, rows.masked_fill(~allowed, float("-inf")))
+    if batch.allowed_rows is not None:
+        index, ids = batch.allowed_pairs
+        keep = ids < vocab_size
+        allowed = torch.zeros(len(batch.allowed_rows), vocab_size, dtype=torch.bool, device=logits.device)
+        allowed[index[keep], ids[keep]] = True
+        rows = logits.index_select(0, batch.allowed_rows)
+        logits.index_copy_(0, batch.allowed_rows, rows.masked_fill(~allowed, float("-inf")))
+    if batch.banned_ids is not None:
+        keep = batch.banned_ids < vocab_size
+        logits.index_put_((batch.banned_rows[keep], batch.banned_ids[keep]), neg_inf)
+    if batch.bias_ids is not None:
+        keep = batch.bias_ids < vocab_size
+        logits.index_put_((batch.bias_rows[keep], batch.bias_ids[keep]), batch.bias_values[keep], accumulate=True)
+
+
 def _exponential(batch: SamplingBatch, shape: torch.Size, device: torch.device) -> torch.Tensor:
     """[num_seqs, vocab] Exp(1) noise; seeded rows draw from their own generator."""
     q = torch.empty(shape, dtype=torch.float32, device=device)
@@ -257,15 +327,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_seqs, logits.shape
-        if (batch.is_all_greedy and not batch.has_penalties and batch.banned_ids is None
+        if (batch.is_all_greedy and not batch.has_penalties and not batch.has_logit_edits
                 and batch.num_logprobs is None):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # fast path
 
         raw_logits = logits
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place
-        if batch.banned_ids is not None:
-            logits.index_put_((batch.banned_rows, batch.banned_ids),
-                              torch.tensor(float("-inf"), device=logits.device))
+        if batch.has_logit_edits:
+            apply_constraints(logits, batch)
         if batch.has_penalties:
             rows = batch.penalty_rows
             logits.index_copy_(0, rows, apply_penalties(

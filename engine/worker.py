@@ -231,7 +231,11 @@ class EngineWorker(WorkerIO):
                 self.decode_target.pop(request_id, None)
                 self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error",
                                               error="internal error in the engine", is_internal_error=True))
+            for request_id, error in exc.failed.items():
+                self._fail(request_id, error)
             return
+        for request_id, error in result.failed.items():  # e.g. a grammar this engine cannot compile
+            self._fail(request_id, error)
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)

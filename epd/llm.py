@@ -18,6 +18,7 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.models.registry import check_family
 from epd.engine.request import Request
+from epd.engine.structured_output import check_constraint
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
@@ -77,9 +78,11 @@ class LLM:
     # -- public API ----------------------------------------------------------------
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
-        conversation may be passed directly."""
+        conversation may be passed directly. `tools` (OpenAI function tools) are
+        rendered by the chat template; constrain the output with
+        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
@@ -89,7 +92,7 @@ class LLM:
                            for part in image_parts(messages)]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
-            prompt = self.prompts.build(messages, refs, add_generation_prompt)
+            prompt = self.prompts.build(messages, refs, add_generation_prompt, tools)
             requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)), p))
         return self._run(requests)
 
@@ -126,6 +129,9 @@ class LLM:
         return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
+        for _, _, _, params in requests:  # a schema xgrammar refuses: ValueError before any work
+            if params.structured_outputs is not None:
+                check_constraint(params.structured_outputs)
         images: dict[str, bytes] = {}
         for _, _, mm, _ in requests:
             images.update(mm)
@@ -151,6 +157,8 @@ class LLM:
 
         while self.engine.has_unfinished():
             result = self.engine.step()
+            for request_id in result.failed:  # its grammar failed to compile in the engine
+                pending[request_id].finish_reason = "error"
             stopped = []
             for update in result.updates:
                 p = pending[update.request_id]

@@ -7,7 +7,95 @@ the scheduler imports this and its tests check it stays torch-free.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM names it: exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object` (any JSON object), `regex`,
+    `choice` (one of these strings) or `grammar` (EBNF, xgrammar's dialect).
+
+    The engine compiles it into a token mask (engine/structured_output.py);
+    here it is only checked for shape. `key` names the compiled grammar:
+    equal keys compile once per worker.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("regex", str), ("grammar", str), ("choice", list), ("json_object", bool)):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), kind):
+                raise ValueError(f"structured_outputs.{name} must be a {kind.__name__}")
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if self.choice is not None:
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        if isinstance(self.json, str):
+            try:
+                value = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(value, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (dict or JSON text)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string: the schema's JSON text, the regex, the
+        choices as a JSON list, the grammar; "" for json_object."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+        if kind == "choice":
+            return json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.spec
+
+    def to_map(self) -> dict[str, Any]:
+        return {"kind": self.kind, "spec": self.spec}
+
+    @staticmethod
+    def from_kind(kind: str, spec: str) -> StructuredOutputsParams:
+        """The inverse of `to_map`; ValueError for an unknown kind."""
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "choice":
+            try:
+                return StructuredOutputsParams(choice=json.loads(spec))
+            except (ValueError, TypeError):
+                raise ValueError("structured_outputs.choice must be a JSON list of strings") from None
+        if kind == "json":
+            try:
+                schema = json.loads(spec)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            return StructuredOutputsParams(json=schema if isinstance(schema, dict) else spec)
+        if kind not in ("regex", "grammar"):
+            raise ValueError(f"unknown structured_outputs kind {kind!r}")
+        return StructuredOutputsParams(**{kind: spec})
 
 
 @dataclass
@@ -36,12 +124,25 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
     skip_special_tokens: bool = True
+    # Logits controls: OpenAI's logit_bias (token id -> added to its logit, in
+    # [-100, 100]); vLLM's allowed_token_ids (only these may be sampled) and
+    # bad_words (never produced; the engine tokenizes them, with and without a
+    # leading space).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         self.validate()
 
     def validate(self) -> None:
@@ -68,6 +169,20 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd.transport.codec import Fields, WireError
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
 __all__ = ["EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
            "sampling_from_map", "sampling_to_map"]
@@ -27,7 +27,12 @@ def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
             "frequency_penalty": float(p.frequency_penalty), "repetition_penalty": float(p.repetition_penalty),
             "max_tokens": p.max_tokens, "min_tokens": p.min_tokens, "stop": list(p.stop),
             "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos, "logprobs": p.logprobs,
-            "skip_special_tokens": p.skip_special_tokens}
+            "skip_special_tokens": p.skip_special_tokens,
+            # msgpack map keys stay strings: token ids as [[id, bias], ...]
+            "logit_bias": None if p.logit_bias is None else [[t, float(b)] for t, b in p.logit_bias.items()],
+            "allowed_token_ids": None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+            "bad_words": list(p.bad_words),
+            "structured_outputs": None if p.structured_outputs is None else p.structured_outputs.to_map()}
 
 
 def sampling_from_map(m: Fields) -> SamplingParams:
@@ -39,9 +44,23 @@ def sampling_from_map(m: Fields) -> SamplingParams:
         frequency_penalty=m.float("frequency_penalty"), repetition_penalty=m.float("repetition_penalty"),
         max_tokens=m.opt_int("max_tokens"), min_tokens=m.int("min_tokens"), stop=m.list_of("stop", str),
         stop_token_ids=m.token_ids("stop_token_ids"), ignore_eos=m.bool("ignore_eos"),
-        logprobs=m.opt_int("logprobs"), skip_special_tokens=m.bool("skip_special_tokens"))
+        logprobs=m.opt_int("logprobs"), skip_special_tokens=m.bool("skip_special_tokens"),
+        logit_bias=m.opt_list("logit_bias"), allowed_token_ids=m.opt_list("allowed_token_ids"),
+        bad_words=m.list_of("bad_words", str), structured_outputs=m.opt_map("structured_outputs"))
     m.reject_unknown(kwargs)
+    if kwargs["logit_bias"] is not None:
+        if not all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0
+                   and type(e[1]) in (int, float) for e in kwargs["logit_bias"]):
+            raise WireError(f"{m.tag}.logit_bias: expected [[token_id, bias], ...]")
+        kwargs["logit_bias"] = {t: float(b) for t, b in kwargs["logit_bias"]}
+    if kwargs["allowed_token_ids"] is not None:
+        kwargs["allowed_token_ids"] = m.token_ids("allowed_token_ids")
+    so = kwargs["structured_outputs"]
     try:
+        if so is not None:
+            kind, spec = so.str("kind"), so.str("spec")
+            so.reject_unknown(("kind", "spec"))
+            kwargs["structured_outputs"] = StructuredOutputsParams.from_kind(kind, spec)
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise WireError(f"{m.tag}: {e}") from None

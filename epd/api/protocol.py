@@ -17,36 +17,18 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (re-exported)
+from epd.api.request_error import RequestError
+from epd.api.tool_calls import (ToolChoice, ToolError, parse_tool_choice, tool_choice_schema,
+                                validate_tools)
+from epd.engine.structured_output import check_constraint
+from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
-
-
-class RequestError(Exception):
-    """A request we refuse; rendered as `{"error": {message, type, param, code}}`.
-
-    `status` 422 is folded into 400 (OpenAI never answers 422). `type` follows
-    the status unless given: 401 authentication_error, 404 not_found_error,
-    other 4xx invalid_request_error, 5xx server_error.
-    """
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None, retry_after_s: int | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 the client may try again)
-        self.status = 400 if status == 422 else status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _ERROR_TYPES.get(
-            self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-
+MAX_LOGIT_BIAS = 100.0
 
 @dataclass
 class GenerateRequest:
@@ -58,6 +40,8 @@ class GenerateRequest:
     prompt: str | list[int] | None
     sampling: SamplingParams
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # rendered by the chat template
+    tool_choice: ToolChoice | None = None  # how the answer is parsed into tool calls (chat only)
 
 
 @dataclass
@@ -78,6 +62,8 @@ def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
     """Token ids the client names must exist in the model: a stop token id past
     the vocabulary would otherwise reach the sampler (and fail there)."""
     for name, ids in (("stop_token_ids", request.sampling.stop_token_ids),
+                      ("logit_bias", request.sampling.logit_bias or ()),
+                      ("allowed_token_ids", request.sampling.allowed_token_ids or ()),
                       ("prompt", request.prompt if isinstance(request.prompt, list) else ())):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -199,6 +185,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar, json_object
 
     @property
     def include_usage(self) -> bool:
@@ -207,10 +196,36 @@ class _GenerationRequest(BaseModel):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream is true", param="stream_options")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", param="logit_bias")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's {"token id": bias}; ids are checked against the vocabulary in `check_token_ids`."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise RequestError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token_id <= INT64_MAX or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias: token {key} -> {bias}: ids must be non-negative and "
+                                   "biases in [-100, 100]", param="logit_bias")
+            out[token_id] = bias
+        return out
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is None:
+            return None
+        so = self.structured_outputs
+        known = ("json", "regex", "choice", "grammar", "json_object")
+        unknown = sorted(k for k in so if k not in known and so[k] is not None)
+        if unknown:
+            raise RequestError(f"structured_outputs: unknown fields {unknown}; expected one of {', '.join(known)}",
+                               param="structured_outputs")
+        return constraint(lambda: StructuredOutputsParams(**{k: so.get(k) for k in known}), "structured_outputs")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         stop = normalize_stop(self.stop)
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
@@ -233,6 +248,10 @@ class _GenerationRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words or [],
+                structured_outputs=structured_outputs or self._structured_outputs(),
             )
         except ValueError as exc:  # SamplingParams names the field first: "top_k must be ..."
             message = str(exc)
@@ -253,12 +272,18 @@ class ChatCompletionRequest(_GenerationRequest):
                             ) -> GenerateRequest:
         """Raises RequestError for what the schema alone cannot catch."""
         self._check_common()
-        if self.tools:
-            raise RequestError("tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise RequestError("tool_choice is not supported by this server", param="tool_choice")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise RequestError("only response_format {\"type\": \"text\"} is supported", param="response_format")
+        try:
+            tools = validate_tools(self.tools or [])
+            tool_choice = parse_tool_choice(self.tool_choice, tools)
+        except ToolError as exc:
+            raise RequestError(str(exc), param=exc.param) from None
+        constraints = [c for c in (self._response_format(), self._structured_outputs()) if c is not None]
+        schema = tool_choice_schema(tool_choice, tools)
+        if schema is not None:
+            constraints.append(constraint(lambda: StructuredOutputsParams(json=schema), "tools"))
+        if len(constraints) > 1:
+            raise RequestError("at most one of response_format (json), structured_outputs and a required or "
+                               "named tool_choice may constrain the output", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = validate_messages(self.messages, max_images_per_prompt)
@@ -266,8 +291,30 @@ class ChatCompletionRequest(_GenerationRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return GenerateRequest(request_id=request_id, messages=messages, prompt=None,
-                               sampling=self._sampling_params(max_tokens, logprobs),
-                               add_generation_prompt=self.add_generation_prompt)
+                               sampling=self._sampling_params(max_tokens, logprobs, next(iter(constraints), None)),
+                               add_generation_prompt=self.add_generation_prompt, tools=tools or None,
+                               tool_choice=tool_choice)
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}."""
+        rf = self.response_format
+        kind = None if rf is None else rf.get("type")
+        if rf is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise RequestError("response_format.json_schema: must be an object with a name and a schema",
+                                   param="response_format.json_schema")
+            schema = spec.get("schema", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema: must be a JSON schema object",
+                                   param="response_format.json_schema.schema")
+            return constraint(lambda: StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+        raise RequestError(f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                           param="response_format.type")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -285,6 +332,16 @@ class CompletionRequest(_GenerationRequest):
             raise RequestError("suffix is not supported", param="suffix")
         return GenerateRequest(request_id=request_id, messages=None, prompt=normalize_prompt(self.prompt),
                                sampling=self._sampling_params(self.max_tokens, self.logprobs))
+
+
+def constraint(build, param: str) -> StructuredOutputsParams:
+    """A StructuredOutputsParams the grammar engine can compile, or a 400 naming `param`."""
+    try:
+        so = build()
+        check_constraint(so)
+    except ValueError as exc:
+        raise RequestError(f"{param}: {exc}", param=param) from None
+    return so
 
 
 # -- field normalisation -----------------------------------------------------------------------
@@ -311,54 +368,3 @@ def normalize_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> s
     if isinstance(prompt, list) and any(t < 0 for t in prompt):
         raise RequestError("prompt token ids must be non-negative", param="prompt")
     return prompt
-
-
-def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None) -> list[dict]:
-    """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant
-    ("developer" becomes "system") and content a string or a list of
-    {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} parts."""
-    out = []
-    num_images = 0
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        role = msg.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise RequestError(f"{where}.role: unsupported role {role!r}; expected one of "
-                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
-        if msg.get("tool_calls"):
-            raise RequestError(f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls")
-        content = msg.get("content")
-        if content is None:
-            if role != "assistant":
-                raise RequestError(f"{where}.content: field required", param=f"{where}.content")
-            content = ""
-        elif isinstance(content, list):
-            content = [_content_part(part, role, f"{where}.content[{j}]") for j, part in enumerate(content)]
-            num_images += sum(1 for part in content if part["type"] == "image_url")
-        elif not isinstance(content, str):
-            raise RequestError(f"{where}.content: must be a string or a list of content parts",
-                               param=f"{where}.content")
-        out.append({"role": CHAT_ROLES[role], "content": content})
-    if max_images is not None and num_images > max_images:
-        raise RequestError(f"at most {max_images} images per request are allowed, got {num_images}",
-                           param="messages")
-    return out
-
-
-def _content_part(part: Any, role: str, where: str) -> dict:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.text: must be a string", param=f"{where}.text")
-        return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
-        if role != "user":
-            raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
-        image = part.get("image_url")
-        url = image.get("url") if isinstance(image, dict) else image
-        if not isinstance(url, str) or not url:
-            raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
-        return {"type": "image_url", "image_url": {"url": url}}
-    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
-                       param=f"{where}.type")
-

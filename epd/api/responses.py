@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd.api.protocol import Delta
+from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
 from epd.transport.sampling import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -75,24 +76,60 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """`tool_choice` (auto, required, a named function) turns the text into tool calls
+    (epd/api/tool_calls.py), streamed as OpenAI's tool-call deltas."""
+
+    def __init__(self, *args, tool_choice: ToolChoice | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tool_choice = tool_choice if tool_choice is not None and tool_choice.mode != "none" else None
+        self._parsers: dict[int, ToolCallParser] = {}  # streamed: one per choice
+
     def opening_chunks(self, index: int) -> list[dict]:
         """Sent for every choice before its first content: the role."""
         return [self._chunk(index, {"role": "assistant", "content": ""}, None, None)]
 
     def delta_chunk(self, index: int, delta: Delta) -> dict | None:
         logprobs = self.logprobs(delta.logprobs or []) if self.want_logprobs and delta.logprobs else None
+        if self.tool_choice is not None:
+            return self._tool_delta_chunk(index, delta, logprobs)
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None  # nothing to say yet (e.g. text held back while a stop string may match)
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return self._chunk(index, content, delta.finish_reason, logprobs)
 
+    def _tool_delta_chunk(self, index: int, delta: Delta, logprobs: dict | None) -> dict | None:
+        parser = self._parsers.setdefault(index, ToolCallParser(self.tool_choice))
+        parsed = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            end = parser.finish()
+            parsed = ParsedDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
+        if not parsed.content and not parsed.tool_calls and delta.finish_reason is None and logprobs is None:
+            return None
+        body: dict = {}
+        if parsed.content:
+            body["content"] = parsed.content
+        if parsed.tool_calls:
+            body["tool_calls"] = parsed.tool_calls
+        return self._chunk(index, body, _finish_reason(parser, delta.finish_reason), logprobs)
+
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage(outputs)}
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self.logprobs(o.logprobs) if self.want_logprobs else None,
-                    "finish_reason": o.finish_reason} for o in outputs]
+        choices = []
+        for o in outputs:
+            message: dict = {"role": "assistant", "content": o.text}
+            finish_reason = o.finish_reason
+            if self.tool_choice is not None:  # the same parser as streaming, fed the whole text
+                parser = ToolCallParser(self.tool_choice)
+                content = parser.feed(o.text).content + parser.finish().content
+                message["content"] = content or (None if parser.calls else "")
+                if parser.calls:
+                    message["tool_calls"] = parser.calls
+                finish_reason = _finish_reason(parser, o.finish_reason)
+            choices.append({"index": o.index, "message": message,
+                            "logprobs": self.logprobs(o.logprobs) if self.want_logprobs else None,
+                            "finish_reason": finish_reason})
         return {**self._envelope("chat.completion", choices), "usage": usage(outputs)}
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict:
@@ -107,6 +144,14 @@ class ChatFormat(_Format):
     def _chunk(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
         return self._envelope("chat.completion.chunk", [
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+
+
+def _finish_reason(parser: ToolCallParser, finish_reason: str | None) -> str | None:
+    """"tool_calls" when the model stopped after calling (auto, required); a named
+    function keeps "stop", as in vLLM."""
+    if finish_reason == "stop" and parser.calls and parser.choice.mode in ("auto", "required"):
+        return "tool_calls"
+    return finish_reason
 
 
 class CompletionFormat(_Format):

@@ -115,7 +115,8 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
         check_model(body.model, model)
         request_id = _internal_request_id(raw, "chatcmpl")
         request = body.to_generate_request(request_id, max_images_per_prompt=settings.max_images_per_prompt)
-        fmt = ChatFormat(request_id, model, int(time.time()), orchestrator.decode_token, bool(body.logprobs))
+        fmt = ChatFormat(request_id, model, int(time.time()), orchestrator.decode_token, bool(body.logprobs),
+                         tool_choice=request.tool_choice)
         return await _serve(raw, request, fmt, bool(body.stream), body.include_usage)
 
     @app.post("/v1/completions")

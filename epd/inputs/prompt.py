@@ -35,7 +35,8 @@ class Prompt:
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Messages with content as a string or a list of {"type": "text"|"image"} parts,
     the form the chat template reads. Image payloads are dropped: the template
-    only needs their position."""
+    only needs their position. `tool_calls` (assistant) and `tool_call_id` (tool)
+    pass through."""
     out = []
     for msg in messages:
         content = msg.get("content")
@@ -52,7 +53,11 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 else:
                     raise ValueError(f"unsupported content part type {kind!r}")
             content = parts
-        out.append({"role": msg["role"], "content": content})
+        clean = {"role": msg["role"], "content": content}
+        for key in ("tool_calls", "tool_call_id"):
+            if key in msg:
+                clean[key] = msg[key]
+        out.append(clean)
     return out
 
 
@@ -68,14 +73,17 @@ class PromptBuilder:
         self.geometry = geometry
         self.image_token_id = image_token_id
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The chat template's text; `tools` (OpenAI function tools) are rendered by the template."""
         return self.tokenizer.apply_chat_template(
-            normalize_messages(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+            normalize_messages(messages), tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
 
     def build(self, messages: list[dict], images: list[ImageRef],
-              add_generation_prompt: bool = True) -> Prompt:
+              add_generation_prompt: bool = True, tools: list[dict] | None = None) -> Prompt:
         """`images` in the order their parts appear in `messages`."""
-        text = self.render(messages, add_generation_prompt)
+        text = self.render(messages, add_generation_prompt, tools)
         pieces = text.split(IMAGE_PAD)
         if len(pieces) - 1 != len(images):
             raise ValueError(f"the chat template rendered {len(pieces) - 1} images, {len(images)} were given")

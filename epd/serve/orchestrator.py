@@ -235,7 +235,7 @@ class Orchestrator:
             images[key] = data
             refs.append(ImageRef(width, height, key))
         try:
-            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt)
+            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools)
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         return _Prepared(prompt.token_ids, prompt.mm_spans, images)

@@ -45,3 +45,18 @@ def test_offline_runs_on_every_family(family, tmp_path):
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["epd_tok_s"] > 0 and row["hf_static_batch_tok_s"] > 0
+
+
+def test_offline_run_with_a_json_schema_constraint(tiny_model, tmp_path):
+    out = tmp_path / "offline.json"
+    schema = '{"type": "array", "items": {"type": "integer"}}'
+    proc = subprocess.run([sys.executable, "-m", "epd.cli", "bench", "offline", tiny_model, "--concurrency", "2",
+                           "--input-len", "12", "--output-len", "6", "--hf-sequential-max", "1", "--threads", "1",
+                           "--json-schema", schema, "--save-result", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["json_schema"] == json.loads(schema) and result["rows"][0]["epd_tok_s"] > 0
+    bad = subprocess.run([sys.executable, "-m", "epd.cli", "bench", "offline", tiny_model, "--json-schema", "[1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--json-schema" in bad.stderr

@@ -87,9 +87,27 @@ def test_stop_is_normalised_to_a_list(stop, expected):
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"temperature": "hot"}, "temperature"),
     ({"stream": "maybe"}, "stream"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    # logit_bias, tools and response_format are served now: their bad forms are refused
+    ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words[0]"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
     ({"model": ""}, "model"),
 ])
 def test_invalid_sampling_values_are_refused_naming_the_field(fields, param):
@@ -99,7 +117,8 @@ def test_invalid_sampling_values_are_refused_naming_the_field(fields, param):
 @pytest.mark.parametrize("messages, param", [
     ([], "messages"),
     ("hi", "messages"),
-    ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+    ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}], "messages[0].tool_calls"),
     ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}], "messages[1].role"),
     ([{"content": "no role"}], "messages[0].role"),
     ([{"role": "user"}], "messages[0].content"),
@@ -108,7 +127,9 @@ def test_invalid_sampling_values_are_refused_naming_the_field(fields, param):
     ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content[0].image_url.url"),
     ([{"role": "system", "content": [IMAGE]}], "messages[0].content[0].type"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls[0].function.name"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+     "messages[0].tool_calls[0].function.arguments"),
     (["not a dict"], "messages[0]"),
 ])
 def test_bad_messages_are_refused_naming_the_field(messages, param):

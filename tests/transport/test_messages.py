@@ -11,7 +11,7 @@ from epd.transport.messages import (
     PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats,
     decode_message,
 )
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from epd.transport.wire_values import EncoderCounters, EngineCounters, sampling_to_map
 
 
@@ -21,7 +21,9 @@ HASH_B = "cd" * 32
 SAMPLING = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=7, presence_penalty=0.5,
                           frequency_penalty=-0.5, repetition_penalty=1.1, max_tokens=32, min_tokens=2,
                           stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=3,
-                          skip_special_tokens=False)
+                          skip_special_tokens=False, logit_bias={5: -2.5, 9: 100}, allowed_token_ids=[3, 5, 9],
+                          bad_words=["dog"],
+                          structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {}}))
 GREEDY = SamplingParams(temperature=0)
 
 
@@ -248,6 +250,15 @@ def _stats(**changes) -> list[bytes]:
     (_prefill(sampling=_sampling(no_such_field=1)), r"prefill_request\.sampling: unknown fields \['no_such_field'\]"),
     (_prefill(sampling=_sampling_without("max_tokens")), r"prefill_request\.sampling: missing field 'max_tokens'"),
     (_prefill(sampling=_sampling(temperature="hot")), r"prefill_request\.sampling\.temperature: expected float"),
+    (_prefill(sampling=_sampling(logit_bias=[[5, "up"]])), r"prefill_request\.sampling\.logit_bias: expected"),
+    (_prefill(sampling=_sampling(logit_bias=[[5, 101.0]])), r"logit_bias values must be in \[-100, 100\]"),
+    (_prefill(sampling=_sampling(allowed_token_ids=[-1])), r"sampling\.allowed_token_ids: expected list of token ids"),
+    (_prefill(sampling=_sampling(structured_outputs={"kind": "xml", "spec": ""})),
+     r"unknown structured_outputs kind 'xml'"),
+    (_prefill(sampling=_sampling(structured_outputs={"kind": "json", "spec": "{nope"})),
+     r"structured_outputs\.json is not valid JSON"),
+    (_prefill(sampling=_sampling(structured_outputs={"kind": "regex", "spec": "a", "x": 1})),
+     r"sampling\.structured_outputs: unknown fields"),
     (_prefill(sampling=_sampling(top_k=1.5)), r"sampling\.top_k: expected int"),
     (_prefill(sampling=_sampling(seed=True)), r"sampling\.seed: expected int or None"),
     (_prefill(sampling=_sampling(stop="\n")), r"sampling\.stop: expected list\[str\]"),

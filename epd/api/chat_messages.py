@@ -1,0 +1,94 @@
+"""OpenAI chat messages, checked at the edge: roles, content parts, images,
+assistant `tool_calls` and `tool` messages -> the form the chat template reads."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from epd.api.request_error import RequestError
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None) -> list[dict]:
+    """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant/tool
+    ("developer" becomes "system") and content a string or a list of
+    {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} parts; an
+    assistant message keeps its `tool_calls` (arguments parsed, for the template) and
+    a tool message its `tool_call_id`."""
+    out = []
+    num_images = 0
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise RequestError(f"{where}.role: unsupported role {role!r}; expected one of "
+                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        tool_calls = msg.get("tool_calls")
+        if tool_calls and role != "assistant":
+            raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls",
+                               param=f"{where}.tool_calls")
+        content = msg.get("content")
+        if content is None:
+            if role != "assistant":
+                raise RequestError(f"{where}.content: field required", param=f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            content = [_content_part(part, role, f"{where}.content[{j}]") for j, part in enumerate(content)]
+            num_images += sum(1 for part in content if part["type"] == "image_url")
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content: must be a string or a list of content parts",
+                               param=f"{where}.content")
+        clean = {"role": CHAT_ROLES[role], "content": content}
+        if tool_calls:
+            clean["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise RequestError(f"{where}.tool_call_id: field required", param=f"{where}.tool_call_id")
+            clean["tool_call_id"] = msg["tool_call_id"]
+        out.append(clean)
+    if max_images is not None and num_images > max_images:
+        raise RequestError(f"at most {max_images} images per request are allowed, got {num_images}",
+                           param="messages")
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """[{"id", "type": "function", "function": {"name", "arguments": JSON text}}] -> the
+    same with arguments parsed (the chat template renders them with tojson)."""
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}: must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{where}[{j}].function.name: field required", param=f"{where}[{j}].function.name")
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise RequestError(f"{where}[{j}].function.arguments: not valid JSON",
+                                   param=f"{where}[{j}].function.arguments") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _content_part(part: Any, role: str, where: str) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.text: must be a string", param=f"{where}.text")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        if role != "user":
+            raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
+                       param=f"{where}.type")
+

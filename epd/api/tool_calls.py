@@ -1,0 +1,231 @@
+"""Tool calls: `tools` / `tool_choice` checked and turned into a constraint, and the
+model's text turned into OpenAI `tool_calls`, streamed or whole.
+
+Qwen writes calls as hermes blocks (vLLM's `hermes` parser):
+
+    some text<tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+`tool_choice`:
+  none       the text is content, never parsed;
+  auto       hermes blocks become tool calls, the text before the first is content;
+  required   the output is constrained to a JSON array of {"name", "parameters"}
+             (one of the tools each, vLLM's form) and every item is a call;
+  a name     the output is constrained to that function's parameters schema and
+             is the call's arguments.
+
+A `ToolCallParser` per choice turns text deltas into content deltas and call
+deltas; the whole answer is the same parser fed the whole text at once, so
+streamed deltas concatenate to exactly the non-streamed message.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+class ToolError(ValueError):
+    """A bad `tools` / `tool_choice`; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What to parse out of a chat answer: mode "none", "auto", "required" or "named"."""
+
+    mode: str
+    name: str | None = None  # the function, mode "named"
+
+
+def validate_tools(tools: list[Any]) -> list[dict]:
+    """OpenAI function tools -> [{"type": "function", "function": {name, description?, parameters}}]."""
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ToolError(f"{where}.type: only function tools are supported", f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolError(f"{where}.function.name: must be a non-empty string", f"{where}.function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ToolError(f"{where}.function.parameters: must be a JSON schema object",
+                            f"{where}.function.parameters")
+        clean = {"name": fn["name"], "parameters": params}
+        if isinstance(fn.get("description"), str):
+            clean["description"] = fn["description"]
+        out.append({"type": "function", "function": clean})
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise ToolError("tools: function names must be unique", "tools")
+    return out
+
+
+def parse_tool_choice(tool_choice: Any, tools: list[dict]) -> ToolChoice:
+    """OpenAI's tool_choice (default: "auto" with tools, "none" without)."""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice != "none" and not tools:
+            raise ToolError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+        return ToolChoice(tool_choice)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in names:
+            raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools "
+                            f"({', '.join(names) or 'none given'})", "tool_choice")
+        return ToolChoice("named", name)
+    raise ToolError("tool_choice must be 'none', 'auto', 'required' or "
+                    "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+def tool_choice_schema(choice: ToolChoice, tools: list[dict]) -> dict | None:
+    """The JSON schema the output must follow, for `required` and a named function."""
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    if choice.mode == "named":
+        return by_name[choice.name]
+    if choice.mode == "required":
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                  "required": ["name", "parameters"]} for name, params in by_name.items()]
+        return {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    return None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: str, arguments: Any) -> dict:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class ParsedDelta:
+    """What a piece of text adds: content, and tool-call deltas in OpenAI's streamed form
+    ({"index", "id"?, "type"?, "function": {"name"?, "arguments"}})."""
+
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+class ToolCallParser:
+    """One choice's text -> content and tool calls, incrementally (`feed`, then `finish`)."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice = choice
+        self.buffer = ""  # text not yet turned into content or calls
+        self.in_calls = False  # auto: a <tool_call> was seen, later text is calls only
+        self.calls: list[dict] = []  # complete calls, OpenAI's non-streamed form
+        self._named_id: str | None = None
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls) or self._named_id is not None
+
+    def feed(self, text: str) -> ParsedDelta:
+        mode = self.choice.mode
+        if mode == "none":
+            return ParsedDelta(content=text)
+        if mode == "named":
+            return self._named(text)
+        self.buffer += text
+        if mode == "required":
+            return ParsedDelta()  # one JSON array: parsed at the end
+        return self._auto(final=False)
+
+    def finish(self) -> ParsedDelta:
+        mode = self.choice.mode
+        if mode == "required":
+            return self._required()
+        if mode == "auto":
+            return self._auto(final=True)
+        if mode == "named" and self._named_id is None:
+            return self._named("")
+        return ParsedDelta()
+
+    # -- modes ------------------------------------------------------------------------------
+
+    def _named(self, text: str) -> ParsedDelta:
+        if self._named_id is None:
+            self._named_id = new_call_id()
+            self.calls.append({"id": self._named_id, "type": "function",
+                               "function": {"name": self.choice.name, "arguments": ""}})
+            self.calls[0]["function"]["arguments"] += text
+            return ParsedDelta(tool_calls=[{"index": 0, "id": self._named_id, "type": "function",
+                                            "function": {"name": self.choice.name, "arguments": text}}])
+        self.calls[0]["function"]["arguments"] += text
+        return ParsedDelta(tool_calls=[{"index": 0, "function": {"arguments": text}}] if text else [])
+
+    def _required(self) -> ParsedDelta:
+        text, self.buffer = self.buffer, ""
+        try:
+            items = json.loads(text)
+            calls = [_call(item["name"], item["parameters"]) for item in items]
+        except (ValueError, TypeError, KeyError):
+            return ParsedDelta(content=text)  # cut short (length): no call, the text as content
+        return self._add(calls)
+
+    def _auto(self, final: bool) -> ParsedDelta:
+        out = ParsedDelta()
+        while True:
+            if not self.in_calls:
+                start = self.buffer.find(TOOL_CALL_START)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self.buffer, TOOL_CALL_START)
+                    out.content += self.buffer[:len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return out
+                out.content += self.buffer[:start]
+                self.buffer = self.buffer[start:]
+                self.in_calls = True
+            start = self.buffer.find(TOOL_CALL_START)
+            if start < 0:  # text between or after calls: dropped, as vLLM's hermes parser does
+                self.buffer = "" if final else self.buffer[len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALL_START):]
+                return out
+            end = self.buffer.find(TOOL_CALL_END, start)
+            if end < 0:
+                if final:  # an unclosed last block (cut by max_tokens or EOS): parse what is there
+                    block, self.buffer = self.buffer[start + len(TOOL_CALL_START):], ""
+                    out.tool_calls += self._block(block).tool_calls
+                return out
+            block = self.buffer[start + len(TOOL_CALL_START):end]
+            self.buffer = self.buffer[end + len(TOOL_CALL_END):]
+            out.tool_calls += self._block(block).tool_calls
+
+    def _block(self, block: str) -> ParsedDelta:
+        try:
+            obj = json.loads(block)
+            name, arguments = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+            if not isinstance(name, str):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return ParsedDelta()  # not a call: dropped (vLLM logs and skips it)
+        return self._add([_call(name, arguments)])
+
+    def _add(self, calls: list[dict]) -> ParsedDelta:
+        deltas = []
+        for call in calls:
+            deltas.append({"index": len(self.calls), **call})
+            self.calls.append(call)
+        return ParsedDelta(tool_calls=deltas)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that begins `marker` (held back: it may grow into it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
