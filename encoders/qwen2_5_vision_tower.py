@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epd.encoders.vision_tower import VisionAttention, VisionOutput, _activation
