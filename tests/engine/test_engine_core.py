@@ -11,6 +11,7 @@ from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.request import Request
+from epd.transport.mm_entry import MMEntry
 from epd.transport.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef
 
@@ -131,17 +132,21 @@ def test_an_image_lives_while_a_request_uses_it(llm, image_prompt):
     assert core.num_free_blocks() == core.num_blocks
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model):
-    """The request that used to kill a worker (a stop token id past the
-    vocabulary with min_tokens, which the API now refuses) fails its step; the
-    engine frees its blocks and the next request runs as on a fresh engine."""
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, image_prompt):
+    """An image embedding of the wrong width (an encoder of another model sending
+    its tensors inline) fails the merge inside the step: the step's request is
+    aborted, its blocks freed, and the next request runs as on a fresh engine."""
     core = make_core(tiny_model, "combined")
     expected = make_core(tiny_model, "combined")
     expected.add_request(Request("ref", [1, 2, 3, 4], GREEDY))
     expected_tokens = [t for u in run_to_end(expected) for t in u.new_token_ids]
 
-    bad = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, stop_token_ids=[core.info.vocab_size + 5])
-    core.add_request(Request("bad", [5, 6, 7], bad))
+    token_ids, spans, embeddings = image_prompt
+    [(mm_hash, entry)] = embeddings.items()
+    wrong = MMEntry(torch.zeros(entry.embeddings.shape[0], entry.embeddings.shape[1] + 3),
+                    [torch.zeros(entry.embeddings.shape[0], entry.embeddings.shape[1] + 3) for _ in entry.deepstack],
+                    entry.grid_thw)
+    core.add_request(Request("bad", list(token_ids), GREEDY, mm_spans=list(spans)), {mm_hash: wrong})
     with pytest.raises(StepFailed) as failed:
         core.step()
     assert failed.value.request_ids == ["bad"]
