@@ -17,37 +17,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from epd.encoders.vision_tower import VisionAttention, VisionOutput, _activation
+from epd.encoders.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
 
 
 @dataclass(frozen=True)
-class Qwen2_5VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    hidden_act: str
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    in_channels: int
-    out_hidden_size: int
-    window_size: int
-    fullatt_block_indexes: tuple[int, ...]
-    rope_theta: float
+class Qwen2_5VisionConfig(VisionTowerShape):
+    """Qwen2.5-VL's tower: window attention but in `fullatt_block_indexes`."""
+
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, vc) -> "Qwen2_5VisionConfig":
-        rope = getattr(vc, "rope_parameters", None) or {}
-        return cls(
-            depth=vc.depth, hidden_size=vc.hidden_size, num_heads=vc.num_heads,
-            intermediate_size=vc.intermediate_size, hidden_act=vc.hidden_act,
-            patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
-            spatial_merge_size=vc.spatial_merge_size, in_channels=vc.in_channels,
-            out_hidden_size=vc.out_hidden_size, window_size=vc.window_size,
-            fullatt_block_indexes=tuple(vc.fullatt_block_indexes),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-        )
+        return cls(**cls.fields_from_hf(vc), window_size=vc.window_size,
+                   fullatt_block_indexes=tuple(vc.fullatt_block_indexes))
 
 
 class RMSNorm(nn.Module):

@@ -18,7 +18,10 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class VisionConfig:
+class VisionTowerShape:
+    """What every Qwen vision tower has: patching, blocks, merger. Each family's
+    config adds its own fields (`VisionConfig`, `Qwen2_5VisionConfig`)."""
+
     depth: int
     hidden_size: int
     num_heads: int
@@ -29,22 +32,29 @@ class VisionConfig:
     spatial_merge_size: int
     in_channels: int
     out_hidden_size: int
-    num_position_embeddings: int
-    deepstack_indexes: tuple[int, ...]
     rope_theta: float
+
+    @staticmethod
+    def fields_from_hf(vc) -> dict:
+        rope = getattr(vc, "rope_parameters", None) or {}
+        return dict(depth=vc.depth, hidden_size=vc.hidden_size, num_heads=vc.num_heads,
+                    intermediate_size=vc.intermediate_size, hidden_act=vc.hidden_act,
+                    patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+                    spatial_merge_size=vc.spatial_merge_size, in_channels=vc.in_channels,
+                    out_hidden_size=vc.out_hidden_size, rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+@dataclass(frozen=True)
+class VisionConfig(VisionTowerShape):
+    """Qwen3-VL's tower: a learned position table and deepstack features."""
+
+    num_position_embeddings: int = 0
+    deepstack_indexes: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, vc) -> "VisionConfig":
-        rope = getattr(vc, "rope_parameters", None) or {}
-        return cls(
-            depth=vc.depth, hidden_size=vc.hidden_size, num_heads=vc.num_heads,
-            intermediate_size=vc.intermediate_size, hidden_act=vc.hidden_act,
-            patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
-            spatial_merge_size=vc.spatial_merge_size, in_channels=vc.in_channels,
-            out_hidden_size=vc.out_hidden_size, num_position_embeddings=vc.num_position_embeddings,
-            deepstack_indexes=tuple(vc.deepstack_visual_indexes),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-        )
+        return cls(**cls.fields_from_hf(vc), num_position_embeddings=vc.num_position_embeddings,
+                   deepstack_indexes=tuple(vc.deepstack_visual_indexes))
 
 
 @dataclass
