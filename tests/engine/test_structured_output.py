@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
 
 import pytest
 import torch
 from media import image_bytes, image_part
-from pydantic import BaseModel, Field
+from schemas import Invoice, Point
 
 from epd.engine.config import EngineConfig
 from epd.engine.engine_core import EngineCore
@@ -18,20 +17,6 @@ from epd.engine.request import Request
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, unpack_bitmask
 from epd.engine.structured_output import bad_words_token_ids, check_constraint
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
-
-
-class Point(BaseModel):
-    x: int = Field(ge=-5, le=5)
-    y: float = Field(ge=0.0, le=1.0)
-
-
-class Invoice(BaseModel):
-    vendor: str = Field(max_length=8)
-    kind: Literal["food", "travel", "office"]
-    total: int = Field(ge=0, le=999)
-    paid: bool
-    where: Point
-    tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
 
 
 SCHEMA = Invoice.model_json_schema()

@@ -15,6 +15,7 @@ import openai
 import pytest
 from media import image_bytes, image_part
 from pydantic import BaseModel, Field
+from schemas import Invoice
 from server import ServerProcess, free_port
 
 MODEL = "epd-structured"
@@ -26,20 +27,6 @@ TEXT = [{"role": "user", "content": "What is the weather in Paris?"}]
 def long_prompt(i: int) -> list[dict]:
     """~250 tokens, distinct from the first block on (no prefix-cache sharing between jobs)."""
     return [{"role": "system", "content": f"Job {i}. " + "Describe this image in detail. " * 14}] + TEXT
-
-
-class Point(BaseModel):
-    x: int = Field(ge=-5, le=5)
-    y: float = Field(ge=0.0, le=1.0)
-
-
-class Invoice(BaseModel):
-    vendor: str = Field(max_length=8)
-    kind: Literal["food", "travel", "office"]
-    total: int = Field(ge=0, le=999)
-    paid: bool
-    where: Point
-    tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
 
 
 class Weather(BaseModel):
