@@ -39,3 +39,32 @@ CHATS = {
                     {"role": "user", "content": [{"type": "text", "text": "And this?"}, image_part(IMG_A)]}],
                    [IMG_B, IMG_A]),
 }
+
+
+# The 8-request mixed batch the engine tests run under KV pressure: text, one and
+# two images of odd aspect ratios, text around images, a system turn.
+BATCH_IMAGES = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
+
+
+def _text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+MIXED_BATCH = [
+    [{"role": "user", "content": "Hello there, how are you today?"}],
+    [{"role": "user", "content": [image_part(BATCH_IMAGES[0]), _text("Describe it.")]}],
+    [{"role": "user", "content": [image_part(BATCH_IMAGES[1]), image_part(BATCH_IMAGES[2]), _text("Compare them.")]}],
+    [{"role": "user", "content": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20, continue."}],
+    [{"role": "user", "content": [_text("First this"), image_part(BATCH_IMAGES[3]), _text("then that.")]}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": [image_part(BATCH_IMAGES[2]), _text("A short question?")]}],
+    [{"role": "user", "content": [image_part(BATCH_IMAGES[3]), image_part(BATCH_IMAGES[0]),
+                                  _text("Two images, long prompt with several words.")]}],
+]
+
+
+def images_of(messages: list[dict]) -> list[bytes]:
+    """The raw bytes of a MIXED_BATCH conversation's images, in order."""
+    lookup = {image_part(b)["image_url"]["url"]: b for b in BATCH_IMAGES}
+    return [lookup[p["image_url"]["url"]] for m in messages if not isinstance(m["content"], str)
+            for p in m["content"] if p["type"] == "image_url"]

@@ -9,21 +9,16 @@ machine `test_triton_gpu` also runs them natively.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import INTERPRETING, run_interpreted
 
 from epd.engine.attention import AttentionMetadata, get_backend
 from epd.engine.attention import torch_attention
 
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SCALE = 0.3
 
 
@@ -224,15 +219,7 @@ def test_triton_interpreted(case, dtype):
 
 
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETING:
-        pytest.skip("already inside the interpreter subprocess")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"{Path(__file__).resolve()}::test_triton_interpreted"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    expected = len(TRITON_CASES) * len(TRITON_DTYPES)
-    assert proc.returncode == 0 and f"{expected} passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
+    run_interpreted(__file__, len(TRITON_CASES) * len(TRITON_DTYPES))
 
 
 GPU_CASES = TRITON_CASES + [  # plus Qwen3-VL-4B layer shapes

@@ -6,37 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_greedy
-from media import image_bytes, image_part
+from media import MIXED_BATCH, image_bytes, image_part, images_of
 
 from epd.transport.sampling import SamplingParams
 
-IMGS = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
-
-
-def _conversations():
-    text = lambda t: {"type": "text", "text": t}  # noqa: E731
-    return [
-        [{"role": "user", "content": "Hello there, how are you today?"}],
-        [{"role": "user", "content": [image_part(IMGS[0]), text("Describe it.")]}],
-        [{"role": "user", "content": [image_part(IMGS[1]), image_part(IMGS[2]), text("Compare them.")]}],
-        [{"role": "user", "content": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20, continue."}],
-        [{"role": "user", "content": [text("First this"), image_part(IMGS[3]), text("then that.")]}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
-        [{"role": "user", "content": [image_part(IMGS[2]), text("A short question?")]}],
-        [{"role": "user", "content": [image_part(IMGS[3]), image_part(IMGS[0]), text("Two images, long prompt "
-                                                                                     "with several words.")]}],
-    ]
-
-
-def _images_of(messages):
-    lookup = {image_part(b)["image_url"]["url"]: b for b in IMGS}
-    return [lookup[p["image_url"]["url"]] for m in messages if not isinstance(m["content"], str)
-            for p in m["content"] if p["type"] == "image_url"]
-
-
 @pytest.fixture(scope="module")
 def expected(tiny_model):
-    return [hf_greedy(tiny_model, c, _images_of(c), num_tokens=12) for c in _conversations()]
+    return [hf_greedy(tiny_model, c, images_of(c), num_tokens=12) for c in MIXED_BATCH]
 
 
 ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -62,7 +38,7 @@ def test_mixed_batch_with_preemption_and_split_images(tiny_model, expected, devi
         return out
 
     scheduler.schedule = recording_schedule
-    outs = llm.chat(_conversations(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = llm.chat(MIXED_BATCH, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
     assert split_inside_image, "the token budget was meant to split an image's placeholders"

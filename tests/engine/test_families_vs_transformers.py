@@ -8,7 +8,7 @@ import pytest
 import torch
 from family_checkpoints import family_checkpoint
 from hf_reference import hf_greedy, hf_prompt_logits
-from media import image_bytes, image_part
+from media import MIXED_BATCH, images_of
 
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
@@ -22,26 +22,8 @@ from epd.inputs.prompt import ImageRef, PromptBuilder
 from epd.transport.sampling import SamplingParams
 
 FAMILIES = ["qwen3_vl_moe", "qwen2_5_vl"]
-IMGS = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(100, 60), (37, 150), (64, 64), (200, 90)])]
-text = lambda t: {"type": "text", "text": t}  # noqa: E731
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hello there, how are you today?"}],
-    [{"role": "user", "content": [image_part(IMGS[0]), text("Describe it.")]}],
-    [{"role": "user", "content": [image_part(IMGS[1]), image_part(IMGS[2]), text("Compare them.")]}],
-    [{"role": "user", "content": "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20, continue."}],
-    [{"role": "user", "content": [text("First this"), image_part(IMGS[3]), text("then that.")]}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": [image_part(IMGS[2]), text("A short question?")]}],
-    [{"role": "user", "content": [image_part(IMGS[3]), image_part(IMGS[0]), text("Two images, long prompt "
-                                                                                 "with several words.")]}],
-]
+CONVERSATIONS = MIXED_BATCH
 NUM_TOKENS = 12
-
-
-def _images_of(messages) -> list[bytes]:
-    lookup = {image_part(b)["image_url"]["url"]: b for b in IMGS}
-    return [lookup[p["image_url"]["url"]] for m in messages if not isinstance(m["content"], str)
-            for p in m["content"] if p["type"] == "image_url"]
 
 
 @torch.inference_mode()
@@ -75,8 +57,8 @@ def _prompt_logits(model_dir: str, messages, images) -> tuple[list[int], torch.T
 def test_prompt_logits_match_transformers(family):
     model_dir = family_checkpoint(family)
     messages = CONVERSATIONS[7]  # two images of odd aspect ratios
-    ref_ids, ref_logits = hf_prompt_logits(model_dir, messages, _images_of(messages))
-    ids, logits = _prompt_logits(model_dir, messages, _images_of(messages))
+    ref_ids, ref_logits = hf_prompt_logits(model_dir, messages, images_of(messages))
+    ids, logits = _prompt_logits(model_dir, messages, images_of(messages))
     assert ids == ref_ids, "prompt token ids differ (placeholder counts from size alone?)"
     assert logits.shape[-1] == 1100  # the padded vocabulary
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
@@ -92,7 +74,7 @@ def test_mixed_batch_with_preemption_and_split_images(family, device):
     from epd import LLM
 
     model_dir = family_checkpoint(family)
-    expected = [hf_greedy(model_dir, c, _images_of(c), num_tokens=NUM_TOKENS) for c in CONVERSATIONS]
+    expected = [hf_greedy(model_dir, c, images_of(c), num_tokens=NUM_TOKENS) for c in CONVERSATIONS]
     llm = LLM(model_dir, num_kv_blocks=14, max_num_batched_tokens=24, max_num_seqs=8, dtype="float32", device=device)
     assert llm.engine.info.family == family
     scheduler = llm.engine.scheduler

@@ -8,20 +8,14 @@ machine `test_triton_gpu` runs them natively.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import INTERPRETING, run_interpreted
 
 from epd.engine.models.moe import SparseMoeBlock, fused_moe_torch, route
 
 HAS_CUDA = torch.cuda.is_available()
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_case(num_tokens=40, hidden=32, inter=24, num_experts=8, top_k=2, dtype=torch.float32,
@@ -128,15 +122,7 @@ def test_triton_interpreted(case, dtype):
 
 
 def test_triton_moe_under_interpreter():
-    pytest.importorskip("triton")
-    if INTERPRETING:
-        pytest.skip("already inside the interpreter subprocess")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           f"{Path(__file__).resolve()}::test_triton_interpreted"]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
-    expected = len(TRITON_CASES) * len(TRITON_DTYPES)
-    assert proc.returncode == 0 and f"{expected} passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-2000:]
+    run_interpreted(__file__, len(TRITON_CASES) * len(TRITON_DTYPES))
 
 
 @pytest.mark.gpu
