@@ -23,7 +23,7 @@ from collections import OrderedDict
 import logging
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -38,6 +38,7 @@ from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.serve.router import RoundRobinRouter, make_router
 from epd.serve.worker_metrics import WorkerMetrics
+from epd.serve.attempt import DEADLINE, Attempt, Lost, Retry
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.token_order import TokenOrder
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
@@ -91,7 +92,7 @@ class Orchestrator:
         self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
         self.encoder_turn = RoundRobinRouter()
         self.cache: MMCache | None = None
-        self.attempts: dict[str, _Attempt] = {}  # attempt id -> the try its TokenOutputs go to
+        self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
         self._silent: set[str] = set()  # workers past the heartbeat timeout, already failed over
         self.num_active = 0  # sequences in generate()
@@ -160,8 +161,9 @@ class Orchestrator:
                 attempt = self.attempts.get(msg.request_id)
                 if attempt is not None:
                     attempt.queue.put_nowait(msg)
-                elif self._abandoned.pop(msg.request_id, 0) is None:
-                    await self._abort_everywhere(msg.request_id)  # a restarted worker ran a stale try
+                elif msg.request_id in self._abandoned:  # a worker (perhaps restarted) ran a stale try
+                    del self._abandoned[msg.request_id]
+                    await self._abort_everywhere(msg.request_id)
             elif isinstance(msg, WorkerStats):
                 self.registry.on_stats(msg)
                 self._silent.discard(msg.worker_id)
@@ -261,7 +263,7 @@ class Orchestrator:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:
         """One sequence, start to finish. A worker that dies under it (or fails
         a step) costs nothing visible: the request is sent again, as prompt plus
-        the tokens already streamed, to live workers (`_Retry`)."""
+        the tokens already streamed, to live workers (`Retry`)."""
         limits = self.config.limits
         deadline = time.monotonic() + limits.request_timeout_s
         self._admit_request()
@@ -284,22 +286,21 @@ class Orchestrator:
                 in_order = TokenOrder(attempt.queue)
                 # the deadline arrives as an event in the queue: asyncio.wait_for (Python 3.11) can
                 # swallow the cancellation that a client leaving delivers, and the request would run on
-                timer = asyncio.get_running_loop().call_at(
-                    asyncio.get_running_loop().time() + max(0.0, deadline - time.monotonic()),
-                    attempt.queue.put_nowait, _DEADLINE)
+                timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
+                                                              attempt.queue.put_nowait, DEADLINE)
                 try:
                     while True:
                         out = await in_order.next()
-                        if out is _DEADLINE:
+                        if out is DEADLINE:
                             self.metrics.requests_failed["timeout"] += 1
                             raise RequestError(status=503, message=f"the request did not finish within "
                                                f"--request-timeout ({limits.request_timeout_s:g} s)",
                                                type="service_unavailable", retry_after_s=1)
-                        if isinstance(out, _Lost):
-                            raise _Retry(f"worker {out.worker_id} is gone")
+                        if isinstance(out, Lost):
+                            raise Retry(f"worker {out.worker_id} is gone")
                         if out.error is not None:
                             if out.is_internal_error:
-                                raise _Retry(out.error)
+                                raise Retry(out.error)
                             self.metrics.requests_failed["bad_input" if not emitted else "worker_error"] += 1
                             if not emitted:
                                 raise RequestError(status=400, message=out.error,
@@ -324,7 +325,7 @@ class Orchestrator:
                         if finish is not None:
                             attempt.is_finished = out.finished
                             return
-                except _Retry as retry:
+                except Retry as retry:
                     why = str(retry)
                     log.warning("request %s: %s; sending it again (%d tokens streamed)", req.request_id, why,
                                 len(emitted))
@@ -375,7 +376,7 @@ class Orchestrator:
             await asyncio.sleep(NO_WORKER_POLL_S)
 
     async def _start_attempt(self, req: GenerateRequest, prep: _Prepared, emitted: list[int], max_tokens: int,
-                             attempt_no: int, deadline: float) -> _Attempt:
+                             attempt_no: int, deadline: float) -> Attempt:
         """Routes and sends one try of a request: prompt + `emitted`, with the
         rest of its token budget, to live workers."""
         prefill = self.prefill_router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
@@ -393,7 +394,7 @@ class Orchestrator:
         encoders = [prefill] if prefill.role == Role.AGGREGATED else (
             await self._choose((Role.ENCODER,), deadline) if misses else [])
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
-        attempt = _Attempt(attempt_id, asyncio.Queue(), prefill, decode)
+        attempt = Attempt(attempt_id, asyncio.Queue(), prefill, decode)
         self.attempts[attempt_id] = attempt
         sampling = replace(req.sampling, max_tokens=max_tokens - len(emitted), n=1,
                            min_tokens=max(0, req.sampling.min_tokens - len(emitted)))
@@ -414,7 +415,7 @@ class Orchestrator:
             raise
         return attempt
 
-    async def _end_attempt(self, attempt: _Attempt) -> None:
+    async def _end_attempt(self, attempt: Attempt) -> None:
         """Forgets an attempt; unless it finished, frees every worker's share of it
         (client gone, stop string, error, or a retry elsewhere)."""
         self.attempts.pop(attempt.attempt_id, None)
@@ -442,7 +443,7 @@ class Orchestrator:
     def _fail_over(self, worker_id: str) -> None:
         for attempt in list(self.attempts.values()):
             if attempt.needs(worker_id):
-                attempt.queue.put_nowait(_Lost(worker_id))
+                attempt.queue.put_nowait(Lost(worker_id))
 
     async def _watch_heartbeats(self) -> None:
         """Workers nobody supervises here (`epd worker` on other hosts) are dead
@@ -457,44 +458,3 @@ class Orchestrator:
                             self.registry.heartbeat_timeout_s)
                 self._fail_over(w.worker_id)
 
-
-class _Retry(Exception):
-    """This attempt's work is lost (a worker died or failed a step): send the request again."""
-
-
-_DEADLINE = object()  # queued to an attempt when its request's deadline passes
-
-
-@dataclass
-class _Lost:
-    """Queued to an attempt whose worker is gone."""
-
-    worker_id: str
-
-
-@dataclass
-class _Attempt:
-    """One try of a request on one set of workers, under its own id (so late
-    outputs of an abandoned try are never taken for the new one's)."""
-
-    attempt_id: str
-    queue: asyncio.Queue  # TokenOutputs (and _Lost) for this try
-    prefill: WorkerInfo  # prefill, pd or aggregated
-    decode: WorkerInfo | None
-    encoders: list[WorkerInfo] = field(default_factory=list)
-    num_emitted: int = 0  # tokens this try produced
-    is_finished: bool = False
-
-    def workers(self) -> list[WorkerInfo]:
-        every = [self.prefill] + ([self.decode] if self.decode else []) + self.encoders
-        return list({w.worker_id: w for w in every}.values())
-
-    def needs(self, worker_id: str) -> bool:
-        """Whether losing `worker_id` loses this try's work."""
-        if worker_id == self.prefill.worker_id:
-            # a prefill worker hands over at the first token; until the decode worker's
-            # first token the KV transfer may not have arrived
-            return self.decode is None or self.num_emitted < 2
-        if self.decode is not None and worker_id == self.decode.worker_id:
-            return True
-        return self.num_emitted == 0 and any(e.worker_id == worker_id for e in self.encoders)
