@@ -168,12 +168,13 @@ class EngineWorker(WorkerIO):
                                       is_internal_error=is_internal))
 
     def _abort(self, request_ids: list[str]) -> None:
-        aborted = {rid for rid in request_ids if self.arrivals.remove(rid)}  # still waiting for images
-        for rid in request_ids:
+        ids = set(request_ids)
+        aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
+        for rid in ids:
             self.decode_target.pop(rid, None)
             self.transfer_start.pop(rid, None)
-        aborted |= {t.request_id for t in self.incoming if t.request_id in set(request_ids)}  # KV not yet taken
-        self.incoming = [t for t in self.incoming if t.request_id not in set(request_ids)]
+        aborted |= {t.request_id for t in self.incoming if t.request_id in ids}  # KV not yet taken
+        self.incoming = [t for t in self.incoming if t.request_id not in ids]
         aborted |= set(self.core.abort(request_ids))
         self.counters.num_aborted += len(aborted)
 

@@ -1,4 +1,5 @@
-"""Keeping workers up: one interface for whatever starts worker processes.
+"""Keeping workers up. What a launcher of workers offers the orchestrator (a
+Ray launcher would offer the same, with actors instead of processes):
 
     start()                     start every worker
     all_alive()                 every worker process runs (start-up checks this)
@@ -21,7 +22,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 from epd.serve.roles import WorkerLaunch, run_worker
 
@@ -32,22 +32,6 @@ SHUTDOWN_GRACE_S = 5.0  # a worker told to stop gets this long before SIGTERM, t
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
 
 ExitCallback = Callable[[str, "int | None"], None]
-
-
-class Supervisor(Protocol):
-    """What the launcher and the orchestrator need of whoever runs the workers
-    (local processes here; Ray actors would be another implementation)."""
-
-    restarts: dict[str, int]  # role -> restarts so far (a metric)
-    down: set[str]  # worker ids no longer restarted
-
-    def start(self) -> None: ...
-
-    def all_alive(self) -> bool: ...
-
-    async def watch(self, on_exit: ExitCallback) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 class LocalSupervisor:
