@@ -4,6 +4,7 @@
            the cache -> decode + preprocess + ViT -> cache.put -> EncodeDone
            to the prefill worker named in each request (with the tensors when
            it shares no cache dir) -> WorkerStats every `stats_interval_s`
+           (with the age of the oldest queued image: the autoscaler's signal)
 """
 from __future__ import annotations
 
@@ -129,6 +130,9 @@ class EncoderWorker(WorkerIO):
         if now - self._last_stats < self.spec.stats_interval_s:
             return
         self._last_stats = now
+        self._drain(timeout_s=0.0)  # what arrived during the last batch is queued work too
+        oldest_s = self.queue[0].received_s if self.queue else None  # the queue is in arrival order
+        self.counters.oldest_queued_s = 0.0 if oldest_s is None else time.perf_counter() - oldest_s
         self.outbox.send(self.spec.api, WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

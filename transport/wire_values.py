@@ -128,18 +128,22 @@ class EncoderCounters:
     num_queued: int = 0  # images whose wait in the encoder's queue is in queue_seconds_sum
     queue_seconds_sum: float = 0.0
     num_aborted: int = 0  # queued images dropped because their request was aborted
+    # not a total but a gauge: how long the oldest image still queued has waited (0 when none);
+    # the encoder autoscaler's signal (epd/serve/autoscale.py)
+    oldest_queued_s: float = 0.0
 
     def to_map(self) -> dict[str, Any]:
         return {"num_images": self.num_images, "num_errors": self.num_errors,
                 "num_cache_skips": self.num_cache_skips, "encode_seconds_sum": self.encode_seconds_sum,
                 "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum,
-                "num_aborted": self.num_aborted}
+                "num_aborted": self.num_aborted, "oldest_queued_s": self.oldest_queued_s}
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
         out = EncoderCounters(
             num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
             encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
-            queue_seconds_sum=m.float("queue_seconds_sum"), num_aborted=m.int("num_aborted"))
+            queue_seconds_sum=m.float("queue_seconds_sum"), num_aborted=m.int("num_aborted"),
+            oldest_queued_s=m.float("oldest_queued_s"))
         m.reject_unknown(out.to_map())
         return out

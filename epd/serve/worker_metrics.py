@@ -43,25 +43,30 @@ ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, f
     ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.",
      lambda c: (c.num_queued, c.queue_seconds_sum)),
 ]
+ENCODER_GAUGES: list[tuple[str, str, Callable[[EncoderCounters], float]]] = [
+    ("epd:encoder_oldest_queued_seconds", "How long the oldest image in an encoder's queue has waited (0: none).",
+     lambda c: c.oldest_queued_s),
+]
 LABELS = ["role", "worker"]
 
 
 class _Families:
     """The metric families of one counters type, filled worker by worker."""
 
-    def __init__(self, counters, summaries):
+    def __init__(self, counters, summaries, gauges=()):
         self.counters = [(CounterMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in counters]
         self.summaries = [(SummaryMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in summaries]
+        self.gauges = [(GaugeMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in gauges]
 
     def add(self, labels: list[str], source) -> None:
-        for family, value in self.counters:
+        for family, value in self.counters + self.gauges:
             family.add_metric(labels, value(source))
         for family, value in self.summaries:
             count, total = value(source)
             family.add_metric(labels, count_value=count, sum_value=total)
 
     def __iter__(self):
-        yield from (family for family, _ in self.counters + self.summaries)
+        yield from (family for family, _ in self.counters + self.summaries + self.gauges)
 
 
 class WorkerMetrics:
@@ -86,7 +91,7 @@ class WorkerMetrics:
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
         usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
-        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES)
+        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_GAUGES)
         for w in self.registry.workers.values():
             s = w.stats
             if s is None:

@@ -14,7 +14,7 @@ from epd.transport.wire_values import EncoderCounters, EngineCounters
 ENGINE = EngineCounters(num_preemptions=2, prefix_cache_queries=3, prefix_cache_hits=5, kv_transfer_bytes=7,
                         num_kv_transfers=11, kv_transfer_seconds_sum=13.5)
 ENCODER = EncoderCounters(num_images=17, num_errors=19, num_cache_skips=23, encode_seconds_sum=29.5,
-                          num_queued=31, queue_seconds_sum=37.5)
+                          num_queued=31, queue_seconds_sum=37.5, num_aborted=41, oldest_queued_s=43.5)
 
 
 def _render(*stats: WorkerStats) -> dict[tuple[str, str], dict[str, float]]:
@@ -48,6 +48,7 @@ def test_every_counter_is_exported_with_its_worker_labels():
     assert (encoder["epd:encode_seconds_count"], encoder["epd:encode_seconds_sum"]) == (17, 29.5)
     assert (encoder["epd:encoder_queue_time_seconds_count"],
             encoder["epd:encoder_queue_time_seconds_sum"]) == (31, 37.5)
+    assert encoder["epd:encoder_oldest_queued_seconds"] == 43.5
 
 
 def test_a_worker_shows_only_what_its_role_counts():
