@@ -1,6 +1,7 @@
 """The encoder worker loop: EncodeRequests in, embeddings to LMDB, EncodeDone out.
 
-    loop:  drain inbox (batch up to a patch budget) -> skip images already in
+    loop:  drain inbox (batch up to a patch budget; a thread reads the socket
+           meanwhile and stamps arrivals: transport/stamped_inbox.py) -> skip images already in
            the cache -> decode + preprocess + ViT -> cache.put -> EncodeDone
            to the prefill worker named in each request (with the tensors when
            it shares no cache dir) -> WorkerStats every `stats_interval_s`
@@ -17,6 +18,7 @@ from epd.encoders.image_io import ImageError, read_image_size
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
 from epd.transport.roles import Role
+from epd.transport.stamped_inbox import StampedInbox
 from epd.transport.wire_values import EncoderCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
@@ -39,9 +41,12 @@ class EncoderWorker(WorkerIO):
         self.queue: list[_Job] = []
         self.running = True
         self.counters = EncoderCounters()
+        # a thread reads the socket while the ViT runs, so an image's queue time starts when it came in
+        self.arrivals = StampedInbox(self.inbox, spec.worker_id)
         self._last_stats = 0.0
 
     def run(self) -> None:
+        self.arrivals.start()
         self.announce()
         try:
             while self.running:
@@ -50,12 +55,13 @@ class EncoderWorker(WorkerIO):
                     self._encode_batch()
                 self._maybe_send_stats()
         finally:
+            self.arrivals.stop()
             self.close()
 
     def _drain(self, timeout_s: float) -> None:
-        for msg in self.inbox.drain(timeout_s, self.spec.worker_id):
+        for msg, arrived_s in self.arrivals.drain(timeout_s):
             if isinstance(msg, EncodeRequest):
-                self._enqueue(msg)
+                self._enqueue(msg, arrived_s)
             elif isinstance(msg, Abort):  # pending encoder work of aborted requests is dropped
                 dropped = set(msg.request_ids)
                 kept = [j for j in self.queue if j.msg.request_id not in dropped]
@@ -66,14 +72,14 @@ class EncoderWorker(WorkerIO):
             else:
                 log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
 
-    def _enqueue(self, msg: EncodeRequest) -> None:
+    def _enqueue(self, msg: EncodeRequest, arrived_s: float) -> None:
         try:
             width, height = read_image_size(msg.image, self.encoder.max_image_pixels)
             t, h, w = self.encoder.preprocess.geometry.grid_thw(width, height)
         except (ImageError, ValueError) as exc:
             self._done(msg, error=str(exc))
             return
-        self.queue.append(_Job(msg, time.perf_counter(), t * h * w))
+        self.queue.append(_Job(msg, arrived_s, t * h * w))
 
     def _encode_batch(self) -> None:
         """Encodes queued images, oldest first, up to the patch budget."""
@@ -131,7 +137,8 @@ class EncoderWorker(WorkerIO):
             return
         self._last_stats = now
         self._drain(timeout_s=0.0)  # what arrived during the last batch is queued work too
-        oldest_s = self.queue[0].received_s if self.queue else None  # the queue is in arrival order
+        # arrival order: the reading thread stamps in order and the queue is kept in it
+        oldest_s = self.queue[0].received_s if self.queue else None
         self.counters.oldest_queued_s = 0.0 if oldest_s is None else time.perf_counter() - oldest_s
         self.outbox.send(self.spec.api, WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
