@@ -8,6 +8,7 @@ from pathlib import Path
 from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, field_default
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
+from epd.serve.autoscale import EncoderScaling
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
 
@@ -97,8 +98,14 @@ def serve_config(args) -> ServeConfig:
     """The ServeConfig of parsed `epd serve` arguments (EPD_API_KEY when --api-key is absent)."""
     import os
 
+    min_encoders, max_encoders = EncoderScaling.parse_range(args.encoders)
+    scaling = None if min_encoders == max_encoders else EncoderScaling(
+        min_encoders, max_encoders, scale_up_queue_s=args.encoder_scale_up_queue_s,
+        scale_up_window_s=args.encoder_scale_up_window_s, idle_s=args.encoder_idle_s,
+        cooldown_s=args.encoder_scale_cooldown_s)
     return ServeConfig(
-        model=args.model, mode=args.mode, num_encoders=args.encoders, num_prefill=args.prefill,
+        model=args.model, mode=args.mode, num_encoders=min_encoders, encoder_scaling=scaling,
+        num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
         mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
@@ -210,7 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--mode", default=str(serve["mode"]), choices=[str(m) for m in Mode])
-    p.add_argument("--encoders", type=int, default=serve["num_encoders"])
+    p.add_argument("--encoders", default=str(serve["num_encoders"]), metavar="N|MIN-MAX",
+                   help="encoder workers: N, or MIN-MAX to start MIN and scale on load (see --encoder-*)")
+    scaling = {name: field_default(EncoderScaling, name) for name in (
+        "scale_up_queue_s", "scale_up_window_s", "idle_s", "cooldown_s")}
+    p.add_argument("--encoder-scale-up-queue-s", type=float, default=scaling["scale_up_queue_s"],
+                   help="MIN-MAX: add an encoder when every encoder's oldest queued image waited this long...")
+    p.add_argument("--encoder-scale-up-window-s", type=float, default=scaling["scale_up_window_s"],
+                   help="...at every look for this many seconds")
+    p.add_argument("--encoder-idle-s", type=float, default=scaling["idle_s"],
+                   help="MIN-MAX: remove an encoder (down to MIN) that had nothing to do this long")
+    p.add_argument("--encoder-scale-cooldown-s", type=float, default=scaling["cooldown_s"],
+                   help="MIN-MAX: seconds after one scaling decision before the next")
     p.add_argument("--prefill", type=int, default=serve["num_prefill"], help="prefill (or pd / aggregated) workers")
     p.add_argument("--decode", type=int, default=serve["num_decode"])
     p.add_argument("--host", default=serve["host"])

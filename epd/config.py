@@ -1,6 +1,7 @@
 """The one composed, frozen configuration of each command, built once by the CLI.
 
     ServeConfig (epd serve)          mode, worker counts, HTTP, routing, cores
+      encoder_scaling                epd/serve/autoscale.py (--encoders MIN-MAX)
       engine: EngineConfig           epd/engine/config.py
         scheduler: SchedulerConfig   epd/engine/scheduler.py
       media: MediaConfig             epd/inputs/media.py
@@ -21,6 +22,7 @@ from typing import Any
 
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
+from epd.serve.autoscale import EncoderScaling
 from epd.serve.router import ROUTERS
 from epd.transport.addresses import is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
@@ -31,6 +33,7 @@ CPU_SHARING = ("split", "shared")
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {Role.DECODE: 0, Role.PD: 0, Role.AGGREGATED: 0, Role.PREFILL: 2, Role.ENCODER: 4}
 DEFAULT_MM_CACHE_GB = 4.0  # the embedding cache of `epd serve` and of `epd worker`
+MAX_ENCODERS = 64  # encoder inboxes one deployment's addresses have room for (Addresses.max_workers_per_role)
 
 
 def field_default(cls, name: str) -> Any:
@@ -89,9 +92,11 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
+    encoder_scaling: EncoderScaling | None = None  # --encoders MIN-MAX (num_encoders = MIN); None: fixed
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
+        _check_scaling(self)
         if self.cpu_sharing not in CPU_SHARING:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if self.router not in ROUTERS:
@@ -198,6 +203,21 @@ class WorkerConfig:
     @property
     def mm_cache_bytes(self) -> int:
         return int(self.mm_cache_gb * (1 << 30))
+
+
+def _check_scaling(config: ServeConfig) -> None:
+    scaling = config.encoder_scaling
+    if scaling is None:
+        return
+    if config.mode is Mode.AGGREGATED:
+        raise ValueError("--encoders MIN-MAX needs a mode with encoder workers (e-pd or e-p-d)")
+    if config.external_workers:
+        raise ValueError("--encoders MIN-MAX needs workers this launcher starts (not --external-workers)")
+    if scaling.min_encoders != config.num_encoders:
+        raise ValueError(f"--encoders: {config.num_encoders} encoders to start, but the range starts at "
+                         f"{scaling.min_encoders}")
+    if scaling.max_encoders > MAX_ENCODERS:
+        raise ValueError(f"--encoders MIN-MAX: MAX may be at most {MAX_ENCODERS}, got {scaling.max_encoders}")
 
 
 def _check_keys(keys_dir: str | None, role: str, what: str) -> None:

@@ -22,6 +22,7 @@ import time
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
+from epd.serve.encoder_pool import start_encoder_pool
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.transport.addresses import Addresses, tcp_address, worker_id
@@ -75,7 +76,7 @@ def serve(config: ServeConfig) -> int:
     launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
     supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
                                  max_restarts=config.limits.max_restarts,
-                                 restart_window_s=config.limits.restart_window_s)
+                                 restart_window_s=config.limits.restart_window_s, addresses=addresses)
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir)
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
@@ -97,6 +98,7 @@ def serve(config: ServeConfig) -> int:
             supervisor.stop()
             raise
         watch = asyncio.create_task(supervisor.watch(orchestrator.on_worker_exit))
+        scaling = start_encoder_pool(config, supervisor, orchestrator)  # --encoders MIN-MAX, else None
         roles = ", ".join(sorted(f"{w.worker_id}" for w in orchestrator.registry.workers.values()))
         print(f"EPD ready ({config.mode}: {roles}); serving {config.model_name!r} on "
               f"http://{config.host}:{config.port}/v1", flush=True)
@@ -104,6 +106,8 @@ def serve(config: ServeConfig) -> int:
             yield
         finally:
             watch.cancel()
+            if scaling is not None:
+                scaling.cancel()
             await orchestrator.stop()
             supervisor.stop()
 

@@ -440,6 +440,14 @@ class Orchestrator:
         if info is not None:
             self._fail_over(worker_id)
 
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker removed on purpose (autoscaling) after the registry retired it:
+        the tries that still need it are sent again, and it leaves the registry."""
+        if worker_id in self.registry.workers:
+            self._fail_over(worker_id)
+        self.registry.forget(worker_id)
+        self._silent.discard(worker_id)
+
     def _fail_over(self, worker_id: str) -> None:
         for attempt in list(self.attempts.values()):
             if attempt.needs(worker_id):
@@ -451,7 +459,7 @@ class Orchestrator:
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
             for w in list(self.registry.workers.values()):
-                if w.is_dead or self.registry.is_alive(w) or w.worker_id in self._silent:
+                if w.is_dead or w.is_retired or self.registry.is_alive(w) or w.worker_id in self._silent:
                     continue
                 self._silent.add(w.worker_id)
                 log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,

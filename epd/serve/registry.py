@@ -4,7 +4,9 @@ Workers announce themselves with `Ready` (spawned by the launcher, or
 started elsewhere with `epd worker`, which is how external workers register)
 and publish `WorkerStats` a few times a second. A worker is dead when its
 supervisor saw its process exit (`mark_dead`) or when it has been silent for
-`HEARTBEAT_TIMEOUT_S`; a `Ready` (a restarted process) brings it back.
+`HEARTBEAT_TIMEOUT_S`; a `Ready` (a restarted process) brings it back. A
+worker being removed on purpose is `retire`d (never chosen again), then
+forgotten.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class WorkerInfo:
     stats: WorkerStats | None = None
     last_seen_s: float = field(default_factory=time.monotonic)
     is_dead: bool = False  # its process exited (told by the supervisor)
+    is_retired: bool = False  # being removed (autoscaling): no new work, never live again
 
     @property
     def load(self) -> int:
@@ -47,10 +50,21 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
-        """A worker (re)started: alive from now, whatever came before."""
-        info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir)
+        """A worker (re)started: alive from now, whatever came before (but a retired one stays retired)."""
+        old = self.workers.get(msg.worker_id)
+        info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir,
+                          is_retired=old is not None and old.is_retired)
         self.workers[msg.worker_id] = info
         return info
+
+    def retire(self, worker_id: str) -> None:
+        """The router stops choosing `worker_id`; it keeps reporting until `forget`."""
+        info = self.workers.get(worker_id)
+        if info is not None:
+            info.is_retired = True
+
+    def forget(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
 
     def on_stats(self, msg: WorkerStats) -> None:
         info = self.workers.get(msg.worker_id)
@@ -72,7 +86,8 @@ class WorkerRegistry:
         return [w for w in self.by_role(*roles) if self.is_alive(w)]
 
     def is_alive(self, info: WorkerInfo) -> bool:
-        return not info.is_dead and time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s
+        return not info.is_dead and not info.is_retired \
+            and time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s
 
     def missing_roles(self, required: Iterable[str]) -> list[str]:
         """The roles in `required` without a live worker, in order."""

@@ -5,6 +5,11 @@ Ray launcher would offer the same, with actors instead of processes):
     all_alive()                 every worker process runs (start-up checks this)
     await watch(on_exit)        until cancelled: notice an exit within POLL_S, report
                                 it, restart the worker after a backoff
+    add_worker(role) -> str     start one more worker of `role` (a new index, a new
+                                inbox); returns its worker id; it registers with Ready
+    remove_worker(worker_id)    stop that worker gracefully and never restart it; its
+                                exit is not reported (the caller stopped routing to
+                                it first: epd/serve/encoder_pool.py)
     stop()                      stop them all, no process left behind
 
 `LocalSupervisor` runs workers as child processes (multiprocessing spawn).
@@ -22,8 +27,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from epd.serve.roles import WorkerLaunch, run_worker
+from epd.transport.addresses import Addresses, parse_worker_id, worker_id as make_worker_id
+from epd.transport.roles import Role
 
 log = logging.getLogger("epd.supervisor")
 
@@ -36,8 +44,14 @@ ExitCallback = Callable[[str, "int | None"], None]
 
 class LocalSupervisor:
     def __init__(self, launches: list[WorkerLaunch], mp_context, max_restarts: int = 5,
-                 restart_window_s: float = 60.0):
+                 restart_window_s: float = 60.0, addresses: Addresses | None = None):
+        """`addresses`: where an added worker's inbox goes (`add_worker` needs them)."""
         self.launches = {launch.spec.worker_id: launch for launch in launches}
+        self.addresses = addresses
+        self._templates: dict[Role, WorkerLaunch] = {}  # role -> the launch an added worker copies
+        for launch in launches:
+            self._templates.setdefault(launch.spec.role, launch)
+        self._removing: dict[str, float] = {}  # worker id -> when remove_worker stopped it
         self.ctx = mp_context
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -61,11 +75,53 @@ class LocalSupervisor:
     def all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs.values())
 
+    def add_worker(self, role: Role | str) -> str:
+        """Starts one more worker of `role`, a copy of the first one launched, at the
+        lowest index no running worker of the role holds; returns its worker id."""
+        role = Role.parse(role)
+        template = self._templates.get(role)
+        if template is None or self.addresses is None:
+            raise ValueError(f"this launcher started no {role} worker to add another like it")
+        taken = {parse_worker_id(w)[1] for w in self.launches if parse_worker_id(w)[0] == role}
+        index = next(i for i in range(len(taken) + 1) if i not in taken)
+        worker_id = make_worker_id(role, index)
+        spec = replace(template.spec, worker_id=worker_id, inbox=self.addresses.worker(role, index))
+        self.launches[worker_id] = replace(template, spec=spec)
+        self._spawn(worker_id)
+        return worker_id
+
+    def remove_worker(self, worker_id: str) -> None:
+        """SIGTERM (the worker closes its sockets and exits 0), SIGKILL after
+        SHUTDOWN_GRACE_S; `watch` reaps it and never restarts it."""
+        if worker_id not in self.launches:
+            raise KeyError(f"no worker {worker_id!r}")
+        self._removing[worker_id] = time.monotonic()
+        proc = self.procs.get(worker_id)
+        if proc is not None and proc.exitcode is None:
+            proc.terminate()
+
+    def _reap_removed(self) -> None:
+        for worker_id, since in list(self._removing.items()):
+            proc = self.procs.get(worker_id)
+            if proc is not None and proc.exitcode is None:
+                if time.monotonic() - since > SHUTDOWN_GRACE_S:
+                    proc.kill()
+                continue
+            if proc is not None:
+                proc.join(timeout=0)
+            for table in (self.procs, self.launches, self._exits, self._removing):
+                table.pop(worker_id, None)
+            self.down.discard(worker_id)
+            print(f"EPD: worker {worker_id} removed"
+                  + (f" (exit code {proc.exitcode})" if proc is not None else ""), flush=True)
+
     async def watch(self, on_exit: ExitCallback) -> None:
         restarting: set[str] = set()
         while True:
+            self._reap_removed()
             for worker_id, proc in list(self.procs.items()):
-                if worker_id in restarting or worker_id in self.down or proc.exitcode is None:
+                if worker_id in restarting or worker_id in self.down or worker_id in self._removing \
+                        or proc.exitcode is None:
                     continue
                 code = proc.exitcode
                 proc.join(timeout=0)
@@ -94,7 +150,7 @@ class LocalSupervisor:
 
     def _restart(self, worker_id: str, restarting: set[str]) -> None:
         restarting.discard(worker_id)
-        if self._stopping:
+        if self._stopping or worker_id in self._removing or worker_id not in self.launches:
             return
         role = str(self.launches[worker_id].spec.role)
         self.restarts[role] = self.restarts.get(role, 0) + 1

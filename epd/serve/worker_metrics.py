@@ -86,6 +86,10 @@ class WorkerMetrics:
     def render(self) -> bytes:
         return generate_latest(self._prom)
 
+    def register(self, collector) -> None:
+        """Another collector rendered with these metrics (the encoder pool's)."""
+        self._prom.register(collector)
+
     def collect(self):
         running = GaugeMetricFamily("epd:num_requests_running", "Requests running on a worker.", labels=LABELS)
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
