@@ -8,7 +8,7 @@ synthetic clock.
           `scale_up_queue_s`, at every observation for `scale_up_window_s`,
           fewer than `max_encoders` run, none is still starting
     down  more than `min_encoders` run and one has had nothing to do (an empty
-          queue, no image answered) for `idle_s`: the newest such one goes
+          queue, no image answered, stats on time) for `idle_s`: the newest such one goes
     after either, nothing more for `cooldown_s`
 
 The smallest queue age decides: one encoder with a backlog while another
@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from epd.transport.addresses import parse_worker_id
 
 UP, DOWN = "up", "down"
+# Encoders report every 0.25 s, but only between batches: stats older than this
+# come from an encoder inside a long batch, which is busy whatever they say.
+STALE_STATS_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class EncoderLoad:
     oldest_queued_s: float  # age of the oldest image in its queue, 0 when empty
     queue_depth: int
     num_answered: int  # images it answered so far (encoded, failed, found cached): grows while it works
+    stats_age_s: float = 0.0  # how long ago these stats came
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ class EncoderAutoscaler:
         for gone in [w for w in self._busy_s if w not in seen]:
             del self._busy_s[gone], self._answered[gone]
         for load in loads:
-            is_busy = load.queue_depth > 0 or load.num_answered != self._answered.get(load.worker_id)
+            is_busy = load.queue_depth > 0 or load.num_answered != self._answered.get(load.worker_id) \
+                or load.stats_age_s > STALE_STATS_S
             if is_busy or load.worker_id not in self._busy_s:  # a new encoder's idle time starts now
                 self._busy_s[load.worker_id] = now_s
             self._answered[load.worker_id] = load.num_answered

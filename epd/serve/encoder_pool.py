@@ -78,14 +78,17 @@ class EncoderPool:
                   f"removing it", flush=True)
 
     def _loads(self) -> list[EncoderLoad]:
-        loads = []
+        loads, now = [], self.clock()
         for w in self.registry.live(Role.ENCODER):
             counters = w.stats.encoder if w.stats is not None else None
+            age_s = now - w.last_seen_s
             if counters is None:
-                loads.append(EncoderLoad(w.worker_id, 0.0, 0, 0))
+                loads.append(EncoderLoad(w.worker_id, 0.0, 0, 0, age_s))
                 continue
-            loads.append(EncoderLoad(w.worker_id, counters.oldest_queued_s, w.stats.queue_depth,
-                                     counters.num_images + counters.num_errors + counters.num_cache_skips))
+            # an image still queued when these stats left has waited since, too
+            oldest_s = counters.oldest_queued_s + (age_s if w.stats.queue_depth else 0.0)
+            loads.append(EncoderLoad(w.worker_id, oldest_s, w.stats.queue_depth,
+                                     counters.num_images + counters.num_errors + counters.num_cache_skips, age_s))
         return loads
 
     def _settle_starting(self, now: float) -> None:

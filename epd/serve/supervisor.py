@@ -38,6 +38,9 @@ log = logging.getLogger("epd.supervisor")
 POLL_S = 0.1  # how often process exits are looked for
 SHUTDOWN_GRACE_S = 5.0  # a worker told to stop gets this long before SIGTERM, then SIGKILL
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
+# A removed worker is idle (drained first): it may take its time to exit on a busy machine
+# (a niced encoder took 4 s on 2 shared cores) before SIGKILL.
+REMOVE_GRACE_S = 30.0
 
 ExitCallback = Callable[[str, "int | None"], None]
 
@@ -92,7 +95,7 @@ class LocalSupervisor:
 
     def remove_worker(self, worker_id: str) -> None:
         """SIGTERM (the worker closes its sockets and exits 0), SIGKILL after
-        SHUTDOWN_GRACE_S; `watch` reaps it and never restarts it."""
+        REMOVE_GRACE_S; `watch` reaps it and never restarts it."""
         if worker_id not in self.launches:
             raise KeyError(f"no worker {worker_id!r}")
         self._removing[worker_id] = time.monotonic()
@@ -104,7 +107,7 @@ class LocalSupervisor:
         for worker_id, since in list(self._removing.items()):
             proc = self.procs.get(worker_id)
             if proc is not None and proc.exitcode is None:
-                if time.monotonic() - since > SHUTDOWN_GRACE_S:
+                if time.monotonic() - since > REMOVE_GRACE_S:
                     proc.kill()
                 continue
             if proc is not None:

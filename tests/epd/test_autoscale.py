@@ -90,6 +90,15 @@ def test_an_encoder_that_answers_images_or_holds_a_queue_is_not_idle():
     assert run(queued, [0.0, 19.0, 20.0], held) == [(20.0, Decision(DOWN, "encoder-0"))]
 
 
+def test_an_encoder_whose_stats_are_late_is_inside_a_batch_not_idle():
+    scaler = EncoderAutoscaler(SCALING)
+    # encoder-1's last stats (empty queue) are 5 s old: it has been encoding since
+    late = lambda t: [load("encoder-0", answered=int(t)), EncoderLoad("encoder-1", 0.0, 0, 3, stats_age_s=5.0)]  # noqa: E731
+    assert run(scaler, [0.0, 20.0, 40.0], late) == []
+    on_time = [load("encoder-0", answered=41), EncoderLoad("encoder-1", 0.0, 0, 3, stats_age_s=0.2)]
+    assert run(scaler, [41.0, 59.9, 60.0], on_time) == [(60.0, Decision(DOWN, "encoder-1"))]  # busy till 40
+
+
 def test_an_encoder_that_left_is_forgotten_and_a_returning_one_starts_busy():
     scaler = EncoderAutoscaler(SCALING)
     pair = lambda t: [load("encoder-0", answered=int(t)), load("encoder-1")]  # noqa: E731  encoder-0 works
