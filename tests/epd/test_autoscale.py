@@ -138,3 +138,50 @@ def test_bad_bounds_and_thresholds_are_refused_naming_the_flag():
 def test_the_policy_imports_no_torch():
     code = "import sys, epd.serve.autoscale; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_flags_build_the_scaling_config(tiny_model):
+    from epd.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", tiny_model, "--encoders", "2-5", "--encoder-scale-up-queue-s", "0.5",
+                                      "--encoder-scale-up-window-s", "3", "--encoder-idle-s", "7",
+                                      "--encoder-scale-cooldown-s", "2"])
+    config = serve_config(args)
+    assert config.num_encoders == 2
+    assert config.encoder_scaling == EncoderScaling(2, 5, scale_up_queue_s=0.5, scale_up_window_s=3.0, idle_s=7.0,
+                                                    cooldown_s=2.0)
+    fixed = serve_config(build_parser().parse_args(["serve", tiny_model, "--encoders", "3"]))
+    assert (fixed.num_encoders, fixed.encoder_scaling) == (3, None)
+    same = serve_config(build_parser().parse_args(["serve", tiny_model, "--encoders", "2-2"]))
+    assert (same.num_encoders, same.encoder_scaling) == (2, None)  # a range of one is a fixed count
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mode", "aggregated", "--encoders", "1-2"], "needs a mode with encoder workers"),
+    (["--encoders", "1-65"], "MAX may be at most 64"),
+    (["--encoders", "3-1"], r"1 <= MIN <= MAX, got 3-1"),
+    (["--encoders", "two"], "--encoders takes N or MIN-MAX"),
+    (["--encoders", "1-2", "--encoder-idle-s", "-1"], "--encoder-idle-s must not be negative"),
+])
+def test_bad_scaling_flags_are_refused_naming_them(tiny_model, flags, message):
+    from epd.cli import build_parser, serve_config
+
+    with pytest.raises(ValueError, match=message):
+        serve_config(build_parser().parse_args(["serve", tiny_model, *flags]))
+
+
+def test_scaling_needs_workers_the_launcher_starts(tiny_model, tmp_path):
+    from epd.config import ServeConfig
+    from epd.transport.auth import make_keys
+
+    keys = str(make_keys(tmp_path / "keys"))
+    with pytest.raises(ValueError, match="not --external-workers"):
+        ServeConfig(model=tiny_model, num_encoders=1, encoder_scaling=EncoderScaling(1, 2), external_workers=True,
+                    worker_keys=keys)
+
+
+def test_the_cli_reports_a_bad_range_and_exits_2(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "epd.cli", "serve", tiny_model, "--encoders", "4-2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "epd serve: --encoders MIN-MAX needs 1 <= MIN <= MAX, got 4-2" in proc.stderr
