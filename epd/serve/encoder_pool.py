@@ -65,13 +65,14 @@ class EncoderPool:
         decision = self.autoscaler.observe(now, self._loads(), num_starting=len(self._starting))
         if decision is None:
             return
-        self.decisions[decision.direction] += 1
         if decision.direction == UP:
-            worker_id = self.supervisor.add_worker(Role.ENCODER)
+            worker_id = self.supervisor.add_worker(Role.ENCODER)  # raises: logged, not counted
+            self.decisions[UP] += 1
             self._starting[worker_id] = now
             print(f"EPD: encoders: queues over {self.autoscaler.scaling.scale_up_queue_s:g} s for "
                   f"{self.autoscaler.scaling.scale_up_window_s:g} s: adding {worker_id}", flush=True)
         else:
+            self.decisions[DOWN] += 1
             self.registry.retire(decision.worker_id)
             self._draining[decision.worker_id] = now
             print(f"EPD: encoders: {decision.worker_id} idle for {self.autoscaler.scaling.idle_s:g} s: "
