@@ -132,8 +132,9 @@ class Network:
         return f"{self.tag}v{self.hosts.index(host) + 1}"
 
     def close(self) -> None:
-        for _ in range(3):  # processes may fork while we kill
-            if not any(host.kill_all() for host in self.hosts if _ns_exists(host.ns)):
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:  # processes may fork while we kill
+            if not sum(host.kill_all() for host in self.hosts if _ns_exists(host.ns)):
                 break
             time.sleep(0.3)
         for host in self.hosts:
@@ -164,19 +165,35 @@ class RayCluster:
                         RAY_health_check_failure_threshold="3", RAY_health_check_initial_delay_ms="1000")
         self.env.pop("RAY_ADDRESS", None)
 
-    def start_head(self) -> None:
-        self._start(self.head, ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
-                                f"--temp-dir={self.workdir / 'ray'}"])
-
-    def add_node(self, host: Host, num_cpus: int, resources: dict[str, float]) -> None:
+    def add_nodes(self, nodes: list[tuple[Host, int, dict[str, float]]]) -> None:
+        """Joins (host, CPUs, custom resources) nodes to the head, one by one (a
+        raylet must register within Ray's 30 s, which a busy 2-core machine
+        misses when several start at once)."""
         import json
 
-        self._start(host, [f"--address={self.address}", f"--num-cpus={num_cpus}",
-                           f"--resources={json.dumps(resources)}"])
+        for host, num_cpus, resources in nodes:
+            self._start([(host, [f"--address={self.address}", f"--num-cpus={num_cpus}",
+                                 f"--resources={json.dumps(resources)}"])])
 
-    def _start(self, host: Host, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={host.ip}",
-               "--object-store-memory=80000000", "--disable-usage-stats", *args]
-        out = host.run(cmd, env=self.env, timeout_s=RAY_START_TIMEOUT_S)
-        if out.returncode != 0:
-            raise RuntimeError(f"ray start on {host.name} failed:\n{out.stdout}\n{out.stderr}")
+    def start_head(self) -> None:
+        self._start([(self.head, ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
+                                  f"--temp-dir={self.workdir / 'ray'}"])])
+
+    def _start(self, nodes: list[tuple[Host, list[str]]]) -> None:
+        procs = []
+        for host, args in nodes:
+            cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={host.ip}",
+                   "--object-store-memory=80000000", "--disable-usage-stats", *args]
+            procs.append((host, subprocess.Popen(host.command(cmd), env=self.env, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, text=True)))
+        failed = []
+        for host, proc in procs:  # every `ray start` ends before we judge (or clean up)
+            try:
+                out, _ = proc.communicate(timeout=RAY_START_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            if proc.returncode != 0:
+                failed.append(f"ray start on {host.name} failed:\n{out[-3000:]}")
+        if failed:
+            raise RuntimeError("\n".join(failed))
