@@ -54,6 +54,7 @@ from epd.transport.roles import Role
 from epd.transport.worker_io import WorkerSpec
 
 LOCAL_OBJECT_STORE_BYTES = 200 << 20  # a Ray we start ourselves moves no data: ZeroMQ does
+WAKE_TIMEOUT_S = 120.0  # a worker reported lost whose actor neither restarts nor answers: restart it by force
 KEY_FILES = (f"{WORKER}.key_secret", f"{WORKER}.key", f"{API}.key")  # what a worker host needs
 
 
@@ -157,6 +158,7 @@ class RaySupervisor:
         self.actors: dict[str, object] = {}  # worker id -> actor handle
         self.runs: dict[str, ray.ObjectRef] = {}  # worker id -> its running `run`
         self.waking: dict[str, ray.ObjectRef] = {}  # worker id -> `node` of a restarting actor
+        self._waking_since: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
         self.down: set[str] = set()
         self._exits: dict[str, deque[float]] = {}
@@ -253,6 +255,7 @@ class RaySupervisor:
             print(f"EPD: worker {worker_id} ended ({why}); Ray restarts it, `run` again in {delay:g} s",
                   flush=True)
             self._not_before[worker_id] = time.monotonic() + delay
+            self._waking_since[worker_id] = time.monotonic()
             self.waking[worker_id] = self.actors[worker_id].node.options(max_task_retries=-1).remote()
 
     def _wake(self) -> None:
@@ -260,6 +263,14 @@ class RaySupervisor:
         refs = list(self.waking.values())
         if not refs:
             return
+        for worker_id in list(self.waking):
+            # Ray said "unavailable" but the actor lives on (a partition): its old `run` holds the
+            # actor, so `node` never answers and the registry has it dead; a restart makes it register
+            if time.monotonic() - self._waking_since[worker_id] > WAKE_TIMEOUT_S:
+                print(f"EPD: worker {worker_id} did not come back in {WAKE_TIMEOUT_S:g} s: restarting its actor",
+                      flush=True)
+                self._waking_since[worker_id] = time.monotonic()
+                ray.kill(self.actors[worker_id], no_restart=False)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in done:
             worker_id = next(w for w, r in self.waking.items() if r == ref)
