@@ -33,7 +33,8 @@ SERVE_FLAGS = ["--num-kv-blocks", "256", "--dtype", "float32", "--device", "cpu"
 RECOVERY_DEADLINE_S = 180.0
 
 _reason = skip_reason()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_reason is not None, reason=f"multi-node tests: {_reason}")]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),  # a Ray cluster and three model loads on 2 CPUs
+              pytest.mark.skipif(_reason is not None, reason=f"multi-node tests: {_reason}")]
 
 
 @pytest.fixture(scope="module")
