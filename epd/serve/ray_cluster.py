@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -54,6 +55,7 @@ from epd.transport.roles import Role
 from epd.transport.worker_io import WorkerSpec
 
 LOCAL_OBJECT_STORE_BYTES = 200 << 20  # a Ray we start ourselves moves no data: ZeroMQ does
+CONNECT_TIMEOUT_S = 10.0
 WAKE_TIMEOUT_S = 120.0  # a worker reported lost whose actor neither restarts nor answers: restart it by force
 KEY_FILES = (f"{WORKER}.key_secret", f"{WORKER}.key", f"{API}.key")  # what a worker host needs
 
@@ -78,6 +80,7 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
     Ray's own control plane (token-authenticated: RAY_AUTH_MODE=token)."""
     rc: RayConfig = config.ray
     if rc.address:
+        _check_reachable(rc.address)
         ray.init(address=rc.address, namespace="epd", log_to_driver=True)
     else:
         # logical CPUs: at least what the workers ask for (they share the cores as local workers do)
@@ -111,6 +114,18 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
     return RayPlane(collector, keys_dir, supervisor)
 
 
+def _check_reachable(address: str) -> None:
+    """A clear message for a cluster that is not there (ray.init would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and other forms Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc}); "
+                         f"start one with `ray start --head`") from None
+
+
 class WorkerActor:
     """One EPD worker in a Ray actor. `run` is `epd worker`: it returns after Shutdown."""
 
@@ -139,7 +154,11 @@ class WorkerActor:
         spec = replace(spec, inbox=tcp_address(ip, port), keys_dir=keys_dir,
                        mm_cache_dir=os.path.join(spec.mm_cache_dir, f"node-{ip}"))
         print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {spec.api}", flush=True)
-        run_worker(replace(self.launch, spec=spec), spawned=False)
+        try:
+            run_worker(replace(self.launch, spec=spec), spawned=False)
+        finally:
+            if self.keys is not None:
+                shutil.rmtree(keys_dir, ignore_errors=True)
         return 0
 
 

@@ -47,3 +47,15 @@ def test_ray_and_external_workers_exclude_each_other(tiny_model, tmp_path):
     keys = make_keys(tmp_path / "keys")
     with pytest.raises(ValueError, match="drop --external-workers"):
         _config(tiny_model, "--cluster", "ray", "--external-workers", "--worker-keys", str(keys))
+
+
+def test_an_absent_cluster_is_named_at_once():
+    """ray.init would retry an address nobody answers for minutes; the launcher says so first."""
+    pytest.importorskip("ray")
+    from server import free_port
+
+    from epd.serve.ray_cluster import _check_reachable
+
+    address = f"127.0.0.1:{free_port()}"  # bound and closed again: nobody listens
+    with pytest.raises(ValueError, match=f"--ray-address {address}: no Ray cluster answers there"):
+        _check_reachable(address)
