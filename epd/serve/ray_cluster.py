@@ -42,8 +42,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import ray
-from ray.exceptions import RayActorError, RayError
+try:
+    import ray
+    from ray.exceptions import RayActorError, RayError
+except ImportError:  # the CLI prints it as "epd serve: ..." and exits 2
+    raise ValueError("--cluster ray needs Ray: pip install 'epd[ray]'") from None
 
 from epd.config import ServeConfig
 from epd.serve.ray_config import RayConfig
