@@ -14,6 +14,7 @@ namespace, veth and process (Ray's included) is removed at the end, pass or fail
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -108,6 +109,32 @@ def test_epd_worker_over_tcp_between_namespaces(net, tiny_model, tmp_path, expec
         codes = [api.stop()] + [w.stop() for w in workers]
     assert codes[0] == 0, api.log()
     assert not api.group_alive() and not any(w.group_alive() for w in workers)
+
+
+def test_cluster_ray_on_one_machine_starts_its_own_ray(net, tiny_model, tmp_path, expected):
+    """`epd serve --cluster ray` without --ray-address: a local Ray (inside one
+    namespace, on its loopback), the worker in an actor, and nothing of Ray
+    left once the server stops."""
+    host = net.add_host("l")
+    token = tmp_path / "ray-token"
+    token.write_text(os.urandom(16).hex())
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)
+    port = 18720
+    server = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--cluster", "ray", "--host", host.ip,
+                            "--port", str(port), *SERVE_FLAGS], port, str(tmp_path / "api.log"), host=host.ip,
+                           wrap=host.command([]), env=env)
+    try:
+        server.wait_ready(timeout_s=240)
+        assert _chat(server, CHATS["one_image"][0]) == (200, expected["one_image"])
+        assert "aggregated-0=tcp://127.0.0.1:" in server.log()  # the actor registered over tcp, CURVE
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    deadline = time.monotonic() + 30
+    while host.pids():  # Ray's own processes end a moment after the driver
+        assert time.monotonic() < deadline, f"left running: {host.pids()}"
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
