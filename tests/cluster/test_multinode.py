@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -118,11 +120,13 @@ def test_cluster_ray_on_one_machine_starts_its_own_ray(net, tiny_model, tmp_path
     host = net.add_host("l")
     token = tmp_path / "ray-token"
     token.write_text(os.urandom(16).hex())
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0")
+    ray_tmp = tempfile.mkdtemp(prefix="epdt-ray-")  # Ray's session files; short: they hold unix sockets
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
+               RAY_TMPDIR=ray_tmp)
     env.pop("RAY_ADDRESS", None)
     port = 18720
     server = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--cluster", "ray", "--host", host.ip,
-                            "--port", str(port), *SERVE_FLAGS], port, str(tmp_path / "api.log"), host=host.ip,
+                            "--port", str(port), "--mm-cache-dir", str(tmp_path / "cache"), *SERVE_FLAGS], port, str(tmp_path / "api.log"), host=host.ip,
                            wrap=host.command([]), env=env)
     try:
         server.wait_ready(timeout_s=240)
@@ -135,6 +139,7 @@ def test_cluster_ray_on_one_machine_starts_its_own_ray(net, tiny_model, tmp_path
     while host.pids():  # Ray's own processes end a moment after the driver
         assert time.monotonic() < deadline, f"left running: {host.pids()}"
         time.sleep(0.5)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
