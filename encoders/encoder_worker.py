@@ -125,6 +125,8 @@ class EncoderWorker(WorkerIO):
             self.counters.num_errors += 1
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=error)
         elif entry is not None:
+            self.counters.num_inline += 1
+            self.counters.inline_bytes += entry.embeddings.nbytes + sum(t.nbytes for t in entry.deepstack)
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=True, embeddings=entry.embeddings,
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:

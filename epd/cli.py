@@ -9,6 +9,7 @@ from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, fi
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
+from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
 
@@ -110,7 +111,7 @@ def serve_config(args) -> ServeConfig:
         mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
-        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys,
+        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
         engine=_engine_config(args),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
@@ -122,6 +123,21 @@ def serve_config(args) -> ServeConfig:
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
                              max_restarts=args.max_restarts))
+
+
+def ray_config(args) -> RayConfig | None:
+    """`--cluster ray` and its flags (epd/serve/ray_config.py); None for the local launcher."""
+    given = {role: getattr(args, flag[2:].replace("-", "_")) for role, flag in ROLE_FLAGS.items()}
+    if args.cluster != "ray":
+        used = [ROLE_FLAGS[role] for role, text in given.items() if text is not None]
+        if args.ray_address:
+            used.append("--ray-address")
+        if used:
+            raise ValueError(f"{', '.join(used)} need --cluster ray")
+        return None
+    return RayConfig(address=args.ray_address, **{
+        f"{role}_resources": parse_resources(ROLE_FLAGS[role], text)
+        for role, text in given.items() if text is not None})
 
 
 def _serve(args) -> int:
@@ -246,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-keys", default=None, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (needed with --external-workers: the worker "
                         "port is ZeroMQ CURVE, authenticated and encrypted)")
+    p.add_argument("--cluster", default="local", choices=["local", "ray"],
+                   help="local (default): worker processes on this machine; ray: every worker in a Ray actor, "
+                        "placed by --*-resources (needs `pip install epd[ray]`)")
+    p.add_argument("--ray-address", default=None, help="a running Ray cluster (default: start a local Ray)")
+    for role, flag in ROLE_FLAGS.items():
+        p.add_argument(flag, default=None, metavar="JSON",
+                       help=f"Ray resources of one {role} worker{' (and pd / aggregated)' if role == 'prefill' else ''}"
+                            f", e.g. '{{\"CPU\": 4}}', '{{\"GPU\": 0.5}}', '{{\"epd_{role}_node\": 1}}' "
+                            f"(default '{{\"CPU\": 1}}')")
     p.add_argument("--threads-per-worker", type=int, default=serve["threads_per_worker"])
     p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "

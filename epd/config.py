@@ -23,6 +23,7 @@ from typing import Any
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
+from epd.serve.ray_config import RayConfig
 from epd.serve.router import ROUTERS
 from epd.transport.addresses import is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
@@ -89,6 +90,7 @@ class ServeConfig:
     cpu_sharing: str = "shared"  # or "split"; see threads_for_each_worker
     ready_timeout_s: float = 600.0
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
+    ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -110,6 +112,10 @@ class ServeConfig:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
         if self.external_workers:
             _check_keys(self.worker_keys, API, "--external-workers")
+        if self.ray is not None and self.external_workers:
+            raise ValueError("--cluster ray starts the workers itself: drop --external-workers")
+        if self.ray is not None and self.worker_keys:
+            _check_keys(self.worker_keys, API, "--cluster ray")
         _check_checkpoint(self.model)
 
     @property

@@ -44,13 +44,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], port: int, log_path: str, wait_health: bool = True):
+    def __init__(self, args: list[str], port: int, log_path: str, wait_health: bool = True,
+                 host: str = "127.0.0.1", wrap: list[str] = (), env: dict | None = None):
+        """`wrap`: a prefix that execs the command (`ip netns exec NS`); `host`: where its HTTP port is."""
         self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
+        self.base_url = f"http://{host}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "epd.cli", *args], stdout=self._log,
+        env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "epd.cli", *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.pgid = self.proc.pid
 

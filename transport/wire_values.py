@@ -128,6 +128,8 @@ class EncoderCounters:
     num_queued: int = 0  # images whose wait in the encoder's queue is in queue_seconds_sum
     queue_seconds_sum: float = 0.0
     num_aborted: int = 0  # queued images dropped because their request was aborted
+    num_inline: int = 0  # embeddings sent inside EncodeDone (a prefill worker sharing no cache, or a full cache)
+    inline_bytes: int = 0  # their tensor bytes, deepstack included
     # not a total but a gauge: how long the oldest image still queued has waited (0 when none);
     # the encoder autoscaler's signal (epd/serve/autoscale.py)
     oldest_queued_s: float = 0.0
@@ -136,7 +138,8 @@ class EncoderCounters:
         return {"num_images": self.num_images, "num_errors": self.num_errors,
                 "num_cache_skips": self.num_cache_skips, "encode_seconds_sum": self.encode_seconds_sum,
                 "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum,
-                "num_aborted": self.num_aborted, "oldest_queued_s": self.oldest_queued_s}
+                "num_aborted": self.num_aborted, "num_inline": self.num_inline, "inline_bytes": self.inline_bytes,
+                "oldest_queued_s": self.oldest_queued_s}
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
@@ -144,6 +147,7 @@ class EncoderCounters:
             num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
             encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
             queue_seconds_sum=m.float("queue_seconds_sum"), num_aborted=m.int("num_aborted"),
+            num_inline=m.int("num_inline"), inline_bytes=m.int("inline_bytes"),
             oldest_queued_s=m.float("oldest_queued_s"))
         m.reject_unknown(out.to_map())
         return out

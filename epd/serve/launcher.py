@@ -64,21 +64,28 @@ def serve(config: ServeConfig) -> int:
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
     os.makedirs(mm_cache_dir, exist_ok=True)
-    if config.external_workers:
-        collector = tcp_address(config.host, config.worker_port or config.port + 1)
-        addresses = None
-    else:
-        addresses = Addresses.ipc(run_dir)
-        collector = addresses.collector()
+    keys_dir = config.worker_keys
     if config.cpu_sharing == "shared":
         # workers whose threads outnumber the cores must not spin while they wait
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
-    supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                 max_restarts=config.limits.max_restarts,
-                                 restart_window_s=config.limits.restart_window_s, addresses=addresses)
+    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
+        from epd.serve.ray_cluster import start_ray_plane
 
-    orchestrator = Orchestrator(config, collector, mm_cache_dir)
+        plane = start_ray_plane(config, run_dir)
+        collector, keys_dir, supervisor = plane.collector, plane.keys_dir, plane.supervisor
+    else:
+        if config.external_workers:
+            collector = tcp_address(config.host, config.worker_port or config.port + 1)
+            addresses = None
+        else:
+            addresses = Addresses.ipc(run_dir)
+            collector = addresses.collector()
+        launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
+        supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
+                                     max_restarts=config.limits.max_restarts,
+                                     restart_window_s=config.limits.restart_window_s, addresses=addresses)
+
+    orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt))
@@ -89,8 +96,8 @@ def serve(config: ServeConfig) -> int:
         supervisor.start()
         try:
             n = len(config.mode_roles())  # Ready messages to wait for, external workers included
-            if config.external_workers:
-                print(f"EPD: waiting for {n} external workers to register at {collector}", flush=True)
+            if config.external_workers or config.ray is not None:
+                print(f"EPD: waiting for {n} {'Ray' if config.ray else 'external'} workers to register at {collector}", flush=True)
             await orchestrator.wait_for_workers(n, config.ready_timeout_s, alive=supervisor.all_alive)
         except Exception as exc:
             print(f"EPD: start-up failed: {exc}", file=sys.stderr, flush=True)

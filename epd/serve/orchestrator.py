@@ -66,13 +66,16 @@ class _Prepared:
 
 
 class Orchestrator:
-    def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str):
+    def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str,
+                 keys_dir: str | None = None):
         """`mm_cache_dir`: the embedding cache the launcher's workers share
-        (`--mm-cache-dir`, or one it made under its run dir)."""
+        (`--mm-cache-dir`, or one it made under its run dir). `keys_dir`: the
+        worker-plane keys when the collector is on tcp (default `--worker-keys`)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
         self.mm_cache_dir = mm_cache_dir
+        self.keys_dir = keys_dir or config.worker_keys
         check_family(config.model)  # an unsupported family stops start-up with a clear message
         hf_config = AutoConfig.from_pretrained(config.model)
         self.info = ModelInfo.from_pretrained(config.model, hf_config)
@@ -106,7 +109,7 @@ class Orchestrator:
     # ---------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        keys = PlaneKeys.load(self.config.worker_keys, API) if self.config.worker_keys else None
+        keys = PlaneKeys.load(self.keys_dir, API) if self.keys_dir else None
         self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN)
         self._outbox = AsyncOutbox(keys=keys)
         self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]

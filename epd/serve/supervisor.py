@@ -1,5 +1,5 @@
-"""Keeping workers up. What a launcher of workers offers the orchestrator (a
-Ray launcher would offer the same, with actors instead of processes):
+"""Keeping workers up. What a launcher of workers offers the orchestrator
+(`RaySupervisor` in epd/serve/ray_cluster.py offers the same with Ray actors):
 
     start()                     start every worker
     all_alive()                 every worker process runs (start-up checks this)

@@ -36,6 +36,10 @@ ENCODER_COUNTERS: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
      lambda c: c.num_cache_skips),
     ("epd:encoder_images_aborted", "Queued images dropped because their request was aborted.",
      lambda c: c.num_aborted),
+    ("epd:encoder_inline_images", "Embeddings sent inside EncodeDone (to a prefill worker on another node).",
+     lambda c: c.num_inline),
+    ("epd:encoder_inline_bytes", "Embedding bytes sent inside EncodeDone (deepstack included).",
+     lambda c: c.inline_bytes),
 ]
 ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, float]]]] = [
     ("epd:encode_seconds", "Vision tower time per image (a batch's time over its images).",
