@@ -129,6 +129,6 @@ class EncoderWorker(WorkerIO):
         if now - self._last_stats < self.spec.stats_interval_s:
             return
         self._last_stats = now
-        self.outbox.send(self.spec.api, WorkerStats(
+        self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

@@ -47,7 +47,13 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
-        """A worker (re)started: alive from now, whatever came before."""
+        """A worker (re)started: alive from now, whatever came before. A live
+        worker's `Ready` again (it re-announces while there are several API
+        processes) only refreshes it."""
+        known = self.workers.get(msg.worker_id)
+        if known is not None and known.inbox == msg.inbox and self.is_alive(known):
+            known.last_seen_s = time.monotonic()
+            return known
         info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir)
         self.workers[msg.worker_id] = info
         return info
