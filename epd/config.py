@@ -22,7 +22,7 @@ from typing import Any
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.router import ROUTERS
-from epd.transport.addresses import is_tcp_address
+from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
 
@@ -86,6 +86,7 @@ class ServeConfig:
     cpu_sharing: str = "shared"  # or "split"; see threads_for_each_worker
     ready_timeout_s: float = 600.0
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
+    api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -103,6 +104,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        if not 1 <= self.api_servers <= MAX_API_SERVERS:
+            raise ValueError(f"--api-servers must be in 1..{MAX_API_SERVERS}, got {self.api_servers}")
         if self.external_workers:
             _check_keys(self.worker_keys, API, "--external-workers")
         _check_checkpoint(self.model)
@@ -174,7 +177,7 @@ class WorkerConfig:
 
     model: str
     role: Role  # a role's name is accepted too
-    api: str  # tcp://HOST:PORT, the API's worker port
+    api: str  # tcp://HOST:PORT, the API's worker port; with --api-servers N, the N ports joined by ","
     host: str = "127.0.0.1"  # address this worker's inbox binds on
     port: int = 0  # inbox port; 0: any free port
     mm_cache_dir: str | None = None  # None: no embedding cache on this worker
@@ -186,8 +189,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
-        if not is_tcp_address(self.api):
-            raise ValueError(f"--api must be a tcp:// address (the API's worker port), got {self.api!r}")
+        if not all(is_tcp_address(api) for api in self.api.split(",")):
+            raise ValueError(f"--api must be a tcp:// address (the API's worker port), or one per API process "
+                             f"joined by ',', got {self.api!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.mm_cache_gb <= 0:

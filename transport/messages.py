@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from epd.transport.addresses import MAX_API_SERVERS
 from epd.transport.roles import Role
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
@@ -41,7 +42,6 @@ __all__ = [
 ]
 
 Payload = torch.Tensor | bytes
-MAX_API_SERVERS = 64  # `epd serve --api-servers` at most
 _RESERVED = ("type", "v", "frames")
 
 
