@@ -50,7 +50,7 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.arrivals = ImageArrivals(self._lookup_embedding)  # requests waiting for their images
         self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
-        self.api_index: dict[str, int] = {}  # request id -> the API process its outputs go to, when not 0
+        self.api_index: dict[str, int] = {}  # several API processes: request id -> the one its outputs go to
         self.transfer_start: dict[str, float] = {}
         self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
         self.running = True
@@ -96,7 +96,7 @@ class EngineWorker(WorkerIO):
         elif isinstance(msg, KVAck):
             self._on_kv_ack(msg)
         elif isinstance(msg, Abort):
-            self._abort(msg.request_ids)
+            self._abort(msg.request_ids + self._requests_of(msg.api_index))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -105,7 +105,7 @@ class EngineWorker(WorkerIO):
     # ---------------------------------------------------------- admission
 
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
-        if msg.api_index:  # first: a failure below is answered to that API process too
+        if len(self.apis) > 1:  # first: a failure below is answered to that API process too
             self.api_index[msg.request_id] = msg.api_index
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
@@ -170,6 +170,12 @@ class EngineWorker(WorkerIO):
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
                                       is_internal_error=is_internal))
 
+    def _requests_of(self, api_index: int | None) -> list[str]:
+        """The requests whose outputs go to API process `api_index` (none for None)."""
+        if api_index is None:
+            return []
+        return [rid for rid, index in self.api_index.items() if index == api_index]
+
     def _abort(self, request_ids: list[str]) -> None:
         ids = set(request_ids)
         aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
@@ -188,7 +194,7 @@ class EngineWorker(WorkerIO):
         """Decode role: write arrived KV into fresh blocks, then ack."""
         still_waiting = []
         for msg in self.incoming:
-            if msg.api_index:
+            if len(self.apis) > 1:
                 self.api_index[msg.request_id] = msg.api_index
             request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                               mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
@@ -217,9 +223,10 @@ class EngineWorker(WorkerIO):
         self.outbox.send(target, KVTransfer(
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address, api_index=self.api_index.pop(request.request_id, 0)))
+            k, v, reply_to=self.inbox.address, api_index=self.api_index.get(request.request_id, 0)))
 
     def _on_kv_ack(self, msg: KVAck) -> None:
+        self.api_index.pop(msg.request_id, None)
         start = self.transfer_start.pop(msg.request_id, None)
         if start is not None:
             self.counters.kv_transfer_seconds_sum += time.perf_counter() - start

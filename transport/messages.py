@@ -423,17 +423,19 @@ class WorkerExited(Message):
 
 @dataclass
 class Abort(Message):
-    """API -> worker: drop these requests and free their blocks."""
+    """API -> worker: drop these requests and free their blocks. Launcher ->
+    worker, `api_index` set: API process `api_index` exited, drop all of its requests too."""
 
     TYPE: ClassVar[str] = "abort"
     request_ids: list[str]
+    api_index: int | None = None
 
     def _fields(self):
-        return {"request_ids": list(self.request_ids)}
+        return {"request_ids": list(self.request_ids), "api_index": self.api_index}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.list_of("request_ids", str))
+        return cls(f.list_of("request_ids", str), None if f.opt_int("api_index") is None else _api_index(f))
 
 
 @dataclass

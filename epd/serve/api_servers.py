@@ -9,6 +9,7 @@ all routing to the same workers.
       ApiServers: starts API process k (run_api_server), restarts it when it exits
       a worker exits -> WorkerExited to every collector (the workers are not the
         API processes' children, so only the launcher sees them exit)
+      an API process exits -> Abort(api_index=k) to every worker: its clients are gone
       PROMETHEUS_MULTIPROC_DIR=<run dir>/metrics: each process's request metrics
         land in files there and any process's /metrics renders their sum; worker
         restarts are counted here, into the same files
@@ -39,7 +40,7 @@ from epd.config import ServeConfig
 from epd.serve.supervisor import FIRST_BACKOFF_S, MAX_BACKOFF_S, POLL_S, LocalSupervisor
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
-from epd.transport.messages import Shutdown, WorkerExited
+from epd.transport.messages import Abort, Shutdown, WorkerExited
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when imported (not yet, here)
 API_STOP_S = 10.0  # an API process told to stop gets this long (after draining) before SIGKILL
@@ -136,7 +137,11 @@ async def _run(config: ServeConfig, workers: LocalSupervisor, servers: ApiServer
         for api in apis:
             outbox.send(api, WorkerExited(worker_id, exit_code))
 
-    watches = [asyncio.create_task(workers.watch(on_worker_exit)), asyncio.create_task(servers.watch())]
+    def on_api_exit(index: int) -> None:  # its clients are gone: the workers drop its requests
+        for launch in workers.launches.values():
+            outbox.send(launch.spec.inbox, Abort([], api_index=index))
+
+    watches = [asyncio.create_task(workers.watch(on_worker_exit)), asyncio.create_task(servers.watch(on_api_exit))]
     try:
         while not stop.done():
             for role, n in workers.restarts.items():
@@ -192,13 +197,15 @@ class ApiServers:
     def any_exited(self) -> bool:
         return any(p.exitcode is not None for p in self.procs.values())
 
-    async def watch(self) -> None:
+    async def watch(self, on_exit) -> None:
+        """Until cancelled: an exited API process is reported (`on_exit(index)`) and started again."""
         restarting: set[int] = set()
         while True:
             for index, proc in list(self.procs.items()):
                 if index in restarting or proc.exitcode is None:
                     continue
                 proc.join(timeout=0)
+                on_exit(index)
                 delay = self._backoff.get(index, FIRST_BACKOFF_S)
                 self._backoff[index] = min(MAX_BACKOFF_S, delay * 2)
                 print(f"EPD: API server {index} exited with code {proc.exitcode}; restarting in {delay:g} s",

@@ -168,10 +168,21 @@ def client_health(server, index: int) -> int:
 
 def test_a_killed_api_process_leaves_the_other_serving_and_is_restarted(server, expected):
     messages, _ = CHATS["text_only"]
-    old_pid = api_pids(server)[1]
-    generated = server.metric_sum("epd:generation_tokens_total")
-    os.kill(old_pid, signal.SIGKILL)
     model = model_id(server)
+    old_pid = api_pids(server)[1]
+    settle(server)
+    aborted = server.settled_sum("epd:requests_aborted_total", role="decode")
+    body = {"model": model, "messages": messages, "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    with http_client(server, 1) as h, h.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        num_chunks = 0
+        while num_chunks < 20:  # API process 1 streams a long answer from the decode worker...
+            num_chunks += next(lines).startswith("data: {")
+        os.kill(old_pid, signal.SIGKILL)  # ...and dies under it
+    settle(server)  # the launcher told the workers: the request is dropped, not run to its end
+    assert server.settled_sum("epd:requests_aborted_total", role="decode") == aborted + 1
+    generated = server.metric_sum("epd:generation_tokens_total")
     for _ in range(6):  # the shared port: only API process 0 accepts now
         r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120,
                        json={"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})

@@ -69,6 +69,7 @@ def make_messages() -> list[Message]:
         Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
         Abort(["req-1", "req-2"]),
         Abort([]),
+        Abort([], api_index=1),  # the launcher: API process 1 exited
         Shutdown(),
         WorkerExited("decode-0", -9),
         WorkerExited("prefill-1", None),
