@@ -105,8 +105,7 @@ class EngineWorker(WorkerIO):
     # ---------------------------------------------------------- admission
 
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
-        if len(self.apis) > 1:  # first: a failure below is answered to that API process too
-            self.api_index[msg.request_id] = msg.api_index
+        self._remember_api(msg.request_id, msg.api_index)  # first: a failure below is answered there too
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         if msg.decode_worker:
@@ -170,6 +169,16 @@ class EngineWorker(WorkerIO):
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
                                       is_internal_error=is_internal))
 
+    def _remember_api(self, request_id: str, api_index: int) -> None:
+        """Several API processes: which one takes this request's outputs."""
+        if len(self.apis) == 1:
+            return
+        if api_index >= len(self.apis):  # misconfigured: `epd worker --api` names fewer API processes
+            log.warning("%s: request %s comes from API process %d, but --api names %d", self.spec.worker_id,
+                        request_id, api_index, len(self.apis))
+            return
+        self.api_index[request_id] = api_index
+
     def _requests_of(self, api_index: int | None) -> list[str]:
         """The requests whose outputs go to API process `api_index` (none for None)."""
         if api_index is None:
@@ -194,8 +203,7 @@ class EngineWorker(WorkerIO):
         """Decode role: write arrived KV into fresh blocks, then ack."""
         still_waiting = []
         for msg in self.incoming:
-            if len(self.apis) > 1:
-                self.api_index[msg.request_id] = msg.api_index
+            self._remember_api(msg.request_id, msg.api_index)
             request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                               mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
             request.output_token_ids.append(msg.first_token_id)
