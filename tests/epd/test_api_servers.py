@@ -5,6 +5,7 @@ process on purpose, over its own unix socket; /metrics through the shared
 port. Killing an API process or a worker leaves the server serving."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -197,3 +198,40 @@ def test_a_killed_api_process_leaves_the_other_serving_and_is_restarted(server, 
     assert r.choices[0].message.content == expected["text_only"]
     # the dead process's counts stay in the sum: the counter never goes back
     assert server.metric_sum("epd:generation_tokens_total") == generated + 7 * MAX_TOKENS
+
+
+def test_sigterm_drains_every_api_process_then_stops_everything(server):
+    """Last: it stops the module's server. Each API process finishes its own
+    stream, refuses new requests meanwhile, then the launcher stops the workers."""
+    model, max_tokens = model_id(server), 200
+    body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    clients = [http_client(server, index) for index in API_SERVERS]
+    streams = [c.stream("POST", "/v1/chat/completions", json=body) for c in clients]
+    responses = [s.__enter__() for s in streams]
+    lines = [r.iter_lines() for r in responses]
+    for it in lines:  # both streams are under way
+        while not next(it).startswith("data: {"):
+            pass
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for c in clients:  # each process, still streaming, meets new requests with the drain's 503
+        while (r := c.post("/v1/chat/completions", json={"model": model, "messages": CHATS["text_only"][0],
+                                                         "max_tokens": 1})).status_code == 200:
+            assert time.monotonic() < deadline  # the launcher passes SIGTERM on within 0.1 s
+            time.sleep(0.05)
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    for it in lines:
+        usage = [u for u in (_usage(line) for line in it) if u]
+        assert usage and usage[-1]["completion_tokens"] == max_tokens  # finished, not cut
+    for s in streams:
+        s.__exit__(None, None, None)
+    assert server.proc.wait(120) == 0, server.log()[-3000:]
+    assert "EPD: stopped; every worker exited" in server.log()
+    assert not server.group_alive()
+
+
+def _usage(line: str) -> dict | None:
+    if not line.startswith("data: {"):
+        return None
+    return json.loads(line[6:]).get("usage")
