@@ -142,6 +142,6 @@ class EncoderWorker(WorkerIO):
         # arrival order: the reading thread stamps in order and the queue is kept in it
         oldest_s = self.queue[0].received_s if self.queue else None
         self.counters.oldest_queued_s = 0.0 if oldest_s is None else time.perf_counter() - oldest_s
-        self.outbox.send(self.spec.api, WorkerStats(
+        self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

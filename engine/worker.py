@@ -50,6 +50,7 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.arrivals = ImageArrivals(self._lookup_embedding)  # requests waiting for their images
         self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
+        self.api_index: dict[str, int] = {}  # several API processes: request id -> the one its outputs go to
         self.transfer_start: dict[str, float] = {}
         self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
         self.running = True
@@ -95,7 +96,7 @@ class EngineWorker(WorkerIO):
         elif isinstance(msg, KVAck):
             self._on_kv_ack(msg)
         elif isinstance(msg, Abort):
-            self._abort(msg.request_ids)
+            self._abort(msg.request_ids + self._requests_of(msg.api_index))
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
@@ -104,6 +105,7 @@ class EngineWorker(WorkerIO):
     # ---------------------------------------------------------- admission
 
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
+        self._remember_api(msg.request_id, msg.api_index)  # first: a failure below is answered there too
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
         if msg.decode_worker:
@@ -167,11 +169,28 @@ class EngineWorker(WorkerIO):
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
                                       is_internal_error=is_internal))
 
+    def _remember_api(self, request_id: str, api_index: int) -> None:
+        """Several API processes: which one takes this request's outputs."""
+        if len(self.apis) == 1:
+            return
+        if api_index >= len(self.apis):  # misconfigured: `epd worker --api` names fewer API processes
+            log.warning("%s: request %s comes from API process %d, but --api names %d", self.spec.worker_id,
+                        request_id, api_index, len(self.apis))
+            return
+        self.api_index[request_id] = api_index
+
+    def _requests_of(self, api_index: int | None) -> list[str]:
+        """The requests whose outputs go to API process `api_index` (none for None)."""
+        if api_index is None:
+            return []
+        return [rid for rid, index in self.api_index.items() if index == api_index]
+
     def _abort(self, request_ids: list[str]) -> None:
         ids = set(request_ids)
         aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
         for rid in ids:
             self.decode_target.pop(rid, None)
+            self.api_index.pop(rid, None)
             self.transfer_start.pop(rid, None)
         aborted |= {t.request_id for t in self.incoming if t.request_id in ids}  # KV not yet taken
         self.incoming = [t for t in self.incoming if t.request_id not in ids]
@@ -184,6 +203,7 @@ class EngineWorker(WorkerIO):
         """Decode role: write arrived KV into fresh blocks, then ack."""
         still_waiting = []
         for msg in self.incoming:
+            self._remember_api(msg.request_id, msg.api_index)
             request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                               mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
             request.output_token_ids.append(msg.first_token_id)
@@ -211,9 +231,10 @@ class EngineWorker(WorkerIO):
         self.outbox.send(target, KVTransfer(
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address))
+            k, v, reply_to=self.inbox.address, api_index=self.api_index.get(request.request_id, 0)))
 
     def _on_kv_ack(self, msg: KVAck) -> None:
+        self.api_index.pop(msg.request_id, None)
         start = self.transfer_start.pop(msg.request_id, None)
         if start is not None:
             self.counters.kv_transfer_seconds_sum += time.perf_counter() - start
@@ -251,7 +272,8 @@ class EngineWorker(WorkerIO):
                 self.decode_target.pop(update.request_id, None)
 
     def _send_output(self, out: TokenOutput) -> None:
-        self.outbox.send(self.spec.api, out)
+        index = self.api_index.pop(out.request_id, 0) if out.finished else self.api_index.get(out.request_id, 0)
+        self.outbox.send(self.apis[index], out)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
@@ -262,7 +284,7 @@ class EngineWorker(WorkerIO):
         self.counters.num_preemptions = stats["num_preemptions"]
         self.counters.prefix_cache_queries = stats["prefix_cache_queries"]
         self.counters.prefix_cache_hits = stats["prefix_cache_hits"]
-        self.outbox.send(self.spec.api, WorkerStats(
+        self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=self.core.num_running,
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + len(self.incoming),
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,

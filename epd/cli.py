@@ -112,6 +112,7 @@ def serve_config(args) -> ServeConfig:
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
+        api_servers=args.api_servers,
         engine=_engine_config(args),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
-        "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing")}
+        "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing", "api_servers")}
     media = {name: field_default(MediaConfig, name) for name in (
         "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
     p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
@@ -255,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default=serve["router"], choices=list(ROUTERS))
     p.add_argument("--served-model-name", default=serve["served_model_name"])
     p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY)")
+    p.add_argument("--api-servers", type=int, default=serve["api_servers"],
+                   help="API processes behind the one HTTP port, all routing to the same workers")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=serve["worker_port"],
@@ -308,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="one worker on this host, registering with a remote `epd serve`")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--role", required=True, choices=[str(r) for r in Role])
-    p.add_argument("--api", required=True, help="tcp://HOST:PORT of the API's worker port")
+    p.add_argument("--api", required=True, help="tcp://HOST:PORT of the API's worker port (with --api-servers N: "
+                   "the N ports from the worker port up, joined by ',')")
     p.add_argument("--host", default=worker["host"], help="address to bind this worker's inbox on")
     p.add_argument("--port", type=int, default=worker["port"], help="inbox port (0: any free port)")
     p.add_argument("--mm-cache-dir", default=worker["mm_cache_dir"])

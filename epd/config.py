@@ -25,7 +25,7 @@ from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.router import ROUTERS
-from epd.transport.addresses import is_tcp_address
+from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
 
@@ -91,6 +91,7 @@ class ServeConfig:
     ready_timeout_s: float = 600.0
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
+    api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -110,6 +111,13 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        if not 1 <= self.api_servers <= MAX_API_SERVERS:
+            raise ValueError(f"--api-servers must be in 1..{MAX_API_SERVERS}, got {self.api_servers}")
+        if self.api_servers > 1 and self.ray is not None:
+            raise ValueError("--api-servers N > 1 runs with the local launcher or --external-workers, not --cluster ray")
+        if self.api_servers > 1 and self.encoder_scaling is not None:
+            raise ValueError("--api-servers N > 1 and --encoders MIN-MAX do not go together yet: "
+                             "give --encoders a fixed count")
         if self.external_workers:
             _check_keys(self.worker_keys, API, "--external-workers")
         if self.ray is not None and self.external_workers:
@@ -185,7 +193,7 @@ class WorkerConfig:
 
     model: str
     role: Role  # a role's name is accepted too
-    api: str  # tcp://HOST:PORT, the API's worker port
+    api: str  # tcp://HOST:PORT, the API's worker port; with --api-servers N, the N ports joined by ","
     host: str = "127.0.0.1"  # address this worker's inbox binds on
     port: int = 0  # inbox port; 0: any free port
     mm_cache_dir: str | None = None  # None: no embedding cache on this worker
@@ -197,8 +205,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
-        if not is_tcp_address(self.api):
-            raise ValueError(f"--api must be a tcp:// address (the API's worker port), got {self.api!r}")
+        if not all(is_tcp_address(api) for api in self.api.split(",")):
+            raise ValueError(f"--api must be a tcp:// address (the API's worker port), or one per API process "
+                             f"joined by ',', got {self.api!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.mm_cache_gb <= 0:

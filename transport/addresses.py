@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from epd.transport.roles import Role
 
 DEFAULT_BASE_PORT = 27100
+MAX_API_SERVERS = 64  # `epd serve --api-servers` at most (a PrefillRequest's api_index is below it)
 _MAX_IPC_PATH_BYTES = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 
 
@@ -62,10 +63,13 @@ class Addresses:
         offset = 1 + list(Role).index(role) * self.max_workers_per_role + index
         return tcp_address(self.host, self.base_port + offset)
 
-    def collector(self) -> str:
-        """The API's PULL address: token outputs, stats and Ready messages."""
+    def collector(self, api_index: int = 0) -> str:
+        """API process `api_index`'s PULL address (`--api-servers`): token
+        outputs, stats and Ready messages. Process 0's is the single API's."""
         if self.scheme == "ipc":
-            return self._ipc("api.sock")
+            return self._ipc("api.sock" if api_index == 0 else f"api-{api_index}.sock")
+        if api_index:
+            raise ValueError("tcp addresses have one collector")
         return tcp_address(self.host, self.base_port)
 
     def _ipc(self, name: str) -> str:

@@ -82,9 +82,10 @@ class PlaneKeys:
         """The User-Id ZeroMQ gives frames that the API sent."""
         return self.api_public.decode("ascii")
 
-    def server_key(self, address: str, api_address: str) -> bytes:
-        """The public key of whoever binds `address`: the API binds its collector, workers their inboxes."""
-        return self.api_public if address == api_address else self.worker_public
+    def server_key(self, address: str, api_address: str | tuple[str, ...]) -> bytes:
+        """The public key of whoever binds `address`: the API binds its collector(s), workers their inboxes."""
+        apis = (api_address,) if isinstance(api_address, str) else api_address
+        return self.api_public if address in apis else self.worker_public
 
     def admits(self, domain: str, client_key: bytes) -> bool:
         allowed = {COLLECTOR_DOMAIN: (self.worker_public,),

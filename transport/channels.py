@@ -195,9 +195,11 @@ class AsyncReceiver(_Channel, _Admits):
 class Outbox:
     """Senders to many peers, connected on first use and kept: a worker
     replies to whatever address a message names (reply_to, decode worker).
-    With `keys`, `api_address` is the one peer holding the API's key."""
+    With `keys`, `api_address` (one, or a tuple: every API process's collector)
+    names the peers holding the API's key."""
 
-    def __init__(self, ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, api_address: str = ""):
+    def __init__(self, ctx: zmq.Context | None = None, keys: PlaneKeys | None = None,
+                 api_address: str | tuple[str, ...] = ""):
         self._ctx = ctx
         self._keys = keys
         self._api_address = api_address

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from epd.transport.addresses import MAX_API_SERVERS
 from epd.transport.roles import Role
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
@@ -36,6 +37,7 @@ from epd.transport.mm_span import MMSpan
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
     "KVTransfer", "KVAck", "TokenOutput", "WorkerStats", "Ready", "Abort", "Shutdown",
+    "WorkerExited",
     "MESSAGE_TYPES", "decode_message",
 ]
 
@@ -126,6 +128,12 @@ def _spans(f: Fields, name: str, num_prompt_tokens: int) -> list[MMSpan]:
     return spans
 
 
+def _api_index(f: Fields) -> int:
+    index = f.int("api_index")
+    _need(0 <= index < MAX_API_SERVERS, f.tag, f"api_index must be in [0, {MAX_API_SERVERS}), got {index}")
+    return index
+
+
 def _need(ok: bool, tag: str, what: str) -> None:
     if not ok:
         raise WireError(f"{tag}: {what}")
@@ -212,17 +220,20 @@ class PrefillRequest(Message):
     sampling: SamplingParams  # n == 1: the API fans n > 1 out into requests
     eos_token_ids: list[int]
     decode_worker: str | None  # None: this worker decodes too (e-pd / aggregated)
+    api_index: int = 0  # which API process's collector (WorkerSpec.apis) takes its TokenOutputs
 
     def _fields(self):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "mm_spans": [s.to_list() for s in self.mm_spans], "sampling": sampling_to_map(self.sampling),
-                "eos_token_ids": list(self.eos_token_ids), "decode_worker": self.decode_worker}
+                "eos_token_ids": list(self.eos_token_ids), "decode_worker": self.decode_worker,
+                "api_index": self.api_index}
 
     @classmethod
     def _build(cls, f, payload):
         prompt = f.token_ids("prompt_token_ids")
         return cls(f.str("request_id"), prompt, _spans(f, "mm_spans", len(prompt)),
-                   sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"), f.opt_str("decode_worker"))
+                   sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"), f.opt_str("decode_worker"),
+                   _api_index(f))
 
 
 @dataclass
@@ -245,6 +256,7 @@ class KVTransfer(Message):
     k_blocks: torch.Tensor
     v_blocks: torch.Tensor
     reply_to: str = ""  # address of the prefill worker, for the KVAck
+    api_index: int = 0  # the PrefillRequest's: where the decode worker sends the TokenOutputs
 
     @property
     def num_layers(self) -> int:
@@ -258,7 +270,8 @@ class KVTransfer(Message):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "first_token_id": self.first_token_id, "sampling": sampling_to_map(self.sampling),
                 "eos_token_ids": list(self.eos_token_ids),
-                "mm_spans": [s.to_list() for s in self.mm_spans], "reply_to": self.reply_to}
+                "mm_spans": [s.to_list() for s in self.mm_spans], "reply_to": self.reply_to,
+                "api_index": self.api_index}
 
     def _payload(self):
         return [self.k_blocks, self.v_blocks]
@@ -275,7 +288,8 @@ class KVTransfer(Message):
         first_token_id = f.int("first_token_id")
         _need(first_token_id >= 0, cls.TYPE, "first_token_id must be a token id >= 0")
         return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
-                   f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v, f.str("reply_to"))
+                   f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v, f.str("reply_to"),
+                   _api_index(f))
 
 
 @dataclass
@@ -391,18 +405,37 @@ class Ready(Message):
 
 
 @dataclass
-class Abort(Message):
-    """API -> worker: drop these requests and free their blocks."""
+class WorkerExited(Message):
+    """Launcher -> every API process (`--api-servers` > 1, whose workers are not
+    its own children): the supervisor saw this worker's process exit."""
 
-    TYPE: ClassVar[str] = "abort"
-    request_ids: list[str]
+    TYPE: ClassVar[str] = "worker_exited"
+    worker_id: str
+    exit_code: int | None
 
     def _fields(self):
-        return {"request_ids": list(self.request_ids)}
+        return {"worker_id": self.worker_id, "exit_code": self.exit_code}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.list_of("request_ids", str))
+        return cls(f.str("worker_id"), f.opt_int("exit_code"))
+
+
+@dataclass
+class Abort(Message):
+    """API -> worker: drop these requests and free their blocks. Launcher ->
+    worker, `api_index` set: API process `api_index` exited, drop all of its requests too."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_ids: list[str]
+    api_index: int | None = None
+
+    def _fields(self):
+        return {"request_ids": list(self.request_ids), "api_index": self.api_index}
+
+    @classmethod
+    def _build(cls, f, payload):
+        return cls(f.list_of("request_ids", str), None if f.opt_int("api_index") is None else _api_index(f))
 
 
 @dataclass
@@ -424,6 +457,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "ready": Ready,
     "abort": Abort,
     "shutdown": Shutdown,
+    "worker_exited": WorkerExited,
 }
 assert all(cls.TYPE == tag for tag, cls in MESSAGE_TYPES.items())
 assert not any(f.name in _RESERVED for cls in MESSAGE_TYPES.values() for f in dataclass_fields(cls))

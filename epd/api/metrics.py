@@ -14,9 +14,15 @@ worker's queue (its `num_requests_waiting` gauge does).
 prometheus_client appends `_total` to counters, so they are declared without it.
 Server-level gauges (running, waiting, KV usage) come from the workers, through
 the orchestrator's `metrics_text()`.
+
+With several API processes (`epd serve --api-servers N`) the launcher sets
+PROMETHEUS_MULTIPROC_DIR: prometheus_client then keeps every process's
+counters and histograms in files there, and whichever process a scrape
+reaches renders their sum (`render`), so /metrics reads as one server's.
 """
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -30,6 +36,25 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0]
 E2E_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                  240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def is_multiprocess() -> bool:
+    """Whether this process is one of several API processes sharing metric files."""
+    return bool(os.environ.get(MULTIPROC_DIR_ENV))
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """Prometheus text of `registry`; with several API processes, of all their metric files summed."""
+    if not is_multiprocess():
+        return generate_latest(registry)
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    combined = CollectorRegistry()
+    MultiProcessCollector(combined)
+    return generate_latest(combined)
 
 
 class ApiMetrics:
@@ -61,7 +86,7 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         """Prometheus text format (0.0.4)."""
-        return generate_latest(self.registry)
+        return render(self.registry)
 
     def track(self, num_sequences: int, arrival_s: float | None = None) -> RequestTracker:
         return RequestTracker(self, num_sequences, time.monotonic() if arrival_s is None else arrival_s)

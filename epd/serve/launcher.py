@@ -58,6 +58,10 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, m
 
 
 def serve(config: ServeConfig) -> int:
+    if config.api_servers > 1:
+        from epd.serve.api_servers import serve_many
+
+        return serve_many(config)
     from epd.api.server import ApiSettings, build_app
     from epd.serve.orchestrator import Orchestrator
 

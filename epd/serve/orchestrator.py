@@ -13,7 +13,9 @@
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
-WorkerStats, TokenOutput.
+WorkerStats, TokenOutput (and, with several API processes, the launcher's
+WorkerExited). API process `api_index` names itself in each PrefillRequest,
+so the workers send that request's tokens to its collector.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from epd.serve.token_order import TokenOrder
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
-                                    WireError, WorkerStats)
+                                    WireError, WorkerExited, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
 from epd.transport.mm_span import MMSpan
 from epd.transport.roles import Role
@@ -67,10 +69,12 @@ class _Prepared:
 
 class Orchestrator:
     def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str,
-                 keys_dir: str | None = None):
+                 keys_dir: str | None = None, api_index: int = 0):
         """`mm_cache_dir`: the embedding cache the launcher's workers share
         (`--mm-cache-dir`, or one it made under its run dir). `keys_dir`: the
-        worker-plane keys when the collector is on tcp (default `--worker-keys`)."""
+        worker-plane keys when the collector is on tcp (default `--worker-keys`).
+        `api_index`: this API process's place among `--api-servers` (its
+        collector's in WorkerSpec.apis)."""
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
@@ -88,6 +92,7 @@ class Orchestrator:
         self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
         self.collector_address = collector_address
+        self.api_index = api_index
         self.host = socket.gethostname()
         self.registry = WorkerRegistry()
         self.metrics = WorkerMetrics(self.registry)
@@ -135,8 +140,9 @@ class Orchestrator:
             self.cache = MMCache(self.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
                                  model_fingerprint=self.info.fingerprint)
 
-    async def stop(self) -> None:
-        if self._outbox is not None:
+    async def stop(self, shutdown_workers: bool = True) -> None:
+        """`shutdown_workers`: False for one of several API processes (the launcher stops the workers)."""
+        if self._outbox is not None and shutdown_workers:
             for w in list(self.registry.workers.values()):
                 try:
                     await asyncio.wait_for(self._outbox.send(w.inbox, Shutdown()), 1.0)
@@ -175,6 +181,8 @@ class Orchestrator:
                 info = self.registry.on_ready(msg)
                 log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
                 self._open_cache()
+            elif isinstance(msg, WorkerExited):
+                self.on_worker_exit(msg.worker_id, msg.exit_code)
 
     # ------------------------------------------------------------- facade
 
@@ -406,7 +414,7 @@ class Orchestrator:
             # has it before any EncodeDone (a busy one may still read them out of order).
             await self._outbox.send(prefill.inbox, PrefillRequest(
                 attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
-                decode.inbox if decode else None))
+                decode.inbox if decode else None, self.api_index))
             for key, data in misses:
                 enc = self.encoder_turn.choose(encoders, prep.token_ids)
                 attempt.encoders.append(enc)

@@ -50,10 +50,15 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
-        """A worker (re)started: alive from now, whatever came before (but a retired one stays retired)."""
-        old = self.workers.get(msg.worker_id)
+        """A worker (re)started: alive from now, whatever came before (but a
+        retired one stays retired). A live worker's `Ready` again (it
+        re-announces while there are several API processes) only refreshes it."""
+        known = self.workers.get(msg.worker_id)
+        if known is not None and known.inbox == msg.inbox and self.is_alive(known):
+            known.last_seen_s = time.monotonic()
+            return known
         info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir,
-                          is_retired=old is not None and old.is_retired)
+                          is_retired=known is not None and known.is_retired)
         self.workers[msg.worker_id] = info
         return info
 

@@ -3,14 +3,20 @@
 Each worker publishes `WorkerStats` (gauges plus monotonically growing
 counters); the API process renders the latest of each, so a scrape of
 `/metrics` shows every worker. Names follow vLLM's under the `epd:` prefix.
+
+The API's own counts (cache lookups, failed, recovered, refused requests) are
+prometheus_client Counters: with several API processes they live in the
+shared metric files and are summed with the request metrics (epd/api/metrics.py),
+while every process holds the same view of the workers and renders it alone.
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+from epd.api.metrics import is_multiprocess
 
 from epd.serve.registry import WorkerRegistry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
@@ -78,17 +84,30 @@ class WorkerMetrics:
 
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
-        self.mm_cache_queries = 0
-        self.mm_cache_hits = 0
-        self.requests_failed: Counter[str] = Counter()  # reason -> requests that got an error we caused
-        self.requests_recovered: Counter[str] = Counter()  # "retried" (nothing streamed yet) | "resumed"
-        self.requests_refused: Counter[str] = Counter()  # reason -> requests refused by admission control
-        self.worker_restarts: Callable[[], dict[str, int]] = dict  # role -> restarts, from the supervisor
+        self._api = CollectorRegistry()
+        self.mm_cache_queries = Count(Counter("epd:mm_cache_queries", "Images looked up in the embedding cache.",
+                                              registry=self._api))
+        self.mm_cache_hits = Count(Counter("epd:mm_cache_hits", "Images found in the embedding cache.",
+                                           registry=self._api))
+        self.requests_failed = CountBy(Counter(  # reason -> requests that got an error we caused
+            "epd:requests_failed", "Requests answered with an error the server caused (timeout, no live worker, "
+            "worker errors) or bad input found by a worker.", ["reason"], registry=self._api))
+        self.requests_recovered = CountBy(Counter(  # "retried" (nothing streamed yet) | "resumed"
+            "epd:requests_recovered", "Requests sent again after a worker died under them: retried before any "
+            "token, or resumed mid-stream.", ["how"], registry=self._api))
+        self.requests_refused = CountBy(Counter(  # reason -> requests refused by admission control
+            "epd:requests_refused", "Requests refused by admission control (503 + Retry-After).", ["reason"],
+            registry=self._api))
+        # role -> restarts, from the supervisor; None: the launcher counts them in the shared metric files
+        self.worker_restarts: Callable[[], dict[str, int]] | None = dict
         self._prom = CollectorRegistry(auto_describe=False)
         self._prom.register(self)
 
     def render(self) -> bytes:
-        return generate_latest(self._prom)
+        """The workers' metrics and the API's counts (with several API processes,
+        only the workers': the request metrics' `render` sums the counts of all)."""
+        text = generate_latest(self._prom)
+        return text if is_multiprocess() else text + generate_latest(self._api)
 
     def register(self, collector) -> None:
         """Another collector rendered with these metrics (the encoder pool's)."""
@@ -118,21 +137,11 @@ class WorkerMetrics:
         yield usage
         yield from engine
         yield from encoder
-        queries = CounterMetricFamily("epd:mm_cache_queries", "Images looked up in the embedding cache.")
-        queries.add_metric([], self.mm_cache_queries)
-        hits = CounterMetricFamily("epd:mm_cache_hits", "Images found in the embedding cache.")
-        hits.add_metric([], self.mm_cache_hits)
-        yield queries
-        yield hits
-        yield _labelled("epd:worker_restarts", "Worker processes restarted after they exited.", "role",
-                        self.worker_restarts())
-        yield _labelled("epd:requests_failed", "Requests answered with an error the server caused "
-                        "(timeout, no live worker, worker errors) or bad input found by a worker.", "reason",
-                        self.requests_failed)
-        yield _labelled("epd:requests_recovered", "Requests sent again after a worker died under them: "
-                        "retried before any token, or resumed mid-stream.", "how", self.requests_recovered)
-        yield _labelled("epd:requests_refused", "Requests refused by admission control (503 + Retry-After).",
-                        "reason", self.requests_refused)
+        if self.worker_restarts is not None:
+            yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", self.worker_restarts())
+
+
+WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
@@ -140,3 +149,27 @@ def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> Counte
     for key, value in sorted(values.items()):
         family.add_metric([str(key)], value)
     return family
+
+
+class Count:
+    """A prometheus Counter that reads like an int counter: `count += n`."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __iadd__(self, amount: int) -> Count:
+        self.counter.inc(amount)
+        return self
+
+
+class CountBy:
+    """A labelled prometheus Counter that reads like a `collections.Counter`: `counts[label] += n`."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __getitem__(self, label: str) -> Count:
+        return Count(self.counter.labels(label))
+
+    def __setitem__(self, label: str, count: Count) -> None:
+        pass  # `counts[label] += n` incremented the child in Count.__iadd__ already

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerStats,
+    PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
@@ -48,10 +48,12 @@ def make_messages() -> list[Message]:
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.zeros(0, 8), grid_thw=(1, 0, 0)),
         PrefillRequest("req-1", list(range(40)), spans, SAMPLING, [151645, 151643], "decode-1"),
         PrefillRequest("req-2", [1, 2, 3], [], SamplingParams(), [], None),
+        PrefillRequest("req-3", [1], [], GREEDY, [], None, api_index=3),  # from API process 3
         KVTransfer("req-1", list(range(10)), 42, SAMPLING, [2], [MMSpan(2, 4, HASH_A, (1, 4, 4))],
                    make_kv(), make_kv()),
         KVTransfer("req-1", [5], 1, GREEDY, [], [],
                    make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
+        KVTransfer("req-3", [5], 1, GREEDY, [], [], make_kv(), make_kv(), reply_to="prefill-0", api_index=1),
         KVAck("req-1", ok=True),
         KVAck("req-1", ok=False, error="out of blocks"),
         TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
@@ -67,7 +69,10 @@ def make_messages() -> list[Message]:
         Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
         Abort(["req-1", "req-2"]),
         Abort([]),
+        Abort([], api_index=1),  # the launcher: API process 1 exited
         Shutdown(),
+        WorkerExited("decode-0", -9),
+        WorkerExited("prefill-1", None),
     ]
 
 
