@@ -62,7 +62,7 @@ class SchedulerConfig:
     prefill_priority: str = "cost"
     # Aging of "cost": a request gains `prefill_aging` tokens of priority per
     # token the engine schedules after it arrived.
-    prefill_aging: float = 0.5
+    prefill_aging: float = 0.1
     # Requests that may hold KV blocks while an image they need is missing.
     max_num_image_waits: int = 4
 
@@ -235,8 +235,8 @@ class Scheduler:
         A request that arrives W tokens of work after X overtakes X only
         while its own cost is below X's by more than aging x W: X is passed
         only by requests arriving within cost(X) / aging scheduled tokens
-        after it (with aging 0.5, a 2,000-token prompt by those arriving
-        within the next 4,000 tokens of work), so no prefill starves. Ties
+        after it (with aging 0.1, a 2,000-token prompt by those arriving
+        within the next 20,000 tokens of work), so no prefill starves. Ties
         go by arrival. Under "fcfs" arrival alone."""
         if self.config.prefill_priority == "fcfs":
             return 0.0, self._arrival_key(request)
