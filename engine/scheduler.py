@@ -250,8 +250,10 @@ class Scheduler:
         """Pick this step's requests within the token and sequence budgets.
 
         Order: running requests with one token left (decodes, by arrival),
-        then running requests mid-prefill, then waiting requests; prefills
-        go by `_priority` (arrival under "fcfs"). A prompt longer than the
+        then prefills: under "fcfs" running ones by arrival, then the waiting
+        queue; under "cost" running and waiting together by `_priority`,
+        and a request admitted ahead of a running prefill must leave the
+        blocks that prefill's next chunk needs. A prompt longer than the
         remaining budget is chunked at any token, also inside an image span,
         and never past `prefill_bound`: a request blocked there is skipped
         and its budget goes to the next. When blocks run out, the most
@@ -298,8 +300,7 @@ class Scheduler:
                     scheduled_ids.add(request.request_id)
                     token_budget -= num_new_tokens
                 continue
-            if preempted_ids or not may_admit or len(self.running) >= self.config.max_num_seqs \
-                    or request.request_id in preempted_ids:
+            if preempted_ids or not may_admit or len(self.running) >= self.config.max_num_seqs:
                 continue  # no admission in a step that preempted, nor past one that did not fit
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
             bound = self.prefill_bound(request, num_cached_tokens)
