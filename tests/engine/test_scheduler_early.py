@@ -231,3 +231,19 @@ def test_aging_bounds_how_long_short_prefills_overtake_a_long_one():
     fcfs.add_request(make_request(prompt_token_ids=range(3000, 3000 + budget), max_tokens=1))
     output, _ = step(fcfs)
     assert output.scheduled[-1].request is long
+
+
+def test_a_short_prefill_never_takes_the_blocks_a_running_one_needs_next():
+    """Cost order puts a short new prompt first, but admitting it would leave
+    the long prompt's next chunk no block (it would preempt itself): it waits."""
+    scheduler = make_scheduler(num_blocks=7, max_num_batched_tokens=16)  # 28 tokens
+    long = make_request(28)
+    scheduler.add_request(long)
+    step(scheduler)  # 16 tokens: 4 blocks, 3 free
+    short = make_request(prompt_token_ids=range(2000, 2012))  # 3 blocks
+    scheduler.add_request(short)
+    output, _ = step(scheduler)
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [(long.request_id, 12)]
+    assert output.preempted_request_ids == [] and short in scheduler.waiting
+    run_until_done(scheduler)
+    assert long.is_finished and short.is_finished and scheduler.num_preemptions == 0
