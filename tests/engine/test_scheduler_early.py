@@ -240,7 +240,7 @@ def test_a_short_prefill_never_takes_the_blocks_a_running_one_needs_next():
     long = make_request(28)
     scheduler.add_request(long)
     step(scheduler)  # 16 tokens: 4 blocks, 3 free
-    short = make_request(prompt_token_ids=range(2000, 2012))  # 3 blocks
+    short = make_request(prompt_token_ids=range(2000, 2008))  # 2 blocks; cost 8 < 12 left of long
     scheduler.add_request(short)
     output, _ = step(scheduler)
     assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [(long.request_id, 12)]
