@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,21 @@ from epd.transport.wire_values import EncoderCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
+
+# Tests only: "WxH:SECONDS" holds back the EncodeDone of every image of that
+# size that long (the worker serves on meanwhile), so a test can make an
+# image arrive late and after the request's later images, whichever encoder
+# it was routed to.
+SLOW_IMAGE_ENV = "EPD_TEST_SLOW_IMAGE"
+
+
+def _slow_image() -> tuple[tuple[int, int], float] | None:
+    value = os.environ.get(SLOW_IMAGE_ENV)
+    if not value:
+        return None
+    size, _, seconds = value.partition(":")
+    width, _, height = size.partition("x")
+    return (int(width), int(height)), float(seconds)
 
 
 @dataclass
@@ -44,6 +60,8 @@ class EncoderWorker(WorkerIO):
         # a thread reads the socket while the ViT runs, so an image's queue time starts when it came in
         self.arrivals = StampedInbox(self.inbox, spec.worker_id)
         self._last_stats = 0.0
+        self._slow_image = _slow_image()
+        self._held: list[tuple[float, str, EncodeDone]] = []  # (send at, reply_to, message): tests only
 
     def run(self) -> None:
         self.arrivals.start()
@@ -53,6 +71,8 @@ class EncoderWorker(WorkerIO):
                 self._drain(timeout_s=0.0 if self.queue else 0.05)
                 if self.queue:
                     self._encode_batch()
+                if self._held:
+                    self._send_held()
                 self._maybe_send_stats()
         finally:
             self.arrivals.stop()
@@ -131,7 +151,22 @@ class EncoderWorker(WorkerIO):
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=True)
+        if self._slow_image is not None and self._is_slow(msg.image):
+            self._held.append((time.monotonic() + self._slow_image[1], msg.reply_to, done))
+            return
         self.outbox.send(msg.reply_to, done)
+
+    def _is_slow(self, image: bytes) -> bool:
+        try:
+            return read_image_size(image, self.encoder.max_image_pixels) == self._slow_image[0]
+        except (ImageError, ValueError):
+            return False
+
+    def _send_held(self) -> None:
+        now = time.monotonic()
+        for item in [h for h in self._held if h[0] <= now]:
+            self._held.remove(item)
+            self.outbox.send(item[1], item[2])
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()

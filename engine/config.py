@@ -1,7 +1,8 @@
 """The engine's launch-time configuration (frozen, built once by the CLI or `LLM`).
 
-    EngineConfig            memory, precision, device, attention backend
-      scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len
+    EngineConfig            memory, precision, device, attention backend, early prefill
+      scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len,
+                                    prefill priority
 
 `EngineConfig.from_flat(**settings)` takes the flat vLLM names of both
 (`max_num_seqs=8, device="cpu"`), as `LLM(...)` and the CLI flags do.
@@ -33,6 +34,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # torch on CPU, triton on GPU
+    # A worker admits a request before all its images are here and prefills
+    # up to the first missing one (engine/image_arrivals.py); off: it waits for all.
+    early_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

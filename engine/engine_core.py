@@ -8,12 +8,13 @@ worker process). The same object serves prefill-only, decode-only and
 combined roles (see `Scheduler`).
 
 It is the only door into the engine: callers use the verbs below
-(`add_request`, `add_prefilled`, `export_kv`, `release`, `abort`, `step`,
-`get_embedding`, the counts), never its scheduler or runner.
+(`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,
+`abort`, `step`, `get_embedding`, the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
@@ -96,7 +97,8 @@ class EngineCore:
         self.grammars = GrammarCompilerPool(model_dir, self.info.vocab_size, self.info.eos_token_ids)
         # Requests whose grammar (or bad words) are being prepared in the compiler
         # thread: they enter the scheduler when done, so no step waits for a compile.
-        self._preparing: dict[str, tuple[Request, dict[str, MMEntry], Future]] = {}
+        # (request, its images here, its images still to come, the compile)
+        self._preparing: dict[str, tuple[Request, dict[str, MMEntry], set[str], Future]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -104,13 +106,18 @@ class EngineCore:
 
     # -- intake ------------------------------------------------------------------
 
-    def add_request(self, request: Request, mm_embeddings: dict[str, MMEntry] | None = None) -> None:
+    def add_request(self, request: Request, mm_embeddings: dict[str, MMEntry] | None = None,
+                    pending_mm_hashes: Iterable[str] = ()) -> None:
         """Queues a request; `mm_embeddings` must hold every image of its spans
-        the engine does not hold already (`get_embedding`). ValueError if not,
-        or if the scheduler refuses the request."""
+        the engine does not hold already (`get_embedding`), except those in
+        `pending_mm_hashes`: they come later through `add_embedding`, and the
+        request is prefilled up to the first of them meanwhile (early
+        prefill). ValueError if an image is unaccounted for, or if the
+        scheduler refuses the request."""
         mm_embeddings = mm_embeddings or {}
-        missing = [h for h in request.mm_hashes
-                   if h not in mm_embeddings and self.runner.get_embedding(h) is None]
+        pending_mm_hashes = set(pending_mm_hashes)
+        missing = [h for h in request.mm_hashes if h not in mm_embeddings and h not in pending_mm_hashes
+                   and self.runner.get_embedding(h) is None]
         if missing:
             raise ValueError(f"request {request.request_id}: no embeddings for images {missing}")
         if not request.eos_token_ids:
@@ -121,12 +128,30 @@ class EngineCore:
             raise ValueError(f"request {request.request_id} is already queued")
         # Only its own images: the scheduler frees exactly those when it is done.
         own = {h: mm_embeddings[h] for h in request.mm_hashes if h in mm_embeddings}
+        pending = {h for h in request.mm_hashes
+                   if h in pending_mm_hashes and h not in own and self.runner.get_embedding(h) is None}
         if GrammarCompilerPool.needs(request.sampling_params):
             self.scheduler._check_new(request)  # refuse what the scheduler would refuse, now
-            self._preparing[request.request_id] = (request, own, self.grammars.prepare(request.sampling_params))
+            self._preparing[request.request_id] = (request, own, pending,
+                                                    self.grammars.prepare(request.sampling_params))
             return
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, pending)
         self.runner.add_embeddings(own)
+
+    def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
+        """An image that requests were added without (`pending_mm_hashes`) is
+        here: they may be prefilled past it. False, keeping nothing, when no
+        request waits for it (e.g. they were aborted meanwhile)."""
+        waited = False
+        for _, own, pending, _ in self._preparing.values():
+            if mm_hash in pending:
+                pending.discard(mm_hash)
+                own[mm_hash] = entry
+                waited = True
+        if self.scheduler.image_arrived(mm_hash):
+            self.runner.add_embeddings({mm_hash: entry})
+            waited = True
+        return waited
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV
@@ -183,6 +208,7 @@ class EngineCore:
     # -- one step --------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
+        """Whether `step` has work: requests waiting only for an image have none."""
         return self.scheduler.has_unfinished() or bool(self._preparing)
 
     def step(self) -> StepResult:
@@ -207,15 +233,15 @@ class EngineCore:
         if not self._preparing:
             return {}
         if not self.scheduler.has_unfinished():
-            wait([f for _, _, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            wait([f for *_, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         failed = {}
-        for rid, (request, embeddings, future) in list(self._preparing.items()):
+        for rid, (request, embeddings, pending, future) in list(self._preparing.items()):
             if not future.done():
                 continue
             del self._preparing[rid]
             try:
                 prepared = future.result()
-                self.scheduler.add_request(request)
+                self.scheduler.add_request(request, pending)
             except ValueError as exc:
                 failed[rid] = str(exc)
                 continue
@@ -240,6 +266,11 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    @property
+    def num_waiting_for_images(self) -> int:
+        """Requests in the engine that cannot go on until an image arrives."""
+        return self.scheduler.num_waiting_for_images
 
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks

@@ -1,14 +1,19 @@
 """Requests waiting for their images, and images waiting for their requests.
 
-A prefill (or pd, aggregated) worker admits a request to the engine only once
+A prefill (or pd, aggregated) worker admits a request to the engine once
 every image of it is here: held by the engine already, in the embedding
-cache, or arrived with an EncodeDone (or encoded in-process). Messages come
-in any order (ZeroMQ fair-queues the API's and the encoders' pipes into one
-inbox), so an image, or an image's failure, may overtake its PrefillRequest:
-both are kept, bounded, until the request arrives.
+cache, or arrived with an EncodeDone (or encoded in-process). With `early`
+(early prefill) it admits it at once, with the images here so far
+(`Ready.pending` names the others), and each later image is handed on as
+`Arrived` until the last. Messages come in any order (ZeroMQ fair-queues
+the API's and the encoders' pipes into one inbox), so an image, or an
+image's failure, may overtake its PrefillRequest: both are kept, bounded,
+until the request arrives.
 
-    add(request)              -> [Ready] when all its images are here, [Failed] if one failed early
+    add(request)              -> [Ready] when all its images are here (early: at once),
+                                 [Failed] if one failed early
     arrived(mm_hash, entry)   -> the requests it completes, each Ready
+                                 (early: each admitted request waiting for it, Arrived)
     arrived_in_cache(mm_hash) -> the same, reading the entry back (EncodeDone without tensors)
     failed(mm_hash, error)    -> the requests waiting for it, each Failed
     expire(now_s, max_wait_s) -> the requests waiting longer than that, each Failed
@@ -35,7 +40,17 @@ class Ready:
     """All images of `request` are here: admit it to the engine."""
 
     request: Request
-    embeddings: dict[str, MMEntry] = field(default_factory=dict)  # mm_hash -> encoder output, each image
+    embeddings: dict[str, MMEntry] = field(default_factory=dict)  # mm_hash -> encoder output, each image here
+    pending: frozenset[str] = frozenset()  # early: its images still to come (each an Arrived)
+
+
+@dataclass
+class Arrived:
+    """Early: an image of `request_id`, admitted already, is here."""
+
+    request_id: str
+    mm_hash: str
+    entry: MMEntry
 
 
 @dataclass
@@ -46,15 +61,19 @@ class Failed:
     error: str
 
 
-Outcome = Ready | Failed
+Outcome = Ready | Arrived | Failed
 
 
 class ImageArrivals:
-    def __init__(self, lookup: Callable[[str], MMEntry | None], max_early: int = MAX_EARLY):
+    def __init__(self, lookup: Callable[[str], MMEntry | None], max_early: int = MAX_EARLY,
+                 early: bool = False):
         """`lookup(mm_hash)`: the image's encoder output if the engine or the
-        embedding cache has it, else None."""
+        embedding cache has it, else None. `early`: admit requests before
+        their images are all here."""
         self.lookup = lookup
         self.max_early = max_early
+        self.early = early
+        self._admitted: set[str] = set()  # early: pending requests the engine has already
         self._pending: dict[str, tuple[Request, set[str]]] = {}  # request id -> (request, missing mm_hashes)
         self._staged: dict[str, MMEntry] = {}  # images of pending requests, here
         self._early: OrderedDict[str, MMEntry] = OrderedDict()  # images no request waited for yet
@@ -63,7 +82,8 @@ class ImageArrivals:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        """Requests not yet admitted to the engine."""
+        return len(self._pending) - len(self._admitted)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pending
@@ -87,23 +107,35 @@ class ImageArrivals:
                 self._staged[mm_hash] = entry
         self._pending[request.request_id] = (request, missing)
         self._since_s[request.request_id] = now_s
-        return [] if missing else [self._take(request.request_id)]
+        if not missing:
+            return [self._take(request.request_id)]
+        if not self.early:
+            return []
+        self._admitted.add(request.request_id)
+        here = {h: self._staged[h] for h in request.mm_hashes if h not in missing}
+        self._unstage(list(here))  # the engine holds them from now on
+        return [Ready(request, here, frozenset(missing))]
 
-    def arrived(self, mm_hash: str, entry: MMEntry) -> list[Ready]:
+    def arrived(self, mm_hash: str, entry: MMEntry) -> list[Ready | Arrived]:
         """An image is here; kept for a request still to come if none waits for it."""
         waiting = self._waiting_for(mm_hash)
         if not waiting:
             self._remember(self._early, mm_hash, entry)
             return []
         self._early.pop(mm_hash, None)
-        self._staged[mm_hash] = entry
-        ready = []
+        outcomes = []
         for request_id in waiting:
             missing = self._pending[request_id][1]
             missing.discard(mm_hash)
+            if request_id in self._admitted:
+                outcomes.append(Arrived(request_id, mm_hash, entry))
+                if not missing:
+                    self._drop(request_id)
+                continue
+            self._staged[mm_hash] = entry
             if not missing:
-                ready.append(self._take(request_id))
-        return ready
+                outcomes.append(self._take(request_id))
+        return outcomes
 
     def arrived_in_cache(self, mm_hash: str) -> list[Outcome]:
         """An image was written to the shared cache; fails those waiting for it
@@ -159,11 +191,13 @@ class ImageArrivals:
     def _drop(self, request_id: str) -> None:
         request, _ = self._pending.pop(request_id)
         self._since_s.pop(request_id, None)
+        self._admitted.discard(request_id)
         self._unstage(request.mm_hashes)
 
     def _unstage(self, mm_hashes: list[str]) -> None:
-        """Drops staged images no pending request needs any more."""
-        still_needed = {h for request, _ in self._pending.values() for h in request.mm_hashes}
+        """Drops staged images no request still to be admitted needs."""
+        still_needed = {h for rid, (request, _) in self._pending.items() if rid not in self._admitted
+                        for h in request.mm_hashes}
         for mm_hash in mm_hashes:
             if mm_hash not in still_needed:
                 self._staged.pop(mm_hash, None)

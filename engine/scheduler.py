@@ -1,4 +1,5 @@
-"""FCFS continuous-batching scheduler with chunked prefill and preemption.
+"""Continuous-batching scheduler with chunked prefill, preemption, prefill
+priority and prefill that starts before every image is here.
 
 Pure Python (no torch), vLLM V1 style: a step is
     out = scheduler.schedule()          # which requests, how many tokens each
@@ -8,8 +9,15 @@ The same object serves combined, prefill-only and decode-only workers
 (`role`), see `update`, `release` and `add_prefilled`.
 
 Invariants
-* `running` is sorted by arrival (FCFS priority); `waiting` is FCFS except
-  that preempted requests go back to its front.
+* `running` is sorted by arrival (decodes, and preemption victims, go by
+  arrival); `waiting` is FCFS except that preempted requests go back to its
+  front. Under `prefill_priority="cost"` the prefills (waiting and running)
+  are *taken* in priority order (`_priority`), the queues stay as they are.
+* A request added with images still missing (`pending_mm_hashes`) is never
+  scheduled past the first placeholder of a missing image (`prefill_bound`);
+  blocked there it holds only the blocks it has filled and yields its
+  budget. At most `max_num_image_waits` such requests hold blocks at once,
+  and one is admitted only when the free blocks cover its whole prompt.
 * Every request in `running` (and every prefilled request held for KV
   transfer) holds blocks for at least its `num_computed_tokens`; waiting
   requests hold none.
@@ -32,6 +40,7 @@ from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
 ROLES = ("combined", "prefill", "decode")
+PREFILL_PRIORITIES = ("fcfs", "cost")
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,24 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # Which prefill gets the token budget first: "fcfs" (arrival) or "cost"
+    # (fewest tokens left to prefill, aged; see `Scheduler._priority`).
+    prefill_priority: str = "cost"
+    # Aging of "cost": a request gains `prefill_aging` tokens of priority per
+    # token the engine schedules after it arrived.
+    prefill_aging: float = 0.1
+    # Requests that may hold KV blocks while an image they need is missing.
+    max_num_image_waits: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_image_waits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefill_priority not in PREFILL_PRIORITIES:
+            raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
+                             f"got {self.prefill_priority!r}")
+        if not self.prefill_aging > 0:
+            raise ValueError(f"prefill_aging must be positive, got {self.prefill_aging}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
@@ -85,7 +107,10 @@ class Scheduler:
         self._prefilled: dict[str, Request] = {}  # prefill role: held until release
         self._requests: dict[str, Request] = {}  # every request not yet finished or released
         self._arrival_keys: dict[str, tuple[float, int]] = {}
+        self._arrival_work: dict[str, int] = {}  # request id -> tokens scheduled before it arrived
+        self._missing_mm_hashes: dict[str, set[str]] = {}  # request id -> images not here yet
         self._num_added = 0
+        self.num_scheduled_tokens = 0  # every token scheduled so far: the clock of aging
         self._finished_request_ids: list[str] = []  # since the last schedule()
         self._mm_users: dict[str, int] = {}  # mm_hash -> unfinished requests holding it
         self._freed_mm_hashes: dict[str, None] = {}  # since the last schedule(), in order
@@ -93,9 +118,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- intake
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, pending_mm_hashes: Iterable[str] = ()) -> None:
         """Queue a new request (status WAITING, no blocks).
 
+        `pending_mm_hashes`: its images whose embeddings are not here yet
+        (early prefill). It is prefilled up to the first placeholder of such
+        an image, and on after `image_arrived` names it.
         Raises ValueError for a duplicate id, an empty prompt, a prompt
         longer than the KV cache or one leaving no room under max_model_len.
         """
@@ -106,8 +134,39 @@ class Scheduler:
                 or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} is not a fresh waiting request")
         self._register(request)
+        missing = set(pending_mm_hashes) & set(request.mm_hashes)
+        if missing:
+            self._missing_mm_hashes[request.request_id] = missing
         self.waiting.append(request)
 
+    def image_arrived(self, mm_hash: str) -> bool:
+        """An image some requests were added without is here: they may be
+        prefilled past it. False when no request waits for it."""
+        waited = False
+        for request_id, missing in list(self._missing_mm_hashes.items()):
+            if mm_hash in missing:
+                waited = True
+                missing.discard(mm_hash)
+                if not missing:
+                    del self._missing_mm_hashes[request_id]
+        return waited
+
+    def prefill_bound(self, request: Request, start: int | None = None) -> int:
+        """How far `request` may be computed now: its first placeholder, at or
+        after `start` (default: its computed tokens), of an image not here
+        yet; else all its tokens."""
+        missing = self._missing_mm_hashes.get(request.request_id)
+        if not missing:
+            return request.num_tokens
+        start = request.num_computed_tokens if start is None else start
+        for span in request.mm_spans:  # in prompt order
+            if span.mm_hash in missing and span.end > start:
+                return max(span.offset, start)
+        return request.num_tokens
+
+    def is_waiting_for_image(self, request: Request) -> bool:
+        """Whether an image it needs next is missing (it can compute nothing now)."""
+        return self.prefill_bound(request) <= request.num_computed_tokens
     def add_prefilled(self, request: Request) -> list[int] | None:
         """Take a request whose prompt KV was computed on a prefill worker.
 
@@ -158,6 +217,7 @@ class Scheduler:
             request.max_model_len = self.max_model_len  # lets max_tokens=None mean "to the end"
         self._requests[request.request_id] = request
         self._arrival_keys[request.request_id] = (request.arrival_time, self._num_added)
+        self._arrival_work[request.request_id] = self.num_scheduled_tokens
         self._num_added += 1
         for mm_hash in request.mm_hashes:
             self._mm_users[mm_hash] = self._mm_users.get(mm_hash, 0) + 1
@@ -166,18 +226,41 @@ class Scheduler:
     def _arrival_key(self, request: Request) -> tuple[float, int]:
         return self._arrival_keys[request.request_id]
 
+    def _priority(self, request: Request) -> tuple[float, tuple[float, int]]:
+        """Prefill order under "cost", lowest first: tokens left to prefill
+        plus `prefill_aging` x the tokens scheduled before it arrived, i.e.
+
+            priority = (num_tokens - num_computed_tokens) + aging * W_arrival
+
+        A request that arrives W tokens of work after X overtakes X only
+        while its own cost is below X's by more than aging x W: X is passed
+        only by requests arriving within cost(X) / aging scheduled tokens
+        after it (with aging 0.1, a 2,000-token prompt by those arriving
+        within the next 20,000 tokens of work), so no prefill starves. Ties
+        go by arrival. Under "fcfs" arrival alone."""
+        if self.config.prefill_priority == "fcfs":
+            return 0.0, self._arrival_key(request)
+        cost = request.num_tokens - request.num_computed_tokens
+        return (cost + self.config.prefill_aging * self._arrival_work[request.request_id],
+                self._arrival_key(request))
+
     # --------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests within the token and sequence budgets.
 
-        Order: running requests with one token left (decodes), then running
-        requests mid-prefill, then waiting requests (FCFS, head-of-line
-        blocking). A prompt longer than the remaining budget is chunked at
-        any token, also inside an image span. When blocks run out, the most
+        Order: running requests with one token left (decodes, by arrival),
+        then prefills: under "fcfs" running ones by arrival, then the waiting
+        queue; under "cost" running and waiting together by `_priority`,
+        and a request admitted ahead of a running prefill must leave the
+        blocks that prefill's next chunk needs. A prompt longer than the
+        remaining budget is chunked at any token, also inside an image span,
+        and never past `prefill_bound`: a request blocked there is skipped
+        and its budget goes to the next. When blocks run out, the most
         recently arrived running request not yet scheduled this step is
         preempted (possibly the one asking); no waiting request is admitted
-        in a step that preempted.
+        in a step that preempted, nor after one that did not fit
+        (head-of-line: nobody overtakes the request it is its turn to admit).
         """
         token_budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -186,43 +269,107 @@ class Scheduler:
 
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
+        for request in decodes:
             if token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier request in this loop
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if not self._allocate_or_preempt(request, num_new_tokens, scheduled_ids,
-                                             preempted_ids):
-                continue
-            scheduled.append(self._scheduled(request, num_new_tokens))
-            scheduled_ids.add(request.request_id)
-            token_budget -= num_new_tokens
+            if self._allocate_or_preempt(request, 1, scheduled_ids, preempted_ids):
+                scheduled.append(self._scheduled(request, 1))
+                scheduled_ids.add(request.request_id)
+                token_budget -= 1
 
-        while (self.waiting and token_budget > 0 and not preempted_ids
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
+        # Prefills, running and waiting, in one order: "fcfs" the running ones by
+        # arrival, then the queue; "cost" all by priority, so a short prompt that
+        # just arrived takes the budget before a long one's next chunk.
+        if self.config.prefill_priority == "fcfs":
+            order = prefills + list(self.waiting)
+        else:
+            order = sorted(prefills + list(self.waiting), key=self._priority)
+        num_image_waits = sum(1 for r in self.running if self.prefill_bound(r) < r.num_tokens)
+        may_admit = True
+        for i, request in enumerate(order):
+            if token_budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:
+                num_new_tokens = min(self.prefill_bound(request) - request.num_computed_tokens, token_budget)
+                if num_new_tokens <= 0:
+                    continue  # waiting for an image: its budget goes to the others
+                if self._allocate_or_preempt(request, num_new_tokens, scheduled_ids, preempted_ids):
+                    scheduled.append(self._scheduled(request, num_new_tokens))
+                    scheduled_ids.add(request.request_id)
+                    token_budget -= num_new_tokens
+                continue
+            if preempted_ids or not may_admit or len(self.running) >= self.config.max_num_seqs:
+                continue  # no admission in a step that preempted, nor past one that did not fit
             computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
-            if not self.block_manager.allocate(request, num_new_tokens, computed_block_ids):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            bound = self.prefill_bound(request, num_cached_tokens)
+            num_new_tokens = min(bound - num_cached_tokens, token_budget)
+            if num_new_tokens <= 0:
+                continue  # its first image is not here: it holds nothing and waits
+            is_partial = bound < request.num_tokens
+            if is_partial and not self._can_wait_for_images(request, num_cached_tokens, num_image_waits):
+                continue
+            reserve = self._blocks_to_go_on(order[i + 1:], token_budget - num_new_tokens)
+            if not self.block_manager.can_allocate(request, num_new_tokens, computed_block_ids) \
+                    or self.block_manager.num_free_blocks - reserve \
+                    < self._num_new_blocks(request, num_new_tokens, computed_block_ids):
+                may_admit = False  # nobody overtakes the request whose turn it is
+                continue
+            self.block_manager.allocate(request, num_new_tokens, computed_block_ids)
+            self.waiting.remove(request)
+            num_image_waits += is_partial
             if request.status is RequestStatus.WAITING:  # first schedule, not a return
                 request.num_cached_tokens = num_cached_tokens
             request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._arrival_key)
             scheduled.append(self._scheduled(request, num_new_tokens))
+            scheduled_ids.add(request.request_id)
             token_budget -= num_new_tokens
 
+        num_batched_tokens = self.config.max_num_batched_tokens - token_budget
+        self.num_scheduled_tokens += num_batched_tokens
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
         freed_mm_hashes, self._freed_mm_hashes = list(self._freed_mm_hashes), {}
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - token_budget,
+            num_batched_tokens=num_batched_tokens,
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
             freed_mm_hashes=freed_mm_hashes)
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, computed_block_ids: list[int]) -> int:
+        """Free blocks admitting `request` takes (prefix hits on cached-free blocks included)."""
+        num_held = len(computed_block_ids)
+        num_new = self.block_manager.num_blocks_for(num_held * self.config.block_size + num_new_tokens) - num_held
+        return num_new + sum(1 for b in computed_block_ids if self.block_manager.ref_count(b) == 0)
+
+    def _blocks_to_go_on(self, later: list[Request], token_budget: int) -> int:
+        """Blocks the running prefills in `later` need for their next chunks
+        within `token_budget`: admitting a new request ahead of them (under
+        "cost") must leave these, so that it never makes them preempt."""
+        num_blocks = 0
+        for request in later:
+            if request.status is not RequestStatus.RUNNING or token_budget <= 0:
+                continue
+            num_new_tokens = min(self.prefill_bound(request) - request.num_computed_tokens, token_budget)
+            if num_new_tokens > 0:
+                token_budget -= num_new_tokens
+                num_blocks += max(0, self.block_manager.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+                                  - len(request.block_ids))
+        return num_blocks
+
+    def _can_wait_for_images(self, request: Request, num_cached_tokens: int, num_image_waits: int) -> bool:
+        """Whether a request that will stop at a missing image may start now:
+        fewer than `max_num_image_waits` others hold blocks waiting for images,
+        and the free blocks cover its whole prompt (so starting it never
+        preempts a request whose images are all here)."""
+        if num_image_waits >= self.config.max_num_image_waits:
+            return False
+        num_blocks = self.block_manager.num_blocks_for(request.num_tokens) \
+            - num_cached_tokens // self.config.block_size
+        return num_blocks <= self.block_manager.num_free_blocks
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -325,6 +472,8 @@ class Scheduler:
     def _forget(self, request: Request) -> None:
         del self._requests[request.request_id]
         del self._arrival_keys[request.request_id]
+        del self._arrival_work[request.request_id]
+        self._missing_mm_hashes.pop(request.request_id, None)
         self._finished_request_ids.append(request.request_id)
         for mm_hash in request.mm_hashes:
             self._mm_users[mm_hash] -= 1
@@ -366,8 +515,14 @@ class Scheduler:
     # ------------------------------------------------------------------ state
 
     def has_unfinished(self) -> bool:
-        """Whether a step has work to do (prefilled requests need none)."""
-        return bool(self.waiting or self.running)
+        """Whether a step has work to do: prefilled requests need none, nor do
+        requests waiting for an image (`is_waiting_for_image`)."""
+        return any(not self.is_waiting_for_image(r) for r in (*self.running, *self.waiting))
+
+    @property
+    def num_waiting_for_images(self) -> int:
+        """Requests (running or waiting) that cannot go on until an image arrives."""
+        return sum(1 for r in (*self.running, *self.waiting) if self.is_waiting_for_image(r))
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

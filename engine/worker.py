@@ -13,7 +13,10 @@ Roles:
               are encoded inline, between engine steps.
 A request's images come from the engine (another request holds them), the
 embedding cache (LMDB) or an EncodeDone; `ImageArrivals` keeps it until all
-of them are here, then it enters the engine. The engine is reached only
+of them are here, then it enters the engine. With early prefill (the
+default) it enters at once and is prefilled up to its first missing image;
+the others follow it in with `EngineCore.add_embedding`. An image that
+fails fails its requests, wherever they are. The engine is reached only
 through `EngineCore`'s verbs.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.image_arrivals import Failed, ImageArrivals, Outcome, Ready
+from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Outcome, Ready
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, WorkerStats)
@@ -48,7 +51,8 @@ class EngineWorker(WorkerIO):
         super().__init__(spec, core.info.fingerprint)
         self.core = core
         self.encode_fn = encode_fn
-        self.arrivals = ImageArrivals(self._lookup_embedding)  # requests waiting for their images
+        self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
+                                      early=core.config.early_prefill)
         self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
         self.api_index: dict[str, int] = {}  # several API processes: request id -> the one its outputs go to
         self.transfer_start: dict[str, float] = {}
@@ -147,17 +151,20 @@ class EngineWorker(WorkerIO):
             self._settle(self.arrivals.arrived(msg.mm_hash, result))
 
     def _settle(self, outcomes: list[Outcome]) -> None:
-        """Admits the requests whose images are all here; answers those whose image failed."""
+        """Admits the requests whose images are here (early: some of them), hands
+        later images to the engine, answers the requests whose image failed."""
         for outcome in outcomes:
             if isinstance(outcome, Failed):
                 self._fail(outcome.request_id, outcome.error)
+            elif isinstance(outcome, Arrived):
+                self.core.add_embedding(outcome.mm_hash, outcome.entry)
             else:
                 self._admit(outcome)
 
     def _admit(self, ready: Ready) -> None:
         request_id = ready.request.request_id
         try:
-            self.core.add_request(ready.request, ready.embeddings)
+            self.core.add_request(ready.request, ready.embeddings, ready.pending)
         except ValueError as exc:  # e.g. a prompt that cannot fit the KV cache
             self._fail(request_id, str(exc))
         except Exception:  # fails this request only; the others of `outcomes` still settle
@@ -165,6 +172,10 @@ class EngineWorker(WorkerIO):
             self._fail(request_id, "internal error while admitting the request", is_internal=True)
 
     def _fail(self, request_id: str, error: str, is_internal: bool = False) -> None:
+        """Answers the request with `error` and frees whatever it holds here
+        (early prefill: blocks filled before an image failed)."""
+        self.arrivals.remove(request_id)
+        self.core.abort([request_id])
         self.decode_target.pop(request_id, None)
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
                                       is_internal_error=is_internal))
@@ -250,6 +261,7 @@ class EngineWorker(WorkerIO):
             log.exception("%s: a step failed; failing its %d requests", self.spec.worker_id,
                           len(exc.request_ids))
             for request_id in exc.request_ids:
+                self.arrivals.remove(request_id)
                 self.decode_target.pop(request_id, None)
                 self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error",
                                               error="internal error in the engine", is_internal_error=True))
@@ -266,6 +278,7 @@ class EngineWorker(WorkerIO):
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
                 index=request.num_output_tokens - len(update.new_token_ids)))
+            self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded
             if update.is_prefilled:
                 self._send_kv(request)
             elif update.is_finished:

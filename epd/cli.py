@@ -7,6 +7,7 @@ from pathlib import Path
 
 from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, field_default
 from epd.engine.config import EngineConfig
+from epd.engine.scheduler import PREFILL_PRIORITIES
 from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
@@ -15,7 +16,8 @@ from epd.transport.roles import Mode, Role
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend")
+                "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
+                "early_prefill", "prefill_priority")
 
 
 def _make_model(args) -> int:
@@ -75,6 +77,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=defaults["dtype"], choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default=defaults["device"])
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"])
+    g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=defaults["early_prefill"],
+                   help="prefill a request up to its first image not yet encoded (default on)")
+    g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),
+                   help="which prefill gets the token budget: fcfs, or cost (fewest tokens first, aged)")
 
 
 def _engine_config(args) -> EngineConfig:

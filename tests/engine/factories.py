@@ -46,12 +46,14 @@ def make_image_prompt(num_text_before: int, num_image_tokens: int, num_text_afte
 
 def make_scheduler(num_blocks: int = 64, *, block_size: int = 4, max_num_seqs: int = 256,
                    max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                   max_model_len: int | None = None, role: str = "combined") -> Scheduler:
-    """A scheduler with small blocks, so test prompts stay short."""
+                   max_model_len: int | None = None, role: str = "combined",
+                   **config: object) -> Scheduler:
+    """A scheduler with small blocks, so test prompts stay short; `config`:
+    other SchedulerConfig fields (prefill_priority, ...)."""
     config = SchedulerConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              enable_prefix_caching=enable_prefix_caching,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, **config)
     return Scheduler(config, num_blocks=num_blocks, role=role)
 
 

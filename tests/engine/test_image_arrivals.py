@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from epd.engine.image_arrivals import Failed, ImageArrivals, Ready
+from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Ready
 from epd.transport.mm_span import MMSpan
 
 from tests.engine.factories import IMAGE_PAD_ID, make_request
@@ -18,7 +18,7 @@ def image_request(request_id: str, mm_hashes: list[str]):
     return make_request(request_id=request_id, prompt_token_ids=token_ids, mm_spans=spans)
 
 
-def make_arrivals(held: dict[str, str] | None = None, max_early: int = 256):
+def make_arrivals(held: dict[str, str] | None = None, max_early: int = 256, early: bool = False):
     """Embeddings are opaque here: strings stand in for MMEntry. `held` plays
     the engine and the cache; the list records every lookup."""
     held = dict(held or {})
@@ -28,7 +28,7 @@ def make_arrivals(held: dict[str, str] | None = None, max_early: int = 256):
         lookups.append(mm_hash)
         return held.get(mm_hash)
 
-    return ImageArrivals(lookup, max_early=max_early), held, lookups
+    return ImageArrivals(lookup, max_early=max_early, early=early), held, lookups
 
 
 def admitted(outcomes) -> dict[str, dict[str, str]]:
@@ -158,3 +158,25 @@ def test_a_request_waiting_too_long_for_an_image_gives_up():
     assert admitted(arrivals.arrived("cat", "emb-cat")) == {}  # "new" still misses "dog"
     assert admitted(arrivals.arrived("dog", "emb-dog")) == {"new": {"cat": "emb-cat", "dog": "emb-dog"}}
     assert arrivals.expire(now_s=10_000.0, max_wait_s=60.0) == []  # admitted requests are not waiting
+
+
+def test_early_a_request_is_admitted_at_once_and_its_images_follow_it():
+    arrivals, _, _ = make_arrivals({"cat": "emb-cat"}, early=True)
+    [ready] = arrivals.add(image_request("r", ["cat", "dog", "owl"]))
+    assert ready.embeddings == {"cat": "emb-cat"} and ready.pending == {"dog", "owl"}
+    assert arrivals.num_pending == 0 and "r" in arrivals  # admitted, still expecting images
+    [ready_too] = arrivals.add(image_request("s", ["owl"]))  # another request waits for owl
+    assert ready_too.pending == {"owl"}
+    assert arrivals.arrived("owl", "emb-owl") == [Arrived("r", "owl", "emb-owl"), Arrived("s", "owl", "emb-owl")]
+    assert "s" not in arrivals  # it has all its images
+    assert arrivals.arrived("dog", "emb-dog") == [Arrived("r", "dog", "emb-dog")]
+    assert "r" not in arrivals and arrivals._staged == {}
+
+
+def test_early_a_failed_image_fails_the_admitted_request():
+    arrivals, _, _ = make_arrivals(early=True)
+    [ready] = arrivals.add(image_request("r", ["cat", "dog"]))
+    assert arrivals.arrived("cat", "emb-cat") == [Arrived("r", "cat", "emb-cat")]
+    assert arrivals.failed("dog", "bad pixels", "r") == [Failed("r", "bad pixels")]
+    assert "r" not in arrivals
+    assert arrivals.arrived("dog", "emb-dog") == []  # kept for a request still to come, bounded

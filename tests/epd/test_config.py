@@ -51,7 +51,14 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
     assert EngineConfig.from_flat() == EngineConfig()
     assert set(EngineConfig.flat_defaults()) == {
         "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
-        "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend"}
+        "prefill_priority", "prefill_aging", "max_num_image_waits",
+        "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
+        "early_prefill"}
+    args = build_parser().parse_args(["serve", tiny_model, "--no-early-prefill", "--prefill-priority", "fcfs"])
+    engine = serve_config(args).engine
+    assert (engine.early_prefill, engine.scheduler.prefill_priority) == (False, "fcfs")
+    with pytest.raises(ValueError, match="prefill_priority must be one of fcfs, cost"):
+        EngineConfig.from_flat(prefill_priority="sjf")
     with pytest.raises(TypeError, match="unknown engine setting.* max_num_sequences"):
         EngineConfig.from_flat(max_num_sequences=8)
     with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
