@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-token-requests", type=int, default=1024,
                    help="one-token requests for the requests/s row (0: skip it)")
     p.add_argument("--one-token-concurrency", type=int, default=32)
+    p.add_argument("--offline-threads", type=int, default=None,
+                   help="torch threads of the offline engine (default: one per core of the CPU set)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks of the offline engine and each server")
     p.add_argument("--cpus", default=None, help="CPU list for the offline engine and the servers, e.g. 0-1 "
                                                "(default: all this process may use)")
@@ -229,7 +231,7 @@ def main(args) -> dict:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, cpus)  # the offline engine runs on the servers' cores, with as many threads
-    torch.set_num_threads(len(cpus))
+    torch.set_num_threads(args.offline_threads or len(cpus))
     work = {c: workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c) for c in concurrencies}
     one_token = workload(vocab_size, args.one_token_requests, args.input_len, seed=1) if args.one_token_requests else []
     offline = {c: offline_rate(args.model, work[c], args.output_len, c, args.num_kv_blocks) for c in concurrencies}
@@ -268,7 +270,7 @@ def main(args) -> dict:
                     out_dir / f"api-{mode}-c{c}.txt")
         finally:
             server.stop()
-    result = {"model": args.model, "cpus": cpus, "input_len": args.input_len, "output_len": args.output_len,
+    result = {"model": args.model, "cpus": cpus, "offline_threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
               "requests_per_stream": args.requests_per_stream, "server_args": args.server_args,
               "client_procs": args.client_procs, "rows": rows, "profiles": profiles}
     print(format_table(result))
@@ -279,7 +281,7 @@ def main(args) -> dict:
 
 def format_table(result: dict) -> str:
     lines = [f"\nserved vs offline: {len(result['cpus'])} CPUs, prompts {result['input_len']} tokens, "
-             f"outputs {result['output_len']} tokens; server args: {result['server_args'] or '(defaults)'}",
+             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads; server args: {result['server_args'] or '(defaults)'}",
              f"{'mode':<11}{'C':>5}{'offline':>10}{'served':>10}{'ratio':>7}{'API us':>8}{'API':>6}"
              f"{'workers':>8}{'client':>7}{'client us':>10}",
              f"{'':<11}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>7}{'/token':>8}{'cores':>6}{'cores':>8}"
