@@ -63,11 +63,13 @@ def output_tokens(status: int, body: bytes) -> int:
     return int(found[-1])
 
 
-async def _stream(host: str, port: int, path: str, bodies: list[bytes], result: StreamsResult) -> None:
+async def _stream(host: str, port: int, path: str, bodies: list[bytes], result: StreamsResult,
+                  api_key: str | None) -> None:
     reader, writer = await asyncio.open_connection(host, port)
+    auth = f"\r\nAuthorization: Bearer {api_key}".encode() if api_key else b""
     try:
         for body in bodies:
-            writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode()
+            writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host.encode() + auth
                          + b"\r\nContent-Type: application/json\r\nContent-Length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
             status, response = await _read_response(reader)
@@ -81,22 +83,23 @@ async def _stream(host: str, port: int, path: str, bodies: list[bytes], result: 
         writer.close()
 
 
-async def _run(host: str, port: int, path: str, streams: list[list[bytes]], start_at_s: float) -> StreamsResult:
+async def _run(host: str, port: int, path: str, streams: list[list[bytes]], start_at_s: float,
+               api_key: str | None) -> StreamsResult:
     result = StreamsResult()
     await asyncio.sleep(max(0.0, start_at_s - time.monotonic()))
     cpu_start = time.process_time()
     result.start_s = time.monotonic()
-    await asyncio.gather(*(_stream(host, port, path, bodies, result) for bodies in streams))
+    await asyncio.gather(*(_stream(host, port, path, bodies, result, api_key) for bodies in streams))
     result.end_s = time.monotonic()
     result.cpu_s = time.process_time() - cpu_start
     return result
 
 
-def run_streams(host: str, port: int, path: str, streams: list[list[bytes]], start_at_s: float = 0.0
-                ) -> StreamsResult:
+def run_streams(host: str, port: int, path: str, streams: list[list[bytes]], start_at_s: float = 0.0,
+                api_key: str | None = None) -> StreamsResult:
     """Every stream's bodies POSTed in turn on its own connection, all streams at
     once, from `start_at_s` (time.monotonic()) on."""
-    return asyncio.run(_run(host, port, path, streams, start_at_s))
+    return asyncio.run(_run(host, port, path, streams, start_at_s, api_key))
 
 
 def run_in_processes(host: str, port: int, path: str, streams: list[list[bytes]],
