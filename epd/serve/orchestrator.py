@@ -285,7 +285,10 @@ class Orchestrator:
         try:
             raw_images = await self._load_images(req)
             held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
-            prep = await asyncio.to_thread(self._prepare, req, raw_images)
+            if req.messages is None and not isinstance(req.prompt, str):
+                prep = self._prepare(req, raw_images)  # token ids: nothing to tokenize, no thread hop
+            else:
+                prep = await asyncio.to_thread(self._prepare, req, raw_images)
             max_tokens = self._check_length(req, len(prep.token_ids))
             detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, req.sampling.skip_special_tokens,
                                            req.sampling.stop)
