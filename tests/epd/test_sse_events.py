@@ -25,8 +25,7 @@ def _formats():
 
 @pytest.mark.parametrize("index", [0, 3])
 def test_text_events_are_the_bytes_of_the_general_path(index):
-    for fmt in _formats():
-        reference = _formats()[_formats_index(fmt)]  # a fresh twin: formats keep per-choice state
+    for fmt, reference in zip(_formats(), _formats()):  # twins: formats keep per-choice state
         for i, text in enumerate(TEXTS):
             finish = "length" if i == len(TEXTS) - 1 else None
             logprobs = [TokenLogprobs(5 + i, -0.25, 1, [(6, -1.0)])] if fmt.want_logprobs else None
@@ -36,10 +35,6 @@ def test_text_events_are_the_bytes_of_the_general_path(index):
             assert fmt.delta_event(index, delta) == expected
             if expected is not None:
                 json.loads(expected[len(b"data: "):])  # a well-formed event
-
-
-def _formats_index(fmt) -> int:
-    return [f.request_id for f in _formats()].index(fmt.request_id)
 
 
 def test_an_empty_delta_sends_nothing():
