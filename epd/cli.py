@@ -202,6 +202,13 @@ def _bench_fault(args) -> int:
     return 0
 
 
+def _bench_overhead(args) -> int:
+    from epd.bench.overhead import main as run
+
+    run(args)
+    return 0
+
+
 def _bench_cache_hit(args) -> int:
     from epd.bench.cache_hit import main as run
 
@@ -358,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("cache-hit", help="TTFT of a cached-image request vs a text-only one of equal length")
     cache_hit_arguments(p)
     p.set_defaults(func=_bench_cache_hit)
+
+    from epd.bench.overhead import add_arguments as overhead_arguments
+
+    p = bench.add_parser("overhead", help="served vs offline tokens/s on the same requests; API CPU per token")
+    overhead_arguments(p)
+    p.set_defaults(func=_bench_overhead)
 
     from epd.bench.fault import add_arguments as fault_arguments
 

@@ -25,6 +25,7 @@ from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.router import ROUTERS
+from epd.serve.threads import worker_threads
 from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
@@ -142,17 +143,17 @@ class ServeConfig:
         """(role, index) of every worker the launcher starts (none with external workers)."""
         return [] if self.external_workers else self.mode_roles()
 
-    def threads_for_each_worker(self) -> int:
-        """"split": the cores this process may run on, divided over the
-        workers. "shared": every worker may use all of them and the kernel
-        shares them out by priority (`worker_nice`), so an idle stage's cores
-        go to a busy one."""
+    def threads_for_each_worker(self, role: Role | str | None = None) -> int:
+        """Torch threads of a worker of `role` (None: of an engine worker):
+        `--threads-per-worker`, else the rule of epd/serve/threads.py, which
+        leaves a core to the API process and, "split", divides the rest over
+        the workers, "shared", over the engine workers (an encoder may use
+        them all; the kernel shares cores by priority, `worker_nice`)."""
         if self.threads_per_worker:
             return self.threads_per_worker
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if self.cpu_sharing == "shared":
-            return cores
-        return max(1, cores // max(1, len(self.worker_roles())))
+        roles = [r for r, _ in self.worker_roles()]
+        return worker_threads(None if role is None else Role.parse(role), roles, cores, self.cpu_sharing)
 
     def worker_nice(self, role: Role | str) -> int:
         """The niceness a worker of `role` runs at: 0 unless the cores are

@@ -90,7 +90,13 @@ class IncrementalDetokenizer:
 
     def _decode_window(self) -> tuple[str, str]:
         """Text of tokens [prefix_offset:read_offset] and of [prefix_offset:]."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust half
+
         def decode(ids: list[int]) -> str:
+            # the same text as tokenizer.decode(..., clean_up_tokenization_spaces=False), without
+            # transformers' Python wrapper: two decodes per token are the API's heaviest per-token work
+            if backend is not None:
+                return backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                          clean_up_tokenization_spaces=False)
         window = self._token_ids[self._prefix_offset:]

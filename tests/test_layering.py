@@ -38,6 +38,7 @@ BENCH_IN_PROCESS = {
     "epd.bench.kernels": "times the attention kernels directly",
     "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
     "epd.bench.fault": "launches `epd serve`, kills one of its workers and reads the role names",
+    "epd.bench.overhead": "runs the offline LLM beside `epd serve` on the same requests",
 }
 TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
 

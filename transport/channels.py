@@ -177,6 +177,7 @@ class AsyncReceiver(_Channel, _Admits):
                  domain: str = INBOX_DOMAIN):
         self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain)
         self.address = _endpoint(self.socket, address, bind)
+        self._sync: zmq.Socket | None = None
         if keys is not None and address.startswith("tcp://"):
             self.api_user_id = keys.api_user_id
 
@@ -189,6 +190,18 @@ class AsyncReceiver(_Channel, _Admits):
         if timeout_s is not None and not await self.poll(timeout_s):
             return None
         frames = await self.socket.recv_multipart(copy=False)
+        return self._check(decode_message(frames), frames)
+
+    def recv_nowait(self) -> Message | None:
+        """The next message if one is here now, else None; raises WireError for
+        garbage. A plain non-blocking read (no future, no event-loop round trip):
+        a reader woken by `recv` takes the rest of a burst this way."""
+        if self._sync is None:
+            self._sync = zmq.Socket.shadow(self.socket.underlying)  # same socket, not owned
+        try:
+            frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
         return self._check(decode_message(frames), frames)
 
 

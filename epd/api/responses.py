@@ -15,6 +15,7 @@ from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
 from epd.transport.sampling import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
+_TEXT_SLOT = "@@epd-text@@"  # stands for the text in a cached event template
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 
 
@@ -69,6 +70,20 @@ class _Format:
         self.created = created
         self.decode_token = decode_token
         self.want_logprobs = want_logprobs
+        self._templates: dict[int, tuple[bytes, bytes]] = {}  # index -> the text event around its text
+
+    def delta_event(self, index: int, delta: Delta) -> bytes | None:
+        """`sse(delta_chunk(...))`, or None when there is nothing to send. A plain
+        text delta (no logprobs, no tool calls, not the last) is the same bytes
+        from a template made once per choice, with only the text encoded."""
+        if delta.text and delta.finish_reason is None and self._is_plain_text():
+            template = self._templates.get(index)
+            if template is None:
+                prefix, suffix = sse(self._text_chunk(index, _TEXT_SLOT)).split(json.dumps(_TEXT_SLOT).encode())
+                template = self._templates[index] = (prefix, suffix)
+            return template[0] + json.dumps(delta.text, ensure_ascii=False).encode() + template[1]
+        chunk = self.delta_chunk(index, delta)
+        return sse(chunk) if chunk is not None else None
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -96,6 +111,12 @@ class ChatFormat(_Format):
             return None  # nothing to say yet (e.g. text held back while a stop string may match)
         content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         return self._chunk(index, content, delta.finish_reason, logprobs)
+
+    def _is_plain_text(self) -> bool:
+        return self.tool_choice is None and not self.want_logprobs
+
+    def _text_chunk(self, index: int, text: str) -> dict:
+        return self._chunk(index, {"content": text}, None, None)
 
     def _tool_delta_chunk(self, index: int, delta: Delta, logprobs: dict | None) -> dict | None:
         parser = self._parsers.setdefault(index, ToolCallParser(self.tool_choice))
@@ -168,6 +189,13 @@ class CompletionFormat(_Format):
             return None
         return self._envelope("text_completion", [
             {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+
+    def _is_plain_text(self) -> bool:
+        return not self.want_logprobs
+
+    def _text_chunk(self, index: int, text: str) -> dict:
+        return self._envelope("text_completion", [
+            {"index": index, "text": text, "logprobs": None, "finish_reason": None}])
 
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
         return {**self._envelope("text_completion", []), "usage": usage(outputs)}

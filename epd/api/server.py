@@ -149,13 +149,16 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings) -> FastAPI:
 
 class MergedStreams:
     """The orchestrator streams of one HTTP request, merged into (index, Delta) in
-    arrival order. `open` waits for every first Delta; `aclose` closes them all."""
+    arrival order. `open` waits for every first Delta; `aclose` closes them all.
+    One stream (n = 1, the usual case) is read directly; n > 1 streams are
+    pumped into one queue by a task each."""
 
     def __init__(self, streams: list[AsyncIterator[Delta]], firsts: list[Delta]):
         self._streams = streams
         self._firsts = firsts
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._pumps = [asyncio.create_task(self._pump(i)) for i, d in enumerate(firsts) if d.finish_reason is None]
+        self._pumps = [asyncio.create_task(self._pump(i)) for i, d in enumerate(firsts)
+                       if d.finish_reason is None] if len(streams) > 1 else []
 
     @classmethod
     async def open(cls, orchestrator: OrchestratorLike, requests: list[GenerateRequest]) -> MergedStreams:
@@ -178,18 +181,30 @@ class MergedStreams:
     def num_sequences(self) -> int:
         return len(self._streams)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        for index, delta in enumerate(self._firsts):
-            yield index, delta
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """Every (index, Delta) that is here, at least one per batch: a reader
+        that fell behind gets what accumulated at once (one write, not one per Delta)."""
+        yield list(enumerate(self._firsts))
+        if not self._pumps:
+            if len(self._streams) == 1 and self._firsts[0].finish_reason is None:
+                async for delta in self._streams[0]:  # each Delta already holds every token that was here
+                    yield [(0, delta)]
+            return
         remaining = len(self._pumps)
         while remaining:
-            index, item = await self._queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            batch = []
+            for index, item in items:
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    batch.append((index, item))
+            if batch:
+                yield batch
 
     async def aclose(self) -> None:
         for pump in self._pumps:
@@ -231,9 +246,10 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
     streams = await MergedStreams.open(orchestrator, requests)
     outputs = [SequenceOutput(i) for i in range(len(requests))]
     try:
-        async for index, delta in streams.deltas():
-            outputs[index].add(delta)
-            tracker.on_delta(index, delta)
+        async for batch in streams.batches():
+            for index, delta in batch:
+                outputs[index].add(delta)
+                tracker.on_delta(index, delta)
     finally:
         await streams.aclose()
     return fmt.response(outputs)
@@ -241,28 +257,34 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
 
 async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
                       include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: every event that is ready goes out in one write."""
     outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
+    opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
+    events: list[bytes] = [opening] if opening else []
+    num_finished = 0
     try:
-        for output in outputs:
-            for chunk in fmt.opening_chunks(output.index):
-                yield sse(chunk)
-        async for index, delta in streams.deltas():
-            outputs[index].add(delta)
-            tracker.on_delta(index, delta)
-            chunk = fmt.delta_chunk(index, delta)
-            if chunk is not None:
-                yield sse(chunk)
+        async for batch in streams.batches():
+            for index, delta in batch:
+                outputs[index].add(delta)
+                tracker.on_delta(index, delta)
+                num_finished += delta.finish_reason is not None
+                event = fmt.delta_event(index, delta)
+                if event:
+                    events.append(event)
+            if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]
+                yield b"".join(events)
+                events = []
         if include_usage:
-            yield sse(fmt.usage_chunk(outputs))
+            events.append(sse(fmt.usage_chunk(outputs)))
     except RequestError as exc:  # the status is already sent: report in-band, as vLLM does
-        yield sse(error_body(exc))
+        events.append(sse(error_body(exc)))
     except Exception:
         logger.exception("request %s failed mid-stream", fmt.request_id)
-        yield sse(error_body(internal_error()))
+        events.append(sse(error_body(internal_error())))
     finally:
         with anyio.CancelScope(shield=True):  # runs even when the client disconnect cancelled us
             await streams.aclose()
-    yield SSE_DONE
+    yield b"".join(events) + SSE_DONE
 
 
 class _ClosingStreamingResponse(StreamingResponse):

@@ -42,7 +42,6 @@ def visible_gpus(device: str) -> int:
 
 def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, mm_cache_dir: str
                     ) -> list[WorkerLaunch]:
-    threads = config.threads_for_each_worker()
     engines = config.worker_engines(visible_gpus(config.engine.device))
     launches = []
     for (role, index), engine in zip(config.worker_roles(), engines):
@@ -53,7 +52,7 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, m
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
                      if role.holds_kv else ""), flush=True)
         launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
-                                     num_threads=threads, nice=config.worker_nice(role)))
+                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
     return launches
 
 

@@ -57,7 +57,8 @@ PREFILL_ROLES = tuple(role for role in Role if role.takes_prefill)
 MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
 NO_WORKER_POLL_S = 0.05  # while no live worker of a role exists, look again this often
 HEARTBEAT_CHECK_S = 0.5
-MAX_ABANDONED = 4096  # ids of abandoned tries whose late outputs are answered with Abort
+MAX_ABANDONED = 4096
+DISPATCH_BURST = 512  # messages taken without yielding to the event loop, at most  # ids of abandoned tries whose late outputs are answered with Abort
 
 
 @dataclass
@@ -166,23 +167,35 @@ class Orchestrator:
             except WireError as exc:
                 log.warning("collector: dropped a malformed message: %s", exc)
                 continue
-            if isinstance(msg, TokenOutput):
-                attempt = self.attempts.get(msg.request_id)
-                if attempt is not None:
-                    attempt.queue.put_nowait(msg)
-                elif msg.request_id in self._abandoned:  # a worker (perhaps restarted) ran a stale try
-                    del self._abandoned[msg.request_id]
-                    await self._abort_everywhere(msg.request_id)
-            elif isinstance(msg, WorkerStats):
-                self.registry.on_stats(msg)
-                self._silent.discard(msg.worker_id)
-            elif isinstance(msg, Ready):
-                self._silent.discard(msg.worker_id)
-                info = self.registry.on_ready(msg)
-                log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
-                self._open_cache()
-            elif isinstance(msg, WorkerExited):
-                self.on_worker_exit(msg.worker_id, msg.exit_code)
+            await self._on_message(msg)
+            for _ in range(DISPATCH_BURST):  # the rest of a burst (a step's outputs), without awaiting each
+                try:
+                    msg = self._receiver.recv_nowait()
+                except WireError as exc:
+                    log.warning("collector: dropped a malformed message: %s", exc)
+                    continue
+                if msg is None:
+                    break
+                await self._on_message(msg)
+
+    async def _on_message(self, msg) -> None:
+        if isinstance(msg, TokenOutput):
+            attempt = self.attempts.get(msg.request_id)
+            if attempt is not None:
+                attempt.queue.put_nowait(msg)
+            elif msg.request_id in self._abandoned:  # a worker (perhaps restarted) ran a stale try
+                del self._abandoned[msg.request_id]
+                await self._abort_everywhere(msg.request_id)
+        elif isinstance(msg, WorkerStats):
+            self.registry.on_stats(msg)
+            self._silent.discard(msg.worker_id)
+        elif isinstance(msg, Ready):
+            self._silent.discard(msg.worker_id)
+            info = self.registry.on_ready(msg)
+            log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
+            self._open_cache()
+        elif isinstance(msg, WorkerExited):
+            self.on_worker_exit(msg.worker_id, msg.exit_code)
 
     # ------------------------------------------------------------- facade
 
@@ -283,7 +296,10 @@ class Orchestrator:
         try:
             raw_images = await self._load_images(req)
             held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
-            prep = await asyncio.to_thread(self._prepare, req, raw_images)
+            if req.messages is None and not isinstance(req.prompt, str):
+                prep = self._prepare(req, raw_images)  # token ids: nothing to tokenize, no thread hop
+            else:
+                prep = await asyncio.to_thread(self._prepare, req, raw_images)
             max_tokens = self._check_length(req, len(prep.token_ids))
             detok = IncrementalDetokenizer(self.tokenizer, prep.token_ids, req.sampling.skip_special_tokens,
                                            req.sampling.stop)
@@ -300,8 +316,10 @@ class Orchestrator:
                 timer = asyncio.get_running_loop().call_later(max(0.0, deadline - time.monotonic()),
                                                               attempt.queue.put_nowait, DEADLINE)
                 try:
+                    carried = None  # an event met while taking what had accumulated: handled next
                     while True:
-                        out = await in_order.next()
+                        out = carried if carried is not None else await in_order.next()
+                        carried = None
                         if out is DEADLINE:
                             self.metrics.requests_failed["timeout"] += 1
                             raise RequestError(status=503, message=f"the request did not finish within "
@@ -323,18 +341,32 @@ class Orchestrator:
                             held_image_bytes = 0
                         if not emitted:
                             num_cached = out.num_cached_tokens
-                        attempt.num_emitted += len(out.token_ids)
-                        emitted += out.token_ids
-                        text = detok.push(out.token_ids)
-                        finish = out.finish_reason if out.finished else None
-                        if finish is None and detok.is_stopped:
-                            finish = "stop"
+                        # Every output already here goes into one Delta (one SSE event): a reader
+                        # that fell behind catches up in one step instead of one per token.
+                        token_ids, logprobs, parts, finish = [], [] if out.logprobs else None, [], None
+                        while True:
+                            attempt.num_emitted += len(out.token_ids)
+                            emitted += out.token_ids
+                            token_ids += out.token_ids
+                            if logprobs is not None:
+                                logprobs += out.logprobs or ()
+                            parts.append(detok.push(out.token_ids))
+                            finish = out.finish_reason if out.finished else None
+                            if finish is None and detok.is_stopped:
+                                finish = "stop"
+                            if finish is not None:
+                                parts.append(detok.finish())
+                                attempt.is_finished = out.finished
+                                break
+                            out = in_order.next_nowait()
+                            if out is None:
+                                break
+                            if not isinstance(out, TokenOutput) or out.error is not None:
+                                carried = out
+                                break
+                        yield Delta("".join(parts), token_ids, finish, len(prep.token_ids), num_cached,
+                                    logprobs, dispatched_s=dispatched_s)
                         if finish is not None:
-                            text += detok.finish()
-                        yield Delta(text, list(out.token_ids), finish, len(prep.token_ids), num_cached,
-                                    out.logprobs, dispatched_s=dispatched_s)
-                        if finish is not None:
-                            attempt.is_finished = out.finished
                             return
                 except Retry as retry:
                     why = str(retry)

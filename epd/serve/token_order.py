@@ -25,6 +25,21 @@ class TokenOrder:
             if not isinstance(out, TokenOutput) or not out.token_ids:
                 return out
             self.waiting[out.index] = out
+        return self._pop()
+
+    def next_nowait(self) -> TokenOutput | object | None:
+        """The next output if it is already here (None if not): what a stream
+        whose reader fell behind has accumulated, taken without waiting."""
+        while self.next_index not in self.waiting:
+            if self.queue.empty():
+                return None
+            out = self.queue.get_nowait()
+            if not isinstance(out, TokenOutput) or not out.token_ids:
+                return out
+            self.waiting[out.index] = out
+        return self._pop()
+
+    def _pop(self) -> TokenOutput:
         out = self.waiting.pop(self.next_index)
         self.next_index += len(out.token_ids)
         return out

@@ -383,3 +383,17 @@ def test_client_disconnect_while_waiting_non_streaming_closes_the_stream(base_ur
         httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=AUTH, timeout=0.3)
     rid = fake.requests[-1].request_id
     assert wait_until(lambda: rid in fake.closed)
+
+
+def test_the_light_bench_client_counts_streamed_tokens_and_failures(base_url):
+    """bench/light_client.py (raw asyncio HTTP, keep-alive) against this app: 3 streams
+    of 2 requests, 4 tokens each, counted from the usage chunks; a bad one named."""
+    from epd.bench.light_client import completion_body, run_streams
+
+    host, port = base_url.removeprefix("http://").split(":")
+    good = completion_body(MODEL, "a b c", 4)
+    bad = completion_body(MODEL, "a BAD prompt", 4)
+    result = run_streams(host, int(port), "/v1/completions", [[good, good], [good, good], [good, bad]],
+                         api_key=API_KEY)
+    assert (result.num_requests, result.num_failed, result.num_output_tokens) == (6, 1, 5 * 4)
+    assert "HTTP 400" in result.first_error and "BAD" in result.first_error

@@ -11,6 +11,7 @@ from epd.config import SHARED_CPU_NICE, ServeConfig, WorkerConfig
 from epd.engine.config import EngineConfig
 from epd.engine.scheduler import SchedulerConfig
 from epd.inputs.media import MediaConfig
+from epd.serve.threads import API_CORES, worker_threads
 from epd.transport.auth import make_keys
 from epd.transport.roles import Mode, Role
 
@@ -100,17 +101,39 @@ def test_bad_worker_flags_are_clear_errors(tiny_model, keys, change, message):
         WorkerConfig(**settings)
 
 
-def test_split_divides_the_pinned_cores_and_shared_gives_each_worker_all(tiny_model):
+def test_threads_leave_a_core_to_the_api_and_split_the_rest(tiny_model):
     cores = len(os.sched_getaffinity(0))
+    free = max(1, cores - API_CORES)
     split = ServeConfig(model=tiny_model, mode="e-p-d", num_encoders=2, cpu_sharing="split")
-    assert split.threads_for_each_worker() == max(1, cores // 4)
+    assert split.threads_for_each_worker("encoder") == split.threads_for_each_worker("decode") == max(1, free // 4)
     assert {split.worker_nice(role) for role, _ in split.worker_roles()} == {0}
     shared = ServeConfig(model=tiny_model, mode="e-p-d", num_encoders=2)  # the default
-    assert shared.threads_for_each_worker() == cores
+    assert shared.threads_for_each_worker("prefill") == shared.threads_for_each_worker() == max(1, free // 2)
+    assert shared.threads_for_each_worker("encoder") == free
     nice = {role: shared.worker_nice(role) for role, _ in shared.worker_roles()}
     assert nice["decode"] < nice["prefill"] < nice["encoder"]
     assert ServeConfig(model=tiny_model, mode="aggregated", cpu_sharing="shared").worker_nice("aggregated") == 0
     assert ServeConfig(model=tiny_model, threads_per_worker=3, cpu_sharing="shared").threads_for_each_worker() == 3
+
+
+E_P_D = [Role.ENCODER, Role.PREFILL, Role.DECODE]
+
+
+@pytest.mark.parametrize("roles, cores, sharing, expected", [
+    # the machine: 2 cores, one for the API, one thread a worker whatever the mode
+    ([Role.AGGREGATED], 2, "shared", {Role.AGGREGATED: 1}),
+    (E_P_D, 2, "shared", {Role.ENCODER: 1, Role.PREFILL: 1, Role.DECODE: 1}),
+    (E_P_D, 2, "split", {Role.ENCODER: 1, Role.PREFILL: 1, Role.DECODE: 1}),
+    ([Role.AGGREGATED], 1, "shared", {Role.AGGREGATED: 1}),  # never fewer than one thread
+    # 16 cores: 15 for workers; shared splits them over the engine workers, encoders may use all
+    ([Role.AGGREGATED, Role.AGGREGATED], 16, "shared", {Role.AGGREGATED: 7}),
+    (E_P_D, 16, "shared", {Role.ENCODER: 15, Role.PREFILL: 7, Role.DECODE: 7}),
+    (E_P_D, 16, "split", {Role.ENCODER: 5, Role.PREFILL: 5, Role.DECODE: 5}),
+    ([Role.ENCODER, Role.PD, Role.PD], 9, "shared", {Role.ENCODER: 8, Role.PD: 4}),
+])
+def test_thread_rule(roles, cores, sharing, expected):
+    assert {role: worker_threads(role, roles, cores, sharing) for role in roles} == expected
+    assert worker_threads(None, roles, cores, sharing) == min(expected[r] for r in roles if r.holds_kv)
 
 
 def test_bad_sharing_is_refused(tiny_model):

@@ -1,0 +1,305 @@
+"""`epd bench overhead`: what serving costs over the offline engine, same checkpoint, same requests.
+
+Text only, greedy, EOS ignored, so every request makes exactly its tokens.
+For each concurrency C, C * `--requests-per-stream` prompts of random token
+ids (seeded by C) run
+  * offline: `LLM(max_num_seqs=C).generate(all)` in this process, with one
+    torch thread per core of the CPU set (the engine alone, detokenizer
+    included);
+  * served: `epd serve` in each `--modes` mode, pinned to the same CPU set,
+    fed by C closed-loop streams (a stream sends its next request when the
+    last one ended) of streamed /v1/completions with the same token ids.
+It reports output tokens/s of both and their ratio, and then requests/s of
+one-token requests the same way. The client is `bench/light_client.py`
+(raw asyncio HTTP, one parse per response, `--client-procs` processes); its
+CPU time is reported to show it is not the bottleneck. The API process's CPU
+time per output token comes from /proc/<pid>/stat of `epd serve` (the
+launcher is the API process; its workers are its children, reported apart).
+`--profile-dir` adds one more run at the largest C under py-spy (sampling
+the API process from outside) and prints its top functions by own time.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from epd.bench.light_client import completion_body, run_in_processes
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="checkpoint directory (e.g. `epd make-model DIR --preset tiny`)")
+    p.add_argument("--modes", default="aggregated,e-p-d", help="comma-separated `epd serve --mode` values")
+    p.add_argument("--concurrency", default="32,128", help="comma-separated numbers of concurrent streams")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument("--one-token-requests", type=int, default=1024,
+                   help="one-token requests for the requests/s row (0: skip it)")
+    p.add_argument("--one-token-concurrency", type=int, default=32)
+    p.add_argument("--offline-threads", type=int, default=None,
+                   help="torch threads of the offline engine (default: one per core of the CPU set)")
+    p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks of the offline engine and each server")
+    p.add_argument("--cpus", default=None, help="CPU list for the offline engine and the servers, e.g. 0-1 "
+                                               "(default: all this process may use)")
+    p.add_argument("--server-args", default="", help="extra `epd serve` flags, e.g. '--threads-per-worker 2'")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes the streams are dealt over")
+    p.add_argument("--profile-dir", default=None,
+                   help="also profile the API process with py-spy at the largest C; raw stacks go here")
+    p.add_argument("--save-result", default=None, metavar="FILE")
+
+
+def parse_cpus(text: str | None) -> list[int]:
+    if not text:
+        return sorted(os.sched_getaffinity(0))
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cpus)
+
+
+def workload(vocab_size: int, num: int, input_len: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `input_len` random token ids (clear of the special tokens at the start)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(300, vocab_size) for _ in range(input_len)] for _ in range(num)]
+
+
+# -- offline -----------------------------------------------------------------------------------
+
+def offline_rate(model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                 num_kv_blocks: int) -> float:
+    """Output tokens/s of `LLM.generate` on `prompts`, at most `concurrency` running at once."""
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    llm = LLM(model, max_num_seqs=concurrency, num_kv_blocks=num_kv_blocks)
+    params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+    llm.generate([prompts[0][::-1]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert num_tokens == output_len * len(prompts), num_tokens
+    del llm
+    gc.collect()
+    return num_tokens / elapsed
+
+
+# -- served ------------------------------------------------------------------------------------
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def children_cpu_s(pid: int) -> float:
+    """CPU seconds of the live direct children of `pid` (the server's workers)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class Server:
+    """`epd serve` pinned to `cpus`, on a free port, ready when /health is 200."""
+
+    def __init__(self, model: str, mode: str, cpus: list[int], extra: list[str], log_path: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode, "--port", str(self.port),
+               "--dtype", "float32", "--device", "cpu", *extra]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+
+    def wait_ready(self, timeout_s: float = 300.0) -> str:
+        """The served model name."""
+        deadline = time.monotonic() + timeout_s
+        base = f"http://127.0.0.1:{self.port}"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    return httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"epd serve not ready after {timeout_s:.0f} s (see {self._log.name})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def served_run(server: Server, model_name: str, prompts: list[list[int]], output_len: int, concurrency: int,
+               client_procs: int) -> dict:
+    """One closed-loop run: tokens/s, requests/s, and CPU of the API, its workers and the client."""
+    bodies = [completion_body(model_name, p, output_len) for p in prompts]
+    streams = [bodies[i::concurrency] for i in range(concurrency)]
+    api_0, workers_0 = process_cpu_s(server.proc.pid), children_cpu_s(server.proc.pid)
+    results = run_in_processes("127.0.0.1", server.port, "/v1/completions", streams, client_procs)
+    api_s = process_cpu_s(server.proc.pid) - api_0
+    workers_s = children_cpu_s(server.proc.pid) - workers_0
+    failed = sum(r.num_failed for r in results)
+    if failed:
+        raise RuntimeError(f"{failed} requests failed; the first: {next(r.first_error for r in results if r.first_error)}")
+    duration_s = max(r.end_s for r in results) - min(r.start_s for r in results)
+    num_tokens = sum(r.num_output_tokens for r in results)
+    num_requests = sum(r.num_requests for r in results)
+    return {"duration_s": duration_s, "output_tokens": num_tokens, "requests": num_requests,
+            "tok_s": num_tokens / duration_s, "req_s": num_requests / duration_s,
+            "api_cpu_s": api_s, "api_us_per_token": api_s / num_tokens * 1e6,
+            "api_us_per_request": api_s / num_requests * 1e6, "api_cores": api_s / duration_s,
+            "workers_cores": workers_s / duration_s,
+            "client_cores": sum(r.cpu_s for r in results) / duration_s,
+            "client_us_per_token": sum(r.cpu_s for r in results) / num_tokens * 1e6}
+
+
+def profile_run(server: Server, run, out_path: Path) -> list[tuple[str, float]]:
+    """`run()` with py-spy sampling the API process; returns the top functions by own time (share of samples)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not os.path.exists(py_spy):
+        raise ValueError("--profile-dir needs py-spy (pip install py-spy)")
+    spy = subprocess.Popen([py_spy, "record", "--pid", str(server.proc.pid), "--rate", "250", "--format", "raw",
+                            "--nonblocking", "--output", str(out_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    try:
+        run()
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+    return top_self(out_path.read_text())
+
+
+def top_self(raw: str, limit: int = 15) -> list[tuple[str, float]]:
+    """py-spy raw (collapsed) stacks -> [(function (file:line), share of samples)] by own time."""
+    own: Counter = Counter()
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            own[stack.rsplit(";", 1)[-1]] += int(count)
+    total = sum(own.values()) or 1
+    return [(frame, n / total) for frame, n in own.most_common(limit)]
+
+
+# -- the whole run -----------------------------------------------------------------------------
+
+def main(args) -> dict:
+    import torch
+    from transformers import AutoConfig
+
+    cpus = parse_cpus(args.cpus)
+    modes = [m for m in args.modes.split(",") if m]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    vocab_size = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
+    out_dir = Path(args.profile_dir) if args.profile_dir else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    os.sched_setaffinity(0, cpus)  # the offline engine runs on the servers' cores, with as many threads
+    torch.set_num_threads(args.offline_threads or len(cpus))
+    work = {c: workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c) for c in concurrencies}
+    one_token = workload(vocab_size, args.one_token_requests, args.input_len, seed=1) if args.one_token_requests else []
+    offline = {c: offline_rate(args.model, work[c], args.output_len, c, args.num_kv_blocks) for c in concurrencies}
+    if one_token:
+        offline["one_token_req_s"] = offline_rate(args.model, one_token, 1, args.one_token_concurrency,
+                                                  args.num_kv_blocks)
+    print(f"offline: {json.dumps(offline)}", flush=True)
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))))  # the client: anywhere
+
+    rows, profiles = [], {}
+    extra = ["--num-kv-blocks", str(args.num_kv_blocks), *args.server_args.split()]
+    for mode in modes:
+        server = Server(args.model, mode, cpus, extra, Path(out_dir or tempfile.gettempdir()) / f"overhead-{mode}.log")
+        try:
+            name = server.wait_ready()
+            warm = workload(vocab_size, 8, args.input_len, seed=99)
+            served_run(server, name, warm, 8, 8, 1)  # first-use costs stay out
+            for c in concurrencies:
+                row = {"mode": mode, "concurrency": c, "offline_tok_s": offline[c],
+                       **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
+                row["served_over_offline"] = row["tok_s"] / offline[c]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if one_token:
+                row = {"mode": mode, "concurrency": args.one_token_concurrency, "one_token": True,
+                       "offline_req_s": offline["one_token_req_s"],
+                       **served_run(server, name, one_token, 1, args.one_token_concurrency, args.client_procs)}
+                row["served_over_offline"] = row["req_s"] / offline["one_token_req_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if out_dir:
+                c = max(concurrencies)
+                fresh = workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c + 7)
+                profiles[mode] = profile_run(
+                    server, lambda: served_run(server, name, fresh, args.output_len, c, args.client_procs),
+                    out_dir / f"api-{mode}-c{c}.txt")
+        finally:
+            server.stop()
+    result = {"model": args.model, "cpus": cpus, "offline_threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
+              "requests_per_stream": args.requests_per_stream, "server_args": args.server_args,
+              "client_procs": args.client_procs, "rows": rows, "profiles": profiles}
+    print(format_table(result))
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_table(result: dict) -> str:
+    lines = [f"\nserved vs offline: {len(result['cpus'])} CPUs, prompts {result['input_len']} tokens, "
+             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads; server args: {result['server_args'] or '(defaults)'}",
+             f"{'mode':<11}{'C':>5}{'offline':>10}{'served':>10}{'ratio':>7}{'API us':>8}{'API':>6}"
+             f"{'workers':>8}{'client':>7}{'client us':>10}",
+             f"{'':<11}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>7}{'/token':>8}{'cores':>6}{'cores':>8}"
+             f"{'cores':>7}{'/token':>10}"]
+    for r in result["rows"]:
+        if r.get("one_token"):
+            continue
+        lines.append(f"{r['mode']:<11}{r['concurrency']:>5}{r['offline_tok_s']:>10.0f}{r['tok_s']:>10.0f}"
+                     f"{r['served_over_offline']:>7.2f}{r['api_us_per_token']:>8.1f}{r['api_cores']:>6.2f}"
+                     f"{r['workers_cores']:>8.2f}{r['client_cores']:>7.2f}{r['client_us_per_token']:>10.1f}")
+    one = [r for r in result["rows"] if r.get("one_token")]
+    if one:
+        lines.append(f"\none-token requests, C={one[0]['concurrency']}")
+        lines.append(f"{'mode':<11}{'offline req/s':>14}{'served req/s':>13}{'ratio':>7}{'API us/req':>11}")
+        for r in one:
+            lines.append(f"{r['mode']:<11}{r['offline_req_s']:>14.0f}{r['req_s']:>13.0f}"
+                         f"{r['served_over_offline']:>7.2f}{r['api_us_per_request']:>11.0f}")
+    for mode, top in result.get("profiles", {}).items():
+        lines.append(f"\nAPI process, {mode}, top functions by own time (py-spy):")
+        lines.extend(f"  {share:6.1%}  {frame}" for frame, share in top)
+    return "\n".join(lines)
