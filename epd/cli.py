@@ -8,6 +8,7 @@ from pathlib import Path
 from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, field_default
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
+from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
 
@@ -100,7 +101,8 @@ def serve_config(args) -> ServeConfig:
     return ServeConfig(
         model=args.model, mode=args.mode, num_encoders=args.encoders, num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
-        mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
+        mm_cache_gb=args.mm_cache_gb, router=args.router, encoder_router=args.encoder_router,
+        served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys,
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
-        "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing")}
+        "encoder_router", "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing")}
     media = {name: field_default(MediaConfig, name) for name in (
         "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
     p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedding cache (LMDB) directory; kept across restarts")
     p.add_argument("--mm-cache-gb", type=float, default=serve["mm_cache_gb"])
     p.add_argument("--router", default=serve["router"], choices=list(ROUTERS))
+    p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
+                   help="cost: each image to the encoder where it finishes first; round_robin: in turn")
     p.add_argument("--served-model-name", default=serve["served_model_name"])
     p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY)")
     p.add_argument("--external-workers", action="store_true",

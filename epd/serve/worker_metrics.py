@@ -10,9 +10,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from epd.serve.registry import WorkerRegistry
+from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.wire_values import EncoderCounters, EngineCounters
 
 # Every counter a worker sends is exported (tests/epd/test_worker_metrics.py checks that none is left out).
@@ -36,12 +37,36 @@ ENCODER_COUNTERS: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
      lambda c: c.num_cache_skips),
     ("epd:encoder_images_aborted", "Queued images dropped because their request was aborted.",
      lambda c: c.num_aborted),
+    ("epd:encoder_requests_received", "EncodeRequests an encoder took from its inbox.",
+     lambda c: c.num_requests_received),
+    ("epd:encoder_cache_hit_tokens", "Placeholder tokens of queued images an encoder found in its cache.",
+     lambda c: c.cache_hit_tokens),
+    ("epd:mm_cache_evictions", "Embedding-cache entries evicted by this worker's writes.", lambda c: c.cache_evictions),
 ]
 ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, float]]]] = [
     ("epd:encode_seconds", "Vision tower time per image (a batch's time over its images).",
      lambda c: (c.num_images, c.encode_seconds_sum)),
-    ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.",
-     lambda c: (c.num_queued, c.queue_seconds_sum)),
+]
+# Histograms: (name, help, the worker's bucket counts); transfer seconds are labelled by destination.
+ENCODER_HISTOGRAMS: list[tuple[str, str, Callable[[EncoderCounters], Buckets]]] = [
+    ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.", lambda c: c.queue_wait),
+    ("epd:encoder_preprocess_seconds", "Decode and preprocessing time of one encoder batch.",
+     lambda c: c.preprocess_seconds),
+    ("epd:encoder_forward_seconds", "Vision transformer forward time of one encoder batch.",
+     lambda c: c.forward_seconds),
+    ("epd:encoder_batch_images", "Images in one encoder batch.", lambda c: c.batch_images),
+]
+ENCODER_GAUGES: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
+    ("epd:encoder_queued_patches", "Vision patches of the images queued in an encoder.",
+     lambda c: c.num_queued_patches),
+    ("epd:mm_cache_entries", "Entries in the embedding cache this worker writes (one cache per directory).",
+     lambda c: c.cache_entries),
+    ("epd:mm_cache_bytes", "Bytes of the entries in the embedding cache this worker writes.", lambda c: c.cache_bytes),
+]
+# epd:encoder_requests_total{outcome}: how each EncodeRequest an encoder took up ended
+ENCODER_OUTCOMES: list[tuple[str, Callable[[EncoderCounters], int]]] = [
+    ("encoded", lambda c: c.num_images), ("cache_hit", lambda c: c.num_cache_skips),
+    ("error", lambda c: c.num_errors), ("aborted", lambda c: c.num_aborted),
 ]
 LABELS = ["role", "worker"]
 
@@ -49,9 +74,12 @@ LABELS = ["role", "worker"]
 class _Families:
     """The metric families of one counters type, filled worker by worker."""
 
-    def __init__(self, counters, summaries):
+    def __init__(self, counters, summaries, histograms=(), gauges=()):
         self.counters = [(CounterMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in counters]
         self.summaries = [(SummaryMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in summaries]
+        self.histograms = [(HistogramMetricFamily(name, doc, labels=LABELS), value)
+                           for name, doc, value in histograms]
+        self.gauges = [(GaugeMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in gauges]
 
     def add(self, labels: list[str], source) -> None:
         for family, value in self.counters:
@@ -59,9 +87,39 @@ class _Families:
         for family, value in self.summaries:
             count, total = value(source)
             family.add_metric(labels, count_value=count, sum_value=total)
+        for family, value in self.histograms:
+            _add_buckets(family, labels, value(source))
+        for family, value in self.gauges:
+            family.add_metric(labels, value(source))
 
     def __iter__(self):
-        yield from (family for family, _ in self.counters + self.summaries)
+        yield from (family for family, _ in self.counters + self.summaries + self.histograms + self.gauges)
+
+
+class _EncoderExtras:
+    """The encoder families with a label of their own: outcome, transfer destination."""
+
+    def __init__(self):
+        self.outcomes = CounterMetricFamily("epd:encoder_requests", "EncodeRequests by how they ended: encoded, "
+                                            "answered from the cache, failed, or aborted while queued.",
+                                            labels=LABELS + ["outcome"])
+        self.transfer = HistogramMetricFamily("epd:encoder_transfer_seconds", "Time to hand one image's "
+                                              "embeddings on: written to the cache, or sent inline in EncodeDone.",
+                                              labels=LABELS + ["to"])
+
+    def add(self, labels: list[str], c: EncoderCounters) -> None:
+        for outcome, value in ENCODER_OUTCOMES:
+            self.outcomes.add_metric(labels + [outcome], value(c))
+        _add_buckets(self.transfer, labels + ["cache"], c.cache_write_seconds)
+        _add_buckets(self.transfer, labels + ["inline"], c.inline_send_seconds)
+
+    def __iter__(self):
+        yield self.outcomes
+        yield self.transfer
+
+
+def _add_buckets(family: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
+    family.add_metric(labels, buckets=buckets.cumulative(), sum_value=buckets.sum)
 
 
 class WorkerMetrics:
@@ -71,6 +129,8 @@ class WorkerMetrics:
         self.registry = registry
         self.mm_cache_queries = 0
         self.mm_cache_hits = 0
+        self.mm_cache_hit_tokens = 0  # placeholder tokens of the images the API found in the cache
+        self.request_images = Buckets(IMAGE_COUNT_BOUNDS)  # images per request that has any
         self.requests_failed: Counter[str] = Counter()  # reason -> requests that got an error we caused
         self.requests_recovered: Counter[str] = Counter()  # "retried" (nothing streamed yet) | "resumed"
         self.requests_refused: Counter[str] = Counter()  # reason -> requests refused by admission control
@@ -86,7 +146,8 @@ class WorkerMetrics:
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
         usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
-        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES)
+        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
+        encoder_extras = _EncoderExtras()
         for w in self.registry.workers.values():
             s = w.stats
             if s is None:
@@ -100,17 +161,26 @@ class WorkerMetrics:
                 engine.add(labels, s.engine)
             if s.encoder is not None:  # encoders, and the aggregated worker's in-process encoder
                 encoder.add(labels, s.encoder)
+                encoder_extras.add(labels, s.encoder)
         yield running
         yield waiting
         yield usage
         yield from engine
         yield from encoder
+        yield from encoder_extras
         queries = CounterMetricFamily("epd:mm_cache_queries", "Images looked up in the embedding cache.")
         queries.add_metric([], self.mm_cache_queries)
         hits = CounterMetricFamily("epd:mm_cache_hits", "Images found in the embedding cache.")
         hits.add_metric([], self.mm_cache_hits)
+        hit_tokens = CounterMetricFamily("epd:mm_cache_hit_tokens", "Placeholder tokens of the images found "
+                                         "in the embedding cache by the API (no encoder work).")
+        hit_tokens.add_metric([], self.mm_cache_hit_tokens)
+        request_images = HistogramMetricFamily("epd:request_images", "Images in one request (of those with any).")
+        _add_buckets(request_images, [], self.request_images)
         yield queries
         yield hits
+        yield hit_tokens
+        yield request_images
         yield _labelled("epd:worker_restarts", "Worker processes restarted after they exited.", "role",
                         self.worker_restarts())
         yield _labelled("epd:requests_failed", "Requests answered with an error the server caused "
