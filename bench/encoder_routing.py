@@ -44,7 +44,7 @@ def main(args) -> dict:
         try:
             server.wait_ready()
             warmup = copy.copy(args)
-            warmup.num_prompts, warmup.seed = 2, args.seed + 1000
+            warmup.num_prompts, warmup.seed = 1, args.seed + 1000  # first-use costs out of the trace
             _run_at(warmup, server.base_url, float("inf"), out_dir / f"{router}-warmup.json")
             result = _run_at(args, server.base_url, args.request_rate, out_dir / f"{router}.json")
         finally:
