@@ -4,8 +4,9 @@ under each `--encoder-router`, one policy after the other, on one machine.
     python -m epd.bench.encoder_routing /tmp/small --routers round_robin,cost \
         --encoders 2 --image-size 512x512,128x128,128x128,128x128 --images-per-request 4 ...
 
-Every server gets the same warm-up (other images) and then the same trace,
-so no run finds the trace's images in a cache. Prints P50/P99 TTFT per
+The servers start together and are measured one after the other; each gets
+the same warm-up (other images) and then the same trace, so no run finds the
+trace's images in a cache. Prints P50/P99 TTFT per
 router and the ratio against the first. The other flags are
 `epd bench serve`'s (dataset, rate, lengths, sizes).
 """
@@ -36,22 +37,28 @@ def main(args) -> dict:
     args.tokenizer = args.tokenizer or args.model_dir
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = {}
-    for router in [r for r in args.routers.split(",") if r]:
-        server_args = copy.copy(args)
-        server_args.server_args = f"--encoders {args.encoders} --encoder-router {router} {args.server_args}"
-        server = _Server(server_args, args.mode, args.cpu_sharing, _cpu_set(args.cpus), out_dir / f"server-{router}.log")
-        try:
+    routers = [r for r in args.routers.split(",") if r]
+    servers, rows = {}, {}
+    try:
+        # started together (start-up is the slow part), measured one at a time: the idle one polls its sockets
+        for router in routers:
+            server_args = copy.copy(args)
+            server_args.server_args = f"--encoders {args.encoders} --encoder-router {router} {args.server_args}"
+            servers[router] = _Server(server_args, args.mode, args.cpu_sharing, _cpu_set(args.cpus),
+                                      out_dir / f"server-{router}.log")
+        for server in servers.values():
             server.wait_ready()
+        for router, server in servers.items():
             warmup = copy.copy(args)
             warmup.num_prompts, warmup.seed = 1, args.seed + 1000  # first-use costs out of the trace
             _run_at(warmup, server.base_url, float("inf"), out_dir / f"{router}-warmup.json")
             result = _run_at(args, server.base_url, args.request_rate, out_dir / f"{router}.json")
-        finally:
+            rows[router] = {key: result[key] for key in ("completed", "failed", "mean_ttft_ms", "p50_ttft_ms",
+                                                         "p99_ttft_ms", "request_throughput") if key in result}
+            print(f"{router}: {json.dumps(rows[router])}", flush=True)
+    finally:
+        for server in servers.values():
             server.stop()
-        rows[router] = {key: result[key] for key in ("completed", "failed", "mean_ttft_ms", "p50_ttft_ms",
-                                                     "p99_ttft_ms", "request_throughput") if key in result}
-        print(f"{router}: {json.dumps(rows[router])}", flush=True)
     base = next(iter(rows.values()))
     print("| router | P50 TTFT (s) | P99 TTFT (s) | P99 vs first |")
     print("|---|---:|---:|---:|")

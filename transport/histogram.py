@@ -15,6 +15,7 @@ only the counts cross the wire, checked against the bounds' length.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from epd.transport.codec import WireError
@@ -48,10 +49,10 @@ class Buckets:
     def count(self) -> int:
         return sum(self.counts)
 
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus buckets: (upper bound, observations at or below it), +Inf last."""
+    def cumulative(self) -> list[tuple[float, int]]:
+        """Prometheus buckets: (upper bound, observations at or below it), infinity last."""
         out, total = [], 0
-        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+        for bound, n in zip([*self.bounds, math.inf], self.counts):
             total += n
             out.append((bound, total))
         return out

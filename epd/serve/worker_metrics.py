@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.utils import floatToGoString
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from epd.serve.registry import WorkerRegistry
@@ -119,7 +120,8 @@ class _EncoderExtras:
 
 
 def _add_buckets(family: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
-    family.add_metric(labels, buckets=buckets.cumulative(), sum_value=buckets.sum)
+    family.add_metric(labels, buckets=[(floatToGoString(bound), n) for bound, n in buckets.cumulative()],
+                      sum_value=buckets.sum)
 
 
 class WorkerMetrics:

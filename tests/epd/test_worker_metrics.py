@@ -87,8 +87,8 @@ def test_encoder_histograms_keep_their_buckets():
     assert [_value(samples, pre + "_bucket", le=le) for le in ("0.25", "0.5", "2.5", "5.0", "+Inf")] == [0, 1, 1, 3, 3]
     assert _value(samples, "epd:encoder_forward_seconds_bucket", le="10.0") == 5
     assert _value(samples, "epd:encoder_forward_seconds_bucket", le="5.0") == 0
-    assert _value(samples, "epd:encoder_batch_images_bucket", le="2") == 0
-    assert _value(samples, "epd:encoder_batch_images_bucket", le="4") == 5
+    assert _value(samples, "epd:encoder_batch_images_bucket", le="2.0") == 0
+    assert _value(samples, "epd:encoder_batch_images_bucket", le="4.0") == 5
     assert _value(samples, "epd:encoder_batch_images_sum") == 15
     transfer = "epd:encoder_transfer_seconds"
     assert _value(samples, transfer + "_count", to="cache") == 3
@@ -112,8 +112,8 @@ def test_api_side_image_metrics():
         metrics.request_images.observe(n)
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     assert _value(samples, "epd:mm_cache_hit_tokens_total") == 96
-    assert _value(samples, "epd:request_images_bucket", le="1") == 2
-    assert _value(samples, "epd:request_images_bucket", le="4") == 3
+    assert _value(samples, "epd:request_images_bucket", le="1.0") == 2
+    assert _value(samples, "epd:request_images_bucket", le="4.0") == 3
     assert _value(samples, "epd:request_images_sum") == 5
 
 
