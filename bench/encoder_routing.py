@@ -56,17 +56,21 @@ def main(args) -> dict:
             rows[router] = {key: result[key] for key in ("completed", "failed", "mean_ttft_ms", "p50_ttft_ms",
                                                          "p99_ttft_ms", "request_throughput") if key in result}
             print(f"{router}: {json.dumps(rows[router])}", flush=True)
+        (out_dir / "summary.json").write_text(json.dumps(rows, indent=2))
+        print(format_table(rows), flush=True)  # before the servers' (slow) stop
     finally:
         for server in servers.values():
             server.stop()
-    base = next(iter(rows.values()))
-    print("| router | P50 TTFT (s) | P99 TTFT (s) | P99 vs first |")
-    print("|---|---:|---:|---:|")
-    for router, row in rows.items():
-        print(f"| {router} | {row['p50_ttft_ms'] / 1e3:.2f} | {row['p99_ttft_ms'] / 1e3:.2f} | "
-              f"{row['p99_ttft_ms'] / base['p99_ttft_ms']:.2f}x |")
-    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2))
     return rows
+
+
+def format_table(rows: dict) -> str:
+    base = next(iter(rows.values()))
+    lines = ["| router | P50 TTFT (s) | P99 TTFT (s) | P99 vs first |", "|---|---:|---:|---:|"]
+    for router, row in rows.items():
+        lines.append(f"| {router} | {row['p50_ttft_ms'] / 1e3:.2f} | {row['p99_ttft_ms'] / 1e3:.2f} | "
+                     f"{row['p99_ttft_ms'] / base['p99_ttft_ms']:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
