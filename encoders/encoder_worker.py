@@ -2,10 +2,15 @@
 
     loop:  drain inbox (batch up to a patch budget; a thread reads the socket
            meanwhile and stamps arrivals: transport/stamped_inbox.py) -> skip images already in
-           the cache -> decode + preprocess + ViT -> cache.put -> EncodeDone
+           the cache (read back and sent inline when the prefill worker shares
+           no cache dir) -> decode + preprocess + ViT -> cache.put -> EncodeDone
            to the prefill worker named in each request (with the tensors when
            it shares no cache dir) -> WorkerStats every `stats_interval_s`
-           (with the age of the oldest queued image: the autoscaler's signal)
+
+The stats carry, besides counters and histograms, the patches queued and the
+requests received, from which the API's router knows the work each encoder
+holds (epd/serve/encoder_router.py), and the age of the oldest queued image
+(the autoscaler's signal, epd/serve/autoscale.py).
 """
 from __future__ import annotations
 
@@ -81,6 +86,7 @@ class EncoderWorker(WorkerIO):
     def _drain(self, timeout_s: float) -> None:
         for msg, arrived_s in self.arrivals.drain(timeout_s):
             if isinstance(msg, EncodeRequest):
+                self.counters.num_requests_received += 1
                 self._enqueue(msg, arrived_s)
             elif isinstance(msg, Abort):  # pending encoder work of aborted requests is dropped
                 dropped = set(msg.request_ids)
@@ -104,22 +110,19 @@ class EncoderWorker(WorkerIO):
     def _encode_batch(self) -> None:
         """Encodes queued images, oldest first, up to the patch budget."""
         batch, patches = [], 0
+        start = time.perf_counter()
         while self.queue and (not batch or patches + self.queue[0].num_patches <= self.encoder.max_batch_patches):
             job = self.queue.pop(0)
-            if self.cache is not None and not job.msg.with_tensors and self.cache.contains(job.msg.mm_hash):
-                self.counters.num_cache_skips += 1  # encoded meanwhile for another request
-                self._done(job.msg)
+            self.counters.queue_wait.observe(start - job.received_s)
+            if self._from_cache(job):
                 continue
             batch.append(job)
             patches += job.num_patches
         if not batch:
             return
         start = time.perf_counter()
-        for job in batch:
-            self.counters.queue_seconds_sum += start - job.received_s
-        self.counters.num_queued += len(batch)
         try:
-            results = self.encoder.encode([job.msg.image for job in batch])
+            results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
         except ImageError:
             results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
@@ -131,12 +134,35 @@ class EncoderWorker(WorkerIO):
             entry = result
             # a cache that cannot take it (too large, map full, disk error) is our fault, not the
             # request's: the tensors then travel inline, as to a prefill worker on another host
-            cached = self.cache is not None and self.cache.put(job.msg.mm_hash, entry)
+            cached = False
+            if self.cache is not None:
+                put_start = time.perf_counter()
+                cached = self.cache.put(job.msg.mm_hash, entry)
+                self.counters.cache_write_seconds.observe(time.perf_counter() - put_start)
             self._done(job.msg, entry=entry if (job.msg.with_tensors or not cached) else None)
+
+    def _from_cache(self, job: _Job) -> bool:
+        """Answers a queued image from the cache when it is there (encoded meanwhile
+        for another request, or earlier on this host): by name when the prefill
+        worker reads the same cache, else with the tensors read back."""
+        if self.cache is None or not self.cache.contains(job.msg.mm_hash):
+            return False
+        entry = self.cache.get(job.msg.mm_hash) if job.msg.with_tensors else None
+        if job.msg.with_tensors and entry is None:  # evicted since `contains`: encode it
+            return False
+        self.counters.num_cache_skips += 1
+        self.counters.cache_hit_tokens += job.num_patches // self.encoder.preprocess.geometry.merge_size ** 2
+        self._done(job.msg, entry=entry)
+        return True
+
+    def _on_batch(self, num_images: int, preprocess_s: float, forward_s: float) -> None:
+        self.counters.batch_images.observe(num_images)
+        self.counters.preprocess_seconds.observe(preprocess_s)
+        self.counters.forward_seconds.observe(forward_s)
 
     def _encode_one(self, image: bytes):
         try:
-            return self.encoder.encode([image])[0]
+            return self.encoder.encode([image], on_batch=self._on_batch)[0]
         except ImageError as exc:
             return str(exc)
 
@@ -154,7 +180,10 @@ class EncoderWorker(WorkerIO):
         if self._slow_image is not None and self._is_slow(msg.image):
             self._held.append((time.monotonic() + self._slow_image[1], msg.reply_to, done))
             return
+        start = time.perf_counter()
         self.outbox.send(msg.reply_to, done)
+        if done.embeddings is not None:  # inline: the time to frame the tensors and hand them to the socket
+            self.counters.inline_send_seconds.observe(time.perf_counter() - start)
 
     def _is_slow(self, image: bytes) -> bool:
         try:
@@ -177,6 +206,11 @@ class EncoderWorker(WorkerIO):
         # arrival order: the reading thread stamps in order and the queue is kept in it
         oldest_s = self.queue[0].received_s if self.queue else None
         self.counters.oldest_queued_s = 0.0 if oldest_s is None else time.perf_counter() - oldest_s
+        self.counters.num_queued_patches = sum(job.num_patches for job in self.queue)
+        if self.cache is not None:
+            self.counters.cache_evictions = self.cache.stats.evictions
+            self.counters.cache_entries = len(self.cache)
+            self.counters.cache_bytes = self.cache.total_bytes
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters))

@@ -8,6 +8,8 @@ the cache stores, EncodeDone carries and the engine consumes.
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,6 +20,8 @@ from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_entry import MMEntry
 
+# (images in the batch, decode + preprocessing seconds, ViT forward seconds)
+BatchTimer = Callable[[int, float, float], None]
 DEFAULT_MAX_BATCH_PATCHES = 16384
 # Full-resolution pixels decoded at once: a batch closes before it would pass this
 # (one image larger than it is decoded alone). Headers give sizes without decoding.
@@ -44,12 +48,13 @@ class ImageEncoder:
         return mm_hash(image_bytes, self.model_fingerprint, self.processor_config)
 
     @torch.inference_mode()
-    def encode(self, images: list[bytes]) -> list[MMEntry]:
+    def encode(self, images: list[bytes], on_batch: BatchTimer | None = None) -> list[MMEntry]:
         """Encodes raw images (raises encoders.image_io.ImageError on bad bytes).
 
         Batches are bounded by patches (the tower's work) and by decoded pixels
         (memory): an image is decoded only when its batch runs, so a request of
-        several huge images never holds them all decoded at once."""
+        several huge images never holds them all decoded at once. `on_batch`
+        gets each tower batch's (images, preprocessing s, forward s)."""
         geometry = self.preprocess.geometry
         out: list[MMEntry] = []
         batch: list[bytes] = []
@@ -59,17 +64,24 @@ class ImageEncoder:
             t, h, w = geometry.grid_thw(width, height)
             if batch and (batch_patches + t * h * w > self.max_batch_patches
                           or batch_pixels + width * height > self.max_decoded_pixels):
-                out += self._run(batch)
+                out += self._run(batch, on_batch)
                 batch, batch_patches, batch_pixels = [], 0, 0
             batch.append(data)
             batch_patches += t * h * w
             batch_pixels += width * height
         if batch:
-            out += self._run(batch)
+            out += self._run(batch, on_batch)
         return out
 
-    def _run(self, images: list[bytes]) -> list[MMEntry]:
+    def _run(self, images: list[bytes], on_batch: BatchTimer | None) -> list[MMEntry]:
+        start = time.perf_counter()
         pixel_values, grids = self.preprocess([load_image(data, self.max_image_pixels) for data in images])
-        result = self.tower(pixel_values.to(self.device, self.dtype), grids)
+        pixel_values = pixel_values.to(self.device, self.dtype)
+        preprocessed = time.perf_counter()
+        result = self.tower(pixel_values, grids)
+        if on_batch is not None:
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
+            on_batch(len(images), preprocessed - start, time.perf_counter() - preprocessed)
         # deepstack [num_deepstack, num_tokens, out_hidden] -> views, each [num_tokens, out_hidden]
         return [MMEntry(e, list(d.unbind(0)), g) for e, d, g in zip(result.embeds, result.deepstack, grids)]

@@ -11,6 +11,7 @@ from epd.engine.scheduler import PREFILL_PRIORITIES
 from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
+from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
 
@@ -114,7 +115,8 @@ def serve_config(args) -> ServeConfig:
         model=args.model, mode=args.mode, num_encoders=min_encoders, encoder_scaling=scaling,
         num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
-        mm_cache_gb=args.mm_cache_gb, router=args.router, served_model_name=args.served_model_name,
+        mm_cache_gb=args.mm_cache_gb, router=args.router, encoder_router=args.encoder_router,
+        served_model_name=args.served_model_name,
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
@@ -241,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
-        "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing", "api_servers")}
+        "encoder_router", "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing",
+        "api_servers")}
     media = {name: field_default(MediaConfig, name) for name in (
         "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
     p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
@@ -267,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embedding cache (LMDB) directory; kept across restarts")
     p.add_argument("--mm-cache-gb", type=float, default=serve["mm_cache_gb"])
     p.add_argument("--router", default=serve["router"], choices=list(ROUTERS))
+    p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
+                   help="cost: each image to the encoder where it finishes first; round_robin: in turn")
     p.add_argument("--served-model-name", default=serve["served_model_name"])
     p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY)")
     p.add_argument("--api-servers", type=int, default=serve["api_servers"],

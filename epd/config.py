@@ -24,6 +24,7 @@ from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
+from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
 from epd.serve.threads import worker_threads
 from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
@@ -83,6 +84,7 @@ class ServeConfig:
     mm_cache_dir: str | None = None  # None: a fresh directory under the run dir
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     router: str = "least_loaded"  # one of ROUTERS
+    encoder_router: str = "cost"  # one of ENCODER_ROUTERS
     served_model_name: str | None = None
     api_key: str | None = None
     external_workers: bool = False
@@ -105,6 +107,9 @@ class ServeConfig:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.encoder_router not in ENCODER_ROUTERS:
+            raise ValueError(f"--encoder-router must be one of {', '.join(ENCODER_ROUTERS)}, "
+                             f"got {self.encoder_router!r}")
         for name in ("num_encoders", "num_prefill", "num_decode"):
             if getattr(self, name) < 0 or (getattr(self, name) == 0 and not self.external_workers):
                 raise ValueError(f"--{name.split('_')[1]} must be at least 1, got {getattr(self, name)}")

@@ -10,10 +10,11 @@ is a SamplingParams that `validate` refuses.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from epd.transport.codec import Fields, WireError
+from epd.transport.histogram import ENCODER_SECONDS_BOUNDS, IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
 __all__ = ["EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
@@ -123,31 +124,47 @@ class EncoderCounters:
 
     num_images: int = 0  # encoded by the vision tower
     num_errors: int = 0  # refused or failed to decode: answered with EncodeDone(ok=False)
-    num_cache_skips: int = 0  # queued, then found in the cache (encoded meanwhile for another request)
+    num_cache_skips: int = 0  # queued, then found in the cache (encoded meanwhile, or before on this host)
     encode_seconds_sum: float = 0.0  # vision tower time, all batches
-    num_queued: int = 0  # images whose wait in the encoder's queue is in queue_seconds_sum
-    queue_seconds_sum: float = 0.0
     num_aborted: int = 0  # queued images dropped because their request was aborted
+    # routing (epd/serve/encoder_router.py): the work this encoder holds
+    num_requests_received: int = 0  # EncodeRequests taken from the inbox
+    num_queued_patches: int = 0  # vision patches of the images queued now (a gauge)
+    # histograms (transport/histogram.py), and the encoder's view of its embedding cache
+    queue_wait: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per image
+    preprocess_seconds: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per batch
+    forward_seconds: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per batch
+    cache_write_seconds: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per image
+    inline_send_seconds: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per image
+    batch_images: Buckets = field(default_factory=lambda: Buckets(IMAGE_COUNT_BOUNDS))  # per batch
+    cache_hit_tokens: int = 0  # placeholder tokens of the images counted in num_cache_skips
+    cache_evictions: int = 0  # entries this encoder's writes evicted
+    cache_entries: int = 0  # gauges: the cache this encoder writes (shared by every worker using its dir)
+    cache_bytes: int = 0
     num_inline: int = 0  # embeddings sent inside EncodeDone (a prefill worker sharing no cache, or a full cache)
     inline_bytes: int = 0  # their tensor bytes, deepstack included
     # not a total but a gauge: how long the oldest image still queued has waited (0 when none);
     # the encoder autoscaler's signal (epd/serve/autoscale.py)
     oldest_queued_s: float = 0.0
 
+    _HISTOGRAMS = {"queue_wait": ENCODER_SECONDS_BOUNDS, "preprocess_seconds": ENCODER_SECONDS_BOUNDS,
+                   "forward_seconds": ENCODER_SECONDS_BOUNDS, "cache_write_seconds": ENCODER_SECONDS_BOUNDS,
+                   "inline_send_seconds": ENCODER_SECONDS_BOUNDS, "batch_images": IMAGE_COUNT_BOUNDS}
+    _INTS = ("num_images", "num_errors", "num_cache_skips", "num_aborted", "num_requests_received",
+             "num_queued_patches", "cache_hit_tokens", "cache_evictions", "cache_entries", "cache_bytes",
+             "num_inline", "inline_bytes")
+
     def to_map(self) -> dict[str, Any]:
-        return {"num_images": self.num_images, "num_errors": self.num_errors,
-                "num_cache_skips": self.num_cache_skips, "encode_seconds_sum": self.encode_seconds_sum,
-                "num_queued": self.num_queued, "queue_seconds_sum": self.queue_seconds_sum,
-                "num_aborted": self.num_aborted, "num_inline": self.num_inline, "inline_bytes": self.inline_bytes,
-                "oldest_queued_s": self.oldest_queued_s}
+        return {**{name: getattr(self, name) for name in self._INTS},
+                "encode_seconds_sum": self.encode_seconds_sum, "oldest_queued_s": self.oldest_queued_s,
+                **{name: getattr(self, name).to_list() for name in self._HISTOGRAMS}}
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
-        out = EncoderCounters(
-            num_images=m.int("num_images"), num_errors=m.int("num_errors"), num_cache_skips=m.int("num_cache_skips"),
-            encode_seconds_sum=m.float("encode_seconds_sum"), num_queued=m.int("num_queued"),
-            queue_seconds_sum=m.float("queue_seconds_sum"), num_aborted=m.int("num_aborted"),
-            num_inline=m.int("num_inline"), inline_bytes=m.int("inline_bytes"),
-            oldest_queued_s=m.float("oldest_queued_s"))
+        out = EncoderCounters(**{name: m.int(name) for name in EncoderCounters._INTS},
+                              encode_seconds_sum=m.float("encode_seconds_sum"),
+                              oldest_queued_s=m.float("oldest_queued_s"),
+                              **{name: Buckets.from_list(m.opt_list(name), bounds, f"{m.tag}.{name}")
+                                 for name, bounds in EncoderCounters._HISTOGRAMS.items()})
         m.reject_unknown(out.to_map())
         return out

@@ -8,7 +8,7 @@
       route: prefill (or pd / aggregated) worker, decode worker      epd/serve/router.py
       embedding cache lookup
       PrefillRequest at once (the worker waits for its images), then
-      misses -> EncodeRequest, one image per encoder in turn
+      misses -> EncodeRequest per image, to the encoder where it finishes first   epd/serve/encoder_router.py
       TokenOutputs from the collector -> detokenize, stop strings -> Delta
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
@@ -38,7 +38,8 @@ from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
-from epd.serve.router import RoundRobinRouter, make_router
+from epd.serve.encoder_router import EncoderRouter
+from epd.serve.router import LeastRequestsRouter, make_router
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import DEADLINE, Attempt, Lost, Retry
 from epd.serve.registry import WorkerInfo, WorkerRegistry
@@ -66,6 +67,7 @@ class _Prepared:
     token_ids: list[int]
     mm_spans: list[MMSpan]
     images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images
+    num_patches: dict[str, int]  # mm_hash -> vision patches (the encoder's work)
 
 
 class Orchestrator:
@@ -99,7 +101,9 @@ class Orchestrator:
         self.metrics = WorkerMetrics(self.registry)
         self.prefill_router = make_router(config.router)
         self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
-        self.encoder_turn = RoundRobinRouter()
+        # text-only requests wait for no encoder: the least busy prefill worker starts them first
+        self.text_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.prefill_router
+        self.encoder_router = EncoderRouter(config.encoder_router)
         self.cache: MMCache | None = None
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
@@ -192,6 +196,7 @@ class Orchestrator:
         elif isinstance(msg, Ready):
             self._silent.discard(msg.worker_id)
             info = self.registry.on_ready(msg)
+            self.encoder_router.on_ready(msg.worker_id)
             log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
             self._open_cache()
         elif isinstance(msg, WorkerExited):
@@ -244,12 +249,12 @@ class Orchestrator:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
-            return _Prepared(ids, [], {})
-        images, refs, num_pixels = {}, [], 0
+            return _Prepared(ids, [], {}, {})
+        images, num_patches, refs, num_pixels = {}, {}, [], 0
         for data in raw_images:
             try:
                 width, height = read_image_size(data, self.config.media.max_image_pixels)
-                self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
+                t, h, w = self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
             except (ImageError, ValueError) as exc:
                 raise RequestError(status=400, message=str(exc), param="messages") from None
             num_pixels += width * height
@@ -259,12 +264,13 @@ class Orchestrator:
                                    param="messages")
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
             images[key] = data
+            num_patches[key] = t * h * w
             refs.append(ImageRef(width, height, key))
         try:
             prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools)
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
-        return _Prepared(prompt.token_ids, prompt.mm_spans, images)
+        return _Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use; RequestError when the prompt leaves no room."""
@@ -422,20 +428,30 @@ class Orchestrator:
                              attempt_no: int, deadline: float) -> Attempt:
         """Routes and sends one try of a request: prompt + `emitted`, with the
         rest of its token budget, to live workers."""
-        prefill = self.prefill_router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
+        router = self.prefill_router if prep.images else self.text_prefill_router
+        prefill = router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
         decode = None
         if prefill.role == Role.PREFILL:
             decode = self.decode_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
         misses = []
+        if attempt_no == 0 and prep.mm_spans:
+            self.metrics.request_images.observe(len(prep.mm_spans))
         for key, data in prep.images.items():
             if attempt_no == 0:
                 self.metrics.mm_cache_queries += 1
             if self._cache_reaches(prefill) and self.cache.contains(key):
-                self.metrics.mm_cache_hits += attempt_no == 0  # the prefill worker reads it: no encoder work
+                if attempt_no == 0:  # the prefill worker reads it: no encoder work
+                    self.metrics.mm_cache_hits += 1
+                    self.metrics.mm_cache_hit_tokens += prep.num_patches[key] // self.geometry.merge_size ** 2
             else:
                 misses.append((key, data))
-        encoders = [prefill] if prefill.role == Role.AGGREGATED else (
-            await self._choose((Role.ENCODER,), deadline) if misses else [])
+        if prefill.role == Role.AGGREGATED:
+            encoders = [prefill] * len(misses)
+        elif misses:
+            encoders = self.encoder_router.assign(await self._choose((Role.ENCODER,), deadline),
+                                                  [(key, prep.num_patches[key]) for key, _ in misses])
+        else:
+            encoders = []
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
         attempt = Attempt(attempt_id, asyncio.Queue(), prefill, decode)
         self.attempts[attempt_id] = attempt
@@ -447,12 +463,13 @@ class Orchestrator:
             await self._outbox.send(prefill.inbox, PrefillRequest(
                 attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling, list(self.info.eos_token_ids),
                 decode.inbox if decode else None, self.api_index))
-            for key, data in misses:
-                enc = self.encoder_turn.choose(encoders, prep.token_ids)
+            for (key, data), enc in zip(misses, encoders):
                 attempt.encoders.append(enc)
                 await self._outbox.send(enc.inbox, EncodeRequest(
                     attempt_id, key, data, reply_to=prefill.inbox,
                     with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+                if enc is not prefill:
+                    self.encoder_router.on_sent(enc, key, prep.num_patches[key])
         except BaseException:  # the client left while we sent (cancelled): what was sent is aborted
             await self._end_attempt(attempt)
             raise

@@ -5,6 +5,10 @@ least_loaded  power of two choices: of two workers drawn at random, the one
               with fewer running + waiting requests in its latest stats.
 prefix_hash   consistent hashing of the prompt's first block-aligned tokens,
               so requests sharing a prefix land where its KV is cached.
+
+Under `least_loaded` (the default), text-only requests go to the worker with
+the fewest requests (`LeastRequestsRouter`): they wait for no encoder, so the
+least busy prefill worker is the one that starts them first.
 """
 from __future__ import annotations
 
@@ -35,6 +39,26 @@ class LeastLoadedRouter:
             return workers[0]
         a, b = self._rng.sample(workers, 2)
         return a if a.load <= b.load else b
+
+
+class LeastRequestsRouter:
+    """The worker with the fewest requests: its latest stats plus the requests sent
+    to it since (a burst between two reports is spread); ties in turn."""
+
+    def __init__(self):
+        self._turn = itertools.count()
+        self._sent: dict[str, tuple[object, int]] = {}  # worker id -> (stats it was counted against, sent since)
+
+    def choose(self, workers: list, prompt_token_ids: list[int]):
+        start = next(self._turn)
+        order = [workers[(start + k) % len(workers)] for k in range(len(workers))]
+        best = min(order, key=lambda w: w.load + self._sent_since_stats(w))
+        self._sent[best.worker_id] = (best.stats, self._sent_since_stats(best) + 1)
+        return best
+
+    def _sent_since_stats(self, worker) -> int:
+        stats, num_sent = self._sent.get(worker.worker_id, (None, 0))
+        return num_sent if stats is worker.stats else 0  # a new report counts what it has received
 
 
 class PrefixHashRouter:

@@ -4,7 +4,8 @@ Each worker publishes `WorkerStats` (gauges plus monotonically growing
 counters); the API process renders the latest of each, so a scrape of
 `/metrics` shows every worker. Names follow vLLM's under the `epd:` prefix.
 
-The API's own counts (cache lookups, failed, recovered, refused requests) are
+The API's own counts (cache lookups and hit tokens, images per request,
+failed, recovered, refused requests) are
 prometheus_client Counters: with several API processes they live in the
 shared metric files and are summed with the request metrics (epd/api/metrics.py),
 while every process holds the same view of the workers and renders it alone.
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from epd.api.metrics import is_multiprocess
-
 from epd.serve.registry import WorkerRegistry
+from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.wire_values import EncoderCounters, EngineCounters
 
 # Every counter a worker sends is exported (tests/epd/test_worker_metrics.py checks that none is left out).
@@ -46,16 +48,38 @@ ENCODER_COUNTERS: list[tuple[str, str, Callable[[EncoderCounters], int]]] = [
      lambda c: c.num_inline),
     ("epd:encoder_inline_bytes", "Embedding bytes sent inside EncodeDone (deepstack included).",
      lambda c: c.inline_bytes),
+    ("epd:encoder_requests_received", "EncodeRequests an encoder took from its inbox.",
+     lambda c: c.num_requests_received),
+    ("epd:encoder_cache_hit_tokens", "Placeholder tokens of queued images an encoder found in its cache.",
+     lambda c: c.cache_hit_tokens),
+    ("epd:mm_cache_evictions", "Embedding-cache entries evicted by this worker's writes.", lambda c: c.cache_evictions),
 ]
 ENCODER_SUMMARIES: list[tuple[str, str, Callable[[EncoderCounters], tuple[int, float]]]] = [
     ("epd:encode_seconds", "Vision tower time per image (a batch's time over its images).",
      lambda c: (c.num_images, c.encode_seconds_sum)),
-    ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.",
-     lambda c: (c.num_queued, c.queue_seconds_sum)),
+]
+# Histograms: (name, help, the worker's bucket counts); transfer seconds are labelled by destination.
+ENCODER_HISTOGRAMS: list[tuple[str, str, Callable[[EncoderCounters], Buckets]]] = [
+    ("epd:encoder_queue_time_seconds", "Time images waited in an encoder's queue.", lambda c: c.queue_wait),
+    ("epd:encoder_preprocess_seconds", "Decode and preprocessing time of one encoder batch.",
+     lambda c: c.preprocess_seconds),
+    ("epd:encoder_forward_seconds", "Vision transformer forward time of one encoder batch.",
+     lambda c: c.forward_seconds),
+    ("epd:encoder_batch_images", "Images in one encoder batch.", lambda c: c.batch_images),
 ]
 ENCODER_GAUGES: list[tuple[str, str, Callable[[EncoderCounters], float]]] = [
+    ("epd:encoder_queued_patches", "Vision patches of the images queued in an encoder.",
+     lambda c: c.num_queued_patches),
+    ("epd:mm_cache_entries", "Entries in the embedding cache this worker writes (one cache per directory).",
+     lambda c: c.cache_entries),
+    ("epd:mm_cache_bytes", "Bytes of the entries in the embedding cache this worker writes.", lambda c: c.cache_bytes),
     ("epd:encoder_oldest_queued_seconds", "How long the oldest image in an encoder's queue has waited (0: none).",
      lambda c: c.oldest_queued_s),
+]
+# epd:encoder_requests_total{outcome}: how each EncodeRequest an encoder took up ended
+ENCODER_OUTCOMES: list[tuple[str, Callable[[EncoderCounters], int]]] = [
+    ("encoded", lambda c: c.num_images), ("cache_hit", lambda c: c.num_cache_skips),
+    ("error", lambda c: c.num_errors), ("aborted", lambda c: c.num_aborted),
 ]
 LABELS = ["role", "worker"]
 
@@ -63,9 +87,11 @@ LABELS = ["role", "worker"]
 class _Families:
     """The metric families of one counters type, filled worker by worker."""
 
-    def __init__(self, counters, summaries, gauges=()):
+    def __init__(self, counters, summaries, histograms=(), gauges=()):
         self.counters = [(CounterMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in counters]
         self.summaries = [(SummaryMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in summaries]
+        self.histograms = [(HistogramMetricFamily(name, doc, labels=LABELS), value)
+                           for name, doc, value in histograms]
         self.gauges = [(GaugeMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in gauges]
 
     def add(self, labels: list[str], source) -> None:
@@ -74,9 +100,40 @@ class _Families:
         for family, value in self.summaries:
             count, total = value(source)
             family.add_metric(labels, count_value=count, sum_value=total)
+        for family, value in self.histograms:
+            _add_buckets(family, labels, value(source))
+        for family, value in self.gauges:
+            family.add_metric(labels, value(source))
 
     def __iter__(self):
-        yield from (family for family, _ in self.counters + self.summaries + self.gauges)
+        yield from (family for family, _ in self.counters + self.summaries + self.histograms + self.gauges)
+
+
+class _EncoderExtras:
+    """The encoder families with a label of their own: outcome, transfer destination."""
+
+    def __init__(self):
+        self.outcomes = CounterMetricFamily("epd:encoder_requests", "EncodeRequests by how they ended: encoded, "
+                                            "answered from the cache, failed, or aborted while queued.",
+                                            labels=LABELS + ["outcome"])
+        self.transfer = HistogramMetricFamily("epd:encoder_transfer_seconds", "Time to hand one image's "
+                                              "embeddings on: written to the cache, or sent inline in EncodeDone.",
+                                              labels=LABELS + ["to"])
+
+    def add(self, labels: list[str], c: EncoderCounters) -> None:
+        for outcome, value in ENCODER_OUTCOMES:
+            self.outcomes.add_metric(labels + [outcome], value(c))
+        _add_buckets(self.transfer, labels + ["cache"], c.cache_write_seconds)
+        _add_buckets(self.transfer, labels + ["inline"], c.inline_send_seconds)
+
+    def __iter__(self):
+        yield self.outcomes
+        yield self.transfer
+
+
+def _add_buckets(family: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
+    family.add_metric(labels, buckets=[(floatToGoString(bound), n) for bound, n in buckets.cumulative()],
+                      sum_value=buckets.sum)
 
 
 class WorkerMetrics:
@@ -89,6 +146,11 @@ class WorkerMetrics:
                                               registry=self._api))
         self.mm_cache_hits = Count(Counter("epd:mm_cache_hits", "Images found in the embedding cache.",
                                            registry=self._api))
+        self.mm_cache_hit_tokens = Count(Counter(  # placeholder tokens of the images the API found in the cache
+            "epd:mm_cache_hit_tokens", "Placeholder tokens of the images found in the embedding cache by the API "
+            "(no encoder work).", registry=self._api))
+        self.request_images = Histogram("epd:request_images", "Images in one request (of those with any).",
+                                        buckets=IMAGE_COUNT_BOUNDS, registry=self._api)
         self.requests_failed = CountBy(Counter(  # reason -> requests that got an error we caused
             "epd:requests_failed", "Requests answered with an error the server caused (timeout, no live worker, "
             "worker errors) or bad input found by a worker.", ["reason"], registry=self._api))
@@ -118,7 +180,8 @@ class WorkerMetrics:
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
         usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
-        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_GAUGES)
+        encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
+        encoder_extras = _EncoderExtras()
         for w in self.registry.workers.values():
             s = w.stats
             if s is None:
@@ -132,11 +195,13 @@ class WorkerMetrics:
                 engine.add(labels, s.engine)
             if s.encoder is not None:  # encoders, and the aggregated worker's in-process encoder
                 encoder.add(labels, s.encoder)
+                encoder_extras.add(labels, s.encoder)
         yield running
         yield waiting
         yield usage
         yield from engine
         yield from encoder
+        yield from encoder_extras
         if self.worker_restarts is not None:
             yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", self.worker_restarts())
 

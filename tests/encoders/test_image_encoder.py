@@ -19,19 +19,17 @@ def test_batches_close_at_the_decoded_pixel_budget(encoder, monkeypatch):
     images = [image_bytes(200, 100, seed=i) for i in range(3)]  # 20,000 pixels each
     together = encoder.encode(images)
     batches: list[int] = []
-    run = encoder._run
 
-    def counting_run(batch):
-        batches.append(len(batch))
-        return run(batch)
+    def on_batch(num_images: int, preprocess_s: float, forward_s: float) -> None:
+        assert preprocess_s > 0 and forward_s > 0
+        batches.append(num_images)
 
-    monkeypatch.setattr(encoder, "_run", counting_run)
     monkeypatch.setattr(encoder, "max_decoded_pixels", 45_000)  # two images' worth
-    apart = encoder.encode(images)
+    apart = encoder.encode(images, on_batch=on_batch)
     assert batches == [2, 1]
     monkeypatch.setattr(encoder, "max_decoded_pixels", 1)  # smaller than any image: each alone
     batches.clear()
-    alone = encoder.encode(images)
+    alone = encoder.encode(images, on_batch=on_batch)
     assert batches == [1, 1, 1]
     for a, b, c in zip(together, apart, alone):
         assert a.grid_thw == b.grid_thw == c.grid_thw

@@ -33,6 +33,10 @@ def test_flag_defaults_are_the_config_defaults(tiny_model, keys, monkeypatch):
     assert (config.mode, config.num_encoders, config.num_prefill, config.num_decode) == (Mode.E_P_D, 1, 1, 1)
     assert (config.host, config.port, config.mm_cache_gb, config.router, config.cpu_sharing) == \
         ("127.0.0.1", 8000, 4.0, "least_loaded", "shared")
+    assert config.encoder_router == "cost"
+    assert serve_config(parse(["serve", tiny_model, "--encoder-router", "round_robin"])).encoder_router == "round_robin"
+    with pytest.raises(ValueError, match="--encoder-router must be one of cost, round_robin, got 'random'"):
+        ServeConfig(model=tiny_model, encoder_router="random")
     assert config.media == MediaConfig(max_image_bytes=20 * 1024 * 1024, max_image_pixels=64_000_000,
                                        fetch_timeout_s=5.0)
     assert config.engine == EngineConfig(SchedulerConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=2048,

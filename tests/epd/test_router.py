@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from epd.serve.router import LeastLoadedRouter, PrefixHashRouter, RoundRobinRouter, make_router
+from epd.serve.router import LeastLoadedRouter, LeastRequestsRouter, PrefixHashRouter, RoundRobinRouter, make_router
 from epd.serve.registry import WorkerInfo
 from epd.transport.messages import WorkerStats
 
@@ -52,3 +52,16 @@ def test_prefix_hash_is_sticky_and_spreads():
 
 def test_make_router_names():
     assert isinstance(make_router("prefix_hash"), PrefixHashRouter)
+
+
+def test_least_requests_counts_what_it_sent_since_the_last_report():
+    workers = _workers([3, 0, 1])
+    router = LeastRequestsRouter()
+    picks = [router.choose(workers, [1]).worker_id for _ in range(5)]
+    # loads 3, 0, 1 plus what was sent since: 1 -> (3,1,1) -> ties in turn ... never the busiest first
+    assert picks[0] == "prefill-1"
+    assert Counter(picks) == {"prefill-1": 3, "prefill-2": 2}  # each ends at 3 requests, like prefill-0
+    # a new report replaces the worker's count: prefill-1 now says it holds nothing
+    workers[1].stats = WorkerStats("prefill-1", "prefill", num_running=0, num_waiting=0, num_free_blocks=0,
+                                   num_total_blocks=0, queue_depth=0)
+    assert router.choose(workers, [1]).worker_id == "prefill-1"

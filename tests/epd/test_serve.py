@@ -105,8 +105,10 @@ def test_repeated_image_hits_the_cache(server):
     first = chat_text(server, messages)
     encoded = server.settled_sum("epd:encoder_images_total")
     hits = server.metric_sum("epd:mm_cache_hits_total")
+    hit_tokens = server.metric_sum("epd:mm_cache_hit_tokens_total")
     assert chat_text(server, messages) == first
     assert server.metric_sum("epd:mm_cache_hits_total") == hits + 1
+    assert server.metric_sum("epd:mm_cache_hit_tokens_total") == hit_tokens + 9  # 90x90 -> 96x96: 6x6 patches, 3x3 merged
     assert server.settled_sum("epd:encoder_images_total") == encoded
 
 

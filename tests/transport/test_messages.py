@@ -33,6 +33,17 @@ def make_kv(num_layers=2, num_blocks=3, block_size=4, num_kv_heads=2, head_dim=8
     return torch.randn(shape).to(dtype)
 
 
+def _busy_encoder() -> EncoderCounters:
+    """Every encoder counter non-zero, histograms included."""
+    c = EncoderCounters(num_images=7, num_errors=8, num_cache_skips=9, encode_seconds_sum=10.5, num_aborted=11,
+                        num_requests_received=12, num_queued_patches=13, cache_hit_tokens=14, cache_evictions=15,
+                        cache_entries=16, cache_bytes=17, num_inline=18, inline_bytes=19, oldest_queued_s=20.5)
+    for i, name in enumerate(["queue_wait", "preprocess_seconds", "forward_seconds", "cache_write_seconds",
+                              "inline_send_seconds", "batch_images"]):
+        getattr(c, name).observe(0.003 * (i + 1), times=i + 1)
+    return c
+
+
 def make_messages() -> list[Message]:
     """One instance of every wire type, tensors in several dtypes."""
     spans = [MMSpan(3, 16, HASH_A, (1, 8, 8)), MMSpan(20, 4, HASH_B, (1, 4, 4))]
@@ -63,7 +74,7 @@ def make_messages() -> list[Message]:
         TokenOutput("req-1", [9], index=7),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
         WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
-                    encoder=EncoderCounters(1, 2, 3, 4.5, 5, 6.5)),
+                    encoder=_busy_encoder()),
         WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters()),
         Ready("prefill-0", "prefill", "ipc:///tmp/epd-x/prefill-0.sock", "a"),
         Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
@@ -296,8 +307,12 @@ def _stats(**changes) -> list[bytes]:
      r"worker_stats\.engine: unknown fields \['generation_tokens'\]"),
     (_stats(encoder={k: v for k, v in EncoderCounters().to_map().items() if k != "num_images"}),
      r"worker_stats\.encoder: missing field 'num_images'"),
-    (_stats(encoder={**EncoderCounters().to_map(), "queue_seconds_sum": "1"}),
-     r"worker_stats\.encoder\.queue_seconds_sum: expected float"),
+    (_stats(encoder={**EncoderCounters().to_map(), "encode_seconds_sum": "1"}),
+     r"worker_stats\.encoder\.encode_seconds_sum: expected float"),
+    (_stats(encoder={**EncoderCounters().to_map(), "forward_seconds": [0.5, 1, 2]}),
+     r"worker_stats\.encoder\.forward_seconds: expected \[sum >= 0, 17 counts >= 0\]"),
+    (_stats(encoder={**EncoderCounters().to_map(), "batch_images": [1.0] + [-1] * 9}),
+     r"worker_stats\.encoder\.batch_images: expected"),
     (_stats(role="combined"), r"worker_stats\.role: expected one of"),
 ])
 def test_unusable_fields_raise_wire_error_at_decode(frames, match):
@@ -314,14 +329,8 @@ def test_every_sampling_field_crosses_the_wire():
     assert out.sampling == SAMPLING and out.sampling is not SAMPLING
 
 
-def _distinct(cls, start: int):
-    """An instance of a counters dataclass whose every field holds a different value of its type."""
-    return cls(**{f.name: start + i + (0.5 if str(f.type) == "float" else 0)
-                  for i, f in enumerate(fields(cls))})
-
-
 def test_every_counter_crosses_the_wire():
-    engine, encoder = EngineCounters(1, 2, 3, 4, 5, 6.5), _distinct(EncoderCounters, start=7)
+    engine, encoder = EngineCounters(1, 2, 3, 4, 5, 6.5), _busy_encoder()
     assert set(engine.to_map()) == {f.name for f in fields(EngineCounters)}
     assert set(encoder.to_map()) == {f.name for f in fields(EncoderCounters)}
     out = decode_message(WorkerStats("w", "aggregated", 0, 0, 1, 1, 0, engine, encoder).to_wire())
