@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory to serve")
     p.add_argument("--modes", default=",".join(Mode),
                    help="comma-separated MODE[/SHARING] (e.g. e-p-d/shared); the first is the baseline")
+    add_sweep_arguments(p)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """Rates, SLOs, cores, server flags and the workload (`bench serve`'s flags): shared with `bench plan`."""
     p.add_argument("--rates", required=True, help="comma-separated request rates (requests/s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)

@@ -1,0 +1,99 @@
+"""The planner's service times, measured in-process with the offline engine (`epd.LLM`).
+
+Why in-process and not from a server's /metrics: the simulation needs each
+stage's time when it runs alone — encode per image, prefill per token, and a
+decode step as a function of the batch — and /metrics exports encode and KV
+transfer times but no prefill or decode step times; a decode step at a
+chosen batch size needs the batch held fixed, which only the engine itself
+allows. The process is pinned to the same cores and runs as many threads as
+a served worker (`--cpu-sharing shared`: every worker may use every core).
+
+  * encode  — the workload's images through the vision encoder, a request's
+              images together (the encoder worker batches them too); the
+              fastest of the requests, per image.
+  * prefill — a request with fresh images and max_tokens 1, less its encode
+              time: the prompt's prefill, per prompt token (the fastest).
+  * decode  — B prompts of the workload's length run once (filling the prefix
+              cache), then again for 1 and for 1 + S tokens: the difference
+              over S is one step at batch B; a line through B = 1 and B = 4.
+KV transfer between workers is not measured here (`--kv-transfer-ms`).
+"""
+from __future__ import annotations
+
+import base64
+import os
+import time
+
+from epd.bench.client import build_payload
+from epd.bench.datasets import load_tokenizer, sample_random_mm
+from epd.bench.plan_sim import ServiceTimes, Workload
+
+DECODE_BATCHES = (1, 4)
+DECODE_STEPS = 12
+PROBE_REQUESTS = 3
+REPEATS = 2  # the fastest of REPEATS runs: other jobs on the machine only ever slow a run down
+
+
+def _image_bytes(url: str) -> bytes:
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
+    """Service times and the workload's shape (prompt tokens as the engine counts them)."""
+    import torch
+
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    saved_affinity, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+    try:
+        llm = LLM(args.model_dir, max_num_seqs=max(DECODE_BATCHES))
+        requests = sample_random_mm(
+            PROBE_REQUESTS + 1, args.input_len, args.output_len, images_per_request=args.images_per_request,
+            image_sizes=args.image_size, image_format=args.image_format, seed=args.seed + 3000,
+            tokenizer=load_tokenizer(args.tokenizer))
+        one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        llm.chat(build_payload("m", requests[-1])["messages"], one_token)  # warm-up, not counted
+        encode_ms, prefill_ms, prompt_tokens = [], [], 0
+        for request in requests[:PROBE_REQUESTS]:
+            images = [_image_bytes(url) for url in request.image_urls]
+            start = time.perf_counter()
+            if images:
+                llm.encoder.encode(images)
+            encoded_ms = (time.perf_counter() - start) * 1e3
+            start = time.perf_counter()  # the same images again: encoded once more inside chat()
+            (out,) = llm.chat(build_payload("m", request)["messages"], one_token)
+            prefill_ms.append((time.perf_counter() - start) * 1e3 - encoded_ms)
+            encode_ms.append(encoded_ms / max(1, len(images)))
+            prompt_tokens = len(out.prompt_token_ids)
+        step_ms = {b: _decode_step_ms(llm, b, prompt_tokens) for b in DECODE_BATCHES}
+        low, high = DECODE_BATCHES[0], DECODE_BATCHES[-1]
+        per_seq = max(0.0, (step_ms[high] - step_ms[low]) / (high - low))
+        base = max(0.0, step_ms[low] - per_seq * low)
+        del llm
+    finally:
+        os.sched_setaffinity(0, saved_affinity)
+        torch.set_num_threads(saved_threads)
+    times = ServiceTimes(encode_ms_per_image=min(encode_ms) if args.images_per_request else 0.0,
+                         prefill_ms_per_token=max(0.0, min(prefill_ms)) / prompt_tokens,
+                         decode_step_ms=base, decode_ms_per_seq=per_seq,
+                         kv_transfer_ms=args.kv_transfer_ms)
+    return times, Workload(args.images_per_request, prompt_tokens, args.output_len)
+
+
+def _decode_step_ms(llm, batch: int, prompt_tokens: int) -> float:
+    from epd.transport.sampling import SamplingParams
+
+    vocab = len(llm.tokenizer)
+    prompts = [[300 + (7919 * (i + 1) * (j + 1)) % (vocab - 300) for j in range(prompt_tokens)] for i in range(batch)]
+
+    def run(max_tokens: int) -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        return time.perf_counter() - start
+
+    run(1)  # prefills: the prompts are in the prefix cache from now on
+    base_s = min(run(1) for _ in range(REPEATS))
+    return max(0.0, min(run(1 + DECODE_STEPS) for _ in range(REPEATS)) - base_s) * 1e3 / DECODE_STEPS
