@@ -40,6 +40,7 @@ def _image_bytes(url: str) -> bytes:
 
 def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
     """Service times and the workload's shape (prompt tokens as the engine counts them)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the served workers run (before torch starts OpenMP)
     import torch
 
     from epd.llm import LLM
