@@ -11,8 +11,10 @@ a served worker (`--cpu-sharing shared`: every worker may use every core).
   * encode  — the workload's images through the vision encoder, a request's
               images together (the encoder worker batches them too); the
               fastest of the requests, per image.
-  * prefill — a request with fresh images and max_tokens 1, less its encode
-              time: the prompt's prefill, per prompt token (the fastest).
+  * prefill — a fresh prompt of as many tokens as the workload's (text plus
+              image placeholders, counted by a warm-up chat) with max_tokens 1,
+              per prompt token (the fastest): a placeholder costs a prefill what
+              a text token does.
   * decode  — B prompts of the workload's length run once (filling the prefix
               cache), then again for 1 and for 1 + S tokens: the difference
               over S is one step at batch B; a line through B = 1 and B = 4.
@@ -30,7 +32,7 @@ from epd.bench.plan_sim import ServiceTimes, Workload
 
 DECODE_BATCHES = (1, 4)
 DECODE_STEPS = 12
-PROBE_REQUESTS = 3
+PROBE_REQUESTS = 2
 REPEATS = 2  # the fastest of REPEATS runs: other jobs on the machine only ever slow a run down
 
 
@@ -56,19 +58,19 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
             image_sizes=args.image_size, image_format=args.image_format, seed=args.seed + 3000,
             tokenizer=load_tokenizer(args.tokenizer))
         one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        llm.chat(build_payload("m", requests[-1])["messages"], one_token)  # warm-up, not counted
-        encode_ms, prefill_ms, prompt_tokens = [], [], 0
-        for request in requests[:PROBE_REQUESTS]:
+        # warm-up, not counted; the engine's count of the workload's prompt (text + image placeholders)
+        (out,) = llm.chat(build_payload("m", requests[-1])["messages"], one_token)
+        prompt_tokens = len(out.prompt_token_ids)
+        encode_ms, prefill_ms = [], []
+        for i, request in enumerate(requests[:PROBE_REQUESTS]):
             images = [_image_bytes(url) for url in request.image_urls]
             start = time.perf_counter()
             if images:
                 llm.encoder.encode(images)
-            encoded_ms = (time.perf_counter() - start) * 1e3
-            start = time.perf_counter()  # the same images again: encoded once more inside chat()
-            (out,) = llm.chat(build_payload("m", request)["messages"], one_token)
-            prefill_ms.append((time.perf_counter() - start) * 1e3 - encoded_ms)
-            encode_ms.append(encoded_ms / max(1, len(images)))
-            prompt_tokens = len(out.prompt_token_ids)
+            encode_ms.append((time.perf_counter() - start) * 1e3 / max(1, len(images)))
+            start = time.perf_counter()  # a prompt of as many tokens, never seen: no prefix-cache hit
+            llm.generate([_token_prompt(llm, prompt_tokens, salt=1000 + i)], one_token)
+            prefill_ms.append((time.perf_counter() - start) * 1e3)
         step_ms = {b: _decode_step_ms(llm, b, prompt_tokens) for b in DECODE_BATCHES}
         low, high = DECODE_BATCHES[0], DECODE_BATCHES[-1]
         per_seq = max(0.0, (step_ms[high] - step_ms[low]) / (high - low))
@@ -84,11 +86,16 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
     return times, Workload(args.images_per_request, prompt_tokens, args.output_len)
 
 
+def _token_prompt(llm, num_tokens: int, salt: int) -> list[int]:
+    """`num_tokens` token ids clear of the special tokens at the start of the vocabulary; distinct per salt."""
+    vocab = len(llm.tokenizer)
+    return [300 + (7919 * (salt + 1) + 104729 * j) % (vocab - 300) for j in range(num_tokens)]
+
+
 def _decode_step_ms(llm, batch: int, prompt_tokens: int) -> float:
     from epd.transport.sampling import SamplingParams
 
-    vocab = len(llm.tokenizer)
-    prompts = [[300 + (7919 * (i + 1) * (j + 1)) % (vocab - 300) for j in range(prompt_tokens)] for i in range(batch)]
+    prompts = [_token_prompt(llm, prompt_tokens, salt=batch * 100 + i) for i in range(batch)]
 
     def run(max_tokens: int) -> float:
         start = time.perf_counter()
