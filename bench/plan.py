@@ -150,6 +150,9 @@ def main(args) -> dict:
     plans = []
     for num_workers in worker_counts:
         rows = predict(args, times, workload, num_workers, rates, ttft_slo, tpot_slo, config)
+        print("predicted, before any real run:")
+        print(format_plan({"rates": rates, "slo_ttft_ms": ttft_slo, "slo_tpot_ms": tpot_slo,
+                           "plans": [{"workers": num_workers, "splits": rows}]}), flush=True)
         for row in rows[:args.top]:
             row.update(measure_split(args, _split_of(row), rates, ttft_slo, tpot_slo, cpus, out_dir))
         plans.append({"workers": num_workers, "splits": rows})
