@@ -9,7 +9,9 @@ the caches), and stops the server. Per mode it reports
       meet both the TTFT and the TPOT SLO;
   (b) the published EPD results' rate: the highest rate at which P99 TTFT
       and P99 TPOT both meet their SLOs;
-with the ratio to the first mode, a JSON file and a PNG plot. SLOs are
+with the ratio to the first mode, a JSON file and a PNG plot. Attainment and
+goodput (a) carry a 95% confidence interval (a seeded bootstrap over the
+requests, `metrics.attainment_ci` / `distserve_rate_ci`). SLOs are
 absolute (`--slo-ttft-ms`, `--slo-tpot-ms`) or relative (`--slo-scale X`:
 X times the median solo latency of a few requests, measured on the first
 mode with nothing else running).
@@ -31,7 +33,8 @@ from pathlib import Path
 import httpx
 
 from epd.bench import serve as bench_serve
-from epd.bench.metrics import distserve_max_rate, p99_max_rate, slo_attainment, tail_latencies_ms
+from epd.bench.metrics import (BOOTSTRAP_RESAMPLES, CONFIDENCE, attainment_ci, distserve_max_rate, distserve_rate_ci,
+                               p99_max_rate, slo_attainment, tail_latencies_ms)
 from epd.bench.report import results_from_json
 from epd.config import CPU_SHARING, ServeConfig, field_default
 from epd.transport.roles import Mode
@@ -41,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory to serve")
     p.add_argument("--modes", default=",".join(Mode),
                    help="comma-separated MODE[/SHARING] (e.g. e-p-d/shared); the first is the baseline")
+    add_sweep_arguments(p)
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """Rates, SLOs, cores, server flags and the workload (`bench serve`'s flags): shared with `bench plan`."""
     p.add_argument("--rates", required=True, help="comma-separated request rates (requests/s)")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
@@ -178,6 +186,7 @@ def main(args) -> dict:
                 p99_ttft, p99_tpot = tail_latencies_ms(results)
                 row = {"rate": rate, "request_throughput": result["request_throughput"],
                        "slo_attainment": slo_attainment(results, ttft_slo, tpot_slo),
+                       "slo_attainment_ci": list(attainment_ci(results, ttft_slo, tpot_slo, seed=args.seed)),
                        "p99_ttft_ms": p99_ttft, "p99_tpot_ms": p99_tpot,
                        "failed": result["failed"]}
                 for key in ("text_only_p99_ttft_ms", "image_p99_ttft_ms"):
@@ -188,6 +197,7 @@ def main(args) -> dict:
         finally:
             server.stop()
         per_mode[mode] = {"rows": rows, "goodput_distserve": distserve_max_rate(sweep, ttft_slo, tpot_slo),
+                          "goodput_distserve_ci": list(distserve_rate_ci(sweep, ttft_slo, tpot_slo, seed=args.seed)),
                           "goodput_p99": p99_max_rate(sweep, ttft_slo, tpot_slo)}
     summary = {"model_dir": args.model_dir, "modes": modes, "rates": rates, "cpus": sorted(cpus),
                "slo_ttft_ms": ttft_slo, "slo_tpot_ms": tpot_slo, "num_prompts": args.num_prompts,
@@ -195,6 +205,8 @@ def main(args) -> dict:
                "images_per_request": args.images_per_request,
                "image_size": [f"{w}x{h}" for w, h in args.image_size],
                "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
+               "ci": {"confidence": CONFIDENCE, "resamples": BOOTSTRAP_RESAMPLES,
+                      "method": "percentile bootstrap over requests", "seed": args.seed},
                "per_mode": per_mode}
     print(format_comparison(summary))
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
@@ -204,7 +216,8 @@ def main(args) -> dict:
 
 def format_comparison(summary: dict) -> str:
     """The side-by-side table. A goodput of 0 means no tested rate passed:
-    shown as "<lowest rate", and a ratio against it as a lower bound (">x")."""
+    shown as "<lowest rate", and a ratio against it as a lower bound (">x").
+    Below it, each rate's SLO attainment with its confidence interval."""
     modes = summary["modes"]
     lowest = min(summary["rates"])
 
@@ -216,14 +229,30 @@ def format_comparison(summary: dict) -> str:
             return f"{value / base:.2f}"
         return f">{value / lowest:.2f}" if value else "-"
 
+    def interval(ci: list[float] | None, show) -> str:
+        return f"[{show(ci[0])},{show(ci[1])}]" if ci else "-"
+
+    confidence = summary.get("ci", {}).get("confidence", CONFIDENCE)
+    ci_head = f"{confidence:.0%} CI"
     lines = [f"SLOs: TTFT {summary['slo_ttft_ms']:.0f} ms, TPOT {summary['slo_tpot_ms']:.1f} ms",
-             f"{'mode':>12} {'goodput(90%)':>13} {'x base':>7} {'P99 rate':>9} {'x base':>7}"]
+             f"{'mode':>12} {'goodput(90%)':>13} {ci_head:>15} {'x base':>7} {'P99 rate':>9} {'x base':>7}"]
     base = summary["per_mode"][modes[0]]
     for mode in modes:
         m = summary["per_mode"][mode]
         lines.append(f"{mode:>12} {rate(m['goodput_distserve']):>13} "
+                     f"{interval(m.get('goodput_distserve_ci'), rate):>15} "
                      f"{ratio(m['goodput_distserve'], base['goodput_distserve']):>7} "
                      f"{rate(m['goodput_p99']):>9} {ratio(m['goodput_p99'], base['goodput_p99']):>7}")
+    if all(summary["per_mode"][mode].get("rows") for mode in modes):
+        lines.append(f"SLO attainment, {ci_head} (bootstrap over {summary['num_prompts']} requests a rate):")
+        lines.append(f"{'rate':>8} " + " ".join(f"{mode:>18}" for mode in modes))
+        for i, r in enumerate(summary["rates"]):
+            cells = []
+            for mode in modes:
+                row = summary["per_mode"][mode]["rows"][i]
+                ci = interval(row.get("slo_attainment_ci"), lambda v: f"{v:.0%}")
+                cells.append(f"{row['slo_attainment']:.0%} {ci}")
+            lines.append(f"{r:>8g} " + " ".join(f"{cell:>18}" for cell in cells))
     return "\n".join(lines)
 
 

@@ -197,6 +197,13 @@ def _bench_compare(args) -> int:
     return 0
 
 
+def _bench_plan(args) -> int:
+    from epd.bench.plan import main as run
+
+    run(args)
+    return 0
+
+
 def _bench_fault(args) -> int:
     from epd.bench.fault import main as run
 
@@ -364,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("compare", help="aggregated vs e-pd vs e-p-d on one machine, one request trace")
     compare_arguments(p)
     p.set_defaults(func=_bench_compare)
+
+    from epd.bench.plan import add_arguments as plan_arguments
+
+    p = bench.add_parser("plan", help="predict the goodput of every E:P:D split of N workers from measured "
+                                      "service times, then run the best for real")
+    plan_arguments(p)
+    p.set_defaults(func=_bench_plan)
 
     from epd.bench.cache_hit import add_arguments as cache_hit_arguments
 

@@ -39,6 +39,8 @@ BENCH_IN_PROCESS = {
     "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
     "epd.bench.fault": "launches `epd serve`, kills one of its workers and reads the role names",
     "epd.bench.overhead": "runs the offline LLM beside `epd serve` on the same requests",
+    "epd.bench.plan": "launches `epd serve` per split, as compare does, and reads the niceness per role",
+    "epd.bench.plan_measure": "measures each stage's service time with the offline engine (LLM)",
 }
 TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from epd.bench.client import RequestResult
-from epd.bench.metrics import (compute_metrics, distserve_max_rate, meets_slos, p99_max_rate, parse_goodput,
-                           parse_percentiles, request_tpot_ms, slo_attainment, tail_latencies_ms)
+from epd.bench.metrics import (attainment_ci, compute_metrics, distserve_max_rate, distserve_rate_ci, meets_slos,
+                               p99_max_rate, parse_goodput, parse_percentiles, request_tpot_ms, slo_attainment,
+                               tail_latencies_ms)
 
 
 def make_result(ttft_ms: float = 100.0, tpot_ms: float = 10.0, output_len: int = 11, *, success: bool = True,
@@ -158,3 +159,45 @@ def test_parse_goodput_and_percentiles():
     for bad in ("", "0", "101", "a,b"):
         with pytest.raises(ValueError, match="percentiles"):
             parse_percentiles(bad)
+
+
+def _run_with_attainment(num_met: int, num_missed: int) -> list[RequestResult]:
+    """Requests of which `num_met` meet TTFT 500 ms / TPOT 50 ms; the missed ones alternate
+    between a slow first token, a slow decode and a failure."""
+    missed = [make_result(ttft_ms=900), make_result(tpot_ms=80), make_result(success=False)]
+    return [make_result()] * num_met + [missed[i % 3] for i in range(num_missed)]
+
+
+def test_attainment_interval_holds_the_estimate_and_narrows_with_more_requests():
+    widths = []
+    for n in (10, 40, 160):
+        results = _run_with_attainment(n * 8 // 10, n - n * 8 // 10)  # 80% met
+        lo, hi = attainment_ci(results, 500, 50)
+        point = slo_attainment(results, 500, 50)
+        assert point == pytest.approx(0.8)
+        assert lo < point < hi
+        widths.append(hi - lo)
+    assert widths[0] > widths[1] > widths[2]
+    # a binomial's standard error: sqrt(0.8 * 0.2 / n); the 95% interval is about 4 of them wide
+    for n, width in zip((40, 160), widths[1:]):
+        assert width == pytest.approx(4 * math.sqrt(0.16 / n), rel=0.2)
+
+
+def test_attainment_interval_is_seeded_and_degenerate_when_every_request_agrees():
+    results = _run_with_attainment(30, 10)
+    assert attainment_ci(results, 500, 50, seed=3) == attainment_ci(results, 500, 50, seed=3)
+    assert attainment_ci(_run_with_attainment(20, 0), 500, 50) == (1.0, 1.0)
+    assert attainment_ci(_run_with_attainment(0, 20), 500, 50) == (0.0, 0.0)
+
+
+def test_goodput_interval_spans_the_tested_rates_a_resample_could_pass():
+    # 100% at 0.1, 90% (just passing) at 0.2, 50% at 0.4: goodput 0.2, and a resample of the
+    # 0.2 run falls under 90% about half the time -> the interval reaches down to 0.1
+    sweep = [(0.1, _run_with_attainment(40, 0)), (0.2, _run_with_attainment(36, 4)),
+             (0.4, _run_with_attainment(20, 20))]
+    assert distserve_max_rate(sweep, 500, 50) == 0.2
+    assert distserve_rate_ci(sweep, 500, 50) == (0.1, 0.2)
+    # clear margins at every rate: no resample changes the answer
+    sweep = [(0.1, _run_with_attainment(40, 0)), (0.2, _run_with_attainment(40, 0)),
+             (0.4, _run_with_attainment(4, 36))]
+    assert distserve_rate_ci(sweep, 500, 50) == (0.2, 0.2)

@@ -1,0 +1,354 @@
+"""The planner's simulation: one E:P:D split serving a seeded Poisson trace, from service times.
+
+A small deterministic discrete-event model of `epd serve`, torch-free, in
+milliseconds. What each worker does (as the real ones do it):
+  * encoder    — its images one at a time, first come first served. A
+                 request's images go to the encoders in turn (one counter
+                 over all images), so four images on two encoders take two
+                 encode times, not four.
+  * prefill    — one step at a time over the requests whose images are all
+                 encoded, first ready first, as many as fit the step's token
+                 budget (at least one); the step samples token 1 (the TTFT).
+                 The KV then takes `kv_transfer_ms` to reach the decode worker.
+  * decode     — continuous batching: a step for every running request, one
+                 token each; a request that arrives mid-step joins the next.
+  * pd         — e-pd's combined worker: a step decodes every running
+                 request and prefills the ready ones that fit the budget
+                 (what is left of it after one token per running request);
+                 the step costs both, so a prefill stalls the decodes.
+  * aggregated — a pd worker that also encodes its requests' images inline:
+                 images that arrived are encoded before the next step, and
+                 every running request's decode waits for them.
+Requests go to the least loaded worker of a role (requests assigned and not
+done; ties to the one given fewest so far).
+
+Service times are a worker's own when it runs alone (`ServiceTimes`). With
+`shared_cores` every worker runs on the same cores (`epd serve` on a CPU):
+the busy workers share them in proportion to their CFS weight (from the
+niceness of their role), so a stage's step takes longer while others work —
+weighted processor sharing. Without it each worker has a device of its own.
+
+A request's TTFT is arrival to token 1, its TPOT (E2E - TTFT) / (output
+tokens - 1), as `bench/metrics.py` defines them; attainment is the share of
+requests meeting both SLOs, goodput the highest rate with attainment >= 90%.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from epd.bench.arrivals import arrival_times_s
+
+ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
+MODES = ("aggregated", "e-pd", "e-p-d")
+_CFS_WEIGHTS = {-2: 1586, -1: 1277, 0: 1024, 1: 820, 2: 655, 3: 526, 4: 423, 5: 335, 6: 272}  # Linux sched_prio_to_weight
+_EPS_MS = 1e-9
+
+
+@dataclass(frozen=True)
+class ServiceTimes:
+    """What one worker takes alone, in ms: encode per image, prefill per prompt token
+    (text and image placeholders alike), a decode step as base + per running sequence."""
+
+    encode_ms_per_image: float
+    prefill_ms_per_token: float
+    decode_step_ms: float
+    decode_ms_per_seq: float = 0.0
+    kv_transfer_ms: float = 0.0
+
+    def prefill_ms(self, num_tokens: int) -> float:
+        return self.prefill_ms_per_token * num_tokens
+
+    def decode_ms(self, batch: int) -> float:
+        return self.decode_step_ms + self.decode_ms_per_seq * batch if batch else 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every request alike: images, prompt tokens (text + image placeholders), output tokens."""
+
+    images_per_request: int
+    prompt_tokens: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """A mode and its worker counts; `prefill` counts pd workers in e-pd and aggregated ones in aggregated."""
+
+    mode: str
+    encoders: int = 0
+    prefill: int = 1
+    decode: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.mode == "aggregated":
+            return f"{self.prefill}A"
+        if self.mode == "e-pd":
+            return f"{self.encoders}E{self.prefill}PD"
+        return f"{self.encoders}E{self.prefill}P{self.decode}D"
+
+    @property
+    def num_workers(self) -> int:
+        return self.encoders + self.prefill + self.decode
+
+    def worker_args(self) -> list[str]:
+        """The `epd serve` flags of this split's worker counts (its mode is `--mode`)."""
+        args = ["--prefill", str(self.prefill)]
+        if self.mode != "aggregated":
+            args += ["--encoders", str(self.encoders)]
+        if self.mode == "e-p-d":
+            args += ["--decode", str(self.decode)]
+        return args
+
+
+def splits(num_workers: int) -> list[Split]:
+    """Every split of exactly `num_workers` workers: aggregated, e-pd (E + PD), e-p-d (E + P + D)."""
+    if num_workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {num_workers}")
+    out = [Split("aggregated", prefill=num_workers)]
+    out += [Split("e-pd", encoders=e, prefill=num_workers - e) for e in range(num_workers - 1, 0, -1)]
+    out += [Split("e-p-d", encoders=e, prefill=p, decode=num_workers - e - p)
+            for e in range(num_workers - 2, 0, -1) for p in range(1, num_workers - e)]
+    return out
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the workers run: on shared cores (weighted by niceness per role) or a device each."""
+
+    shared_cores: bool = False
+    nice: dict = field(default_factory=lambda: {role: 0 for role in ROLES})
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class _Request:
+    arrival_ms: float
+    images_left: int
+    prefill_worker: "_Worker"
+    decode_worker: "_Worker | None"
+    tokens_left: int = 0
+    ttft_ms: float | None = None
+    done_ms: float | None = None
+
+
+class _Worker:
+    def __init__(self, role: str, weight: int):
+        self.role, self.weight = role, weight
+        self.images: list[_Request] = []  # encoder / aggregated: one entry per image, FIFO
+        self.ready: list[_Request] = []  # prefill / pd / aggregated: images all encoded, FIFO
+        self.running: list[_Request] = []  # decode / pd / aggregated
+        self.load = 0  # requests assigned and not done
+        self.given = 0  # requests assigned so far (tie-break)
+        self.remaining_ms = 0.0  # solo work left in the activity under way
+        self.finish = None  # what happens when it ends; None = idle
+
+
+class _Sim:
+    def __init__(self, split: Split, times: ServiceTimes, workload: Workload, config: SimConfig):
+        if split.mode not in MODES:
+            raise ValueError(f"unknown mode {split.mode!r}")
+        self.times, self.workload, self.config = times, workload, config
+
+        def make(role: str, n: int) -> list[_Worker]:
+            return [_Worker(role, _CFS_WEIGHTS[config.nice.get(role, 0)]) for _ in range(n)]
+
+        front_role = {"aggregated": "aggregated", "e-pd": "pd", "e-p-d": "prefill"}[split.mode]
+        self.encoders = make("encoder", split.encoders if split.mode != "aggregated" else 0)
+        self.front = make(front_role, split.prefill)
+        self.decoders = make("decode", split.decode if split.mode == "e-p-d" else 0)
+        self.workers = self.encoders + self.front + self.decoders
+        self.next_encoder = 0
+        self.now = 0.0
+        self.events: list = []  # heap of (time_ms, seq, callback)
+        self.seq = 0
+
+    # -- arrivals and hand-overs --
+
+    def _at(self, time_ms: float, callback) -> None:
+        heapq.heappush(self.events, (time_ms, self.seq, callback))
+        self.seq += 1
+
+    @staticmethod
+    def _least_loaded(workers: list[_Worker]) -> _Worker:
+        worker = min(workers, key=lambda w: (w.load, w.given))
+        worker.load += 1
+        worker.given += 1
+        return worker
+
+    def _arrive(self, request_ms: float) -> _Request:
+        front = self._least_loaded(self.front)
+        decode = self._least_loaded(self.decoders) if self.decoders else None
+        request = _Request(request_ms, self.workload.images_per_request, front, decode)
+        if not request.images_left:
+            front.ready.append(request)  # text-only: no encoder
+        for _ in range(request.images_left):
+            if front.role == "aggregated":
+                front.images.append(request)
+            else:
+                self.encoders[self.next_encoder % len(self.encoders)].images.append(request)
+                self.next_encoder += 1
+        return request
+
+    def _prefilled(self, request: _Request) -> None:
+        request.ttft_ms = self.now
+        request.tokens_left = self.workload.output_len - 1
+        if request.tokens_left == 0:
+            self._done(request)
+        elif request.decode_worker is None:
+            request.prefill_worker.running.append(request)
+        else:
+            request.prefill_worker.load -= 1
+            self._at(self.now + self.times.kv_transfer_ms, lambda: request.decode_worker.running.append(request))
+
+    def _done(self, request: _Request) -> None:
+        request.done_ms = self.now
+        (request.decode_worker or request.prefill_worker).load -= 1
+
+    # -- what an idle worker starts --
+
+    def _take_prefills(self, worker: _Worker, budget: int) -> list[_Request]:
+        taken, tokens = [], 0
+        while worker.ready and (not taken or tokens + self.workload.prompt_tokens <= budget):
+            taken.append(worker.ready.pop(0))
+            tokens += self.workload.prompt_tokens
+        return taken
+
+    def _start(self, worker: _Worker) -> None:
+        times = self.times
+        if worker.images:  # an encoder, or an aggregated worker encoding inline before its next step
+            batch = worker.images if worker.role == "aggregated" else worker.images[:1]
+            worker.images = worker.images[len(batch):]
+            self._begin(worker, times.encode_ms_per_image * len(batch), lambda: self._encoded(batch))
+            return
+        if worker.role == "encoder":
+            return
+        running = list(worker.running)
+        budget = self.config.max_num_batched_tokens - len(running)
+        prefills = self._take_prefills(worker, budget) if worker.role != "decode" else []
+        if not running and not prefills:
+            return
+        cost = times.decode_ms(len(running)) + times.prefill_ms(self.workload.prompt_tokens * len(prefills))
+        self._begin(worker, cost, lambda: self._stepped(running, prefills))
+
+    def _begin(self, worker: _Worker, cost_ms: float, finish) -> None:
+        worker.remaining_ms, worker.finish = cost_ms, finish
+
+    def _encoded(self, batch: list[_Request]) -> None:
+        for request in batch:
+            request.images_left -= 1
+            if request.images_left == 0:
+                request.prefill_worker.ready.append(request)
+
+    def _stepped(self, running: list[_Request], prefills: list[_Request]) -> None:
+        for request in running:
+            request.tokens_left -= 1
+            if request.tokens_left == 0:
+                (request.decode_worker or request.prefill_worker).running.remove(request)
+                self._done(request)
+        for request in prefills:
+            self._prefilled(request)
+
+    # -- the clock --
+
+    def _speeds(self, busy: list[_Worker]) -> list[float]:
+        if not self.config.shared_cores:
+            return [1.0] * len(busy)
+        total = sum(w.weight for w in busy)
+        return [w.weight / total for w in busy]
+
+    def run(self, arrivals_ms: list[float]) -> list[_Request]:
+        requests: list[_Request] = []
+        for t in arrivals_ms:
+            self._at(t, lambda t=t: requests.append(self._arrive(t)))
+        while True:
+            while self.events and self.events[0][0] <= self.now + _EPS_MS:
+                heapq.heappop(self.events)[2]()
+            for worker in self.workers:
+                if worker.finish is None:
+                    self._start(worker)
+            busy = [w for w in self.workers if w.finish is not None]
+            if not busy and not self.events:
+                break
+            speeds = self._speeds(busy)
+            step_ms = min((w.remaining_ms / s for w, s in zip(busy, speeds)), default=float("inf"))
+            if self.events:
+                step_ms = min(step_ms, self.events[0][0] - self.now)
+            assert step_ms < float("inf"), "the simulation's clock cannot advance"
+            self.now += step_ms
+            for worker, speed in zip(busy, speeds):
+                worker.remaining_ms -= step_ms * speed
+            for worker in busy:
+                if worker.remaining_ms <= _EPS_MS:
+                    finish, worker.finish = worker.finish, None
+                    finish()
+        assert all(r.done_ms is not None for r in requests), "the simulation stopped with requests unfinished"
+        return requests
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request in the simulation, as the client would time it (ms)."""
+
+    ttft_ms: float
+    tpot_ms: float | None  # None for a one-token output
+
+
+def simulate(split: Split, times: ServiceTimes, workload: Workload, rate: float, num_requests: int,
+             seed: int = 0, config: SimConfig = SimConfig()) -> list[Outcome]:
+    """Serve `num_requests` arriving as `epd bench serve --request-rate rate --seed seed` sends them."""
+    arrivals_ms = [t * 1000.0 for t in arrival_times_s(num_requests, rate, seed=seed)]
+    return simulate_arrivals(split, times, workload, arrivals_ms, config)
+
+
+def simulate_arrivals(split: Split, times: ServiceTimes, workload: Workload, arrivals_ms: list[float],
+                      config: SimConfig = SimConfig()) -> list[Outcome]:
+    """Serve one request arriving at each of `arrivals_ms` (non-decreasing); outcomes in arrival order."""
+    done = _Sim(split, times, workload, config).run(arrivals_ms)
+    n = workload.output_len
+    return [Outcome(r.ttft_ms - r.arrival_ms, (r.done_ms - r.ttft_ms) / (n - 1) if n > 1 else None) for r in done]
+
+
+def num_met(outcomes: list[Outcome], ttft_slo_ms: float, tpot_slo_ms: float) -> int:
+    """Requests meeting both SLOs (a missing TPOT meets it, as in bench/metrics.py)."""
+    return sum(o.ttft_ms <= ttft_slo_ms and (o.tpot_ms or 0.0) <= tpot_slo_ms for o in outcomes)
+
+
+def attainment(outcomes: list[Outcome], ttft_slo_ms: float, tpot_slo_ms: float) -> float:
+    """Share of requests meeting both SLOs."""
+    return num_met(outcomes, ttft_slo_ms, tpot_slo_ms) / len(outcomes) if outcomes else 0.0
+
+
+def predicted_attainment(split: Split, times: ServiceTimes, workload: Workload, rate: float, *,
+                         num_requests: int, ttft_slo_ms: float, tpot_slo_ms: float, seeds: list[int],
+                         config: SimConfig = SimConfig()) -> float:
+    """Attainment over one trace per seed (each `num_requests` long, as a real run), pooled."""
+    met = sum(num_met(simulate(split, times, workload, rate, num_requests, seed, config), ttft_slo_ms, tpot_slo_ms)
+              for seed in seeds)
+    return met / (num_requests * len(seeds))
+
+
+def predicted_goodput(split: Split, times: ServiceTimes, workload: Workload, rates: list[float], *,
+                      target: float = 0.9, **kwargs) -> tuple[float, dict[float, float]]:
+    """(highest of `rates` whose predicted attainment is >= `target`, 0.0 if none; attainment per rate)."""
+    per_rate = {rate: predicted_attainment(split, times, workload, rate, **kwargs) for rate in rates}
+    return max((rate for rate, a in per_rate.items() if a >= target), default=0.0), per_rate
+
+
+def max_goodput(split: Split, times: ServiceTimes, workload: Workload, *, target: float = 0.9,
+                low: float = 1e-3, high: float = 100.0, steps: int = 14, **kwargs) -> float:
+    """The highest rate with predicted attainment >= `target`, by bisection between `low` and `high`
+    (0.0 if even `low` misses): finer than a grid, for ranking splits."""
+    def ok(rate: float) -> bool:
+        return predicted_attainment(split, times, workload, rate, **kwargs) >= target
+
+    if not ok(low):
+        return 0.0
+    if ok(high):
+        return high
+    for _ in range(steps):
+        mid = (low * high) ** 0.5  # rates span decades: bisect in log space
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
