@@ -258,6 +258,8 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     config = launch.config
     orchestrator = Orchestrator(config, launch.collector, launch.mm_cache_dir, api_index=launch.index)
     orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
+    if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
+        orchestrator.registry.supervised = lambda worker_id: True
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt))
 

@@ -89,6 +89,8 @@ def serve(config: ServeConfig) -> int:
                                      restart_window_s=config.limits.restart_window_s, addresses=addresses)
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
+    if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
+        orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt))

@@ -3,22 +3,27 @@
 Workers announce themselves with `Ready` (spawned by the launcher, or
 started elsewhere with `epd worker`, which is how external workers register)
 and publish `WorkerStats` a few times a second. A worker is dead when its
-supervisor saw its process exit (`mark_dead`) or when it has been silent for
+supervisor saw its process exit (`mark_dead`) or, if no supervisor here
+watches it (`epd worker` on another host), when it has been silent for
 `HEARTBEAT_TIMEOUT_S`; a `Ready` (a restarted process) brings it back. A
+worker the launcher supervises (its processes, or Ray's actors) is never
+judged by silence: it sends nothing during a step or an encoder batch, which
+on a busy CPU can take longer than any timeout, and its exit is reported
+within 0.1 s anyway. A
 worker being removed on purpose is `retire`d (never chosen again), then
 forgotten.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from epd.transport.messages import Ready, WorkerStats
 
-# Silent this long (no WorkerStats, sent every 0.25 s) counts as dead. Generous:
-# a worker sends nothing during one step, and a long prefill step on a busy CPU
-# takes seconds; a local worker's exit is seen at once by its supervisor.
+# Silent this long (no WorkerStats, sent every 0.25 s) counts as dead, for workers no
+# supervisor here watches. Generous: a worker sends nothing during one step, and a
+# long prefill step on a busy CPU takes seconds.
 HEARTBEAT_TIMEOUT_S = 10.0
 
 
@@ -45,9 +50,13 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 supervised: Callable[[str], bool] = lambda worker_id: False):
+        """`supervised(worker_id)`: a supervisor here reports that worker's exit
+        (the launcher sets it), so its silence means busy, not dead."""
         self.workers: dict[str, WorkerInfo] = {}
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.supervised = supervised
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
         """A worker (re)started: alive from now, whatever came before (but a
@@ -91,8 +100,8 @@ class WorkerRegistry:
         return [w for w in self.by_role(*roles) if self.is_alive(w)]
 
     def is_alive(self, info: WorkerInfo) -> bool:
-        return not info.is_dead and not info.is_retired \
-            and time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s
+        return not info.is_dead and not info.is_retired and (
+            self.supervised(info.worker_id) or time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s)
 
     def missing_roles(self, required: Iterable[str]) -> list[str]:
         """The roles in `required` without a live worker, in order."""

@@ -75,6 +75,10 @@ class LocalSupervisor:
         self.procs[worker_id] = proc
         print(f"EPD: worker {worker_id} pid {proc.pid}", flush=True)  # operators (and the chaos test) read it
 
+    def owns(self, worker_id: str) -> bool:
+        """Whether `worker_id` is one of this supervisor's processes (its exit is reported, not guessed)."""
+        return worker_id in self.launches
+
     def all_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs.values())
 

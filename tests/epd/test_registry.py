@@ -1,0 +1,25 @@
+"""The API's view of its workers: who counts as alive."""
+from __future__ import annotations
+
+from epd.serve.registry import WorkerRegistry
+from epd.transport.messages import Ready
+
+
+def _registry(supervised: set[str]) -> WorkerRegistry:
+    # a heartbeat timeout of 0: every worker is past it at once, no clock needed
+    registry = WorkerRegistry(heartbeat_timeout_s=0.0, supervised=supervised.__contains__)
+    for worker_id in ("prefill-0", "encoder@hostb:7000"):
+        registry.on_ready(Ready(worker_id, worker_id.split("-")[0].split("@")[0], f"ipc:///x/{worker_id}", "h"))
+    return registry
+
+
+def test_silence_kills_only_the_workers_no_supervisor_here_watches():
+    registry = _registry({"prefill-0"})
+    assert [w.worker_id for w in registry.live("prefill")] == ["prefill-0"]  # busy, not dead
+    assert registry.live("encoder") == []  # an `epd worker` elsewhere: silence is all we know
+
+
+def test_a_supervised_worker_is_dead_once_its_exit_is_reported():
+    registry = _registry({"prefill-0"})
+    registry.mark_dead("prefill-0")
+    assert registry.live("prefill") == []
