@@ -22,7 +22,6 @@ import time
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
-from epd.serve.encoder_pool import start_encoder_pool
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.transport.addresses import Addresses, tcp_address, worker_id
@@ -110,6 +109,8 @@ def serve(config: ServeConfig) -> int:
             supervisor.stop()
             raise
         watch = asyncio.create_task(supervisor.watch(orchestrator.on_worker_exit))
+        from epd.serve.encoder_pool import start_encoder_pool  # not at the top: it imports prometheus_client
+
         scaling = start_encoder_pool(config, supervisor, orchestrator)  # --encoders MIN-MAX, else None
         roles = ", ".join(sorted(f"{w.worker_id}" for w in orchestrator.registry.workers.values()))
         print(f"EPD ready ({config.mode}: {roles}); serving {config.model_name!r} on "

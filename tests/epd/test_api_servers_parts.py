@@ -4,6 +4,9 @@ registry taking a re-announced worker, the API's counts as prometheus
 counters, addresses and flags. tests/epd/test_api_servers.py runs it whole."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from epd.config import ServeConfig, WorkerConfig
@@ -113,3 +116,14 @@ def test_api_servers_flag_is_checked(tiny_model, tmp_path):
     assert WorkerSpec("w", "decode", "tcp://h:1", worker.api, None, 0).apis == ("tcp://h:9001", "tcp://h:9002")
     with pytest.raises(ValueError, match="one per API process"):
         WorkerConfig(model=tiny_model, role="decode", api="tcp://h:9001,ipc:///x", worker_keys=str(tmp_path / "keys"))
+
+
+def test_the_launcher_imports_no_prometheus_client_before_it_sets_the_metrics_dir():
+    """prometheus_client picks in-memory or file-backed values when first imported:
+    were `epd serve`'s launcher to import it before PROMETHEUS_MULTIPROC_DIR is
+    set, the worker restarts it counts would never reach the API processes."""
+    code = ("import sys, epd.cli, epd.serve.launcher, epd.serve.api_servers; "
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
