@@ -93,7 +93,9 @@ class EncoderRouter:
         for i in sorted(range(len(images)), key=lambda i: -images[i][1]):  # largest first (stable)
             key, patches = images[i]
             holder = self._holder.get(key)
-            best = min(order, key=lambda e: finish[e.worker_id] + (0 if e.worker_id == holder else patches))
+            # the holder wins ties: it is left only when its backlog exceeds another's by more than the cost
+            best = min(order, key=lambda e: (finish[e.worker_id] + (0 if e.worker_id == holder else patches),
+                                             e.worker_id != holder))
             finish[best.worker_id] += 0 if best.worker_id == holder else patches
             chosen[i] = best
         return [chosen[i] for i in range(len(images))]

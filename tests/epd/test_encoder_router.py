@@ -109,6 +109,20 @@ def test_a_repeated_image_goes_back_to_its_encoder_unless_that_queue_is_much_lon
     assert _send(router, encoders, [(_key(7), 300)]) == [other.worker_id]  # it now holds the image
 
 
+def test_the_holder_wins_a_tie():
+    """A repeat answered from the cache before the holder's next report still
+    counts in its backlog (sent, not yet reported received): by exactly the
+    image's cost, a tie the holder must win, whichever encoder's turn it is."""
+    encoders = _encoders(2)
+    router = EncoderRouter("cost")
+    holder_id = _send(router, encoders, [(_key(9), 24)])[0]
+    holder = next(e for e in encoders if e.worker_id == holder_id)
+    for sent in range(1, 5):  # each report lags one request behind: the holder's backlog is one image
+        holder.report(queued=0, received=sent - 1)
+        assert router.backlog(holder) == 24
+        assert _send(router, encoders, [(_key(9), 24)]) == [holder_id]
+
+
 def test_a_restarted_encoder_is_forgotten():
     encoders = _encoders(2)
     router = EncoderRouter("cost", max_remembered=2)
