@@ -49,6 +49,7 @@ class RayCluster:
         token.chmod(0o600)
         self.env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
                         RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1",
+                        RAY_DEDUP_LOGS="0",  # the tests read every worker's own start-up line from the log
                         # a lost node is declared dead after ~3 s instead of ~15 s
                         RAY_health_check_period_ms="1000", RAY_health_check_timeout_ms="1000",
                         RAY_health_check_failure_threshold="3", RAY_health_check_initial_delay_ms="1000")
