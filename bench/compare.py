@@ -64,7 +64,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(num_prompts=40, input_len=400, output_len=32, image_size=[(448, 448)], no_progress=True)
 
 
-def _cpu_set(text: str | None) -> set[int]:
+def cpu_set(text: str | None) -> set[int]:
+    """`--cpus` (e.g. '0-1,4') as a set of CPU numbers; None: those this process may run on."""
     if not text:
         return set(os.sched_getaffinity(0))
     cpus = set()
@@ -161,7 +162,7 @@ def main(args) -> dict:
     rates = sorted(float(r) for r in args.rates.split(","))
     if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
         raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
-    cpus = _cpu_set(args.cpus)
+    cpus = cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ttft_slo, tpot_slo = args.slo_ttft_ms, args.slo_tpot_ms

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from epd.bench import serve as bench_serve
-from epd.bench.compare import _cpu_set, _run_at, _Server
+from epd.bench.compare import cpu_set, _run_at, _Server
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def main(args) -> dict:
         for router in routers:
             server_args = copy.copy(args)
             server_args.server_args = f"--encoders {args.encoders} --encoder-router {router} {args.server_args}"
-            servers[router] = _Server(server_args, args.mode, args.cpu_sharing, _cpu_set(args.cpus),
+            servers[router] = _Server(server_args, args.mode, args.cpu_sharing, cpu_set(args.cpus),
                                       out_dir / f"server-{router}.log")
         for server in servers.values():
             server.wait_ready()

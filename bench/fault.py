@@ -32,7 +32,7 @@ import httpx
 
 from epd.bench import serve as bench_serve
 from epd.bench.client import RequestResult
-from epd.bench.compare import _cpu_set, _Server
+from epd.bench.compare import cpu_set, _Server
 from epd.bench.metrics import meets_slos, parse_goodput
 from epd.bench.report import results_from_json
 from epd.transport.roles import Mode, Role
@@ -82,7 +82,7 @@ def main(args) -> dict:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     label = f"fault-{args.mode}-{args.kill_role}"
-    server = _Server(args, args.mode, args.cpu_sharing, _cpu_set(args.cpus), out_dir / f"{label}-server.log")
+    server = _Server(args, args.mode, args.cpu_sharing, cpu_set(args.cpus), out_dir / f"{label}-server.log")
     try:
         server.wait_ready()
         warmup = copy.copy(args)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from epd.bench.compare import cpu_set
 from epd.bench.light_client import completion_body, run_in_processes
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,16 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="also profile the API process with py-spy at the largest C; raw stacks go here")
     p.add_argument("--save-result", default=None, metavar="FILE")
-
-
-def parse_cpus(text: str | None) -> list[int]:
-    if not text:
-        return sorted(os.sched_getaffinity(0))
-    cpus = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return sorted(cpus)
 
 
 def workload(vocab_size: int, num: int, input_len: int, seed: int) -> list[list[int]]:
@@ -223,7 +214,7 @@ def main(args) -> dict:
     import torch
     from transformers import AutoConfig
 
-    cpus = parse_cpus(args.cpus)
+    cpus = sorted(cpu_set(args.cpus))
     modes = [m for m in args.modes.split(",") if m]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     vocab_size = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size

@@ -131,7 +131,7 @@ def main(args) -> dict:
                          "--images-range-ratio, --text-only-ratio or --repeat-image-ratio")
     if args.top < 0 or args.sim_traces < 1:
         raise ValueError("--top must be >= 0 and --sim-traces >= 1")
-    cpus = compare._cpu_set(args.cpus)
+    cpus = compare.cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

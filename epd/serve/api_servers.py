@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
-from epd.serve.supervisor import FIRST_BACKOFF_S, MAX_BACKOFF_S, POLL_S, LocalSupervisor
+from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
@@ -176,7 +176,9 @@ class ApiServers:
         self.procs: dict[int, object] = {}  # index -> multiprocessing.Process
         self.ready: dict[int, object] = {}  # index -> multiprocessing.Event, set once it serves
         self.restarts = 0
-        self._backoff: dict[int, float] = {}
+        # an API process is restarted however often it exits (the server has no other way in); the
+        # backoff still grows while it keeps exiting and starts again once it has stayed up a minute
+        self._budget = RestartBudget(max_restarts=None, window_s=60.0)
         self._stopping = False
 
     def start(self) -> None:
@@ -206,8 +208,7 @@ class ApiServers:
                     continue
                 proc.join(timeout=0)
                 on_exit(index)
-                delay = self._backoff.get(index, FIRST_BACKOFF_S)
-                self._backoff[index] = min(MAX_BACKOFF_S, delay * 2)
+                delay = self._budget.next_delay(index)
                 print(f"EPD: API server {index} exited with code {proc.exitcode}; restarting in {delay:g} s",
                       flush=True)
                 restarting.add(index)

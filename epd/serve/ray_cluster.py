@@ -37,7 +37,6 @@ import shutil
 import socket
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,7 +50,7 @@ except ImportError:  # the CLI prints it as "epd serve: ..." and exits 2
 from epd.config import ServeConfig
 from epd.serve.ray_config import RayConfig
 from epd.serve.roles import WorkerLaunch, run_worker
-from epd.serve.supervisor import FIRST_BACKOFF_S, MAX_BACKOFF_S, POLL_S, SHUTDOWN_GRACE_S, ExitCallback
+from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, RestartBudget
 from epd.transport.addresses import tcp_address, worker_id as make_worker_id
 from epd.transport.auth import API, WORKER, make_keys
 from epd.transport.roles import Role
@@ -183,7 +182,7 @@ class RaySupervisor:
         self._waking_since: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
         self.down: set[str] = set()
-        self._exits: dict[str, deque[float]] = {}
+        self.budget = RestartBudget(max_restarts, restart_window_s)
         self._not_before: dict[str, float] = {}  # worker id -> when `run` may be called again (backoff)
         self._stopped = False
 
@@ -265,7 +264,7 @@ class RaySupervisor:
             del self.runs[worker_id]
             code, why = _outcome(ref)
             on_exit(worker_id, code)
-            delay = self._next_delay(worker_id)
+            delay = self.budget.next_delay(worker_id)
             if delay is None:
                 self.down.add(worker_id)
                 ray.kill(self.actors[worker_id], no_restart=True)
@@ -308,16 +307,6 @@ class RaySupervisor:
             print(f"EPD: worker {worker_id} restarting on node {node}", flush=True)
             self.runs[worker_id] = self.actors[worker_id].run.remote()
 
-    def _next_delay(self, worker_id: str) -> float | None:
-        """Backoff before running `worker_id` again, or None once it has used up its restarts."""
-        now = time.monotonic()
-        exits = self._exits.setdefault(worker_id, deque())
-        exits.append(now)
-        while exits and now - exits[0] > self.restart_window_s:
-            exits.popleft()
-        if len(exits) > self.max_restarts:
-            return None
-        return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(exits) - 1))
 
 
 def _outcome(ref: ray.ObjectRef) -> tuple[int | None, str]:

@@ -45,6 +45,31 @@ REMOVE_GRACE_S = 30.0
 ExitCallback = Callable[[str, "int | None"], None]
 
 
+class RestartBudget:
+    """When to start again a process that exited: 0.5 s after its first exit,
+    doubling to 8 s while it keeps exiting, and not at all once it exited more
+    than `max_restarts` times within `window_s` (None: never give up)."""
+
+    def __init__(self, max_restarts: int | None, window_s: float):
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._exits: dict[object, deque[float]] = {}  # process key -> its recent exit times
+
+    def next_delay(self, key) -> float | None:
+        """Records an exit of `key`; the backoff before restarting it, or None once its restarts are used up."""
+        now = time.monotonic()
+        exits = self._exits.setdefault(key, deque())
+        exits.append(now)
+        while exits and now - exits[0] > self.window_s:
+            exits.popleft()
+        if self.max_restarts is not None and len(exits) > self.max_restarts:
+            return None
+        return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(exits) - 1))
+
+    def forget(self, key) -> None:
+        self._exits.pop(key, None)
+
+
 class LocalSupervisor:
     def __init__(self, launches: list[WorkerLaunch], mp_context, max_restarts: int = 5,
                  restart_window_s: float = 60.0, addresses: Addresses | None = None):
@@ -61,7 +86,7 @@ class LocalSupervisor:
         self.procs: dict[str, object] = {}  # worker id -> multiprocessing.Process
         self.restarts: dict[str, int] = {}
         self.down: set[str] = set()
-        self._exits: dict[str, deque[float]] = {}  # worker id -> recent exit times
+        self.budget = RestartBudget(max_restarts, restart_window_s)
         self._stopping = False
 
     def start(self) -> None:
@@ -116,8 +141,9 @@ class LocalSupervisor:
                 continue
             if proc is not None:
                 proc.join(timeout=0)
-            for table in (self.procs, self.launches, self._exits, self._removing):
+            for table in (self.procs, self.launches, self._removing):
                 table.pop(worker_id, None)
+            self.budget.forget(worker_id)
             self.down.discard(worker_id)
             print(f"EPD: worker {worker_id} removed"
                   + (f" (exit code {proc.exitcode})" if proc is not None else ""), flush=True)
@@ -133,7 +159,7 @@ class LocalSupervisor:
                 code = proc.exitcode
                 proc.join(timeout=0)
                 on_exit(worker_id, code)
-                delay = self._next_delay(worker_id)
+                delay = self.budget.next_delay(worker_id)
                 if delay is None:
                     self.down.add(worker_id)
                     print(f"EPD: worker {worker_id} exited with code {code}; it exited {self.max_restarts + 1} "
@@ -143,17 +169,6 @@ class LocalSupervisor:
                 restarting.add(worker_id)
                 asyncio.get_running_loop().call_later(delay, self._restart, worker_id, restarting)
             await asyncio.sleep(POLL_S)
-
-    def _next_delay(self, worker_id: str) -> float | None:
-        """Backoff before restarting `worker_id`, or None once it has used up its restarts."""
-        now = time.monotonic()
-        exits = self._exits.setdefault(worker_id, deque())
-        exits.append(now)
-        while exits and now - exits[0] > self.restart_window_s:
-            exits.popleft()
-        if len(exits) > self.max_restarts:
-            return None
-        return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(exits) - 1))
 
     def _restart(self, worker_id: str, restarting: set[str]) -> None:
         restarting.discard(worker_id)

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from epd.bench.light_client import output_tokens
-from epd.bench.overhead import parse_cpus, process_cpu_s, top_self, workload
+from epd.bench.compare import cpu_set
+from epd.bench.overhead import process_cpu_s, top_self, workload
 
 
 def test_top_self_ranks_leaf_frames_by_samples():
@@ -24,8 +25,8 @@ def test_workload_is_seeded_and_clear_of_special_tokens():
 
 
 def test_cpu_list_and_process_cpu_time():
-    assert parse_cpus("0-2,5") == [0, 1, 2, 5]
-    assert parse_cpus(None) == sorted(os.sched_getaffinity(0))
+    assert cpu_set("0-2,5") == {0, 1, 2, 5}
+    assert cpu_set(None) == set(os.sched_getaffinity(0))
     before = process_cpu_s(os.getpid())
     deadline = time.process_time() + 0.05
     while time.process_time() < deadline:  # burn 50 ms of CPU

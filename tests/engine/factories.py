@@ -86,3 +86,18 @@ def assert_all_blocks_free(scheduler: Scheduler) -> None:
     manager = scheduler.block_manager
     assert manager.num_free_blocks == manager.num_blocks
     assert all(manager.ref_count(b) == 0 for b in range(manager.num_blocks))
+
+
+def image_request(mm_hashes: Sequence[str], num_image_tokens: int = 4, num_text: int = 2, **kwargs) -> Request:
+    """`num_text` text tokens, then each image's placeholders followed by two text tokens."""
+    token_ids, spans = list(range(1, num_text + 1)), []
+    for mm_hash in mm_hashes:
+        spans.append(MMSpan(len(token_ids), num_image_tokens, mm_hash, (1, 2, 2 * num_image_tokens)))
+        token_ids += [IMAGE_PAD_ID] * num_image_tokens + [500, 501]
+    return make_request(prompt_token_ids=token_ids, mm_spans=spans, **kwargs)
+
+
+def step(scheduler: Scheduler):
+    """One schedule + fake run + update: (the step's output, what update returned)."""
+    output = scheduler.schedule()
+    return output, scheduler.update(output, fake_run(output))

@@ -6,22 +6,13 @@ from __future__ import annotations
 
 from epd.transport.mm_span import MMSpan
 
-from tests.engine.factories import (IMAGE_PAD_ID, assert_all_blocks_free, fake_run, make_request,
-                                    make_scheduler, run_until_done)
+from tests.engine.factories import (IMAGE_PAD_ID, assert_all_blocks_free, image_request, make_request,
+                                    make_scheduler, run_until_done, step)
 
 
 def two_image_request(num_text: int = 6, num_image_tokens: int = 4, **kwargs):
     """text(num_text) + cat + 2 text + dog + 2 text."""
-    token_ids, spans = list(range(1, num_text + 1)), []
-    for mm_hash in ("cat", "dog"):
-        spans.append(MMSpan(len(token_ids), num_image_tokens, mm_hash, (1, 2, 2 * num_image_tokens)))
-        token_ids += [IMAGE_PAD_ID] * num_image_tokens + [500, 501]
-    return make_request(prompt_token_ids=token_ids, mm_spans=spans, **kwargs)
-
-
-def step(scheduler):
-    output = scheduler.schedule()
-    return output, scheduler.update(output, fake_run(output))
+    return image_request(["cat", "dog"], num_image_tokens, num_text, **kwargs)
 
 
 def computed_by_step(scheduler, request, num_steps):

@@ -1,24 +1,8 @@
 """Scheduler: how long an image's embeddings live (`SchedulerOutput.freed_mm_hashes`)."""
 from __future__ import annotations
 
-from epd.transport.mm_span import MMSpan
-
-from tests.engine.factories import (IMAGE_PAD_ID, assert_all_blocks_free, fake_run, make_image_prompt,
-                                    make_request, make_scheduler, run_until_done)
-
-
-def image_request(mm_hashes: list[str], num_image_tokens: int = 4, **kwargs):
-    """Text, then each image's placeholders followed by two text tokens."""
-    token_ids, spans = [1, 2], []
-    for mm_hash in mm_hashes:
-        spans.append(MMSpan(len(token_ids), num_image_tokens, mm_hash, (1, 2, 2 * num_image_tokens)))
-        token_ids += [IMAGE_PAD_ID] * num_image_tokens + [500, 501]
-    return make_request(prompt_token_ids=token_ids, mm_spans=spans, **kwargs)
-
-
-def step(scheduler):
-    output = scheduler.schedule()
-    return output, scheduler.update(output, fake_run(output))
+from tests.engine.factories import (assert_all_blocks_free, image_request, make_image_prompt, make_request,
+                                    make_scheduler, run_until_done, step)
 
 
 def test_an_image_is_freed_once_its_last_request_finishes():

@@ -1,4 +1,4 @@
-"""The API's view of its workers: who counts as alive."""
+"""The API's view of its workers (who counts as alive) and when a dead one is started again."""
 from __future__ import annotations
 
 from epd.serve.registry import WorkerRegistry
@@ -23,3 +23,15 @@ def test_a_supervised_worker_is_dead_once_its_exit_is_reported():
     registry = _registry({"prefill-0"})
     registry.mark_dead("prefill-0")
     assert registry.live("prefill") == []
+
+
+def test_restart_backoff_doubles_then_the_budget_runs_out():
+    from epd.serve.supervisor import RestartBudget
+
+    budget = RestartBudget(max_restarts=5, window_s=3600.0)
+    assert [budget.next_delay("decode-0") for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, None, None]
+    assert budget.next_delay("prefill-0") == 0.5  # each process its own
+    budget.forget("decode-0")
+    assert budget.next_delay("decode-0") == 0.5
+    endless = RestartBudget(max_restarts=None, window_s=3600.0)
+    assert [endless.next_delay(0) for _ in range(7)][-1] == 8.0
