@@ -35,6 +35,9 @@ log = logging.getLogger("epd.encoder")
 # image arrive late and after the request's later images, whichever encoder
 # it was routed to.
 SLOW_IMAGE_ENV = "EPD_TEST_SLOW_IMAGE"
+# Tests only: every batch takes at least this many more seconds, so a burst
+# backs the queue up whatever the machine's speed (the autoscaling test).
+BATCH_DELAY_ENV = "EPD_TEST_ENCODER_BATCH_DELAY_S"
 
 
 def _slow_image() -> tuple[tuple[int, int], float] | None:
@@ -66,6 +69,7 @@ class EncoderWorker(WorkerIO):
         self.arrivals = StampedInbox(self.inbox, spec.worker_id)
         self._last_stats = 0.0
         self._slow_image = _slow_image()
+        self._batch_delay_s = float(os.environ.get(BATCH_DELAY_ENV) or 0.0)
         self._held: list[tuple[float, str, EncodeDone]] = []  # (send at, reply_to, message): tests only
 
     def run(self) -> None:
@@ -125,6 +129,8 @@ class EncoderWorker(WorkerIO):
             results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
         except ImageError:
             results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+        if self._batch_delay_s:
+            time.sleep(self._batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
             if isinstance(result, str):

@@ -1,5 +1,7 @@
 """`epd serve --encoders 1-2` end to end: a burst of image requests (every image
-distinct, so nothing is cached) backs the encoder's queue up and a second
+distinct, so nothing is cached; every encoder batch made a second longer
+through `EPD_TEST_ENCODER_BATCH_DELAY_S`, so the queue backs up on a fast
+machine as on a busy one) backs the encoder's queue up and a second
 encoder is started and takes images; when the traffic stops it is idle and the
 pool is back to one encoder. Seen through /metrics and /health, every answer
 transformers' text, the removed worker never restarted."""
@@ -16,9 +18,12 @@ from media import image_part
 from PIL import Image
 from server import start_server
 
+from epd.encoders.encoder_worker import BATCH_DELAY_ENV
+
 MAX_TOKENS = 4
 NUM_CLIENTS = 3
 SCALE_UP_DEADLINE_S = 240  # a new encoder loads torch and the model: long on a busy 2-core machine
+BATCH_DELAY_S = 1.0  # far above the scale-up threshold below
 SCALE_DOWN_DEADLINE_S = 90
 REMOVE_DEADLINE_S = 60  # the supervisor gives a removed worker 30 s before SIGKILL
 UP, DOWN = 'epd:encoder_scaling_decisions_total{direction="up"}', 'epd:encoder_scaling_decisions_total{direction="down"}'
@@ -86,7 +91,8 @@ def wait_for(server, condition, deadline_s: float, what: str) -> dict[str, float
         time.sleep(0.25)
 
 
-def test_a_burst_adds_an_encoder_and_idleness_removes_it(tiny_model, tmp_path):
+def test_a_burst_adds_an_encoder_and_idleness_removes_it(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv(BATCH_DELAY_ENV, str(BATCH_DELAY_S))  # the server's workers inherit it
     server = start_server(tiny_model, tmp_path, "e-p-d", "--encoders", "1-2",
                           "--encoder-scale-up-queue-s", "0.3", "--encoder-scale-up-window-s", "0.5",
                           "--encoder-idle-s", "4", "--encoder-scale-cooldown-s", "1")
