@@ -65,6 +65,11 @@ class SchedulerConfig:
     prefill_aging: float = 0.1
     # Requests that may hold KV blocks while an image they need is missing.
     max_num_image_waits: int = 4
+    # Conditional disaggregation (e-p-d): a text-only prompt of at most this many
+    # tokens is prefilled on a decode worker instead of the prefill worker, and a
+    # decode worker's step computes at most this many prompt tokens beside its
+    # decodes. 0: off (a decode worker takes prefilled requests only).
+    max_local_prefill_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_image_waits"):
@@ -73,6 +78,8 @@ class SchedulerConfig:
         if self.prefill_priority not in PREFILL_PRIORITIES:
             raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
                              f"got {self.prefill_priority!r}")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be non-negative, got {self.max_local_prefill_tokens}")
         if not self.prefill_aging > 0:
             raise ValueError(f"prefill_aging must be positive, got {self.prefill_aging}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -86,7 +93,11 @@ class Scheduler:
     role="prefill":  after its prompt is computed and the first token sampled,
         a request leaves `running` as *prefilled* (`RequestUpdate.is_prefilled`)
         but keeps its blocks until `release(request_id)`.
-    role="decode":   requests arrive through `add_prefilled` only.
+    role="decode":   requests arrive through `add_prefilled`, and, with
+        `max_local_prefill_tokens` > 0, short prompts through `add_request`
+        (prefilled here, no KV moves); each step then computes at most
+        `max_local_prefill_tokens` prompt tokens after its decodes, so a
+        local prefill delays the running decodes by one bounded chunk.
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "combined") -> None:
@@ -127,8 +138,9 @@ class Scheduler:
         Raises ValueError for a duplicate id, an empty prompt, a prompt
         longer than the KV cache or one leaving no room under max_model_len.
         """
-        if self.role == "decode":
-            raise ValueError("a decode-only scheduler takes requests through add_prefilled")
+        if self.role == "decode" and not self.config.max_local_prefill_tokens:
+            raise ValueError("a decode-only scheduler takes requests through add_prefilled "
+                             "(--max-local-prefill-tokens 0)")
         self._check_new(request)
         if request.status is not RequestStatus.WAITING or request.block_ids \
                 or request.num_computed_tokens:
@@ -261,6 +273,8 @@ class Scheduler:
         preempted (possibly the one asking); no waiting request is admitted
         in a step that preempted, nor after one that did not fit
         (head-of-line: nobody overtakes the request it is its turn to admit).
+        A decode-role scheduler gives its prefills at most
+        `max_local_prefill_tokens` of the budget a step.
         """
         token_budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -278,6 +292,13 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, 1))
                 scheduled_ids.add(request.request_id)
                 token_budget -= 1
+
+        # A decode worker's prompts (local prefills, recomputed preemptions) take at
+        # most max_local_prefill_tokens a step: the running decodes wait one bounded chunk.
+        held_back = 0
+        if self.role == "decode" and self.config.max_local_prefill_tokens:
+            held_back = max(0, token_budget - self.config.max_local_prefill_tokens)
+            token_budget -= held_back
 
         # Prefills, running and waiting, in one order: "fcfs" the running ones by
         # arrival, then the queue; "cost" all by priority, so a short prompt that
@@ -328,6 +349,7 @@ class Scheduler:
             scheduled_ids.add(request.request_id)
             token_budget -= num_new_tokens
 
+        token_budget += held_back
         num_batched_tokens = self.config.max_num_batched_tokens - token_budget
         self.num_scheduled_tokens += num_batched_tokens
         finished_ids, self._finished_request_ids = self._finished_request_ids, []

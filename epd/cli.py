@@ -18,7 +18,7 @@ from epd.transport.roles import Mode, Role
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
-                "early_prefill", "prefill_priority")
+                "early_prefill", "prefill_priority", "max_local_prefill_tokens")
 
 
 def _make_model(args) -> int:
@@ -82,6 +82,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill a request up to its first image not yet encoded (default on)")
     g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),
                    help="which prefill gets the token budget: fcfs, or cost (fewest tokens first, aged)")
+    g.add_argument("--max-local-prefill-tokens", type=int, default=defaults["max_local_prefill_tokens"],
+                   help="e-p-d: text-only prompts of at most this many tokens are prefilled on a decode worker "
+                        "(no KV transfer), which computes at most this many prompt tokens a step; 0: off")
 
 
 def _engine_config(args) -> EngineConfig:

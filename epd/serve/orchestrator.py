@@ -6,6 +6,7 @@
       header size -> mm_hash, in a thread                            encoders/image_io.py
       chat template + placeholder expansion                          epd/inputs/prompt.py
       route: prefill (or pd / aggregated) worker, decode worker      epd/serve/router.py
+             (e-p-d: a short text-only prompt to a decode worker alone, which prefills it)
       embedding cache lookup
       PrefillRequest at once (the worker waits for its images), then
       misses -> EncodeRequest per image, to the encoder where it finishes first   epd/serve/encoder_router.py
@@ -103,6 +104,10 @@ class Orchestrator:
         self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
         # text-only requests wait for no encoder: the least busy prefill worker starts them first
         self.text_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.prefill_router
+        # conditional disaggregation: short text-only prompts go to the least busy decode worker
+        self.local_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.decode_router
+        self.max_local_prefill_tokens = config.engine.scheduler.max_local_prefill_tokens \
+            if Role.DECODE in {role for role, _ in config.mode_roles()} else 0
         self.encoder_router = EncoderRouter(config.encoder_router)
         self.cache: MMCache | None = None
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
@@ -428,11 +433,15 @@ class Orchestrator:
                              attempt_no: int, deadline: float) -> Attempt:
         """Routes and sends one try of a request: prompt + `emitted`, with the
         rest of its token budget, to live workers."""
-        router = self.prefill_router if prep.images else self.text_prefill_router
-        prefill = router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
         decode = None
-        if prefill.role == Role.PREFILL:
-            decode = self.decode_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
+        if self._prefills_locally(prep, emitted):  # the decode worker prefills it itself: no KV moves
+            prefill = self.local_prefill_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
+            self.metrics.local_prefills += 1
+        else:
+            router = self.prefill_router if prep.images else self.text_prefill_router
+            prefill = router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
+            if prefill.role == Role.PREFILL:
+                decode = self.decode_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
         misses = []
         if attempt_no == 0 and prep.mm_spans:
             self.metrics.request_images.observe(len(prep.mm_spans))
@@ -474,6 +483,12 @@ class Orchestrator:
             await self._end_attempt(attempt)
             raise
         return attempt
+
+    def _prefills_locally(self, prep: _Prepared, emitted: list[int]) -> bool:
+        """Conditional disaggregation (`--max-local-prefill-tokens`, e-p-d): a
+        text-only prompt this short is prefilled on a decode worker, so it never
+        queues behind image prompts' chunks at the prefill worker."""
+        return not prep.mm_spans and 0 < len(prep.token_ids) + len(emitted) <= self.max_local_prefill_tokens
 
     async def _end_attempt(self, attempt: Attempt) -> None:
         """Forgets an attempt; unless it finished, frees every worker's share of it

@@ -157,6 +157,9 @@ class WorkerMetrics:
         self.requests_recovered = CountBy(Counter(  # "retried" (nothing streamed yet) | "resumed"
             "epd:requests_recovered", "Requests sent again after a worker died under them: retried before any "
             "token, or resumed mid-stream.", ["how"], registry=self._api))
+        self.local_prefills = Count(Counter(  # tries of short text-only prompts sent to a decode worker
+            "epd:local_prefills", "Prompts prefilled on a decode worker instead of a prefill worker "
+            "(text-only, at most --max-local-prefill-tokens; every try counts).", registry=self._api))
         self.requests_refused = CountBy(Counter(  # reason -> requests refused by admission control
             "epd:requests_refused", "Requests refused by admission control (503 + Retry-After).", ["reason"],
             registry=self._api))

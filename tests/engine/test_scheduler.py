@@ -299,9 +299,9 @@ def test_prefill_role_finishes_a_request_that_stops_on_its_first_token():
 
 
 def test_decode_role_takes_prefilled_requests():
+    with pytest.raises(ValueError, match="add_prefilled"):  # local prefill off: prompts are refused
+        make_scheduler(role="decode", max_local_prefill_tokens=0).add_request(make_request(4))
     scheduler = make_scheduler(num_blocks=5, role="decode")
-    with pytest.raises(ValueError, match="add_prefilled"):
-        scheduler.add_request(make_request(4))
     request = make_request(10, max_tokens=4)
     request.output_token_ids.append(10_010)  # sampled by the prefill worker
     block_ids = scheduler.add_prefilled(request)
@@ -320,6 +320,50 @@ def test_decode_role_takes_prefilled_requests():
     assert request.output_token_ids == expected_outputs(10, 4)
     assert_all_blocks_free(scheduler)
     assert scheduler.add_prefilled(no_room) is not None  # room now
+
+
+def test_decode_role_prefills_local_prompts_in_bounded_chunks_beside_its_decodes():
+    """Conditional disaggregation: a decode worker takes prefilled requests and
+    short prompts; its decodes run every step and each step computes at most
+    max_local_prefill_tokens prompt tokens, whatever the batch budget."""
+    scheduler = make_scheduler(role="decode", max_num_batched_tokens=64, max_local_prefill_tokens=8)
+    prefilled = make_request(10, max_tokens=6)
+    prefilled.output_token_ids.append(10_010)  # sampled by the prefill worker
+    assert scheduler.add_prefilled(prefilled) is not None
+    local = make_request(20, max_tokens=3)
+    scheduler.add_request(local)
+
+    chunks = []
+    while local.num_output_tokens == 0:
+        output, _ = step(scheduler)
+        assert prefilled.request_id in output.sampling_request_ids  # the decode never waits a step
+        chunks.append(next(s.num_new_tokens for s in output.scheduled if s.request is local))
+        assert output.num_batched_tokens <= 1 + 8
+    assert chunks == [8, 8, 4]
+    run_until_done(scheduler)
+    assert local.output_token_ids == expected_outputs(20, 3)
+    assert prefilled.output_token_ids == [10_010] + expected_outputs(11, 5)
+    assert_all_blocks_free(scheduler)
+
+
+def test_only_the_decode_role_bounds_its_prefill_chunks():
+    for role in ("combined", "prefill"):
+        scheduler = make_scheduler(role=role, max_num_batched_tokens=64, max_local_prefill_tokens=8)
+        scheduler.add_request(make_request(20))
+        assert scheduler.schedule().num_batched_tokens == 20
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])  # mid-prefill, then while decoding
+def test_aborting_a_local_prefill_frees_its_blocks(num_steps):
+    scheduler = make_scheduler(role="decode", max_local_prefill_tokens=8)
+    local = make_request(20, max_tokens=8)
+    scheduler.add_request(local)
+    for _ in range(num_steps):
+        step(scheduler)
+    assert local.block_ids and (local.num_output_tokens > 0) == (num_steps > 3)
+    assert scheduler.abort([local.request_id]) == [local.request_id]
+    assert local.status is RequestStatus.FINISHED_ABORTED and not scheduler.has_unfinished()
+    assert_all_blocks_free(scheduler)
 
 
 def test_prefill_and_decode_roles_match_a_combined_run():

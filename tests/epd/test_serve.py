@@ -50,7 +50,8 @@ def server(request, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     extra = []
     if request.param == "e-p-d":  # shared cores (the default); e-pd splits them: the same outputs either way
-        extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache")]
+        # text-only prompts up to 64 tokens are prefilled on the decode worker, longer ones are not
+        extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"), "--max-local-prefill-tokens", "64"]
     if request.param == "e-pd":
         extra = ["--mm-cache-gb", "0.0001", "--cpu-sharing", "split"]  # ~100 KiB: a few embeddings, then eviction
     srv = start_server(tiny_model, tmp, request.param, *extra)
@@ -74,17 +75,72 @@ def test_text_only_request_skips_the_encoder(server):
     assert server.settled_sum("epd:encoder_images_total") == before
 
 
+LONG_TEXT = "Count the blocks, please. " * 16  # over the e-p-d fixture's --max-local-prefill-tokens 64
+
+
 def test_kv_transfer_moves_exactly_the_request_blocks_and_frees_them(server):
     if server.mode != "e-p-d":
         pytest.skip("KV moves only in e-p-d")
     before = server.settled_sum("epd:kv_transfer_bytes_total")
+    local = server.metric_sum("epd:local_prefills_total")
     r = client(server).chat.completions.create(model=server_model(server), max_tokens=5, temperature=0,
-                                               messages=[{"role": "user", "content": "Count the blocks, please."}])
+                                               messages=[{"role": "user", "content": LONG_TEXT}])
+    assert r.usage.prompt_tokens > 64
+    assert server.metric_sum("epd:local_prefills_total") == local  # too long: through the prefill worker
     block_bytes = 2 * 3 * 16 * 2 * 16 * 4  # k+v, tiny: 3 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
     expected = math.ceil(r.usage.prompt_tokens / 16) * block_bytes
     _wait_for(lambda: server.metric_sum("epd:kv_transfer_bytes_total") - before == expected)
     _wait_for(lambda: server.metric_sum("epd:kv_cache_usage_perc", role="prefill") == 0
               and server.metric_sum("epd:kv_cache_usage_perc", role="decode") == 0)
+
+
+def _engine_counts(server) -> dict[str, float]:
+    """Settled per-role engine counters: where prompts were prefilled, and KV moves."""
+    return {"local": server.metric_sum("epd:local_prefills_total"),
+            "prefill": server.settled_sum("epd:prefix_cache_queries_total", role="prefill"),
+            "decode": server.settled_sum("epd:prefix_cache_queries_total", role="decode"),
+            "kv": server.settled_sum("epd:kv_transfer_bytes_total")}
+
+
+def test_short_text_prompt_is_prefilled_on_the_decode_worker(server, expected_texts):
+    if server.mode != "e-p-d":
+        pytest.skip("local prefill is e-p-d's")
+    before = _engine_counts(server)
+    assert chat_text(server, CHATS["text_only"][0]) == expected_texts["text_only"]
+    after = _engine_counts(server)
+    assert after["local"] == before["local"] + 1
+    assert after["prefill"] == before["prefill"] and after["kv"] == before["kv"]  # the prefill worker never saw it
+    assert after["decode"] > before["decode"]  # the decode worker looked its prompt up in its prefix cache
+
+
+def test_image_and_long_text_prompts_go_through_the_prefill_worker(server):
+    if server.mode != "e-p-d":
+        pytest.skip("local prefill is e-p-d's")
+    for messages in (CHATS["one_image"][0], [{"role": "user", "content": LONG_TEXT}]):
+        before = _engine_counts(server)
+        chat_text(server, messages, max_tokens=3)
+        after = _engine_counts(server)
+        assert after["local"] == before["local"]
+        assert after["prefill"] > before["prefill"] and after["kv"] > before["kv"]
+
+
+def test_a_client_leaving_a_local_prefill_frees_the_decode_workers_blocks(server):
+    if server.mode != "e-p-d":
+        pytest.skip("local prefill is e-p-d's")
+    aborted = server.settled_sum("epd:requests_aborted_total", role="decode")
+    local = server.metric_sum("epd:local_prefills_total")
+    body = {"model": server_model(server), "messages": CHATS["text_only"][0], "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        num_chunks = 0
+        while num_chunks < 20:
+            num_chunks += next(lines).startswith("data: {")
+    assert server.metric_sum("epd:local_prefills_total") == local + 1
+    _wait_for(lambda: server.metric_sum("epd:kv_cache_usage_perc", role="decode") == 0
+              and server.metric_sum("epd:num_requests_running", role="decode") == 0, timeout_s=60)
+    assert server.settled_sum("epd:requests_aborted_total", role="decode") == aborted + 1
 
 
 def test_four_images_spread_over_two_encoders(server):
