@@ -56,12 +56,17 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
     assert EngineConfig.from_flat() == EngineConfig()
     assert set(EngineConfig.flat_defaults()) == {
         "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
-        "prefill_priority", "prefill_aging", "max_num_image_waits",
+        "prefill_priority", "prefill_aging", "max_num_image_waits", "max_local_prefill_tokens",
         "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
         "early_prefill"}
     args = build_parser().parse_args(["serve", tiny_model, "--no-early-prefill", "--prefill-priority", "fcfs"])
     engine = serve_config(args).engine
     assert (engine.early_prefill, engine.scheduler.prefill_priority) == (False, "fcfs")
+    assert engine.scheduler.max_local_prefill_tokens == 512  # the default: conditional disaggregation on
+    args = build_parser().parse_args(["serve", tiny_model, "--max-local-prefill-tokens", "0"])
+    assert serve_config(args).engine.scheduler.max_local_prefill_tokens == 0
+    with pytest.raises(ValueError, match="max_local_prefill_tokens must be non-negative"):
+        EngineConfig.from_flat(max_local_prefill_tokens=-1)
     with pytest.raises(ValueError, match="prefill_priority must be one of fcfs, cost"):
         EngineConfig.from_flat(prefill_priority="sjf")
     with pytest.raises(TypeError, match="unknown engine setting.* max_num_sequences"):
