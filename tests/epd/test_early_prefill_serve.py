@@ -32,7 +32,9 @@ def server(tiny_model, tmp_path_factory):
     old = os.environ.get(SLOW_IMAGE_ENV)
     os.environ[SLOW_IMAGE_ENV] = f"{SLOW_W}x{SLOW_H}:{HOLD_S}"
     try:
-        srv = start_server(tiny_model, tmp_path_factory.mktemp("early"), "e-p-d", "--encoders", "2")
+        # local prefill off: the text-only warm-up must fill the prefill worker's prefix cache
+        srv = start_server(tiny_model, tmp_path_factory.mktemp("early"), "e-p-d", "--encoders", "2",
+                           "--max-local-prefill-tokens", "0")
     finally:
         if old is None:
             del os.environ[SLOW_IMAGE_ENV]
