@@ -73,7 +73,9 @@ class WorkerRegistry:
         `heartbeat_timeout_s`: None reads EPD_HEARTBEAT_TIMEOUT_S (default 10 s).
         `stuck_after_s`: an unsupervised worker whose loop has been busy this long is dead."""
         self.workers: dict[str, WorkerInfo] = {}
-        self.heartbeat_timeout_s = heartbeat_timeout_s if heartbeat_timeout_s is not None else heartbeat_timeout_s_env()
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = heartbeat_timeout_s_env()
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.supervised = supervised
         self.stuck_after_s = stuck_after_s
 
