@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import time
 
+import zmq
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys, make_keys
 from epd.transport.channels import Receiver
 from epd.transport.messages import Alive, Ready, WorkerStats
 from epd.transport.worker_io import HEARTBEAT_INTERVAL_S, WorkerIO, WorkerSpec
 
 WAIT_S = 30.0
+# The collectors' own context: a context's ZAP handler admits the keys it first saw (other
+# tests' keys in the process-wide one). Kept for the process: it ends with its ZAP handler.
+CTX = zmq.Context()
 
 
 def _stats() -> WorkerStats:
@@ -31,7 +35,7 @@ def _next(collector: Receiver, kind: type) -> object:
 def test_a_busy_worker_says_alive_to_every_api_and_stops_when_closed(tmp_path):
     keys_dir = make_keys(tmp_path / "keys")
     api = PlaneKeys.load(keys_dir, API)
-    collectors = [Receiver("tcp://127.0.0.1:*", keys=api, domain=COLLECTOR_DOMAIN) for _ in range(2)]
+    collectors = [Receiver("tcp://127.0.0.1:*", keys=api, domain=COLLECTOR_DOMAIN, ctx=CTX) for _ in range(2)]
     spec = WorkerSpec("encoder-0", "encoder", "tcp://127.0.0.1:*", ",".join(c.address for c in collectors),
                       mm_cache_dir=None, mm_cache_bytes=0, keys_dir=str(keys_dir))
     worker = WorkerIO(spec, model_fingerprint="x")
