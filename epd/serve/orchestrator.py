@@ -13,7 +13,7 @@
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
-WorkerStats, TokenOutput (and, with several API processes, the launcher's
+WorkerStats, Alive (a busy worker's heartbeat), TokenOutput (and, with several API processes, the launcher's
 WorkerExited). API process `api_index` names itself in each PrefillRequest,
 so the workers send that request's tokens to its collector.
 """
