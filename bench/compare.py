@@ -172,47 +172,62 @@ def main(args) -> dict:
         server = _Server(args, *launches[mode], cpus, out_dir / f"server-{file_label}.log")
         try:
             server.wait_ready()
-            warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep
-            warmup.num_prompts, warmup.seed = 2, args.seed + 1000  # other images: the trace's stay uncached
-            _run_at(warmup, server.base_url, float("inf"), out_dir / f"{file_label}-warmup.json")
-            if ttft_slo is None:  # relative SLOs: measured once, on the baseline
-                ttft_slo, tpot_slo = _solo_slos(args, server.base_url, out_dir)
-                print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
-            sweep, rows = [], []
-            for i, rate in enumerate(rates):
-                result = _run_at(args, server.base_url, rate, out_dir / f"{file_label}-rate{rate:g}.json",
-                                 seed=trace_seed(args, i))
-                results = results_from_json(result)
-                sweep.append((rate, results))
-                p99_ttft, p99_tpot = tail_latencies_ms(results)
-                row = {"rate": rate, "request_throughput": result["request_throughput"],
-                       "slo_attainment": slo_attainment(results, ttft_slo, tpot_slo),
-                       "slo_attainment_ci": list(attainment_ci(results, ttft_slo, tpot_slo, seed=args.seed)),
-                       "p99_ttft_ms": p99_ttft, "p99_tpot_ms": p99_tpot,
-                       "failed": result["failed"]}
-                for key in ("text_only_p99_ttft_ms", "image_p99_ttft_ms"):
-                    if key in result:
-                        row[key] = result[key]
-                rows.append(row)
-                print(f"{mode:>10} rate {rate:g}: {json.dumps(row)}", flush=True)
+            per_mode[mode], ttft_slo, tpot_slo = sweep(args, server.base_url, mode, rates, ttft_slo, tpot_slo, out_dir)
         finally:
             server.stop()
-        per_mode[mode] = {"rows": rows, "goodput_distserve": distserve_max_rate(sweep, ttft_slo, tpot_slo),
-                          "goodput_distserve_ci": list(distserve_rate_ci(sweep, ttft_slo, tpot_slo, seed=args.seed)),
-                          "goodput_p99": p99_max_rate(sweep, ttft_slo, tpot_slo)}
-    summary = {"model_dir": args.model_dir, "modes": modes, "rates": rates, "cpus": sorted(cpus),
-               "slo_ttft_ms": ttft_slo, "slo_tpot_ms": tpot_slo, "num_prompts": args.num_prompts,
-               "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
-               "images_per_request": args.images_per_request,
-               "image_size": [f"{w}x{h}" for w, h in args.image_size],
-               "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
-               "ci": {"confidence": CONFIDENCE, "resamples": BOOTSTRAP_RESAMPLES,
-                      "method": "percentile bootstrap over requests", "seed": args.seed},
-               "per_mode": per_mode}
+    summary = make_summary(args, modes, rates, cpus, ttft_slo, tpot_slo, per_mode)
     print(format_comparison(summary))
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out_dir / "compare.png")
     return summary
+
+
+def make_summary(args, labels: list[str], rates: list[float], cpus: set[int], ttft_slo: float, tpot_slo: float,
+                 per_mode: dict[str, dict]) -> dict:
+    """What compare.json holds; `labels` (modes, or placements) in the order swept, the first the base."""
+    return {"model_dir": args.model_dir, "modes": labels, "rates": rates, "cpus": sorted(cpus),
+            "slo_ttft_ms": ttft_slo, "slo_tpot_ms": tpot_slo, "num_prompts": args.num_prompts,
+            "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+            "images_per_request": args.images_per_request,
+            "image_size": [f"{w}x{h}" for w, h in args.image_size],
+            "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
+            "ci": {"confidence": CONFIDENCE, "resamples": BOOTSTRAP_RESAMPLES,
+                   "method": "percentile bootstrap over requests", "seed": args.seed},
+            "per_mode": per_mode}
+
+
+def sweep(args, base_url: str, label: str, rates: list[float], ttft_slo: float | None, tpot_slo: float | None,
+          out_dir: Path) -> tuple[dict, float, float]:
+    """One ready server: a warm-up, the solo SLOs if none are set yet (relative
+    SLOs come from the first server swept), then every rate's trace. Returns
+    (its entry of `per_mode`, the TTFT SLO, the TPOT SLO)."""
+    file_label = label.replace("/", "-")
+    warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep
+    warmup.num_prompts, warmup.seed = 2, args.seed + 1000  # other images: the trace's stay uncached
+    _run_at(warmup, base_url, float("inf"), out_dir / f"{file_label}-warmup.json")
+    if ttft_slo is None:  # relative SLOs: measured once, on the baseline
+        ttft_slo, tpot_slo = _solo_slos(args, base_url, out_dir)
+        print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")
+    runs, rows = [], []
+    for i, rate in enumerate(rates):
+        result = _run_at(args, base_url, rate, out_dir / f"{file_label}-rate{rate:g}.json", seed=trace_seed(args, i))
+        results = results_from_json(result)
+        runs.append((rate, results))
+        p99_ttft, p99_tpot = tail_latencies_ms(results)
+        row = {"rate": rate, "request_throughput": result["request_throughput"],
+               "slo_attainment": slo_attainment(results, ttft_slo, tpot_slo),
+               "slo_attainment_ci": list(attainment_ci(results, ttft_slo, tpot_slo, seed=args.seed)),
+               "p99_ttft_ms": p99_ttft, "p99_tpot_ms": p99_tpot,
+               "failed": result["failed"]}
+        for key in ("text_only_p99_ttft_ms", "image_p99_ttft_ms"):
+            if key in result:
+                row[key] = result[key]
+        rows.append(row)
+        print(f"{label:>10} rate {rate:g}: {json.dumps(row)}", flush=True)
+    entry = {"rows": rows, "goodput_distserve": distserve_max_rate(runs, ttft_slo, tpot_slo),
+             "goodput_distserve_ci": list(distserve_rate_ci(runs, ttft_slo, tpot_slo, seed=args.seed)),
+             "goodput_p99": p99_max_rate(runs, ttft_slo, tpot_slo)}
+    return entry, ttft_slo, tpot_slo
 
 
 def format_comparison(summary: dict) -> str:

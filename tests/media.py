@@ -24,6 +24,22 @@ def image_part(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(data)}}
 
 
+def costly_image(seed: int, size: int = 2000) -> bytes:
+    """A PNG of a few KiB that decodes to `size`² pixels: cheap for the API (it reads
+    the header), a few hundred ms for the encoder (decode and resize); distinct per seed."""
+    pixels = np.zeros((size, size, 3), np.uint8)
+    pixels[::97, ::89] = 255
+    pixels[:32, :32] = np.random.default_rng(seed).integers(0, 256, (32, 32, 3))
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def describe(image: bytes) -> list[dict]:
+    """One user turn: the image, then "Describe it."."""
+    return [{"role": "user", "content": [image_part(image), {"type": "text", "text": "Describe it."}]}]
+
+
 IMG_A = image_bytes(100, 60, seed=1)
 IMG_B = image_bytes(37, 150, seed=2, fmt="JPEG")
 # name -> (messages, images in order): the chats every serving test compares with transformers

@@ -1,6 +1,7 @@
 """Running a real `epd serve` (or `epd worker`) in tests: a subprocess in its
 own process group, ready when /health answers 200, stopped with SIGINT like
-Ctrl-C, and checked to leave no process behind."""
+Ctrl-C, and checked to leave no process behind. `Traffic`: clients sending
+requests to it from threads until stopped (chaos, autoscaling, a lost node)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +39,72 @@ def chat_text(server: ServerProcess, messages: list[dict], max_tokens: int, stre
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert all("error" not in c for c in chunks), r.text
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+class Traffic:
+    """`num_clients` threads, each calling `send(client, i)` for i = 0, 1, ...
+    back to back until the `with` block ends; `results` holds (client, i,
+    what send returned), in the order they finished. An exception out of
+    `send` (a hang past its client timeout, a broken stream) is kept as
+    (-1, repr(exc)). Leaving the block waits up to `join_timeout_s` for the
+    requests in flight and fails if a client never got its answer."""
+
+    def __init__(self, send: Callable[[int, int], Any], num_clients: int, join_timeout_s: float):
+        self.results: list[tuple[int, int, Any]] = []
+        self._send = send
+        self._join_timeout_s = join_timeout_s
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(c,), daemon=True) for c in range(num_clients)]
+
+    def _loop(self, client: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            try:
+                result = self._send(client, i)
+            except Exception as exc:
+                result = (-1, repr(exc))
+            self.results.append((client, i, result))
+            i += 1
+
+    def wait_for(self, count: int, timeout_s: float, what: str = "requests") -> None:
+        """Until `count` results are in; fails after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.results) < count:
+            assert time.monotonic() < deadline, f"{what}: {len(self.results)} of {count} within {timeout_s} s"
+            time.sleep(0.2)
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + self._join_timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self._threads), "a client never got an answer"
+
+
+def image_burst(base_url: str, num_clients: int, max_tokens: int, timeout_s: float = 300.0) -> Traffic:
+    """Traffic of greedy chats, each with a fresh `costly_image` (nothing
+    cached, every image encoded); results (client, i, (seed, status, text)),
+    seed = 1000 * client + i."""
+    from media import costly_image, describe
+
+    model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def send(client: int, i: int) -> tuple[int, int, str]:
+        seed = 1000 * client + i
+        body = {"model": model, "messages": describe(costly_image(seed)), "max_tokens": max_tokens,
+                "temperature": 0}
+        try:
+            r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return seed, -1, repr(exc)
+        return seed, r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+    return Traffic(send, num_clients, join_timeout_s=timeout_s + 30)
 
 
 def free_port() -> int:

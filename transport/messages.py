@@ -37,7 +37,7 @@ from epd.transport.mm_span import MMSpan
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
     "KVTransfer", "KVAck", "TokenOutput", "WorkerStats", "Ready", "Abort", "Shutdown",
-    "WorkerExited",
+    "WorkerExited", "Alive",
     "MESSAGE_TYPES", "decode_message",
 ]
 
@@ -405,6 +405,24 @@ class Ready(Message):
 
 
 @dataclass
+class Alive(Message):
+    """Worker -> API, from the worker's heartbeat thread while its loop is busy
+    (a long ViT batch or prefill step sends no WorkerStats): the process is up.
+    `busy_s`: how long its loop has not come back (since its last WorkerStats)."""
+
+    TYPE: ClassVar[str] = "alive"
+    worker_id: str
+    busy_s: float
+
+    def _fields(self):
+        return {"worker_id": self.worker_id, "busy_s": float(self.busy_s)}
+
+    @classmethod
+    def _build(cls, f, payload):
+        return cls(f.str("worker_id"), f.float("busy_s"))
+
+
+@dataclass
 class WorkerExited(Message):
     """Launcher -> every API process (`--api-servers` > 1, whose workers are not
     its own children): the supervisor saw this worker's process exit."""
@@ -458,6 +476,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "abort": Abort,
     "shutdown": Shutdown,
     "worker_exited": WorkerExited,
+    "alive": Alive,
 }
 assert all(cls.TYPE == tag for tag, cls in MESSAGE_TYPES.items())
 assert not any(f.name in _RESERVED for cls in MESSAGE_TYPES.values() for f in dataclass_fields(cls))

@@ -6,16 +6,23 @@ With several API processes (`epd serve --api-servers N`) `spec.api` names
 all N collectors, joined by ","; a worker registers with and reports its load
 to each (`publish`), re-sends `Ready` every `REANNOUNCE_S` so that a
 restarted API process learns it, and sends a request's TokenOutputs to the
-collector its PrefillRequest named (`api_index`)."""
+collector its PrefillRequest named (`api_index`).
+
+A worker sends nothing from its loop during a long ViT batch or prefill step;
+its `Heartbeat` thread, with its own sockets (ZeroMQ sockets are not
+thread-safe), then says `Alive` to every API process, so that an API which
+judges it by silence (an `epd worker` elsewhere, a Ray actor) does not take
+busy for dead."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
 from epd.transport.auth import WORKER, PlaneKeys
 from epd.transport.channels import Outbox, Receiver
-from epd.transport.messages import Message, Ready
+from epd.transport.messages import Alive, Message, Ready
 from epd.transport.mm_cache import MMCache
 from epd.transport.roles import Role
 
@@ -43,6 +50,50 @@ class WorkerSpec:
 
 
 REANNOUNCE_S = 1.0  # several API processes: how often Ready is sent again (a restarted one learns us)
+# While the loop has sent nothing for this long, the heartbeat thread says Alive this often:
+# far below the API's heartbeat timeout (10 s; EPD_HEARTBEAT_TIMEOUT_S), so a late beat or two is harmless.
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class Heartbeat:
+    """A thread that sends `Alive(worker_id, busy_s)` to every API collector
+    each `interval_s` while the worker's loop has not published for that long.
+    It opens its own Outbox (CURVE with the worker's keys) inside the thread."""
+
+    def __init__(self, worker_id: str, apis: tuple[str, ...], keys: PlaneKeys | None,
+                 interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.worker_id = worker_id
+        self.apis = apis
+        self.keys = keys
+        self.interval_s = interval_s
+        self.last_published_s = time.monotonic()  # written by the loop, read here: a float, no lock needed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{worker_id}-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self.last_published_s = time.monotonic()
+            self._thread.start()
+
+    def published(self) -> None:
+        """The loop just sent WorkerStats: it is not busy."""
+        self.last_published_s = time.monotonic()
+
+    def _run(self) -> None:
+        outbox = Outbox(keys=self.keys, api_address=self.apis)
+        try:
+            while not self._stop.wait(self.interval_s):
+                busy_s = time.monotonic() - self.last_published_s
+                if busy_s >= self.interval_s:
+                    for api in self.apis:
+                        outbox.send(api, Alive(self.worker_id, busy_s))
+        finally:
+            outbox.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s + 1.0)
 
 
 class WorkerIO:
@@ -54,6 +105,7 @@ class WorkerIO:
         self.inbox = Receiver(spec.inbox, keys=keys)
         self.apis = spec.apis
         self.outbox = Outbox(keys=keys, api_address=self.apis)
+        self.heartbeat = Heartbeat(spec.worker_id, self.apis, keys)
         self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
                       if spec.mm_cache_dir else None)
         self._announced_s = 0.0
@@ -65,15 +117,18 @@ class WorkerIO:
                       self.spec.mm_cache_dir or None)
         for api in self.apis:
             self.outbox.send(api, ready)
+        self.heartbeat.start()
 
     def publish(self, stats: Message) -> None:
         """WorkerStats to every API process (each routes on its own registry)."""
         for api in self.apis:
             self.outbox.send(api, stats)
+        self.heartbeat.published()
         if len(self.apis) > 1 and time.monotonic() - self._announced_s > REANNOUNCE_S:
             self.announce()
 
     def close(self) -> None:
+        self.heartbeat.stop()
         if self.cache is not None:
             self.cache.close()
         self.inbox.close()

@@ -14,7 +14,7 @@
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
-WorkerStats, TokenOutput (and, with several API processes, the launcher's
+WorkerStats, Alive (a busy worker's heartbeat), TokenOutput (and, with several API processes, the launcher's
 WorkerExited). API process `api_index` names itself in each PrefillRequest,
 so the workers send that request's tokens to its collector.
 """
@@ -47,7 +47,7 @@ from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.token_order import TokenOrder
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
-from epd.transport.messages import (Abort, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
+from epd.transport.messages import (Abort, Alive, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
                                     WireError, WorkerExited, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
 from epd.transport.mm_span import MMSpan
@@ -98,7 +98,8 @@ class Orchestrator:
         self.collector_address = collector_address
         self.api_index = api_index
         self.host = socket.gethostname()
-        self.registry = WorkerRegistry()
+        # a worker busy past the request timeout holds nothing that can still finish
+        self.registry = WorkerRegistry(stuck_after_s=config.limits.request_timeout_s)
         self.metrics = WorkerMetrics(self.registry)
         self.prefill_router = make_router(config.router)
         self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
@@ -198,6 +199,10 @@ class Orchestrator:
         elif isinstance(msg, WorkerStats):
             self.registry.on_stats(msg)
             self._silent.discard(msg.worker_id)
+        elif isinstance(msg, Alive):
+            info = self.registry.on_alive(msg)
+            if info is not None and not self.registry.is_stuck(info):  # a stuck one is failed over once
+                self._silent.discard(msg.worker_id)
         elif isinstance(msg, Ready):
             self._silent.discard(msg.worker_id)
             info = self.registry.on_ready(msg)
@@ -529,15 +534,20 @@ class Orchestrator:
                 attempt.queue.put_nowait(Lost(worker_id))
 
     async def _watch_heartbeats(self) -> None:
-        """Workers nobody supervises here (`epd worker` on other hosts) are dead
-        once silent past the registry's heartbeat timeout."""
+        """Workers nobody supervises here (`epd worker` on other hosts, Ray
+        actors) are dead once silent past the registry's heartbeat timeout, or
+        stuck: busy (still saying Alive) past the request timeout."""
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
             for w in list(self.registry.workers.values()):
                 if w.is_dead or w.is_retired or self.registry.is_alive(w) or w.worker_id in self._silent:
                     continue
                 self._silent.add(w.worker_id)
-                log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,
-                            self.registry.heartbeat_timeout_s)
+                if self.registry.is_stuck(w):
+                    log.warning("worker %s busy for %.0f s (stuck): treated as dead until it reports again",
+                                w.worker_id, w.busy_s)
+                else:
+                    log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,
+                                self.registry.heartbeat_timeout_s)
                 self._fail_over(w.worker_id)
 

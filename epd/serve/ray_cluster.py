@@ -85,8 +85,12 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
         _check_reachable(rc.address)
         ray.init(address=rc.address, namespace="epd", log_to_driver=True)
     else:
-        # logical CPUs: at least what the workers ask for (they share the cores as local workers do)
+        # logical CPUs: at least what the workers ask for, encoders up to --encoders MAX included
+        # (they share the cores as local workers do)
         wanted = sum(rc.resources(role).get("CPU", 0) for role, _ in config.mode_roles())
+        if config.encoder_scaling is not None:
+            extra = config.encoder_scaling.max_encoders - config.encoder_scaling.min_encoders
+            wanted += extra * rc.resources(Role.ENCODER).get("CPU", 0)
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(wanted)), include_dashboard=False,
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, namespace="epd", log_to_driver=True)
     node_ip = ray.util.get_node_ip_address()

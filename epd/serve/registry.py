@@ -2,29 +2,43 @@
 
 Workers announce themselves with `Ready` (spawned by the launcher, or
 started elsewhere with `epd worker`, which is how external workers register)
-and publish `WorkerStats` a few times a second. A worker is dead when its
+and publish `WorkerStats` a few times a second from their loop; while the
+loop is busy (a long ViT batch or prefill step) their heartbeat thread sends
+`Alive` instead (transport/worker_io.py). A worker is dead when its
 supervisor saw its process exit (`mark_dead`) or, if no supervisor here
-watches it (`epd worker` on another host), when it has been silent for
-`HEARTBEAT_TIMEOUT_S`; a `Ready` (a restarted process) brings it back. A
-worker the launcher supervises (its processes, or Ray's actors) is never
-judged by silence: it sends nothing during a step or an encoder batch, which
-on a busy CPU can take longer than any timeout, and its exit is reported
-within 0.1 s anyway. A
-worker being removed on purpose is `retire`d (never chosen again), then
+watches it (`epd worker` on another host, a Ray actor), when it has sent
+neither for the heartbeat timeout (`HEARTBEAT_TIMEOUT_S`, or
+`EPD_HEARTBEAT_TIMEOUT_S`), or when its loop has been busy past
+`stuck_after_s` (the request timeout: nothing it holds can still finish in
+time); its stats or a `Ready` bring it back. A worker the launcher's own
+processes run is never judged by silence: its exit is reported within 0.1 s.
+A worker being removed on purpose is `retire`d (never chosen again), then
 forgotten.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from epd.transport.messages import Ready, WorkerStats
+from epd.transport.messages import Alive, Ready, WorkerStats
 
-# Silent this long (no WorkerStats, sent every 0.25 s) counts as dead, for workers no
-# supervisor here watches. Generous: a worker sends nothing during one step, and a
-# long prefill step on a busy CPU takes seconds.
+# Silent this long (no WorkerStats, sent every 0.25 s, nor Alive, every 0.5 s while the loop
+# is busy) counts as dead, for workers no supervisor here watches.
 HEARTBEAT_TIMEOUT_S = 10.0
+HEARTBEAT_TIMEOUT_ENV = "EPD_HEARTBEAT_TIMEOUT_S"  # overrides it (slow links; short in tests)
+
+
+def heartbeat_timeout_s_env() -> float:
+    value = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
+    try:
+        timeout_s = float(value) if value else HEARTBEAT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={value!r}: expected seconds") from None
+    if timeout_s <= 0:
+        raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={value!r}: expected seconds > 0")
+    return timeout_s
 
 
 @dataclass
@@ -36,6 +50,7 @@ class WorkerInfo:
     mm_cache_dir: str | None = None
     stats: WorkerStats | None = None
     last_seen_s: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # how long its loop had not come back, at its last Alive (0 after stats)
     is_dead: bool = False  # its process exited (told by the supervisor)
     is_retired: bool = False  # being removed (autoscaling): no new work, never live again
 
@@ -50,13 +65,19 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
-                 supervised: Callable[[str], bool] = lambda worker_id: False):
+    def __init__(self, heartbeat_timeout_s: float | None = None,
+                 supervised: Callable[[str], bool] = lambda worker_id: False,
+                 stuck_after_s: float = float("inf")):
         """`supervised(worker_id)`: a supervisor here reports that worker's exit
-        (the launcher sets it), so its silence means busy, not dead."""
+        (the launcher sets it), so it is never judged by silence.
+        `heartbeat_timeout_s`: None reads EPD_HEARTBEAT_TIMEOUT_S (default 10 s).
+        `stuck_after_s`: an unsupervised worker whose loop has been busy this long is dead."""
         self.workers: dict[str, WorkerInfo] = {}
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = heartbeat_timeout_s_env()
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.supervised = supervised
+        self.stuck_after_s = stuck_after_s
 
     def on_ready(self, msg: Ready) -> WorkerInfo:
         """A worker (re)started: alive from now, whatever came before (but a
@@ -85,6 +106,15 @@ class WorkerRegistry:
         if info is not None and not info.is_dead:
             info.stats = msg
             info.last_seen_s = time.monotonic()
+            info.busy_s = 0.0
+
+    def on_alive(self, msg: Alive) -> WorkerInfo | None:
+        """Its loop is busy but its process is up: not silent (its stats stay the last ones)."""
+        info = self.workers.get(msg.worker_id)
+        if info is not None and not info.is_dead:
+            info.last_seen_s = time.monotonic()
+            info.busy_s = msg.busy_s
+        return info
 
     def mark_dead(self, worker_id: str) -> WorkerInfo | None:
         info = self.workers.get(worker_id)
@@ -100,8 +130,16 @@ class WorkerRegistry:
         return [w for w in self.by_role(*roles) if self.is_alive(w)]
 
     def is_alive(self, info: WorkerInfo) -> bool:
-        return not info.is_dead and not info.is_retired and (
-            self.supervised(info.worker_id) or time.monotonic() - info.last_seen_s < self.heartbeat_timeout_s)
+        if info.is_dead or info.is_retired:
+            return False
+        return self.supervised(info.worker_id) or not (self.is_silent(info) or self.is_stuck(info))
+
+    def is_silent(self, info: WorkerInfo) -> bool:
+        return time.monotonic() - info.last_seen_s >= self.heartbeat_timeout_s
+
+    def is_stuck(self, info: WorkerInfo) -> bool:
+        """Up, but its loop has not come back for longer than any request may take."""
+        return info.busy_s > self.stuck_after_s
 
     def missing_roles(self, required: Iterable[str]) -> list[str]:
         """The roles in `required` without a live worker, in order."""

@@ -2,6 +2,8 @@
 private bridge (tests/netns.py), a Ray head in one and Ray nodes in others.
 
 * `epd worker --api tcp://` between namespaces, without Ray.
+* `epd serve --cluster ray --encoders 1-2` on one machine (its own Ray): a
+  burst adds an encoder actor, idleness removes it.
 * `epd serve --cluster ray`: encoder, prefill and decode pinned to three
   nodes by custom resources, each node its own embedding cache: greedy text
   equals transformers', /metrics shows embeddings and KV crossing nodes.
@@ -20,15 +22,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
 import pytest
 from hf_reference import hf_generate_text
-from media import CHATS
+from media import CHATS, costly_image, describe
 from netns import Network, RayCluster, skip_reason
-from server import ServerProcess
+from server import ServerProcess, Traffic, image_burst
 
 MAX_TOKENS = 10
 SERVE_FLAGS = ["--num-kv-blocks", "256", "--dtype", "float32", "--device", "cpu"]
@@ -113,25 +114,53 @@ def test_epd_worker_over_tcp_between_namespaces(net, tiny_model, tmp_path, expec
     assert not api.group_alive() and not any(w.group_alive() for w in workers)
 
 
-def test_cluster_ray_on_one_machine_starts_its_own_ray(net, tiny_model, tmp_path, expected):
-    """`epd serve --cluster ray` without --ray-address: a local Ray (inside one
-    namespace, on its loopback), the worker in an actor, and nothing of Ray
-    left once the server stops."""
+def _wait_metrics(server: ServerProcess, condition, deadline_s: float, what: str) -> dict[str, float]:
+    """The metrics once `condition(metrics)` holds; fails naming `what` after the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not condition(metrics := server.metrics()):
+        assert time.monotonic() < deadline, f"{what}: not within {deadline_s} s; " + str(
+            {k: v for k, v in metrics.items() if "encoder" in k}) + "\n" + server.log()[-3000:]
+        time.sleep(0.25)
+    return metrics
+
+
+def test_cluster_ray_on_one_machine_starts_its_own_ray_and_scales_encoders(net, tiny_model, tmp_path):
+    """`epd serve --cluster ray --encoders 1-2` without --ray-address: a local
+    Ray (inside one namespace, on its loopback), each worker in an actor. A
+    burst of fresh images (every encoder batch a second longer, as in
+    tests/epd/test_encoder_autoscale.py) makes the encoder pool add a second
+    actor, which takes images; idleness removes it. Every answer is
+    transformers' text, and nothing of Ray is left once the server stops."""
     host = net.add_host("l")
     token = tmp_path / "ray-token"
     token.write_text(os.urandom(16).hex())
     ray_tmp = tempfile.mkdtemp(prefix="epdt-ray-")  # Ray's session files; short: they hold unix sockets
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
-               RAY_TMPDIR=ray_tmp)
+               RAY_TMPDIR=ray_tmp, RAY_DEDUP_LOGS="0", EPD_TEST_ENCODER_BATCH_DELAY_S="1.0")
     env.pop("RAY_ADDRESS", None)
     port = 18720
-    server = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--cluster", "ray", "--host", host.ip,
-                            "--port", str(port), "--mm-cache-dir", str(tmp_path / "cache"), *SERVE_FLAGS], port, str(tmp_path / "api.log"), host=host.ip,
-                           wrap=host.command([]), env=env)
+    server = ServerProcess(["serve", tiny_model, "--mode", "e-pd", "--cluster", "ray", "--host", host.ip,
+                            "--port", str(port), "--mm-cache-dir", str(tmp_path / "cache"),
+                            "--encoders", "1-2", "--encoder-scale-up-queue-s", "0.3",
+                            "--encoder-scale-up-window-s", "0.5", "--encoder-idle-s", "4",
+                            "--encoder-scale-cooldown-s", "1", *SERVE_FLAGS], port, str(tmp_path / "api.log"),
+                           host=host.ip, wrap=host.command([]), env=env)
+    up, down = 'epd:encoder_scaling_decisions_total{direction="up"}', \
+        'epd:encoder_scaling_decisions_total{direction="down"}'
     try:
         server.wait_ready(timeout_s=240)
-        assert _chat(server, CHATS["one_image"][0]) == (200, expected["one_image"])
-        assert "aggregated-0=tcp://127.0.0.1:" in server.log()  # the actor registered over tcp, CURVE
+        assert "encoder-0=tcp://127.0.0.1:" in server.log()  # the actor registered over tcp, CURVE
+        start = server.metrics()
+        assert (start["epd:encoders"], start[up], start[down]) == (1, 0, 0)
+        with image_burst(server.base_url, num_clients=3, max_tokens=4) as burst:
+            grown = _wait_metrics(server, lambda m: m["epd:encoders"] == 2 and server.metric_sum(
+                "epd:encoder_images_total", worker="encoder-1") > 0, 240, "a second encoder actor taking images")
+        assert grown[up] >= 1
+        shrunk = _wait_metrics(server, lambda m: m["epd:encoders"] == 1 and m[down] >= 1, 90, "back to one encoder")
+        assert shrunk[up] == shrunk[down]
+        assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
+        assert sum(v for k, v in shrunk.items() if k.startswith("epd:worker_restarts_total")) == 0
+        answers = [result for *_, result in burst.results]
     finally:
         code = server.stop()
     assert code == 0, server.log()
@@ -140,6 +169,10 @@ def test_cluster_ray_on_one_machine_starts_its_own_ray(net, tiny_model, tmp_path
         assert time.monotonic() < deadline, f"left running: {host.pids()}"
         time.sleep(0.5)
     shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert answers and all(status == 200 for _, status, _ in answers), answers
+    wrong = [seed for seed, _, text in answers
+             if text != hf_generate_text(tiny_model, describe(costly_image(seed)), [costly_image(seed)], 4)]
+    assert wrong == [], answers
 
 
 @pytest.fixture(scope="module")
@@ -197,36 +230,26 @@ def test_lost_node_comes_back_on_a_spare(ray_server, ray_cluster, net, expected)
     spare = net.add_host("s")
     ray_cluster.add_nodes([(spare, 1, {"epd_decode_node": 1})])
     decode = _hosts(net)["d"]
-    results: list[tuple[str, int, str]] = []
-    stop = threading.Event()
 
-    def traffic(names: list[str]) -> None:
-        while not stop.is_set():
-            for name in names:
-                status, text = _chat(ray_server, CHATS[name][0])
-                results.append((name, status, text))
+    def send(client: int, i: int) -> tuple[str, int, str]:
+        names = (["text_only", "one_image"], ["two_images"])[client]
+        name = names[i % len(names)]
+        try:
+            return (name, *_chat(ray_server, CHATS[name][0]))
+        except httpx.HTTPError as exc:  # counted wrong below: neither a 503 nor the text
+            return name, -1, repr(exc)
 
-    clients = [threading.Thread(target=traffic, args=(names,), daemon=True)
-               for names in (["text_only", "one_image"], ["two_images"])]
-    for c in clients:
-        c.start()
-    deadline = time.monotonic() + 120
-    while len(results) < 2:  # traffic is flowing
-        assert time.monotonic() < deadline, "no request finished before the fault"
-        time.sleep(0.2)
-    killed_at = time.monotonic()
-    assert decode.kill_all() > 0
-    served_before = len(results)
-    # back: a request sent after the fault finishes (it waited for a live decode worker)
-    status, text = _chat(ray_server, CHATS["text_only"][0], timeout_s=RECOVERY_DEADLINE_S)
-    recovery_s = time.monotonic() - killed_at
-    assert (status, text) == (200, expected["text_only"])
-    while len(results) < served_before + 2:
-        assert time.monotonic() < killed_at + RECOVERY_DEADLINE_S, "traffic did not resume"
-        time.sleep(0.2)
-    stop.set()
-    for c in clients:
-        c.join(timeout=RECOVERY_DEADLINE_S)
+    with Traffic(send, num_clients=2, join_timeout_s=RECOVERY_DEADLINE_S) as traffic:
+        traffic.wait_for(2, 120, "requests before the fault")
+        killed_at = time.monotonic()
+        assert decode.kill_all() > 0
+        served_before = len(traffic.results)
+        # back: a request sent after the fault finishes (it waited for a live decode worker)
+        status, text = _chat(ray_server, CHATS["text_only"][0], timeout_s=RECOVERY_DEADLINE_S)
+        recovery_s = time.monotonic() - killed_at
+        assert (status, text) == (200, expected["text_only"])
+        traffic.wait_for(served_before + 2, RECOVERY_DEADLINE_S, "traffic after the fault")
+    results = [result for *_, result in traffic.results]
     print(f"\ndecode node lost: service back after {recovery_s:.1f} s; {len(results)} requests", flush=True)
     log = ray_server.log()
     assert re.search(rf"EPD worker decode-0: inbox tcp://{re.escape(spare.ip)}:", log), log[-3000:]

@@ -29,6 +29,7 @@ def test_a_worker_registers_with_and_reports_to_every_api_process(tmp_path):
     spec = WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), ",".join(c.address for c in collectors),
                       None, 0)
     worker = WorkerIO(spec, model_fingerprint="f")
+    worker.heartbeat.interval_s = 3600.0  # these tests count messages: no Alive in between (test_heartbeat.py)
     try:
         worker.announce()
         worker.publish(stats())
@@ -51,6 +52,7 @@ def test_one_api_process_gets_no_repeated_ready(tmp_path):
     addresses = Addresses.ipc(tmp_path)
     collector = Receiver(addresses.collector())
     worker = WorkerIO(WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), collector.address, None, 0), "f")
+    worker.heartbeat.interval_s = 3600.0
     try:
         worker.announce()
         assert isinstance(collector.recv(timeout_s=5), Ready)

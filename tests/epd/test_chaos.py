@@ -11,14 +11,13 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 from hf_reference import hf_generate_text
 from media import CHATS
-from server import start_server
+from server import Traffic, start_server
 
 MAX_TOKENS = 24  # long enough that a decode worker dies mid-stream
 REQUEST_TIMEOUT_S = 90  # the server's --request-timeout; the client waits a little longer
@@ -49,36 +48,17 @@ def _ask(base_url: str, model: str, name: str, stream: bool) -> tuple[int, str]:
     return 200, "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
-class _Traffic:
-    """NUM_CLIENTS threads sending requests back to back until stopped."""
+def _traffic(base_url: str, model: str) -> Traffic:
+    """NUM_CLIENTS clients sending the chats in turn, streamed and not; results (chat, stream, status, text)."""
+    def send(client: int, i: int) -> tuple[str, bool, int, str]:
+        j = client + i
+        name, stream = CHAT_NAMES[j % len(CHAT_NAMES)], bool(j % 2)
+        try:
+            return (name, stream, *_ask(base_url, model, name, stream))
+        except Exception as exc:  # a hang past the client timeout, or a broken stream
+            return name, stream, -1, repr(exc)
 
-    def __init__(self, base_url: str, model: str):
-        self.results: list[tuple[str, bool, int, str]] = []  # (chat, stream, status, text)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(base_url, model, i), daemon=True)
-                         for i in range(NUM_CLIENTS)]
-
-    def _loop(self, base_url: str, model: str, seed: int) -> None:
-        i = seed
-        while not self._stop.is_set():
-            name, stream = CHAT_NAMES[i % len(CHAT_NAMES)], bool(i % 2)
-            try:
-                status, text = _ask(base_url, model, name, stream)
-            except Exception as exc:  # a hang past the client timeout, or a broken stream
-                status, text = -1, repr(exc)
-            self.results.append((name, stream, status, text))
-            i += 1
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=REQUEST_TIMEOUT_S + 60)
-        assert not any(t.is_alive() for t in self._threads), "a client never got an answer"
+    return Traffic(send, NUM_CLIENTS, join_timeout_s=REQUEST_TIMEOUT_S + 60)
 
 
 def _wait_until(predicate, timeout_s: float, what: str) -> float:
@@ -99,7 +79,7 @@ def test_killing_each_role_loses_no_request(tiny_model, tmp_path):
         recovery_s = {}
         for victim in ("decode-0", "prefill-0", "encoder-0"):
             role = victim.split("-")[0]
-            with _Traffic(server.base_url, model) as traffic:
+            with _traffic(server.base_url, model) as traffic:
                 _wait_until(lambda: len(traffic.results) >= NUM_CLIENTS, 60, "traffic")
                 old_pid = _worker_pids(server.log())[victim]
                 os.kill(old_pid, signal.SIGKILL)
@@ -110,11 +90,11 @@ def test_killing_each_role_loses_no_request(tiny_model, tmp_path):
                     f"{victim} back")
                 _wait_until(lambda: len(traffic.results) >= killed_at + 2 * NUM_CLIENTS, REQUEST_TIMEOUT_S * 2,
                             "requests after the restart")
-            for name, stream, status, text in traffic.results:
+            for *_, (name, stream, status, text) in traffic.results:
                 assert status in (200, 503), (victim, name, stream, status, text)
                 if status == 200:
                     assert text == expected[name], (victim, name, stream)
-            assert sum(status == 200 for *_, status, _ in traffic.results) >= len(traffic.results) // 2, \
+            assert sum(r[2] == 200 for *_, r in traffic.results) >= len(traffic.results) // 2, \
                 traffic.results
             assert server.metric_sum("epd:worker_restarts_total", role=role) == 1
         assert server.metric_sum("epd:requests_recovered_total") >= 1  # the killed workers had requests

@@ -7,16 +7,12 @@ pool is back to one encoder. Seen through /metrics and /health, every answer
 transformers' text, the removed worker never restarted."""
 from __future__ import annotations
 
-import io
-import threading
 import time
 
 import httpx
-import numpy as np
 from hf_reference import hf_generate_text
-from media import image_part
-from PIL import Image
-from server import start_server
+from media import costly_image, describe
+from server import image_burst, start_server
 
 from epd.encoders.encoder_worker import BATCH_DELAY_ENV
 
@@ -29,54 +25,10 @@ REMOVE_DEADLINE_S = 60  # the supervisor gives a removed worker 30 s before SIGK
 UP, DOWN = 'epd:encoder_scaling_decisions_total{direction="up"}', 'epd:encoder_scaling_decisions_total{direction="down"}'
 
 
-def costly_image(seed: int, size: int = 2000) -> bytes:
-    """A PNG of a few KiB that decodes to `size`² pixels: cheap for the API (it reads
-    the header), a few hundred ms for the encoder (decode and resize)."""
-    pixels = np.zeros((size, size, 3), np.uint8)
-    pixels[::97, ::89] = 255
-    pixels[:32, :32] = np.random.default_rng(seed).integers(0, 256, (32, 32, 3))
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def messages_for(image: bytes) -> list[dict]:
-    return [{"role": "user", "content": [image_part(image), {"type": "text", "text": "Describe it."}]}]
-
-
 def ask(base_url: str, model: str, image: bytes) -> tuple[int, str]:
-    body = {"model": model, "messages": messages_for(image), "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {"model": model, "messages": describe(image), "max_tokens": MAX_TOKENS, "temperature": 0}
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=300)
     return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
-
-
-class Burst:
-    """NUM_CLIENTS threads sending requests with fresh images back to back until stopped."""
-
-    def __init__(self, base_url: str, model: str):
-        self.results: dict[int, tuple[int, str]] = {}  # image seed -> (status, text)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(base_url, model, c), daemon=True)
-                         for c in range(NUM_CLIENTS)]
-
-    def _loop(self, base_url: str, model: str, client: int) -> None:
-        seed = 1000 * client
-        while not self._stop.is_set():
-            try:
-                self.results[seed] = ask(base_url, model, costly_image(seed))
-            except httpx.HTTPError as exc:
-                self.results[seed] = (-1, repr(exc))
-            seed += 1
-
-    def __enter__(self):
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=330)
 
 
 def wait_for(server, condition, deadline_s: float, what: str) -> dict[str, float]:
@@ -101,14 +53,15 @@ def test_a_burst_adds_an_encoder_and_idleness_removes_it(tiny_model, tmp_path, m
         start = server.metrics()
         assert (start["epd:encoders"], start[UP], start[DOWN]) == (1, 0, 0)
 
-        with Burst(server.base_url, model) as burst:
+        with image_burst(server.base_url, NUM_CLIENTS, MAX_TOKENS) as burst:
             def second_encoder_works(m):  # up, registered, and it encoded images of the burst
                 return m["epd:encoders"] == 2 and any(
                     k.startswith("epd:encoder_images_total") and 'worker="encoder-1"' in k and v > 0
                     for k, v in m.items())
             grown = wait_for(server, second_encoder_works, SCALE_UP_DEADLINE_S, "a second encoder taking images")
         assert grown[UP] >= 1
-        assert burst.results and all(status == 200 for status, _ in burst.results.values()), burst.results
+        answers = {seed: (status, text) for *_, (seed, status, text) in burst.results}
+        assert answers and all(status == 200 for status, _ in answers.values()), answers
 
         shrunk = wait_for(server, lambda m: m["epd:encoders"] == 1 and m[DOWN] >= 1, SCALE_DOWN_DEADLINE_S,
                           "back to one encoder")
@@ -120,10 +73,10 @@ def test_a_burst_adds_an_encoder_and_idleness_removes_it(tiny_model, tmp_path, m
         after = costly_image(seed=999_999)
         status, text = ask(server.base_url, model, after)
         assert status == 200
-        for seed, (_, burst_text) in sorted(burst.results.items())[:2]:
-            assert burst_text == hf_generate_text(tiny_model, messages_for(costly_image(seed)),
+        for seed, (_, burst_text) in sorted(answers.items())[:2]:
+            assert burst_text == hf_generate_text(tiny_model, describe(costly_image(seed)),
                                                   [costly_image(seed)], MAX_TOKENS)
-        assert text == hf_generate_text(tiny_model, messages_for(after), [after], MAX_TOKENS)
+        assert text == hf_generate_text(tiny_model, describe(after), [after], MAX_TOKENS)
         assert "adding encoder-1" in server.log()
         deadline = time.monotonic() + REMOVE_DEADLINE_S
         while " removed (exit code" not in server.log():  # reaped once it exited

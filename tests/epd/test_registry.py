@@ -1,8 +1,10 @@
 """The API's view of its workers (who counts as alive) and when a dead one is started again."""
 from __future__ import annotations
 
+import pytest
+
 from epd.serve.registry import WorkerRegistry
-from epd.transport.messages import Ready
+from epd.transport.messages import Alive, Ready, WorkerStats
 
 
 def _registry(supervised: set[str]) -> WorkerRegistry:
@@ -17,6 +19,30 @@ def test_silence_kills_only_the_workers_no_supervisor_here_watches():
     registry = _registry({"prefill-0"})
     assert [w.worker_id for w in registry.live("prefill")] == ["prefill-0"]  # busy, not dead
     assert registry.live("encoder") == []  # an `epd worker` elsewhere: silence is all we know
+
+
+def test_alive_from_a_busy_worker_keeps_it_live_until_it_is_stuck():
+    registry = WorkerRegistry(heartbeat_timeout_s=10.0, stuck_after_s=60.0)
+    info = registry.on_ready(Ready("encoder@hostb:7000", "encoder", "tcp://hostb:7000", "hostb"))
+    info.last_seen_s -= 11.0  # no stats for 11 s: silent
+    assert registry.live("encoder") == []
+    registry.on_alive(Alive("encoder@hostb:7000", busy_s=11.0))  # its heartbeat thread: busy, not dead
+    assert registry.live("encoder") == [info]
+    registry.on_alive(Alive("encoder@hostb:7000", busy_s=61.0))  # busy past the request timeout: stuck
+    assert registry.is_stuck(info) and registry.live("encoder") == []
+    registry.on_stats(WorkerStats("encoder@hostb:7000", "encoder", 0, 0, 0, 0, 0))  # its loop came back
+    assert registry.live("encoder") == [info]
+    registry.mark_dead("encoder@hostb:7000")
+    registry.on_alive(Alive("encoder@hostb:7000", busy_s=1.0))  # a late beat does not raise the dead
+    assert registry.live("encoder") == []
+
+
+def test_the_heartbeat_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EPD_HEARTBEAT_TIMEOUT_S", "2.5")
+    assert WorkerRegistry().heartbeat_timeout_s == 2.5
+    monkeypatch.setenv("EPD_HEARTBEAT_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="EPD_HEARTBEAT_TIMEOUT_S='soon': expected seconds"):
+        WorkerRegistry()
 
 
 def test_a_supervised_worker_is_dead_once_its_exit_is_reported():

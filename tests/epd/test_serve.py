@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import re
 import subprocess
@@ -15,8 +16,6 @@ import pytest
 from hf_reference import hf_generate_text
 from media import CHATS, image_bytes, image_part
 from server import ServerProcess, free_port, start_server
-
-from epd.serve.registry import HEARTBEAT_TIMEOUT_S
 
 MAX_TOKENS = 10
 
@@ -241,46 +240,58 @@ def test_cache_survives_a_restart(tiny_model, tmp_path):
     assert not second.group_alive()
 
 
-def test_external_worker_over_tcp(tiny_model, tmp_path, expected_texts):
-    """`epd serve --external-workers` + `epd worker --api tcp://...` on loopback,
-    with worker-plane keys: a peer without them joins nothing and stops nothing."""
+def test_external_workers_over_tcp(tiny_model, tmp_path, expected_texts):
+    """`epd serve --external-workers` + `epd worker --api tcp://...` (an encoder
+    and a pd worker) on loopback, with worker-plane keys: a peer without them
+    joins nothing and stops nothing. Nobody here supervises these workers, so
+    the API judges them by their messages: an encoder batch twice as long as
+    the heartbeat timeout does not make the encoder look dead (its heartbeat
+    thread says Alive), and a killed one is found dead by its silence."""
     keys = tmp_path / "keys"
     assert subprocess.run([sys.executable, "-m", "epd.cli", "keys", str(keys)]).returncode == 0
     port = free_port()
     worker_port = free_port()
-    api = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--external-workers", "--port", str(port),
-                         "--worker-port", str(worker_port), "--worker-keys", str(keys)], port, str(tmp_path / "api.log"))
-    worker = ServerProcess(["worker", tiny_model, "--role", "aggregated", "--api", f"tcp://127.0.0.1:{worker_port}",
-                            "--num-kv-blocks", "128", "--dtype", "float32", "--device", "cpu", "--threads", "1",
-                            "--worker-keys", str(keys)], worker_port, str(tmp_path / "worker.log"))
+    timeout_s = 3.0
+    api = ServerProcess(["serve", tiny_model, "--mode", "e-pd", "--external-workers", "--port", str(port),
+                         "--worker-port", str(worker_port), "--worker-keys", str(keys)], port, str(tmp_path / "api.log"),
+                        env={**os.environ, "EPD_HEARTBEAT_TIMEOUT_S": str(timeout_s)})
+    common = [tiny_model, "--api", f"tcp://127.0.0.1:{worker_port}", "--dtype", "float32", "--device", "cpu",
+              "--threads", "1", "--worker-keys", str(keys)]
+    encoder = ServerProcess(["worker", *common, "--role", "encoder"], worker_port, str(tmp_path / "encoder.log"),
+                            env={**os.environ, "EPD_TEST_ENCODER_BATCH_DELAY_S": str(2 * timeout_s)})
+    pd = ServerProcess(["worker", *common, "--role", "pd", "--num-kv-blocks", "128"], worker_port,
+                       str(tmp_path / "pd.log"))
     try:
         api.wait_ready()
         messages, _ = CHATS["one_image"]
-        assert chat_text(api, messages) == expected_texts["one_image"]
+        assert chat_text(api, messages) == expected_texts["one_image"]  # one encoder batch of >= 6 s
+        assert "treated as dead" not in api.log(), api.log()
+        assert api.settled_sum("epd:encoder_images_total") == 1  # encoded once: never failed over
         workers = [k for k in api.metrics() if k.startswith("epd:num_requests_running{")]
-        assert len(workers) == 1 and 'worker="aggregated@' in workers[0]
-        inbox = re.search(r"inbox (tcp://\S+)", worker.log()).group(1)
+        assert any('worker="pd@' in k for k in workers), workers
+        inbox = re.search(r"inbox (tcp://\S+)", pd.log()).group(1)
         with _forged_peer(f"tcp://127.0.0.1:{worker_port}", inbox) as rogue:
             for _ in range(3):  # the worker was not stopped, and no request goes to the rogue
-                assert chat_text(api, messages) == expected_texts["one_image"]
+                assert chat_text(api, CHATS["text_only"][0]) == expected_texts["text_only"]
             assert rogue.poll(1000) == 0
         assert [k for k in api.metrics() if k.startswith("epd:num_requests_running{")] == workers
-        # nobody here supervises an external worker: silent past the heartbeat timeout, it is dead
-        worker.proc.kill()
-        deadline = time.monotonic() + HEARTBEAT_TIMEOUT_S + 20
+        # silent past the heartbeat timeout, a killed worker is dead
+        encoder.proc.kill()
+        deadline = time.monotonic() + timeout_s + 20
         while (health := httpx.get(api.base_url + "/health")).status_code == 200:
             assert time.monotonic() < deadline, "the silent worker was never declared dead"
             time.sleep(0.5)
-        assert health.status_code == 503 and health.json()["missing_roles"] == ["aggregated"]
+        assert health.status_code == 503 and health.json()["missing_roles"] == ["encoder"]
     finally:
         api.stop()
-        worker.stop()
-    assert not api.group_alive() and not worker.group_alive()
+        encoder.stop()
+        pd.stop()
+    assert not api.group_alive() and not encoder.group_alive() and not pd.group_alive()
 
 
 @contextlib.contextmanager
 def _forged_peer(collector: str, inbox: str):
-    """A peer without the plane's keys sends a Ready for a rogue prefill worker
+    """A peer without the plane's keys sends a Ready for a rogue pd worker
     (which would receive users' prompts) and a Shutdown to the real worker;
     yields the rogue's inbox."""
     import zmq
@@ -291,7 +302,7 @@ def _forged_peer(collector: str, inbox: str):
     try:
         rogue = ctx.socket(zmq.PULL)
         rogue_port = rogue.bind_to_random_port("tcp://127.0.0.1")
-        for address, msg in ((collector, Ready("prefill-66", "prefill", f"tcp://127.0.0.1:{rogue_port}", "evil")),
+        for address, msg in ((collector, Ready("pd-66", "pd", f"tcp://127.0.0.1:{rogue_port}", "evil")),
                              (inbox, Shutdown())):
             push = ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)

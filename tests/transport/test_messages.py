@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerExited, WorkerStats,
+    Alive, PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
@@ -84,6 +84,7 @@ def make_messages() -> list[Message]:
         Shutdown(),
         WorkerExited("decode-0", -9),
         WorkerExited("prefill-1", None),
+        Alive("encoder-0", 12.5),
     ]
 
 
