@@ -382,8 +382,26 @@ class TokenOutputs(Message):
         for i, entry in enumerate(entries):
             _need(len(entry) == len(_TOKEN_OUTPUT_KEYS), cls.TYPE,
                   f"outputs[{i}]: {len(_TOKEN_OUTPUT_KEYS)} items, got {len(entry)}")
-            outputs.append(TokenOutput._build(Fields(dict(zip(_TOKEN_OUTPUT_KEYS, entry)), f"{cls.TYPE}[{i}]"), []))
+            out = _plain_output(entry)
+            if out is None:  # logprobs, or a bad field: TokenOutput's own checks (which name the field)
+                out = TokenOutput._build(Fields(dict(zip(_TOKEN_OUTPUT_KEYS, entry)), f"{cls.TYPE}[{i}]"), [])
+            outputs.append(out)
         return cls(outputs)
+
+
+def _plain_output(entry: list) -> TokenOutput | None:
+    """The common entry (no logprobs, every field well typed) checked inline, a few
+    us cheaper than the named getters per output; None for anything else."""
+    request_id, token_ids, finished, finish_reason, num_prompt_tokens, num_cached_tokens, logprobs, error, index, \
+        is_internal_error = entry
+    if (logprobs is None and type(request_id) is str and type(token_ids) is list
+            and all(type(t) is int and t >= 0 for t in token_ids) and type(finished) is bool
+            and (finish_reason is None or type(finish_reason) is str and finish_reason in FINISH_REASONS)
+            and type(num_prompt_tokens) is int and type(num_cached_tokens) is int
+            and (error is None or type(error) is str) and type(index) is int and type(is_internal_error) is bool):
+        return TokenOutput(request_id, token_ids, finished, finish_reason, num_prompt_tokens, num_cached_tokens,
+                           None, error, index, is_internal_error)
+    return None
 
 
 @dataclass
