@@ -274,7 +274,7 @@ class EngineWorker(WorkerIO):
             return
         for request_id, error in result.failed.items():  # e.g. a grammar this engine cannot compile
             self._fail(request_id, error)
-        outputs = []
+        outputs, prefilled = [], []
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)
@@ -287,10 +287,12 @@ class EngineWorker(WorkerIO):
                 outputs.append(out)
             self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded
             if update.is_prefilled:
-                self._send_kv(request)
+                prefilled.append(request)
             elif update.is_finished:
                 self.decode_target.pop(update.request_id, None)
         self._send_step_outputs(outputs)
+        for request in prefilled:  # after the step's first tokens: the client sees them before the KV moves
+            self._send_kv(request)
 
     def _hold(self, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
         """`out` joined to what is held for its request: returned to be sent when
