@@ -83,16 +83,21 @@ STREAM_TOKENS = 13
 @pytest.fixture(scope="module")
 def offline(tiny_model):
     """The offline engine's greedy completion of STREAM_PROMPT (every token as it comes, no
-    serving), a stop string from its middle, and the completion that string stops."""
+    serving), a stop string that the 6th token completes, and the completion it stops. The
+    6th is inside a held batch at intervals 3 (tokens 4-6) and 4 (tokens 5-8), so the
+    tokens after it must be dropped for the counts to match."""
     from epd.llm import LLM
     from epd.transport.sampling import SamplingParams
 
     llm = LLM(tiny_model)
     params = dict(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True)
     full = llm.generate(STREAM_PROMPT, SamplingParams(**params))[0].outputs[0]
-    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    before, through = (llm.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False) for k in (5, 6))
+    stop = through[len(before):]
+    assert stop.strip() and stop not in before and through.startswith(before)
     stopped = llm.generate(STREAM_PROMPT, SamplingParams(**params, stop=[stop]))[0].outputs[0]
-    assert len(full.token_ids) == STREAM_TOKENS and stop.strip() and stopped.finish_reason == "stop"
+    assert len(full.token_ids) == STREAM_TOKENS and len(stopped.token_ids) == 6 and stopped.finish_reason == "stop"
     return full, stop, stopped
 
 
