@@ -91,31 +91,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Server:
-    """One `epd serve` subprocess, pinned to `cpus`, ready when /health is 200."""
+class ServeProcess:
+    """One `epd serve` subprocess on a free port, pinned to `cpus`, ready when
+    /health is 200 (the server sizes its workers' threads from the CPU set it
+    is pinned to). `extra`: more `epd serve` flags."""
 
-    def __init__(self, args, mode: str, sharing: str, cpus: set[int], log_path: Path):
+    def __init__(self, model: str, mode: str, cpus, extra: list[str], log_path: Path):
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        # the server sizes its workers' threads from the CPU set it is pinned to
-        cmd = [sys.executable, "-m", "epd.cli", "serve", args.model_dir, "--mode", mode, "--port", str(self.port),
-               "--cpu-sharing", sharing, *args.server_args.split()]
+        cmd = [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode, "--port", str(self.port), *extra]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(self, timeout_s: float = 600.0) -> str:
+        """The served model name."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
+                    return httpx.get(self.base_url + "/v1/models", timeout=5).json()["data"][0]["id"]
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
-        raise TimeoutError(f"epd serve not ready after {timeout_s} s (see {self._log.name})")
+            time.sleep(0.3)
+        raise TimeoutError(f"epd serve not ready after {timeout_s:.0f} s (see {self._log.name})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -126,6 +127,13 @@ class _Server:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class _Server(ServeProcess):
+    """The sweeps' server: `args.model_dir` with `--cpu-sharing` and `args.server_args`."""
+
+    def __init__(self, args, mode: str, sharing: str, cpus: set[int], log_path: Path):
+        super().__init__(args.model_dir, mode, cpus, ["--cpu-sharing", sharing, *args.server_args.split()], log_path)
 
 
 def _run_at(args, base_url: str, rate: float, out: Path, seed: int | None = None) -> dict:

@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,9 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
-from epd.bench.compare import cpu_set
+from epd.bench.compare import ServeProcess, cpu_set
 from epd.bench.light_client import completion_body, run_in_processes
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -117,46 +114,12 @@ def children_cpu_s(pid: int) -> float:
     return total
 
 
-class Server:
-    """`epd serve` pinned to `cpus`, on a free port, ready when /health is 200."""
-
-    def __init__(self, model: str, mode: str, cpus: list[int], extra: list[str], log_path: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode, "--port", str(self.port),
-               "--dtype", "float32", "--device", "cpu", *extra]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
-
-    def wait_ready(self, timeout_s: float = 300.0) -> str:
-        """The served model name."""
-        deadline = time.monotonic() + timeout_s
-        base = f"http://127.0.0.1:{self.port}"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    return httpx.get(base + "/v1/models", timeout=5).json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"epd serve not ready after {timeout_s:.0f} s (see {self._log.name})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+def start_server(model: str, mode: str, cpus: list[int], extra: list[str], log_path: Path) -> ServeProcess:
+    """`epd serve` pinned to `cpus`, float32 on the CPU as the offline engine runs."""
+    return ServeProcess(model, mode, cpus, ["--dtype", "float32", "--device", "cpu", *extra], log_path)
 
 
-def served_run(server: Server, model_name: str, prompts: list[list[int]], output_len: int, concurrency: int,
+def served_run(server: ServeProcess, model_name: str, prompts: list[list[int]], output_len: int, concurrency: int,
                client_procs: int) -> dict:
     """One closed-loop run: tokens/s, requests/s, and CPU of the API, its workers and the client."""
     bodies = [completion_body(model_name, p, output_len) for p in prompts]
@@ -180,7 +143,7 @@ def served_run(server: Server, model_name: str, prompts: list[list[int]], output
             "client_us_per_token": sum(r.cpu_s for r in results) / num_tokens * 1e6}
 
 
-def profile_run(server: Server, run, out_path: Path) -> list[tuple[str, float]]:
+def profile_run(server: ServeProcess, run, out_path: Path) -> list[tuple[str, float]]:
     """`run()` with py-spy sampling the API process; returns the top functions by own time (share of samples)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.path.exists(py_spy):
@@ -235,7 +198,8 @@ def main(args) -> dict:
     rows, profiles = [], {}
     extra = ["--num-kv-blocks", str(args.num_kv_blocks), *args.server_args.split()]
     for mode in modes:
-        server = Server(args.model, mode, cpus, extra, Path(out_dir or tempfile.gettempdir()) / f"overhead-{mode}.log")
+        server = start_server(args.model, mode, cpus, extra,
+                              Path(out_dir or tempfile.gettempdir()) / f"overhead-{mode}.log")
         try:
             name = server.wait_ready()
             warm = workload(vocab_size, 8, args.input_len, seed=99)

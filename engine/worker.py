@@ -1,7 +1,9 @@
 """The prefill / decode / pd / aggregated worker loop around an `EngineCore`.
 
     loop:  drain inbox -> admit requests whose images are ready -> engine.step()
-           -> TokenOutput to the API (and KVTransfer to decode, prefill role)
+           -> one TokenOutputs per API process with the step's outputs (and
+              KVTransfer to decode, prefill role); with a stream interval N a
+              request's tokens are held until N are here (the first and the last go at once)
            -> WorkerStats every `stats_interval_s`
 
 Roles:
@@ -29,7 +31,7 @@ from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Outcome, Ready
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
-                                PrefillRequest, Shutdown, TokenOutput, WorkerStats)
+                                PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
@@ -57,6 +59,7 @@ class EngineWorker(WorkerIO):
         self.api_index: dict[str, int] = {}  # several API processes: request id -> the one its outputs go to
         self.transfer_start: dict[str, float] = {}
         self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
+        self.held: dict[str, TokenOutput] = {}  # stream interval: tokens not sent yet, by request id
         self.running = True
         self.counters = EngineCounters()  # the scheduler's own counters are copied in at each WorkerStats
         self.encoder_counters = EncoderCounters() if encode_fn is not None else None
@@ -200,6 +203,7 @@ class EngineWorker(WorkerIO):
         ids = set(request_ids)
         aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
         for rid in ids:
+            self.held.pop(rid, None)
             self.decode_target.pop(rid, None)
             self.api_index.pop(rid, None)
             self.transfer_start.pop(rid, None)
@@ -270,23 +274,58 @@ class EngineWorker(WorkerIO):
             return
         for request_id, error in result.failed.items():  # e.g. a grammar this engine cannot compile
             self._fail(request_id, error)
+        outputs, prefilled = [], []
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)
-            self._send_output(TokenOutput(
+            out = self._hold(TokenOutput(
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
-                index=request.num_output_tokens - len(update.new_token_ids)))
+                index=request.num_output_tokens - len(update.new_token_ids)), request.sampling_params.stream_interval)
+            if out is not None:
+                outputs.append(out)
             self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded
             if update.is_prefilled:
-                self._send_kv(request)
+                prefilled.append(request)
             elif update.is_finished:
                 self.decode_target.pop(update.request_id, None)
+        self._send_step_outputs(outputs)
+        for request in prefilled:  # after the step's first tokens: the client sees them before the KV moves
+            self._send_kv(request)
+
+    def _hold(self, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
+        """`out` joined to what is held for its request: returned to be sent when
+        due (the request's first token, `stream_interval` tokens gathered, or the
+        last), else kept here (None)."""
+        held = self.held.pop(out.request_id, None)
+        if held is not None:
+            held.token_ids += out.token_ids
+            if held.logprobs is not None:
+                held.logprobs += out.logprobs or []
+            held.finished, held.finish_reason = out.finished, out.finish_reason
+            out = held
+        if out.finished or out.index == 0 or len(out.token_ids) >= stream_interval:
+            return out
+        self.held[out.request_id] = out
+        return None
+
+    def _send_step_outputs(self, outputs: list[TokenOutput]) -> None:
+        """A step's outputs, one TokenOutputs message per API process they go to."""
+        by_api: dict[int, list[TokenOutput]] = {}
+        for out in outputs:
+            by_api.setdefault(self._api_of(out), []).append(out)
+        for index, outs in by_api.items():
+            self.outbox.send(self.apis[index], TokenOutputs(outs))
 
     def _send_output(self, out: TokenOutput) -> None:
-        index = self.api_index.pop(out.request_id, 0) if out.finished else self.api_index.get(out.request_id, 0)
-        self.outbox.send(self.apis[index], out)
+        """One output outside a step's batch (an error): whatever its request held is dropped."""
+        self.held.pop(out.request_id, None)
+        self.outbox.send(self.apis[self._api_of(out)], out)
+
+    def _api_of(self, out: TokenOutput) -> int:
+        """The API process `out` goes to (a request's last output forgets it)."""
+        return self.api_index.pop(out.request_id, 0) if out.finished else self.api_index.get(out.request_id, 0)
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()

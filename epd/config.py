@@ -95,6 +95,7 @@ class ServeConfig:
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
     api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
+    stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -117,6 +118,8 @@ class ServeConfig:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if not 1 <= self.api_servers <= MAX_API_SERVERS:
             raise ValueError(f"--api-servers must be in 1..{MAX_API_SERVERS}, got {self.api_servers}")
         if self.api_servers > 1 and self.ray is not None:

@@ -46,6 +46,7 @@ class IncrementalDetokenizer:
         # The last prompt tokens lead the list as context; output tokens follow.
         context = list(prompt_token_ids or [])[-_NUM_PROMPT_CONTEXT_TOKENS:]
         self._token_ids: list[int] = context
+        self._num_context = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._decoded = ""  # stable text of the output so far (includes held-back chars)
@@ -56,6 +57,11 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         """Everything released so far."""
         return self._decoded[:self._num_emitted]
+
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens read so far: once a stop string matched, `push` reads no further."""
+        return len(self._token_ids) - self._num_context
 
     @property
     def is_stopped(self) -> bool:

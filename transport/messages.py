@@ -36,7 +36,7 @@ from epd.transport.mm_span import MMSpan
 
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
-    "KVTransfer", "KVAck", "TokenOutput", "WorkerStats", "Ready", "Abort", "Shutdown",
+    "KVTransfer", "KVAck", "TokenOutput", "TokenOutputs", "WorkerStats", "Ready", "Abort", "Shutdown",
     "WorkerExited", "Alive",
     "MESSAGE_TYPES", "decode_message",
 ]
@@ -351,6 +351,59 @@ class TokenOutput(Message):
                    f.bool("is_internal_error"))
 
 
+# TokenOutput's fields in the order of its list form (TokenOutputs' entries).
+_TOKEN_OUTPUT_KEYS = ("request_id", "token_ids", "finished", "finish_reason", "num_prompt_tokens",
+                      "num_cached_tokens", "logprobs", "error", "index", "is_internal_error")
+
+
+@dataclass
+class TokenOutputs(Message):
+    """Worker -> API, once per engine step: every TokenOutput of the step bound
+    for one API process, in the order the step made them.
+
+    Each entry is a TokenOutput as a 10-item list, its fields in the order of
+    `_TOKEN_OUTPUT_KEYS`, checked as TokenOutput's own fields are. A step of
+    128 streams is one message (one receive, one header decode on the API's
+    event loop) instead of 128. A worker still sends a lone TokenOutput for an
+    output outside a step (a request that failed on admission)."""
+
+    TYPE: ClassVar[str] = "token_outputs"
+    outputs: list[TokenOutput]
+
+    def _fields(self):
+        return {"outputs": [[o.request_id, list(o.token_ids), o.finished, o.finish_reason, o.num_prompt_tokens,
+                             o.num_cached_tokens, logprobs_to_list(o.logprobs), o.error, o.index,
+                             o.is_internal_error] for o in self.outputs]}
+
+    @classmethod
+    def _build(cls, f, payload):
+        entries = f.list_of("outputs", list)
+        outputs = []
+        for i, entry in enumerate(entries):
+            _need(len(entry) == len(_TOKEN_OUTPUT_KEYS), cls.TYPE,
+                  f"outputs[{i}]: {len(_TOKEN_OUTPUT_KEYS)} items, got {len(entry)}")
+            out = _plain_output(entry)
+            if out is None:  # logprobs, or a bad field: TokenOutput's own checks (which name the field)
+                out = TokenOutput._build(Fields(dict(zip(_TOKEN_OUTPUT_KEYS, entry)), f"{cls.TYPE}[{i}]"), [])
+            outputs.append(out)
+        return cls(outputs)
+
+
+def _plain_output(entry: list) -> TokenOutput | None:
+    """The common entry (no logprobs, every field well typed) checked inline, a few
+    us cheaper than the named getters per output; None for anything else."""
+    request_id, token_ids, finished, finish_reason, num_prompt_tokens, num_cached_tokens, logprobs, error, index, \
+        is_internal_error = entry
+    if (logprobs is None and type(request_id) is str and type(token_ids) is list
+            and all(type(t) is int and t >= 0 for t in token_ids) and type(finished) is bool
+            and (finish_reason is None or type(finish_reason) is str and finish_reason in FINISH_REASONS)
+            and type(num_prompt_tokens) is int and type(num_cached_tokens) is int
+            and (error is None or type(error) is str) and type(index) is int and type(is_internal_error) is bool):
+        return TokenOutput(request_id, token_ids, finished, finish_reason, num_prompt_tokens, num_cached_tokens,
+                           None, error, index, is_internal_error)
+    return None
+
+
 @dataclass
 class WorkerStats(Message):
     """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
@@ -471,6 +524,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "kv_transfer": KVTransfer,
     "kv_ack": KVAck,
     "token_output": TokenOutput,
+    "token_outputs": TokenOutputs,
     "worker_stats": WorkerStats,
     "ready": Ready,
     "abort": Abort,

@@ -132,6 +132,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     structured_outputs: StructuredOutputsParams | None = None
+    # Delivery, not sampling (like vLLM's output_kind): a served stream's tokens
+    # leave the worker every `stream_interval` tokens, the first and the last at
+    # once (`epd serve --stream-interval`, set by the API); the offline LLM ignores it.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +153,8 @@ class SamplingParams:
         """Raises ValueError naming the first invalid field."""
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -33,7 +33,8 @@ def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
             "logit_bias": None if p.logit_bias is None else [[t, float(b)] for t, b in p.logit_bias.items()],
             "allowed_token_ids": None if p.allowed_token_ids is None else list(p.allowed_token_ids),
             "bad_words": list(p.bad_words),
-            "structured_outputs": None if p.structured_outputs is None else p.structured_outputs.to_map()}
+            "structured_outputs": None if p.structured_outputs is None else p.structured_outputs.to_map(),
+            "stream_interval": p.stream_interval}
 
 
 def sampling_from_map(m: Fields) -> SamplingParams:
@@ -47,7 +48,8 @@ def sampling_from_map(m: Fields) -> SamplingParams:
         stop_token_ids=m.token_ids("stop_token_ids"), ignore_eos=m.bool("ignore_eos"),
         logprobs=m.opt_int("logprobs"), skip_special_tokens=m.bool("skip_special_tokens"),
         logit_bias=m.opt_list("logit_bias"), allowed_token_ids=m.opt_list("allowed_token_ids"),
-        bad_words=m.list_of("bad_words", str), structured_outputs=m.opt_map("structured_outputs"))
+        bad_words=m.list_of("bad_words", str), structured_outputs=m.opt_map("structured_outputs"),
+        stream_interval=m.int("stream_interval"))
     m.reject_unknown(kwargs)
     if kwargs["logit_bias"] is not None:
         if not all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0

@@ -14,7 +14,7 @@
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
-WorkerStats, Alive (a busy worker's heartbeat), TokenOutput (and, with several API processes, the launcher's
+WorkerStats, Alive (a busy worker's heartbeat), TokenOutputs (one per engine step; TokenOutput for a lone error) (and, with several API processes, the launcher's
 WorkerExited). API process `api_index` names itself in each PrefillRequest,
 so the workers send that request's tokens to its collector.
 """
@@ -48,7 +48,7 @@ from epd.serve.token_order import TokenOrder
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import (Abort, Alive, EncodeRequest, PrefillRequest, Ready, Shutdown, TokenOutput,
-                                    WireError, WorkerExited, WorkerStats)
+                                    TokenOutputs, WireError, WorkerExited, WorkerStats)
 from epd.transport.mm_cache import MMCache, mm_hash
 from epd.transport.mm_span import MMSpan
 from epd.transport.roles import Role
@@ -189,13 +189,20 @@ class Orchestrator:
                 await self._on_message(msg)
 
     async def _on_message(self, msg) -> None:
-        if isinstance(msg, TokenOutput):
+        if isinstance(msg, TokenOutputs):  # one engine step's outputs
+            attempts = self.attempts
+            for out in msg.outputs:
+                attempt = attempts.get(out.request_id)
+                if attempt is not None:
+                    attempt.queue.put_nowait(out)
+                else:
+                    await self._on_stray_output(out)
+        elif isinstance(msg, TokenOutput):
             attempt = self.attempts.get(msg.request_id)
             if attempt is not None:
                 attempt.queue.put_nowait(msg)
-            elif msg.request_id in self._abandoned:  # a worker (perhaps restarted) ran a stale try
-                del self._abandoned[msg.request_id]
-                await self._abort_everywhere(msg.request_id)
+            else:
+                await self._on_stray_output(msg)
         elif isinstance(msg, WorkerStats):
             self.registry.on_stats(msg)
             self._silent.discard(msg.worker_id)
@@ -211,6 +218,13 @@ class Orchestrator:
             self._open_cache()
         elif isinstance(msg, WorkerExited):
             self.on_worker_exit(msg.worker_id, msg.exit_code)
+
+    async def _on_stray_output(self, out: TokenOutput) -> None:
+        """An output no try waits for: a worker (perhaps restarted) running a try
+        given up is told to drop it; anything else (a try ended) is ignored."""
+        if out.request_id in self._abandoned:
+            del self._abandoned[out.request_id]
+            await self._abort_everywhere(out.request_id)
 
     # ------------------------------------------------------------- facade
 
@@ -361,15 +375,17 @@ class Orchestrator:
                         # that fell behind catches up in one step instead of one per token.
                         token_ids, logprobs, parts, finish = [], [] if out.logprobs else None, [], None
                         while True:
-                            attempt.num_emitted += len(out.token_ids)
-                            emitted += out.token_ids
-                            token_ids += out.token_ids
+                            new_ids, new_logprobs, num_read = out.token_ids, out.logprobs, detok.num_tokens
+                            parts.append(detok.push(new_ids))
+                            if detok.is_stopped:  # tokens after the stop string (held by a stream interval) go
+                                new_ids = new_ids[:detok.num_tokens - num_read]
+                                new_logprobs = new_logprobs and new_logprobs[:len(new_ids)]
+                            attempt.num_emitted += len(new_ids)
+                            emitted += new_ids
+                            token_ids += new_ids
                             if logprobs is not None:
-                                logprobs += out.logprobs or ()
-                            parts.append(detok.push(out.token_ids))
-                            finish = out.finish_reason if out.finished else None
-                            if finish is None and detok.is_stopped:
-                                finish = "stop"
+                                logprobs += new_logprobs or ()
+                            finish = "stop" if detok.is_stopped else out.finish_reason if out.finished else None
                             if finish is not None:
                                 parts.append(detok.finish())
                                 attempt.is_finished = out.finished
@@ -470,7 +486,8 @@ class Orchestrator:
         attempt = Attempt(attempt_id, asyncio.Queue(), prefill, decode)
         self.attempts[attempt_id] = attempt
         sampling = replace(req.sampling, max_tokens=max_tokens - len(emitted), n=1,
-                           min_tokens=max(0, req.sampling.min_tokens - len(emitted)))
+                           min_tokens=max(0, req.sampling.min_tokens - len(emitted)),
+                           stream_interval=self.config.stream_interval)
         try:
             # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
             # has it before any EncodeDone (a busy one may still read them out of order).

@@ -3,6 +3,7 @@ official `openai` client, against transformers' greedy text."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -44,6 +45,11 @@ def expected_texts(tiny_model):
     return {name: hf_generate_text(tiny_model, m, imgs, max_new_tokens=MAX_TOKENS) for name, (m, imgs) in CHATS.items()}
 
 
+# A stream interval per mode: aggregated sends every token (the default), the others hold tokens in
+# the worker; every test below must give the same outputs in all three.
+STREAM_INTERVALS = {"aggregated": 1, "e-pd": 3, "e-p-d": 4}
+
+
 @pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
 def server(request, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
@@ -53,9 +59,11 @@ def server(request, tiny_model, tmp_path_factory):
         extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"), "--max-local-prefill-tokens", "64"]
     if request.param == "e-pd":
         extra = ["--mm-cache-gb", "0.0001", "--cpu-sharing", "split"]  # ~100 KiB: a few embeddings, then eviction
-    srv = start_server(tiny_model, tmp, request.param, *extra)
+    srv = start_server(tiny_model, tmp, request.param, *extra,
+                       "--stream-interval", str(STREAM_INTERVALS[request.param]))
     srv.cache_dir = str(tmp / "cache")
     srv.mode = request.param
+    srv.stream_interval = STREAM_INTERVALS[request.param]
     yield srv
     assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"
@@ -66,6 +74,82 @@ def test_greedy_text_equals_transformers(server, expected_texts, chat):
     messages, _ = CHATS[chat]
     assert chat_text(server, messages) == expected_texts[chat]
     assert chat_text(server, messages, stream=True) == expected_texts[chat]
+
+
+STREAM_PROMPT = [400 + 13 * i for i in range(12)]  # token ids
+STREAM_TOKENS = 13
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    """The offline engine's greedy completion of STREAM_PROMPT (every token as it comes, no
+    serving), a stop string that the 6th token completes, and the completion it stops. The
+    6th is inside a held batch at intervals 3 (tokens 4-6) and 4 (tokens 5-8), so the
+    tokens after it must be dropped for the counts to match."""
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    llm = LLM(tiny_model)
+    params = dict(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True)
+    full = llm.generate(STREAM_PROMPT, SamplingParams(**params))[0].outputs[0]
+    before, through = (llm.tokenizer.decode(full.token_ids[:k], skip_special_tokens=True,
+                                            clean_up_tokenization_spaces=False) for k in (5, 6))
+    stop = through[len(before):]
+    assert stop.strip() and stop not in before and through.startswith(before)
+    stopped = llm.generate(STREAM_PROMPT, SamplingParams(**params, stop=[stop]))[0].outputs[0]
+    assert len(full.token_ids) == STREAM_TOKENS and len(stopped.token_ids) == 6 and stopped.finish_reason == "stop"
+    return full, stop, stopped
+
+
+def completion(server, stream: bool, **body) -> tuple[list[dict], dict]:
+    """/v1/completions of STREAM_PROMPT with one logprob entry per token: (the content
+    events, one per SSE event; or the one response) and the usage."""
+    body = {"model": server_model(server), "prompt": STREAM_PROMPT, "temperature": 0, "ignore_eos": True,
+            "max_tokens": STREAM_TOKENS, "logprobs": 0, "stream": stream, **body}
+    if not stream:
+        r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return [r.json()], r.json()["usage"]
+    events = []
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=120,
+                      json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return [e for e in events if e["choices"]], events[-1]["usage"]
+
+
+def choice_outputs(events: list[dict], n: int) -> list[tuple[str, list[str], str]]:
+    """Per choice: its text, its tokens (from logprobs) and its finish reason."""
+    outputs = []
+    for index in range(n):
+        choices = [c for e in events for c in e["choices"] if c["index"] == index]
+        outputs.append(("".join(c["text"] for c in choices),
+                        [t for c in choices for t in c["logprobs"]["tokens"]],
+                        [c["finish_reason"] for c in choices if c["finish_reason"]][-1]))
+    return outputs
+
+
+def test_stream_interval_gives_the_same_text_and_tokens_in_fewer_events(server, offline):
+    full, _, _ = offline
+    whole, whole_usage = completion(server, stream=False)
+    events, usage = completion(server, stream=True)
+    [(text, tokens, finish)] = choice_outputs(whole, 1)
+    assert text == full.text and len(tokens) == STREAM_TOKENS and finish == "length"
+    assert choice_outputs(events, 1) == [(text, tokens, finish)]
+    assert usage == whole_usage and usage["completion_tokens"] == STREAM_TOKENS
+    # the first token at once, then one event per `interval` tokens at most (fewer when the reader is behind)
+    assert len(events) <= 1 + math.ceil((STREAM_TOKENS - 1) / server.stream_interval)
+
+
+def test_stop_strings_and_n_under_the_stream_interval(server, offline):
+    _, stop, stopped = offline
+    for stream in (False, True):
+        events, usage = completion(server, stream=stream, stop=[stop], n=2)
+        for text, tokens, finish in choice_outputs(events, 2):  # tokens past the stop are never sent
+            assert (text, len(tokens), finish) == (stopped.text, len(stopped.token_ids), "stop")
+        assert usage["completion_tokens"] == 2 * len(stopped.token_ids)
 
 
 def test_text_only_request_skips_the_encoder(server):

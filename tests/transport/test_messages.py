@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    Alive, PrefillRequest, Ready, Shutdown, TokenOutput, WireError, WorkerExited, WorkerStats,
+    Alive, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
@@ -23,7 +23,8 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
                           stop=["\n"], stop_token_ids=[7], ignore_eos=True, logprobs=3,
                           skip_special_tokens=False, logit_bias={5: -2.5, 9: 100}, allowed_token_ids=[3, 5, 9],
                           bad_words=["dog"],
-                          structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {}}))
+                          structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {}}),
+                          stream_interval=4)
 GREEDY = SamplingParams(temperature=0)
 
 
@@ -72,6 +73,14 @@ def make_messages() -> list[Message]:
                                                     TokenLogprobs(6, -0.2, 3, [])]),
         TokenOutput("req-1", []),
         TokenOutput("req-1", [9], index=7),
+        # one engine step's outputs: a finished one with logprobs, an error, a held batch of four tokens
+        TokenOutputs([TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
+                                  num_cached_tokens=16, logprobs=[TokenLogprobs(5, -0.1, 1, [(5, -0.1)]),
+                                                                  TokenLogprobs(6, -0.2, 3, [])], index=3),
+                      TokenOutput("req-2", [], finished=True, finish_reason="error", error="bad image",
+                                  is_internal_error=True),
+                      TokenOutput("req-3", [1, 2, 3, 4], num_prompt_tokens=7, index=1)]),
+        TokenOutputs([]),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
         WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
                     encoder=_busy_encoder()),
@@ -302,6 +311,19 @@ def _stats(**changes) -> list[bytes]:
     (_token_output(logprobs=[[5, -0.1, 1, [[5, "x"]]]]), r"token_output\.logprobs: entries must be"),
     (_token_output(logprobs=[[-0.1, [[5, -0.1]]]]), r"token_output\.logprobs: entries must be"),
     (_token_output(finish_reason="done"), r"token_output\.finish_reason: expected one of"),
+    (_frames(TokenOutputs([TokenOutput("r", [5])]), outputs=[["r", [5], False]]),
+     r"token_outputs: outputs\[0\]: 10 items, got 3"),
+    (_frames(TokenOutputs([TokenOutput("r", [5]), TokenOutput("s", [6])]),
+             outputs=[["r", [5], False, None, 0, 0, None, None, 0, False],
+                      ["s", [-6], False, None, 0, 0, None, None, 0, False]]),
+     r"token_outputs\[1\]\.token_ids: expected list of token ids"),
+    (_frames(TokenOutputs([TokenOutput("r", [5])]), outputs={"r": [5]}), r"token_outputs\.outputs: expected list"),
+    (_frames(TokenOutputs([TokenOutput("r", [5])]), outputs=[["r", [5], False, None, 0, 0, None, None, True, False]]),
+     r"token_outputs\[0\]\.index: expected int"),
+    (_frames(TokenOutputs([TokenOutput("r", [5])]), outputs=[["r", [5], 1, None, 0, 0, None, None, 0, False]]),
+     r"token_outputs\[0\]\.finished: expected bool"),
+    (_frames(TokenOutputs([TokenOutput("r", [5])]), outputs=[["r", [5], False, "done", 0, 0, None, None, 0, False]]),
+     r"token_outputs\[0\]\.finish_reason: expected one of"),
     (_frames(Ready("w", "decode", "ipc:///x", "h"), role="gpu"), r"ready\.role: expected one of"),
     (_frames(Ready("w", "decode", "ipc:///x", "h"), mm_cache_dir=3), r"ready\.mm_cache_dir"),
     (_stats(engine={**EngineCounters().to_map(), "generation_tokens": 1}),
