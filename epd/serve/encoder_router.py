@@ -21,7 +21,9 @@ backlogs allow; ties go to the encoders in turn.
 Work sent between two reports is counted here: each encoder reports the
 EncodeRequests it has received (`num_requests_received`), and the patches of
 those sent after that count are added to its backlog, so a burst is spread
-rather than all sent to the encoder that looked idle.
+rather than all sent to the encoder that looked idle. A repeat sent to its
+holder adds nothing (it is a cache read), so repeats that outrun the
+holder's reports do not push the image away from its cache.
 
 Locality: where caches are per host, the API cannot see an encoder's cache,
 so the router remembers which encoder last took each mm_hash (bounded LRU).
@@ -79,7 +81,8 @@ class EncoderRouter:
         """An EncodeRequest left for `encoder`: part of its backlog until it reports receiving it."""
         sent = self._sent.setdefault(encoder.worker_id, _Sent())
         sent.num_sent += 1
-        sent.unreceived.append(num_patches)
+        repeat = self._holder.get(mm_hash) == encoder.worker_id  # answered from its cache: next to no work
+        sent.unreceived.append(0 if repeat else num_patches)
         self._holder[mm_hash] = encoder.worker_id
         self._holder.move_to_end(mm_hash)
         if len(self._holder) > self.max_remembered:

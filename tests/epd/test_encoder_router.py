@@ -109,18 +109,21 @@ def test_a_repeated_image_goes_back_to_its_encoder_unless_that_queue_is_much_lon
     assert _send(router, encoders, [(_key(7), 300)]) == [other.worker_id]  # it now holds the image
 
 
-def test_the_holder_wins_a_tie():
-    """A repeat answered from the cache before the holder's next report still
-    counts in its backlog (sent, not yet reported received): by exactly the
-    image's cost, a tie the holder must win, whichever encoder's turn it is."""
+def test_repeats_faster_than_the_holders_reports_stay_with_the_holder():
+    """A repeat is answered from the holder's cache: sent before the holder's
+    next report it adds nothing to its backlog, however many follow (a client
+    asking about the same image in quick turns), whichever encoder's turn it is."""
     encoders = _encoders(2)
     router = EncoderRouter("cost")
     holder_id = _send(router, encoders, [(_key(9), 24)])[0]
     holder = next(e for e in encoders if e.worker_id == holder_id)
-    for sent in range(1, 5):  # each report lags one request behind: the holder's backlog is one image
-        holder.report(queued=0, received=sent - 1)
-        assert router.backlog(holder) == 24
+    holder.report(queued=0, received=1)
+    for _ in range(5):  # no report in between
         assert _send(router, encoders, [(_key(9), 24)]) == [holder_id]
+        assert router.backlog(holder) == 0
+    [first] = _send(router, encoders, [(_key(10), 24)])  # a new image counts in full...
+    assert router.backlog(next(e for e in encoders if e.worker_id == first)) == 24
+    assert _send(router, encoders, [(_key(11), 24)]) != [first]  # ...and steers the next one away
 
 
 def test_a_restarted_encoder_is_forgotten():
