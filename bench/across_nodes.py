@@ -37,11 +37,10 @@ import httpx
 
 from epd.bench.compare import add_sweep_arguments, format_comparison, make_summary, sweep
 from epd.bench.netns import Host, Network
-from epd.config import SHARED_CPU_NICE  # as the launcher nices them (ServeConfig.worker_nice)
-from epd.transport.roles import Role
 
 API_PORT, WORKER_PORT = 18600, 18601
 ROLES = ("encoder", "prefill", "decode")
+NICE = {"encoder": 4, "prefill": 2, "decode": 0}  # as the launcher nices them (ServeConfig.worker_nice)
 COMMON = ["--dtype", "float32", "--device", "cpu"]
 
 
@@ -81,7 +80,7 @@ class _Placement:
                                      "--worker-keys", str(keys)], out_dir / f"server-{file_label}.log"))
         for role, name in zip(ROLES, "epd"):
             host = hosts[name]
-            cmd = ["nice", "-n", str(SHARED_CPU_NICE[Role.parse(role)]), sys.executable, "-m", "epd.cli", "worker", args.model_dir,
+            cmd = ["nice", "-n", str(NICE[role]), sys.executable, "-m", "epd.cli", "worker", args.model_dir,
                    "--role", role, "--api", f"tcp://{api.ip}:{WORKER_PORT}", "--host", host.ip,
                    "--threads", "1", "--worker-keys", str(keys), "--mm-cache-dir", str(out_dir / f"cache-{name}"),
                    *COMMON]
