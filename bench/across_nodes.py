@@ -40,7 +40,9 @@ from epd.bench.netns import Host, Network
 
 API_PORT, WORKER_PORT = 18600, 18601
 ROLES = ("encoder", "prefill", "decode")
-NICE = {"encoder": 4, "prefill": 2, "decode": 0}  # as the launcher nices them (epd.config.SHARED_CPU_NICE: bench/ is a client and imports none of the server, tests/test_layering.py)
+# As the launcher nices them: a copy of epd.config.SHARED_CPU_NICE (bench/ is a client and
+# imports none of the server: tests/test_layering.py).
+NICE = {"encoder": 4, "prefill": 2, "decode": 0}
 COMMON = ["--dtype", "float32", "--device", "cpu"]
 
 
