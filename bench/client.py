@@ -43,11 +43,12 @@ class RequestResult:
 
 
 def build_payload(model: str, request: BenchRequest) -> dict:
-    """The JSON body of `POST /v1/chat/completions` for `request` (images first, then text)."""
+    """The JSON body of `POST /v1/chat/completions` for `request` (images, then text,
+    or the other way round with `request.text_first`)."""
     if request.image_urls:
-        content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}}
-                                     for url in request.image_urls]
-        content.append({"type": "text", "text": request.prompt})
+        images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
+        text = [{"type": "text", "text": request.prompt}]
+        content: str | list[dict] = text + images if request.text_first else images + text
     else:
         content = request.prompt
     return {

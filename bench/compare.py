@@ -199,6 +199,7 @@ def make_summary(args, labels: list[str], rates: list[float], cpus: set[int], tt
             "images_per_request": args.images_per_request,
             "image_size": [f"{w}x{h}" for w, h in args.image_size],
             "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
+            "text_first": args.text_first,
             "ci": {"confidence": CONFIDENCE, "resamples": BOOTSTRAP_RESAMPLES,
                    "method": "percentile bootstrap over requests", "seed": args.seed},
             "per_mode": per_mode}

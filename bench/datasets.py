@@ -49,11 +49,13 @@ _SUFFIX_MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One chat request: a user turn with `image_urls` (data URLs) first, then `prompt`."""
+    """One chat request: a user turn with `image_urls` (data URLs) and `prompt`,
+    the images first unless `text_first` (vLLM's bench sends the text first)."""
 
     prompt: str
     output_len: int
     image_urls: tuple[str, ...] = field(default_factory=tuple)
+    text_first: bool = False
 
     @property
     def num_images(self) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import sys
+from dataclasses import replace
 from datetime import datetime
 
 import httpx
@@ -59,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random-mm: share of images drawn from a pool of 8 fixed images (cache hits)")
     p.add_argument("--text-only-ratio", type=float, default=0.0,
                    help="random-mm: share of requests sent with no image (mixed traffic)")
+    p.add_argument("--text-first", action="store_true",
+                   help="random-mm: the text before the images in each message, as vLLM's bench sends "
+                        "it (default: images first); early prefill can start only on text before an image")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
     p.add_argument("--percentiles", type=_argtype(parse_percentiles), default=[50.0, 90.0, 99.0],
@@ -143,11 +147,12 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     tokenizer = load_tokenizer(tokenizer_path(args))
     if args.dataset == "random":
         return sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed, tokenizer=tokenizer)
-    return sample_random_mm(
+    requests = sample_random_mm(
         num_prompts, args.input_len, args.output_len, images_per_request=args.images_per_request,
         images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
         repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
         image_format=args.image_format, seed=args.seed, tokenizer=tokenizer)
+    return [replace(r, text_first=True) for r in requests] if args.text_first else requests
 
 
 async def _run(args: argparse.Namespace, base_url: str,

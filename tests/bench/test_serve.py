@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd.bench.client import send_chat_request
+from epd.bench.client import build_payload, send_chat_request
 from epd.bench.datasets import BenchRequest, make_image_bytes
 from epd.bench.metrics import compute_metrics
 from epd.bench.report import format_table, results_from_json
-from epd.bench.serve import add_arguments, main
+from epd.bench.serve import add_arguments, build_requests, main
 
 from tests.bench.conftest import MODEL_NAME, TOKENS_PER_IMAGE
 
@@ -157,3 +157,15 @@ def test_bad_flags_and_dead_server_give_clear_errors(fake_server):
         main(parse("--base-url", "http://127.0.0.1:9", "--model", "m", "--dataset", "random",
                    "--num-prompts", "1", "--no-progress"))
     assert math.isinf(parse().request_rate)
+
+
+def test_text_first_puts_the_prompt_before_the_images():
+    """vLLM's bench sends the text first; ours sends images first unless --text-first,
+    on the same seeded requests."""
+    argv = ("--num-prompts", "3", "--input-len", "8", "--images-per-request", "2", "--image-size", "32x32")
+    kinds = [[part["type"] for part in build_payload("m", r)["messages"][0]["content"]]
+             for r in build_requests(parse(*argv))]
+    assert kinds == [["image_url", "image_url", "text"]] * 3
+    default, text_first = build_requests(parse(*argv)), build_requests(parse(*argv, "--text-first"))
+    assert [build_payload("m", r)["messages"][0]["content"][0]["type"] for r in text_first] == ["text"] * 3
+    assert [(r.prompt, r.image_urls) for r in text_first] == [(r.prompt, r.image_urls) for r in default]
