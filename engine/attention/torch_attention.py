@@ -21,6 +21,8 @@ _DECODE_BATCH_MIN_FILL = 0.5
 # in page faults than they save (measured: 16 decodes of 1k tokens take ~6x
 # longer as one batch than one at a time).
 _DECODE_BATCH_MAX_BYTES = 1 << 20
+# Query rows of one SDPA call in a prefill behind a cached prefix (see _prefill_one).
+_PREFIX_QUERY_ROWS = 256
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,15 +85,25 @@ def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, s
                                            enable_gqa=num_groups > 1)[0]
         out[q_start:q_end] = o.transpose(0, 1)
         return
-    q = query[q_start:q_end].view(q_len, num_kv_heads, num_groups, head_dim)
-    q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, num_groups * q_len, head_dim)  # [Hkv, G*q_len, D]
-    positions = torch.arange(seq_len - q_len, seq_len, device=query.device)  # absolute query positions
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]  # [q_len, seq_len]
-    mask = mask.repeat(num_groups, 1)  # [G*q_len, seq_len], row order matches q
-    # 4-D inputs: the CPU flash kernel (3-D ones fall back to the slow math path)
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)[0]
-    o = o.view(num_kv_heads, num_groups, q_len, head_dim).permute(2, 0, 1, 3)
-    out[q_start:q_end] = o.reshape(q_len, -1, head_dim)
+    # A cached prefix: SDPA needs an explicit mask, and a masked call computes
+    # every (query, key) pair, the hidden ones too. Rows of at most
+    # _PREFIX_QUERY_ROWS queries, each against only the keys it can see, leave
+    # out most of the hidden upper triangle (the 2,048-token chunk of an early
+    # prefill behind 600 cached tokens: 0.55-0.75x the time of one masked call).
+    q = query[q_start:q_end].view(q_len, num_kv_heads, num_groups, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, q_len, D]
+    prefix_len = seq_len - q_len
+    for i in range(0, q_len, _PREFIX_QUERY_ROWS):
+        j = min(q_len, i + _PREFIX_QUERY_ROWS)
+        visible = prefix_len + j  # keys the last query of these rows sees
+        positions = torch.arange(prefix_len + i, visible, device=query.device)  # absolute query positions
+        mask = torch.arange(visible, device=query.device)[None, :] <= positions[:, None]  # [j - i, visible]
+        mask = mask.repeat(num_groups, 1)  # [G*(j-i), visible], row order matches rows
+        rows = q[:, :, i:j].reshape(num_kv_heads, num_groups * (j - i), head_dim)  # [Hkv, G*(j-i), D]
+        # 4-D inputs: the CPU flash kernel (3-D ones fall back to the slow math path)
+        o = F.scaled_dot_product_attention(rows[None], k[None, :, :visible], v[None, :, :visible],
+                                           attn_mask=mask, scale=scale)[0]
+        o = o.view(num_kv_heads, num_groups, j - i, head_dim).permute(2, 0, 1, 3)
+        out[q_start + i:q_start + j] = o.reshape(j - i, -1, head_dim)
 
 
 def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens) -> None:

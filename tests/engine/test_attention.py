@@ -85,6 +85,7 @@ def naive_attention(batch: PagedBatch, scale: float = SCALE) -> torch.Tensor:
 CASES = {
     "prefill": ([7, 16, 33], [0, 0, 0]),
     "prefill_prefix": ([5, 12, 1], [19, 33, 0]),
+    "long_prefill_prefix": ([600, 3], [100, 40]),  # 600 query rows: several calls of rows
     "decode": ([1, 1, 1, 1, 1], [0, 15, 40, 7, 41]),
     "mixed": ([1, 9, 1, 4, 20], [30, 0, 2, 21, 17]),
 }
