@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 
 from epd.transport.sampling import TokenLogprobs
+from epd.api.http_protocol import http_protocol
 from epd.api.server import ApiSettings, build_app
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 
@@ -81,7 +82,8 @@ def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True):
     app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY), lean_routes=lean_routes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    # the HTTP protocol `epd serve` runs (writes joined per event-loop pass)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off", http=http_protocol()))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
