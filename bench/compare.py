@@ -100,6 +100,7 @@ class ServeProcess:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode, "--port", str(self.port), *extra]
+        self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))

@@ -12,11 +12,15 @@ ids (seeded by C) run
 It reports output tokens/s of both and their ratio, and then requests/s of
 one-token requests the same way. The client is `bench/light_client.py`
 (raw asyncio HTTP, one parse per response, `--client-procs` processes); its
-CPU time is reported to show it is not the bottleneck. The API process's CPU
-time per output token comes from /proc/<pid>/stat of `epd serve` (the
-launcher is the API process; its workers are its children, reported apart).
-`--profile-dir` adds one more run at the largest C under py-spy (sampling
-the API process from outside) and prints its top functions by own time.
+CPU time is reported to show it is not the bottleneck. The API's CPU time per
+output token comes from /proc/<pid>/stat of every API process: the launcher
+itself, or with `--api-servers N` the N processes its log names (`EPD: API
+server k pid P`), summed; the launcher's other children are the workers,
+reported apart. `--server-args` may be given more than once: each server
+configuration runs in turn against the same offline numbers (a side-by-side
+comparison in one run). `--profile-dir` adds, per server, one more run at
+the largest C and one of one-token requests under py-spy (one sampler per
+API process, from outside) and prints their top functions by own time.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import gc
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -55,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks of the offline engine and each server")
     p.add_argument("--cpus", default=None, help="CPU list for the offline engine and the servers, e.g. 0-1 "
                                                "(default: all this process may use)")
-    p.add_argument("--server-args", default="", help="extra `epd serve` flags, e.g. '--threads-per-worker 2'")
+    p.add_argument("--server-args", action="append", default=None,
+                   help="extra `epd serve` flags, e.g. '--api-servers 2'; repeat it to compare configurations "
+                        "side by side in one run")
     p.add_argument("--client-procs", type=int, default=1, help="client processes the streams are dealt over")
     p.add_argument("--profile-dir", default=None,
                    help="also profile the API process with py-spy at the largest C; raw stacks go here")
@@ -98,11 +105,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def children_cpu_s(pid: int) -> float:
-    """CPU seconds of the live direct children of `pid` (the server's workers)."""
+def children_cpu_s(pid: int, excluded: set[int] = frozenset()) -> float:
+    """CPU seconds of the live direct children of `pid` but `excluded` (the server's workers)."""
     total = 0.0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) in excluded:
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
@@ -112,6 +119,24 @@ def children_cpu_s(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return total
+
+
+_API_PID = re.compile(r"^EPD: API server (\d+) pid (\d+)$", re.MULTILINE)
+
+
+def api_pids(launcher_pid: int, log: str) -> list[int]:
+    """The API processes of an `epd serve`: with --api-servers N, the latest pid its
+    log names for each index; otherwise the launcher, which serves HTTP itself."""
+    latest = {int(index): int(pid) for index, pid in _API_PID.findall(log)}
+    return [latest[k] for k in sorted(latest)] or [launcher_pid]
+
+
+def _api_cpu(server: ServeProcess) -> tuple[list[int], list[float], float, float]:
+    """(API pids, each one's CPU seconds, the workers' CPU seconds, the launcher's when
+    it is not the API process) now."""
+    pids = api_pids(server.proc.pid, Path(server.log_path).read_text())
+    launcher_s = 0.0 if pids == [server.proc.pid] else process_cpu_s(server.proc.pid)
+    return pids, [process_cpu_s(p) for p in pids], children_cpu_s(server.proc.pid, set(pids)), launcher_s
 
 
 def start_server(model: str, mode: str, cpus: list[int], extra: list[str], log_path: Path) -> ServeProcess:
@@ -124,10 +149,14 @@ def served_run(server: ServeProcess, model_name: str, prompts: list[list[int]], 
     """One closed-loop run: tokens/s, requests/s, and CPU of the API, its workers and the client."""
     bodies = [completion_body(model_name, p, output_len) for p in prompts]
     streams = [bodies[i::concurrency] for i in range(concurrency)]
-    api_0, workers_0 = process_cpu_s(server.proc.pid), children_cpu_s(server.proc.pid)
+    pids, api_0, workers_0, launcher_0 = _api_cpu(server)
     results = run_in_processes("127.0.0.1", server.port, "/v1/completions", streams, client_procs)
-    api_s = process_cpu_s(server.proc.pid) - api_0
-    workers_s = children_cpu_s(server.proc.pid) - workers_0
+    pids_1, api_1, workers_1, launcher_1 = _api_cpu(server)
+    if pids_1 != pids:
+        raise RuntimeError(f"an API process was restarted during the run ({pids} -> {pids_1})")
+    api_each_s = [b - a for a, b in zip(api_0, api_1)]
+    api_s = sum(api_each_s)
+    workers_s = workers_1 - workers_0
     failed = sum(r.num_failed for r in results)
     if failed:
         raise RuntimeError(f"{failed} requests failed; the first: {next(r.first_error for r in results if r.first_error)}")
@@ -136,28 +165,36 @@ def served_run(server: ServeProcess, model_name: str, prompts: list[list[int]], 
     num_requests = sum(r.num_requests for r in results)
     return {"duration_s": duration_s, "output_tokens": num_tokens, "requests": num_requests,
             "tok_s": num_tokens / duration_s, "req_s": num_requests / duration_s,
-            "api_cpu_s": api_s, "api_us_per_token": api_s / num_tokens * 1e6,
+            "api_processes": len(pids), "api_cpu_s": api_s, "api_cpu_s_each": api_each_s,
+            "api_us_per_token": api_s / num_tokens * 1e6,
             "api_us_per_request": api_s / num_requests * 1e6, "api_cores": api_s / duration_s,
-            "workers_cores": workers_s / duration_s,
+            "workers_cores": workers_s / duration_s, "launcher_cores": (launcher_1 - launcher_0) / duration_s,
             "client_cores": sum(r.cpu_s for r in results) / duration_s,
             "client_us_per_token": sum(r.cpu_s for r in results) / num_tokens * 1e6}
 
 
 def profile_run(server: ServeProcess, run, out_path: Path) -> list[tuple[str, float]]:
-    """`run()` with py-spy sampling the API process; returns the top functions by own time (share of samples)."""
+    """`run()` with py-spy sampling every API process (raw stacks: `out_path`, and
+    `<stem>-<k><suffix>` for API process k of several); returns the top functions by
+    own time (share of all their samples)."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not os.path.exists(py_spy):
         raise ValueError("--profile-dir needs py-spy (pip install py-spy)")
-    spy = subprocess.Popen([py_spy, "record", "--pid", str(server.proc.pid), "--rate", "250", "--format", "raw",
-                            "--nonblocking", "--output", str(out_path)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = api_pids(server.proc.pid, Path(server.log_path).read_text())
+    paths = [out_path] if len(pids) == 1 else [out_path.with_name(f"{out_path.stem}-{k}{out_path.suffix}")
+                                               for k in range(len(pids))]
+    spies = [subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw",
+                               "--nonblocking", "--output", str(path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid, path in zip(pids, paths)]
     time.sleep(1.0)  # attached
     try:
         run()
     finally:
-        spy.send_signal(signal.SIGINT)
-        spy.wait(60)
-    return top_self(out_path.read_text())
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(60)
+    return top_self("\n".join(path.read_text() for path in paths if path.exists()))
 
 
 def top_self(raw: str, limit: int = 15) -> list[tuple[str, float]]:
@@ -196,37 +233,47 @@ def main(args) -> dict:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))))  # the client: anywhere
 
     rows, profiles = [], {}
-    extra = ["--num-kv-blocks", str(args.num_kv_blocks), *args.server_args.split()]
-    for mode in modes:
-        server = start_server(args.model, mode, cpus, extra,
-                              Path(out_dir or tempfile.gettempdir()) / f"overhead-{mode}.log")
-        try:
-            name = server.wait_ready()
-            warm = workload(vocab_size, 8, args.input_len, seed=99)
-            served_run(server, name, warm, 8, 8, 1)  # first-use costs stay out
-            for c in concurrencies:
-                row = {"mode": mode, "concurrency": c, "offline_tok_s": offline[c],
-                       **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
-                row["served_over_offline"] = row["tok_s"] / offline[c]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if one_token:
-                row = {"mode": mode, "concurrency": args.one_token_concurrency, "one_token": True,
-                       "offline_req_s": offline["one_token_req_s"],
-                       **served_run(server, name, one_token, 1, args.one_token_concurrency, args.client_procs)}
-                row["served_over_offline"] = row["req_s"] / offline["one_token_req_s"]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if out_dir:
-                c = max(concurrencies)
-                fresh = workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c + 7)
-                profiles[mode] = profile_run(
-                    server, lambda: served_run(server, name, fresh, args.output_len, c, args.client_procs),
-                    out_dir / f"api-{mode}-c{c}.txt")
-        finally:
-            server.stop()
-    result = {"model": args.model, "cpus": cpus, "offline_threads": torch.get_num_threads(), "input_len": args.input_len, "output_len": args.output_len,
-              "requests_per_stream": args.requests_per_stream, "server_args": args.server_args,
+    configs = args.server_args or [""]
+    for config in configs:
+        extra = ["--num-kv-blocks", str(args.num_kv_blocks), *config.split()]
+        for mode in modes:
+            label = f"{mode} {config}".strip()
+            server = start_server(args.model, mode, cpus, extra, Path(out_dir or tempfile.gettempdir())
+                                  / f"overhead-{_file_name(label)}.log")
+            try:
+                name = server.wait_ready()
+                warm = workload(vocab_size, 8, args.input_len, seed=99)
+                served_run(server, name, warm, 8, 8, 1)  # first-use costs stay out
+                for c in concurrencies:
+                    row = {"mode": mode, "server_args": config, "concurrency": c, "offline_tok_s": offline[c],
+                           **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
+                    row["served_over_offline"] = row["tok_s"] / offline[c]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                if one_token:
+                    row = {"mode": mode, "server_args": config, "concurrency": args.one_token_concurrency,
+                           "one_token": True, "offline_req_s": offline["one_token_req_s"],
+                           **served_run(server, name, one_token, 1, args.one_token_concurrency, args.client_procs)}
+                    row["served_over_offline"] = row["req_s"] / offline["one_token_req_s"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                if out_dir:
+                    c = max(concurrencies)
+                    fresh = workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c + 7)
+                    profiles[f"{label}, C={c}"] = profile_run(
+                        server, lambda: served_run(server, name, fresh, args.output_len, c, args.client_procs),
+                        out_dir / f"api-{_file_name(label)}-c{c}.txt")
+                    if one_token:
+                        fresh = workload(vocab_size, len(one_token), args.input_len, seed=7)
+                        profiles[f"{label}, one-token requests"] = profile_run(
+                            server, lambda: served_run(server, name, fresh, 1, args.one_token_concurrency,
+                                                       args.client_procs),
+                            out_dir / f"api-{_file_name(label)}-one-token.txt")
+            finally:
+                server.stop()
+    result = {"model": args.model, "cpus": cpus, "offline_threads": torch.get_num_threads(),
+              "input_len": args.input_len, "output_len": args.output_len,
+              "requests_per_stream": args.requests_per_stream, "server_args": configs,
               "client_procs": args.client_procs, "rows": rows, "profiles": profiles}
     print(format_table(result))
     if args.save_result:
@@ -234,27 +281,44 @@ def main(args) -> dict:
     return result
 
 
+def _file_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=-]+", "_", label.replace("--", "")).strip("_")
+
+
 def format_table(result: dict) -> str:
+    configs = result["server_args"]
+    with_args = len(configs) > 1 or configs != [""]
+    arg_width = max(len(c) for c in configs) + 2 if with_args else 0
+
+    def label(r: dict) -> str:
+        return f"{r['mode']:<11}" + (f"{r['server_args'] or '(defaults)':<{arg_width}}" if with_args else "")
+
+    head = f"{'mode':<11}" + (f"{'server args':<{arg_width}}" if with_args else "")
     lines = [f"\nserved vs offline: {len(result['cpus'])} CPUs, prompts {result['input_len']} tokens, "
-             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads; server args: {result['server_args'] or '(defaults)'}",
-             f"{'mode':<11}{'C':>5}{'offline':>10}{'served':>10}{'ratio':>7}{'API us':>8}{'API':>6}"
+             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads",
+             f"{head}{'C':>5}{'offline':>10}{'served':>10}{'ratio':>7}{'API us':>8}{'API':>6}"
              f"{'workers':>8}{'client':>7}{'client us':>10}",
-             f"{'':<11}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>7}{'/token':>8}{'cores':>6}{'cores':>8}"
+             f"{'':<{len(head)}}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>7}{'/token':>8}{'cores':>6}{'cores':>8}"
              f"{'cores':>7}{'/token':>10}"]
     for r in result["rows"]:
         if r.get("one_token"):
             continue
-        lines.append(f"{r['mode']:<11}{r['concurrency']:>5}{r['offline_tok_s']:>10.0f}{r['tok_s']:>10.0f}"
+        lines.append(f"{label(r)}{r['concurrency']:>5}{r['offline_tok_s']:>10.0f}{r['tok_s']:>10.0f}"
                      f"{r['served_over_offline']:>7.2f}{r['api_us_per_token']:>8.1f}{r['api_cores']:>6.2f}"
                      f"{r['workers_cores']:>8.2f}{r['client_cores']:>7.2f}{r['client_us_per_token']:>10.1f}")
     one = [r for r in result["rows"] if r.get("one_token")]
     if one:
         lines.append(f"\none-token requests, C={one[0]['concurrency']}")
-        lines.append(f"{'mode':<11}{'offline req/s':>14}{'served req/s':>13}{'ratio':>7}{'API us/req':>11}")
+        lines.append(f"{head}{'offline req/s':>14}{'served req/s':>13}{'ratio':>7}{'API us/req':>11}{'API':>6}"
+                     f"{'workers':>8}{'client':>7}")
+        lines.append(f"{'':<{len(head)}}{'':>14}{'':>13}{'':>7}{'':>11}{'cores':>6}{'cores':>8}{'cores':>7}")
         for r in one:
-            lines.append(f"{r['mode']:<11}{r['offline_req_s']:>14.0f}{r['req_s']:>13.0f}"
-                         f"{r['served_over_offline']:>7.2f}{r['api_us_per_request']:>11.0f}")
-    for mode, top in result.get("profiles", {}).items():
-        lines.append(f"\nAPI process, {mode}, top functions by own time (py-spy):")
+            lines.append(f"{label(r)}{r['offline_req_s']:>14.0f}{r['req_s']:>13.0f}"
+                         f"{r['served_over_offline']:>7.2f}{r['api_us_per_request']:>11.0f}{r['api_cores']:>6.2f}"
+                         f"{r['workers_cores']:>8.2f}{r['client_cores']:>7.2f}")
+    if any(r.get("api_processes", 1) > 1 for r in result["rows"]):
+        lines.append("\n(API: every API process's CPU summed; the launcher of several is not counted)")
+    for name, top in result.get("profiles", {}).items():
+        lines.append(f"\nAPI, {name}, top functions by own time (py-spy):")
         lines.extend(f"  {share:6.1%}  {frame}" for frame, share in top)
     return "\n".join(lines)

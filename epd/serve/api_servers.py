@@ -252,6 +252,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     import uvicorn
 
+    from epd.api.http_protocol import http_protocol
     from epd.api.server import ApiSettings, build_app
     from epd.serve.launcher import DRAIN_POLL_S, _Server
     from epd.serve.orchestrator import Orchestrator
@@ -294,7 +295,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
-                                    backlog=HTTP_BACKLOG), drain)
+                                    backlog=HTTP_BACKLOG, http=http_protocol()), drain)
     try:
         server.run(sockets=[http, own])
     except KeyboardInterrupt:

@@ -60,6 +60,7 @@ def serve(config: ServeConfig) -> int:
         from epd.serve.api_servers import serve_many
 
         return serve_many(config)
+    from epd.api.http_protocol import http_protocol
     from epd.api.server import ApiSettings, build_app
     from epd.serve.orchestrator import Orchestrator
 
@@ -135,7 +136,7 @@ def serve(config: ServeConfig) -> int:
 
     app.router.lifespan_context = lifespan
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                    timeout_graceful_shutdown=3), drain)
+                                    timeout_graceful_shutdown=3, http=http_protocol()), drain)
     try:
         server.run()
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ import pytest
 
 from epd.bench.light_client import output_tokens
 from epd.bench.compare import cpu_set
-from epd.bench.overhead import process_cpu_s, top_self, workload
+from epd.bench.overhead import api_pids, process_cpu_s, top_self, workload
 
 
 def test_top_self_ranks_leaf_frames_by_samples():
@@ -43,3 +43,11 @@ def test_output_tokens_reads_the_usage_and_refuses_broken_streams():
         output_tokens(200, ok[:-16])
     with pytest.raises(ValueError, match="no usage"):
         output_tokens(200, b"data: {}\n\ndata: [DONE]\n\n")
+
+
+def test_api_pids_are_the_launcher_or_every_api_process_it_logged():
+    assert api_pids(100, "EPD ready (e-p-d); serving 'm' on http://127.0.0.1:1/v1\n") == [100]
+    log = ("EPD: API server 0 pid 201\nEPD: API server 1 pid 202\n"
+           "EPD: API server 1 exited with code -9; restarting in 0.5 s\nEPD: API server 1 pid 305\n"
+           "EPD: API server 1 pid 305 ready; its own socket unix:/tmp/x/http-1.sock\n")
+    assert api_pids(100, log) == [201, 305]  # the latest of each index, by index

@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 
 from epd.transport.sampling import TokenLogprobs
+from epd.api.http_protocol import http_protocol
 from epd.api.server import ApiSettings, build_app
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 
@@ -77,13 +78,12 @@ class FakeOrchestrator:
             self.closed.add(request.request_id)
 
 
-@pytest.fixture(scope="module")
-def server():
-    fake = FakeOrchestrator()
-    app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY))
+def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True):
+    app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY), lean_routes=lean_routes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    # the HTTP protocol `epd serve` runs (writes joined per event-loop pass)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off", http=http_protocol()))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -93,6 +93,11 @@ def server():
     yield f"http://127.0.0.1:{sock.getsockname()[1]}", fake
     uv.should_exit = True
     thread.join(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve_app(FakeOrchestrator())
 
 
 @pytest.fixture
@@ -397,3 +402,74 @@ def test_the_light_bench_client_counts_streamed_tokens_and_failures(base_url):
                          api_key=API_KEY)
     assert (result.num_requests, result.num_failed, result.num_output_tokens) == (6, 1, 5 * 4)
     assert "HTTP 400" in result.first_error and "BAD" in result.first_error
+
+
+# -- the lean route against FastAPI's -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference_url():
+    """The same app with the two POST endpoints routed through FastAPI (`lean_routes=False`)."""
+    yield from (url for url, _ in _serve_app(FakeOrchestrator(), lean_routes=False))
+
+
+def _answer(response: httpx.Response):
+    """What a client can see, less what differs by design between two answers (ids, times)."""
+    def scrub(obj):
+        return {k: scrub(v) for k, v in obj.items() if k not in ("id", "created")} if isinstance(obj, dict) else (
+            [scrub(v) for v in obj] if isinstance(obj, list) else obj)
+    body = response.content
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        body = [e if e == b"data: [DONE]" else scrub(json.loads(e[len(b"data: "):]))
+                for e in body.split(b"\n\n") if e]
+    elif body:
+        body = scrub(json.loads(body))
+    headers = {k: response.headers.get(k) for k in ("content-type", "content-length", "allow", "retry-after")}
+    return response.status_code, body, headers, response.headers.get("x-request-id") == "rid-7"
+
+
+JSON = {"content-type": "application/json"}
+COMPLETION = {"model": MODEL, "prompt": "a b", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": user("hi")}
+LEAN_CASES = [  # (method, path, body bytes, extra headers)
+    ("POST", "/v1/completions", json.dumps(COMPLETION).encode(), JSON),
+    ("POST", "/v1/completions", json.dumps({**COMPLETION, "stream": True, "stream_options": {"include_usage": True},
+                                            "logprobs": 1}).encode(), JSON),
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 2, "seed": 3, "logprobs": True}).encode(), JSON),
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "stream": True, "n": 2}).encode(),
+     {**JSON, "x-request-id": "rid-7"}),
+    ("POST", "/v1/chat/completions", b'{"model": "qwen3-vl-test", "messages": [', JSON),  # bad JSON
+    ("POST", "/v1/chat/completions", b"", JSON),  # no body
+    ("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), {}),  # no content type
+    ("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), {"content-type": "text/plain"}),
+    ("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), {"content-type": "application/x+json; charset=utf-8"}),
+    ("POST", "/v1/completions", b"[1, 2]", JSON),
+    ("POST", "/v1/completions", b'"text"', JSON),
+    ("POST", "/v1/completions", b'{"model": "qwen3-vl-test", "prompt": "\xff"}', JSON),  # not UTF-8
+    ("POST", "/v1/completions", b"[" * 100_000, JSON),  # nested past the parser's depth
+    ("POST", "/v1/completions", json.dumps({"model": MODEL}).encode(), JSON),
+    ("POST", "/v1/completions", b'{"model": "qwen3-vl-test", "prompt": "x", "temperature": NaN}', JSON),
+    ("POST", "/v1/completions", json.dumps({**COMPLETION, "temperature": "hot"}).encode(), JSON),
+    ("POST", "/v1/completions", json.dumps({**COMPLETION, "prompt": [1, -2]}).encode(), JSON),
+    ("POST", "/v1/completions", json.dumps({**COMPLETION, "prompt": [5000]}).encode(), JSON),  # past the vocab
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "n": 0}).encode(), JSON),
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "wizard"}]}).encode(), JSON),
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "other"}).encode(), JSON),  # 404
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "messages": user("BAD")}).encode(), JSON),
+    ("POST", "/v1/chat/completions", json.dumps({**CHAT, "messages": user("CRASH"), "stream": True}).encode(), JSON),
+    ("POST", "/v1/completions", json.dumps({**COMPLETION, "prompt": "CRASHLATER", "stream": True}).encode(), JSON),
+    ("GET", "/v1/completions", b"", {}),  # 405, through FastAPI on both
+]
+
+
+@pytest.mark.parametrize("auth", [True, False])
+def test_lean_route_answers_as_fastapi_does(base_url, reference_url, auth):
+    """Every case, good and bad, gets the same status, headers and body (less ids and
+    times) from the lean route as from FastAPI's routing of the same endpoints."""
+    cases = LEAN_CASES if auth else LEAN_CASES[:1]  # without the key: the 401, once
+    with httpx.Client(timeout=10) as http:
+        for method, path, body, headers in cases:
+            headers = {**headers, **(AUTH if auth else {})}
+            answers = [_answer(http.request(method, url + path, content=body, headers=headers))
+                       for url in (base_url, reference_url)]
+            assert answers[0] == answers[1], (method, path, body[:80])
+            assert answers[0][0] in (200, 400, 401, 404, 405, 500), answers[0]

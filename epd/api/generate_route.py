@@ -1,0 +1,278 @@
+"""POST /v1/chat/completions and /v1/completions: `GenerateRoute`, one plain ASGI app.
+
+Every generated token passes through these two endpoints, so they skip the
+per-request machinery of FastAPI and Starlette (the middleware stack,
+routing, dependency solving, the request body's second pass, and
+StreamingResponse's anyio task group): `epd.api.server` hands them the ASGI
+call directly, behind its own `_ApiMiddleware` (request id, API key, 500s).
+What they answer is what FastAPI answered:
+
+* the body is decoded by FastAPI's rules (JSON only under a JSON content
+  type, `json.loads`; its error is the same "Invalid JSON body" 400) and
+  validated by the same pydantic model in the same mode (`validate_python`,
+  `from_attributes`), its errors turned into the same OpenAI 400;
+* the answer is JSON or server-sent events with the same headers and bytes.
+
+A client that goes away is noticed by one listener task per request (the
+`http.disconnect` message), which cancels the request's own task: before the
+answer started the sequences are closed and nothing is sent; mid-stream the
+stream is closed the same way (closing the orchestrator's generators aborts
+the request in the workers). `serve` is also what the FastAPI routes call
+when a request reaches them (a mounted app, `lean_routes=False`), so both
+paths run the same code after parsing.
+"""
+from __future__ import annotations
+
+import asyncio
+import email.message
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from epd.api.errors import error_body, error_response, internal_error
+from epd.api.merged_streams import MergedStreams
+from epd.api.metrics import ApiMetrics, RequestTracker
+from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
+                              check_model, check_token_ids, fan_out, request_error_from_validation)
+from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
+
+if TYPE_CHECKING:
+    from epd.api.server import ApiSettings, OrchestratorLike
+
+logger = logging.getLogger(__name__)
+ResponseFormat = ChatFormat | CompletionFormat
+
+REQUEST_ID_KEY = "epd.request_id"  # ASGI scope keys set by server._ApiMiddleware
+REQUEST_ID_GENERATED_KEY = "epd.request_id_generated"
+ARRIVAL_KEY = "epd.arrival_s"  # time.monotonic() when the request reached the middleware
+
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+BODY_MODELS: dict[str, type[BaseModel]] = {CHAT_PATH: ChatCompletionRequest, COMPLETIONS_PATH: CompletionRequest}
+_ADAPTERS = {path: TypeAdapter(model) for path, model in BODY_MODELS.items()}  # built once, not per request
+_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),)  # what StreamingResponse sent
+
+
+class GenerateRoute:
+    """The ASGI app of the two generation endpoints (POST only; `epd.api.server` routes to it)."""
+
+    def __init__(self, orchestrator: OrchestratorLike, settings: ApiSettings, metrics: ApiMetrics):
+        self.orchestrator = orchestrator
+        self.settings = settings
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope["path"]
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before its body arrived: nobody to answer
+        try:
+            parsed = parse_body(path, body, _header(scope, b"content-type"))
+        except RequestError as exc:
+            return await error_response(exc)(scope, receive, send)
+        await self.serve(parsed, scope, receive, send)
+
+    async def serve(self, body: ChatCompletionRequest | CompletionRequest, scope, receive, send) -> None:
+        """Answer one validated request: a RequestError becomes its OpenAI error
+        (before the answer started) or an in-band error event (after)."""
+        guard = _DisconnectGuard(receive)
+        try:
+            await self._serve(body, scope, receive, send, guard)
+        except RequestError as exc:
+            guard.disarm()
+            await error_response(exc)(scope, receive, send)
+        except asyncio.CancelledError:
+            # ours (the client went away; the sequences are closed) and no one else's: done
+            if not guard.client_gone or asyncio.current_task().uncancel() > 0:
+                raise
+        finally:
+            guard.disarm()
+
+    async def _serve(self, body, scope, receive, send, guard: _DisconnectGuard) -> None:
+        request, fmt = self._prepare(body, scope)
+        check_token_ids(request, self.orchestrator.vocab_size)
+        sequences = fan_out(request)
+        tracker = self.metrics.track(len(sequences), scope.get(ARRIVAL_KEY))
+        if not body.stream:
+            answer = await _collect(self.orchestrator, sequences, fmt, tracker)
+            guard.disarm()
+            return await JSONResponse(answer)(scope, receive, send)
+        streams = await MergedStreams.open(self.orchestrator, sequences)
+        events = _sse_events(streams, fmt, tracker, body.include_usage)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            async for chunk in events:
+                last = chunk.endswith(SSE_DONE)  # only the stream's last write ends with [DONE]
+                if last:
+                    guard.disarm()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+        finally:  # however the stream ended (client gone, error): closed, and no cancel from here on
+            guard.disarm()
+            await events.aclose()
+
+    def _prepare(self, body, scope) -> tuple[GenerateRequest, ResponseFormat]:
+        model = self.settings.served_model_name
+        check_model(body.model, model)
+        decode = self.orchestrator.decode_token
+        if type(body) is ChatCompletionRequest:
+            request_id = internal_request_id(scope, "chatcmpl")
+            request = body.to_generate_request(request_id,
+                                               max_images_per_prompt=self.settings.max_images_per_prompt)
+            return request, ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
+                                       tool_choice=request.tool_choice)
+        request_id = internal_request_id(scope, "cmpl")
+        return (body.to_generate_request(request_id),
+                CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None))
+
+
+class _DisconnectGuard:
+    """One task waits for the client's `http.disconnect` and cancels the request's
+    task when it comes; `disarm` (before the last write, and at the end) stops it,
+    since a finished response also reads as a disconnect."""
+
+    def __init__(self, receive):
+        self.client_gone = False
+        self._task = asyncio.current_task()
+        self._armed = True
+        self._listener = asyncio.ensure_future(_wait_for_disconnect(receive))
+        self._listener.add_done_callback(self._on_disconnect)
+
+    def _on_disconnect(self, listener: asyncio.Future) -> None:
+        if self._armed and not listener.cancelled() and listener.exception() is None:
+            self.client_gone = True
+            self._task.cancel()
+
+    def disarm(self) -> None:
+        if self._armed:
+            self._armed = False  # a callback already scheduled does nothing now
+            self._listener.cancel()
+
+
+async def _wait_for_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_body(receive) -> bytes | None:
+    """The whole request body, or None when the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _header(scope, name: bytes) -> str | None:
+    """The first header `name` (lower case, as ASGI servers pass names), like Starlette's Headers.get."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def parse_body(path: str, body: bytes, content_type: str | None) -> ChatCompletionRequest | CompletionRequest:
+    """FastAPI's handling of a JSON body parameter, step for step: an empty body is
+    a missing one; only a JSON content type is decoded; the model validates."""
+    value: Any = body
+    if not body:
+        errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        raise request_error_from_validation(errors)
+    if content_type is not None and _is_json(content_type):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise request_error_from_validation([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                                  "msg": "JSON decode error", "ctx": {"error": exc.msg}}]) from None
+        except Exception:  # not UTF-8, nested too deep: FastAPI's own words
+            raise RequestError("There was an error parsing the body") from None
+    try:
+        return _ADAPTERS[path].validate_python(value, from_attributes=True)
+    except ValidationError as exc:
+        raise request_error_from_validation([{**e, "loc": ("body", *e["loc"])}
+                                             for e in exc.errors(include_url=False)]) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _is_json(content_type: str) -> bool:
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def internal_request_id(scope, prefix: str) -> str:
+    """"chatcmpl-<uuid>": the generated x-request-id when the client sent none (one
+    id to grep for), otherwise a fresh uuid (client ids need not be unique)."""
+    base = scope.get(REQUEST_ID_KEY) if scope.get(REQUEST_ID_GENERATED_KEY) else None
+    return f"{prefix}-{base or uuid.uuid4().hex}"
+
+
+# -- the two answer shapes -------------------------------------------------------------------------
+
+async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateRequest], fmt: ResponseFormat,
+                   tracker: RequestTracker) -> dict:
+    streams = await MergedStreams.open(orchestrator, requests)
+    outputs = [SequenceOutput(i) for i in range(len(requests))]
+    try:
+        async for batch in streams.batches():
+            for index, delta in batch:
+                outputs[index].add(delta)
+                tracker.on_delta(index, delta)
+    finally:
+        await streams.aclose()
+    return fmt.response(outputs)
+
+
+async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: every event that is ready goes out in one write; the last write ends with [DONE]."""
+    outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
+    opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
+    events: list[bytes] = [opening] if opening else []
+    num_finished = 0
+    try:
+        async for batch in streams.batches():
+            for index, delta in batch:
+                outputs[index].add(delta)
+                tracker.on_delta(index, delta)
+                num_finished += delta.finish_reason is not None
+                event = fmt.delta_event(index, delta)
+                if event:
+                    events.append(event)
+            if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]
+                yield b"".join(events)
+                events = []
+        if include_usage:
+            events.append(sse(fmt.usage_chunk(outputs)))
+    except RequestError as exc:  # the status is already sent: report in-band, as vLLM does
+        events.append(sse(error_body(exc)))
+    except Exception:
+        logger.exception("request %s failed mid-stream", fmt.request_id)
+        events.append(sse(error_body(internal_error())))
+    finally:
+        with anyio.CancelScope(shield=True):  # runs even when the client disconnect cancelled us
+            await streams.aclose()
+    yield b"".join(events) + SSE_DONE
+
+
+class ServedResponse(Response):
+    """What the FastAPI routes return: `GenerateRoute.serve` run as the response
+    (the body FastAPI already parsed; the same code as the lean route from there)."""
+
+    def __init__(self, route: GenerateRoute, body: ChatCompletionRequest | CompletionRequest):
+        super().__init__()
+        self._route = route
+        self._body = body
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._route.serve(self._body, scope, receive, send)
