@@ -1,9 +1,10 @@
 """One real e-p-d server (tiny checkpoint) with every media and limit flag set,
 plus one aggregated server on the defaults with an API key, shared by the
-tests of this directory (package-scoped: stopped once this directory's
-tests are done, not left idling through the rest of the suite; the
-`__init__.py` here makes the directory a package). A local HTTP server on 127.0.0.1 plays the remote
-image host (allowed), with slow, wrong, huge and redirecting endpoints."""
+tests of this directory. Package-scoped (the `__init__.py` here makes the
+directory a package): they stop once this directory's tests are done rather
+than idle through the rest of the suite. A local HTTP server on 127.0.0.1
+plays the remote image host (allowed), with slow, wrong, huge and
+redirecting endpoints."""
 from __future__ import annotations
 
 import os
