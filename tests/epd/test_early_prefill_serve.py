@@ -5,7 +5,6 @@ it arrives, the text equals transformers', and when a late image fails
 instead, only that request fails (400) and every block is freed."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -13,13 +12,11 @@ import httpx
 import pytest
 from hf_reference import hf_generate_text
 from media import CHATS, image_bytes, image_part
-from server import start_server
+from mode_servers import SLOW_H, SLOW_W
 
-from epd.encoders.encoder_worker import SLOW_IMAGE_ENV
+pytestmark = pytest.mark.parametrize("mode_server", ["e-p-d"], indirect=True)
 
 MAX_TOKENS = 8
-SLOW_W, SLOW_H = 72, 56
-HOLD_S = 4.0
 SYSTEM = {"role": "system", "content": "You compare pictures for a careful reader, in a few words. " * 4}
 SLOW = image_bytes(SLOW_W, SLOW_H, seed=41)
 FAST = image_bytes(64, 40, seed=42)
@@ -28,21 +25,11 @@ LATE = [SYSTEM, {"role": "user", "content": [image_part(SLOW), {"type": "text", 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    old = os.environ.get(SLOW_IMAGE_ENV)
-    os.environ[SLOW_IMAGE_ENV] = f"{SLOW_W}x{SLOW_H}:{HOLD_S}"
-    try:
-        # local prefill off: the text-only warm-up must fill the prefill worker's prefix cache
-        srv = start_server(tiny_model, tmp_path_factory.mktemp("early"), "e-p-d", "--encoders", "2",
-                           "--max-local-prefill-tokens", "0")
-    finally:
-        if old is None:
-            del os.environ[SLOW_IMAGE_ENV]
-        else:
-            os.environ[SLOW_IMAGE_ENV] = old
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert not srv.group_alive()
+def server(mode_server):
+    """The shared e-p-d server (tests/mode_servers.py): two encoders, SLOW_W x SLOW_H
+    images held back HOLD_S. Its text-only prompts up to 64 tokens are prefilled on
+    the decode worker, longer ones and every image prompt by the prefill worker."""
+    return mode_server
 
 
 def post_chat(server, messages) -> httpx.Response:
@@ -96,7 +83,10 @@ def test_a_failing_second_image_fails_only_its_request_and_frees_its_blocks(serv
     broken = image_bytes(SLOW_W, SLOW_H, seed=43)[:120]  # a readable header, then nothing: fails to decode
     bad = [{"role": "user", "content": [image_part(FAST), {"type": "text", "text": "and"},
                                         image_part(broken), {"type": "text", "text": "Compare."}]}]
+    # beside it: a short text (prefilled on the decode worker), a long text and an image
+    # prompt (through the prefill worker that holds the failing request's blocks)
     others = {name: CHATS[name] for name in ("text_only", "one_image")}
+    others["long_text"] = ([SYSTEM, {"role": "user", "content": "Ready?"}], [])
     expected = {name: hf_generate_text(tiny_model, m, imgs, max_new_tokens=MAX_TOKENS)
                 for name, (m, imgs) in others.items()}
 

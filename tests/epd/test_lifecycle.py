@@ -1,5 +1,9 @@
 """SIGTERM drains: requests in flight finish, new ones get 503 with Retry-After,
-then the server stops like Ctrl-C: exit 0, no process and no run directory left."""
+then the server stops like Ctrl-C: exit 0, no process and no run directory left.
+
+A cache fault is the server's, never the request's: on the same e-p-d server
+(one start for both), an embedding too large for `--mm-cache-gb` travels
+inline to the prefill worker and the answer is transformers' own."""
 from __future__ import annotations
 
 import json
@@ -10,15 +14,37 @@ import threading
 
 import httpx
 import pytest
+from hf_reference import hf_generate_text
 from media import CHATS
-from server import start_server
+from server import chat_text, start_server
 
+CACHE_FAULT_MAX_TOKENS = 10
 MAX_TOKENS = 3000  # long enough to be in flight while the drain is probed (the tiny model: ~4k context)
 
 
+@pytest.fixture(scope="module")
+def epd_server(tiny_model, tmp_path_factory):
+    """e-p-d with a ~1 KB embedding cache (no embedding of the tiny model fits) and a long
+    drain; the SIGTERM test below stops it."""
+    server = start_server(tiny_model, tmp_path_factory.mktemp("lifecycle"), "e-p-d", "--shutdown-grace", "120",
+                          "--mm-cache-gb", "0.000001")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
 @pytest.mark.slow
-def test_sigterm_lets_requests_in_flight_finish_then_exits_cleanly(tiny_model, tmp_path):
-    server = start_server(tiny_model, tmp_path, "e-p-d", "--shutdown-grace", "120")
+def test_embeddings_too_large_for_the_cache_travel_inline(tiny_model, epd_server):
+    messages, images = CHATS["two_images"]
+    expected = hf_generate_text(tiny_model, messages, images, max_new_tokens=CACHE_FAULT_MAX_TOKENS)
+    for stream in (False, True):
+        assert chat_text(epd_server, messages, CACHE_FAULT_MAX_TOKENS, stream=stream) == expected
+    assert epd_server.settled_sum("epd:encoder_images_total", role="encoder") == 4  # nothing came from the cache
+
+
+@pytest.mark.slow
+def test_sigterm_lets_requests_in_flight_finish_then_exits_cleanly(epd_server):
+    """Last on the module's server: it stops it."""
+    server = epd_server
     run_dir = re.search(r"api=ipc://(\S+)/api\.sock", server.log()).group(1)
     assert os.path.isdir(run_dir) and oct(os.stat(run_dir).st_mode & 0o777) == "0o700"
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]

@@ -1,5 +1,5 @@
 """The official `openai` client against a real `epd serve` (aggregated, tiny
-checkpoint, `--served-model-name`): every field it sends does what OpenAI's
+checkpoint, `--served-model-name`; the shared aggregated server): every field it sends does what OpenAI's
 documentation says, streamed and not, and greedy text equals transformers'."""
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import openai
 import pytest
 from hf_reference import hf_generate_text, hf_inputs
 from media import image_bytes, image_part
-from server import ServerProcess, free_port
+from mode_servers import SERVED_MODEL
 
-MODEL = "epd-conformance"
+pytestmark = pytest.mark.parametrize("mode_server", ["aggregated"], indirect=True)
+
+MODEL = SERVED_MODEL
 NUM_TOKENS = 12
 IMG = image_bytes(72, 40, seed=11)
 TEXT = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -20,13 +22,9 @@ IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    port = free_port()
-    args = ["serve", tiny_model, "--mode", "aggregated", "--port", str(port), "--served-model-name", MODEL,
-            "--num-kv-blocks", "256", "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1"]
-    srv = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(mode_server):
+    """The shared aggregated server (tests/mode_servers.py), served as SERVED_MODEL."""
+    return mode_server
 
 
 @pytest.fixture(scope="module")

@@ -45,28 +45,11 @@ def expected_texts(tiny_model):
     return {name: hf_generate_text(tiny_model, m, imgs, max_new_tokens=MAX_TOKENS) for name, (m, imgs) in CHATS.items()}
 
 
-# A stream interval per mode: aggregated sends every token (the default), the others hold tokens in
-# the worker; every test below must give the same outputs in all three.
-STREAM_INTERVALS = {"aggregated": 1, "e-pd": 3, "e-p-d": 4}
-
-
-@pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
-def server(request, tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    extra = []
-    if request.param == "e-p-d":  # shared cores (the default); e-pd splits them: the same outputs either way
-        # text-only prompts up to 64 tokens are prefilled on the decode worker, longer ones are not
-        extra = ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"), "--max-local-prefill-tokens", "64"]
-    if request.param == "e-pd":
-        extra = ["--mm-cache-gb", "0.0001", "--cpu-sharing", "split"]  # ~100 KiB: a few embeddings, then eviction
-    srv = start_server(tiny_model, tmp, request.param, *extra,
-                       "--stream-interval", str(STREAM_INTERVALS[request.param]))
-    srv.cache_dir = str(tmp / "cache")
-    srv.mode = request.param
-    srv.stream_interval = STREAM_INTERVALS[request.param]
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert not srv.group_alive(), "a server process survived Ctrl-C"
+@pytest.fixture(scope="module")
+def server(mode_server):
+    """The mode's shared server (tests/epd/conftest.py: the flags these tests rely on are
+    explained there). Every test below must give the same outputs in all three modes."""
+    return mode_server
 
 
 @pytest.mark.parametrize("chat", list(CHATS))
@@ -300,7 +283,9 @@ def _cache_entries(cache_dir: str, model: str) -> list:
 
 def test_cache_survives_a_restart(tiny_model, tmp_path):
     """A warm cache dir: the same image after a restart costs no encoder time,
-    even when another mode wrote it (here the aggregated worker's in-process encoder)."""
+    even when another mode wrote it (here the aggregated worker's in-process
+    encoder; e-pd reads it: an encoder worker that is never asked, the fewest
+    processes to start of the modes with one)."""
     from epd.encoders.image_processor import ImagePreprocessor
 
     cache = str(tmp_path / "cache")
@@ -314,7 +299,7 @@ def test_cache_survives_a_restart(tiny_model, tmp_path):
         assert first.stop() == 0
     [entry] = _cache_entries(cache, tiny_model)
     assert tuple(entry.grid_thw) == ImagePreprocessor(tiny_model).geometry.grid_thw(80, 120)
-    second = start_server(tiny_model, tmp_path, "e-p-d", "--mm-cache-dir", cache)
+    second = start_server(tiny_model, tmp_path, "e-pd", "--mm-cache-dir", cache)
     try:
         assert chat_text(second, messages) == text
         assert second.metric_sum("epd:mm_cache_hits_total") == 1

@@ -1,6 +1,6 @@
 """Structured outputs, tool calls and logits controls through `epd serve` with the
-official `openai` client, in every mode (one server per mode, few KV blocks so
-concurrent requests preempt): a random-weight model's output is valid because
+official `openai` client, in every mode (the shared server of each mode, few KV
+blocks so concurrent requests preempt): a random-weight model's output is valid because
 the constraint alone makes it so, including across the e-p-d hand-over."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 from media import image_bytes, image_part
+from mode_servers import SERVED_MODEL
 from pydantic import BaseModel, Field
 from schemas import Invoice
-from server import ServerProcess, free_port
 
-MODEL = "epd-structured"
+MODEL = SERVED_MODEL
 IMG = image_bytes(64, 48, seed=5)
 IMAGE = [{"role": "user", "content": [image_part(IMG), {"type": "text", "text": "Read the invoice."}]}]
 TEXT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -50,16 +50,12 @@ REGEX = r"[0-9]{3}-[a-z]{2}"
 LONG_REGEX = r"([a-z]{2} ){50}"  # a long output of known shape: KV pressure
 
 
-@pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
-def server(request, tiny_model, tmp_path_factory):
-    port = free_port()
-    # 56 blocks of 16 tokens: a prompt with tools (~700 tokens) fits, eight concurrent
-    # requests with a long system prompt preempt each other
-    args = ["serve", tiny_model, "--mode", request.param, "--port", str(port), "--served-model-name", MODEL,
-            "--num-kv-blocks", "56", "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1"]
-    srv = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+@pytest.fixture(scope="module")
+def server(mode_server):
+    """The mode's shared server (tests/epd/conftest.py): 56 KV blocks of 16 tokens, so a
+    prompt with tools (~700 tokens) fits and eight concurrent requests with a long system
+    prompt preempt each other."""
+    return mode_server
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
 """One real e-p-d server (tiny checkpoint) with every media and limit flag set,
 plus one aggregated server on the defaults with an API key, shared by the
-tests of this directory. A local HTTP server on 127.0.0.1 plays the remote
-image host (allowed), with slow, wrong, huge and redirecting endpoints."""
+tests of this directory. Package-scoped (the `__init__.py` here makes the
+directory a package): they stop once this directory's tests are done rather
+than idle through the rest of the suite. A local HTTP server on 127.0.0.1
+plays the remote image host (allowed), with slow, wrong, huge and
+redirecting endpoints."""
 from __future__ import annotations
 
 import os
@@ -66,7 +69,7 @@ class _MediaHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def media_host():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _MediaHandler)
     httpd.daemon_threads = True
@@ -78,7 +81,7 @@ def media_host():
     httpd.server_close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def media_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("media")
     (root / "allowed").mkdir()
@@ -87,7 +90,7 @@ def media_dir(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(tiny_model, tmp_path_factory, media_dir, media_host):
     port = free_port()
     args = ["serve", tiny_model, "--mode", "e-p-d", "--port", str(port), *COMMON, "--served-model-name", MODEL,
@@ -102,7 +105,7 @@ def server(tiny_model, tmp_path_factory, media_dir, media_host):
     assert not srv.group_alive()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def plain_server(tiny_model, tmp_path_factory):
     """Defaults everywhere (no --host, no media flags); the API key from EPD_API_KEY."""
     port = free_port()
@@ -117,7 +120,7 @@ def plain_server(tiny_model, tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def expected(tiny_model) -> dict[str, str]:
     return {"text": hf_generate_text(tiny_model, TEXT_MESSAGES, [], MAX_TOKENS),
             "image": hf_generate_text(tiny_model, IMAGE_MESSAGES, [IMG], MAX_TOKENS)}
