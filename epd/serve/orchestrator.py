@@ -40,7 +40,7 @@ from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.serve.encoder_router import EncoderRouter
-from epd.serve.router import LeastRequestsRouter, make_router
+from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import DEADLINE, Attempt, Lost, Retry
 from epd.serve.registry import WorkerInfo, WorkerRegistry
@@ -455,9 +455,16 @@ class Orchestrator:
         """Routes and sends one try of a request: prompt + `emitted`, with the
         rest of its token budget, to live workers."""
         decode = None
-        if self._prefills_locally(prep, emitted):  # the decode worker prefills it itself: no KV moves
-            prefill = self.local_prefill_router.choose(await self._choose((Role.DECODE,), deadline), prep.token_ids)
-            self.metrics.local_prefills += 1
+        if self._prefills_locally(prep, emitted):
+            decoders = await self._choose((Role.DECODE,), deadline)
+            idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._prefilling())
+            if idle:  # every decode worker is busy with another prompt: an idle prefill worker starts it now
+                prefill = self.text_prefill_router.choose(idle, prep.token_ids)
+                decode = self.decode_router.choose(decoders, prep.token_ids)
+                self.metrics.local_prefills_redirected += 1
+            else:  # the decode worker prefills it itself: no KV moves
+                prefill = self.local_prefill_router.choose(decoders, prep.token_ids)
+                self.metrics.local_prefills += 1
         else:
             router = self.prefill_router if prep.images else self.text_prefill_router
             prefill = router.choose(await self._choose(PREFILL_ROLES, deadline), prep.token_ids)
@@ -511,6 +518,10 @@ class Orchestrator:
         text-only prompt this short is prefilled on a decode worker, so it never
         queues behind image prompts' chunks at the prefill worker."""
         return not prep.mm_spans and 0 < len(prep.token_ids) + len(emitted) <= self.max_local_prefill_tokens
+
+    def _prefilling(self) -> set[str]:
+        """Ids of the workers prefilling a prompt of this API process: sent, first token not back."""
+        return {a.prefill.worker_id for a in self.attempts.values() if a.num_emitted == 0}
 
     async def _end_attempt(self, attempt: Attempt) -> None:
         """Forgets an attempt; unless it finished, frees every worker's share of it

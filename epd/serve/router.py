@@ -17,9 +17,21 @@ import hashlib
 import itertools
 import random
 import struct
+from collections.abc import Collection
 
 PREFIX_TOKENS = 64  # tokens of the prompt that pick the worker (4 KV blocks)
 VIRTUAL_NODES = 64  # ring points per worker, for an even spread
+
+
+def idle_prefill_workers(decoders: list, prefills: list, prefilling: Collection[str]) -> list:
+    """Where a short text-only prompt goes instead of a decode worker: the
+    prefill workers with no prompt pending (`prefilling`: ids of workers with
+    a prompt sent and its first token not back), when every decode worker is
+    already prefilling one. A decode worker prefills one prompt after another,
+    so the second would wait for the first. Empty: prefill it on a decode worker."""
+    if any(d.worker_id not in prefilling for d in decoders):
+        return []
+    return [w for w in prefills if w.worker_id not in prefilling]
 
 
 class RoundRobinRouter:

@@ -160,6 +160,9 @@ class WorkerMetrics:
         self.local_prefills = Count(Counter(  # tries of short text-only prompts sent to a decode worker
             "epd:local_prefills", "Prompts prefilled on a decode worker instead of a prefill worker "
             "(text-only, at most --max-local-prefill-tokens; every try counts).", registry=self._api))
+        self.local_prefills_redirected = Count(Counter(  # short text-only tries sent to an idle prefill worker
+            "epd:local_prefills_redirected", "Short text-only prompts sent to an idle prefill worker because every "
+            "decode worker was already prefilling another (every try counts).", registry=self._api))
         self.requests_refused = CountBy(Counter(  # reason -> requests refused by admission control
             "epd:requests_refused", "Requests refused by admission control (503 + Retry-After).", ["reason"],
             registry=self._api))

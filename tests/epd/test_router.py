@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from epd.serve.router import LeastLoadedRouter, LeastRequestsRouter, PrefixHashRouter, RoundRobinRouter, make_router
+from epd.serve.router import (LeastLoadedRouter, LeastRequestsRouter, PrefixHashRouter, RoundRobinRouter,
+                              idle_prefill_workers, make_router)
 from epd.serve.registry import WorkerInfo
 from epd.transport.messages import WorkerStats
 
@@ -65,3 +66,18 @@ def test_least_requests_counts_what_it_sent_since_the_last_report():
     workers[1].stats = WorkerStats("prefill-1", "prefill", num_running=0, num_waiting=0, num_free_blocks=0,
                                    num_total_blocks=0, queue_depth=0)
     assert router.choose(workers, [1]).worker_id == "prefill-1"
+
+
+def test_a_short_text_prompt_goes_to_an_idle_prefill_worker_only_when_every_decode_worker_is_prefilling():
+    decoders = [WorkerInfo(f"decode-{i}", "decode", f"ipc:///tmp/x/decode-{i}.sock") for i in range(2)]
+    prefills = _workers([0, 0])
+
+    def target(prefilling):
+        return [w.worker_id for w in idle_prefill_workers(decoders, prefills, prefilling)]
+
+    assert target(set()) == []  # a decode worker is free: it prefills the prompt itself
+    assert target({"decode-0"}) == []  # decode-1 still is
+    assert target({"decode-0", "decode-1"}) == ["prefill-0", "prefill-1"]
+    assert target({"decode-0", "decode-1", "prefill-0"}) == ["prefill-1"]
+    assert target({"decode-0", "decode-1", "prefill-0", "prefill-1"}) == []  # nobody idle: wait on a decode worker
+    assert idle_prefill_workers(decoders, [], {"decode-0", "decode-1"}) == []  # no prefill worker (none live)

@@ -2,6 +2,7 @@
 official `openai` client, against transformers' greedy text."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -188,6 +189,32 @@ def test_image_and_long_text_prompts_go_through_the_prefill_worker(server):
         after = _engine_counts(server)
         assert after["local"] == before["local"]
         assert after["prefill"] > before["prefill"] and after["kv"] > before["kv"]
+
+
+def test_short_text_prompts_arriving_together_are_answered_wherever_they_are_prefilled(server, expected_texts):
+    """A short text prompt that finds the decode worker prefilling another may go to the
+    idle prefill worker instead (which one depends on timing): either way the answer is
+    transformers', every try is counted once, and KV moves only if one was redirected."""
+    if server.mode != "e-p-d":
+        pytest.skip("local prefill is e-p-d's")
+    before = _engine_counts(server)
+    redirected = server.metric_sum("epd:local_prefills_redirected_total")
+    num_requests = 6
+
+    async def ask_together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as c:
+            model = (await c.models.list()).data[0].id
+            responses = await asyncio.gather(*(c.chat.completions.create(
+                model=model, messages=CHATS["text_only"][0], max_tokens=MAX_TOKENS, temperature=0)
+                for _ in range(num_requests)))
+        return [r.choices[0].message.content for r in responses]
+
+    assert asyncio.run(ask_together()) == [expected_texts["text_only"]] * num_requests
+    after = _engine_counts(server)
+    num_redirected = server.metric_sum("epd:local_prefills_redirected_total") - redirected
+    assert after["local"] - before["local"] + num_redirected == num_requests
+    assert (after["prefill"] > before["prefill"]) == (after["kv"] > before["kv"]) == (num_redirected > 0)
 
 
 def test_a_client_leaving_a_local_prefill_frees_the_decode_workers_blocks(server):
