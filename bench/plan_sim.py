@@ -32,8 +32,9 @@ a text-only request skips the encoders, and in e-p-d one of at most
 worker, unless every decode worker is already prefilling a prompt (one sent to
 it whose first token is not out) and some prefill worker has none pending:
 then to that idle prefill worker (least loaded of them), through the usual KV
-transfer. Prompts are not chunked: a step takes whole prompts, first ready
-first, as many as fit its budget (at least one).
+transfer. Not modelled: chunking (a step takes whole prompts, first ready
+first, as many as fit its budget and at least one; the real scheduler cuts a
+prompt at the budget's edge and orders prompts by cost).
 
 The workload may mix in text-only requests (`Workload.text_only_ratio`):
 which requests of a seeded trace have no image is what `epd bench serve
