@@ -162,7 +162,9 @@ def main(args) -> dict:
     print(f"service times (ms, one worker alone on CPUs {sorted(cpus)}): encode {times.encode_ms_per_image:.0f} "
           f"an image, prefill {times.prefill_ms_per_token * workload.prompt_tokens:.0f} for "
           f"{workload.prompt_tokens} tokens, decode step {times.decode_step_ms:.1f} + "
-          f"{times.decode_ms_per_seq:.1f} a sequence", flush=True)
+          f"{times.decode_ms_per_seq:.1f} a sequence"
+          + (f"; text-only prompts {workload.text_prompt_tokens} tokens" if workload.text_only_ratio else ""),
+          flush=True)
     if args.slo_scale is not None:
         ttft_slo, tpot_slo = solo_slos(times, workload, args.slo_scale)
     else:
