@@ -65,7 +65,14 @@ class BenchRequest:
 def random_prompt(rng: random.Random, num_tokens: int, tokenizer=None) -> str:
     """Random words: `num_tokens` tokens of `tokenizer` (re-tokenizing the text
     may differ by a token or two at the cut), or `num_tokens` words without one."""
-    text = " ".join(rng.choice(_WORDS) for _ in range(max(1, num_tokens)))
+    return _cut_to_tokens(_random_words(rng, num_tokens), num_tokens, tokenizer)
+
+
+def _random_words(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, num_words)))
+
+
+def _cut_to_tokens(text: str, num_tokens: int, tokenizer) -> str:
     if tokenizer is None:
         return text
     ids = tokenizer.encode(text, add_special_tokens=False)[:max(1, num_tokens)]  # every word is >= 1 token
@@ -141,12 +148,26 @@ def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int =
     return [BenchRequest(random_prompt(rng, input_len, tokenizer), output_len) for _ in range(num_prompts)]
 
 
-def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
-                     images_per_request: int = 1, images_range_ratio: float = 0.0,
-                     image_sizes: list[tuple[int, int]] | None = None,
-                     repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
-                     image_format: str = "jpeg", seed: int = 0, tokenizer=None) -> list[BenchRequest]:
-    """Random text (as `sample_random`) plus K images per request.
+@dataclass(frozen=True)
+class RandomMMDraw:
+    """One request of `sample_random_mm` before its images are made: the prompt's
+    words and, per image, a pool index (a repeat) or a size (an image of its own)."""
+
+    words: str
+    images: tuple[int | tuple[int, int], ...]
+
+    @property
+    def is_text_only(self) -> bool:
+        return not self.images
+
+
+def draw_random_mm(num_prompts: int, input_len: int, *, images_per_request: int = 1,
+                   images_range_ratio: float = 0.0, image_sizes: list[tuple[int, int]] | None = None,
+                   repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
+                   seed: int = 0) -> list[RandomMMDraw]:
+    """Every random choice of `sample_random_mm` (same arguments, same order), without
+    making an image: cheap, so the planner's simulation (bench/plan_sim.py) draws the
+    same text-only requests as the real run for a seed.
 
     * K is drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
       (r = `images_range_ratio`).
@@ -164,35 +185,50 @@ def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
     if images_per_request < 0:
         raise ValueError(f"--images-per-request must be >= 0, got {images_per_request}")
     sizes = image_sizes or [(1024, 1024)]
-    mime = _MIME.get(image_format)
-    if mime is None:
-        raise ValueError(f"image format must be one of {sorted(_MIME)}, got {image_format!r}")
     rng = random.Random(seed)
-    pool: dict[int, str] = {}  # pool index -> data URL, made on first use
-
-    def pooled(index: int) -> str:
-        if index not in pool:
-            w, h = sizes[index % len(sizes)]
-            pool[index] = data_url(make_image_bytes(w, h, seed=_image_seed(seed, "pool", index), fmt=image_format), mime)
-        return pool[index]
-
     low = max(0, round(images_per_request * (1 - images_range_ratio)))
     high = max(low, round(images_per_request * (1 + images_range_ratio)))
+    draws = []
+    for _ in range(num_prompts):
+        words = _random_words(rng, input_len)
+        num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
+        images = [rng.randrange(IMAGE_POOL_SIZE) if rng.random() < repeat_image_ratio else rng.choice(sizes)
+                  for _ in range(num_images)]
+        draws.append(RandomMMDraw(words, tuple(images)))
+    return draws
+
+
+def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
+                     images_per_request: int = 1, images_range_ratio: float = 0.0,
+                     image_sizes: list[tuple[int, int]] | None = None,
+                     repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
+                     image_format: str = "jpeg", seed: int = 0, tokenizer=None) -> list[BenchRequest]:
+    """Random text (as `sample_random`) plus K images per request, as `draw_random_mm` draws them."""
+    mime = _MIME.get(image_format)
+    draws = draw_random_mm(num_prompts, input_len, images_per_request=images_per_request,
+                           images_range_ratio=images_range_ratio, image_sizes=image_sizes,
+                           repeat_image_ratio=repeat_image_ratio, text_only_ratio=text_only_ratio, seed=seed)
+    if mime is None:
+        raise ValueError(f"image format must be one of {sorted(_MIME)}, got {image_format!r}")
+    sizes = image_sizes or [(1024, 1024)]
+    pool: dict[int, str] = {}  # pool index -> data URL, made on first use
     num_unique = 0
     requests = []
-    for _ in range(num_prompts):
-        prompt = random_prompt(rng, input_len, tokenizer)
-        num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
+    for draw in draws:
         urls = []
-        for _ in range(num_images):
-            if rng.random() < repeat_image_ratio:
-                urls.append(pooled(rng.randrange(IMAGE_POOL_SIZE)))
+        for image in draw.images:
+            if isinstance(image, int):  # a pool index
+                if image not in pool:
+                    w, h = sizes[image % len(sizes)]
+                    data = make_image_bytes(w, h, seed=_image_seed(seed, "pool", image), fmt=image_format)
+                    pool[image] = data_url(data, mime)
+                urls.append(pool[image])
             else:
-                w, h = rng.choice(sizes)
+                w, h = image
                 data = make_image_bytes(w, h, seed=_image_seed(seed, "unique", num_unique), fmt=image_format)
                 urls.append(data_url(data, mime))
                 num_unique += 1
-        requests.append(BenchRequest(prompt, output_len, tuple(urls)))
+        requests.append(BenchRequest(_cut_to_tokens(draw.words, input_len, tokenizer), output_len, tuple(urls)))
     return requests
 
 

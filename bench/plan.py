@@ -13,7 +13,12 @@
      predicted against measured attainment and goodput.
 Goodput is `bench compare`'s (a): the highest tested rate at which >= 90% of
 requests meet both the TTFT and TPOT SLOs. With `--slo-scale X` the SLOs
-are X times one aggregated worker's simulated solo TTFT and TPOT.
+are X times one aggregated worker's simulated solo TTFT and TPOT (of a
+request with images, when the workload has any).
+The workload is `--dataset random-mm`, optionally with `--text-only-ratio`
+(the simulation draws the same text-only requests as the real run); the
+engine flags among `--server-args` (`--max-num-batched-tokens`,
+`--max-local-prefill-tokens`) reach the simulation too.
 """
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ import json
 from pathlib import Path
 
 from epd.bench import compare
-from epd.bench.metrics import attainment_ci, distserve_max_rate, distserve_rate_ci, slo_attainment
-from epd.bench.plan_sim import SimConfig, Split, max_goodput, predicted_goodput, simulate_arrivals, splits
+from epd.bench.metrics import attainment_ci, distserve_max_rate, distserve_rate_ci, percentile, slo_attainment
+from epd.bench.plan_sim import SimConfig, Split, attainment, max_goodput, simulate, simulate_arrivals, splits
 from epd.bench.report import results_from_json
 from epd.config import SHARED_CPU_NICE
 
@@ -63,17 +68,32 @@ def solo_slos(times, workload, scale: float) -> tuple[float, float]:
     return scale * alone.ttft_ms, scale * (alone.tpot_ms or 0.0)
 
 
+def sim_config(args) -> SimConfig:
+    """How the simulated workers run: cores shared by niceness (or `--device-per-worker`), and
+    the engine flags of `--server-args` the simulation models, with `epd serve`'s defaults."""
+    from epd.cli import engine_config_of
+
+    scheduler = engine_config_of(args.server_args.split()).scheduler
+    budgets = {"max_num_batched_tokens": scheduler.max_num_batched_tokens,
+               "max_local_prefill_tokens": scheduler.max_local_prefill_tokens}
+    if args.device_per_worker:
+        return SimConfig(**budgets)
+    nice = {str(role): nice for role, nice in SHARED_CPU_NICE.items()} if args.cpu_sharing == "shared" else {}
+    return SimConfig(shared_cores=True, nice=nice, **budgets)
+
+
 def predict(args, times, workload, num_workers: int, rates: list[float], ttft_slo: float, tpot_slo: float,
             config: SimConfig) -> list[dict]:
-    """Every split of `num_workers`, best first: predicted attainment per rate and goodput."""
+    """Every split of `num_workers`, best first: predicted attainment per rate and goodput
+    (and, for a workload with text-only requests, their P99 TTFT per rate)."""
     rows = []
     for split in splits(num_workers):
-        per_rate = {}
+        per_rate, text_only_p99 = {}, []
         for i, rate in enumerate(rates):
-            _, attained = predicted_goodput(split, times, workload, [rate], num_requests=args.num_prompts,
-                                            ttft_slo_ms=ttft_slo, tpot_slo_ms=tpot_slo, seeds=sim_seeds(args, i),
-                                            config=config)
-            per_rate[rate] = attained[rate]
+            outcomes = [o for seed in sim_seeds(args, i)
+                        for o in simulate(split, times, workload, rate, args.num_prompts, seed, config)]
+            per_rate[rate] = attainment(outcomes, ttft_slo, tpot_slo)  # pooled over the traces
+            text_only_p99.append(percentile([o.ttft_ms for o in outcomes if o.is_text_only], 99))
         goodput = max((r for r, a in per_rate.items() if a >= 0.9), default=0.0)
         finest = max_goodput(split, times, workload, num_requests=args.num_prompts, ttft_slo_ms=ttft_slo,
                              tpot_slo_ms=tpot_slo, seeds=sim_seeds(args, 0)[:5], config=config,
@@ -82,6 +102,8 @@ def predict(args, times, workload, num_workers: int, rates: list[float], ttft_sl
                      "prefill": split.prefill, "decode": split.decode,
                      "predicted_attainment": [per_rate[r] for r in rates],
                      "predicted_goodput": goodput, "predicted_max_rate": finest})
+        if workload.text_only_ratio:
+            rows[-1]["predicted_text_only_p99_ttft_ms"] = text_only_p99
     rows.sort(key=lambda r: (r["predicted_goodput"], r["predicted_max_rate"]), reverse=True)
     return rows
 
@@ -126,11 +148,12 @@ def main(args) -> dict:
     rates = sorted(float(r) for r in args.rates.split(","))
     if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
         raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
-    if args.dataset != "random-mm" or args.images_range_ratio or args.text_only_ratio or args.repeat_image_ratio:
-        raise ValueError("the planner simulates requests that are all alike: use --dataset random-mm without "
-                         "--images-range-ratio, --text-only-ratio or --repeat-image-ratio")
+    if args.dataset != "random-mm" or args.images_range_ratio or args.repeat_image_ratio:
+        raise ValueError("the planner simulates requests alike but for --text-only-ratio: use --dataset random-mm "
+                         "without --images-range-ratio or --repeat-image-ratio")
     if args.top < 0 or args.sim_traces < 1:
         raise ValueError("--top must be >= 0 and --sim-traces >= 1")
+    config = sim_config(args)
     cpus = compare.cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,14 +162,13 @@ def main(args) -> dict:
     print(f"service times (ms, one worker alone on CPUs {sorted(cpus)}): encode {times.encode_ms_per_image:.0f} "
           f"an image, prefill {times.prefill_ms_per_token * workload.prompt_tokens:.0f} for "
           f"{workload.prompt_tokens} tokens, decode step {times.decode_step_ms:.1f} + "
-          f"{times.decode_ms_per_seq:.1f} a sequence", flush=True)
+          f"{times.decode_ms_per_seq:.1f} a sequence"
+          + (f"; text-only prompts {workload.text_prompt_tokens} tokens" if workload.text_only_ratio else ""),
+          flush=True)
     if args.slo_scale is not None:
         ttft_slo, tpot_slo = solo_slos(times, workload, args.slo_scale)
     else:
         ttft_slo, tpot_slo = args.slo_ttft_ms, args.slo_tpot_ms
-    nice = {str(role): nice for role, nice in SHARED_CPU_NICE.items()}
-    config = (SimConfig() if args.device_per_worker else
-              SimConfig(shared_cores=True, nice=nice if args.cpu_sharing == "shared" else {}))
     plans = []
     for num_workers in worker_counts:
         rows = predict(args, times, workload, num_workers, rates, ttft_slo, tpot_slo, config)

@@ -19,10 +19,13 @@ a served worker (`--cpu-sharing shared`: every worker may use every core).
               cache), then again for 1 and for 1 + S tokens: the difference
               over S is one step at batch B; a line through B = 1 and B = 4.
 KV transfer between workers is not measured here (`--kv-transfer-ms`).
+A text-only request's prompt tokens (for `--text-only-ratio`) are counted by
+the chat template alone, without running it: the same text, no images.
 """
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 import time
 
@@ -61,6 +64,8 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
         # warm-up, not counted; the engine's count of the workload's prompt (text + image placeholders)
         (out,) = llm.chat(build_payload("m", requests[-1])["messages"], one_token)
         prompt_tokens = len(out.prompt_token_ids)
+        text_only = dataclasses.replace(requests[-1], image_urls=())
+        text_prompt_tokens = len(llm.prompts.build(build_payload("m", text_only)["messages"], []).token_ids)
         encode_ms, prefill_ms = [], []
         for i, request in enumerate(requests[:PROBE_REQUESTS]):
             images = [_image_bytes(url) for url in request.image_urls]
@@ -83,7 +88,9 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
                          prefill_ms_per_token=max(0.0, min(prefill_ms)) / prompt_tokens,
                          decode_step_ms=base, decode_ms_per_seq=per_seq,
                          kv_transfer_ms=args.kv_transfer_ms)
-    return times, Workload(args.images_per_request, prompt_tokens, args.output_len)
+    return times, Workload(args.images_per_request, prompt_tokens, args.output_len,
+                           text_only_ratio=args.text_only_ratio, text_prompt_tokens=text_prompt_tokens,
+                           input_len=args.input_len, image_sizes=tuple(args.image_size))
 
 
 def _token_prompt(llm, num_tokens: int, salt: int) -> list[int]:

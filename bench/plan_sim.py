@@ -12,6 +12,12 @@ milliseconds. What each worker does (as the real ones do it):
                  The KV then takes `kv_transfer_ms` to reach the decode worker.
   * decode     — continuous batching: a step for every running request, one
                  token each; a request that arrives mid-step joins the next.
+                 With conditional disaggregation (e-p-d, `max_local_prefill_tokens`
+                 > 0) it also prefills the short text-only prompts routed to it,
+                 at most `max_local_prefill_tokens` prompt tokens a step beside
+                 its decodes (whole prompts, at least one): the step costs both,
+                 so its running requests' decodes stall for the prefill, and the
+                 request then decodes there (no KV transfer).
   * pd         — e-pd's combined worker: a step decodes every running
                  request and prefills the ready ones that fit the budget
                  (what is left of it after one token per running request);
@@ -20,7 +26,21 @@ milliseconds. What each worker does (as the real ones do it):
                  images that arrived are encoded before the next step, and
                  every running request's decode waits for them.
 Requests go to the least loaded worker of a role (requests assigned and not
-done; ties to the one given fewest so far).
+done; ties to the one given fewest so far), as the orchestrator routes them:
+a text-only request skips the encoders, and in e-p-d one of at most
+`max_local_prefill_tokens` prompt tokens goes to the least loaded decode
+worker, unless every decode worker is already prefilling a prompt (one sent to
+it whose first token is not out) and some prefill worker has none pending:
+then to that idle prefill worker (least loaded of them), through the usual KV
+transfer. Not modelled: chunking (a step takes whole prompts, first ready
+first, as many as fit its budget and at least one; the real scheduler cuts a
+prompt at the budget's edge and orders prompts by cost).
+
+The workload may mix in text-only requests (`Workload.text_only_ratio`):
+which requests of a seeded trace have no image is what `epd bench serve
+--dataset random-mm --seed` draws for that seed (datasets.draw_random_mm),
+so a simulated trace and the real one hold the same requests in the same
+order; a text-only request's prompt is its text alone (`text_prompt_tokens`).
 
 Service times are a worker's own when it runs alone (`ServiceTimes`). With
 `shared_cores` every worker runs on the same cores (`epd serve` on a CPU):
@@ -34,10 +54,12 @@ requests meeting both SLOs, goodput the highest rate with attainment >= 90%.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
 from epd.bench.arrivals import arrival_times_s
+from epd.bench.datasets import draw_random_mm
 
 ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
 MODES = ("aggregated", "e-pd", "e-p-d")
@@ -65,11 +87,41 @@ class ServiceTimes:
 
 @dataclass(frozen=True)
 class Workload:
-    """Every request alike: images, prompt tokens (text + image placeholders), output tokens."""
+    """The requests: images, prompt tokens (text + image placeholders) and output tokens of each.
+
+    With `text_only_ratio` > 0 a seeded share of them has no image and `text_prompt_tokens`
+    prompt tokens (the same text without placeholders): the requests `epd bench serve
+    --dataset random-mm --text-only-ratio` draws for the trace's seed, a draw that also
+    depends on its `--input-len` and `--image-size` list (`input_len`, `image_sizes`).
+    """
 
     images_per_request: int
     prompt_tokens: int
     output_len: int
+    text_only_ratio: float = 0.0
+    text_prompt_tokens: int = 0
+    input_len: int = 1
+    image_sizes: tuple[tuple[int, int], ...] = ((1024, 1024),)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.text_only_ratio <= 1.0:
+            raise ValueError(f"text_only_ratio must be in [0, 1], got {self.text_only_ratio}")
+        if self.text_only_ratio and self.images_per_request and self.text_prompt_tokens < 1:
+            raise ValueError("a workload with text-only requests needs their text_prompt_tokens")
+
+    def prompt_tokens_of(self, is_text_only: bool) -> int:
+        return self.text_prompt_tokens if is_text_only and self.images_per_request else self.prompt_tokens
+
+
+@functools.lru_cache(maxsize=1024)  # the planner simulates every split on the same seeds
+def text_only_requests(workload: Workload, num_requests: int, seed: int) -> tuple[bool, ...]:
+    """Which of a trace's requests have no image: as `bench serve --seed seed` draws its dataset."""
+    if not workload.text_only_ratio or not workload.images_per_request:
+        return (not workload.images_per_request,) * num_requests
+    draws = draw_random_mm(num_requests, workload.input_len, images_per_request=workload.images_per_request,
+                           image_sizes=list(workload.image_sizes), text_only_ratio=workload.text_only_ratio,
+                           seed=seed)
+    return tuple(draw.is_text_only for draw in draws)
 
 
 @dataclass(frozen=True)
@@ -116,19 +168,23 @@ def splits(num_workers: int) -> list[Split]:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How the workers run: on shared cores (weighted by niceness per role) or a device each."""
+    """How the workers run: on shared cores (weighted by niceness per role) or a device each;
+    the engine's token budget a step and `--max-local-prefill-tokens` (0: off)."""
 
     shared_cores: bool = False
     nice: dict = field(default_factory=lambda: {role: 0 for role in ROLES})
     max_num_batched_tokens: int = 2048
+    max_local_prefill_tokens: int = 512
 
 
 @dataclass
 class _Request:
     arrival_ms: float
+    is_text_only: bool
+    num_prompt_tokens: int
     images_left: int
-    prefill_worker: "_Worker"
-    decode_worker: "_Worker | None"
+    prefill_worker: "_Worker"  # a decode worker when it prefills the request itself
+    decode_worker: "_Worker | None"  # None: decoded where it was prefilled (no KV moves)
     tokens_left: int = 0
     ttft_ms: float | None = None
     done_ms: float | None = None
@@ -141,6 +197,7 @@ class _Worker:
         self.ready: list[_Request] = []  # prefill / pd / aggregated: images all encoded, FIFO
         self.running: list[_Request] = []  # decode / pd / aggregated
         self.load = 0  # requests assigned and not done
+        self.num_prefilling = 0  # requests assigned whose first token is not out yet
         self.given = 0  # requests assigned so far (tie-break)
         self.remaining_ms = 0.0  # solo work left in the activity under way
         self.finish = None  # what happens when it ends; None = idle
@@ -178,10 +235,22 @@ class _Sim:
         worker.given += 1
         return worker
 
-    def _arrive(self, request_ms: float) -> _Request:
-        front = self._least_loaded(self.front)
-        decode = self._least_loaded(self.decoders) if self.decoders else None
-        request = _Request(request_ms, self.workload.images_per_request, front, decode)
+    def _route(self, is_short_text: bool) -> tuple[_Worker, _Worker | None]:
+        """(the worker that prefills, the decode worker it hands the KV to, or None: it decodes there)."""
+        if is_short_text and self.decoders:  # conditional disaggregation (e-p-d)
+            idle_prefill = [w for w in self.front if not w.num_prefilling]
+            if not idle_prefill or not all(w.num_prefilling for w in self.decoders):
+                return self._least_loaded(self.decoders), None  # prefilled where it decodes: no KV moves
+            # every decode worker is prefilling a prompt already: an idle prefill worker starts it now
+            return self._least_loaded(idle_prefill), self._least_loaded(self.decoders)
+        return self._least_loaded(self.front), self._least_loaded(self.decoders) if self.decoders else None
+
+    def _arrive(self, request_ms: float, is_text_only: bool) -> _Request:
+        num_tokens = self.workload.prompt_tokens_of(is_text_only)
+        front, decode = self._route(is_text_only and num_tokens <= self.config.max_local_prefill_tokens)
+        front.num_prefilling += 1
+        images = 0 if is_text_only else self.workload.images_per_request
+        request = _Request(request_ms, is_text_only, num_tokens, images, front, decode)
         if not request.images_left:
             front.ready.append(request)  # text-only: no encoder
         for _ in range(request.images_left):
@@ -195,12 +264,14 @@ class _Sim:
     def _prefilled(self, request: _Request) -> None:
         request.ttft_ms = self.now
         request.tokens_left = self.workload.output_len - 1
+        request.prefill_worker.num_prefilling -= 1
+        if request.decode_worker is not None:
+            request.prefill_worker.load -= 1  # its KV leaves for the decode worker
         if request.tokens_left == 0:
             self._done(request)
         elif request.decode_worker is None:
             request.prefill_worker.running.append(request)
         else:
-            request.prefill_worker.load -= 1
             self._at(self.now + self.times.kv_transfer_ms, lambda: request.decode_worker.running.append(request))
 
     def _done(self, request: _Request) -> None:
@@ -209,11 +280,12 @@ class _Sim:
 
     # -- what an idle worker starts --
 
-    def _take_prefills(self, worker: _Worker, budget: int) -> list[_Request]:
+    @staticmethod
+    def _take_prefills(worker: _Worker, budget: int) -> list[_Request]:
         taken, tokens = [], 0
-        while worker.ready and (not taken or tokens + self.workload.prompt_tokens <= budget):
+        while worker.ready and (not taken or tokens + worker.ready[0].num_prompt_tokens <= budget):
             taken.append(worker.ready.pop(0))
-            tokens += self.workload.prompt_tokens
+            tokens += taken[-1].num_prompt_tokens
         return taken
 
     def _start(self, worker: _Worker) -> None:
@@ -227,10 +299,12 @@ class _Sim:
             return
         running = list(worker.running)
         budget = self.config.max_num_batched_tokens - len(running)
-        prefills = self._take_prefills(worker, budget) if worker.role != "decode" else []
+        if worker.role == "decode":  # local prefills only (none routed here when it is off)
+            budget = min(budget, self.config.max_local_prefill_tokens)
+        prefills = self._take_prefills(worker, budget)
         if not running and not prefills:
             return
-        cost = times.decode_ms(len(running)) + times.prefill_ms(self.workload.prompt_tokens * len(prefills))
+        cost = times.decode_ms(len(running)) + times.prefill_ms(sum(r.num_prompt_tokens for r in prefills))
         self._begin(worker, cost, lambda: self._stepped(running, prefills))
 
     def _begin(self, worker: _Worker, cost_ms: float, finish) -> None:
@@ -259,10 +333,10 @@ class _Sim:
         total = sum(w.weight for w in busy)
         return [w.weight / total for w in busy]
 
-    def run(self, arrivals_ms: list[float]) -> list[_Request]:
+    def run(self, arrivals_ms: list[float], text_only: list[bool]) -> list[_Request]:
         requests: list[_Request] = []
-        for t in arrivals_ms:
-            self._at(t, lambda t=t: requests.append(self._arrive(t)))
+        for t, is_text_only in zip(arrivals_ms, text_only, strict=True):
+            self._at(t, lambda t=t, is_text_only=is_text_only: requests.append(self._arrive(t, is_text_only)))
         while True:
             while self.events and self.events[0][0] <= self.now + _EPS_MS:
                 heapq.heappop(self.events)[2]()
@@ -294,21 +368,28 @@ class Outcome:
 
     ttft_ms: float
     tpot_ms: float | None  # None for a one-token output
+    is_text_only: bool = False
 
 
 def simulate(split: Split, times: ServiceTimes, workload: Workload, rate: float, num_requests: int,
              seed: int = 0, config: SimConfig = SimConfig()) -> list[Outcome]:
-    """Serve `num_requests` arriving as `epd bench serve --request-rate rate --seed seed` sends them."""
+    """Serve `num_requests` arriving as `epd bench serve --request-rate rate --seed seed` sends them
+    (the text-only ones among them, too)."""
     arrivals_ms = [t * 1000.0 for t in arrival_times_s(num_requests, rate, seed=seed)]
-    return simulate_arrivals(split, times, workload, arrivals_ms, config)
+    return simulate_arrivals(split, times, workload, arrivals_ms, config,
+                             text_only=list(text_only_requests(workload, num_requests, seed)))
 
 
 def simulate_arrivals(split: Split, times: ServiceTimes, workload: Workload, arrivals_ms: list[float],
-                      config: SimConfig = SimConfig()) -> list[Outcome]:
-    """Serve one request arriving at each of `arrivals_ms` (non-decreasing); outcomes in arrival order."""
-    done = _Sim(split, times, workload, config).run(arrivals_ms)
+                      config: SimConfig = SimConfig(), text_only: list[bool] | None = None) -> list[Outcome]:
+    """Serve one request arriving at each of `arrivals_ms` (non-decreasing); outcomes in arrival order.
+    `text_only`: which requests have no image (None: those of a workload without images)."""
+    if text_only is None:
+        text_only = [not workload.images_per_request] * len(arrivals_ms)
+    done = _Sim(split, times, workload, config).run(arrivals_ms, text_only)
     n = workload.output_len
-    return [Outcome(r.ttft_ms - r.arrival_ms, (r.done_ms - r.ttft_ms) / (n - 1) if n > 1 else None) for r in done]
+    return [Outcome(r.ttft_ms - r.arrival_ms, (r.done_ms - r.ttft_ms) / (n - 1) if n > 1 else None, r.is_text_only)
+            for r in done]
 
 
 def num_met(outcomes: list[Outcome], ttft_slo_ms: float, tpot_slo_ms: float) -> int:

@@ -91,6 +91,18 @@ def _engine_config(args) -> EngineConfig:
     return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
 
 
+def engine_config_of(argv: list[str]) -> EngineConfig:
+    """The engine settings among `epd serve` flags, with serve's defaults; other flags are ignored.
+    A bad value raises ValueError (the planner reads `--server-args` with it)."""
+    p = argparse.ArgumentParser(prog="epd serve", add_help=False, allow_abbrev=False, exit_on_error=False)
+    _add_engine_args(p)
+    try:
+        known, _ = p.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    return _engine_config(known)
+
+
 def _limit_images(value: str | None) -> int | None:
     if value is None:
         return field_default(MediaConfig, "limit_images_per_prompt")

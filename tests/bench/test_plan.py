@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from epd import cli
-from epd.bench.plan import format_plan, predict, sim_seeds, solo_slos
+from epd.bench.plan import format_plan, predict, sim_config, sim_seeds, solo_slos
 from epd.bench.plan_sim import ServiceTimes, SimConfig, Workload
 
 # encode-bound on devices of their own: 4 images of 500 ms, a short prefill, cheap decode steps
@@ -45,6 +45,27 @@ def test_an_encode_bound_workload_ranks_the_split_with_most_encoders_first():
     assert by_split["3A"]["predicted_max_rate"] < by_split["2E1PD"]["predicted_max_rate"]
 
 
+def test_the_simulation_takes_the_engine_flags_of_server_args():
+    shared = sim_config(_args(server_args="--max-num-seqs 8", device_per_worker=False, cpu_sharing="shared"))
+    assert shared.max_local_prefill_tokens == 512 and shared.max_num_batched_tokens == 2048  # serve's defaults
+    assert shared.shared_cores and shared.nice["encoder"] > shared.nice["decode"]
+    off = sim_config(_args(server_args="--max-local-prefill-tokens 0 --max-num-batched-tokens 1024",
+                           device_per_worker=True, cpu_sharing="shared"))
+    assert (off.max_local_prefill_tokens, off.max_num_batched_tokens, off.shared_cores) == (0, 1024, False)
+
+
+def test_a_mix_reports_the_text_only_requests_p99_ttft():
+    # 1E1P1D on devices of their own, at a rate so low that no two requests meet: a text-only
+    # request (60 tokens) is prefilled alone on the decode worker in 15 ms
+    mix = Workload(images_per_request=4, prompt_tokens=200, output_len=16, text_only_ratio=0.5,
+                   text_prompt_tokens=60, input_len=40, image_sizes=((448, 448),))
+    rows = predict(_args(), ENCODE_BOUND, mix, 3, [0.001], 4000.0, 100.0, SimConfig())
+    by_split = {r["split"]: r for r in rows}
+    assert by_split["1E1P1D"]["predicted_text_only_p99_ttft_ms"] == [pytest.approx(60 * 0.25)]
+    assert "predicted_text_only_p99_ttft_ms" not in predict(_args(), ENCODE_BOUND, WORKLOAD, 3, [0.001],
+                                                            4000.0, 100.0, SimConfig())[0]
+
+
 def test_table_sets_prediction_beside_measurement():
     summary = {"rates": [0.15, 0.3], "slo_ttft_ms": 5100.0, "slo_tpot_ms": 96.0, "plans": [{"workers": 3, "splits": [
         {"split": "1E1P1D", "predicted_attainment": [1.0, 0.95], "predicted_goodput": 0.3, "predicted_max_rate": 0.41,
@@ -60,7 +81,9 @@ def test_table_sets_prediction_beside_measurement():
 @pytest.mark.parametrize("flags, message", [
     (["--workers", "three"], "--workers takes worker counts like 3 or 3,4"),
     (["--workers", "0"], "--workers must be >= 1"),
-    (["--workers", "3", "--text-only-ratio", "0.5"], "requests that are all alike"),
+    (["--workers", "3", "--repeat-image-ratio", "0.5"], "requests alike but for --text-only-ratio"),
+    (["--workers", "3", "--server-args", "--max-local-prefill-tokens many"],
+     "argument --max-local-prefill-tokens: invalid int value: 'many'"),
     (["--workers", "3", "--top", "-1"], "--top must be >= 0"),
     (["--workers", "3", "--slo-ttft-ms", "100"], "give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale"),
 ])

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from epd.bench.datasets import sample_random_mm
 from epd.bench.plan_sim import (ServiceTimes, SimConfig, Split, Workload, max_goodput, predicted_goodput,
-                                simulate, simulate_arrivals, splits)
+                                simulate, simulate_arrivals, splits, text_only_requests)
 
 TIMES = ServiceTimes(encode_ms_per_image=100, prefill_ms_per_token=1.0, decode_step_ms=10, kv_transfer_ms=5)
 FOUR_IMAGES = Workload(images_per_request=4, prompt_tokens=200, output_len=11)
@@ -114,3 +115,90 @@ def test_on_a_grid_the_goodput_is_the_highest_rate_with_90_percent_attainment():
     # the same seed is the same trace
     assert simulate(Split("e-p-d", 1, 1, 1), times, workload, 0.3, 20, seed=5) == \
         simulate(Split("e-p-d", 1, 1, 1), times, workload, 0.3, 20, seed=5)
+
+
+# -- text-only requests and conditional disaggregation (--max-local-prefill-tokens) --
+
+TEXT_300 = Workload(images_per_request=0, prompt_tokens=300, output_len=11)
+LOCAL_OFF = SimConfig(max_local_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("config, prompt_tokens, ttft_ms, tpot_ms", [
+    (SimConfig(), 300, 300, 10),  # prefilled on the decode worker: no encoder, no KV moves
+    (LOCAL_OFF, 300, 300, (5 + 10 * 10) / 10),  # through the prefill worker: the KV hop once
+    (SimConfig(), 600, 600, (5 + 10 * 10) / 10),  # past the 512-token threshold: the prefill worker
+    (SimConfig(max_local_prefill_tokens=600), 600, 600, 10),
+])
+def test_a_short_text_only_request_alone_is_prefilled_on_the_decode_worker(config, prompt_tokens, ttft_ms, tpot_ms):
+    workload = Workload(images_per_request=0, prompt_tokens=prompt_tokens, output_len=11)
+    (alone,) = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, workload, [0.0], config)
+    assert (alone.ttft_ms, alone.tpot_ms, alone.is_text_only) == (pytest.approx(ttft_ms), pytest.approx(tpot_ms), True)
+
+
+def test_a_text_only_request_of_a_mix_has_its_text_alone_and_no_image():
+    # four images and 1200 prompt tokens with images; the same text alone is 300 tokens
+    mix = Workload(images_per_request=4, prompt_tokens=1200, output_len=11, text_only_ratio=0.5,
+                   text_prompt_tokens=300)
+    image, text = simulate_arrivals(Split("e-p-d", 2, 1, 1), TIMES, mix, [0.0, 10_000.0], text_only=[False, True])
+    assert (image.ttft_ms, image.is_text_only) == (pytest.approx(2 * 100 + 1200), False)
+    assert (text.ttft_ms, text.tpot_ms, text.is_text_only) == (pytest.approx(300), pytest.approx(10), True)
+    # aggregated and e-pd: no encode inline either, and the same worker decodes it
+    for split in (Split("aggregated", prefill=1), Split("e-pd", 1, 1)):
+        (text,) = simulate_arrivals(split, TIMES, mix, [0.0], text_only=[True])
+        assert (text.ttft_ms, text.tpot_ms) == (pytest.approx(300), pytest.approx(10))
+
+
+def test_a_local_prefill_stalls_the_decode_workers_running_request_by_its_length():
+    # A (one image, 100 tokens): encoded by 100, prefilled by 200, its KV on the decode worker
+    # at 205, steps of 10 ms from then. B (text only, 300 tokens) arrives at 230, mid-step; the
+    # step after (235) decodes A and prefills B: 10 + 300 ms, ending at 545.
+    mix = Workload(images_per_request=1, prompt_tokens=100, output_len=11, text_only_ratio=0.5,
+                   text_prompt_tokens=300)
+    a, b = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, mix, [0.0, 230.0], text_only=[False, True])
+    assert a.ttft_ms == pytest.approx(200)
+    assert a.tpot_ms == pytest.approx((5 + 10 * 10 + 300) / 10)  # A's gap grew by exactly B's prefill
+    assert b.ttft_ms == pytest.approx(545 - 230)
+    assert b.tpot_ms == pytest.approx(10)
+    # off: B goes through the (idle) prefill worker, and A's decodes never wait
+    a, b = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, mix, [0.0, 230.0], LOCAL_OFF, text_only=[False, True])
+    assert a.tpot_ms == pytest.approx((5 + 10 * 10) / 10)
+    assert b.ttft_ms == pytest.approx(300)
+
+
+def test_a_short_prompt_spills_to_an_idle_prefill_worker_while_every_decode_worker_prefills():
+    # 1E1P1D, three 300-token text-only requests at once. The first goes to the decode worker;
+    # the second finds it prefilling and the prefill worker idle: the prefill worker takes it
+    # (300 ms, then the KV hop); the third finds both prefilling: the decode worker again, whose
+    # step computes at most 512 prompt tokens, so it prefills the third in its next step, beside
+    # the first's decode: 300 + (10 + 300).
+    first, second, third = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, TEXT_300, [0.0, 0.0, 0.0])
+    assert first.ttft_ms == second.ttft_ms == pytest.approx(300)
+    assert third.ttft_ms == pytest.approx(300 + 10 + 300)
+    # the first is stalled once, by the third's prefill; the second's KV reaches the decode
+    # worker at 305, during that step (300 to 610), and joins the next
+    assert first.tpot_ms == pytest.approx((10 + 300 + 9 * 10) / 10)
+    assert second.tpot_ms == pytest.approx((610 - 300 + 10 * 10) / 10)
+    # two decode workers: each prefills one of two at once, nobody spills
+    first, second = simulate_arrivals(Split("e-p-d", 1, 1, 2), TIMES, TEXT_300, [0.0, 0.0])
+    assert (first.tpot_ms, second.tpot_ms) == (pytest.approx(10), pytest.approx(10))
+    # off: both through the prefill worker, in one step of 600 tokens
+    first, second = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, TEXT_300, [0.0, 0.0], LOCAL_OFF)
+    assert first.ttft_ms == second.ttft_ms == pytest.approx(600)
+
+
+def test_a_text_only_ratio_draws_the_requests_of_the_real_dataset():
+    sizes = ((16, 16), (24, 8))
+    mix = Workload(images_per_request=2, prompt_tokens=200, output_len=4, text_only_ratio=0.5,
+                   text_prompt_tokens=20, input_len=12, image_sizes=sizes)
+    for seed in (0, 7919):
+        real = [r.num_images == 0 for r in sample_random_mm(30, 12, 4, images_per_request=2, image_sizes=list(sizes),
+                                                            text_only_ratio=0.5, seed=seed)]
+        assert list(text_only_requests(mix, 30, seed)) == real
+        assert 0 < sum(real) < 30
+        outcomes = simulate(Split("e-p-d", 1, 1, 1), TIMES, mix, 1.0, 30, seed=seed)
+        assert [o.is_text_only for o in outcomes] == real
+    assert text_only_requests(mix, 30, 0) != text_only_requests(mix, 30, 7919)
+    assert not any(text_only_requests(FOUR_IMAGES, 30, 0))
+    assert all(text_only_requests(TEXT_300, 30, 0))
+    with pytest.raises(ValueError, match="text_prompt_tokens"):
+        Workload(images_per_request=2, prompt_tokens=200, output_len=4, text_only_ratio=0.5)
