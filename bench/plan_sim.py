@@ -29,10 +29,11 @@ Requests go to the least loaded worker of a role (requests assigned and not
 done; ties to the one given fewest so far), as the orchestrator routes them:
 a text-only request skips the encoders, and in e-p-d one of at most
 `max_local_prefill_tokens` prompt tokens goes to the least loaded decode
-worker, unless every decode worker is already prefilling a prompt (one sent to
-it whose first token is not out) and some prefill worker has none pending:
-then to that idle prefill worker (least loaded of them), through the usual KV
-transfer. Not modelled: chunking (a step takes whole prompts, first ready
+worker, unless no decode worker has room for it in its next step beside the
+prompts pending there (sent to it, first token not out) and some prefill
+worker has none pending: then to that idle prefill worker (least loaded of
+them), through the usual KV transfer (router.idle_prefill_workers, the
+orchestrator's own rule). Not modelled: chunking (a step takes whole prompts, first ready
 first, as many as fit its budget and at least one; the real scheduler cuts a
 prompt at the budget's edge and orders prompts by cost).
 
@@ -60,6 +61,7 @@ from dataclasses import dataclass, field
 
 from epd.bench.arrivals import arrival_times_s
 from epd.bench.datasets import draw_random_mm
+from epd.serve.router import idle_prefill_workers
 
 ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
 MODES = ("aggregated", "e-pd", "e-p-d")
@@ -191,13 +193,13 @@ class _Request:
 
 
 class _Worker:
-    def __init__(self, role: str, weight: int):
-        self.role, self.weight = role, weight
+    def __init__(self, worker_id: str, role: str, weight: int):
+        self.worker_id, self.role, self.weight = worker_id, role, weight
         self.images: list[_Request] = []  # encoder / aggregated: one entry per image, FIFO
         self.ready: list[_Request] = []  # prefill / pd / aggregated: images all encoded, FIFO
         self.running: list[_Request] = []  # decode / pd / aggregated
         self.load = 0  # requests assigned and not done
-        self.num_prefilling = 0  # requests assigned whose first token is not out yet
+        self.pending_tokens = 0  # prompt tokens of requests assigned whose first token is not out yet
         self.given = 0  # requests assigned so far (tie-break)
         self.remaining_ms = 0.0  # solo work left in the activity under way
         self.finish = None  # what happens when it ends; None = idle
@@ -210,7 +212,7 @@ class _Sim:
         self.times, self.workload, self.config = times, workload, config
 
         def make(role: str, n: int) -> list[_Worker]:
-            return [_Worker(role, _CFS_WEIGHTS[config.nice.get(role, 0)]) for _ in range(n)]
+            return [_Worker(f"{role}-{i}", role, _CFS_WEIGHTS[config.nice.get(role, 0)]) for i in range(n)]
 
         front_role = {"aggregated": "aggregated", "e-pd": "pd", "e-p-d": "prefill"}[split.mode]
         self.encoders = make("encoder", split.encoders if split.mode != "aggregated" else 0)
@@ -235,20 +237,23 @@ class _Sim:
         worker.given += 1
         return worker
 
-    def _route(self, is_short_text: bool) -> tuple[_Worker, _Worker | None]:
-        """(the worker that prefills, the decode worker it hands the KV to, or None: it decodes there)."""
-        if is_short_text and self.decoders:  # conditional disaggregation (e-p-d)
-            idle_prefill = [w for w in self.front if not w.num_prefilling]
-            if not idle_prefill or not all(w.num_prefilling for w in self.decoders):
+    def _route(self, num_local_tokens: int) -> tuple[_Worker, _Worker | None]:
+        """(the worker that prefills, the decode worker it hands the KV to, or None: it decodes there).
+        `num_local_tokens`: a short text-only prompt's tokens (conditional disaggregation), else 0."""
+        if num_local_tokens and self.decoders:  # e-p-d: the orchestrator's rule
+            pending = {w.worker_id: w.pending_tokens for w in self.workers}
+            idle = idle_prefill_workers(self.decoders, self.front, pending, num_local_tokens,
+                                        self.config.max_local_prefill_tokens)
+            if not idle:
                 return self._least_loaded(self.decoders), None  # prefilled where it decodes: no KV moves
-            # every decode worker is prefilling a prompt already: an idle prefill worker starts it now
-            return self._least_loaded(idle_prefill), self._least_loaded(self.decoders)
+            return self._least_loaded(idle), self._least_loaded(self.decoders)
         return self._least_loaded(self.front), self._least_loaded(self.decoders) if self.decoders else None
 
     def _arrive(self, request_ms: float, is_text_only: bool) -> _Request:
         num_tokens = self.workload.prompt_tokens_of(is_text_only)
-        front, decode = self._route(is_text_only and num_tokens <= self.config.max_local_prefill_tokens)
-        front.num_prefilling += 1
+        is_local = is_text_only and num_tokens <= self.config.max_local_prefill_tokens
+        front, decode = self._route(num_tokens if is_local else 0)
+        front.pending_tokens += num_tokens
         images = 0 if is_text_only else self.workload.images_per_request
         request = _Request(request_ms, is_text_only, num_tokens, images, front, decode)
         if not request.images_left:
@@ -264,7 +269,7 @@ class _Sim:
     def _prefilled(self, request: _Request) -> None:
         request.ttft_ms = self.now
         request.tokens_left = self.workload.output_len - 1
-        request.prefill_worker.num_prefilling -= 1
+        request.prefill_worker.pending_tokens -= request.num_prompt_tokens
         if request.decode_worker is not None:
             request.prefill_worker.load -= 1  # its KV leaves for the decode worker
         if request.tokens_left == 0:

@@ -31,6 +31,7 @@ class Attempt:
     queue: asyncio.Queue  # TokenOutputs (and Lost, DEADLINE) for this try
     prefill: WorkerInfo  # prefill, pd or aggregated
     decode: WorkerInfo | None
+    num_prompt_tokens: int  # the prompt sent (with the tokens a try before it streamed)
     encoders: list[WorkerInfo] = field(default_factory=list)
     num_emitted: int = 0  # tokens this try produced
     is_finished: bool = False

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 import logging
 import socket
 import time
@@ -457,8 +457,9 @@ class Orchestrator:
         decode = None
         if self._prefills_locally(prep, emitted):
             decoders = await self._choose((Role.DECODE,), deadline)
-            idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._prefilling())
-            if idle:  # every decode worker is busy with another prompt: an idle prefill worker starts it now
+            idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._pending_prefill_tokens(),
+                                        len(prep.token_ids) + len(emitted), self.max_local_prefill_tokens)
+            if idle:  # no decode worker can start it in its next step: an idle prefill worker starts it now
                 prefill = self.text_prefill_router.choose(idle, prep.token_ids)
                 decode = self.decode_router.choose(decoders, prep.token_ids)
                 self.metrics.local_prefills_redirected += 1
@@ -490,7 +491,7 @@ class Orchestrator:
         else:
             encoders = []
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
-        attempt = Attempt(attempt_id, asyncio.Queue(), prefill, decode)
+        attempt = Attempt(attempt_id, asyncio.Queue(), prefill, decode, len(prep.token_ids) + len(emitted))
         self.attempts[attempt_id] = attempt
         sampling = replace(req.sampling, max_tokens=max_tokens - len(emitted), n=1,
                            min_tokens=max(0, req.sampling.min_tokens - len(emitted)),
@@ -519,9 +520,13 @@ class Orchestrator:
         queues behind image prompts' chunks at the prefill worker."""
         return not prep.mm_spans and 0 < len(prep.token_ids) + len(emitted) <= self.max_local_prefill_tokens
 
-    def _prefilling(self) -> set[str]:
-        """Ids of the workers prefilling a prompt of this API process: sent, first token not back."""
-        return {a.prefill.worker_id for a in self.attempts.values() if a.num_emitted == 0}
+    def _pending_prefill_tokens(self) -> Counter[str]:
+        """Worker id -> prompt tokens of this API process's requests it is prefilling (sent, first token not back)."""
+        pending = Counter()
+        for attempt in self.attempts.values():
+            if attempt.num_emitted == 0:
+                pending[attempt.prefill.worker_id] += attempt.num_prompt_tokens
+        return pending
 
     async def _end_attempt(self, attempt: Attempt) -> None:
         """Forgets an attempt; unless it finished, frees every worker's share of it

@@ -17,21 +17,24 @@ import hashlib
 import itertools
 import random
 import struct
-from collections.abc import Collection
+from collections.abc import Mapping
 
 PREFIX_TOKENS = 64  # tokens of the prompt that pick the worker (4 KV blocks)
 VIRTUAL_NODES = 64  # ring points per worker, for an even spread
 
 
-def idle_prefill_workers(decoders: list, prefills: list, prefilling: Collection[str]) -> list:
-    """Where a short text-only prompt goes instead of a decode worker: the
-    prefill workers with no prompt pending (`prefilling`: ids of workers with
-    a prompt sent and its first token not back), when every decode worker is
-    already prefilling one. A decode worker prefills one prompt after another,
-    so the second would wait for the first. Empty: prefill it on a decode worker."""
-    if any(d.worker_id not in prefilling for d in decoders):
+def idle_prefill_workers(decoders: list, prefills: list, pending_tokens: Mapping[str, int], num_tokens: int,
+                         step_tokens: int) -> list:
+    """Where a short text-only prompt of `num_tokens` goes instead of a decode
+    worker: the prefill workers with no prompt pending, when no decode worker
+    can take it in its next step. `pending_tokens`: worker id -> prompt tokens
+    sent to it whose first token is not back; a decode worker prefills at most
+    `step_tokens` (--max-local-prefill-tokens) a step, so a prompt that does
+    not fit beside those pending waits a whole prefill. Empty: prefill it on a
+    decode worker."""
+    if any(pending_tokens.get(d.worker_id, 0) + num_tokens <= step_tokens for d in decoders):
         return []
-    return [w for w in prefills if w.worker_id not in prefilling]
+    return [w for w in prefills if not pending_tokens.get(w.worker_id)]
 
 
 class RoundRobinRouter:

@@ -178,6 +178,11 @@ def test_a_short_prompt_spills_to_an_idle_prefill_worker_while_every_decode_work
     # worker at 305, during that step (300 to 610), and joins the next
     assert first.tpot_ms == pytest.approx((10 + 300 + 9 * 10) / 10)
     assert second.tpot_ms == pytest.approx((610 - 300 + 10 * 10) / 10)
+    # prompts that fit one step together (2 x 200 <= 512): the decode worker takes both at once
+    text_200 = Workload(images_per_request=0, prompt_tokens=200, output_len=11)
+    first, second = simulate_arrivals(Split("e-p-d", 1, 1, 1), TIMES, text_200, [0.0, 0.0])
+    assert first.ttft_ms == second.ttft_ms == pytest.approx(400)
+    assert first.tpot_ms == second.tpot_ms == pytest.approx(10)  # no KV hop: both decode where prefilled
     # two decode workers: each prefills one of two at once, nobody spills
     first, second = simulate_arrivals(Split("e-p-d", 1, 1, 2), TIMES, TEXT_300, [0.0, 0.0])
     assert (first.tpot_ms, second.tpot_ms) == (pytest.approx(10), pytest.approx(10))

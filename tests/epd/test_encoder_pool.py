@@ -107,7 +107,7 @@ def test_an_idle_encoder_is_drained_before_it_is_removed_and_its_work_sent_again
     assert metrics(orchestrator)["epd:encoders"] == 1 and "encoder" not in orchestrator.missing_roles()
     assert supervisor.calls == []  # not stopped before its stats say it has nothing left
     # an image sent to it just before the retire: a try that still needs it
-    attempt = Attempt("req-1", asyncio.Queue(), orchestrator.registry.workers["encoder-0"], None,
+    attempt = Attempt("req-1", asyncio.Queue(), orchestrator.registry.workers["encoder-0"], None, 100,
                       encoders=[orchestrator.registry.workers["encoder-1"]])
     orchestrator.attempts["req-1"] = attempt
     clock.now += DRAIN_SETTLE_S

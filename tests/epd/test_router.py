@@ -68,16 +68,17 @@ def test_least_requests_counts_what_it_sent_since_the_last_report():
     assert router.choose(workers, [1]).worker_id == "prefill-1"
 
 
-def test_a_short_text_prompt_goes_to_an_idle_prefill_worker_only_when_every_decode_worker_is_prefilling():
+def test_a_short_text_prompt_goes_to_an_idle_prefill_worker_only_when_no_decode_worker_has_room_for_it():
     decoders = [WorkerInfo(f"decode-{i}", "decode", f"ipc:///tmp/x/decode-{i}.sock") for i in range(2)]
     prefills = _workers([0, 0])
 
-    def target(prefilling):
-        return [w.worker_id for w in idle_prefill_workers(decoders, prefills, prefilling)]
+    def target(pending, num_tokens=300):  # decode workers prefill at most 512 prompt tokens a step
+        return [w.worker_id for w in idle_prefill_workers(decoders, prefills, pending, num_tokens, 512)]
 
-    assert target(set()) == []  # a decode worker is free: it prefills the prompt itself
-    assert target({"decode-0"}) == []  # decode-1 still is
-    assert target({"decode-0", "decode-1"}) == ["prefill-0", "prefill-1"]
-    assert target({"decode-0", "decode-1", "prefill-0"}) == ["prefill-1"]
-    assert target({"decode-0", "decode-1", "prefill-0", "prefill-1"}) == []  # nobody idle: wait on a decode worker
-    assert idle_prefill_workers(decoders, [], {"decode-0", "decode-1"}) == []  # no prefill worker (none live)
+    assert target({}) == []  # a decode worker is free: it prefills the prompt itself
+    assert target({"decode-0": 400}) == []  # decode-1 still is
+    assert target({"decode-0": 400, "decode-1": 200}) == []  # 200 + 300 fit decode-1's next step
+    assert target({"decode-0": 400, "decode-1": 200}, num_tokens=400) == ["prefill-0", "prefill-1"]
+    assert target({"decode-0": 400, "decode-1": 400, "prefill-0": 900}) == ["prefill-1"]
+    assert target({"decode-0": 400, "decode-1": 400, "prefill-0": 900, "prefill-1": 1}) == []  # none idle
+    assert idle_prefill_workers(decoders, [], {"decode-0": 400, "decode-1": 400}, 300, 512) == []  # none live
