@@ -161,8 +161,8 @@ class WorkerMetrics:
             "epd:local_prefills", "Prompts prefilled on a decode worker instead of a prefill worker "
             "(text-only, at most --max-local-prefill-tokens; every try counts).", registry=self._api))
         self.local_prefills_redirected = Count(Counter(  # short text-only tries sent to an idle prefill worker
-            "epd:local_prefills_redirected", "Short text-only prompts sent to an idle prefill worker because every "
-            "decode worker was already prefilling another (every try counts).", registry=self._api))
+            "epd:local_prefills_redirected", "Short text-only prompts sent to an idle prefill worker because no "
+            "decode worker had room for them in its next step (every try counts).", registry=self._api))
         self.requests_refused = CountBy(Counter(  # reason -> requests refused by admission control
             "epd:requests_refused", "Requests refused by admission control (503 + Retry-After).", ["reason"],
             registry=self._api))
