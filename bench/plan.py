@@ -29,7 +29,8 @@ from pathlib import Path
 
 from epd.bench import compare
 from epd.bench.metrics import attainment_ci, distserve_max_rate, distserve_rate_ci, percentile, slo_attainment
-from epd.bench.plan_sim import SimConfig, Split, attainment, max_goodput, simulate, simulate_arrivals, splits
+from epd.bench.plan_sim import (SimConfig, Split, attainment, goodput_of, max_goodput, simulate_arrivals,
+                                simulate_traces, splits)
 from epd.bench.report import results_from_json
 from epd.config import SHARED_CPU_NICE
 
@@ -90,11 +91,12 @@ def predict(args, times, workload, num_workers: int, rates: list[float], ttft_sl
     for split in splits(num_workers):
         per_rate, text_only_p99 = {}, []
         for i, rate in enumerate(rates):
-            outcomes = [o for seed in sim_seeds(args, i)
-                        for o in simulate(split, times, workload, rate, args.num_prompts, seed, config)]
-            per_rate[rate] = attainment(outcomes, ttft_slo, tpot_slo)  # pooled over the traces
-            text_only_p99.append(percentile([o.ttft_ms for o in outcomes if o.is_text_only], 99))
-        goodput = max((r for r, a in per_rate.items() if a >= 0.9), default=0.0)
+            outcomes = simulate_traces(split, times, workload, rate, num_requests=args.num_prompts,
+                                       seeds=sim_seeds(args, i), config=config)
+            per_rate[rate] = attainment(outcomes, ttft_slo, tpot_slo)
+            if workload.text_only_ratio:
+                text_only_p99.append(percentile([o.ttft_ms for o in outcomes if o.is_text_only], 99))
+        goodput = goodput_of(per_rate)
         finest = max_goodput(split, times, workload, num_requests=args.num_prompts, ttft_slo_ms=ttft_slo,
                              tpot_slo_ms=tpot_slo, seeds=sim_seeds(args, 0)[:5], config=config,
                              high=10 * max(rates), steps=10)

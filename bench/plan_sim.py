@@ -407,20 +407,28 @@ def attainment(outcomes: list[Outcome], ttft_slo_ms: float, tpot_slo_ms: float) 
     return num_met(outcomes, ttft_slo_ms, tpot_slo_ms) / len(outcomes) if outcomes else 0.0
 
 
+def simulate_traces(split: Split, times: ServiceTimes, workload: Workload, rate: float, *, num_requests: int,
+                    seeds: list[int], config: SimConfig = SimConfig()) -> list[Outcome]:
+    """One trace per seed (each `num_requests` long, as a real run), outcomes pooled."""
+    return [o for seed in seeds for o in simulate(split, times, workload, rate, num_requests, seed, config)]
+
+
 def predicted_attainment(split: Split, times: ServiceTimes, workload: Workload, rate: float, *,
-                         num_requests: int, ttft_slo_ms: float, tpot_slo_ms: float, seeds: list[int],
-                         config: SimConfig = SimConfig()) -> float:
-    """Attainment over one trace per seed (each `num_requests` long, as a real run), pooled."""
-    met = sum(num_met(simulate(split, times, workload, rate, num_requests, seed, config), ttft_slo_ms, tpot_slo_ms)
-              for seed in seeds)
-    return met / (num_requests * len(seeds))
+                         ttft_slo_ms: float, tpot_slo_ms: float, **kwargs) -> float:
+    """Attainment over one trace per seed, pooled (`simulate_traces`' arguments)."""
+    return attainment(simulate_traces(split, times, workload, rate, **kwargs), ttft_slo_ms, tpot_slo_ms)
+
+
+def goodput_of(attainment_per_rate: dict[float, float], target: float = 0.9) -> float:
+    """The highest rate whose attainment is >= `target`, 0.0 if none."""
+    return max((rate for rate, a in attainment_per_rate.items() if a >= target), default=0.0)
 
 
 def predicted_goodput(split: Split, times: ServiceTimes, workload: Workload, rates: list[float], *,
                       target: float = 0.9, **kwargs) -> tuple[float, dict[float, float]]:
     """(highest of `rates` whose predicted attainment is >= `target`, 0.0 if none; attainment per rate)."""
     per_rate = {rate: predicted_attainment(split, times, workload, rate, **kwargs) for rate in rates}
-    return max((rate for rate, a in per_rate.items() if a >= target), default=0.0), per_rate
+    return goodput_of(per_rate, target), per_rate
 
 
 def max_goodput(split: Split, times: ServiceTimes, workload: Workload, *, target: float = 0.9,
