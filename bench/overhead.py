@@ -10,7 +10,10 @@ ids (seeded by C) run
     fed by C closed-loop streams (a stream sends its next request when the
     last one ended) of streamed /v1/completions with the same token ids.
 It reports output tokens/s of both and their ratio, and then requests/s of
-one-token requests the same way. The client is `bench/light_client.py`
+one-token requests the same way. With `--rounds R` each server runs every
+C R times, each served run right after an offline run of the same requests
+(the machine's speed drifts between minutes here, so a ratio is taken
+between neighbours), and the table gives the median ratio with its range. The client is `bench/light_client.py`
 (raw asyncio HTTP, one parse per response, `--client-procs` processes); its
 CPU time is reported to show it is not the bottleneck. The API's CPU time per
 output token comes from /proc/<pid>/stat of every API process: the launcher
@@ -32,6 +35,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra `epd serve` flags, e.g. '--api-servers 2'; repeat it to compare configurations "
                         "side by side in one run")
     p.add_argument("--client-procs", type=int, default=1, help="client processes the streams are dealt over")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="offline-then-served pairs per server and C; the table shows the median ratio and its range")
     p.add_argument("--profile-dir", default=None,
                    help="also profile the API process with py-spy at the largest C; raw stacks go here")
     p.add_argument("--save-result", default=None, metavar="FILE")
@@ -121,6 +127,14 @@ def children_cpu_s(pid: int, excluded: set[int] = frozenset()) -> float:
     return total
 
 
+def steal_s() -> float:
+    """CPU seconds the hypervisor gave to others while this machine's CPUs wanted
+    to run (/proc/stat's steal, all CPUs): the noise a VM adds to every rate here."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / CLOCK_TICKS if fields[0] == "cpu" and len(fields) > 8 else 0.0
+
+
 _API_PID = re.compile(r"^EPD: API server (\d+) pid (\d+)$", re.MULTILINE)
 
 
@@ -150,7 +164,9 @@ def served_run(server: ServeProcess, model_name: str, prompts: list[list[int]], 
     bodies = [completion_body(model_name, p, output_len) for p in prompts]
     streams = [bodies[i::concurrency] for i in range(concurrency)]
     pids, api_0, workers_0, launcher_0 = _api_cpu(server)
+    steal_0 = steal_s()
     results = run_in_processes("127.0.0.1", server.port, "/v1/completions", streams, client_procs)
+    steal_1 = steal_s()
     pids_1, api_1, workers_1, launcher_1 = _api_cpu(server)
     if pids_1 != pids:
         raise RuntimeError(f"an API process was restarted during the run ({pids} -> {pids_1})")
@@ -170,7 +186,8 @@ def served_run(server: ServeProcess, model_name: str, prompts: list[list[int]], 
             "api_us_per_request": api_s / num_requests * 1e6, "api_cores": api_s / duration_s,
             "workers_cores": workers_s / duration_s, "launcher_cores": (launcher_1 - launcher_0) / duration_s,
             "client_cores": sum(r.cpu_s for r in results) / duration_s,
-            "client_us_per_token": sum(r.cpu_s for r in results) / num_tokens * 1e6}
+            "client_us_per_token": sum(r.cpu_s for r in results) / num_tokens * 1e6,
+            "steal_cores": (steal_1 - steal_0) / duration_s}
 
 
 def profile_run(server: ServeProcess, run, out_path: Path) -> list[tuple[str, float]]:
@@ -221,16 +238,24 @@ def main(args) -> dict:
     out_dir = Path(args.profile_dir) if args.profile_dir else None
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
-    os.sched_setaffinity(0, cpus)  # the offline engine runs on the servers' cores, with as many threads
+    anywhere = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))  # the client's CPUs
     torch.set_num_threads(args.offline_threads or len(cpus))
     work = {c: workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c) for c in concurrencies}
     one_token = workload(vocab_size, args.one_token_requests, args.input_len, seed=1) if args.one_token_requests else []
-    offline = {c: offline_rate(args.model, work[c], args.output_len, c, args.num_kv_blocks) for c in concurrencies}
-    if one_token:
-        offline["one_token_req_s"] = offline_rate(args.model, one_token, 1, args.one_token_concurrency,
-                                                  args.num_kv_blocks)
-    print(f"offline: {json.dumps(offline)}", flush=True)
-    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1))))  # the client: anywhere
+
+    def offline(server: ServeProcess, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+        """The offline engine on the servers' cores, with as many threads; the idle
+        server's CPU meanwhile is reported to show it did not disturb it."""
+        _, api_0, workers_0, _ = _api_cpu(server)
+        start = time.perf_counter()
+        os.sched_setaffinity(0, cpus)
+        try:
+            rate = offline_rate(args.model, prompts, output_len, concurrency, args.num_kv_blocks)
+        finally:
+            os.sched_setaffinity(0, anywhere)
+        _, api_1, workers_1, _ = _api_cpu(server)
+        idle_s = sum(api_1) - sum(api_0) + workers_1 - workers_0
+        return {"offline_rate": rate, "server_cores_during_offline": idle_s / (time.perf_counter() - start)}
 
     rows, profiles = [], {}
     configs = args.server_args or [""]
@@ -244,19 +269,24 @@ def main(args) -> dict:
                 name = server.wait_ready()
                 warm = workload(vocab_size, 8, args.input_len, seed=99)
                 served_run(server, name, warm, 8, 8, 1)  # first-use costs stay out
-                for c in concurrencies:
-                    row = {"mode": mode, "server_args": config, "concurrency": c, "offline_tok_s": offline[c],
-                           **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
-                    row["served_over_offline"] = row["tok_s"] / offline[c]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                if one_token:
-                    row = {"mode": mode, "server_args": config, "concurrency": args.one_token_concurrency,
-                           "one_token": True, "offline_req_s": offline["one_token_req_s"],
-                           **served_run(server, name, one_token, 1, args.one_token_concurrency, args.client_procs)}
-                    row["served_over_offline"] = row["req_s"] / offline["one_token_req_s"]
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                for round_no in range(args.rounds):
+                    for c in concurrencies:
+                        off = offline(server, work[c], args.output_len, c)
+                        row = {"mode": mode, "server_args": config, "concurrency": c, "round": round_no,
+                               "offline_tok_s": off.pop("offline_rate"), **off,
+                               **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
+                        row["served_over_offline"] = row["tok_s"] / row["offline_tok_s"]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                    if one_token:
+                        off = offline(server, one_token, 1, args.one_token_concurrency)
+                        row = {"mode": mode, "server_args": config, "concurrency": args.one_token_concurrency,
+                               "round": round_no, "one_token": True, "offline_req_s": off.pop("offline_rate"), **off,
+                               **served_run(server, name, one_token, 1, args.one_token_concurrency,
+                                            args.client_procs)}
+                        row["served_over_offline"] = row["req_s"] / row["offline_req_s"]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
                 if out_dir:
                     c = max(concurrencies)
                     fresh = workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c + 7)
@@ -274,11 +304,37 @@ def main(args) -> dict:
     result = {"model": args.model, "cpus": cpus, "offline_threads": torch.get_num_threads(),
               "input_len": args.input_len, "output_len": args.output_len,
               "requests_per_stream": args.requests_per_stream, "server_args": configs,
-              "client_procs": args.client_procs, "rows": rows, "profiles": profiles}
+              "client_procs": args.client_procs, "rounds": args.rounds, "rows": rows,
+              "summary": summarize(rows), "profiles": profiles}
     print(format_table(result))
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(result, indent=2))
     return result
+
+
+_CORES = ("api_cores", "workers_cores", "client_cores", "client_us_per_token", "steal_cores")  # medians too
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (mode, server args, C, one-token or not), in the rows' order:
+    the median over its rounds of each figure, and the range of the ratio."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mode"], r["server_args"], r["concurrency"], bool(r.get("one_token"))), []).append(r)
+    out = []
+    for (mode, server_args, concurrency, one), rs in groups.items():
+        rate = "req_s" if one else "tok_s"
+        ratios = [r["served_over_offline"] for r in rs]
+        entry = {"mode": mode, "server_args": server_args, "concurrency": concurrency, "one_token": one,
+                 "rounds": len(rs), "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                 "ratio_max": max(ratios),
+                 "offline": statistics.median(r["offline_req_s" if one else "offline_tok_s"] for r in rs),
+                 "served": statistics.median(r[rate] for r in rs),
+                 "api_us": statistics.median(r["api_us_per_request" if one else "api_us_per_token"] for r in rs)}
+        for key in _CORES:
+            entry[key] = statistics.median(r.get(key, 0.0) for r in rs)
+        out.append(entry)
+    return out
 
 
 def _file_name(label: str) -> str:
@@ -289,33 +345,42 @@ def format_table(result: dict) -> str:
     configs = result["server_args"]
     with_args = len(configs) > 1 or configs != [""]
     arg_width = max(len(c) for c in configs) + 2 if with_args else 0
+    summary = result.get("summary") or summarize(result["rows"])
+    rounds = max((e["rounds"] for e in summary), default=1)
 
-    def label(r: dict) -> str:
-        return f"{r['mode']:<11}" + (f"{r['server_args'] or '(defaults)':<{arg_width}}" if with_args else "")
+    def label(e: dict) -> str:
+        return f"{e['mode']:<11}" + (f"{e['server_args'] or '(defaults)':<{arg_width}}" if with_args else "")
 
+    def ratio(e: dict) -> str:
+        spread = f"  [{e['ratio_min']:.2f}, {e['ratio_max']:.2f}]" if rounds > 1 else ""
+        return f"{e['ratio']:>7.2f}{spread:<14}" if rounds > 1 else f"{e['ratio']:>7.2f}"
+
+    ratio_head = f"{'ratio':>7}{'  [min, max]':<14}" if rounds > 1 else f"{'ratio':>7}"
     head = f"{'mode':<11}" + (f"{'server args':<{arg_width}}" if with_args else "")
+    median = f"; medians of {rounds} rounds (each served run right after an offline run)" if rounds > 1 else ""
     lines = [f"\nserved vs offline: {len(result['cpus'])} CPUs, prompts {result['input_len']} tokens, "
-             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads",
-             f"{head}{'C':>5}{'offline':>10}{'served':>10}{'ratio':>7}{'API us':>8}{'API':>6}"
-             f"{'workers':>8}{'client':>7}{'client us':>10}",
-             f"{'':<{len(head)}}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>7}{'/token':>8}{'cores':>6}{'cores':>8}"
-             f"{'cores':>7}{'/token':>10}"]
-    for r in result["rows"]:
-        if r.get("one_token"):
+             f"outputs {result['output_len']} tokens; offline: {result['offline_threads']} threads{median}",
+             f"{head}{'C':>5}{'offline':>10}{'served':>10}{ratio_head}{'API us':>8}{'API':>6}"
+             f"{'workers':>8}{'client':>7}{'client us':>10}{'steal':>6}",
+             f"{'':<{len(head)}}{'':>5}{'tok/s':>10}{'tok/s':>10}{'':>{len(ratio_head)}}{'/token':>8}{'cores':>6}"
+             f"{'cores':>8}{'cores':>7}{'/token':>10}{'cores':>6}"]
+    for e in summary:
+        if e["one_token"]:
             continue
-        lines.append(f"{label(r)}{r['concurrency']:>5}{r['offline_tok_s']:>10.0f}{r['tok_s']:>10.0f}"
-                     f"{r['served_over_offline']:>7.2f}{r['api_us_per_token']:>8.1f}{r['api_cores']:>6.2f}"
-                     f"{r['workers_cores']:>8.2f}{r['client_cores']:>7.2f}{r['client_us_per_token']:>10.1f}")
-    one = [r for r in result["rows"] if r.get("one_token")]
+        lines.append(f"{label(e)}{e['concurrency']:>5}{e['offline']:>10.0f}{e['served']:>10.0f}{ratio(e)}"
+                     f"{e['api_us']:>8.1f}{e['api_cores']:>6.2f}{e['workers_cores']:>8.2f}{e['client_cores']:>7.2f}"
+                     f"{e['client_us_per_token']:>10.1f}{e['steal_cores']:>6.2f}")
+    one = [e for e in summary if e["one_token"]]
     if one:
         lines.append(f"\none-token requests, C={one[0]['concurrency']}")
-        lines.append(f"{head}{'offline req/s':>14}{'served req/s':>13}{'ratio':>7}{'API us/req':>11}{'API':>6}"
-                     f"{'workers':>8}{'client':>7}")
-        lines.append(f"{'':<{len(head)}}{'':>14}{'':>13}{'':>7}{'':>11}{'cores':>6}{'cores':>8}{'cores':>7}")
-        for r in one:
-            lines.append(f"{label(r)}{r['offline_req_s']:>14.0f}{r['req_s']:>13.0f}"
-                         f"{r['served_over_offline']:>7.2f}{r['api_us_per_request']:>11.0f}{r['api_cores']:>6.2f}"
-                         f"{r['workers_cores']:>8.2f}{r['client_cores']:>7.2f}")
+        lines.append(f"{head}{'offline req/s':>14}{'served req/s':>13}{ratio_head}{'API us/req':>11}{'API':>6}"
+                     f"{'workers':>8}{'client':>7}{'steal':>6}")
+        lines.append(f"{'':<{len(head)}}{'':>14}{'':>13}{'':>{len(ratio_head)}}{'':>11}{'cores':>6}{'cores':>8}"
+                     f"{'cores':>7}{'cores':>6}")
+        for e in one:
+            lines.append(f"{label(e)}{e['offline']:>14.0f}{e['served']:>13.0f}{ratio(e)}{e['api_us']:>11.0f}"
+                         f"{e['api_cores']:>6.2f}{e['workers_cores']:>8.2f}{e['client_cores']:>7.2f}"
+                         f"{e['steal_cores']:>6.2f}")
     if any(r.get("api_processes", 1) > 1 for r in result["rows"]):
         lines.append("\n(API: every API process's CPU summed; the launcher of several is not counted)")
     for name, top in result.get("profiles", {}).items():

@@ -8,7 +8,7 @@ import pytest
 
 from epd.bench.light_client import output_tokens
 from epd.bench.compare import cpu_set
-from epd.bench.overhead import api_pids, process_cpu_s, top_self, workload
+from epd.bench.overhead import api_pids, format_table, process_cpu_s, summarize, top_self, workload
 
 
 def test_top_self_ranks_leaf_frames_by_samples():
@@ -51,3 +51,25 @@ def test_api_pids_are_the_launcher_or_every_api_process_it_logged():
            "EPD: API server 1 exited with code -9; restarting in 0.5 s\nEPD: API server 1 pid 305\n"
            "EPD: API server 1 pid 305 ready; its own socket unix:/tmp/x/http-1.sock\n")
     assert api_pids(100, log) == [201, 305]  # the latest of each index, by index
+
+
+def test_summary_gives_each_configuration_the_median_of_its_rounds_and_the_ratio_range():
+    def row(round_no, ratio, api_us, **extra):
+        return {"mode": "e-p-d", "server_args": "", "concurrency": 32, "round": round_no, "offline_tok_s": 1000.0,
+                "tok_s": 1000.0 * ratio, "served_over_offline": ratio, "api_us_per_token": api_us,
+                "api_cores": 0.2, "workers_cores": 1.0, "client_cores": 0.1, "client_us_per_token": 5.0,
+                "steal_cores": 0.0, **extra}
+
+    one = {"mode": "e-p-d", "server_args": "", "concurrency": 32, "round": 0, "one_token": True,
+           "offline_req_s": 900.0, "req_s": 450.0, "served_over_offline": 0.5, "api_us_per_request": 700.0,
+           "api_cores": 0.4, "workers_cores": 1.0, "client_cores": 0.1, "client_us_per_token": 50.0,
+           "steal_cores": 0.01}
+    summary = summarize([row(0, 0.5, 30.0), row(1, 0.9, 20.0), one, row(2, 0.8, 25.0)])
+    assert [(e["one_token"], e["rounds"]) for e in summary] == [(False, 3), (True, 1)]
+    tokens = summary[0]
+    assert (tokens["ratio"], tokens["ratio_min"], tokens["ratio_max"]) == (0.8, 0.5, 0.9)
+    assert (tokens["api_us"], tokens["served"], tokens["offline"]) == (25.0, 800.0, 1000.0)
+    assert (summary[1]["ratio"], summary[1]["api_us"], summary[1]["served"]) == (0.5, 700.0, 450.0)
+    table = format_table({"server_args": [""], "cpus": [0, 1], "input_len": 64, "output_len": 128,
+                          "offline_threads": 1, "rows": [row(0, 0.5, 30.0), row(1, 0.9, 20.0), one]})
+    assert "medians of 2 rounds" in table and "[0.50, 0.90]" in table
