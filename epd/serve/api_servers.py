@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
+from epd.serve.heap import freeze_startup_heap
 from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
@@ -275,6 +276,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
             print(f"EPD: API server {launch.index}: start-up failed: {exc}", file=sys.stderr, flush=True)
             await orchestrator.stop(shutdown_workers=False)
             raise
+        freeze_startup_heap()  # tokenizer, app, orchestrator: out of every later full collection
         ready.set()
         print(f"EPD: API server {launch.index} pid {os.getpid()} ready; its own socket unix:"
               f"{launch.own_socket_path}", flush=True)

@@ -22,6 +22,7 @@ import time
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
+from epd.serve.heap import freeze_startup_heap
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.transport.addresses import Addresses, tcp_address, worker_id
@@ -114,6 +115,7 @@ def serve(config: ServeConfig) -> int:
 
         scaling = start_encoder_pool(config, supervisor, orchestrator)  # --encoders MIN-MAX, else None
         roles = ", ".join(sorted(f"{w.worker_id}" for w in orchestrator.registry.workers.values()))
+        freeze_startup_heap()  # tokenizer, app, orchestrator: out of every later full collection
         print(f"EPD ready ({config.mode}: {roles}); serving {config.model_name!r} on "
               f"http://{config.host}:{config.port}/v1", flush=True)
         try:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from epd.engine.config import EngineConfig
+from epd.serve.heap import freeze_startup_heap
 from epd.transport.worker_io import WorkerSpec
 
 
@@ -59,10 +60,10 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
 
     hf_config = AutoConfig.from_pretrained(launch.model)
     info = ModelInfo.from_pretrained(launch.model, hf_config)
-    if launch.spec.role.holds_kv:
-        _run_engine(launch, hf_config, info)
-    else:
-        _run_encoder(launch, hf_config, info)
+    worker = _engine_worker(launch, hf_config, info) if launch.spec.role.holds_kv else \
+        _encoder_worker(launch, hf_config, info)
+    freeze_startup_heap()  # the model, torch, transformers: out of every later full collection
+    worker.run()
 
 
 def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
@@ -72,17 +73,17 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
                         max_image_pixels=launch.max_image_pixels)
 
 
-def _run_encoder(launch: WorkerLaunch, hf_config, info) -> None:
+def _encoder_worker(launch: WorkerLaunch, hf_config, info):
     from epd.encoders.encoder_worker import EncoderWorker
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
                              device)
-    EncoderWorker(launch.spec, encoder).run()
+    return EncoderWorker(launch.spec, encoder)
 
 
-def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
+def _engine_worker(launch: WorkerLaunch, hf_config, info):
     from epd.engine.engine_core import EngineCore
     from epd.engine.worker import EngineWorker
 
@@ -106,4 +107,4 @@ def _run_engine(launch: WorkerLaunch, hf_config, info) -> None:
                         out.append(str(exc))
                 return out
 
-    EngineWorker(launch.spec, core, encode_fn).run()
+    return EngineWorker(launch.spec, core, encode_fn)
