@@ -70,17 +70,23 @@ def solo_slos(times, workload, scale: float) -> tuple[float, float]:
 
 
 def sim_config(args) -> SimConfig:
-    """How the simulated workers run: cores shared by niceness (or `--device-per-worker`), and
-    the engine flags of `--server-args` the simulation models, with `epd serve`'s defaults."""
+    """How the simulated workers run: the servers' cores shared by niceness, with the threads
+    `epd serve` gives each worker (or `--device-per-worker`), and the engine flags of
+    `--server-args` the simulation models, with `epd serve`'s defaults."""
     from epd.cli import engine_config_of
 
-    scheduler = engine_config_of(args.server_args.split()).scheduler
+    server_args = args.server_args.split()
+    scheduler = engine_config_of(server_args).scheduler
     budgets = {"max_num_batched_tokens": scheduler.max_num_batched_tokens,
                "max_local_prefill_tokens": scheduler.max_local_prefill_tokens}
     if args.device_per_worker:
         return SimConfig(**budgets)
+    threads = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    threads.add_argument("--threads-per-worker", type=int, default=None)
     nice = {str(role): nice for role, nice in SHARED_CPU_NICE.items()} if args.cpu_sharing == "shared" else {}
-    return SimConfig(shared_cores=True, nice=nice, **budgets)
+    return SimConfig(shared_cores=True, nice=nice, cores=len(compare.cpu_set(args.cpus)),
+                     cpu_sharing=args.cpu_sharing,
+                     threads_per_worker=threads.parse_known_args(server_args)[0].threads_per_worker, **budgets)
 
 
 def predict(args, times, workload, num_workers: int, rates: list[float], ttft_slo: float, tpot_slo: float,
@@ -161,7 +167,8 @@ def main(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     times, workload = measure(args, cpus)
-    print(f"service times (ms, one worker alone on CPUs {sorted(cpus)}): encode {times.encode_ms_per_image:.0f} "
+    one = "" if args.device_per_worker else ", one thread"
+    print(f"service times (ms, one worker alone on CPUs {sorted(cpus)}{one}): encode {times.encode_ms_per_image:.0f} "
           f"an image, prefill {times.prefill_ms_per_token * workload.prompt_tokens:.0f} for "
           f"{workload.prompt_tokens} tokens, decode step {times.decode_step_ms:.1f} + "
           f"{times.decode_ms_per_seq:.1f} a sequence"
@@ -182,7 +189,8 @@ def main(args) -> dict:
         plans.append({"workers": num_workers, "splits": rows})
     summary = {"model_dir": args.model_dir, "rates": rates, "cpus": sorted(cpus), "slo_ttft_ms": ttft_slo,
                "slo_tpot_ms": tpot_slo, "num_prompts": args.num_prompts, "sim_traces": args.sim_traces,
-               "shared_cores": config.shared_cores, "service_times": times.__dict__,
+               "shared_cores": config.shared_cores, "cores": config.cores, "cpu_sharing": config.cpu_sharing,
+               "threads_per_worker": config.threads_per_worker, "service_times": times.__dict__,
                "workload": workload.__dict__, "plans": plans}
     print(format_plan(summary))
     (out_dir / "plan.json").write_text(json.dumps(summary, indent=2))

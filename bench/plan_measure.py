@@ -5,8 +5,10 @@ stage's time when it runs alone — encode per image, prefill per token, and a
 decode step as a function of the batch — and /metrics exports encode and KV
 transfer times but no prefill or decode step times; a decode step at a
 chosen batch size needs the batch held fixed, which only the engine itself
-allows. The process is pinned to the same cores and runs as many threads as
-a served worker (`--cpu-sharing shared`: every worker may use every core).
+allows. The process is pinned to the same cores; on shared cores it runs one
+thread (the simulation counts a worker's work in one thread's time and
+gives it as many cores as its threads get, bench/plan_sim.py), with a
+device a worker (`--device-per-worker`) as many threads as cores.
 
   * encode  — the workload's images through the vision encoder, a request's
               images together (the encoder worker batches them too); the
@@ -53,7 +55,7 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
 
     saved_affinity, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(len(cpus))
+    torch.set_num_threads(len(cpus) if args.device_per_worker else 1)
     try:
         llm = LLM(args.model_dir, max_num_seqs=max(DECODE_BATCHES))
         requests = sample_random_mm(

@@ -43,11 +43,17 @@ which requests of a seeded trace have no image is what `epd bench serve
 so a simulated trace and the real one hold the same requests in the same
 order; a text-only request's prompt is its text alone (`text_prompt_tokens`).
 
-Service times are a worker's own when it runs alone (`ServiceTimes`). With
-`shared_cores` every worker runs on the same cores (`epd serve` on a CPU):
-the busy workers share them in proportion to their CFS weight (from the
-niceness of their role), so a stage's step takes longer while others work —
-weighted processor sharing. Without it each worker has a device of its own.
+Service times are a worker's own when it runs alone (`ServiceTimes`).
+Without `shared_cores` each worker has a device of its own and runs at that
+speed. With it (`epd serve` on a CPU) the times are one thread's, and every
+worker runs on the same `cores`: a worker runs as many threads as `epd
+serve` gives its role in this split (epd/serve/threads.py, or
+`threads_per_worker`), each busy thread gets a share of the cores in
+proportion to its CFS weight (from its role's niceness), no worker more
+cores than it has threads (weighted water-filling), and a worker on c cores
+works c times as fast as one thread. So two one-thread workers on two cores
+never slow each other, a third slows all three, and a two-thread worker is
+modelled twice as fast as one thread (optimistic where steps are small).
 
 A request's TTFT is arrival to token 1, its TPOT (E2E - TTFT) / (output
 tokens - 1), as `bench/metrics.py` defines them; attainment is the share of
@@ -62,6 +68,8 @@ from dataclasses import dataclass, field
 from epd.bench.arrivals import arrival_times_s
 from epd.bench.datasets import draw_random_mm
 from epd.serve.router import idle_prefill_workers
+from epd.serve.threads import worker_threads
+from epd.transport.roles import Role
 
 ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
 MODES = ("aggregated", "e-pd", "e-p-d")
@@ -170,11 +178,15 @@ def splits(num_workers: int) -> list[Split]:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How the workers run: on shared cores (weighted by niceness per role) or a device each;
-    the engine's token budget a step and `--max-local-prefill-tokens` (0: off)."""
+    """How the workers run: a device each, or on `cores` shared cores (weighted by niceness
+    per role, threads per worker as `epd serve --cpu-sharing` gives them or
+    `threads_per_worker`); the engine's token budget a step and `--max-local-prefill-tokens` (0: off)."""
 
     shared_cores: bool = False
     nice: dict = field(default_factory=lambda: {role: 0 for role in ROLES})
+    cores: int = 1
+    cpu_sharing: str = "shared"
+    threads_per_worker: int | None = None
     max_num_batched_tokens: int = 2048
     max_local_prefill_tokens: int = 512
 
@@ -193,8 +205,8 @@ class _Request:
 
 
 class _Worker:
-    def __init__(self, worker_id: str, role: str, weight: int):
-        self.worker_id, self.role, self.weight = worker_id, role, weight
+    def __init__(self, worker_id: str, role: str, weight: int, threads: int = 1):
+        self.worker_id, self.role, self.weight, self.threads = worker_id, role, weight, threads
         self.images: list[_Request] = []  # encoder / aggregated: one entry per image, FIFO
         self.ready: list[_Request] = []  # prefill / pd / aggregated: images all encoded, FIFO
         self.running: list[_Request] = []  # decode / pd / aggregated
@@ -211,13 +223,17 @@ class _Sim:
             raise ValueError(f"unknown mode {split.mode!r}")
         self.times, self.workload, self.config = times, workload, config
 
-        def make(role: str, n: int) -> list[_Worker]:
-            return [_Worker(f"{role}-{i}", role, _CFS_WEIGHTS[config.nice.get(role, 0)]) for i in range(n)]
-
         front_role = {"aggregated": "aggregated", "e-pd": "pd", "e-p-d": "prefill"}[split.mode]
-        self.encoders = make("encoder", split.encoders if split.mode != "aggregated" else 0)
-        self.front = make(front_role, split.prefill)
-        self.decoders = make("decode", split.decode if split.mode == "e-p-d" else 0)
+        counts = {"encoder": split.encoders if split.mode != "aggregated" else 0, front_role: split.prefill,
+                  "decode": split.decode if split.mode == "e-p-d" else 0}
+        roles = [Role(role) for role, n in counts.items() for _ in range(n)]
+
+        def make(role: str) -> list[_Worker]:
+            threads = config.threads_per_worker or worker_threads(Role(role), roles, config.cores, config.cpu_sharing)
+            return [_Worker(f"{role}-{i}", role, _CFS_WEIGHTS[config.nice.get(role, 0)], threads)
+                    for i in range(counts[role])]
+
+        self.encoders, self.front, self.decoders = make("encoder"), make(front_role), make("decode")
         self.workers = self.encoders + self.front + self.decoders
         self.next_encoder = 0
         self.now = 0.0
@@ -333,10 +349,23 @@ class _Sim:
     # -- the clock --
 
     def _speeds(self, busy: list[_Worker]) -> list[float]:
+        """Each busy worker's speed: 1 on a device of its own; on shared cores, the cores it
+        gets (its threads' weighted share, at most one core a thread: water-filling)."""
         if not self.config.shared_cores:
             return [1.0] * len(busy)
-        total = sum(w.weight for w in busy)
-        return [w.weight / total for w in busy]
+        cores: dict[int, float] = {}
+        left, rest = float(self.config.cores), busy
+        while rest:
+            total = sum(w.threads * w.weight for w in rest)
+            full = [w for w in rest if left * w.threads * w.weight / total >= w.threads]
+            if not full:  # every one gets its share
+                cores.update((id(w), left * w.threads * w.weight / total) for w in rest)
+                break
+            for w in full:  # as many cores as threads; the others share what is left
+                cores[id(w)] = w.threads
+                left -= w.threads
+            rest = [w for w in rest if id(w) not in cores]
+        return [cores[id(w)] for w in busy]
 
     def run(self, arrivals_ms: list[float], text_only: list[bool]) -> list[_Request]:
         requests: list[_Request] = []

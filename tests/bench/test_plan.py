@@ -46,11 +46,16 @@ def test_an_encode_bound_workload_ranks_the_split_with_most_encoders_first():
 
 
 def test_the_simulation_takes_the_engine_flags_of_server_args():
-    shared = sim_config(_args(server_args="--max-num-seqs 8", device_per_worker=False, cpu_sharing="shared"))
+    shared = sim_config(_args(server_args="--max-num-seqs 8", device_per_worker=False, cpu_sharing="shared",
+                              cpus="0"))
     assert shared.max_local_prefill_tokens == 512 and shared.max_num_batched_tokens == 2048  # serve's defaults
     assert shared.shared_cores and shared.nice["encoder"] > shared.nice["decode"]
+    assert (shared.cores, shared.cpu_sharing, shared.threads_per_worker) == (1, "shared", None)
+    pinned = sim_config(_args(server_args="--threads-per-worker 2", device_per_worker=False, cpu_sharing="split",
+                              cpus="0"))
+    assert (pinned.threads_per_worker, pinned.cpu_sharing, pinned.nice) == (2, "split", {})
     off = sim_config(_args(server_args="--max-local-prefill-tokens 0 --max-num-batched-tokens 1024",
-                           device_per_worker=True, cpu_sharing="shared"))
+                           device_per_worker=True, cpu_sharing="shared", cpus=None))
     assert (off.max_local_prefill_tokens, off.max_num_batched_tokens, off.shared_cores) == (0, 1024, False)
 
 

@@ -69,6 +69,35 @@ def test_shared_cores_split_between_busy_workers_by_weight():
     assert b.tpot_ms == pytest.approx(10)
 
 
+def test_on_several_cores_each_busy_thread_gets_at_most_one_core():
+    times = ServiceTimes(encode_ms_per_image=100, prefill_ms_per_token=1.0, decode_step_ms=10)  # one thread's
+    one_image = Workload(images_per_request=1, prompt_tokens=100, output_len=11)
+    # two cores, one thread a worker (epd serve keeps one of 2 for the API): the two encoders
+    # run side by side at full speed, as on devices of their own
+    two = SimConfig(shared_cores=True, cores=2)
+    a, b = simulate_arrivals(Split("e-p-d", 2, 1, 1), times, one_image, [0.0, 0.0], two)
+    assert a.ttft_ms == b.ttft_ms == pytest.approx(100 + 200)
+    # three images on three encoders at once: three threads on two cores, 2/3 of a core each
+    three_images = Workload(images_per_request=3, prompt_tokens=100, output_len=11)
+    (alone,) = simulate_arrivals(Split("e-p-d", 3, 1, 1), times, three_images, [0.0], two)
+    assert alone.ttft_ms == pytest.approx(100 * 3 / 2 + 100)
+    # four cores: serve gives the encoder the 3 cores left after the API's, each engine worker
+    # 3 // 2 = 1 thread; so the image takes a third of one thread's time, the prefill all of it
+    four = SimConfig(shared_cores=True, cores=4)
+    (alone,) = simulate_arrivals(Split("e-p-d", 1, 1, 1), times, one_image, [0.0], four)
+    assert alone.ttft_ms == pytest.approx(100 / 3 + 100)
+    # --threads-per-worker 2: every stage twice as fast as one thread while it has two cores
+    pinned = SimConfig(shared_cores=True, cores=4, threads_per_worker=2)
+    (alone,) = simulate_arrivals(Split("e-p-d", 1, 1, 1), times, one_image, [0.0], pinned)
+    assert alone.ttft_ms == pytest.approx(50 + 50)
+    # decode (weight 1024) and an encode (423) on two cores: each has a core, nobody slows;
+    # on one core they share it by weight (the test above)
+    niced = SimConfig(shared_cores=True, cores=2, nice={"encoder": 4, "prefill": 2, "decode": 0})
+    a, b = simulate_arrivals(Split("e-p-d", 1, 1, 1), times, one_image, [0.0, 200.0], niced)
+    assert a.tpot_ms == pytest.approx(10)
+    assert b.ttft_ms == pytest.approx(100 + 100)
+
+
 SLOS = {"ttft_slo_ms": 4000.0, "tpot_slo_ms": 100.0}
 
 
