@@ -152,15 +152,21 @@ def trace_seed(args, rate_index: int) -> int:
     return args.seed + 7919 * rate_index
 
 
-def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
+def solo_latency_ms(args, base_url: str, out: Path) -> tuple[float, float]:
+    """Median TTFT and TPOT (ms) of `--slo-probe-requests` requests sent one at a time."""
     probe = copy.copy(args)
     probe.num_prompts = args.slo_probe_requests
     probe.max_concurrency = 1
-    result = _run_at(probe, base_url, float("inf"), out_dir / "solo.json", seed=args.seed + 2000)
+    result = _run_at(probe, base_url, float("inf"), out, seed=args.seed + 2000)
     ttfts = [t * 1e3 for t in result["ttfts"] if t]
     tpots = [(e - t) * 1e3 / (n - 1) for e, t, n in zip(result["latencies"], result["ttfts"], result["output_lens"])
              if n and n > 1]
-    return args.slo_scale * statistics.median(ttfts), args.slo_scale * statistics.median(tpots)
+    return statistics.median(ttfts), statistics.median(tpots) if tpots else 0.0
+
+
+def _solo_slos(args, base_url: str, out_dir: Path) -> tuple[float, float]:
+    ttft_ms, tpot_ms = solo_latency_ms(args, base_url, out_dir / "solo.json")
+    return args.slo_scale * ttft_ms, args.slo_scale * tpot_ms
 
 
 def main(args) -> dict:

@@ -1,7 +1,9 @@
 """`epd bench plan`: choose an E:P:D split for the operator's own traffic, then check it.
 
   1. Measure each stage's service time on the workload (bench/plan_measure.py:
-     in-process, pinned to the same cores as the servers will be).
+     in-process, pinned to the same cores as the servers will be), then what
+     serving adds to it: a few requests sent one at a time to one aggregated
+     worker (`calibrate`); unless `--no-calibrate`.
   2. Simulate every split of `--workers N` workers (aggregated, e-pd and
      e-p-d; bench/plan_sim.py) at each of `--rates` on traces like the real
      run's (the real trace's seed plus `--sim-traces - 1` more, averaged),
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
 from epd.bench import compare
 from epd.bench.metrics import attainment_ci, distserve_max_rate, distserve_rate_ci, percentile, slo_attainment
-from epd.bench.plan_sim import (SimConfig, Split, attainment, goodput_of, max_goodput, simulate_arrivals,
-                                simulate_traces, splits)
+from epd.bench.plan_sim import (ServiceTimes, SimConfig, Split, attainment, goodput_of, max_goodput,
+                                simulate_arrivals, simulate_traces, splits)
 from epd.bench.report import results_from_json
 from epd.config import SHARED_CPU_NICE
 
@@ -44,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time a request's KV takes from prefill to decode worker (not measured in-process)")
     p.add_argument("--device-per-worker", action="store_true",
                    help="simulate a device per worker (GPUs) instead of workers sharing the cores")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="simulate with the offline service times alone (no served probe of serving overheads)")
     compare.add_sweep_arguments(p)  # the rates, workload, SLO and server flags of `bench compare`
 
 
@@ -67,6 +72,38 @@ def solo_slos(times, workload, scale: float) -> tuple[float, float]:
     """`scale` x one aggregated worker's TTFT and TPOT for a request alone (simulated)."""
     (alone,) = simulate_arrivals(Split("aggregated", prefill=1), times, workload, [0.0])
     return scale * alone.ttft_ms, scale * (alone.tpot_ms or 0.0)
+
+
+def calibrate(args, times: ServiceTimes, workload, cpus: set[int], out_dir: Path) -> ServiceTimes:
+    """`times` with the serving overheads the offline engine does not pay, from
+    `--slo-probe-requests` requests (with images, if the workload has any) sent one at a
+    time to one aggregated worker: its median TPOT over the simulation's is work added to
+    every engine step; its median TTFT over the simulation's (with that step overhead) is
+    a request's latency outside the stages."""
+    split = Split("aggregated", prefill=1)
+    run = copy.copy(args)
+    run.server_args = " ".join(split.worker_args() + args.server_args.split())
+    run.text_only_ratio = 0.0  # the simulation's solo request is one with the workload's images
+    server = compare._Server(run, split.mode, args.cpu_sharing, cpus, out_dir / "server-calibration.log")
+    try:
+        server.wait_ready()
+        warmup = copy.copy(run)
+        warmup.num_prompts, warmup.seed = 2, args.seed + 1000
+        compare._run_at(warmup, server.base_url, float("inf"), out_dir / "calibration-warmup.json")
+        ttft_ms, tpot_ms = compare.solo_latency_ms(run, server.base_url, out_dir / "calibration.json")
+    finally:
+        server.stop()
+    return calibrated(times, workload, ttft_ms, tpot_ms)
+
+
+def calibrated(times: ServiceTimes, workload, solo_ttft_ms: float, solo_tpot_ms: float) -> ServiceTimes:
+    """`times` with the overheads that make one aggregated worker's simulated solo
+    latency the served one (none below the simulation's)."""
+    solo = Split("aggregated", prefill=1)
+    (alone,) = simulate_arrivals(solo, times, workload, [0.0])
+    stepped = dataclasses.replace(times, step_overhead_ms=max(0.0, solo_tpot_ms - (alone.tpot_ms or 0.0)))
+    (alone,) = simulate_arrivals(solo, stepped, workload, [0.0])
+    return dataclasses.replace(stepped, request_overhead_ms=max(0.0, solo_ttft_ms - alone.ttft_ms))
 
 
 def sim_config(args) -> SimConfig:
@@ -174,6 +211,10 @@ def main(args) -> dict:
           f"{times.decode_ms_per_seq:.1f} a sequence"
           + (f"; text-only prompts {workload.text_prompt_tokens} tokens" if workload.text_only_ratio else ""),
           flush=True)
+    if args.calibrate:
+        times = calibrate(args, times, workload, cpus, out_dir)
+        print(f"serving overheads (one aggregated worker, requests alone): {times.step_overhead_ms:.1f} ms an "
+              f"engine step, {times.request_overhead_ms:.0f} ms a request", flush=True)
     if args.slo_scale is not None:
         ttft_slo, tpot_slo = solo_slos(times, workload, args.slo_scale)
     else:

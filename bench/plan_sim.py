@@ -80,13 +80,19 @@ _EPS_MS = 1e-9
 @dataclass(frozen=True)
 class ServiceTimes:
     """What one worker takes alone, in ms: encode per image, prefill per prompt token
-    (text and image placeholders alike), a decode step as base + per running sequence."""
+    (text and image placeholders alike), a decode step as base + per running sequence.
+    The serving overheads the offline engine does not have: `step_overhead_ms` more
+    for every engine step a worker runs, and `request_overhead_ms` of latency from a
+    request's arrival to its first stage (HTTP, the API process, the hops between
+    processes; a delay, not work on the cores)."""
 
     encode_ms_per_image: float
     prefill_ms_per_token: float
     decode_step_ms: float
     decode_ms_per_seq: float = 0.0
     kv_transfer_ms: float = 0.0
+    step_overhead_ms: float = 0.0
+    request_overhead_ms: float = 0.0
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_ms_per_token * num_tokens
@@ -325,7 +331,8 @@ class _Sim:
         prefills = self._take_prefills(worker, budget)
         if not running and not prefills:
             return
-        cost = times.decode_ms(len(running)) + times.prefill_ms(sum(r.num_prompt_tokens for r in prefills))
+        cost = (times.step_overhead_ms + times.decode_ms(len(running))
+                + times.prefill_ms(sum(r.num_prompt_tokens for r in prefills)))
         self._begin(worker, cost, lambda: self._stepped(running, prefills))
 
     def _begin(self, worker: _Worker, cost_ms: float, finish) -> None:
@@ -369,8 +376,9 @@ class _Sim:
 
     def run(self, arrivals_ms: list[float], text_only: list[bool]) -> list[_Request]:
         requests: list[_Request] = []
+        delay = self.times.request_overhead_ms  # its TTFT still counts from `t`
         for t, is_text_only in zip(arrivals_ms, text_only, strict=True):
-            self._at(t, lambda t=t, is_text_only=is_text_only: requests.append(self._arrive(t, is_text_only)))
+            self._at(t + delay, lambda t=t, is_text_only=is_text_only: requests.append(self._arrive(t, is_text_only)))
         while True:
             while self.events and self.events[0][0] <= self.now + _EPS_MS:
                 heapq.heappop(self.events)[2]()

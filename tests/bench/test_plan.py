@@ -6,8 +6,8 @@ import argparse
 import pytest
 
 from epd import cli
-from epd.bench.plan import format_plan, predict, sim_config, sim_seeds, solo_slos
-from epd.bench.plan_sim import ServiceTimes, SimConfig, Workload
+from epd.bench.plan import calibrated, format_plan, predict, sim_config, sim_seeds, solo_slos
+from epd.bench.plan_sim import ServiceTimes, SimConfig, Split, Workload, simulate_arrivals
 
 # encode-bound on devices of their own: 4 images of 500 ms, a short prefill, cheap decode steps
 ENCODE_BOUND = ServiceTimes(encode_ms_per_image=500, prefill_ms_per_token=0.25, decode_step_ms=10)
@@ -22,6 +22,20 @@ def test_solo_slos_scale_one_aggregated_worker_alone():
     ttft, tpot = solo_slos(ENCODE_BOUND, WORKLOAD, 3.0)
     assert ttft == pytest.approx(3 * (4 * 500 + 200 * 0.25))
     assert tpot == pytest.approx(3 * 10)
+
+
+def test_calibration_makes_the_simulated_solo_latency_the_served_one():
+    # simulated alone: TTFT 4 * 500 + 200 * 0.25 = 2050 ms, TPOT 10 ms; served: 2100 and 12
+    times = calibrated(ENCODE_BOUND, WORKLOAD, solo_ttft_ms=2100.0, solo_tpot_ms=12.0)
+    assert times.step_overhead_ms == pytest.approx(2.0)  # every engine step, the prefill's too
+    assert times.request_overhead_ms == pytest.approx(2100 - (2000 + 2 + 50))
+    (alone,) = simulate_arrivals(Split("aggregated", prefill=1), times, WORKLOAD, [0.0])
+    assert (alone.ttft_ms, alone.tpot_ms) == (pytest.approx(2100.0), pytest.approx(12.0))
+    # a split pays them too: two encoders (1 s of images), the step overhead, the request's delay
+    (alone,) = simulate_arrivals(Split("e-pd", 2, 1), times, WORKLOAD, [0.0])
+    assert alone.ttft_ms == pytest.approx(48 + 2 * 500 + 2 + 50)
+    # served faster than simulated: no negative overheads
+    assert calibrated(ENCODE_BOUND, WORKLOAD, 1000.0, 5.0) == ENCODE_BOUND
 
 
 def test_the_first_simulated_trace_is_the_real_runs():
