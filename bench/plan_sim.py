@@ -82,9 +82,10 @@ class ServiceTimes:
     """What one worker takes alone, in ms: encode per image, prefill per prompt token
     (text and image placeholders alike), a decode step as base + per running sequence.
     The serving overheads the offline engine does not have: `step_overhead_ms` more
-    for every engine step a worker runs, and `request_overhead_ms` of latency from a
-    request's arrival to its first stage (HTTP, the API process, the hops between
-    processes; a delay, not work on the cores)."""
+    for every engine step a worker runs, and `request_overhead_ms` from a request's
+    arrival to its first stage (HTTP, the API process, the hops between processes),
+    simulated as work of the API process: one thread, requests in arrival order,
+    sharing the cores with the workers."""
 
     encode_ms_per_image: float
     prefill_ms_per_token: float
@@ -240,7 +241,10 @@ class _Sim:
                     for i in range(counts[role])]
 
         self.encoders, self.front, self.decoders = make("encoder"), make(front_role), make("decode")
-        self.workers = self.encoders + self.front + self.decoders
+        # the API process: one thread at niceness 0, the request's overhead on it before any worker sees it
+        self.api = _Worker("api", "api", _CFS_WEIGHTS[0]) if times.request_overhead_ms else None
+        self.workers = self.encoders + self.front + self.decoders + ([self.api] if self.api else [])
+        self.requests: list[_Request] = []
         self.next_encoder = 0
         self.now = 0.0
         self.events: list = []  # heap of (time_ms, seq, callback)
@@ -317,6 +321,12 @@ class _Sim:
 
     def _start(self, worker: _Worker) -> None:
         times = self.times
+        if worker is self.api:  # arrivals in order, one at a time
+            if worker.ready:
+                arrival_ms, is_text_only = worker.ready.pop(0)
+                self._begin(worker, times.request_overhead_ms,
+                            lambda: self.requests.append(self._arrive(arrival_ms, is_text_only)))
+            return
         if worker.images:  # an encoder, or an aggregated worker encoding inline before its next step
             batch = worker.images if worker.role == "aggregated" else worker.images[:1]
             worker.images = worker.images[len(batch):]
@@ -375,10 +385,12 @@ class _Sim:
         return [cores[id(w)] for w in busy]
 
     def run(self, arrivals_ms: list[float], text_only: list[bool]) -> list[_Request]:
-        requests: list[_Request] = []
-        delay = self.times.request_overhead_ms  # its TTFT still counts from `t`
+        requests = self.requests
         for t, is_text_only in zip(arrivals_ms, text_only, strict=True):
-            self._at(t + delay, lambda t=t, is_text_only=is_text_only: requests.append(self._arrive(t, is_text_only)))
+            if self.api is not None:  # through the API process first
+                self._at(t, lambda t=t, is_text_only=is_text_only: self.api.ready.append((t, is_text_only)))
+            else:
+                self._at(t, lambda t=t, is_text_only=is_text_only: requests.append(self._arrive(t, is_text_only)))
         while True:
             while self.events and self.events[0][0] <= self.now + _EPS_MS:
                 heapq.heappop(self.events)[2]()

@@ -98,6 +98,22 @@ def test_on_several_cores_each_busy_thread_gets_at_most_one_core():
     assert b.ttft_ms == pytest.approx(100 + 100)
 
 
+def test_the_request_overhead_is_the_api_processs_work_in_arrival_order():
+    times = ServiceTimes(encode_ms_per_image=100, prefill_ms_per_token=1.0, decode_step_ms=10,
+                         request_overhead_ms=10)
+    one_image = Workload(images_per_request=1, prompt_tokens=100, output_len=11)
+    # devices of their own: A through the API 0-10, encoded 10-110, prefilled 110-210; B waits for
+    # the API (10-20), is encoded on the second encoder 20-120 and prefilled after A, 210-310
+    a, b = simulate_arrivals(Split("e-p-d", 2, 1, 1), times, one_image, [0.0, 0.0])
+    assert (a.ttft_ms, b.ttft_ms) == (pytest.approx(210), pytest.approx(310))
+    # text only, one aggregated worker, one shared core: B's 10 ms in the API (10-30) run beside
+    # A's prefill at half speed each, so A's prefill ends at 120, not 110; then one step of A's
+    # decode and B's prefill (110 ms) alone
+    text = Workload(images_per_request=0, prompt_tokens=100, output_len=11)
+    a, b = simulate_arrivals(Split("aggregated", prefill=1), times, text, [0.0, 0.0], SimConfig(shared_cores=True))
+    assert (a.ttft_ms, b.ttft_ms) == (pytest.approx(120), pytest.approx(230))
+
+
 SLOS = {"ttft_slo_ms": 4000.0, "tpot_slo_ms": 100.0}
 
 
