@@ -163,7 +163,7 @@ def measure_split(args, split: Split, rates: list[float], ttft_slo: float, tpot_
     run = copy.copy(args)
     run.server_args = " ".join(split.worker_args() + args.server_args.split())
     server = compare._Server(run, split.mode, args.cpu_sharing, cpus, out_dir / f"server-{split.label}.log")
-    sweep, attained, intervals = [], [], []
+    sweep, attained, intervals, text_only_p99 = [], [], [], []
     try:
         server.wait_ready()
         warmup = copy.copy(args)
@@ -176,11 +176,14 @@ def measure_split(args, split: Split, rates: list[float], ttft_slo: float, tpot_
             sweep.append((rate, results))
             attained.append(slo_attainment(results, ttft_slo, tpot_slo))
             intervals.append(list(attainment_ci(results, ttft_slo, tpot_slo, seed=args.seed)))
+            text_only_p99.append(result.get("text_only_p99_ttft_ms"))
+            text = (f", text-only P99 TTFT {text_only_p99[-1]:.0f} ms" if text_only_p99[-1] is not None else "")
             print(f"{split.label:>8} rate {rate:g}: attainment {attained[-1]:.0%} "
-                  f"[{intervals[-1][0]:.0%}, {intervals[-1][1]:.0%}]", flush=True)
+                  f"[{intervals[-1][0]:.0%}, {intervals[-1][1]:.0%}]{text}", flush=True)
     finally:
         server.stop()
-    return {"measured_attainment": attained, "measured_attainment_ci": intervals,
+    measured = {"measured_text_only_p99_ttft_ms": text_only_p99} if any(p is not None for p in text_only_p99) else {}
+    return {**measured, "measured_attainment": attained, "measured_attainment_ci": intervals,
             "measured_goodput": distserve_max_rate(sweep, ttft_slo, tpot_slo),
             "measured_goodput_ci": list(distserve_rate_ci(sweep, ttft_slo, tpot_slo, seed=args.seed))}
 
