@@ -91,19 +91,31 @@ def calibrate(args, times: ServiceTimes, workload, cpus: set[int], out_dir: Path
         warmup.num_prompts, warmup.seed = 2, args.seed + 1000
         compare._run_at(warmup, server.base_url, float("inf"), out_dir / "calibration-warmup.json")
         ttft_ms, tpot_ms = compare.solo_latency_ms(run, server.base_url, out_dir / "calibration.json")
+        text_ttft_ms = None
+        if workload.text_only_ratio and workload.images_per_request:  # a mix: text-only requests alone too
+            text = copy.copy(run)
+            text.text_only_ratio = 1.0
+            text_ttft_ms, _ = compare.solo_latency_ms(text, server.base_url, out_dir / "calibration-text.json")
     finally:
         server.stop()
-    return calibrated(times, workload, ttft_ms, tpot_ms)
+    return calibrated(times, workload, ttft_ms, tpot_ms, text_ttft_ms)
 
 
-def calibrated(times: ServiceTimes, workload, solo_ttft_ms: float, solo_tpot_ms: float) -> ServiceTimes:
+def calibrated(times: ServiceTimes, workload, solo_ttft_ms: float, solo_tpot_ms: float,
+               text_ttft_ms: float | None = None) -> ServiceTimes:
     """`times` with the overheads that make one aggregated worker's simulated solo
-    latency the served one (none below the simulation's)."""
+    latency the served one (none below the simulation's); with `text_ttft_ms`, a
+    text-only request's own request overhead the same way."""
     solo = Split("aggregated", prefill=1)
     (alone,) = simulate_arrivals(solo, times, workload, [0.0])
     stepped = dataclasses.replace(times, step_overhead_ms=max(0.0, solo_tpot_ms - (alone.tpot_ms or 0.0)))
     (alone,) = simulate_arrivals(solo, stepped, workload, [0.0])
-    return dataclasses.replace(stepped, request_overhead_ms=max(0.0, solo_ttft_ms - alone.ttft_ms))
+    out = dataclasses.replace(stepped, request_overhead_ms=max(0.0, solo_ttft_ms - alone.ttft_ms))
+    if text_ttft_ms is None:
+        return out
+    (alone,) = simulate_arrivals(solo, dataclasses.replace(out, text_request_overhead_ms=0.0), workload, [0.0],
+                                 text_only=[True])
+    return dataclasses.replace(out, text_request_overhead_ms=max(0.0, text_ttft_ms - alone.ttft_ms))
 
 
 def sim_config(args) -> SimConfig:
@@ -216,8 +228,10 @@ def main(args) -> dict:
           flush=True)
     if args.calibrate:
         times = calibrate(args, times, workload, cpus, out_dir)
+        text = times.text_request_overhead_ms
         print(f"serving overheads (one aggregated worker, requests alone): {times.step_overhead_ms:.1f} ms an "
-              f"engine step, {times.request_overhead_ms:.0f} ms a request", flush=True)
+              f"engine step, {times.request_overhead_ms:.0f} ms a request"
+              + (f" ({text:.0f} ms a text-only one)" if text is not None else ""), flush=True)
     if args.slo_scale is not None:
         ttft_slo, tpot_slo = solo_slos(times, workload, args.slo_scale)
     else:

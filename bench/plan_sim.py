@@ -85,7 +85,8 @@ class ServiceTimes:
     for every engine step a worker runs, and `request_overhead_ms` from a request's
     arrival to its first stage (HTTP, the API process, the hops between processes),
     simulated as work of the API process: one thread, requests in arrival order,
-    sharing the cores with the workers."""
+    sharing the cores with the workers; a text-only request's is
+    `text_request_overhead_ms` where given (no image to decode and hash)."""
 
     encode_ms_per_image: float
     prefill_ms_per_token: float
@@ -94,6 +95,11 @@ class ServiceTimes:
     kv_transfer_ms: float = 0.0
     step_overhead_ms: float = 0.0
     request_overhead_ms: float = 0.0
+    text_request_overhead_ms: float | None = None
+
+    def request_overhead_of(self, is_text_only: bool) -> float:
+        text = self.text_request_overhead_ms
+        return text if is_text_only and text is not None else self.request_overhead_ms
 
     def prefill_ms(self, num_tokens: int) -> float:
         return self.prefill_ms_per_token * num_tokens
@@ -242,7 +248,8 @@ class _Sim:
 
         self.encoders, self.front, self.decoders = make("encoder"), make(front_role), make("decode")
         # the API process: one thread at niceness 0, the request's overhead on it before any worker sees it
-        self.api = _Worker("api", "api", _CFS_WEIGHTS[0]) if times.request_overhead_ms else None
+        self.api = _Worker("api", "api", _CFS_WEIGHTS[0]) if times.request_overhead_ms or \
+            times.text_request_overhead_ms else None
         self.workers = self.encoders + self.front + self.decoders + ([self.api] if self.api else [])
         self.requests: list[_Request] = []
         self.next_encoder = 0
@@ -324,7 +331,7 @@ class _Sim:
         if worker is self.api:  # arrivals in order, one at a time
             if worker.ready:
                 arrival_ms, is_text_only = worker.ready.pop(0)
-                self._begin(worker, times.request_overhead_ms,
+                self._begin(worker, times.request_overhead_of(is_text_only and bool(self.workload.images_per_request)),
                             lambda: self.requests.append(self._arrive(arrival_ms, is_text_only)))
             return
         if worker.images:  # an encoder, or an aggregated worker encoding inline before its next step

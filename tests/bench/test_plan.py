@@ -36,6 +36,13 @@ def test_calibration_makes_the_simulated_solo_latency_the_served_one():
     assert alone.ttft_ms == pytest.approx(48 + 2 * 500 + 2 + 50)
     # served faster than simulated: no negative overheads
     assert calibrated(ENCODE_BOUND, WORKLOAD, 1000.0, 5.0) == ENCODE_BOUND
+    # a mix: text-only requests (60 tokens: 2 + 15 ms alone) have their own overhead
+    mix = Workload(images_per_request=4, prompt_tokens=200, output_len=16, text_only_ratio=0.5, text_prompt_tokens=60)
+    times = calibrated(ENCODE_BOUND, mix, 2100.0, 12.0, text_ttft_ms=30.0)
+    assert times.text_request_overhead_ms == pytest.approx(30 - (2 + 15))
+    solo = Split("aggregated", prefill=1)
+    image, text = simulate_arrivals(solo, times, mix, [0.0, 10_000.0], text_only=[False, True])
+    assert (image.ttft_ms, text.ttft_ms) == (pytest.approx(2100.0), pytest.approx(30.0))
 
 
 def test_the_first_simulated_trace_is_the_real_runs():
