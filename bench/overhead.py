@@ -312,7 +312,7 @@ def main(args) -> dict:
     return result
 
 
-_CORES = ("api_cores", "workers_cores", "client_cores", "client_us_per_token", "steal_cores")  # medians too
+_ALSO_MEDIANS = ("api_cores", "workers_cores", "client_cores", "client_us_per_token", "steal_cores")
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -331,7 +331,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "offline": statistics.median(r["offline_req_s" if one else "offline_tok_s"] for r in rs),
                  "served": statistics.median(r[rate] for r in rs),
                  "api_us": statistics.median(r["api_us_per_request" if one else "api_us_per_token"] for r in rs)}
-        for key in _CORES:
+        for key in _ALSO_MEDIANS:
             entry[key] = statistics.median(r.get(key, 0.0) for r in rs)
         out.append(entry)
     return out

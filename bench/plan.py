@@ -77,9 +77,9 @@ def solo_slos(times, workload, scale: float) -> tuple[float, float]:
 def calibrate(args, times: ServiceTimes, workload, cpus: set[int], out_dir: Path) -> ServiceTimes:
     """`times` with the serving overheads the offline engine does not pay, from
     `--slo-probe-requests` requests (with images, if the workload has any) sent one at a
-    time to one aggregated worker: its median TPOT over the simulation's is work added to
-    every engine step; its median TTFT over the simulation's (with that step overhead) is
-    a request's latency outside the stages."""
+    time to one aggregated worker (and, for a mix, text-only requests apart): the median
+    TPOT over the simulation's is work added to every engine step; the median TTFT over the
+    simulation's (with that step overhead) is the simulated API process's work a request."""
     split = Split("aggregated", prefill=1)
     run = copy.copy(args)
     run.server_args = " ".join(split.worker_args() + args.server_args.split())
