@@ -5,7 +5,10 @@
 #      (pytest -m gpu: kernels vs the torch backend, greedy tokens vs transformers);
 #   2. the decode kernel's achieved memory bandwidth (python -m epd.bench.kernels);
 #   3. offline throughput of our engine and of transformers on the GPU, small preset;
-#   4. serving: aggregated against e-p-d on the one GPU, four images a request.
+#   4. serving: aggregated against e-p-d on the one GPU, four images a request;
+#   5. the same with half the requests text-only (issue 14: text-only P99 TTFT under image load);
+#   6. --api-servers 1, 2, 4 on the machine's spare cores, the tiny checkpoint on the CPU
+#      (issue 18: the API's token rate against the process count; needs no GPU, only cores).
 #
 #     bash bench/gpu_checks.sh [OUT_DIR]
 #     GPU_STEPS="pytest_gpu serving" bash bench/gpu_checks.sh   # some steps only
@@ -43,4 +46,16 @@ step offline_bf16 "$python" -m epd.cli bench offline "$model" --device cuda --dt
 step serving timeout 360 "$python" -m epd.cli bench compare "$model" --modes aggregated,e-p-d \
     --rates 3,5,8,16 --num-prompts 48 --slo-scale 3 --images-per-request 4 --image-size 448x448 \
     --input-len 400 --output-len 64 --server-args "--dtype bfloat16" --output-dir "$out/serving" --no-progress
+step text_only_mix timeout 420 "$python" -m epd.cli bench compare "$model" --modes aggregated,e-p-d \
+    --rates 4,8,16 --num-prompts 48 --slo-scale 3 --images-per-request 4 --image-size 448x448 \
+    --input-len 400 --output-len 64 --text-only-ratio 0.5 --server-args "--dtype bfloat16" \
+    --output-dir "$out/text_only_mix" --no-progress
+tiny=${EPD_TINY_MODEL:-/tmp/epd-gpu-tiny}
+case " ${GPU_STEPS:-api_servers} " in *" api_servers "*)
+    [ -d "$tiny" ] || "$python" -m epd.cli make-model "$tiny" --preset tiny >/dev/null ;;
+esac
+step api_servers timeout 420 "$python" -m epd.cli bench overhead "$tiny" --modes aggregated --concurrency 128 \
+    --requests-per-stream 2 --one-token-requests 2048 --cpus "${API_CPUS:-0-7}" --client-procs 2 \
+    --server-args "--threads-per-worker 2" --server-args "--threads-per-worker 2 --api-servers 2" \
+    --server-args "--threads-per-worker 2 --api-servers 4" --save-result "$out/api_servers.json"
 exit "$status"
