@@ -32,8 +32,8 @@ from pathlib import Path
 
 from epd.bench import compare
 from epd.bench.metrics import attainment_ci, distserve_max_rate, distserve_rate_ci, percentile, slo_attainment
-from epd.bench.plan_sim import (ServiceTimes, SimConfig, Split, attainment, goodput_of, max_goodput,
-                                simulate_arrivals, simulate_traces, splits)
+from epd.bench.plan_inputs import ServiceTimes, Split, splits
+from epd.bench.plan_sim import SimConfig, attainment, goodput_of, max_goodput, simulate_arrivals, simulate_traces
 from epd.bench.report import results_from_json
 from epd.config import SHARED_CPU_NICE
 

@@ -33,7 +33,7 @@ import time
 
 from epd.bench.client import build_payload
 from epd.bench.datasets import load_tokenizer, sample_random_mm
-from epd.bench.plan_sim import ServiceTimes, Workload
+from epd.bench.plan_inputs import ServiceTimes, Workload
 
 DECODE_BATCHES = (1, 4)
 DECODE_STEPS = 12

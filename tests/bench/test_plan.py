@@ -7,7 +7,8 @@ import pytest
 
 from epd import cli
 from epd.bench.plan import calibrated, format_plan, predict, sim_config, sim_seeds, solo_slos
-from epd.bench.plan_sim import ServiceTimes, SimConfig, Split, Workload, simulate_arrivals
+from epd.bench.plan_inputs import ServiceTimes, Split, Workload
+from epd.bench.plan_sim import SimConfig, simulate_arrivals
 
 # encode-bound on devices of their own: 4 images of 500 ms, a short prefill, cheap decode steps
 ENCODE_BOUND = ServiceTimes(encode_ms_per_image=500, prefill_ms_per_token=0.25, decode_step_ms=10)

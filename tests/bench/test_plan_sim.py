@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from epd.bench.datasets import sample_random_mm
-from epd.bench.plan_sim import (ServiceTimes, SimConfig, Split, Workload, max_goodput, predicted_goodput,
-                                simulate, simulate_arrivals, splits, text_only_requests)
+from epd.bench.plan_inputs import ServiceTimes, Split, Workload, splits, text_only_requests
+from epd.bench.plan_sim import SimConfig, max_goodput, predicted_goodput, simulate, simulate_arrivals
 
 TIMES = ServiceTimes(encode_ms_per_image=100, prefill_ms_per_token=1.0, decode_step_ms=10, kv_transfer_ms=5)
 FOUR_IMAGES = Workload(images_per_request=4, prompt_tokens=200, output_len=11)
