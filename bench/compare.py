@@ -145,6 +145,14 @@ def _run_at(args, base_url: str, rate: float, out: Path, seed: int | None = None
     return bench_serve.main(run)
 
 
+def warm_up(args, base_url: str, out: Path) -> None:
+    """Two requests of the workload (other images than any trace's): first-use costs
+    (allocations, lazy imports) stay out of what is measured next."""
+    warmup = copy.copy(args)
+    warmup.num_prompts, warmup.seed = 2, args.seed + 1000
+    _run_at(warmup, base_url, float("inf"), out)
+
+
 def trace_seed(args, rate_index: int) -> int:
     """Each rate replays its own trace (same in every mode): a server keeps its
     embedding and prefix caches across rates, so reusing one trace would turn
@@ -218,9 +226,7 @@ def sweep(args, base_url: str, label: str, rates: list[float], ttft_slo: float |
     SLOs come from the first server swept), then every rate's trace. Returns
     (its entry of `per_mode`, the TTFT SLO, the TPOT SLO)."""
     file_label = label.replace("/", "-")
-    warmup = copy.copy(args)  # first-use costs (allocations, lazy imports) stay out of the sweep
-    warmup.num_prompts, warmup.seed = 2, args.seed + 1000  # other images: the trace's stay uncached
-    _run_at(warmup, base_url, float("inf"), out_dir / f"{file_label}-warmup.json")
+    warm_up(args, base_url, out_dir / f"{file_label}-warmup.json")
     if ttft_slo is None:  # relative SLOs: measured once, on the baseline
         ttft_slo, tpot_slo = _solo_slos(args, base_url, out_dir)
         print(f"SLOs from solo latency x {args.slo_scale}: TTFT {ttft_slo:.0f} ms, TPOT {tpot_slo:.1f} ms")

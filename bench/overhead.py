@@ -13,8 +13,8 @@ It reports output tokens/s of both and their ratio, and then requests/s of
 one-token requests the same way. With `--rounds R` each server runs every
 C R times, each served run right after an offline run of the same requests
 (the machine's speed drifts between minutes here, so a ratio is taken
-between neighbours), and the table gives the median ratio with its range. The client is `bench/light_client.py`
-(raw asyncio HTTP, one parse per response, `--client-procs` processes); its
+between neighbours), and the table gives the median ratio with its range.
+The client is `bench/light_client.py` (raw asyncio HTTP, one parse per response, `--client-procs` processes); its
 CPU time is reported to show it is not the bottleneck. The API's CPU time per
 output token comes from /proc/<pid>/stat of every API process: the launcher
 itself, or with `--api-servers N` the N processes its log names (`EPD: API
@@ -243,19 +243,26 @@ def main(args) -> dict:
     work = {c: workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c) for c in concurrencies}
     one_token = workload(vocab_size, args.one_token_requests, args.input_len, seed=1) if args.one_token_requests else []
 
-    def offline(server: ServeProcess, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-        """The offline engine on the servers' cores, with as many threads; the idle
-        server's CPU meanwhile is reported to show it did not disturb it."""
+    def paired(server: ServeProcess, name: str, row: dict, prompts: list[list[int]], output_len: int,
+               concurrency: int) -> dict:
+        """`row` with the offline engine's rate on `prompts` (on the servers' cores, with as many
+        threads; the idle server's CPU meanwhile shows it did not disturb it), then the served
+        run of the same prompts and their ratio: output tokens/s, or requests/s for one-token ones."""
+        rate = "req_s" if row.get("one_token") else "tok_s"
         _, api_0, workers_0, _ = _api_cpu(server)
         start = time.perf_counter()
         os.sched_setaffinity(0, cpus)
         try:
-            rate = offline_rate(args.model, prompts, output_len, concurrency, args.num_kv_blocks)
+            row[f"offline_{rate}"] = offline_rate(args.model, prompts, output_len, concurrency, args.num_kv_blocks)
         finally:
             os.sched_setaffinity(0, anywhere)
         _, api_1, workers_1, _ = _api_cpu(server)
-        idle_s = sum(api_1) - sum(api_0) + workers_1 - workers_0
-        return {"offline_rate": rate, "server_cores_during_offline": idle_s / (time.perf_counter() - start)}
+        row["server_cores_during_offline"] = ((sum(api_1) - sum(api_0) + workers_1 - workers_0)
+                                              / (time.perf_counter() - start))
+        row.update(served_run(server, name, prompts, output_len, concurrency, args.client_procs))
+        row["served_over_offline"] = row[rate] / row[f"offline_{rate}"]
+        print(json.dumps(row), flush=True)
+        return row
 
     rows, profiles = [], {}
     configs = args.server_args or [""]
@@ -270,23 +277,13 @@ def main(args) -> dict:
                 warm = workload(vocab_size, 8, args.input_len, seed=99)
                 served_run(server, name, warm, 8, 8, 1)  # first-use costs stay out
                 for round_no in range(args.rounds):
-                    for c in concurrencies:
-                        off = offline(server, work[c], args.output_len, c)
-                        row = {"mode": mode, "server_args": config, "concurrency": c, "round": round_no,
-                               "offline_tok_s": off.pop("offline_rate"), **off,
-                               **served_run(server, name, work[c], args.output_len, c, args.client_procs)}
-                        row["served_over_offline"] = row["tok_s"] / row["offline_tok_s"]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                    label_row = {"mode": mode, "server_args": config, "round": round_no}
+                    rows += [paired(server, name, {**label_row, "concurrency": c}, work[c], args.output_len, c)
+                             for c in concurrencies]
                     if one_token:
-                        off = offline(server, one_token, 1, args.one_token_concurrency)
-                        row = {"mode": mode, "server_args": config, "concurrency": args.one_token_concurrency,
-                               "round": round_no, "one_token": True, "offline_req_s": off.pop("offline_rate"), **off,
-                               **served_run(server, name, one_token, 1, args.one_token_concurrency,
-                                            args.client_procs)}
-                        row["served_over_offline"] = row["req_s"] / row["offline_req_s"]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                        c = args.one_token_concurrency
+                        rows.append(paired(server, name, {**label_row, "concurrency": c, "one_token": True},
+                                           one_token, 1, c))
                 if out_dir:
                     c = max(concurrencies)
                     fresh = workload(vocab_size, c * args.requests_per_stream, args.input_len, seed=c + 7)

@@ -25,9 +25,11 @@ engine flags among `--server-args` (`--max-num-batched-tokens`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from epd.bench import compare
@@ -80,25 +82,31 @@ def calibrate(args, times: ServiceTimes, workload, cpus: set[int], out_dir: Path
     time to one aggregated worker (and, for a mix, text-only requests apart): the median
     TPOT over the simulation's is work added to every engine step; the median TTFT over the
     simulation's (with that step overhead) is the simulated API process's work a request."""
-    split = Split("aggregated", prefill=1)
-    run = copy.copy(args)
-    run.server_args = " ".join(split.worker_args() + args.server_args.split())
-    run.text_only_ratio = 0.0  # the simulation's solo request is one with the workload's images
-    server = compare._Server(run, split.mode, args.cpu_sharing, cpus, out_dir / "server-calibration.log")
-    try:
-        server.wait_ready()
-        warmup = copy.copy(run)
-        warmup.num_prompts, warmup.seed = 2, args.seed + 1000
-        compare._run_at(warmup, server.base_url, float("inf"), out_dir / "calibration-warmup.json")
-        ttft_ms, tpot_ms = compare.solo_latency_ms(run, server.base_url, out_dir / "calibration.json")
+    images = copy.copy(args)
+    images.text_only_ratio = 0.0  # the simulation's solo request is one with the workload's images
+    with _serving(images, Split("aggregated", prefill=1), cpus, out_dir, "calibration") as base_url:
+        ttft_ms, tpot_ms = compare.solo_latency_ms(images, base_url, out_dir / "calibration.json")
         text_ttft_ms = None
         if workload.text_only_ratio and workload.images_per_request:  # a mix: text-only requests alone too
-            text = copy.copy(run)
+            text = copy.copy(args)
             text.text_only_ratio = 1.0
-            text_ttft_ms, _ = compare.solo_latency_ms(text, server.base_url, out_dir / "calibration-text.json")
+            text_ttft_ms, _ = compare.solo_latency_ms(text, base_url, out_dir / "calibration-text.json")
+    return calibrated(times, workload, ttft_ms, tpot_ms, text_ttft_ms)
+
+
+@contextlib.contextmanager
+def _serving(args, split: Split, cpus: set[int], out_dir: Path, name: str) -> Iterator[str]:
+    """`split` served for real (`epd serve` with its worker counts, as `bench compare`
+    serves a mode), warmed up with `args`' workload; yields its base URL."""
+    run = copy.copy(args)
+    run.server_args = " ".join(split.worker_args() + args.server_args.split())
+    server = compare._Server(run, split.mode, args.cpu_sharing, cpus, out_dir / f"server-{name}.log")
+    try:
+        server.wait_ready()
+        compare.warm_up(args, server.base_url, out_dir / f"{name}-warmup.json")
+        yield server.base_url
     finally:
         server.stop()
-    return calibrated(times, workload, ttft_ms, tpot_ms, text_ttft_ms)
 
 
 def calibrated(times: ServiceTimes, workload, solo_ttft_ms: float, solo_tpot_ms: float,
@@ -172,17 +180,10 @@ def _split_of(row: dict) -> Split:
 def measure_split(args, split: Split, rates: list[float], ttft_slo: float, tpot_slo: float, cpus: set[int],
                   out_dir: Path) -> dict:
     """Serve `split` for real and send each rate's trace (the same as `bench compare`'s)."""
-    run = copy.copy(args)
-    run.server_args = " ".join(split.worker_args() + args.server_args.split())
-    server = compare._Server(run, split.mode, args.cpu_sharing, cpus, out_dir / f"server-{split.label}.log")
     sweep, attained, intervals, text_only_p99 = [], [], [], []
-    try:
-        server.wait_ready()
-        warmup = copy.copy(args)
-        warmup.num_prompts, warmup.seed = 2, args.seed + 1000
-        compare._run_at(warmup, server.base_url, float("inf"), out_dir / f"{split.label}-warmup.json")
+    with _serving(args, split, cpus, out_dir, split.label) as base_url:
         for i, rate in enumerate(rates):
-            result = compare._run_at(args, server.base_url, rate, out_dir / f"{split.label}-rate{rate:g}.json",
+            result = compare._run_at(args, base_url, rate, out_dir / f"{split.label}-rate{rate:g}.json",
                                      seed=compare.trace_seed(args, i))
             results = results_from_json(result)
             sweep.append((rate, results))
@@ -192,8 +193,6 @@ def measure_split(args, split: Split, rates: list[float], ttft_slo: float, tpot_
             text = (f", text-only P99 TTFT {text_only_p99[-1]:.0f} ms" if text_only_p99[-1] is not None else "")
             print(f"{split.label:>8} rate {rate:g}: attainment {attained[-1]:.0%} "
                   f"[{intervals[-1][0]:.0%}, {intervals[-1][1]:.0%}]{text}", flush=True)
-    finally:
-        server.stop()
     measured = {"measured_text_only_p99_ttft_ms": text_only_p99} if any(p is not None for p in text_only_p99) else {}
     return {**measured, "measured_attainment": attained, "measured_attainment_ci": intervals,
             "measured_goodput": distserve_max_rate(sweep, ttft_slo, tpot_slo),
