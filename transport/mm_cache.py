@@ -17,6 +17,12 @@ least-recently-used entries down to `low_water * max_bytes` (amortizes the
 O(n log n) scan over many puts). A value larger than the cache, or a write that
 still fails, is skipped with a warning: the cache never fails a request.
 Corrupt or foreign entries read as misses and are deleted by writable instances.
+
+Faults: a cache whose file cannot be opened is set aside by a writer and
+replaced by a fresh one (mm_cache_env.py); without any (a reader that found it
+corrupt, a fresh one that failed too) the instance runs closed (`is_open`
+False): every lookup a miss, every put skipped. An LMDB error at run time
+fails that one lookup or put, counted in `stats`, with one warning per kind.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import lmdb
 import msgpack
 
 from epd.transport.codec import WireError
+from epd.transport.mm_cache_env import TOTAL_KEY, open_env
 from epd.transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
 
 log = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
-_TOTAL = b"total_bytes"
+_TOTAL = TOTAL_KEY
 _MAP_SLACK_BYTES = 64 << 20
 
 
@@ -71,6 +78,7 @@ class CacheStats:
     skipped_puts: int = 0
     evictions: int = 0
     bad_entries: int = 0  # corrupt or foreign values seen
+    read_errors: int = 0  # reads that LMDB failed (a damaged file): each a miss
 
     @property
     def hit_rate(self) -> float:
@@ -98,27 +106,21 @@ class MMCache:
         self._last_flush_s = time.monotonic()
         self._last_ns = 0
         self._closed = False
-        self._env: lmdb.Environment | None = None
-        try:
-            self._open(readonly)
-        except lmdb.Error:
-            if not readonly:
-                raise
-            # A read-only open of a cache no writer has created yet: create it first.
-            if self._env is not None:
-                self._env.close()
-            self._open(readonly=False)
-            self._env.close()
-            self._open(readonly)
+        self._warned: set[str] = set()
+        opened = open_env(self.path, 2 * self.max_bytes + _MAP_SLACK_BYTES, readonly)
+        self._env = None if opened is None else opened.env
+        if opened is not None:
+            self._entries, self._used, self._meta = opened.entries, opened.used, opened.meta
 
-    def _open(self, readonly: bool) -> None:
-        os.makedirs(self.path, exist_ok=True)
-        self._env = lmdb.open(self.path, map_size=2 * self.max_bytes + _MAP_SLACK_BYTES,
-                              subdir=True, readonly=readonly, lock=True, readahead=False,
-                              max_dbs=3, max_readers=512)
-        self._entries = self._env.open_db(b"entries", create=not readonly)
-        self._used = self._env.open_db(b"used", create=not readonly)
-        self._meta = self._env.open_db(b"meta", create=not readonly)
+    @property
+    def is_open(self) -> bool:
+        """False when no environment could be opened: every lookup a miss, every put skipped."""
+        return self._env is not None and not self._closed
+
+    def _warn_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message + " (warned once; see the cache's stats)", *args)
 
     # --- reads ---------------------------------------------------------------
 
@@ -151,15 +153,15 @@ class MMCache:
         def read() -> int:
             with self._env.begin() as txn:
                 return txn.stat(self._entries)["entries"]
-        return self._retry(read)
+        return self._read_or(0, read)
 
     @property
     def total_bytes(self) -> int:
-        """Sum of the sizes of all entry values, as tracked by writers."""
+        """Sum of the sizes of all entry values, as tracked by writers (0 when unreadable)."""
         def read() -> int:
             with self._env.begin(db=self._meta) as txn:
                 return _u64(txn.get(_TOTAL))
-        return self._retry(read)
+        return self._read_or(0, read)
 
     def _read(self, raw_key: bytes, parse):
         """Run `parse` on the value's map view inside one read txn; None if absent."""
@@ -167,11 +169,19 @@ class MMCache:
             with self._env.begin(db=self._entries, buffers=True) as txn:
                 value = txn.get(raw_key)
                 return None if value is None else parse(value)
+        return self._read_or(None, read)
+
+    def _read_or(self, default, read):
+        """read(), or `default` when the cache is not open or LMDB fails the read."""
+        if not self.is_open:
+            return default
         try:
             return self._retry(read)
         except lmdb.Error as e:
-            log.warning("mm cache read failed (%s): treating as a miss", e)
-            return None
+            self.stats.read_errors += 1
+            self._warn_once("read", "mm cache %s: a read failed (%s): a miss; the file may be damaged "
+                            "(it is set aside when a worker next fails to open it)", self.path, e)
+            return default
 
     def _retry(self, fn):
         """Run fn; if another process grew the map, adopt the new size and rerun once."""
@@ -192,6 +202,9 @@ class MMCache:
         raw_key = _key(key)
         if self.readonly:
             log.warning("put on a read-only mm cache ignored")
+            return False
+        if not self.is_open:
+            self.stats.skipped_puts += 1
             return False
         value = encode_entry(entry, self.model_fingerprint)
         if len(value) > self.max_bytes:
@@ -258,7 +271,7 @@ class MMCache:
     def _drop_bad(self, raw_key: bytes, error: Exception) -> None:
         self.stats.bad_entries += 1
         log.warning("mm cache entry %s unusable (%s): miss", raw_key.hex()[:16], error)
-        if self.readonly:
+        if self.readonly or not self.is_open:
             return
         try:
             with self._env.begin(write=True) as txn:
@@ -285,7 +298,7 @@ class MMCache:
 
     def flush(self) -> None:
         """Write buffered last-used times now (also done by put and close)."""
-        if self.readonly:
+        if self.readonly or not self.is_open:
             return
         try:
             with self._env.begin(write=True) as txn:
@@ -305,7 +318,8 @@ class MMCache:
         """Flush recency and close the environment (idempotent)."""
         if not self._closed:
             self.flush()
-            self._env.close()
+            if self._env is not None:
+                self._env.close()
             self._closed = True
 
     def __enter__(self) -> MMCache:

@@ -106,15 +106,18 @@ class WorkerIO:
         self.apis = spec.apis
         self.outbox = Outbox(keys=keys, api_address=self.apis)
         self.heartbeat = Heartbeat(spec.worker_id, self.apis, keys)
-        self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
-                      if spec.mm_cache_dir else None)
+        cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
+                 if spec.mm_cache_dir else None)
+        # a cache that could not be opened, nor replaced by a fresh one (mm_cache_env.py): none,
+        # and Ready says so, so that no encoder leaves this worker's images in a cache it cannot read
+        self.cache = cache if cache is not None and cache.is_open else None
         self._announced_s = 0.0
 
     def announce(self) -> None:
         """Registers with every API process: where to reach this worker and which cache it reads."""
         self._announced_s = time.monotonic()
         ready = Ready(self.spec.worker_id, self.spec.role, self.inbox.address, socket.gethostname(),
-                      self.spec.mm_cache_dir or None)
+                      self.spec.mm_cache_dir if self.cache is not None else None)
         for api in self.apis:
             self.outbox.send(api, ready)
         self.heartbeat.start()

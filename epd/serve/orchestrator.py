@@ -148,8 +148,10 @@ class Orchestrator:
 
     def _open_cache(self) -> None:
         if self.cache is None and (Path(self.mm_cache_dir) / "data.mdb").exists():
-            self.cache = MMCache(self.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
-                                 model_fingerprint=self.info.fingerprint)
+            cache = MMCache(self.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
+                            model_fingerprint=self.info.fingerprint)
+            # unreadable (corrupt, a worker sets it aside): serve on, every image to an encoder
+            self.cache = cache if cache.is_open else None
 
     async def stop(self, shutdown_workers: bool = True) -> None:
         """`shutdown_workers`: False for one of several API processes (the launcher stops the workers)."""

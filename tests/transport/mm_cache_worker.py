@@ -47,3 +47,22 @@ def run(path: str, max_bytes: int, mine: list[int], theirs: list[int], results) 
         results.put("ok")
     except BaseException as e:  # report any failure to the parent
         results.put(f"{type(e).__name__}: {e}")
+
+
+def open_at_once(path: str, index: int, num_procs: int, barrier, results) -> None:
+    """Open the cache at `path` when every sibling does, put entry `index`, then
+    wait until the entries of all `num_procs` siblings are readable."""
+    try:
+        barrier.wait(timeout=60)
+        cache = MMCache(path, 16 << 20, model_fingerprint=FINGERPRINT)
+        assert cache.is_open, "no cache"
+        assert cache.put(key_of(index), entry_of(index)), f"put {index} failed"
+        pending, deadline = set(range(num_procs)), time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            check_new(cache, pending)
+            time.sleep(0.01)
+        assert not pending, f"never saw {sorted(pending)}: not one shared cache"
+        cache.close()
+        results.put("ok")
+    except BaseException as e:  # report any failure to the parent
+        results.put(f"{type(e).__name__}: {e}")
