@@ -12,10 +12,13 @@ transaction at most every `touch_interval_s` (and before every `put`), so a
 read never waits for the writer lock. A read-only instance records no recency;
 its hits only count in its stats.
 
-Capacity: a `put` that would push `total_bytes` past `max_bytes` first evicts
-least-recently-used entries down to `low_water * max_bytes` (amortizes the
-O(n log n) scan over many puts). A value larger than the cache, or a write that
-still fails, is skipped with a warning: the cache never fails a request.
+Capacity: a `put` that would push `total_bytes` past `budget_bytes` (`max_bytes`,
+or less where the filesystem cannot hold that much: mm_cache_space.py) first
+evicts least-recently-used entries down to `low_water * budget_bytes`
+(amortizes the O(n log n) scan over many puts). A write that fails for room
+evicts harder and tries once more. A value larger than the cache, or a write
+that still fails, is skipped and counted, with one warning: the cache never
+fails a request.
 Corrupt or foreign entries read as misses and are deleted by writable instances.
 
 Faults: a cache whose file cannot be opened is set aside by a writer and
@@ -41,6 +44,7 @@ import msgpack
 
 from epd.transport.codec import WireError
 from epd.transport.mm_cache_env import TOTAL_KEY, open_env
+from epd.transport.mm_cache_space import free_bytes, is_space_error, space_bytes
 from epd.transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class CacheStats:
     hits: int = 0
     puts: int = 0
     skipped_puts: int = 0
+    space_failures: int = 0  # of skipped_puts: no room on the filesystem (or in the map)
     evictions: int = 0
     bad_entries: int = 0  # corrupt or foreign values seen
     read_errors: int = 0  # reads that LMDB failed (a damaged file): each a miss
@@ -212,22 +217,44 @@ class MMCache:
                         len(value), self.max_bytes)
             self.stats.skipped_puts += 1
             return False
-        budget = int(self.max_bytes * self.low_water)
+        limit = self.budget_bytes
+        if len(value) > limit:
+            return self._no_space(f"{len(value)} bytes to write, room for {limit} "
+                                  f"(--mm-cache-gb allows {self.max_bytes})")
+        budget = int(limit * self.low_water)
         if len(value) > budget:
-            budget = self.max_bytes
-        limit = self.max_bytes
-        for _ in range(2):
+            budget = limit
+        for attempt in range(2):
             try:
                 self._retry(lambda: self._write(raw_key, value, limit, budget))
                 self.stats.puts += 1
                 return True
-            except lmdb.MapFullError:
-                # Map overhead (page rounding, freelist held by readers): evict harder.
-                limit = budget = max(len(value), self.max_bytes // 2)
             except lmdb.Error as e:
-                log.warning("mm cache put failed (%s): not cached", e)
-                break
+                if not is_space_error(e):
+                    self.stats.skipped_puts += 1
+                    self._warn_once("write", "mm cache %s: a write failed (%s): not cached", self.path, e)
+                    return False
+                if attempt == 1:
+                    return self._no_space(str(e))
+                # map overhead, or the filesystem filled under us: evict harder, once
+                limit = budget = max(len(value), min(limit, self.budget_bytes) // 2)
+        return False
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of entries this cache keeps under: `max_bytes`, or less where its
+        filesystem cannot hold that much (mm_cache_space.py; measured on every put)."""
+        room = space_bytes(self.path)
+        return self.max_bytes if room is None else min(self.max_bytes, room)
+
+    def _no_space(self, detail: str) -> bool:
+        """A put the filesystem (or the map) has no room for: skipped, counted, warned once."""
         self.stats.skipped_puts += 1
+        self.stats.space_failures += 1
+        free = free_bytes(self.path)
+        self._warn_once("space", "the cache filesystem is full (%s; %s bytes free on the filesystem of %s): "
+                        "new embeddings are not cached until space comes back (then caching resumes "
+                        "by itself); skipped puts are counted", detail, free, self.path)
         return False
 
     def _write(self, raw_key: bytes, value: bytes, limit: int, budget: int) -> None:
@@ -279,7 +306,7 @@ class MMCache:
                 total = max(0, total - self._delete(txn, raw_key))
                 txn.put(_TOTAL, _U64.pack(total), db=self._meta)
         except lmdb.Error as e:
-            log.warning("could not delete bad mm cache entry: %s", e)
+            self._warn_once("delete", "mm cache %s: could not delete a bad entry: %s", self.path, e)
 
     # --- recency -------------------------------------------------------------
 
@@ -304,7 +331,7 @@ class MMCache:
             with self._env.begin(write=True) as txn:
                 self._flush_into(txn)
         except lmdb.Error as e:
-            log.warning("mm cache recency flush failed: %s", e)
+            self._warn_once("flush", "mm cache %s: writing recency failed: %s", self.path, e)
 
     def _flush_into(self, txn: lmdb.Transaction) -> None:
         with self._lock:
