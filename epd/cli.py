@@ -175,7 +175,7 @@ def worker_config(args) -> WorkerConfig:
     return WorkerConfig(model=args.model, role=args.role, api=args.api, host=args.host, port=args.port,
                         mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
                         max_image_pixels=args.max_image_pixels, num_threads=args.threads,
-                        worker_keys=args.worker_keys, engine=_engine_config(args))
+                        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=_engine_config(args))
 
 
 def _keys(args) -> int:
@@ -193,9 +193,13 @@ def _keys(args) -> int:
 
 
 def _worker(args) -> int:
+    from epd.serve.threads import share_cores
+
+    config = worker_config(args)
+    share_cores(config.cpu_sharing)  # before the launcher's import loads torch (and libgomp reads it)
     from epd.serve.launcher import run_external_worker
 
-    return run_external_worker(worker_config(args))
+    return run_external_worker(config)
 
 
 def _bench_serve(args) -> int:
@@ -350,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     worker = {name: field_default(WorkerConfig, name) for name in (
-        "host", "port", "mm_cache_dir", "mm_cache_gb", "max_image_pixels", "num_threads")}
+        "host", "port", "mm_cache_dir", "mm_cache_gb", "max_image_pixels", "num_threads", "cpu_sharing")}
     p = sub.add_parser("worker", help="one worker on this host, registering with a remote `epd serve`")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--role", required=True, choices=[str(r) for r in Role])
@@ -361,7 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-cache-dir", default=worker["mm_cache_dir"])
     p.add_argument("--mm-cache-gb", type=float, default=worker["mm_cache_gb"])
     p.add_argument("--max-image-pixels", type=int, default=worker["max_image_pixels"])
-    p.add_argument("--threads", type=int, default=worker["num_threads"])
+    p.add_argument("--threads-per-worker", "--threads", dest="threads", type=int, default=worker["num_threads"],
+                   help="torch threads (default: as `epd serve` gives a worker of this role alone on its host: "
+                        "every core but one)")
+    p.add_argument("--cpu-sharing", default=worker["cpu_sharing"], choices=list(CPU_SHARING),
+                   help="shared (default): OMP_WAIT_POLICY=PASSIVE, so that waiting threads sleep instead of "
+                        "spinning on cores other processes need (as `epd serve`); split: OpenMP's default")
     p.add_argument("--worker-keys", required=True, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (this host needs worker.key_secret)")
     _add_engine_args(p)

@@ -26,12 +26,11 @@ from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
-from epd.serve.threads import worker_threads
+from epd.serve.threads import CPU_SHARING, available_cores, worker_threads
 from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
 
-CPU_SHARING = ("split", "shared")
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {Role.DECODE: 0, Role.PD: 0, Role.AGGREGATED: 0, Role.PREFILL: 2, Role.ENCODER: 4}
@@ -159,9 +158,8 @@ class ServeConfig:
         them all; the kernel shares cores by priority, `worker_nice`)."""
         if self.threads_per_worker:
             return self.threads_per_worker
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         roles = [r for r, _ in self.worker_roles()]
-        return worker_threads(None if role is None else Role.parse(role), roles, cores, self.cpu_sharing)
+        return worker_threads(None if role is None else Role.parse(role), roles, available_cores(), self.cpu_sharing)
 
     def worker_nice(self, role: Role | str) -> int:
         """The niceness a worker of `role` runs at: 0 unless the cores are
@@ -208,12 +206,15 @@ class WorkerConfig:
     mm_cache_dir: str | None = None  # None: no embedding cache on this worker
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
-    num_threads: int | None = None  # None: every core
+    num_threads: int | None = None  # --threads-per-worker; None: `num_worker_threads`'s rule
+    cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
+        if self.cpu_sharing not in CPU_SHARING:
+            raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if not all(is_tcp_address(api) for api in self.api.split(",")):
             raise ValueError(f"--api must be a tcp:// address (the API's worker port), or one per API process "
                              f"joined by ',', got {self.api!r}")
@@ -227,6 +228,11 @@ class WorkerConfig:
     @property
     def mm_cache_bytes(self) -> int:
         return int(self.mm_cache_gb * (1 << 30))
+
+    def num_worker_threads(self) -> int:
+        """Torch threads: `--threads-per-worker`, else `epd serve`'s rule
+        (epd/serve/threads.py) for a host where this is the only worker."""
+        return self.num_threads or worker_threads(self.role, [self.role], available_cores(), self.cpu_sharing)
 
 
 def _check_scaling(config: ServeConfig) -> None:

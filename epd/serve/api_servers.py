@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from epd.config import ServeConfig
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
+from epd.serve.threads import share_cores
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
@@ -78,8 +79,7 @@ def serve_many(config: ServeConfig) -> int:
     os.makedirs(mm_cache_dir, exist_ok=True)
     addresses = None if config.external_workers else Addresses.ipc(run_dir)
     apis = collectors(config, addresses)
-    if config.cpu_sharing == "shared":
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
     ctx = multiprocessing.get_context("spawn")
     launches = [] if config.external_workers else worker_launches(config, addresses, ",".join(apis), mm_cache_dir)
     workers = LocalSupervisor(launches, ctx, max_restarts=config.limits.max_restarts,

@@ -25,6 +25,7 @@ from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
+from epd.serve.threads import share_cores
 from epd.transport.addresses import Addresses, tcp_address, worker_id
 from epd.transport.worker_io import WorkerSpec
 
@@ -69,9 +70,7 @@ def serve(config: ServeConfig) -> int:
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
     os.makedirs(mm_cache_dir, exist_ok=True)
     keys_dir = config.worker_keys
-    if config.cpu_sharing == "shared":
-        # workers whose threads outnumber the cores must not spin while they wait
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
     if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
         from epd.serve.ray_cluster import start_ray_plane
 
@@ -192,7 +191,11 @@ class _Server(uvicorn.Server):
 
 
 def run_external_worker(config: WorkerConfig) -> int:
-    """`epd worker`: bind an inbox on tcp://host:port and register with the API at `config.api`."""
+    """`epd worker`: bind an inbox on tcp://host:port and register with the API at `config.api`.
+    The CLI called `share_cores` before torch was imported; the threads are `epd serve`'s
+    rule for a host with this one worker. No niceness: it orders `epd serve`'s own stages on
+    one host, and an external worker's neighbours are unknown (another job's, which a niced
+    worker would yield to)."""
     port = config.port
     if port == 0:
         with socket.socket() as s:  # pick a free port for the inbox
@@ -201,7 +204,7 @@ def run_external_worker(config: WorkerConfig) -> int:
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
                       config.api, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
-                          num_threads=config.num_threads or (os.cpu_count() or 1))
+                          num_threads=config.num_worker_threads())
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {spec.api}", flush=True)
     try:
         run_worker(launch, spawned=False)

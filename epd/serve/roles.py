@@ -54,6 +54,9 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
     import torch
 
     torch.set_num_threads(launch.num_threads)
+    if not spawned:  # `epd worker`: what it runs with (the CPU discipline of epd/serve/threads.py)
+        print(f"EPD worker {launch.spec.worker_id}: {torch.get_num_threads()} torch threads, "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}", flush=True)
     from transformers import AutoConfig
 
     from epd.engine.model_info import ModelInfo
