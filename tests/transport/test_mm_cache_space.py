@@ -2,17 +2,15 @@
 on a real 2 MiB tmpfs the cache keeps under what the filesystem holds, a
 filesystem filled by someone else skips puts with one warning and a
 counter, and caching resumes when space comes back, restart or not."""
-import errno
 import logging
 import os
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
 from epd.transport.mm_cache import MMCache, mm_hash
 from epd.transport.mm_entry import MMEntry, encode_entry
+from small_fs import fill_up, mounted_tmpfs
 
 FP = "test-model"
 MiB = 1 << 20
@@ -31,32 +29,9 @@ def entry(i: int) -> MMEntry:
 
 @pytest.fixture
 def small_fs():
-    """A real 2 MiB filesystem (tmpfs), unmounted afterwards; skipped where mounting is not permitted."""
-    path = tempfile.mkdtemp(prefix="epd-smallfs-")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", path],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        os.rmdir(path)
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
+    """A real 2 MiB filesystem."""
+    with mounted_tmpfs(FS_BYTES) as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
-        os.rmdir(path)
-
-
-def fill_up(path: str) -> str:
-    """A file that takes every free byte of the filesystem under `path`."""
-    filler = os.path.join(path, "filler")
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 512)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_eviction_keeps_under_what_the_filesystem_holds(small_fs):
