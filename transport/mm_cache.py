@@ -43,14 +43,14 @@ import lmdb
 import msgpack
 
 from epd.transport.codec import WireError
-from epd.transport.mm_cache_env import TOTAL_KEY, open_env
+from epd.transport.mm_cache_env import open_env
 from epd.transport.mm_cache_space import free_bytes, is_space_error, space_bytes
 from epd.transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
 
 log = logging.getLogger(__name__)
 
 _U64 = struct.Struct("<Q")
-_TOTAL = TOTAL_KEY
+_TOTAL = b"total_bytes"
 _MAP_SLACK_BYTES = 64 << 20
 
 

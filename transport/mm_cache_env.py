@@ -46,7 +46,6 @@ log = logging.getLogger("epd.transport.mm_cache")
 
 LOCK_FILE = "open.lock"
 LMDB_FILES = ("lock.mdb", "data.mdb")
-TOTAL_KEY = b"total_bytes"  # in `meta`: the sum of entry value sizes
 
 
 @dataclass
