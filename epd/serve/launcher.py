@@ -94,7 +94,8 @@ def serve(config: ServeConfig) -> int:
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt))
+                                                max_images_per_prompt=config.media.limit_images_per_prompt,
+                                                max_request_body_bytes=config.limits.max_request_body_bytes))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

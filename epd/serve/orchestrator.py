@@ -37,7 +37,7 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.models.registry import check_family
 from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
-from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.serve.encoder_router import EncoderRouter
 from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router
@@ -266,8 +266,11 @@ class Orchestrator:
 
     def _prepare(self, req: GenerateRequest, raw_images: list[bytes]) -> _Prepared:
         """Tokens, image spans and distinct images; RequestError for bad input."""
+        max_prompt_tokens = self.max_model_len - 1  # one token at least is left to generate
         if req.messages is None:
             prompt = req.prompt
+            if isinstance(prompt, str) and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
+                raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
@@ -291,10 +294,17 @@ class Orchestrator:
             num_patches[key] = t * h * w
             refs.append(ImageRef(width, height, key))
         try:
-            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools)
+            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
+                                        max_tokens=max_prompt_tokens)
+        except PromptTooLong as exc:
+            raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         return _Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
+
+    def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
+        return RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} "
+                            f"tokens; {exc}, leaving none to generate", param=param)
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use; RequestError when the prompt leaves no room."""
