@@ -85,7 +85,7 @@ def serve(config: ServeConfig) -> int:
             collector = addresses.collector()
         launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
         supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                     max_restarts=config.limits.max_restarts,
+                                     max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
                                      restart_window_s=config.limits.restart_window_s, addresses=addresses)
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
@@ -93,7 +93,8 @@ def serve(config: ServeConfig) -> int:
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt))
+                                                max_images_per_prompt=config.media.limit_images_per_prompt,
+                                                max_request_body_bytes=config.limits.max_request_body_bytes))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
