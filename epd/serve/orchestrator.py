@@ -38,7 +38,7 @@ from epd.engine.models.registry import check_family
 from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
-from epd.api.protocol import Delta, GenerateRequest, RequestError
+from epd.requests import Delta, GenerateRequest, RequestError
 from epd.serve.encoder_router import EncoderRouter
 from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router
 from epd.serve.worker_metrics import WorkerMetrics
