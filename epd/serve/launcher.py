@@ -16,44 +16,18 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
+from epd.serve.http_server import DRAIN_POLL_S, HttpServer
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
-from epd.transport.addresses import Addresses, tcp_address, worker_id
+from epd.serve.worker_launches import worker_launches
+from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.worker_io import WorkerSpec
-
-DRAIN_POLL_S = 0.1
-
-
-def visible_gpus(device: str) -> int:
-    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when told to use the CPU."""
-    if device == "cpu":
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, mm_cache_dir: str
-                    ) -> list[WorkerLaunch]:
-    engines = config.worker_engines(visible_gpus(config.engine.device))
-    launches = []
-    for (role, index), engine in zip(config.worker_roles(), engines):
-        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collector,
-                          mm_cache_dir, config.mm_cache_bytes)
-        if engine.device.startswith("cuda"):
-            print(f"EPD: {spec.worker_id} on {engine.device}"
-                  + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
-                     if role.holds_kv else ""), flush=True)
-        launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
-                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
-    return launches
 
 
 def serve(config: ServeConfig) -> int:
@@ -137,7 +111,7 @@ def serve(config: ServeConfig) -> int:
             await asyncio.sleep(DRAIN_POLL_S)
 
     app.router.lifespan_context = lifespan
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                     timeout_graceful_shutdown=3, http=http_protocol()), drain)
     try:
         server.run()
@@ -149,46 +123,6 @@ def serve(config: ServeConfig) -> int:
     if server.started:
         print("EPD: stopped; every worker exited", flush=True)
     return 0 if server.started else 1
-
-
-class _Server(uvicorn.Server):
-    """uvicorn with EPD's signals. Ctrl-C stops now (open connections get 3 s);
-    SIGTERM first drains (`drain`), then stops the same way. Neither signal is
-    raised again after the stop (uvicorn's own habit, which for SIGTERM killed
-    the process before the launcher could clean up)."""
-
-    def __init__(self, config: uvicorn.Config, drain):
-        super().__init__(config)
-        self._drain = drain
-        self._draining: asyncio.Task | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        originals = {sig: signal.signal(sig, lambda sig, _frame: loop.call_soon_threadsafe(self._on_signal, sig))
-                     for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, sig: int) -> None:
-        if sig == signal.SIGTERM and self.started and self._draining is None:
-            self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit())
-        elif self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            self.should_exit = True
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self._drain()
-        finally:
-            self.should_exit = True
 
 
 def run_external_worker(config: WorkerConfig) -> int:

@@ -1,0 +1,11 @@
+"""`ApiSettings`: what the HTTP app serves and whom (built once by the launcher)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    served_model_name: str
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
+    max_images_per_prompt: int | None = None  # None: no limit
