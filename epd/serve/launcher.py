@@ -12,7 +12,6 @@ import contextlib
 import multiprocessing
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -42,33 +41,56 @@ def serve(config: ServeConfig) -> int:
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
     os.makedirs(mm_cache_dir, exist_ok=True)
-    keys_dir = config.worker_keys
     if config.cpu_sharing == "shared":
         # workers whose threads outnumber the cores must not spin while they wait
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
-        from epd.serve.ray_cluster import start_ray_plane
-
-        plane = start_ray_plane(config, run_dir)
-        collector, keys_dir, supervisor = plane.collector, plane.keys_dir, plane.supervisor
-    else:
-        if config.external_workers:
-            collector = tcp_address(config.host, config.worker_port or config.port + 1)
-            addresses = None
-        else:
-            addresses = Addresses.ipc(run_dir)
-            collector = addresses.collector()
-        launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
-        supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                     max_restarts=config.limits.max_restarts,
-                                     restart_window_s=config.limits.restart_window_s, addresses=addresses)
-
+    collector, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
     if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt))
+    app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
+    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       timeout_graceful_shutdown=3, http=http_protocol()),
+                        lambda: _drain(config, orchestrator))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        supervisor.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if server.started:
+        print("EPD: stopped; every worker exited", flush=True)
+    return 0 if server.started else 1
+
+
+def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str):
+    """(collector address, worker keys dir, supervisor) of the workers: Ray actors,
+    external workers that register themselves, or local processes."""
+    keys_dir = config.worker_keys
+    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
+        from epd.serve.ray_cluster import start_ray_plane
+
+        plane = start_ray_plane(config, run_dir)
+        return plane.collector, plane.keys_dir, plane.supervisor
+    if config.external_workers:
+        collector = tcp_address(config.host, config.worker_port or config.port + 1)
+        addresses = None
+    else:
+        addresses = Addresses.ipc(run_dir)
+        collector = addresses.collector()
+    launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
+    supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
+                                 max_restarts=config.limits.max_restarts,
+                                 restart_window_s=config.limits.restart_window_s, addresses=addresses)
+    return collector, keys_dir, supervisor
+
+
+def _lifespan(config: ServeConfig, orchestrator, supervisor, collector: str):
+    """The app's lifespan: workers started and Ready before the first request, stopped after the last."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -101,28 +123,17 @@ def serve(config: ServeConfig) -> int:
             await orchestrator.stop()
             supervisor.stop()
 
-    async def drain() -> None:
-        """SIGTERM: refuse new requests (503 + Retry-After), let those in flight finish."""
-        orchestrator.draining = True
-        print(f"EPD: SIGTERM: draining {orchestrator.num_active} requests "
-              f"(up to {config.limits.shutdown_grace_s:g} s)", flush=True)
-        deadline = time.monotonic() + config.limits.shutdown_grace_s
-        while orchestrator.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
+    return lifespan
 
-    app.router.lifespan_context = lifespan
-    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                    timeout_graceful_shutdown=3, http=http_protocol()), drain)
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        supervisor.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if server.started:
-        print("EPD: stopped; every worker exited", flush=True)
-    return 0 if server.started else 1
+
+async def _drain(config: ServeConfig, orchestrator) -> None:
+    """SIGTERM: refuse new requests (503 + Retry-After), let those in flight finish."""
+    orchestrator.draining = True
+    print(f"EPD: SIGTERM: draining {orchestrator.num_active} requests "
+          f"(up to {config.limits.shutdown_grace_s:g} s)", flush=True)
+    deadline = time.monotonic() + config.limits.shutdown_grace_s
+    while orchestrator.num_active and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def run_external_worker(config: WorkerConfig) -> int:
