@@ -146,6 +146,7 @@ def serve_config(args) -> ServeConfig:
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
+                             max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
                              max_restarts=args.max_restarts))
 
 
@@ -221,6 +222,13 @@ def _bench_plan(args) -> int:
 
 def _bench_fault(args) -> int:
     from epd.bench.fault import main as run
+
+    run(args)
+    return 0
+
+
+def _bench_body_memory(args) -> int:
+    from epd.bench.body_memory import main as run
 
     run(args)
     return 0
@@ -335,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
                    help="pixels of all of a request's images together (from their headers)")
     limits = {name: field_default(ServingLimits, name) for name in (
-        "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes", "max_restarts")}
+        "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
+        "max_request_body_bytes", "max_restarts")}
     p.add_argument("--request-timeout", type=float, default=limits["request_timeout_s"],
                    help="seconds a request may take in all; then an error (503)")
     p.add_argument("--shutdown-grace", type=float, default=limits["shutdown_grace_s"],
@@ -344,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences in the server at once; more get 503 with Retry-After")
     p.add_argument("--max-pending-image-mb", type=float, default=limits["max_pending_image_bytes"] / (1 << 20),
                    help="raw image MiB of requests not yet prefilled; more get 503 with Retry-After")
+    p.add_argument("--max-request-body-mb", type=float, default=limits["max_request_body_bytes"] / (1 << 20),
+                   help="MiB of one HTTP request body; a larger one gets 413 before it is read (images inline "
+                        "as data: URLs count; file:// and http(s):// URLs do not)")
     p.add_argument("--max-restarts", type=int, default=limits["max_restarts"],
                    help="restarts of one worker within a minute before its role is reported down")
     _add_engine_args(p)
@@ -415,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "time until goodput is back")
     fault_arguments(p)
     p.set_defaults(func=_bench_fault)
+
+    from epd.bench.body_memory import add_arguments as body_memory_arguments
+
+    p = bench.add_parser("body-memory", help="the API process's peak memory and time for request bodies of "
+                                             "1, 10, 100 MB")
+    body_memory_arguments(p)
+    p.set_defaults(func=_bench_body_memory)
     return parser
 
 

@@ -59,14 +59,16 @@ class ServingLimits:
     shutdown_grace_s: float = 30.0  # SIGTERM: requests in flight may finish this long
     max_pending_requests: int = 1024  # sequences in the API at once; beyond: 503 + Retry-After
     max_pending_image_bytes: int = 1 << 30  # raw image bytes of requests not yet prefilled; beyond: 503
+    max_request_body_bytes: int = 64 << 20  # one HTTP body; beyond: 413 before it is read (epd/api/body_limit.py)
     max_restarts: int = 5  # restarts of one worker within restart_window_s; then its role is down
     restart_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
-                     "restart_window_s"):
+                     "max_request_body_bytes", "restart_window_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.removesuffix('_s').replace('_', '-')} must be positive, "
+                flag = name.removesuffix("_s").replace("_bytes", "_mb").replace("_", "-")  # the CLI's flag
+                raise ValueError(f"--{flag} must be positive, "
                                  f"got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be non-negative, got {self.max_restarts}")

@@ -22,6 +22,7 @@ IMG = image_bytes(64, 48, seed=3)
 TEXT_MESSAGES = [{"role": "user", "content": "Say something about boats."}]
 IMAGE_MESSAGES = [{"role": "user", "content": [image_part(IMG), {"type": "text", "text": "Describe it."}]}]
 HUGE_BODY_BYTES = 50 * 1024 * 1024
+MAX_BODY_MB = 4  # --max-request-body-mb of the hardening server
 ERROR_KEYS = {"message", "type", "param", "code"}
 COMMON = ["--num-kv-blocks", "512", "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1"]
 

@@ -59,6 +59,7 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 BODY_MODELS: dict[str, type[BaseModel]] = {CHAT_PATH: ChatCompletionRequest, COMPLETIONS_PATH: CompletionRequest}
 _ADAPTERS = {path: TypeAdapter(model) for path, model in BODY_MODELS.items()}  # built once, not per request
 _SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),)  # what StreamingResponse sent
+MIN_JSON_ITEMS = 1 << 18  # `max_json_items` for models with a short context (~0.6 KB of objects an item)
 
 
 class GenerateRoute:
@@ -75,7 +76,8 @@ class GenerateRoute:
         if body is None:
             return  # the client left before its body arrived: nobody to answer
         try:
-            parsed = parse_body(path, body, _header(scope, b"content-type"))
+            parsed = parse_body(path, body, _header(scope, b"content-type"),
+                                max_items=max_json_items(self.orchestrator.max_model_len))
         except RequestError as exc:
             return await error_response(exc)(scope, receive, send)
         await self.serve(parsed, scope, receive, send)
@@ -181,13 +183,34 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def parse_body(path: str, body: bytes, content_type: str | None) -> ChatCompletionRequest | CompletionRequest:
+def max_json_items(max_model_len: int) -> int:
+    """Commas and brackets a body may hold: more than any request the model can
+    serve needs (a prompt of token ids has one comma a token), few enough that
+    the parsed body stays a small multiple of its bytes (docs/architecture.md,
+    "What one request may cost")."""
+    return max(MIN_JSON_ITEMS, 2 * max_model_len)
+
+
+def count_json_items(body: bytes) -> int:
+    """An upper bound on the values, members and containers in a JSON text (every
+    one but the first follows a comma or opens a container; commas and brackets
+    inside strings are counted too, which only overestimates)."""
+    return body.count(b",") + body.count(b"[") + body.count(b"{")
+
+
+def parse_body(path: str, body: bytes, content_type: str | None,
+               max_items: int | None = None) -> ChatCompletionRequest | CompletionRequest:
     """FastAPI's handling of a JSON body parameter, step for step: an empty body is
-    a missing one; only a JSON content type is decoded; the model validates."""
+    a missing one; only a JSON content type is decoded; the model validates.
+    `max_items`: a body with more JSON items (`count_json_items`) is refused before
+    it is parsed (a Python object per item costs ~10-70x its JSON bytes)."""
     value: Any = body
     if not body:
         errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         raise request_error_from_validation(errors)
+    if max_items is not None and count_json_items(body) > max_items:
+        raise RequestError(f"the request body holds more than {max_items} JSON items (values, members and "
+                           "containers; commas and brackets counted)", status=413, code="request_too_large")
     if content_type is not None and _is_json(content_type):
         try:
             value = json.loads(body)

@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from epd.api.body_limit import call_within_limit
 from epd.api.errors import error_body, error_response, install_error_handlers, internal_error
 from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLETIONS_PATH, REQUEST_ID_GENERATED_KEY,
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
@@ -41,10 +42,10 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     FastAPI's routing too (the reference the lean route is tested against)."""
     metrics = ApiMetrics(settings.served_model_name)
     generate = GenerateRoute(orchestrator, settings, metrics)
-    app = _App(_ApiMiddleware(generate, settings.api_key) if lean_routes else None,
+    app = _App(_ApiMiddleware(generate, settings.api_key, settings.max_request_body_bytes) if lean_routes else None,
                title="EPD OpenAI-compatible server")
     install_error_handlers(app)
-    app.add_middleware(_ApiMiddleware, api_key=settings.api_key)
+    app.add_middleware(_ApiMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
     app.state.metrics = metrics
     model = settings.served_model_name
     started = int(time.time())
@@ -107,16 +108,18 @@ class _App(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-# -- request ids, API key, last-resort 500 -------------------------------------------------------
+# -- request ids, API key, body size, last-resort 500 --------------------------------------------
 
 class _ApiMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched): echoes or
-    generates `x-request-id`, checks the API key on /v1/*, and turns an unhandled
+    generates `x-request-id`, checks the API key on /v1/*, refuses a body past
+    `max_body_bytes` with a 413 (epd/api/body_limit.py), and turns an unhandled
     exception into an OpenAI-style 500 while the response has not started."""
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -146,7 +149,7 @@ class _ApiMiddleware:
                                  status=401, code="invalid_api_key")
             return await error_response(error)(scope, receive, send_with_id)
         try:
-            await self.app(scope, receive, send_with_id)
+            await call_within_limit(self.app, scope, receive, send_with_id, self.max_body_bytes)
         except Exception:
             logger.exception("unhandled error serving %s %s", scope.get("method"), scope.get("path"))
             if started:

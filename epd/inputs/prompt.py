@@ -15,6 +15,36 @@ from epd.transport.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 IMAGE_PAD = "<|image_pad|>"
+PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
+BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model can take (found before tokenizing all of it)."""
+
+
+def exceeds_tokens(tokenizer, text: str, max_tokens: int, piece_chars: int = PIECE_CHARS) -> bool:
+    """Whether `text` surely has more than `max_tokens` tokens, found without
+    tokenizing more of it than that: a long text is tokenized piece by piece
+    (cut before a space, where byte-level BPE's pre-tokenizer splits anyway) and
+    the count stops once it passes `max_tokens` plus a slack for every cut. The
+    tokenizer's memory grows with what it is given (~200 bytes a character), so
+    a prompt of megabytes costs one piece, not the whole text. False means "not
+    surely": the caller tokenizes the whole text and checks the exact count."""
+    if len(text) <= piece_chars:
+        return False
+    count, start, num_cuts = 0, 0, 0
+    while start < len(text):
+        end = min(len(text), start + piece_chars)
+        if end < len(text):
+            cut = text.rfind(" ", start + piece_chars // 2, end)
+            end = cut if cut > start else end
+            num_cuts += 1
+        count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
+        if count > max_tokens + BOUNDARY_SLACK_TOKENS * num_cuts:
+            return True
+        start = end
+    return False
 
 
 @dataclass(frozen=True)
@@ -80,10 +110,13 @@ class PromptBuilder:
             normalize_messages(messages), tools=tools or None, tokenize=False,
             add_generation_prompt=add_generation_prompt)
 
-    def build(self, messages: list[dict], images: list[ImageRef],
-              add_generation_prompt: bool = True, tools: list[dict] | None = None) -> Prompt:
-        """`images` in the order their parts appear in `messages`."""
+    def build(self, messages: list[dict], images: list[ImageRef], add_generation_prompt: bool = True,
+              tools: list[dict] | None = None, max_tokens: int | None = None) -> Prompt:
+        """`images` in the order their parts appear in `messages`. `max_tokens`: a rendered
+        prompt surely longer is refused (PromptTooLong) before it is tokenized whole."""
         text = self.render(messages, add_generation_prompt, tools)
+        if max_tokens is not None and exceeds_tokens(self.tokenizer, text, max_tokens):  # image pads only add
+            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
         pieces = text.split(IMAGE_PAD)
         if len(pieces) - 1 != len(images):
             raise ValueError(f"the chat template rendered {len(pieces) - 1} images, {len(images)} were given")

@@ -50,7 +50,8 @@ def serve(config: ServeConfig) -> int:
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt))
+                                                max_images_per_prompt=config.media.limit_images_per_prompt,
+                                                max_request_body_bytes=config.limits.max_request_body_bytes))
     app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
     server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        timeout_graceful_shutdown=3, http=http_protocol()),

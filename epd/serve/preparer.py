@@ -5,6 +5,7 @@
     prepare           in a thread unless the prompt is token ids
       images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
       prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
+                      (a prompt past max_model_len refused after tokenizing one piece past it)
     check length      the max_tokens to use within max_model_len
 
 Each kind of media is one step of `_prepare` (`_image_refs` today): video
@@ -23,7 +24,7 @@ from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import ImageGeometry
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
-from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.mm_cache import mm_hash
@@ -121,8 +122,11 @@ class Preparer:
 
     def _prepare(self, req: GenerateRequest, raw_images: list[bytes]) -> Prepared:
         """Tokens, image spans and distinct images; RequestError for bad input."""
+        max_prompt_tokens = self.max_model_len - 1  # one token at least is left to generate
         if req.messages is None:
             prompt = req.prompt
+            if isinstance(prompt, str) and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
+                raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
@@ -131,10 +135,17 @@ class Preparer:
             return Prepared(ids, [], {}, {})
         images, num_patches, refs = self._image_refs(raw_images)
         try:
-            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools)
+            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
+                                        max_tokens=max_prompt_tokens)
+        except PromptTooLong as exc:
+            raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         return Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
+
+    def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
+        return RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} "
+                            f"tokens; {exc}, leaving none to generate", param=param)
 
     def _image_refs(self, raw_images: list[bytes]) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
         """Distinct images by mm_hash, their patches, and each image part's size and hash,

@@ -78,8 +78,9 @@ class FakeOrchestrator:
             self.closed.add(request.request_id)
 
 
-def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True):
-    app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY), lean_routes=lean_routes)
+def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True, max_body_bytes: int = 64 << 20):
+    app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY, max_request_body_bytes=max_body_bytes),
+                    lean_routes=lean_routes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     # the HTTP protocol `epd serve` runs (writes joined per event-loop pass)
@@ -473,3 +474,32 @@ def test_lean_route_answers_as_fastapi_does(base_url, reference_url, auth):
                        for url in (base_url, reference_url)]
             assert answers[0] == answers[1], (method, path, body[:80])
             assert answers[0][0] in (200, 400, 401, 404, 405, 500), answers[0]
+
+
+# -- the body cap ----------------------------------------------------------------------------------
+
+SMALL_CAP = 4096
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["lean", "fastapi"])
+def capped_url(request):
+    """Both routes behind a 4 KiB --max-request-body-mb: the cap is the middleware's, not the route's."""
+    yield from (url for url, _ in _serve_app(FakeOrchestrator(), lean_routes=request.param,
+                                              max_body_bytes=SMALL_CAP))
+
+
+def test_a_body_past_the_cap_is_a_413_on_every_route(capped_url):
+    big = json.dumps({**CHAT, "messages": user("word " * SMALL_CAP)}).encode()
+
+    def chunked():  # no Content-Length: cut off by counting
+        for i in range(0, len(big), 1000):
+            yield big[i:i + 1000]
+
+    with httpx.Client(timeout=10, headers={**AUTH, **JSON}) as http:
+        for content in (big, chunked()):
+            r = http.post(capped_url + "/v1/chat/completions", content=content)
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large" and r.headers["connection"] == "close"
+        assert http.post(capped_url + "/v1/completions", content=b"x" * (SMALL_CAP + 1)).status_code == 413
+        small = http.post(capped_url + "/v1/chat/completions", content=json.dumps(CHAT).encode())
+        assert small.status_code == 200, small.text

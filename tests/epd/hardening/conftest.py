@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from api_checks import (COMMON, HUGE_BODY_BYTES, IMAGE_MESSAGES, IMG, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS,
-                        MAX_MODEL_LEN, MAX_REQUEST_PIXELS, MAX_TOKENS, MODEL, TEXT_MESSAGES)
+from api_checks import (COMMON, HUGE_BODY_BYTES, IMAGE_MESSAGES, IMG, MAX_BODY_MB, MAX_IMAGE_BYTES,
+                        MAX_IMAGE_PIXELS, MAX_MODEL_LEN, MAX_REQUEST_PIXELS, MAX_TOKENS, MODEL, TEXT_MESSAGES)
 from hf_reference import hf_generate_text
 from server import ServerProcess, free_port
 
@@ -97,7 +97,7 @@ def server(tiny_model, tmp_path_factory, media_dir, media_host):
             "--allowed-media-domains", "127.0.0.1", "--media-fetch-timeout", "1",
             "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
             "--limit-mm-per-prompt", "image=2", "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-request-pixels", str(MAX_REQUEST_PIXELS),
+            "--max-request-pixels", str(MAX_REQUEST_PIXELS), "--max-request-body-mb", str(MAX_BODY_MB),
             "--allowed-local-media-path", str(media_dir / "allowed")]
     srv = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
     yield srv
