@@ -21,8 +21,8 @@ from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (r
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
 from epd.engine.structured_output import check_constraint
-from epd.requests import Delta, GenerateRequest, RequestError, ToolChoice  # noqa: F401 (re-exported for the edge)
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
+from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
+from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
