@@ -49,6 +49,9 @@ DISPATCH_BURST = 512  # messages taken without yielding to the event loop, at mo
 
 
 class Orchestrator:
+    """The API process's side of every request: admission, the retry loop over
+    `Preparer`, `Placement` and `AttemptStream`, the collector, failover."""
+
     def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str,
                  keys_dir: str | None = None, api_index: int = 0):
         """`mm_cache_dir`: the embedding cache the launcher's workers share
