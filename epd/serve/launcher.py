@@ -85,7 +85,7 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str):
         collector = addresses.collector()
     launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
     supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                 max_restarts=config.limits.max_restarts,
+                                 max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
                                  restart_window_s=config.limits.restart_window_s, addresses=addresses)
     return collector, keys_dir, supervisor
 

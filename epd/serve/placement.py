@@ -154,7 +154,7 @@ class Placement:
             workers = self.registry.live(*roles)
             if workers:
                 return workers
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or len(self.registry.down_roles(roles)) == len(roles):
                 self.metrics.requests_failed["no_worker"] += 1
                 raise RequestError(status=503, message=f"no live {' or '.join(map(str, roles))} worker",
                                    type="service_unavailable", retry_after_s=5)
