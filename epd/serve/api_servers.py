@@ -37,14 +37,15 @@ import time
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
+from epd.multiprocess_metrics import MULTIPROC_DIR_ENV  # read by prometheus_client when imported (not yet, here)
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
 from epd.serve.threads import share_cores
+from epd.serve.worker_launches import worker_launches
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
 
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when imported (not yet, here)
 API_STOP_S = 10.0  # an API process told to stop gets this long (after draining) before SIGKILL
 HTTP_BACKLOG = 2048
 
@@ -69,8 +70,6 @@ def collectors(config: ServeConfig, addresses: Addresses | None) -> list[str]:
 
 
 def serve_many(config: ServeConfig) -> int:
-    from epd.serve.launcher import worker_launches
-
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     metrics_dir = os.path.join(run_dir, "metrics")
     os.makedirs(metrics_dir)
@@ -255,8 +254,8 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     import uvicorn
 
     from epd.api.http_protocol import http_protocol
-    from epd.api.server import ApiSettings, build_app
-    from epd.serve.launcher import DRAIN_POLL_S, _Server
+    from epd.api.server import build_app
+    from epd.serve.http_server import HttpServer, api_settings
     from epd.serve.orchestrator import Orchestrator
 
     config = launch.config
@@ -264,9 +263,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
     if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
         orchestrator.registry.supervised = lambda worker_id: True
-    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt,
-                                                max_request_body_bytes=config.limits.max_request_body_bytes))
+    app = build_app(orchestrator, api_settings(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -287,19 +284,14 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         finally:
             await orchestrator.stop(shutdown_workers=False)  # the workers serve the other API processes
 
-    async def drain() -> None:
-        orchestrator.draining = True
-        deadline = time.monotonic() + config.limits.shutdown_grace_s
-        while orchestrator.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-
     app.router.lifespan_context = lifespan
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
-    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
-                                    backlog=HTTP_BACKLOG, http=http_protocol()), drain)
+    server = HttpServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
+                                    backlog=HTTP_BACKLOG, http=http_protocol()),
+                        orchestrator.drain, config.limits.shutdown_grace_s)
     try:
         server.run(sockets=[http, own])
     except KeyboardInterrupt:
