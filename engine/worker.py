@@ -28,7 +28,7 @@ import time
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Outcome, Ready
+from epd.engine.image_arrivals import Admit, Arrived, Failed, ImageArrivals, Outcome
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
@@ -164,10 +164,10 @@ class EngineWorker(WorkerIO):
             else:
                 self._admit(outcome)
 
-    def _admit(self, ready: Ready) -> None:
-        request_id = ready.request.request_id
+    def _admit(self, admit: Admit) -> None:
+        request_id = admit.request.request_id
         try:
-            self.core.add_request(ready.request, ready.embeddings, ready.pending)
+            self.core.add_request(admit.request, admit.embeddings, admit.pending)
         except ValueError as exc:  # e.g. a prompt that cannot fit the KV cache
             self._fail(request_id, str(exc))
         except Exception:  # fails this request only; the others of `outcomes` still settle
