@@ -74,13 +74,14 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
+    from epd.encoders.encoder_delays import EncoderDelays
     from epd.encoders.encoder_worker import EncoderWorker
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
                              device)
-    return EncoderWorker(launch.spec, encoder)
+    return EncoderWorker(launch.spec, encoder, EncoderDelays.from_env(os.environ))  # tests may slow it down
 
 
 def _engine_worker(launch: WorkerLaunch, hf_config, info):
