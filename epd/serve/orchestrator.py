@@ -36,6 +36,7 @@ from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.registry import WorkerRegistry
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
+from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats
 from epd.transport.roles import Role
@@ -100,7 +101,8 @@ class Orchestrator:
 
     async def start(self) -> None:
         keys = PlaneKeys.load(self.keys_dir, API) if self.keys_dir else None
-        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN)
+        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN,
+                                       max_frame_bytes=COLLECTOR_FRAME_BYTES)
         self._outbox = AsyncOutbox(keys=keys)
         self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
 
