@@ -23,7 +23,7 @@ class WorkerLaunch:
     """Everything a worker process needs, picklable for multiprocessing spawn:
     the `spec` its worker loop takes, and what building the model needs."""
 
-    spec: WorkerSpec  # id, role, inbox to bind, the API's address, embedding cache
+    spec: WorkerSpec  # id, role, inbox to bind, every API collector's address, embedding cache
     model: str
     engine: EngineConfig
     max_image_pixels: int
