@@ -20,7 +20,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from fastapi import FastAPI
@@ -33,6 +33,7 @@ from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLET
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
 from epd.api.metrics import ApiMetrics
 from epd.api.protocol import ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, RequestError, check_model
+from epd.inputs.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class ApiSettings:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
     max_images_per_prompt: int | None = None  # None: no limit
     max_request_body_bytes: int = 64 << 20  # larger bodies get 413 before they are read (--max-request-body-mb)
+    # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 class OrchestratorLike(Protocol):
@@ -95,7 +98,9 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
 
     def model_card() -> dict:
         return {"id": model, "object": "model", "created": started, "owned_by": "epd", "root": model,
-                "parent": None, "max_model_len": orchestrator.max_model_len}
+                "parent": None, "max_model_len": orchestrator.max_model_len,
+                # the generation config's defaults in force ({}: vLLM's neutral ones), by vLLM's names
+                "default_sampling_params": settings.sampling_defaults.overridden()}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -265,7 +265,8 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         orchestrator.registry.supervised = lambda worker_id: True
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt,
-                                                max_request_body_bytes=config.limits.max_request_body_bytes))
+                                                max_request_body_bytes=config.limits.max_request_body_bytes,
+                                                sampling_defaults=orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -95,7 +95,8 @@ def serve(config: ServeConfig) -> int:
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                                                 max_images_per_prompt=config.media.limit_images_per_prompt,
-                                                max_request_body_bytes=config.limits.max_request_body_bytes))
+                                                max_request_body_bytes=config.limits.max_request_body_bytes,
+                                                sampling_defaults=orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -21,7 +21,6 @@ so the workers send that request's tokens to its collector.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter, OrderedDict
 import logging
 import socket
@@ -31,12 +30,11 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from epd.encoders.image_io import ImageError, read_image_size
-from epd.encoders.image_processor import ImageGeometry
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.model_info import ModelInfo
-from epd.engine.models.registry import check_family
 from epd.config import ServeConfig
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.serve.encoder_router import EncoderRouter
@@ -79,18 +77,17 @@ class Orchestrator:
         worker-plane keys when the collector is on tcp (default `--worker-keys`).
         `api_index`: this API process's place among `--api-servers` (its
         collector's in WorkerSpec.apis)."""
-        from transformers import AutoConfig, AutoTokenizer
-
         self.config = config
         self.mm_cache_dir = mm_cache_dir
         self.keys_dir = keys_dir or config.worker_keys
-        check_family(config.model)  # an unsupported family stops start-up with a clear message
-        hf_config = AutoConfig.from_pretrained(config.model)
-        self.info = ModelInfo.from_pretrained(config.model, hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.geometry = ImageGeometry.from_pretrained(config.model)
-        self.prompts = PromptBuilder(self.tokenizer, self.geometry, self.info.image_token_id)
-        self.processor_config = json.loads((Path(config.model) / "preprocessor_config.json").read_text())
+        # tokenizer, chat template, sampling defaults, image processor; CheckpointError names what is wrong
+        self.files = ModelFiles.open(config.model, config.files)
+        self.info = ModelInfo.from_pretrained(config.model, self.files.hf_config)
+        self.tokenizer = self.files.tokenizer
+        self.geometry = self.files.geometry  # None: text only (no preprocessor_config.json)
+        self.prompts = PromptBuilder(self.tokenizer, self.geometry, self.info.image_token_id,
+                                     self.files.chat_template and self.files.chat_template.text)
+        self.processor_config = self.files.processor_config or {}
         self.media = MediaFetcher(config.media)
         self.model_name = config.model_name
         self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
@@ -253,8 +250,10 @@ class Orchestrator:
         checked by the API layer (protocol.validate_messages) before any fetch."""
         if req.messages is None:
             return []
-        loads = [asyncio.ensure_future(self.media.load(image_part_source(part)))
-                 for part in image_parts(req.messages)]
+        parts = image_parts(req.messages)
+        if parts and self.files.no_images_reason:
+            raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
+        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in parts]
         try:
             return list(await asyncio.gather(*loads))
         except MediaError as exc:
