@@ -36,14 +36,19 @@ def read_image_size(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
 
 
 def load_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decodes the whole image to RGB, refusing bombs and truncated files."""
+    """Decodes the whole image, refusing bombs and truncated files, and hands it
+    on as Pillow loaded it, as transformers' processors get it from a user: the
+    processor makes it RGB its own way (transparency composited onto white,
+    16-bit values converted as Pillow converts them, EXIF orientation not
+    applied: the same in vLLM). Converting here first (`convert("RGB")` drops
+    alpha) gave other pixels for every image with transparency."""
     read_image_size(data, max_pixels)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. truncated-file warnings become errors
             img = Image.open(io.BytesIO(data))
             img.load()
-        return img.convert("RGB") if img.mode != "RGB" else img
+        return img
     except ImageError:
         raise
     except Exception as exc:

@@ -292,7 +292,12 @@ class EngineWorker(WorkerIO):
                 self.decode_target.pop(update.request_id, None)
         self._send_step_outputs(outputs)
         for request in prefilled:  # after the step's first tokens: the client sees them before the KV moves
-            self._send_kv(request)
+            try:
+                self._send_kv(request)
+            except Exception:  # one request fails (the API sends it again elsewhere); the worker serves on
+                log.exception("%s: could not send the KV of %s", self.spec.worker_id, request.request_id)
+                self.transfer_start.pop(request.request_id, None)
+                self._fail(request.request_id, "could not send the KV cache to the decode worker", is_internal=True)
 
     def _hold(self, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
         """`out` joined to what is held for its request: returned to be sent when
@@ -340,4 +345,5 @@ class EngineWorker(WorkerIO):
             self.spec.worker_id, self.spec.role, num_running=self.core.num_running,
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + len(self.incoming),
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
-            queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters))
+            queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
+            session=self.session))

@@ -157,7 +157,7 @@ def serve_config(args) -> ServeConfig:
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
                              max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
-                             max_restarts=args.max_restarts))
+                             max_restarts=args.max_restarts, down_retry_s=args.down_retry_interval))
 
 
 def ray_config(args) -> RayConfig | None:
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every request's max_tokens)")
     limits = {name: field_default(ServingLimits, name) for name in (
         "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
-        "max_request_body_bytes", "max_restarts")}
+        "max_request_body_bytes", "max_restarts", "down_retry_s")}
     p.add_argument("--request-timeout", type=float, default=limits["request_timeout_s"],
                    help="seconds a request may take in all; then an error (503)")
     p.add_argument("--shutdown-grace", type=float, default=limits["shutdown_grace_s"],
@@ -399,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "as data: URLs count; file:// and http(s):// URLs do not)")
     p.add_argument("--max-restarts", type=int, default=limits["max_restarts"],
                    help="restarts of one worker within a minute before its role is reported down")
+    p.add_argument("--down-retry-interval", type=float, default=limits["down_retry_s"], metavar="SECONDS",
+                   help="a worker given up on (its role down: requests needing it get 503 at once) is started "
+                        "again this often")
     _add_engine_args(p)
     p.set_defaults(func=_serve)
 

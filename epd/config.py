@@ -52,6 +52,9 @@ def _check_checkpoint(model: str) -> None:
         raise ValueError(f"{model} is not a checkpoint directory (no config.json)")
 
 
+FLAGS = {"down_retry_s": "down-retry-interval"}  # ServingLimits fields whose flag is not their name
+
+
 @dataclass(frozen=True)
 class ServingLimits:
     """Deadlines and bounds of serving: no request waits forever, no queue
@@ -64,12 +67,13 @@ class ServingLimits:
     max_request_body_bytes: int = 64 << 20  # one HTTP body; beyond: 413 before it is read (epd/api/body_limit.py)
     max_restarts: int = 5  # restarts of one worker within restart_window_s; then its role is down
     restart_window_s: float = 60.0
+    down_retry_s: float = 30.0  # a worker given up on (its role down) is started again this often
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
-                     "max_request_body_bytes", "restart_window_s"):
+                     "max_request_body_bytes", "restart_window_s", "down_retry_s"):
             if not getattr(self, name) > 0:
-                flag = name.removesuffix("_s").replace("_bytes", "_mb").replace("_", "-")  # the CLI's flag
+                flag = FLAGS.get(name) or name.removesuffix("_s").replace("_bytes", "_mb").replace("_", "-")
                 raise ValueError(f"--{flag} must be positive, "
                                  f"got {getattr(self, name)}")
         if self.max_restarts < 0:

@@ -92,6 +92,27 @@ def is_tcp_address(address: str) -> bool:
     return address.startswith("tcp://") and bool(host and sep) and port.isdigit() and 0 < int(port) < 65536
 
 
+def is_peer_address(address: str) -> bool:
+    """Whether a peer may name `address` for us to connect to: `ipc://` and an
+    absolute path that fits a unix socket, or `tcp://HOST:PORT` with a host
+    name, an IPv4 address or a bracketed IPv6 one (no wildcard) and a port in
+    1..65535. What ZeroMQ would refuse to connect to is refused here, where a
+    message is decoded, not where a loop sends to it."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        return path.startswith("/") and "\0" not in path and len(path.encode()) <= _MAX_IPC_PATH_BYTES
+    if not is_tcp_address(address):
+        return False
+    host = address[len("tcp://"):].rpartition(":")[0]
+    if host.startswith("[") and host.endswith("]"):
+        return len(host) > 2 and all(c in _IPV6_CHARS for c in host[1:-1])
+    return len(host) <= 253 and all(c in _HOST_CHARS for c in host) and not host.startswith(("-", "."))
+
+
+_HOST_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+_IPV6_CHARS = frozenset("0123456789abcdefABCDEF:.%")
+
+
 def worker_id(role: Role | str, index: int) -> str:
     """The canonical worker id, e.g. "prefill-0" (used as EncodeRequest.reply_to etc.)."""
     return f"{role}-{index}"

@@ -113,22 +113,26 @@ class _Admission:
         return self.keys.admits(domain, client_key)
 
 
-_guards: dict[int, ThreadAuthenticator] = {}  # one ZAP handler per ZeroMQ context (a process has one or two)
+# one ZAP handler per ZeroMQ context (a process has one or two), with the admission it asks
+_guards: dict[int, tuple[ThreadAuthenticator, _Admission]] = {}
 _guards_lock = threading.Lock()
 
 
 def guard(ctx: zmq.Context, keys: PlaneKeys) -> None:
     """Starts the ZAP handler for `ctx` once; bound CURVE sockets of that context
-    ask it which clients to admit."""
+    ask it which clients to admit. Called again with other keys (a process that
+    serves a second plane after the first, as tests do), it admits by those."""
     underlying = ctx.underlying
     with _guards_lock:
         if underlying in _guards:
+            _guards[underlying][1].keys = keys
             return
         auth = ThreadAuthenticator(zmq.Context.shadow(underlying))
         auth.start()
+        admission = _Admission(keys)
         for domain in (COLLECTOR_DOMAIN, INBOX_DOMAIN):
-            auth.configure_curve_callback(domain, credentials_provider=_Admission(keys))
-        _guards[underlying] = auth
+            auth.configure_curve_callback(domain, credentials_provider=admission)
+        _guards[underlying] = (auth, admission)
 
 
 def secure_server(sock: zmq.Socket, keys: PlaneKeys, domain: str) -> None:

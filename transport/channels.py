@@ -10,7 +10,8 @@ same over `zmq.asyncio` for the API process.
 that do not decode: the caller logs and keeps receiving, the socket is fine.
 
 With `keys` (transport/auth.py), tcp sockets are CURVE: a binding Receiver
-admits only the plane's clients, and drops a `Shutdown` that the API's key did
+admits only the plane's clients, and drops an `API_ONLY` message (Shutdown,
+Abort, PrefillRequest, EncodeRequest, WorkerExited) that the API's key did
 not send; Senders and Outboxes connect as CURVE clients. ipc sockets ignore
 `keys` (their run directory is 0700).
 """
@@ -25,7 +26,8 @@ import zmq
 import zmq.asyncio
 
 from epd.transport.auth import INBOX_DOMAIN, PlaneKeys, secure_client, secure_server
-from epd.transport.messages import Message, Shutdown, WireError, decode_message
+from epd.transport.messages import (Abort, EncodeRequest, Message, PrefillRequest, Shutdown, WireError, WorkerExited,
+                                   decode_message)
 
 log = logging.getLogger("epd.transport")
 
@@ -99,14 +101,20 @@ class Sender(_Channel):
         self.socket.send_multipart(msg.to_wire(), copy=False)
 
 
+# Messages only the API (or the launcher, over ipc) sends: over CURVE they count only
+# with the API's key. A worker's key may say what a worker says (Ready, stats, outputs,
+# EncodeDone, KVTransfer, KVAck), never start, stop or abort work, nor report an exit.
+API_ONLY = (Shutdown, Abort, PrefillRequest, EncodeRequest, WorkerExited)
+
+
 class _Admits:
-    """What a receiving end accepts from whom: with CURVE, `Shutdown` only from the API."""
+    """What a receiving end accepts from whom: with CURVE, `API_ONLY` messages only from the API."""
 
     api_user_id: str | None = None
 
     def _check(self, msg: Message, frames: list) -> Message:
-        if self.api_user_id is not None and isinstance(msg, Shutdown) and _user_id(frames) != self.api_user_id:
-            raise WireError("Shutdown from a peer that is not the API: ignored")
+        if self.api_user_id is not None and isinstance(msg, API_ONLY) and _user_id(frames) != self.api_user_id:
+            raise WireError(f"{msg.TYPE} from a peer that is not the API: ignored")
         return msg
 
 

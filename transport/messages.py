@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from epd.transport.addresses import MAX_API_SERVERS
+from epd.transport.addresses import MAX_API_SERVERS, is_peer_address
 from epd.transport.roles import Role
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
@@ -134,6 +134,25 @@ def _api_index(f: Fields) -> int:
     return index
 
 
+def _address(f: Fields, name: str, optional: bool = False) -> str | None:
+    """An address we may connect to (transport/addresses.py `is_peer_address`); `optional`: None or "" too."""
+    value = f.opt_str(name) if optional else f.str(name)
+    _need((optional and not value) or is_peer_address(value), f.tag,
+          f"{name}: not an address to connect to: {value!r:.80}")
+    return value
+
+
+SESSION_HEX_CHARS = 32  # a worker process's session token (WorkerIO): 128 random bits
+
+
+def _session(f: Fields) -> str:
+    """The sender's session token: "" or hex, at most 64 characters."""
+    value = f.str("session")
+    _need(len(value) <= 64 and all(c in "0123456789abcdef" for c in value), f.tag,
+          f"session: expected hex, got {value!r:.80}")
+    return value
+
+
 def _need(ok: bool, tag: str, what: str) -> None:
     if not ok:
         raise WireError(f"{tag}: {what}")
@@ -162,7 +181,7 @@ class EncodeRequest(Message):
     @classmethod
     def _build(cls, f, payload):
         _need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
-        return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], f.str("reply_to"),
+        return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], _address(f, "reply_to"),
                    f.bool("with_tensors"))
 
 
@@ -232,8 +251,8 @@ class PrefillRequest(Message):
     def _build(cls, f, payload):
         prompt = f.token_ids("prompt_token_ids")
         return cls(f.str("request_id"), prompt, _spans(f, "mm_spans", len(prompt)),
-                   sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"), f.opt_str("decode_worker"),
-                   _api_index(f))
+                   sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"),
+                   _address(f, "decode_worker", optional=True), _api_index(f))
 
 
 @dataclass
@@ -288,8 +307,8 @@ class KVTransfer(Message):
         first_token_id = f.int("first_token_id")
         _need(first_token_id >= 0, cls.TYPE, "first_token_id must be a token id >= 0")
         return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
-                   f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v, f.str("reply_to"),
-                   _api_index(f))
+                   f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v,
+                   _address(f, "reply_to", optional=True) or "", _api_index(f))
 
 
 @dataclass
@@ -409,6 +428,7 @@ class WorkerStats(Message):
     """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
 
     TYPE: ClassVar[str] = "worker_stats"
+    VERSION: ClassVar[int] = 2  # 2: session
     worker_id: str
     role: str
     num_running: int
@@ -418,21 +438,24 @@ class WorkerStats(Message):
     queue_depth: int
     engine: EngineCounters | None = None  # engine roles
     encoder: EncoderCounters | None = None  # encoders, and the aggregated worker's in-process one
+    session: str = ""  # the sender's session token (its Ready's): the registry takes stats only from it
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "num_running": self.num_running,
                 "num_waiting": self.num_waiting, "num_free_blocks": self.num_free_blocks,
                 "num_total_blocks": self.num_total_blocks, "queue_depth": self.queue_depth,
                 "engine": None if self.engine is None else self.engine.to_map(),
-                "encoder": None if self.encoder is None else self.encoder.to_map()}
+                "encoder": None if self.encoder is None else self.encoder.to_map(), "session": self.session}
 
     @classmethod
     def _build(cls, f, payload):
         engine, encoder = f.opt_map("engine"), f.opt_map("encoder")
-        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), f.int("num_running"), f.int("num_waiting"),
-                   f.int("num_free_blocks"), f.int("num_total_blocks"), f.int("queue_depth"),
+        counts = [f.int(name) for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
+                                            "queue_depth")]
+        _need(all(0 <= n < 2 ** 40 for n in counts), cls.TYPE, f"counts must be in [0, 2^40), got {counts}")
+        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), *counts,
                    None if engine is None else EngineCounters.from_map(engine),
-                   None if encoder is None else EncoderCounters.from_map(encoder))
+                   None if encoder is None else EncoderCounters.from_map(encoder), _session(f))
 
 
 @dataclass
@@ -441,20 +464,24 @@ class Ready(Message):
     this is also its registration."""
 
     TYPE: ClassVar[str] = "ready"
+    VERSION: ClassVar[int] = 2  # 2: session
     worker_id: str
     role: str
     inbox: str  # the address its inbox is bound at
     host: str  # its socket.gethostname(): a cache dir is shared only on the same host
     mm_cache_dir: str | None = None  # the embedding cache it reads and writes; None: none
+    # A secret of this worker process, drawn at its start: a worker id held by a live
+    # worker is taken over, and its stats believed, only with the same session.
+    session: str = ""
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "inbox": self.inbox, "host": self.host,
-                "mm_cache_dir": self.mm_cache_dir}
+                "mm_cache_dir": self.mm_cache_dir, "session": self.session}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), f.str("inbox"), f.str("host"),
-                   f.opt_str("mm_cache_dir"))
+        return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), _address(f, "inbox"), f.str("host"),
+                   f.opt_str("mm_cache_dir"), _session(f))
 
 
 @dataclass
@@ -464,15 +491,19 @@ class Alive(Message):
     `busy_s`: how long its loop has not come back (since its last WorkerStats)."""
 
     TYPE: ClassVar[str] = "alive"
+    VERSION: ClassVar[int] = 2  # 2: session
     worker_id: str
     busy_s: float
+    session: str = ""  # as in its Ready
 
     def _fields(self):
-        return {"worker_id": self.worker_id, "busy_s": float(self.busy_s)}
+        return {"worker_id": self.worker_id, "busy_s": float(self.busy_s), "session": self.session}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.float("busy_s"))
+        busy_s = f.float("busy_s")
+        _need(0.0 <= busy_s < 1e9, cls.TYPE, f"busy_s must be finite seconds >= 0, got {busy_s!r}")
+        return cls(f.str("worker_id"), busy_s, _session(f))
 
 
 @dataclass
@@ -481,15 +512,17 @@ class WorkerExited(Message):
     its own children): the supervisor saw this worker's process exit."""
 
     TYPE: ClassVar[str] = "worker_exited"
+    VERSION: ClassVar[int] = 2  # 2: restarting
     worker_id: str
     exit_code: int | None
+    restarting: bool = True  # False: the supervisor gave up on it (for now): its role may be down
 
     def _fields(self):
-        return {"worker_id": self.worker_id, "exit_code": self.exit_code}
+        return {"worker_id": self.worker_id, "exit_code": self.exit_code, "restarting": self.restarting}
 
     @classmethod
     def _build(cls, f, payload):
-        return cls(f.str("worker_id"), f.opt_int("exit_code"))
+        return cls(f.str("worker_id"), f.opt_int("exit_code"), f.bool("restarting"))
 
 
 @dataclass

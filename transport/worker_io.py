@@ -4,9 +4,15 @@ registers it with the API, and closing all three.
 
 With several API processes (`epd serve --api-servers N`) `spec.api` names
 all N collectors, joined by ","; a worker registers with and reports its load
-to each (`publish`), re-sends `Ready` every `REANNOUNCE_S` so that a
-restarted API process learns it, and sends a request's TokenOutputs to the
-collector its PrefillRequest named (`api_index`).
+to each (`publish`), and sends a request's TokenOutputs to the collector its
+PrefillRequest named (`api_index`). Every worker re-sends `Ready` every
+`REANNOUNCE_S`: a restarted API process learns it, and an API that took it
+for dead (silent past the heartbeat timeout on a slow link) takes it back.
+
+Each worker process draws a `session` token at start (128 random bits, sent
+only over the worker plane) and puts it in its Ready, WorkerStats and Alive:
+the API's registry lets a worker id held by a live worker be taken over, and
+believes stats about it, only with the same session (epd/serve/registry.py).
 
 A worker sends nothing from its loop during a long ViT batch or prefill step;
 its `Heartbeat` thread, with its own sockets (ZeroMQ sockets are not
@@ -15,6 +21,7 @@ judges it by silence (an `epd worker` elsewhere, a Ray actor) does not take
 busy for dead."""
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 import time
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 
 from epd.transport.auth import WORKER, PlaneKeys
 from epd.transport.channels import Outbox, Receiver
-from epd.transport.messages import Alive, Message, Ready
+from epd.transport.messages import Alive, Ready, WorkerStats
 from epd.transport.mm_cache import MMCache
 from epd.transport.roles import Role
 
@@ -49,7 +56,7 @@ class WorkerSpec:
         return tuple(self.api.split(","))
 
 
-REANNOUNCE_S = 1.0  # several API processes: how often Ready is sent again (a restarted one learns us)
+REANNOUNCE_S = 1.0  # how often Ready is sent again (a restarted API process learns us)
 # While the loop has sent nothing for this long, the heartbeat thread says Alive this often:
 # far below the API's heartbeat timeout (10 s; EPD_HEARTBEAT_TIMEOUT_S), so a late beat or two is harmless.
 HEARTBEAT_INTERVAL_S = 0.5
@@ -61,8 +68,9 @@ class Heartbeat:
     It opens its own Outbox (CURVE with the worker's keys) inside the thread."""
 
     def __init__(self, worker_id: str, apis: tuple[str, ...], keys: PlaneKeys | None,
-                 interval_s: float = HEARTBEAT_INTERVAL_S):
+                 interval_s: float = HEARTBEAT_INTERVAL_S, session: str = ""):
         self.worker_id = worker_id
+        self.session = session
         self.apis = apis
         self.keys = keys
         self.interval_s = interval_s
@@ -86,7 +94,7 @@ class Heartbeat:
                 busy_s = time.monotonic() - self.last_published_s
                 if busy_s >= self.interval_s:
                     for api in self.apis:
-                        outbox.send(api, Alive(self.worker_id, busy_s))
+                        outbox.send(api, Alive(self.worker_id, busy_s, self.session))
         finally:
             outbox.close()
 
@@ -105,7 +113,8 @@ class WorkerIO:
         self.inbox = Receiver(spec.inbox, keys=keys)
         self.apis = spec.apis
         self.outbox = Outbox(keys=keys, api_address=self.apis)
-        self.heartbeat = Heartbeat(spec.worker_id, self.apis, keys)
+        self.session = secrets.token_hex(16)  # this process's; a restarted worker draws a new one
+        self.heartbeat = Heartbeat(spec.worker_id, self.apis, keys, session=self.session)
         self.cache = (MMCache(spec.mm_cache_dir, spec.mm_cache_bytes, model_fingerprint=model_fingerprint)
                       if spec.mm_cache_dir else None)
         self._announced_s = 0.0
@@ -114,17 +123,17 @@ class WorkerIO:
         """Registers with every API process: where to reach this worker and which cache it reads."""
         self._announced_s = time.monotonic()
         ready = Ready(self.spec.worker_id, self.spec.role, self.inbox.address, socket.gethostname(),
-                      self.spec.mm_cache_dir or None)
+                      self.spec.mm_cache_dir or None, self.session)
         for api in self.apis:
             self.outbox.send(api, ready)
         self.heartbeat.start()
 
-    def publish(self, stats: Message) -> None:
-        """WorkerStats to every API process (each routes on its own registry)."""
+    def publish(self, stats: WorkerStats) -> None:
+        """WorkerStats (built with `self.session`) to every API process (each routes on its own registry)."""
         for api in self.apis:
             self.outbox.send(api, stats)
         self.heartbeat.published()
-        if len(self.apis) > 1 and time.monotonic() - self._announced_s > REANNOUNCE_S:
+        if time.monotonic() - self._announced_s > REANNOUNCE_S:
             self.announce()
 
     def close(self) -> None:

@@ -83,6 +83,7 @@ def serve_many(config: ServeConfig) -> int:
     ctx = multiprocessing.get_context("spawn")
     launches = [] if config.external_workers else worker_launches(config, addresses, ",".join(apis), mm_cache_dir)
     workers = LocalSupervisor(launches, ctx, max_restarts=config.limits.max_restarts,
+                              down_retry_s=config.limits.down_retry_s,
                               restart_window_s=config.limits.restart_window_s)
     try:
         http = socket.create_server((config.host, config.port), backlog=HTTP_BACKLOG)
@@ -134,9 +135,9 @@ async def _run(config: ServeConfig, workers: LocalSupervisor, servers: ApiServer
     counted: dict[str, int] = {}
     outbox = Outbox()  # ipc to the collectors (workers on other hosts are nobody's children here)
 
-    def on_worker_exit(worker_id: str, exit_code: int | None) -> None:
+    def on_worker_exit(worker_id: str, exit_code: int | None, restarting: bool) -> None:
         for api in apis:
-            outbox.send(api, WorkerExited(worker_id, exit_code))
+            outbox.send(api, WorkerExited(worker_id, exit_code, restarting))
 
     def on_api_exit(index: int) -> None:  # its clients are gone: the workers drop its requests
         for launch in workers.launches.values():

@@ -86,7 +86,7 @@ def serve(config: ServeConfig) -> int:
             collector = addresses.collector()
         launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
         supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                     max_restarts=config.limits.max_restarts,
+                                     max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
                                      restart_window_s=config.limits.restart_window_s, addresses=addresses)
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)

@@ -57,6 +57,7 @@ PREFILL_ROLES = tuple(role for role in Role if role.takes_prefill)
 MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
 NO_WORKER_POLL_S = 0.05  # while no live worker of a role exists, look again this often
 HEARTBEAT_CHECK_S = 0.5
+ROLE_DOWN_RETRY_AFTER_S = 10  # Retry-After of a 503 for a role that is down (the supervisor probes it again)
 MAX_ABANDONED = 4096
 DISPATCH_BURST = 512  # messages taken without yielding to the event loop, at most  # ids of abandoned tries whose late outputs are answered with Abort
 
@@ -111,10 +112,13 @@ class Orchestrator:
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
         self._silent: set[str] = set()  # workers past the heartbeat timeout, already failed over
+        self._refused: set[str] = set()  # worker ids whose takeover by another session was refused (logged once)
         self.num_active = 0  # sequences in generate()
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
         self.draining = False  # SIGTERM: refuse new requests, let these finish
         self.required_roles = [role for role, _ in config.mode_roles()]
+        # the roles every request ends on (decode, pd or aggregated): one down, nothing can be served
+        self.final_roles = [role for role in self.required_roles if role not in (Role.ENCODER, Role.PREFILL)]
         self._receiver: AsyncReceiver | None = None
         self._outbox: AsyncOutbox | None = None
         self._tasks: list[asyncio.Task] = []
@@ -168,13 +172,14 @@ class Orchestrator:
             self._receiver.close()
 
     async def _dispatch(self) -> None:
+        """The collector's reader: no one message, however bad, ends it (every worker would go silent)."""
         while True:
             try:
                 msg = await self._receiver.recv()
             except WireError as exc:
                 log.warning("collector: dropped a malformed message: %s", exc)
                 continue
-            await self._on_message(msg)
+            await self._handle(msg)
             for _ in range(DISPATCH_BURST):  # the rest of a burst (a step's outputs), without awaiting each
                 try:
                     msg = self._receiver.recv_nowait()
@@ -183,7 +188,15 @@ class Orchestrator:
                     continue
                 if msg is None:
                     break
-                await self._on_message(msg)
+                await self._handle(msg)
+
+    async def _handle(self, msg) -> None:
+        try:
+            await self._on_message(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("collector: a %s failed; the collector reads on", type(msg).__name__)
 
     async def _on_message(self, msg) -> None:
         if isinstance(msg, TokenOutputs):  # one engine step's outputs
@@ -208,13 +221,21 @@ class Orchestrator:
             if info is not None and not self.registry.is_stuck(info):  # a stuck one is failed over once
                 self._silent.discard(msg.worker_id)
         elif isinstance(msg, Ready):
-            self._silent.discard(msg.worker_id)
+            known = self.registry.workers.get(msg.worker_id)
             info = self.registry.on_ready(msg)
-            self.encoder_router.on_ready(msg.worker_id)
-            log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
-            self._open_cache()
+            if info is None:  # a live worker holds the id under another session
+                if msg.worker_id not in self._refused:
+                    self._refused.add(msg.worker_id)
+                    log.warning("refused a Ready for %s: a live worker holds that id (a second process, "
+                                "or a forged message); logged once", msg.worker_id)
+                return
+            if info is not known:  # registered now; re-announcements of a live worker change nothing
+                self._silent.discard(msg.worker_id)
+                self.encoder_router.on_ready(msg.worker_id)
+                log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
+                self._open_cache()
         elif isinstance(msg, WorkerExited):
-            self.on_worker_exit(msg.worker_id, msg.exit_code)
+            self.on_worker_exit(msg.worker_id, msg.exit_code, msg.restarting)
 
     async def _on_stray_output(self, out: TokenOutput) -> None:
         """An output no try waits for: a worker (perhaps restarted) running a try
@@ -227,7 +248,10 @@ class Orchestrator:
 
     async def _abort_everywhere(self, attempt_id: str) -> None:
         for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
-            await self._outbox.send(w.inbox, Abort([attempt_id]))
+            try:
+                await self._outbox.send(w.inbox, Abort([attempt_id]))
+            except Exception:
+                log.warning("could not send Abort to %s", w.worker_id)
 
     def missing_roles(self) -> list[str]:
         """The roles this mode needs that have no live worker now."""
@@ -429,6 +453,11 @@ class Orchestrator:
             self.metrics.requests_refused["draining"] += 1
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
                                retry_after_s=5)
+        down = self.registry.down_roles(self.final_roles)
+        if down:  # every request ends on one of these: none can be served until it is back
+            self.metrics.requests_refused["role_down"] += 1
+            raise RequestError(status=503, message=f"no live {' or '.join(down)} worker: the role is down "
+                               f"(see /health)", type="service_unavailable", retry_after_s=ROLE_DOWN_RETRY_AFTER_S)
         if self.num_active >= limits.max_pending_requests:
             self.metrics.requests_refused["busy"] += 1
             raise RequestError(status=503, message=f"the server is busy: {self.num_active} requests in progress "
@@ -453,7 +482,7 @@ class Orchestrator:
             workers = self.registry.live(*roles)
             if workers:
                 return workers
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or len(self.registry.down_roles(roles)) == len(roles):
                 self.metrics.requests_failed["no_worker"] += 1
                 raise RequestError(status=503, message=f"no live {' or '.join(map(str, roles))} worker",
                                    type="service_unavailable", retry_after_s=5)
@@ -554,11 +583,13 @@ class Orchestrator:
 
     # ------------------------------------------------------- worker faults
 
-    def on_worker_exit(self, worker_id: str, exit_code: int | None) -> None:
+    def on_worker_exit(self, worker_id: str, exit_code: int | None, restarting: bool = True) -> None:
         """The supervisor saw a worker process exit: route around it and
-        recover the requests it held."""
-        info = self.registry.mark_dead(worker_id)
-        log.warning("worker %s exited (code %s)", worker_id, exit_code)
+        recover the requests it held. `restarting`: it starts the worker again
+        soon (else, given up for now, the role may be down: requests needing it
+        are refused at once)."""
+        info = self.registry.mark_dead(worker_id, restarting)
+        log.warning("worker %s exited (code %s)%s", worker_id, exit_code, "" if restarting else ", not restarted")
         if info is not None:
             self._fail_over(worker_id)
 

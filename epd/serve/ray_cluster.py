@@ -267,8 +267,8 @@ class RaySupervisor:
             worker_id = next(w for w, r in self.runs.items() if r == ref)
             del self.runs[worker_id]
             code, why = _outcome(ref)
-            on_exit(worker_id, code)
             delay = self.budget.next_delay(worker_id)
+            on_exit(worker_id, code, delay is not None)
             if delay is None:
                 self.down.add(worker_id)
                 ray.kill(self.actors[worker_id], no_restart=True)

@@ -11,7 +11,14 @@ neither for the heartbeat timeout (`HEARTBEAT_TIMEOUT_S`, or
 `EPD_HEARTBEAT_TIMEOUT_S`), or when its loop has been busy past
 `stuck_after_s` (the request timeout: nothing it holds can still finish in
 time); its stats or a `Ready` bring it back. A worker the launcher's own
-processes run is never judged by silence: its exit is reported within 0.1 s.
+processes run is never judged by silence: its exit is reported within 0.1 s,
+with whether the supervisor restarts it; a role with no live worker and none
+being restarted is down (`down_roles`): requests needing it are refused at once.
+
+Who may speak for a worker id: the process whose `Ready` registered it (its
+`session`, a secret drawn at its start). Stats and Alive under another session
+are ignored, and a `Ready` under another session is refused while the
+registered worker is alive (docs/architecture.md, "The worker plane's authority").
 A worker being removed on purpose is `retire`d (never chosen again), then
 forgotten.
 """
@@ -52,7 +59,9 @@ class WorkerInfo:
     last_seen_s: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # how long its loop had not come back, at its last Alive (0 after stats)
     is_dead: bool = False  # its process exited (told by the supervisor)
+    is_down: bool = False  # ... and the supervisor gave up restarting it (for now: it probes again later)
     is_retired: bool = False  # being removed (autoscaling): no new work, never live again
+    session: str = ""  # the session token of its Ready: only that process may speak for this worker id
 
     @property
     def load(self) -> int:
@@ -79,16 +88,21 @@ class WorkerRegistry:
         self.supervised = supervised
         self.stuck_after_s = stuck_after_s
 
-    def on_ready(self, msg: Ready) -> WorkerInfo:
+    def on_ready(self, msg: Ready) -> WorkerInfo | None:
         """A worker (re)started: alive from now, whatever came before (but a
-        retired one stays retired). A live worker's `Ready` again (it
-        re-announces while there are several API processes) only refreshes it."""
+        retired one stays retired). A live worker's `Ready` again (every worker
+        re-announces each second) only refreshes it. None: refused, a live
+        worker holds that id under another session (a takeover: only the
+        process itself, or its successor once it is dead, may register it)."""
         known = self.workers.get(msg.worker_id)
-        if known is not None and known.inbox == msg.inbox and self.is_alive(known):
-            known.last_seen_s = time.monotonic()
-            return known
+        if known is not None and self.is_alive(known):
+            if known.session != msg.session:
+                return None
+            if known.inbox == msg.inbox:
+                known.last_seen_s = time.monotonic()
+                return known
         info = WorkerInfo(msg.worker_id, msg.role, msg.inbox, host=msg.host, mm_cache_dir=msg.mm_cache_dir,
-                          is_retired=known is not None and known.is_retired)
+                          is_retired=known is not None and known.is_retired, session=msg.session)
         self.workers[msg.worker_id] = info
         return info
 
@@ -103,7 +117,7 @@ class WorkerRegistry:
 
     def on_stats(self, msg: WorkerStats) -> None:
         info = self.workers.get(msg.worker_id)
-        if info is not None and not info.is_dead:
+        if info is not None and not info.is_dead and msg.session == info.session:
             info.stats = msg
             info.last_seen_s = time.monotonic()
             info.busy_s = 0.0
@@ -111,15 +125,18 @@ class WorkerRegistry:
     def on_alive(self, msg: Alive) -> WorkerInfo | None:
         """Its loop is busy but its process is up: not silent (its stats stay the last ones)."""
         info = self.workers.get(msg.worker_id)
-        if info is not None and not info.is_dead:
-            info.last_seen_s = time.monotonic()
-            info.busy_s = msg.busy_s
+        if info is None or info.is_dead or msg.session != info.session:
+            return None
+        info.last_seen_s = time.monotonic()
+        info.busy_s = msg.busy_s
         return info
 
-    def mark_dead(self, worker_id: str) -> WorkerInfo | None:
+    def mark_dead(self, worker_id: str, restarting: bool = True) -> WorkerInfo | None:
+        """Its process exited; `restarting`: the supervisor starts it again soon (else it is down)."""
         info = self.workers.get(worker_id)
         if info is not None:
             info.is_dead = True
+            info.is_down = not restarting
         return info
 
     def by_role(self, *roles: str) -> list[WorkerInfo]:
@@ -140,6 +157,16 @@ class WorkerRegistry:
     def is_stuck(self, info: WorkerInfo) -> bool:
         """Up, but its loop has not come back for longer than any request may take."""
         return info.busy_s > self.stuck_after_s
+
+    def reports(self, info: WorkerInfo) -> bool:
+        """Whether its latest stats still describe a process (/metrics shows only those)."""
+        return not info.is_dead and (self.supervised(info.worker_id) or not self.is_silent(info))
+
+    def down_roles(self, required: Iterable[str]) -> list[str]:
+        """The roles in `required` with no live worker and none coming back soon (none that the
+        supervisor is restarting): a request needing one is refused at once, not kept waiting."""
+        return [str(role) for role in dict.fromkeys(required) if not self.live(role)
+                and not any(w.is_dead and not w.is_down for w in self.by_role(role))]
 
     def missing_roles(self, required: Iterable[str]) -> list[str]:
         """The roles in `required` without a live worker, in order."""

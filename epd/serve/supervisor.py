@@ -4,7 +4,8 @@
     start()                     start every worker
     all_alive()                 every worker process runs (start-up checks this)
     await watch(on_exit)        until cancelled: notice an exit within POLL_S, report
-                                it, restart the worker after a backoff
+                                it (on_exit(worker_id, exit_code, restarting)),
+                                restart the worker after a backoff
     add_worker(role) -> str     start one more worker of `role` (a new index, a new
                                 inbox); returns its worker id; it registers with Ready
     remove_worker(worker_id)    stop that worker gracefully and never restart it; its
@@ -15,7 +16,9 @@
 `LocalSupervisor` runs workers as child processes (multiprocessing spawn).
 An exited worker is logged with its exit code and started again after
 0.5 s, doubling up to 8 s while it keeps dying; past `max_restarts` exits
-within `restart_window_s` its role is reported down and it stays down. The
+within `restart_window_s` it is given up on (reported with restarting=False:
+its role may be down, and requests needing it get a 503 at once) and tried
+again every `down_retry_s` (`--down-retry-interval`). The
 new process binds the same inbox and registers with `Ready` again: the
 orchestrator, told of the exit through `on_exit(worker_id, exit_code)`,
 stops routing to it meanwhile and recovers its requests.
@@ -42,7 +45,7 @@ FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 8.0
 # (a niced encoder took 4 s on 2 shared cores) before SIGKILL.
 REMOVE_GRACE_S = 30.0
 
-ExitCallback = Callable[[str, "int | None"], None]
+ExitCallback = Callable[[str, "int | None", bool], None]  # (worker id, exit code, restarting)
 
 
 class RestartBudget:
@@ -72,7 +75,8 @@ class RestartBudget:
 
 class LocalSupervisor:
     def __init__(self, launches: list[WorkerLaunch], mp_context, max_restarts: int = 5,
-                 restart_window_s: float = 60.0, addresses: Addresses | None = None):
+                 restart_window_s: float = 60.0, addresses: Addresses | None = None,
+                 down_retry_s: float = 30.0):
         """`addresses`: where an added worker's inbox goes (`add_worker` needs them)."""
         self.launches = {launch.spec.worker_id: launch for launch in launches}
         self.addresses = addresses
@@ -83,6 +87,7 @@ class LocalSupervisor:
         self.ctx = mp_context
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
+        self.down_retry_s = down_retry_s
         self.procs: dict[str, object] = {}  # worker id -> multiprocessing.Process
         self.restarts: dict[str, int] = {}
         self.down: set[str] = set()
@@ -158,17 +163,29 @@ class LocalSupervisor:
                     continue
                 code = proc.exitcode
                 proc.join(timeout=0)
-                on_exit(worker_id, code)
                 delay = self.budget.next_delay(worker_id)
+                on_exit(worker_id, code, delay is not None)
                 if delay is None:
                     self.down.add(worker_id)
                     print(f"EPD: worker {worker_id} exited with code {code}; it exited {self.max_restarts + 1} "
-                          f"times within {self.restart_window_s:g} s: not restarted, its role is down", flush=True)
+                          f"times within {self.restart_window_s:g} s: its role is down; trying it again in "
+                          f"{self.down_retry_s:g} s", flush=True)
+                    asyncio.get_running_loop().call_later(self.down_retry_s, self._retry_down, worker_id)
                     continue
                 print(f"EPD: worker {worker_id} exited with code {code}; restarting in {delay:g} s", flush=True)
                 restarting.add(worker_id)
                 asyncio.get_running_loop().call_later(delay, self._restart, worker_id, restarting)
             await asyncio.sleep(POLL_S)
+
+    def _retry_down(self, worker_id: str) -> None:
+        """A worker given up on is tried again (every `down_retry_s`): a fault that
+        passed (a full disk, a lost device) lets its role rejoin without a restart of serve."""
+        if self._stopping or worker_id in self._removing or worker_id not in self.launches \
+                or worker_id not in self.down:
+            return
+        self.down.discard(worker_id)
+        print(f"EPD: worker {worker_id}: trying its role again", flush=True)
+        self._restart(worker_id, set())
 
     def _restart(self, worker_id: str, restarting: set[str]) -> None:
         restarting.discard(worker_id)

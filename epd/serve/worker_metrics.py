@@ -95,7 +95,7 @@ class _Families:
         self.gauges = [(GaugeMetricFamily(name, doc, labels=LABELS), value) for name, doc, value in gauges]
 
     def add(self, labels: list[str], source) -> None:
-        for family, value in self.counters + self.gauges:
+        for family, value in self.counters:
             family.add_metric(labels, value(source))
         for family, value in self.summaries:
             count, total = value(source)
@@ -190,7 +190,7 @@ class WorkerMetrics:
         encoder_extras = _EncoderExtras()
         for w in self.registry.workers.values():
             s = w.stats
-            if s is None:
+            if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
                 continue
             labels = [w.role, w.worker_id]
             running.add_metric(labels, s.num_running)

@@ -48,7 +48,9 @@ def test_a_worker_registers_with_and_reports_to_every_api_process(tmp_path):
             collector.close()
 
 
-def test_one_api_process_gets_no_repeated_ready(tmp_path):
+def test_one_api_process_hears_ready_again_too(tmp_path):
+    """Re-announcing is not only for several API processes: an API that took the
+    worker for dead (silent on a slow link, a forged exit) takes it back."""
     addresses = Addresses.ipc(tmp_path)
     collector = Receiver(addresses.collector())
     worker = WorkerIO(WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), collector.address, None, 0), "f")
@@ -59,7 +61,9 @@ def test_one_api_process_gets_no_repeated_ready(tmp_path):
         worker._announced_s -= REANNOUNCE_S + 1
         worker.publish(stats())
         assert collector.recv(timeout_s=5) == stats()
-        assert collector.recv(timeout_s=0.2) is None  # today's single-API path, unchanged
+        again = collector.recv(timeout_s=5)
+        assert isinstance(again, Ready) and again.session == worker.session != ""
+        assert collector.recv(timeout_s=0.2) is None  # once a second, not once a report
     finally:
         worker.close()
         collector.close()

@@ -53,3 +53,45 @@ def test_writes_of_one_pass_are_one_write_and_close_flushes():
         theirs.close()
 
     asyncio.run(run())
+
+
+def test_a_connection_whose_headers_dawdle_is_closed_and_a_prompt_one_is_served():
+    """A real uvicorn with EPD's protocol and a 0.5 s header deadline: a client that
+    sends half its headers and waits is cut off; one that sends them all is answered."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from epd.api.http_protocol import http_protocol
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off",
+                                           http=http_protocol(header_timeout_s=0.5)))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    address = sock.getsockname()
+    try:
+        with socket.create_connection(address, timeout=10) as slow:
+            slow.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
+            assert slow.recv(100) == b""  # closed by the server, within the 10 s socket timeout
+        with socket.create_connection(address, timeout=10) as idle:  # a connection that says nothing
+            assert idle.recv(100) == b""
+        with socket.create_connection(address, timeout=10) as prompt:
+            prompt.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            time.sleep(1.0)  # past the deadline: it was met, nothing is cut
+            assert prompt.recv(1000).endswith(b"ok")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)

@@ -61,3 +61,56 @@ def test_restart_backoff_doubles_then_the_budget_runs_out():
     assert budget.next_delay("decode-0") == 0.5
     endless = RestartBudget(max_restarts=None, window_s=3600.0)
     assert [endless.next_delay(0) for _ in range(7)][-1] == 8.0
+
+
+# -- who may speak for a worker id (issue 33) ----------------------------------------------------
+
+SESSION, OTHER = "a" * 32, "b" * 32
+
+
+def _registered(session: str = SESSION) -> WorkerRegistry:
+    registry = WorkerRegistry(heartbeat_timeout_s=10.0)
+    registry.on_ready(Ready("decode-0", "decode", "tcp://hosta:7000", "hosta", session=session))
+    return registry
+
+
+def test_a_live_worker_id_is_not_taken_over_by_another_session():
+    registry = _registered()
+    assert registry.on_ready(Ready("decode-0", "decode", "tcp://evil:6666", "evil", session=OTHER)) is None
+    assert registry.workers["decode-0"].inbox == "tcp://hosta:7000"
+    again = registry.on_ready(Ready("decode-0", "decode", "tcp://hosta:7000", "hosta", session=SESSION))
+    assert again is registry.workers["decode-0"]  # its own re-announcement: a refresh
+
+
+def test_its_successor_registers_once_it_is_dead_or_silent():
+    registry = _registered()
+    registry.mark_dead("decode-0")  # the supervisor saw it exit
+    info = registry.on_ready(Ready("decode-0", "decode", "tcp://hosta:7000", "hosta", session=OTHER))
+    assert info is not None and info.session == OTHER and registry.live("decode") == [info]
+    info.last_seen_s -= 11.0  # an unsupervised worker silent past the heartbeat timeout
+    successor = registry.on_ready(Ready("decode-0", "decode", "tcp://hostc:7000", "hostc", session=SESSION))
+    assert successor is not None and successor.inbox == "tcp://hostc:7000"
+
+
+def test_stats_and_alive_count_only_from_the_registered_session():
+    registry = _registered()
+    registry.on_stats(WorkerStats("decode-0", "decode", 9, 9, 0, 1, 9, session=OTHER))  # a forger's load
+    assert registry.workers["decode-0"].stats is None
+    registry.on_stats(WorkerStats("decode-0", "decode", 1, 0, 0, 1, 0, session=SESSION))
+    assert registry.workers["decode-0"].load == 1
+    registry.workers["decode-0"].last_seen_s -= 11.0
+    assert registry.on_alive(Alive("decode-0", 1.0, session=OTHER)) is None  # cannot keep it alive either
+    assert registry.live("decode") == []
+
+
+def test_a_role_is_down_when_no_worker_of_it_lives_or_is_being_restarted():
+    registry = WorkerRegistry(heartbeat_timeout_s=10.0, supervised={"decode-0", "decode-1"}.__contains__)
+    for worker_id in ("decode-0", "decode-1"):
+        registry.on_ready(Ready(worker_id, "decode", f"ipc:///x/{worker_id}.sock", "h"))
+    registry.mark_dead("decode-0", restarting=False)
+    assert registry.down_roles(["decode"]) == []  # decode-1 serves
+    registry.mark_dead("decode-1", restarting=True)
+    assert registry.down_roles(["decode"]) == []  # none live, but one comes back: requests wait
+    registry.mark_dead("decode-1", restarting=False)
+    assert registry.down_roles(["encoder", "decode"]) == ["encoder", "decode"]  # an encoder never came at all
+    assert not registry.reports(registry.workers["decode-1"])  # its last gauges leave /metrics

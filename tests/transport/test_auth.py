@@ -10,7 +10,7 @@ import zmq
 
 from epd.transport.auth import API, COLLECTOR_DOMAIN, WORKER, PlaneKeyError, PlaneKeys, make_keys
 from epd.transport.channels import AsyncReceiver, Outbox, Receiver, Sender
-from epd.transport.messages import Ready, Shutdown, WireError
+from epd.transport.messages import Abort, Ready, Shutdown, WireError, WorkerExited
 
 WAIT_S = 1.5  # how long a dropped message is given to (not) arrive
 
@@ -105,3 +105,18 @@ def test_collector_admits_workers_over_an_outbox(keys_dir):
     got, late = asyncio.run(scenario())
     assert isinstance(got, Ready) and got.worker_id == "encoder-0"
     assert late is None
+
+
+@pytest.mark.parametrize("msg", [Abort(["chatcmpl-1"]), Abort([], api_index=0), WorkerExited("decode-0", 1)],
+                         ids=["abort", "abort_api", "worker_exited"])
+def test_work_and_exits_count_only_from_the_api(keys_dir, msg):
+    """A worker's key may say what a worker says, never abort work or report an exit (issue 33)."""
+    api, worker = PlaneKeys.load(keys_dir, API), PlaneKeys.load(keys_dir, WORKER)
+    with Receiver("tcp://127.0.0.1:*", keys=worker) as inbox:
+        with Sender(inbox.address, keys=worker, server_key=worker.worker_public) as peer:
+            peer.send(msg)
+            with pytest.raises(WireError, match="not the API"):
+                inbox.recv(timeout_s=30)
+        with Sender(inbox.address, keys=api, server_key=api.worker_public) as from_api:
+            from_api.send(msg)
+            assert inbox.recv(timeout_s=30) == msg
