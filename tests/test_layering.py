@@ -47,8 +47,9 @@ BENCH_IN_PROCESS = {
 TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
 
 
-def _modules():
-    for folder, package in PACKAGES.items():
+def _modules(folders=tuple(PACKAGES)):
+    for folder in folders:
+        package = PACKAGES[folder]
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
@@ -115,5 +116,121 @@ def test_the_api_process_does_not_load_model_code(entry):
             " 'epd.engine.models.moe', 'epd.engine.model_runner', 'epd.encoders.vision_tower',"
             " 'epd.encoders.image_encoder', 'epd.encoders.encoder_worker'))]\n"
             "assert not heavy, heavy\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
+    assert result.returncode == 0, result.stderr
+
+
+# -- the serving layer's request types, and import circles -----------------------------------
+
+CYCLE_FREE = ("epd", "engine", "transport", "encoders")  # repository folders whose files import no circle
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Every name imported at run time (inside functions too), `if TYPE_CHECKING:` blocks left out."""
+    found = []
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if _is_type_checking(node):
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.extend(f"{node.module}.{alias.name}" for alias in node.names)
+            else:
+                visit(ast.iter_child_nodes(node))
+
+    visit([ast.parse(path.read_text(), filename=str(path))])
+    return found
+
+
+def _import_graph(folders=tuple(PACKAGES)) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports at run time (a `from a.b import c`
+    names module a.b.c when that is one, else a.b)."""
+    paths = dict(_modules(folders))
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for name in _runtime_imports(path):
+            target = name if name in paths else name.rpartition(".")[0]
+            if target in paths and target != module:
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules, first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph.get(module, ())
+    return seen
+
+
+def test_no_import_circle_between_files():
+    graph = _import_graph(CYCLE_FREE)
+    assert {"epd.serve.orchestrator", "epd.engine.engine_core", "epd.transport.messages",
+            "epd.encoders.encoder_worker"} <= set(graph)  # every folder walked
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_circle_finder_sees_a_circle(tmp_path):
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from epd.x import y\n"
+                      "def f():\n    import epd.z\n")
+    assert _runtime_imports(source) == ["typing.TYPE_CHECKING", "epd.z"]
+
+
+def test_the_orchestrator_imports_nothing_of_the_http_edge():
+    """The serving layer speaks epd/requests.py's types; only the start-up code that
+    composes the API server with the workers (launcher, api_servers) sees both."""
+    graph = _import_graph()
+    reached = _closure(graph, "epd.serve.orchestrator")
+    assert {"epd.requests", "epd.serve.registry", "epd.config"} <= reached  # the walk follows imports
+    assert not [m for m in reached if m.startswith("epd.api")]
+    assert "epd.api.protocol" in _closure(graph, "epd.api.server")  # and would see one
+
+
+def test_the_request_types_load_no_torch():
+    """Both sides of the serving layer speak them: importing them costs no model code."""
+    code = "import sys, epd.requests\nassert 'torch' not in sys.modules, 'epd.requests imported torch'\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
     assert result.returncode == 0, result.stderr

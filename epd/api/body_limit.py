@@ -15,7 +15,7 @@ import asyncio
 import time
 
 from epd.api.errors import error_response
-from epd.api.request_error import RequestError
+from epd.requests import RequestError
 
 DRAIN_S = 10.0  # longest a refused body is read (and thrown away) before the 413 goes out
 

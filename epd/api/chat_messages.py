@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from epd.api.request_error import RequestError
+from epd.requests import RequestError
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 

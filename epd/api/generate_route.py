@@ -45,7 +45,8 @@ from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, Generate
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
 
 if TYPE_CHECKING:
-    from epd.api.server import ApiSettings, OrchestratorLike
+    from epd.api.orchestrator_like import OrchestratorLike
+    from epd.api.settings import ApiSettings
 
 logger = logging.getLogger(__name__)
 ResponseFormat = ChatFormat | CompletionFormat

@@ -6,10 +6,10 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from epd.api.protocol import Delta, GenerateRequest
+from epd.requests import Delta, GenerateRequest
 
 if TYPE_CHECKING:
-    from epd.api.server import OrchestratorLike
+    from epd.api.orchestrator_like import OrchestratorLike
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ reaches renders their sum (`render`), so /metrics reads as one server's.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from epd.api.protocol import Delta
+from epd.multiprocess_metrics import is_multiprocess
+from epd.requests import Delta
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours unchanged
 TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -36,14 +36,6 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0]
 E2E_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                  240.0, 480.0, 960.0, 1920.0, 7680.0]
-
-
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def is_multiprocess() -> bool:
-    """Whether this process is one of several API processes sharing metric files."""
-    return bool(os.environ.get(MULTIPROC_DIR_ENV))
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> our types, and the two types the orchestrator speaks.
+"""OpenAI request bodies -> the types the orchestrator speaks (epd/requests.py).
 
 Validation happens here, at the edge: every refusal is a `RequestError`
 (an HTTP 4xx with an OpenAI error body) naming the offending field in
@@ -12,18 +12,18 @@ The orchestrator receives one `GenerateRequest` per sequence (the API fans
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (re-exported)
-from epd.api.request_error import RequestError
-from epd.api.tool_calls import (ToolChoice, ToolError, parse_tool_choice, tool_choice_schema,
+from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
 from epd.engine.structured_output import check_constraint
 from epd.inputs.sampling_defaults import SamplingDefaults
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
+from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
+from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
@@ -31,34 +31,6 @@ MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS = 100.0
 NEUTRAL = SamplingDefaults()  # vLLM's --generation-config vllm: temperature 1, top_p 1, top_k off, ...
-
-@dataclass
-class GenerateRequest:
-    """One sequence to generate. Exactly one of `messages` (chat, validated OpenAI
-    message dicts, see `validate_messages`) and `prompt` (completions) is set."""
-
-    request_id: str
-    messages: list[dict] | None
-    prompt: str | list[int] | None
-    sampling: SamplingParams
-    add_generation_prompt: bool = True
-    tools: list[dict] | None = None  # rendered by the chat template
-    tool_choice: ToolChoice | None = None  # how the answer is parsed into tool calls (chat only)
-
-
-@dataclass
-class Delta:
-    """New output of one sequence since the previous Delta; the last one has
-    `finish_reason` set ("stop" or "length")."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
-    dispatched_s: float | None = None  # time.monotonic() when the request was handed to a prefill worker
-
 
 def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
     """Token ids the client names must exist in the model: a stop token id past

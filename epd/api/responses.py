@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epd.api.protocol import Delta
+from epd.requests import Delta
 from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
 from epd.transport.sampling import TokenLogprobs
 

@@ -19,9 +19,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -32,39 +29,12 @@ from epd.api.errors import error_body, error_response, install_error_handlers, i
 from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLETIONS_PATH, REQUEST_ID_GENERATED_KEY,
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
 from epd.api.metrics import ApiMetrics
-from epd.api.protocol import ChatCompletionRequest, CompletionRequest, Delta, GenerateRequest, RequestError, check_model
-from epd.inputs.sampling_defaults import SamplingDefaults
+from epd.api.orchestrator_like import OrchestratorLike
+from epd.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
+from epd.api.settings import ApiSettings
+from epd.requests import RequestError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ApiSettings:
-    served_model_name: str
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
-    max_images_per_prompt: int | None = None  # None: no limit
-    max_request_body_bytes: int = 64 << 20  # larger bodies get 413 before they are read (--max-request-body-mb)
-    # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
-    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-
-
-class OrchestratorLike(Protocol):
-    model_name: str
-    max_model_len: int
-    vocab_size: int  # token ids a client names must be below it
-
-    def missing_roles(self) -> list[str]:
-        """Roles the deployment needs that have no live worker now ([]: healthy)."""
-        ...
-
-    def metrics_text(self) -> bytes: ...
-
-    def decode_token(self, token_id: int) -> str: ...
-
-    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
-        """One sequence; raises RequestError before the first Delta for bad input;
-        the last Delta has finish_reason set; aclose() aborts it."""
-        ...
 
 
 def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_routes: bool = True) -> FastAPI:

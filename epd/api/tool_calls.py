@@ -26,6 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd.requests import ToolChoice  # noqa: F401 (re-exported)
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 
@@ -36,14 +38,6 @@ class ToolError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    """What to parse out of a chat answer: mode "none", "auto", "required" or "named"."""
-
-    mode: str
-    name: str | None = None  # the function, mode "named"
 
 
 def validate_tools(tools: list[Any]) -> list[dict]:

@@ -37,13 +37,14 @@ import time
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
+from epd.multiprocess_metrics import MULTIPROC_DIR_ENV  # read by prometheus_client when imported (not yet, here)
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
+from epd.serve.worker_launches import worker_launches
 from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
 
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when imported (not yet, here)
 API_STOP_S = 10.0  # an API process told to stop gets this long (after draining) before SIGKILL
 HTTP_BACKLOG = 2048
 
@@ -68,8 +69,6 @@ def collectors(config: ServeConfig, addresses: Addresses | None) -> list[str]:
 
 
 def serve_many(config: ServeConfig) -> int:
-    from epd.serve.launcher import worker_launches
-
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     metrics_dir = os.path.join(run_dir, "metrics")
     os.makedirs(metrics_dir)
@@ -256,7 +255,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
 
     from epd.api.http_protocol import http_protocol
     from epd.api.server import ApiSettings, build_app
-    from epd.serve.launcher import DRAIN_POLL_S, _Server
+    from epd.serve.http_server import DRAIN_POLL_S, HttpServer
     from epd.serve.orchestrator import Orchestrator
 
     config = launch.config
@@ -299,7 +298,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
-    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
+    server = HttpServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
                                     backlog=HTTP_BACKLOG, http=http_protocol()), drain)
     try:
         server.run(sockets=[http, own])

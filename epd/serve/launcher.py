@@ -12,48 +12,21 @@ import contextlib
 import multiprocessing
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
+from epd.serve.http_server import DRAIN_POLL_S, HttpServer
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
-from epd.transport.addresses import Addresses, tcp_address, worker_id
+from epd.serve.worker_launches import worker_launches
+from epd.transport.addresses import Addresses, tcp_address
 from epd.transport.worker_io import WorkerSpec
-
-DRAIN_POLL_S = 0.1
-
-
-def visible_gpus(device: str) -> int:
-    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when told to use the CPU."""
-    if device == "cpu":
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, mm_cache_dir: str
-                    ) -> list[WorkerLaunch]:
-    engines = config.worker_engines(visible_gpus(config.engine.device))
-    launches = []
-    for (role, index), engine in zip(config.worker_roles(), engines):
-        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collector,
-                          mm_cache_dir, config.mm_cache_bytes)
-        if engine.device.startswith("cuda"):
-            print(f"EPD: {spec.worker_id} on {engine.device}"
-                  + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
-                     if role.holds_kv else ""), flush=True)
-        launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
-                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
-    return launches
 
 
 def serve(config: ServeConfig) -> int:
@@ -68,27 +41,10 @@ def serve(config: ServeConfig) -> int:
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
     os.makedirs(mm_cache_dir, exist_ok=True)
-    keys_dir = config.worker_keys
     if config.cpu_sharing == "shared":
         # workers whose threads outnumber the cores must not spin while they wait
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
-        from epd.serve.ray_cluster import start_ray_plane
-
-        plane = start_ray_plane(config, run_dir)
-        collector, keys_dir, supervisor = plane.collector, plane.keys_dir, plane.supervisor
-    else:
-        if config.external_workers:
-            collector = tcp_address(config.host, config.worker_port or config.port + 1)
-            addresses = None
-        else:
-            addresses = Addresses.ipc(run_dir)
-            collector = addresses.collector()
-        launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
-        supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                     max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
-                                     restart_window_s=config.limits.restart_window_s, addresses=addresses)
-
+    collector, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
     if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
         orchestrator.registry.supervised = supervisor.owns
@@ -97,6 +53,46 @@ def serve(config: ServeConfig) -> int:
                                                 max_images_per_prompt=config.media.limit_images_per_prompt,
                                                 max_request_body_bytes=config.limits.max_request_body_bytes,
                                                 sampling_defaults=orchestrator.files.sampling_defaults))
+    app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
+    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                       timeout_graceful_shutdown=3, http=http_protocol()),
+                        lambda: _drain(config, orchestrator))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        supervisor.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if server.started:
+        print("EPD: stopped; every worker exited", flush=True)
+    return 0 if server.started else 1
+
+
+def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str):
+    """(collector address, worker keys dir, supervisor) of the workers: Ray actors,
+    external workers that register themselves, or local processes."""
+    keys_dir = config.worker_keys
+    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
+        from epd.serve.ray_cluster import start_ray_plane
+
+        plane = start_ray_plane(config, run_dir)
+        return plane.collector, plane.keys_dir, plane.supervisor
+    if config.external_workers:
+        collector = tcp_address(config.host, config.worker_port or config.port + 1)
+        addresses = None
+    else:
+        addresses = Addresses.ipc(run_dir)
+        collector = addresses.collector()
+    launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
+    supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
+                                 max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
+                                 restart_window_s=config.limits.restart_window_s, addresses=addresses)
+    return collector, keys_dir, supervisor
+
+
+def _lifespan(config: ServeConfig, orchestrator, supervisor, collector: str):
+    """The app's lifespan: workers started and Ready before the first request, stopped after the last."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -129,68 +125,17 @@ def serve(config: ServeConfig) -> int:
             await orchestrator.stop()
             supervisor.stop()
 
-    async def drain() -> None:
-        """SIGTERM: refuse new requests (503 + Retry-After), let those in flight finish."""
-        orchestrator.draining = True
-        print(f"EPD: SIGTERM: draining {orchestrator.num_active} requests "
-              f"(up to {config.limits.shutdown_grace_s:g} s)", flush=True)
-        deadline = time.monotonic() + config.limits.shutdown_grace_s
-        while orchestrator.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-
-    app.router.lifespan_context = lifespan
-    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                    timeout_graceful_shutdown=3, http=http_protocol()), drain)
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        supervisor.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if server.started:
-        print("EPD: stopped; every worker exited", flush=True)
-    return 0 if server.started else 1
+    return lifespan
 
 
-class _Server(uvicorn.Server):
-    """uvicorn with EPD's signals. Ctrl-C stops now (open connections get 3 s);
-    SIGTERM first drains (`drain`), then stops the same way. Neither signal is
-    raised again after the stop (uvicorn's own habit, which for SIGTERM killed
-    the process before the launcher could clean up)."""
-
-    def __init__(self, config: uvicorn.Config, drain):
-        super().__init__(config)
-        self._drain = drain
-        self._draining: asyncio.Task | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        originals = {sig: signal.signal(sig, lambda sig, _frame: loop.call_soon_threadsafe(self._on_signal, sig))
-                     for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, sig: int) -> None:
-        if sig == signal.SIGTERM and self.started and self._draining is None:
-            self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit())
-        elif self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            self.should_exit = True
-
-    async def _drain_then_exit(self) -> None:
-        try:
-            await self._drain()
-        finally:
-            self.should_exit = True
+async def _drain(config: ServeConfig, orchestrator) -> None:
+    """SIGTERM: refuse new requests (503 + Retry-After), let those in flight finish."""
+    orchestrator.draining = True
+    print(f"EPD: SIGTERM: draining {orchestrator.num_active} requests "
+          f"(up to {config.limits.shutdown_grace_s:g} s)", flush=True)
+    deadline = time.monotonic() + config.limits.shutdown_grace_s
+    while orchestrator.num_active and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def run_external_worker(config: WorkerConfig) -> int:

@@ -18,8 +18,12 @@ class TokenOrder:
         self.queue = queue
         self.waiting: dict[int, TokenOutput] = {}  # index of its first token -> delta
         self.next_index = 0
+        self._event: object | None = None  # met by next_tokens_nowait; the next next() hands it out
 
     async def next(self) -> TokenOutput | object:
+        if self._event is not None:
+            event, self._event = self._event, None
+            return event
         while self.next_index not in self.waiting:
             out = await self.queue.get()
             if not isinstance(out, TokenOutput) or not out.token_ids:
@@ -30,6 +34,9 @@ class TokenOrder:
     def next_nowait(self) -> TokenOutput | object | None:
         """The next output if it is already here (None if not): what a stream
         whose reader fell behind has accumulated, taken without waiting."""
+        if self._event is not None:
+            event, self._event = self._event, None
+            return event
         while self.next_index not in self.waiting:
             if self.queue.empty():
                 return None
@@ -38,6 +45,16 @@ class TokenOrder:
                 return out
             self.waiting[out.index] = out
         return self._pop()
+
+    def next_tokens_nowait(self) -> TokenOutput | None:
+        """The next output if it is already here and carries tokens (None if not).
+        An event met instead (an error, a lost worker, the deadline) is kept for
+        the next `next()`, so accumulated tokens leave before it."""
+        out = self.next_nowait()
+        if out is None or (isinstance(out, TokenOutput) and out.error is None):
+            return out
+        self._event = out
+        return None
 
     def _pop(self) -> TokenOutput:
         out = self.waiting.pop(self.next_index)

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from epd.api.metrics import is_multiprocess
+from epd.multiprocess_metrics import is_multiprocess
 from epd.serve.registry import WorkerRegistry
 from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.wire_values import EncoderCounters, EngineCounters

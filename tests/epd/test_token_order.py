@@ -35,3 +35,20 @@ def test_an_error_is_passed_on_at_once():
 def test_an_event_that_is_no_token_output_passes_at_once():
     event = object()  # e.g. the orchestrator's "worker lost"
     assert _drain([TokenOutput("r", [7], index=1), event], 1) == [event]  # token 7 waits for index 0
+
+
+def test_an_event_met_while_taking_accumulated_tokens_is_handed_out_next():
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        event = object()  # e.g. a worker lost, queued after two tokens
+        error = TokenOutput("r", [], finished=True, finish_reason="error", error="failed")
+        for out in (TokenOutput("r", [5], index=0), TokenOutput("r", [6], index=1), event, error):
+            queue.put_nowait(out)
+        order = TokenOrder(queue)
+        taken = [await order.next(), order.next_tokens_nowait()]
+        assert [t.token_ids for t in taken] == [[5], [6]]
+        assert order.next_tokens_nowait() is None  # the event is kept, not taken as tokens
+        assert await asyncio.wait_for(order.next(), 1) is event
+        assert order.next_tokens_nowait() is None and await asyncio.wait_for(order.next(), 1) is error
+        assert order.next_tokens_nowait() is None  # nothing more here
+    asyncio.run(run())

@@ -1,0 +1,27 @@
+"""`OrchestratorLike`: all the HTTP edge knows of the serving layer behind it
+(epd/serve/orchestrator.py is one; the API tests serve a fake)."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from epd.requests import Delta, GenerateRequest
+
+
+class OrchestratorLike(Protocol):
+    model_name: str
+    max_model_len: int
+    vocab_size: int  # token ids a client names must be below it
+
+    def missing_roles(self) -> list[str]:
+        """Roles the deployment needs that have no live worker now ([]: healthy)."""
+        ...
+
+    def metrics_text(self) -> bytes: ...
+
+    def decode_token(self, token_id: int) -> str: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
+        """One sequence; raises RequestError before the first Delta for bad input;
+        the last Delta has finish_reason set; aclose() aborts it."""
+        ...

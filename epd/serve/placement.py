@@ -1,0 +1,198 @@
+"""Where one attempt of a request runs, and the messages that start it there: `Placement`.
+
+    routers           prefill (or pd / aggregated) worker, decode worker           epd/serve/router.py
+    local prefill     e-p-d: a short text-only prompt to a decode worker alone, which prefills it
+                      (or, when no decode worker has room, to an idle prefill worker)
+    cache lookup      an image the prefill worker can read from the cache needs no encoder
+    encoders          every missing image to the encoder where it finishes first   epd/serve/encoder_router.py
+    send              PrefillRequest at once (the worker waits for its images), then one
+                      EncodeRequest per missing image
+
+A request's placement is decided per attempt: a retry is placed again, on
+live workers. Routing by LoRA adapter will be a rule here, beside the text /
+image / local-prefill choice of `_route`.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from epd.config import ServeConfig
+from epd.engine.model_info import ModelInfo
+from epd.requests import GenerateRequest, RequestError
+from epd.serve.attempt import Attempt
+from epd.serve.encoder_router import EncoderRouter
+from epd.serve.preparer import Prepared
+from epd.serve.registry import WorkerInfo, WorkerRegistry
+from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router
+from epd.serve.worker_metrics import WorkerMetrics
+from epd.transport.channels import AsyncOutbox
+from epd.transport.messages import EncodeRequest, PrefillRequest
+from epd.transport.mm_cache import MMCache
+from epd.transport.roles import Role
+
+PREFILL_ROLES = tuple(role for role in Role if role.takes_prefill)
+NO_WORKER_POLL_S = 0.05  # while no live worker of a role exists, look again this often
+
+
+@dataclass
+class Placed:
+    """The workers one attempt runs on, and the images it must have encoded."""
+
+    prefill: WorkerInfo  # prefill, pd or aggregated (or a decode worker that prefills locally)
+    decode: WorkerInfo | None
+    misses: list[tuple[str, bytes]]  # (mm_hash, raw bytes) of the images no cache it reads holds
+    encoders: list[WorkerInfo]  # the encoder of each miss
+
+
+class Placement:
+    """Routers, the embedding cache lookup and the sends that start an attempt."""
+
+    def __init__(self, config: ServeConfig, info: ModelInfo, registry: WorkerRegistry, metrics: WorkerMetrics,
+                 attempts: dict[str, Attempt], mm_cache_dir: str, merge_size: int, api_index: int = 0):
+        """`attempts`: the orchestrator's tries in flight (read for the prompts each
+        worker is prefilling). `merge_size`: the vision merge (patches per image token)."""
+        self.config = config
+        self.info = info
+        self.registry = registry
+        self.metrics = metrics
+        self.attempts = attempts
+        self.mm_cache_dir = mm_cache_dir
+        self.merge_size = merge_size
+        self.api_index = api_index
+        self.host = socket.gethostname()
+        self.prefill_router = make_router(config.router)
+        self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
+        # text-only requests wait for no encoder: the least busy prefill worker starts them first
+        self.text_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.prefill_router
+        # conditional disaggregation: short text-only prompts go to the least busy decode worker
+        self.local_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.decode_router
+        self.max_local_prefill_tokens = config.engine.scheduler.max_local_prefill_tokens \
+            if Role.DECODE in {role for role, _ in config.mode_roles()} else 0
+        self.encoder_router = EncoderRouter(config.encoder_router)
+        self.cache: MMCache | None = None
+
+    # -------------------------------------------------------------- cache
+
+    def open_cache(self) -> None:
+        """Opens the workers' embedding cache read-only, once it exists (a worker made it)."""
+        if self.cache is None and (Path(self.mm_cache_dir) / "data.mdb").exists():
+            self.cache = MMCache(self.mm_cache_dir, self.config.mm_cache_bytes, readonly=True,
+                                 model_fingerprint=self.info.fingerprint)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    def _cache_reaches(self, worker: WorkerInfo) -> bool:
+        """Whether `worker` reads the cache this process looks up (same dir, same host)."""
+        return self.cache is not None and worker.mm_cache_dir == self.mm_cache_dir \
+            and worker.host in ("", self.host)
+
+    # -------------------------------------------------------------- place
+
+    async def place(self, prep: Prepared, emitted: list[int], attempt_no: int, deadline: float) -> Placed:
+        """Live workers for one try of a request (prompt + `emitted`): prefill and decode
+        worker, the images no cache they read holds, and each one's encoder."""
+        prefill, decode = await self._route(prep, emitted, deadline)
+        misses = self._cache_misses(prep, prefill, count=attempt_no == 0)
+        if prefill.role == Role.AGGREGATED:
+            encoders = [prefill] * len(misses)
+        elif misses:
+            encoders = self.encoder_router.assign(await self._live((Role.ENCODER,), deadline),
+                                                  [(key, prep.num_patches[key]) for key, _ in misses])
+        else:
+            encoders = []
+        return Placed(prefill, decode, misses, encoders)
+
+    async def _route(self, prep: Prepared, emitted: list[int],
+                     deadline: float) -> tuple[WorkerInfo, WorkerInfo | None]:
+        """(prefill worker, decode worker or None) of one try."""
+        decode = None
+        if self._prefills_locally(prep, emitted):
+            decoders = await self._live((Role.DECODE,), deadline)
+            idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._pending_prefill_tokens(),
+                                        len(prep.token_ids) + len(emitted), self.max_local_prefill_tokens)
+            if idle:  # no decode worker can start it in its next step: an idle prefill worker starts it now
+                prefill = self.text_prefill_router.choose(idle, prep.token_ids)
+                decode = self.decode_router.choose(decoders, prep.token_ids)
+                self.metrics.local_prefills_redirected += 1
+            else:  # the decode worker prefills it itself: no KV moves
+                prefill = self.local_prefill_router.choose(decoders, prep.token_ids)
+                self.metrics.local_prefills += 1
+        else:
+            router = self.prefill_router if prep.images else self.text_prefill_router
+            prefill = router.choose(await self._live(PREFILL_ROLES, deadline), prep.token_ids)
+            if prefill.role == Role.PREFILL:
+                decode = self.decode_router.choose(await self._live((Role.DECODE,), deadline), prep.token_ids)
+        return prefill, decode
+
+    def _cache_misses(self, prep: Prepared, prefill: WorkerInfo, count: bool) -> list[tuple[str, bytes]]:
+        """The images `prefill` cannot read from the cache; `count`: the first try's
+        lookups go into the cache metrics."""
+        misses = []
+        if count and prep.mm_spans:
+            self.metrics.request_images.observe(len(prep.mm_spans))
+        for key, data in prep.images.items():
+            if count:
+                self.metrics.mm_cache_queries += 1
+            if self._cache_reaches(prefill) and self.cache.contains(key):
+                if count:  # the prefill worker reads it: no encoder work
+                    self.metrics.mm_cache_hits += 1
+                    self.metrics.mm_cache_hit_tokens += prep.num_patches[key] // self.merge_size ** 2
+            else:
+                misses.append((key, data))
+        return misses
+
+    async def _live(self, roles: tuple[str, ...], deadline: float) -> list[WorkerInfo]:
+        """Live workers of `roles`, waiting (until the deadline) while a restart brings one back."""
+        while True:
+            workers = self.registry.live(*roles)
+            if workers:
+                return workers
+            if time.monotonic() > deadline or len(self.registry.down_roles(roles)) == len(roles):
+                self.metrics.requests_failed["no_worker"] += 1
+                raise RequestError(status=503, message=f"no live {' or '.join(map(str, roles))} worker",
+                                   type="service_unavailable", retry_after_s=5)
+            await asyncio.sleep(NO_WORKER_POLL_S)
+
+    def _prefills_locally(self, prep: Prepared, emitted: list[int]) -> bool:
+        """Conditional disaggregation (`--max-local-prefill-tokens`, e-p-d): a
+        text-only prompt this short is prefilled on a decode worker, so it never
+        queues behind image prompts' chunks at the prefill worker."""
+        return not prep.mm_spans and 0 < len(prep.token_ids) + len(emitted) <= self.max_local_prefill_tokens
+
+    def _pending_prefill_tokens(self) -> Counter[str]:
+        """Worker id -> prompt tokens of this API process's requests it is prefilling (sent, first token not back)."""
+        pending = Counter()
+        for attempt in self.attempts.values():
+            if attempt.num_emitted == 0:
+                pending[attempt.prefill.worker_id] += attempt.num_prompt_tokens
+        return pending
+
+    # --------------------------------------------------------------- send
+
+    async def send(self, outbox: AsyncOutbox, attempt: Attempt, placed: Placed, req: GenerateRequest,
+                   prep: Prepared, emitted: list[int]) -> None:
+        """The PrefillRequest of one try (prompt + `emitted`, with the rest of the
+        request's token budget), then one EncodeRequest per missing image."""
+        prefill, decode = placed.prefill, placed.decode
+        sampling = replace(req.sampling, max_tokens=prep.max_tokens - len(emitted), n=1,
+                           min_tokens=max(0, req.sampling.min_tokens - len(emitted)),
+                           stream_interval=self.config.stream_interval)
+        # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
+        # has it before any EncodeDone (a busy one may still read them out of order).
+        await outbox.send(prefill.inbox, PrefillRequest(
+            attempt.attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling,
+            list(self.info.eos_token_ids), decode.inbox if decode else None, self.api_index))
+        for (key, data), enc in zip(placed.misses, placed.encoders):
+            attempt.encoders.append(enc)
+            await outbox.send(enc.inbox, EncodeRequest(
+                attempt.attempt_id, key, data, reply_to=prefill.inbox,
+                with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+            if enc is not prefill:
+                self.encoder_router.on_sent(enc, key, prep.num_patches[key])

@@ -1,0 +1,183 @@
+"""A request's media and prompt made ready for the workers: `Preparer`.
+
+    load media        image parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
+    admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
+    prepare           in a thread unless the prompt is token ids
+      images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
+      prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
+                      (a prompt past max_model_len refused after tokenizing one piece past it)
+    check length      the max_tokens to use within max_model_len
+
+Each kind of media is one step of `_prepare` (`_image_refs` today): video
+will be a step of its own beside it, adding its frames' spans and hashes to
+the same `Prepared`.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from epd.config import ServeConfig
+from epd.encoders.image_io import ImageError, read_image_size
+from epd.engine.model_info import ModelInfo
+from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.model_files import ModelFiles
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
+from epd.requests import GenerateRequest, RequestError
+from epd.serve.worker_metrics import WorkerMetrics
+from epd.transport.mm_cache import mm_hash
+from epd.transport.mm_span import MMSpan
+
+
+@dataclass
+class Prepared:
+    """What every attempt of a request sends (its prompt and images) and may generate."""
+
+    token_ids: list[int]
+    mm_spans: list[MMSpan]
+    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images
+    num_patches: dict[str, int]  # mm_hash -> vision patches (the encoder's work)
+    max_tokens: int = 0  # tokens to generate, over all attempts
+    held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
+
+
+class Preparer:
+    """Media -> raw bytes -> tokens, image spans, mm_hashes and patches, for one
+    model; and the budget of image bytes waiting to be prefilled."""
+
+    def __init__(self, config: ServeConfig, info: ModelInfo, files: ModelFiles, max_model_len: int,
+                 metrics: WorkerMetrics):
+        """`files`: the checkpoint's tokenizer, chat template and image processor (epd/inputs/model_files.py)."""
+        self.config = config
+        self.info = info
+        self.files = files
+        self.tokenizer = files.tokenizer
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.geometry = files.geometry  # None: text only (no preprocessor_config.json)
+        self.prompts = PromptBuilder(self.tokenizer, self.geometry, info.image_token_id,
+                                     files.chat_template and files.chat_template.text)
+        self.processor_config = files.processor_config or {}
+        self.media = MediaFetcher(config.media)
+        self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
+
+    async def prepare(self, req: GenerateRequest) -> Prepared:
+        """Everything a request's attempts send; RequestError for bad input (400) or
+        too many image bytes waiting (503). Holds the request's image bytes until
+        `release` (the caller's, once prefilled or done)."""
+        raw_images = await self._load_images(req)
+        held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
+        try:
+            if req.messages is None and not isinstance(req.prompt, str):
+                prep = self._prepare(req, raw_images)  # token ids: nothing to tokenize, no thread hop
+            else:
+                prep = await asyncio.to_thread(self._prepare, req, raw_images)
+            prep.max_tokens = self._check_length(req, len(prep.token_ids))
+        except BaseException:
+            self._release_image_bytes(held_image_bytes)
+            raise
+        prep.held_image_bytes = held_image_bytes
+        return prep
+
+    def release(self, prep: Prepared) -> None:
+        """The request's images are no longer needed (prefilled, or the request ended); once only."""
+        self._release_image_bytes(prep.held_image_bytes)
+        prep.held_image_bytes = 0
+
+    async def aclose(self) -> None:
+        await self.media.aclose()
+
+    # ------------------------------------------------------------- media
+
+    async def _load_images(self, req: GenerateRequest) -> list[bytes]:
+        """Raw bytes of every image part, in order, fetched concurrently; RequestError
+        for a refused one (the others are cancelled). The per-prompt image limit was
+        checked by the API layer (protocol.validate_messages) before any fetch."""
+        if req.messages is None:
+            return []
+        parts = image_parts(req.messages)
+        if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
+            raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
+        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in parts]
+        try:
+            return list(await asyncio.gather(*loads))
+        except MediaError as exc:
+            raise RequestError(status=400, message=str(exc), param="messages") from None
+        finally:
+            for load in loads:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+
+    def _admit_image_bytes(self, num_bytes: int) -> int:
+        limit = self.config.limits.max_pending_image_bytes
+        if num_bytes and self.pending_image_bytes + num_bytes > limit:
+            self.metrics.requests_refused["image_bytes"] += 1
+            raise RequestError(status=503, message=f"the server is busy: {self.pending_image_bytes} image bytes are "
+                               f"waiting to be encoded (--max-pending-image-mb)", type="service_unavailable",
+                               retry_after_s=1)
+        self.pending_image_bytes += num_bytes
+        return num_bytes
+
+    def _release_image_bytes(self, num_bytes: int) -> None:
+        self.pending_image_bytes -= num_bytes
+
+    # ------------------------------------------------------------ prompt
+
+    def _prepare(self, req: GenerateRequest, raw_images: list[bytes]) -> Prepared:
+        """Tokens, image spans and distinct images; RequestError for bad input."""
+        max_prompt_tokens = self.max_model_len - 1  # one token at least is left to generate
+        if req.messages is None:
+            prompt = req.prompt
+            if isinstance(prompt, str) and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
+                raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise RequestError(status=400, message="the prompt is empty", param="prompt")
+            if any(not 0 <= t < self.info.vocab_size for t in ids):
+                raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
+            return Prepared(ids, [], {}, {})
+        images, num_patches, refs = self._image_refs(raw_images)
+        try:
+            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
+                                        max_tokens=max_prompt_tokens)
+        except PromptTooLong as exc:
+            raise self._too_long(exc, "messages") from None
+        except ValueError as exc:
+            raise RequestError(status=400, message=str(exc), param="messages") from None
+        return Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
+
+    def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
+        return RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} "
+                            f"tokens; {exc}, leaving none to generate", param=param)
+
+    def _image_refs(self, raw_images: list[bytes]) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
+        """Distinct images by mm_hash, their patches, and each image part's size and hash,
+        from the headers alone; RequestError for an image refused."""
+        images, num_patches, refs, num_pixels = {}, {}, [], 0
+        for data in raw_images:
+            try:
+                width, height = read_image_size(data, self.config.media.max_image_pixels)
+                t, h, w = self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
+            except (ImageError, ValueError) as exc:
+                raise RequestError(status=400, message=str(exc), param="messages") from None
+            num_pixels += width * height
+            if num_pixels > self.config.media.max_request_pixels:
+                raise RequestError(status=400, message=f"the request's images have more than "
+                                   f"{self.config.media.max_request_pixels} pixels in all (--max-request-pixels)",
+                                   param="messages")
+            key = mm_hash(data, self.info.fingerprint, self.processor_config)
+            images[key] = data
+            num_patches[key] = t * h * w
+            refs.append(ImageRef(width, height, key))
+        return images, num_patches, refs
+
+    def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
+        """The max_tokens to use; RequestError when the prompt leaves no room."""
+        room = self.max_model_len - num_prompt_tokens
+        max_tokens = req.sampling.max_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = num_prompt_tokens + (max_tokens or 1)
+            raise RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} tokens; the "
+                               f"request asks for {asked} ({num_prompt_tokens} in the prompt, "
+                               f"{max_tokens or 1} to generate)", param="max_tokens")
+        return max_tokens if max_tokens is not None else room

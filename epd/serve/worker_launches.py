@@ -1,0 +1,34 @@
+"""`worker_launches`: the workers of a local deployment, one `WorkerLaunch` each
+(spec, engine settings with its device and KV share, threads, niceness), for
+`epd serve` (epd/serve/launcher.py) and `--api-servers N` (epd/serve/api_servers.py)."""
+from __future__ import annotations
+
+from epd.config import ServeConfig
+from epd.serve.roles import WorkerLaunch
+from epd.transport.addresses import Addresses, worker_id
+from epd.transport.worker_io import WorkerSpec
+
+
+def visible_gpus(device: str) -> int:
+    """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when told to use the CPU."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, mm_cache_dir: str
+                    ) -> list[WorkerLaunch]:
+    engines = config.worker_engines(visible_gpus(config.engine.device))
+    launches = []
+    for (role, index), engine in zip(config.worker_roles(), engines):
+        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collector,
+                          mm_cache_dir, config.mm_cache_bytes)
+        if engine.device.startswith("cuda"):
+            print(f"EPD: {spec.worker_id} on {engine.device}"
+                  + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
+                     if role.holds_kv else ""), flush=True)
+        launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
+                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
+    return launches
