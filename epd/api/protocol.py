@@ -201,9 +201,9 @@ class _GenerationRequest(BaseModel):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured_outputs: StructuredOutputsParams | None = None,
                          defaults: SamplingDefaults = NEUTRAL) -> SamplingParams:
-        """`defaults`: the values of the fields the request leaves out (--generation-config)."""
+        """`defaults`: the values of the fields the request leaves out (--generation-config);
+        max_tokens stays as asked: its default and cap need the prompt's length (serve/preparer.py)."""
         stop = normalize_stop(self.stop)
-        max_tokens = defaults.max_tokens_for(max_tokens)
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
                                param="min_tokens")

@@ -172,12 +172,15 @@ class Preparer:
         return images, num_patches, refs
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
-        """The max_tokens to use; RequestError when the prompt leaves no room."""
+        """The max_tokens to use; RequestError when the prompt leaves no room, or the
+        max_tokens the request asked (after the generation config's cap) does not fit.
+        One it did not ask (None) is the generation config's default, within the room (vLLM)."""
         room = self.max_model_len - num_prompt_tokens
-        max_tokens = req.sampling.max_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = num_prompt_tokens + (max_tokens or 1)
+        asked = req.sampling.max_tokens
+        max_tokens = self.files.sampling_defaults.max_tokens_for(asked)
+        if room < 1 or (asked is not None and max_tokens > room):
+            total = num_prompt_tokens + (max_tokens or 1)
             raise RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} tokens; the "
-                               f"request asks for {asked} ({num_prompt_tokens} in the prompt, "
+                               f"request asks for {total} ({num_prompt_tokens} in the prompt, "
                                f"{max_tokens or 1} to generate)", param="max_tokens")
-        return max_tokens if max_tokens is not None else room
+        return room if max_tokens is None else min(max_tokens, room)

@@ -138,7 +138,7 @@ def test_api_requests_take_the_defaults_for_fields_they_leave_out():
     body = {"model": "m", "messages": TEXT}
     omitted = ChatCompletionRequest(**body).to_generate_request("r", defaults=defaults).sampling
     assert (omitted.temperature, omitted.top_p, omitted.top_k, omitted.repetition_penalty, omitted.max_tokens) \
-        == (0.7, 0.8, 20, 1.05, 9)
+        == (0.7, 0.8, 20, 1.05, None)  # max_tokens: the preparer's, once the prompt's length is known
     spelled = ChatCompletionRequest(**body, **NEUTRAL_SAMPLING, max_tokens=3).to_generate_request(
         "r", defaults=defaults).sampling
     assert (spelled.temperature, spelled.top_p, spelled.top_k, spelled.repetition_penalty, spelled.max_tokens) \

@@ -23,6 +23,8 @@ from epd.cli import main
 TEXT = [{"role": "user", "content": "Tell me a story about a cat"}]
 RELEASE = {k: v for k, v in QWEN3_VL_SAMPLING.items() if k != "do_sample"}
 SEEDS = range(6)
+MAX_MODEL_LEN = 64  # the release server's: a long prompt leaves less room than MAX_NEW_TOKENS
+MAX_NEW_TOKENS = 24  # --override-generation-config: the default max_tokens, and a cap on every request's
 
 
 def run_epd(*args, timeout=300):
@@ -46,7 +48,9 @@ def text_only_model(tiny_model, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def release_server(release_model, tmp_path_factory):
-    srv = start_server(release_model, tmp_path_factory.mktemp("release-log"), "aggregated")
+    srv = start_server(release_model, tmp_path_factory.mktemp("release-log"), "aggregated",
+                       "--max-model-len", str(MAX_MODEL_LEN),
+                       "--override-generation-config", json.dumps({"max_new_tokens": MAX_NEW_TOKENS}))
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -74,7 +78,7 @@ def test_the_template_from_chat_template_json_is_rendered(release_server, releas
 def test_omitted_sampling_fields_take_the_release_values(release_server, release_model):
     api = client(release_server)
     models = api.models.list().data
-    assert models[0].model_extra["default_sampling_params"] == RELEASE
+    assert models[0].model_extra["default_sampling_params"] == {**RELEASE, "max_tokens": MAX_NEW_TOKENS}
     assert "Default sampling parameters have been overridden" in release_server.log()
 
     def chat(seed: int, **fields) -> str:
@@ -93,6 +97,33 @@ def test_omitted_sampling_fields_take_the_release_values(release_server, release
         omitted = [call(seed) for seed in SEEDS]
         assert omitted == [call(seed, **RELEASE) for seed in SEEDS], call.__name__
         assert omitted != [call(seed, **NEUTRAL_SAMPLING) for seed in SEEDS], call.__name__
+
+
+def test_max_new_tokens_is_the_default_and_the_cap(release_server, release_model):
+    api = client(release_server)
+
+    def usage(messages, **fields):
+        out = api.chat.completions.create(model=release_model, messages=messages, temperature=0, extra_body=fields)
+        return out.usage.prompt_tokens, out.usage.completion_tokens
+
+    assert usage(TEXT)[1] == MAX_NEW_TOKENS  # no max_tokens: the override's max_new_tokens
+    assert usage(TEXT, max_tokens=MAX_NEW_TOKENS + 10)[1] == MAX_NEW_TOKENS  # an override caps (vLLM)
+    assert usage(TEXT, max_tokens=3)[1] == 3
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(release_model)
+
+    def prompt_tokens_of(messages) -> int:
+        return len(tokenizer.apply_chat_template(messages, chat_template=processor_template(release_model),
+                                                 add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    # a prompt that leaves room for a few tokens, fewer than MAX_NEW_TOKENS
+    long = next(m for n in range(1, 40) if MAX_MODEL_LEN - MAX_NEW_TOKENS < prompt_tokens_of(
+        m := [{"role": "user", "content": "a story " * n}]) < MAX_MODEL_LEN - 2)
+    prompt_tokens, completion_tokens = usage(long)
+    assert MAX_MODEL_LEN - prompt_tokens < MAX_NEW_TOKENS and completion_tokens == MAX_MODEL_LEN - prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        usage(long, max_tokens=MAX_NEW_TOKENS)  # asked explicitly: refused, as before
 
 
 def test_text_only_checkpoint_serves_text_and_refuses_images(text_only_server, text_only_model):
