@@ -221,9 +221,13 @@ def _keys(args) -> int:
 
 
 def _worker(args) -> int:
+    from epd.inputs.model_files import ModelFiles
     from epd.serve.launcher import run_external_worker
 
-    return run_external_worker(worker_config(args))
+    config = worker_config(args)
+    files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
+    config.engine.resolved_max_model_len(files.max_position_embeddings)
+    return run_external_worker(config)
 
 
 def _bench_serve(args) -> int:

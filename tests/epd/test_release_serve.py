@@ -143,6 +143,9 @@ def test_bad_checkpoints_and_limits_are_one_line_and_exit_2(release_model, text_
     (broken / "config.json").write_text("{not json")
     picture = tmp_path / "picture.png"
     picture.write_bytes(image_bytes(64, 48, seed=2))
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys)]) == 0
+    capsys.readouterr()
     limit = json.loads((Path(release_model) / "config.json").read_text())["text_config"]["max_position_embeddings"]
     cases = [
         (("serve", release_model, "--max-model-len", str(limit + 1)), [f"--max-model-len {limit + 1} ",
@@ -154,6 +157,8 @@ def test_bad_checkpoints_and_limits_are_one_line_and_exit_2(release_model, text_
         (("serve", release_model, "--override-generation-config", "[1]"), ["takes a JSON object"]),
         (("serve", release_model, "--chat-template", "/no/such/template.jinja"), ["looks like a file path"]),
         (("chat", str(broken), "--prompt", "hi"), ["config.json is not valid JSON"]),
+        (("worker", str(broken), "--role", "decode", "--api", "tcp://127.0.0.1:1", "--worker-keys", str(keys)),
+         ["config.json is not valid JSON"]),
         (("chat", text_only_model, "--prompt", "hi", "--image", str(picture)), ["no preprocessor_config.json"]),
     ]
     for args, wanted in cases:  # in this process: an exception out of main() fails the test
