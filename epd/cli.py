@@ -227,6 +227,8 @@ def _worker(args) -> int:
     config = worker_config(args)
     files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
     config.engine.resolved_max_model_len(files.max_position_embeddings)
+    if files.no_images_reason and config.role is Role.ENCODER:
+        raise ValueError(f"{files.no_images_reason}; an encoder worker needs it")
     return run_external_worker(config)
 
 

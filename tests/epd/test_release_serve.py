@@ -43,7 +43,12 @@ def release_model(tiny_model, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def text_only_model(tiny_model, tmp_path_factory) -> str:
-    return release_checkpoint(tiny_model, tmp_path_factory.mktemp("text-only") / "ckpt", image_processor=False)
+    """No preprocessor_config.json and no chat template: its server is given one with --chat-template."""
+    model = release_checkpoint(tiny_model, tmp_path_factory.mktemp("text-only") / "ckpt", image_processor=False)
+    template = Path(model).parent / "template.jinja"
+    template.write_text(processor_template(model))
+    (Path(model) / "chat_template.json").unlink()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,8 @@ def release_server(release_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text_only_server(text_only_model, tmp_path_factory):
-    srv = start_server(text_only_model, tmp_path_factory.mktemp("text-only-log"), "aggregated")
+    srv = start_server(text_only_model, tmp_path_factory.mktemp("text-only-log"), "aggregated",
+                       "--chat-template", str(Path(text_only_model).parent / "template.jinja"))
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -126,10 +132,17 @@ def test_max_new_tokens_is_the_default_and_the_cap(release_server, release_model
         usage(long, max_tokens=MAX_NEW_TOKENS)  # asked explicitly: refused, as before
 
 
-def test_text_only_checkpoint_serves_text_and_refuses_images(text_only_server, text_only_model):
+def test_text_only_checkpoint_with_chat_template_flag_serves_text_and_refuses_images(text_only_server, text_only_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(text_only_model)
+    template = (Path(text_only_model).parent / "template.jinja").read_text()
+    text = tokenizer.apply_chat_template(TEXT, chat_template=template, tokenize=False, add_generation_prompt=True)
     api = client(text_only_server)
     out = api.chat.completions.create(model=text_only_model, messages=TEXT, max_tokens=4, temperature=0)
     assert out.choices[0].message.content and out.usage.completion_tokens == 4
+    assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))  # --chat-template's
+    assert "chat template from --chat-template" in text_only_server.log()
     image = [{"role": "user", "content": [image_part(image_bytes(64, 48, seed=1)), {"type": "text", "text": "hi"}]}]
     with pytest.raises(openai.BadRequestError) as info:
         api.chat.completions.create(model=text_only_model, messages=image, max_tokens=4)
@@ -159,6 +172,8 @@ def test_bad_checkpoints_and_limits_are_one_line_and_exit_2(release_model, text_
         (("chat", str(broken), "--prompt", "hi"), ["config.json is not valid JSON"]),
         (("worker", str(broken), "--role", "decode", "--api", "tcp://127.0.0.1:1", "--worker-keys", str(keys)),
          ["config.json is not valid JSON"]),
+        (("worker", text_only_model, "--role", "encoder", "--api", "tcp://127.0.0.1:1", "--worker-keys", str(keys)),
+         ["no preprocessor_config.json", "an encoder worker needs it"]),
         (("chat", text_only_model, "--prompt", "hi", "--image", str(picture)), ["no preprocessor_config.json"]),
     ]
     for args, wanted in cases:  # in this process: an exception out of main() fails the test
