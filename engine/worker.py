@@ -34,6 +34,7 @@ from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVT
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
+from epd.transport.frame_limits import engine_inbox_frame_bytes
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
@@ -46,11 +47,19 @@ MAX_IMAGE_WAIT_S = 600.0
 EncodeFn = Callable[[list[bytes]], list[MMEntry | str]]
 
 
+def inbox_frame_bytes(core: EngineCore) -> int:
+    """The largest frame this worker's inbox takes: a KVTransfer or an EncodeDone
+    as large as a --max-model-len prompt (transport/frame_limits.py)."""
+    info, config = core.info, core.config
+    return engine_inbox_frame_bytes(info.num_layers, info.num_kv_heads, info.head_dim, info.hidden_size,
+                                    config.resolved_max_model_len(info.max_model_len), config.scheduler.block_size)
+
+
 class EngineWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
         if not spec.role.holds_kv:
             raise ValueError(f"an engine worker cannot take the role '{spec.role}'")
-        super().__init__(spec, core.info.fingerprint)
+        super().__init__(spec, core.info.fingerprint, max_frame_bytes=inbox_frame_bytes(core))
         self.core = core
         self.encode_fn = encode_fn
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images

@@ -139,7 +139,8 @@ def serve_config(args) -> ServeConfig:
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
         mm_cache_gb=args.mm_cache_gb, router=args.router, encoder_router=args.encoder_router,
         served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, external_workers=args.external_workers,
+        api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, metrics_require_key=args.metrics_require_key,
+        external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
@@ -308,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
-        "encoder_router", "served_model_name", "api_key", "worker_port", "threads_per_worker", "cpu_sharing",
+        "encoder_router", "served_model_name", "api_key", "metrics_require_key", "worker_port", "threads_per_worker", "cpu_sharing",
         "api_servers", "stream_interval")}
     media = {name: field_default(MediaConfig, name) for name in (
         "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
@@ -338,7 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
                    help="cost: each image to the encoder where it finishes first; round_robin: in turn")
     p.add_argument("--served-model-name", default=serve["served_model_name"])
-    p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY)")
+    p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY) on "
+                   "/v1/* and the /docs, /redoc and /openapi.json pages")
+    p.add_argument("--metrics-require-key", action="store_true", default=serve["metrics_require_key"],
+                   help="/metrics needs the API key too (default: open, as in vLLM, for Prometheus)")
     p.add_argument("--api-servers", type=int, default=serve["api_servers"],
                    help="API processes behind the one HTTP port, all routing to the same workers")
     p.add_argument("--stream-interval", type=int, default=serve["stream_interval"], metavar="N",

@@ -95,6 +95,7 @@ class ServeConfig:
     encoder_router: str = "cost"  # one of ENCODER_ROUTERS
     served_model_name: str | None = None
     api_key: str | None = None
+    metrics_require_key: bool = False  # /metrics behind --api-key too
     external_workers: bool = False
     worker_port: int | None = None  # collector port for external workers (default: port + 1)
     threads_per_worker: int | None = None  # None: decided by cpu_sharing
@@ -147,6 +148,12 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def metrics_model_name(self) -> str:
+        """The model_name label of /metrics: the served name, or the checkpoint directory's
+        own name (never the path it lies at)."""
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
     @property
     def mm_cache_bytes(self) -> int:

@@ -107,10 +107,11 @@ class Heartbeat:
 class WorkerIO:
     """Base of the encoder and engine workers."""
 
-    def __init__(self, spec: WorkerSpec, model_fingerprint: str):
+    def __init__(self, spec: WorkerSpec, model_fingerprint: str, max_frame_bytes: int | None = None):
+        """`max_frame_bytes`: the largest frame its inbox takes (transport/frame_limits.py)."""
         self.spec = spec
         keys = PlaneKeys.load(spec.keys_dir, WORKER) if spec.keys_dir else None
-        self.inbox = Receiver(spec.inbox, keys=keys)
+        self.inbox = Receiver(spec.inbox, keys=keys, max_frame_bytes=max_frame_bytes)
         self.apis = spec.apis
         self.outbox = Outbox(keys=keys, api_address=self.apis)
         self.session = secrets.token_hex(16)  # this process's; a restarted worker draws a new one

@@ -40,12 +40,11 @@ logger = logging.getLogger(__name__)
 def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_routes: bool = True) -> FastAPI:
     """`lean_routes=False`: POST /v1/chat/completions and /v1/completions go through
     FastAPI's routing too (the reference the lean route is tested against)."""
-    metrics = ApiMetrics(settings.served_model_name)
+    metrics = ApiMetrics(settings.metrics_model_name or settings.served_model_name)
     generate = GenerateRoute(orchestrator, settings, metrics)
-    app = _App(_ApiMiddleware(generate, settings.api_key, settings.max_request_body_bytes) if lean_routes else None,
-               title="EPD OpenAI-compatible server")
+    app = _App(_ApiMiddleware(generate, settings) if lean_routes else None, title="EPD OpenAI-compatible server")
     install_error_handlers(app)
-    app.add_middleware(_ApiMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(_ApiMiddleware, settings=settings)
     app.state.metrics = metrics
     model = settings.served_model_name
     started = int(time.time())
@@ -114,14 +113,15 @@ class _App(FastAPI):
 
 class _ApiMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched): echoes or
-    generates `x-request-id`, checks the API key on /v1/*, refuses a body past
+    generates `x-request-id`, checks the API key on `settings.keyed_paths`, refuses a body past
     `max_body_bytes` with a 413 (epd/api/body_limit.py), and turns an unhandled
     exception into an OpenAI-style 500 while the response has not started."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, settings: ApiSettings):
         self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.api_key = settings.api_key
+        self.keyed_paths = settings.keyed_paths
+        self.max_body_bytes = settings.max_request_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -146,7 +146,8 @@ class _ApiMiddleware:
                 message = {**message, "headers": [*message.get("headers", []), request_id_header]}
             await send(message)
 
-        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(authorization or ""):
+        if self.api_key is not None and scope["path"].startswith(self.keyed_paths) \
+                and not self._authorized(authorization or ""):
             error = RequestError("Incorrect or missing API key: pass Authorization: Bearer <key>",
                                  status=401, code="invalid_api_key")
             return await error_response(error)(scope, receive, send_with_id)

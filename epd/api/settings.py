@@ -12,5 +12,14 @@ class ApiSettings:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
     max_images_per_prompt: int | None = None  # None: no limit
     max_request_body_bytes: int = 64 << 20  # larger bodies get 413 before they are read (--max-request-body-mb)
+    metrics_require_key: bool = False  # --metrics-require-key: /metrics behind the API key too (vLLM leaves it open)
+    metrics_model_name: str | None = None  # the model_name label of /metrics (None: served_model_name); never a path
     # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def keyed_paths(self) -> tuple[str, ...]:
+        """Path prefixes that need the API key when one is set: the API, its schema and
+        docs pages, and /metrics by choice; /health stays open for probes."""
+        docs = ("/docs", "/redoc", "/openapi.json")
+        return ("/v1", *docs, *(("/metrics",) if self.metrics_require_key else ()))

@@ -254,8 +254,8 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     import uvicorn
 
     from epd.api.http_protocol import http_protocol
-    from epd.api.server import ApiSettings, build_app
-    from epd.serve.http_server import DRAIN_POLL_S, HttpServer
+    from epd.api.server import build_app
+    from epd.serve.http_server import HttpServer, api_settings
     from epd.serve.orchestrator import Orchestrator
 
     config = launch.config
@@ -263,10 +263,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
     if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
         orchestrator.registry.supervised = lambda worker_id: True
-    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt,
-                                                max_request_body_bytes=config.limits.max_request_body_bytes,
-                                                sampling_defaults=orchestrator.files.sampling_defaults))
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -287,19 +284,14 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         finally:
             await orchestrator.stop(shutdown_workers=False)  # the workers serve the other API processes
 
-    async def drain() -> None:
-        orchestrator.draining = True
-        deadline = time.monotonic() + config.limits.shutdown_grace_s
-        while orchestrator.num_active and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-
     app.router.lifespan_context = lifespan
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
     server = HttpServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
-                                    backlog=HTTP_BACKLOG, http=http_protocol()), drain)
+                                    backlog=HTTP_BACKLOG, http=http_protocol()),
+                        orchestrator.drain, config.limits.shutdown_grace_s)
     try:
         server.run(sockets=[http, own])
     except KeyboardInterrupt:

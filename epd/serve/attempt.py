@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from epd.serve.registry import WorkerInfo
 
 DEADLINE = object()  # queued to an attempt when its request's deadline passes
+SHUTDOWN = object()  # queued to every attempt when the server stops with requests still running
 
 
 class Retry(Exception):

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from epd.detokenizer import IncrementalDetokenizer
 from epd.requests import Delta, RequestError
-from epd.serve.attempt import DEADLINE, Attempt, Lost, Retry
+from epd.serve.attempt import DEADLINE, SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.preparer import Prepared
 from epd.serve.token_order import TokenOrder
 from epd.serve.worker_metrics import WorkerMetrics
@@ -77,6 +77,10 @@ class AttemptStream:
             raise RequestError(status=503, message=f"the request did not finish within "
                                f"--request-timeout ({self.timeout_s:g} s)",
                                type="service_unavailable", retry_after_s=1)
+        if out is SHUTDOWN:  # past --shutdown-grace, or Ctrl-C: an OpenAI error, not a cut connection
+            self.metrics.requests_failed["shutdown"] += 1
+            raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
+                               retry_after_s=5)
         if isinstance(out, Lost):
             raise Retry(f"worker {out.worker_id} is gone")
         if out.is_internal_error:

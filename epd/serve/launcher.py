@@ -15,13 +15,12 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
 
 import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
-from epd.serve.http_server import DRAIN_POLL_S, HttpServer
+from epd.serve.http_server import HttpServer, api_settings
 from epd.serve.roles import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.serve.worker_launches import worker_launches
@@ -35,7 +34,7 @@ def serve(config: ServeConfig) -> int:
 
         return serve_many(config)
     from epd.api.http_protocol import http_protocol
-    from epd.api.server import ApiSettings, build_app
+    from epd.api.server import build_app
     from epd.serve.orchestrator import Orchestrator
 
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
@@ -49,14 +48,11 @@ def serve(config: ServeConfig) -> int:
     if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
-    app = build_app(orchestrator, ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
-                                                max_images_per_prompt=config.media.limit_images_per_prompt,
-                                                max_request_body_bytes=config.limits.max_request_body_bytes,
-                                                sampling_defaults=orchestrator.files.sampling_defaults))
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
     app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
     server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        timeout_graceful_shutdown=3, http=http_protocol()),
-                        lambda: _drain(config, orchestrator))
+                        lambda grace_s: _drain(orchestrator, grace_s), config.limits.shutdown_grace_s)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -128,14 +124,11 @@ def _lifespan(config: ServeConfig, orchestrator, supervisor, collector: str):
     return lifespan
 
 
-async def _drain(config: ServeConfig, orchestrator) -> None:
-    """SIGTERM: refuse new requests (503 + Retry-After), let those in flight finish."""
-    orchestrator.draining = True
-    print(f"EPD: SIGTERM: draining {orchestrator.num_active} requests "
-          f"(up to {config.limits.shutdown_grace_s:g} s)", flush=True)
-    deadline = time.monotonic() + config.limits.shutdown_grace_s
-    while orchestrator.num_active and time.monotonic() < deadline:
-        await asyncio.sleep(DRAIN_POLL_S)
+async def _drain(orchestrator, grace_s: float) -> None:
+    """SIGTERM (`grace_s`: --shutdown-grace) or Ctrl-C (0): Orchestrator.drain, said on the console."""
+    print(f"EPD: stopping: {orchestrator.num_active} requests in flight"
+          + (f" may finish for up to {grace_s:g} s" if grace_s else "") + "; new ones get 503", flush=True)
+    await orchestrator.drain(grace_s)
 
 
 def run_external_worker(config: WorkerConfig) -> int:

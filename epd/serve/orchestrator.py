@@ -33,9 +33,10 @@ from epd.serve.attempt_stream import AttemptStream
 from epd.serve.placement import PREFILL_ROLES, Placement
 from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.serve.attempt import Attempt, Lost, Retry
+from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.registry import WorkerRegistry
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
+from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats
 from epd.transport.roles import Role
@@ -44,6 +45,8 @@ log = logging.getLogger("epd.api")
 
 MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
 HEARTBEAT_CHECK_S = 0.5
+DRAIN_POLL_S = 0.1  # while draining, look this often whether the requests in flight are done
+END_S = 2.0  # past the drain, requests still running get this long to write their 503
 ROLE_DOWN_RETRY_AFTER_S = 10  # Retry-After of a 503 for a role that is down (the supervisor probes it again)
 MAX_ABANDONED = 4096
 DISPATCH_BURST = 512  # messages taken without yielding to the event loop, at most  # ids of abandoned tries whose late outputs are answered with Abort
@@ -84,6 +87,7 @@ class Orchestrator:
         self._refused: set[str] = set()  # worker ids whose takeover by another session was refused (logged once)
         self.num_active = 0  # sequences in generate()
         self.draining = False  # SIGTERM: refuse new requests, let these finish
+        self.ending = False  # past the drain: every request still running ends with a 503
         self.required_roles = [role for role, _ in config.mode_roles()]
         # the roles every request ends on (decode, pd or aggregated): one down, nothing can be served
         self.final_roles = [role for role in self.required_roles if role not in (Role.ENCODER, Role.PREFILL)]
@@ -95,7 +99,8 @@ class Orchestrator:
 
     async def start(self) -> None:
         keys = PlaneKeys.load(self.keys_dir, API) if self.keys_dir else None
-        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN)
+        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN,
+                                       max_frame_bytes=COLLECTOR_FRAME_BYTES)
         self._outbox = AsyncOutbox(keys=keys)
         self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
 
@@ -285,10 +290,34 @@ class Orchestrator:
             raise RequestError(status=503, message=f"the server is busy: {self.num_active} requests in progress "
                                f"(--max-pending-requests)", type="service_unavailable", retry_after_s=1)
 
+    async def drain(self, grace_s: float) -> None:
+        """The server stops (SIGTERM: `grace_s` = --shutdown-grace; Ctrl-C: 0): new
+        requests get 503 + Retry-After, those in flight may finish for `grace_s`,
+        then each still running ends with a 503 of its own (a JSON error, or an
+        error event and [DONE] mid-stream) and is given END_S to be written, so
+        nothing is left for uvicorn to cut off."""
+        self.draining = True
+        await self._until_idle(grace_s)
+        if self.num_active:
+            log.warning("shutting down: ending %d requests still running", self.num_active)
+            self.ending = True
+            for attempt in list(self.attempts.values()):
+                attempt.queue.put_nowait(SHUTDOWN)
+            await self._until_idle(END_S)
+
+    async def _until_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+
     async def _start_attempt(self, req: GenerateRequest, prep: Prepared, emitted: list[int], attempt_no: int,
                              deadline: float) -> Attempt:
         """Places and sends one try of a request: prompt + `emitted`, with the
         rest of its token budget, to live workers."""
+        if self.ending:
+            self.metrics.requests_failed["shutdown"] += 1
+            raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
+                               retry_after_s=5)
         placed = await self.placement.place(prep, emitted, attempt_no, deadline)
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
         attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted))

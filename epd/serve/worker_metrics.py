@@ -12,6 +12,7 @@ while every process holds the same view of the workers and renders it alone.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -192,7 +193,7 @@ class WorkerMetrics:
             s = w.stats
             if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
                 continue
-            labels = [w.role, w.worker_id]
+            labels = [w.role, metrics_worker_name(w.worker_id)]
             running.add_metric(labels, s.num_running)
             waiting.add_metric(labels, s.num_waiting)
             if s.num_total_blocks:
@@ -213,6 +214,14 @@ class WorkerMetrics:
 
 
 WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")
+
+
+def metrics_worker_name(worker_id: str) -> str:
+    """The `worker` label: the worker id, but for an `epd worker` ("encoder@HOST:PORT")
+    its role and a short digest of the rest: /metrics, often scraped from outside,
+    names no host or port (the API's log has the whole id)."""
+    role, at, where = worker_id.partition("@")
+    return worker_id if not at else f"{role}@{hashlib.sha256(where.encode()).hexdigest()[:8]}"
 
 
 def _labelled(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

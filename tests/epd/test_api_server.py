@@ -78,9 +78,11 @@ class FakeOrchestrator:
             self.closed.add(request.request_id)
 
 
-def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True, max_body_bytes: int = 64 << 20):
-    app = build_app(fake, ApiSettings(served_model_name=MODEL, api_key=API_KEY, max_request_body_bytes=max_body_bytes),
-                    lean_routes=lean_routes)
+def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True, max_body_bytes: int = 64 << 20,
+               metrics_require_key: bool = False):
+    settings = ApiSettings(served_model_name=MODEL, api_key=API_KEY, max_request_body_bytes=max_body_bytes,
+                           metrics_require_key=metrics_require_key)
+    app = build_app(fake, settings, lean_routes=lean_routes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     # the HTTP protocol `epd serve` runs (writes joined per event-loop pass)
@@ -503,3 +505,20 @@ def test_a_body_past_the_cap_is_a_413_on_every_route(capped_url):
         assert http.post(capped_url + "/v1/completions", content=b"x" * (SMALL_CAP + 1)).status_code == 413
         small = http.post(capped_url + "/v1/chat/completions", content=json.dumps(CHAT).encode())
         assert small.status_code == 200, small.text
+
+
+
+def test_metrics_require_key_puts_metrics_behind_the_key():
+    for url, _ in _serve_app(FakeOrchestrator(), metrics_require_key=True):
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers=AUTH).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_metrics_name_no_host_or_port_of_a_worker():
+    from epd.serve.worker_metrics import metrics_worker_name
+
+    assert metrics_worker_name("decode-0") == "decode-0"
+    name = metrics_worker_name("encoder@hostb.example:7000")
+    assert name.startswith("encoder@") and "hostb" not in name and "7000" not in name
+    assert name != metrics_worker_name("encoder@hostc.example:7000")

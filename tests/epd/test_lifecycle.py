@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -100,3 +101,46 @@ def test_a_request_past_its_deadline_gets_an_error_and_frees_its_worker(tiny_mod
         assert server.settled_sum("epd:num_requests_running") == 0
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_requests_still_running_past_the_grace_end_with_an_openai_error(tiny_model, tmp_path):
+    """SIGTERM with --shutdown-grace 1 while two long requests run (issue 33, item 6):
+    the plain one gets a JSON 503, the stream an error event and [DONE]; no
+    traceback in the log, exit 0 (uvicorn used to cut both off after its own 3 s:
+    a plain-text 500 and a stream with no end)."""
+    server = start_server(tiny_model, tmp_path, "aggregated", "--shutdown-grace", "1")
+    model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "temperature": 0}
+    answers, events, first_token = {}, [], threading.Event()
+
+    def plain():
+        answers["plain"] = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+
+    def stream():
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first_token.set()
+
+    clients = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for client in clients:
+        client.start()
+    assert first_token.wait(60)
+    deadline = time.monotonic() + 60
+    while server.metric_sum("epd:num_requests_running") < 2:  # both are in the worker
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    server.proc.send_signal(signal.SIGTERM)
+    for client in clients:
+        client.join(120)
+    refused = answers["plain"]
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert server.proc.wait(60) == 0, server.log()[-3000:]
+    assert "Traceback" not in server.log(), server.log()[-3000:]
+    assert not server.group_alive()

@@ -35,6 +35,20 @@ def test_api_key_from_the_environment(plain_server):
     assert httpx.get(plain_server.base_url + "/health").status_code == 200  # probes need no key
 
 
+
+def test_the_key_guards_the_docs_and_metrics_name_no_path(plain_server, tiny_model):
+    """Issue 33, item 10: the schema and docs pages need the key; /metrics stays open
+    (as in vLLM, for Prometheus; --metrics-require-key closes it) and shows the
+    checkpoint's name, not the path it lies at."""
+    key = {"authorization": "Bearer sk-hardening"}
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert_error(httpx.get(plain_server.base_url + path), 401, "api key")
+        assert httpx.get(plain_server.base_url + path, headers=key).status_code == 200
+    metrics = httpx.get(plain_server.base_url + "/metrics")
+    assert metrics.status_code == 200
+    assert tiny_model not in metrics.text and 'model_name="tiny"' in metrics.text
+
+
 def _listening_addresses(port: int) -> set[str]:
     """Local addresses a TCP socket LISTENs on at `port` (from /proc/net/tcp{,6})."""
     found = set()
