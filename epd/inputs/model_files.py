@@ -4,10 +4,10 @@ weights, opened once at start-up: `ModelFiles.open(model_dir, ModelFilesConfig)`
     config.json              must exist and parse; its family must be one we serve
     *.safetensors            at least one (the workers load them)
     tokenizer                transformers' AutoTokenizer
-    chat template            --chat-template, else the processor's files, else the tokenizer's:
-                               chat_template.json, then chat_template.jinja (transformers'
-                               ProcessorMixin reads the legacy .json first when both exist),
-                               then tokenizer_config.json's / the tokenizer's own
+    chat template            --chat-template, else the processor's, else the tokenizer's:
+                               processor_config.json's "chat_template", chat_template.json, then
+                               chat_template.jinja (transformers' ProcessorMixin reads the legacy
+                               .json first when both exist), then the tokenizer's own
     generation_config.json   the sampling defaults (epd/inputs/sampling_defaults.py)
     preprocessor_config.json optional: without it the checkpoint serves text only
 
@@ -30,7 +30,8 @@ from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaul
 
 PROCESSOR_CONFIG = "preprocessor_config.json"
 NO_IMAGE_PROCESSOR = f"this checkpoint has no {PROCESSOR_CONFIG} (no image processor): it serves text only"
-PROCESSOR_TEMPLATE_FILES = ("chat_template.json", "chat_template.jinja")  # transformers' order
+# transformers' processor order: a "chat_template" key in processor_config.json, then the files
+PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a fast tokenizer's, or a BPE vocabulary's
 JINJA_CHARS = "{}\n"  # vLLM: a --chat-template holding none of these is a path
 
@@ -147,6 +148,8 @@ def _find_chat_template(model_dir: Path, tokenizer, chat_template: str | None) -
                 text = read_json_object(path).get("chat_template")
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
+            if text is None and name == "processor_config.json":  # the processor's settings, no template
+                continue
             if not isinstance(text, str):
                 raise CheckpointError(f"{path} holds no \"chat_template\" string")
         else:

@@ -67,13 +67,18 @@ def test_the_processor_template_wins_over_the_tokenizer_one(both_templates):
     assert PROCESSOR_TEMPLATE_MARK in llm.tokenizer.decode(prompt)
 
 
-def test_chat_template_json_before_jinja_as_transformers_processor(both_templates, tmp_path):
+def test_the_processor_template_sources_in_transformers_order(both_templates, tmp_path):
     model = tmp_path / "m"
     model.mkdir()
     for path in Path(both_templates).iterdir():
         (model / path.name).symlink_to(path.resolve())
     (model / "chat_template.jinja").write_text("{{ 'from the jinja file' }}")
     assert ModelFiles.open(model).chat_template.text == processor_template(both_templates)
+    (model / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    assert ModelFiles.open(model).chat_template.text == processor_template(both_templates)  # no key: the files
+    (model / "processor_config.json").write_text(json.dumps({"chat_template": "{{ 'from the key' }}"}))
+    assert ModelFiles.open(model).chat_template.text == "{{ 'from the key' }}"  # transformers: the key first
+    (model / "processor_config.json").unlink()
     (model / "chat_template.json").unlink()
     assert ModelFiles.open(model).chat_template.text == "{{ 'from the jinja file' }}"
 
