@@ -191,10 +191,6 @@ def check_checkpoint(config: ServeConfig) -> None:
 
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)
-    encoders = [role for role, _ in config.mode_roles() if role is Role.ENCODER]
-    if files.no_images_reason and encoders:
-        raise ValueError(f"{files.no_images_reason}; --mode {config.mode} runs encoder workers, which need it: "
-                         f"serve it with --mode aggregated")
     for note in files.notes():
         print(f"EPD: {note}", file=sys.stderr, flush=True)
 
@@ -228,8 +224,6 @@ def _worker(args) -> int:
     config = worker_config(args)
     files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
     config.engine.resolved_max_model_len(files.max_position_embeddings)
-    if files.no_images_reason and config.role is Role.ENCODER:
-        raise ValueError(f"{files.no_images_reason}; an encoder worker needs it")
     return run_external_worker(config)
 
 

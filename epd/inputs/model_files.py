@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.encoders.image_processor import ImageGeometry
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImageGeometry
 from epd.engine.models.registry import check_family
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 
-PROCESSOR_CONFIG = "preprocessor_config.json"
-NO_IMAGE_PROCESSOR = f"this checkpoint has no {PROCESSOR_CONFIG} (no image processor): it serves text only"
 # transformers' processor order: a "chat_template" key in processor_config.json, then the files
 PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a fast tokenizer's, or a BPE vocabulary's

@@ -12,10 +12,8 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from epd.engine.config import EngineConfig
-from epd.inputs.model_files import PROCESSOR_CONFIG
 from epd.serve.heap import freeze_startup_heap
 from epd.transport.worker_io import WorkerSpec
 
@@ -92,8 +90,7 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
     role = launch.spec.role
     core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info)
     encode_fn = None
-    # aggregated: the vision encoder in-process (not for a text-only checkpoint: no preprocessor_config.json)
-    if role.encodes and (Path(launch.model) / PROCESSOR_CONFIG).is_file():
+    if role.encodes:  # aggregated: the vision encoder in-process
         from epd.encoders.image_io import ImageError
 
         encoder = _image_encoder(launch, hf_config, info, core.dtype, core.device)

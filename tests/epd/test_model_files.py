@@ -8,10 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from media import image_bytes
 from release_layout import (NEUTRAL_SAMPLING, PROCESSOR_TEMPLATE_MARK, QWEN2_5_VL_SAMPLING, QWEN3_VL_SAMPLING,
                             processor_template, release_checkpoint)
 
 from epd.api.protocol import ChatCompletionRequest, CompletionRequest
+from epd.encoders.image_encoder import ImageEncoder
+from epd.encoders.image_io import ImageError
 from epd.engine.config import EngineConfig
 from epd.inputs.model_files import CheckpointError, ModelFiles, ModelFilesConfig, load_chat_template
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
@@ -191,8 +195,14 @@ def test_text_only_checkpoint_offline(tiny_model, tmp_path):
     files = ModelFiles.open(model)
     assert files.geometry is None and "preprocessor_config.json" in files.no_images_reason
     llm = LLM(model, **ENGINE)
+    assert llm.encoder is None
     text = llm.chat(TEXT, SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].text
     assert text
+    # what an encoder worker (or the aggregated worker's encoder) of this checkpoint holds: nothing, refusing
+    encoder = ImageEncoder(model, files.hf_config, torch.float32)
+    assert encoder.preprocess is None and encoder.tower is None
+    with pytest.raises(ImageError, match="preprocessor_config.json"):
+        encoder.encode([image_bytes(32, 32, seed=1)])
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     with pytest.raises(ValueError, match="preprocessor_config.json"):
         llm.chat([{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}])
