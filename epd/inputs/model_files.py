@@ -44,7 +44,7 @@ class ModelFilesConfig:
 
     chat_template: str | None = None  # --chat-template: a file, or the template itself
     generation_config: str = "auto"  # --generation-config auto | vllm | DIR
-    # --override-generation-config, as sorted (key, value) pairs: the config stays hashable and frozen
+    # --override-generation-config, as sorted (key, value) pairs: no dict inside the frozen config
     override_generation_config: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
