@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from epd.encoders.encoder_delays import EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
 from epd.transport.roles import Role
@@ -84,6 +85,9 @@ class EncoderWorker(WorkerIO):
                 log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
 
     def _enqueue(self, msg: EncodeRequest, arrived_s: float) -> None:
+        if self.encoder.preprocess is None:  # a text-only checkpoint (the API sends it no images)
+            self._done(msg, error=NO_IMAGE_PROCESSOR)
+            return
         try:
             width, height = read_image_size(msg.image, self.encoder.max_image_pixels)
             t, h, w = self.encoder.preprocess.geometry.grid_thw(width, height)

@@ -263,7 +263,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
     if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
         orchestrator.registry.supervised = lambda worker_id: True
-    app = build_app(orchestrator, api_settings(config))
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

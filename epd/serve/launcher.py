@@ -48,7 +48,7 @@ def serve(config: ServeConfig) -> int:
     if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
-    app = build_app(orchestrator, api_settings(config))
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
     app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
     server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                        timeout_graceful_shutdown=3, http=http_protocol()),
