@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, load_image, read_image_size
-from epd.encoders.image_processor import ImagePreprocessor
+from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_entry import MMEntry
@@ -33,12 +33,14 @@ class ImageEncoder:
                  model_fingerprint: str = "", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES,
                  max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS):
-        self.preprocess = ImagePreprocessor(model_dir)
-        self.tower = load_vision_tower(model_dir, hf_config, dtype, device)
+        # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
+        has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
+        self.preprocess = ImagePreprocessor(model_dir) if has_processor else None
+        self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
         self.device = device
         self.dtype = dtype
         self.model_fingerprint = model_fingerprint
-        self.processor_config = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+        self.processor_config = json.loads((Path(model_dir) / PROCESSOR_CONFIG).read_text()) if has_processor else {}
         self.max_image_pixels = max_image_pixels
         self.max_batch_patches = max_batch_patches
         self.max_decoded_pixels = max_decoded_pixels
@@ -55,6 +57,8 @@ class ImageEncoder:
         (memory): an image is decoded only when its batch runs, so a request of
         several huge images never holds them all decoded at once. `on_batch`
         gets each tower batch's (images, preprocessing s, forward s)."""
+        if self.preprocess is None:
+            raise ImageError(NO_IMAGE_PROCESSOR)
         geometry = self.preprocess.geometry
         out: list[MMEntry] = []
         batch: list[bytes] = []

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_ASPECT_RATIO = 200  # the Qwen2/3-VL image processors refuse anything longer
+PROCESSOR_CONFIG = "preprocessor_config.json"  # without it a checkpoint serves text only
+NO_IMAGE_PROCESSOR = f"this checkpoint has no {PROCESSOR_CONFIG} (no image processor): it serves text only"
 
 
 @dataclass(frozen=True)

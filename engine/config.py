@@ -77,8 +77,13 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_max_model_len(self, model_max_len: int) -> int:
-        """`max_model_len` if set, never beyond what the checkpoint supports."""
-        return min(self.scheduler.max_model_len or model_max_len, model_max_len)
+        """`max_model_len` if set, else the checkpoint's; ValueError (naming both)
+        when it is set beyond what the checkpoint supports, as vLLM refuses it."""
+        asked = self.scheduler.max_model_len
+        if asked is not None and asked > model_max_len:
+            raise ValueError(f"--max-model-len {asked} is more than this model's limit of {model_max_len} tokens "
+                             f"(max_position_embeddings in config.json)")
+        return asked or model_max_len
 
     def resolved_backend(self, device: str) -> str:
         if self.attention_backend != "auto":

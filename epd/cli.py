@@ -9,6 +9,8 @@ from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, fi
 from epd.engine.config import EngineConfig
 from epd.engine.scheduler import PREFILL_PRIORITIES
 from epd.inputs.media import MediaConfig
+from epd.inputs.model_files import ModelFilesConfig
+from epd.inputs.sampling_defaults import parse_overrides
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.encoder_router import ENCODER_ROUTERS
@@ -34,8 +36,13 @@ def _chat(args) -> int:
     from epd.llm import LLM
     from epd.transport.sampling import SamplingParams
 
+    from epd.inputs.model_files import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
+
     if not (Path(args.model) / "config.json").exists():
         print(f"epd chat: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    if args.image and not (Path(args.model) / PROCESSOR_CONFIG).is_file():
+        print(f"epd chat: {NO_IMAGE_PROCESSOR}", file=sys.stderr)
         return 2
     parts = []
     for path in args.image:
@@ -50,7 +57,7 @@ def _chat(args) -> int:
             return 2
         parts.append({"type": "image_url", "image_url": {"url": Path(path).resolve().as_uri()}})
     parts.append({"type": "text", "text": args.prompt})
-    llm = LLM(args.model, EngineConfig(dtype=args.dtype, device=args.device))
+    llm = LLM(args.model, EngineConfig(dtype=args.dtype, device=args.device), chat_template=args.chat_template)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     out = llm.chat([[{"role": "user", "content": parts}]], params)[0]
     print(out.outputs[0].text)
@@ -144,6 +151,9 @@ def serve_config(args) -> ServeConfig:
                           fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt),
                           max_request_pixels=args.max_request_pixels),
+        files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
+                               override_generation_config=tuple(
+                                   parse_overrides(args.override_generation_config).items())),
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
@@ -169,7 +179,20 @@ def ray_config(args) -> RayConfig | None:
 def _serve(args) -> int:
     from epd.serve.launcher import serve
 
-    return serve(serve_config(args))
+    config = serve_config(args)
+    check_checkpoint(config)
+    return serve(config)
+
+
+def check_checkpoint(config: ServeConfig) -> None:
+    """Refuses (ValueError, one line) a checkpoint this deployment cannot serve, before
+    any process starts; prints what the files say (warnings, sampling defaults)."""
+    from epd.inputs.model_files import ModelFiles
+
+    files = ModelFiles.open(config.model, config.files)
+    config.engine.resolved_max_model_len(files.max_position_embeddings)
+    for note in files.notes():
+        print(f"EPD: {note}", file=sys.stderr, flush=True)
 
 
 def worker_config(args) -> WorkerConfig:
@@ -199,8 +222,11 @@ def _worker(args) -> int:
 
     config = worker_config(args)
     share_cores(config.cpu_sharing)  # before the launcher's import loads torch (and libgomp reads it)
+    from epd.inputs.model_files import ModelFiles
     from epd.serve.launcher import run_external_worker
 
+    files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
+    config.engine.resolved_max_model_len(files.max_position_embeddings)
     return run_external_worker(config)
 
 
@@ -274,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
     p.add_argument("--device", default=field_default(EngineConfig, "device"))
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template: a file, or the template itself (default: the checkpoint's)")
     p.set_defaults(func=_chat)
 
     serve = {name: field_default(ServeConfig, name) for name in (
@@ -350,6 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"image=N: images a request may hold (default {field_default(MediaConfig, 'limit_images_per_prompt')})")
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
                    help="pixels of all of a request's images together (from their headers)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template, as vLLM's flag: a file, or the template itself (default: the "
+                        "checkpoint's chat_template.json, chat_template.jinja, then tokenizer_config.json's)")
+    p.add_argument("--generation-config", default=field_default(ModelFilesConfig, "generation_config"),
+                   metavar="auto|vllm|DIR",
+                   help="defaults for the sampling fields a request leaves out: auto, the checkpoint's "
+                        "generation_config.json; vllm, neutral ones (temperature 1, top_p 1, top_k off); DIR, "
+                        "DIR/generation_config.json (default: %(default)s)")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="generation-config values on top of --generation-config's, e.g. "
+                        "'{\"temperature\": 0.5, \"max_new_tokens\": 512}' (a max_new_tokens here also caps "
+                        "every request's max_tokens)")
     limits = {name: field_default(ServingLimits, name) for name in (
         "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
         "max_request_body_bytes", "max_restarts", "down_retry_s")}

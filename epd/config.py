@@ -5,6 +5,7 @@
       engine: EngineConfig           epd/engine/config.py
         scheduler: SchedulerConfig   epd/engine/scheduler.py
       media: MediaConfig             epd/inputs/media.py
+      files: ModelFilesConfig        epd/inputs/model_files.py (--chat-template, --generation-config)
     WorkerConfig (epd worker)        one worker registering with a remote API
       engine: EngineConfig
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from epd.engine.config import EngineConfig
 from epd.inputs.media import MediaConfig
+from epd.inputs.model_files import ModelFilesConfig
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.encoder_router import ENCODER_ROUTERS
@@ -104,6 +106,7 @@ class ServeConfig:
     stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
+    files: ModelFilesConfig = field(default_factory=ModelFilesConfig)  # what is read from the checkpoint
     limits: ServingLimits = field(default_factory=ServingLimits)
     encoder_scaling: EncoderScaling | None = None  # --encoders MIN-MAX (num_encoders = MIN); None: fixed
 

@@ -8,21 +8,23 @@ with stop strings applied.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
-from epd.engine.models.registry import check_family
 from epd.engine.request import Request
 from epd.engine.structured_output import check_constraint
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
+from epd.inputs.model_files import ModelFiles, ModelFilesConfig
 from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
 from epd.transport.mm_entry import MMEntry
+
+log = logging.getLogger("epd.llm")
 
 
 @dataclass
@@ -54,26 +56,38 @@ class _Pending:
 
 class LLM:
     """`LLM(model, max_num_seqs=8, device="cpu")`: engine settings by their flat
-    vLLM names (`EngineConfig.from_flat`), or a whole `EngineConfig`."""
+    vLLM names (`EngineConfig.from_flat`), or a whole `EngineConfig`. As vLLM's:
+    `chat_template` (a file or the template itself; default the checkpoint's),
+    `generation_config` ("auto": the checkpoint's generation_config.json gives the
+    sampling defaults of a call that passes no SamplingParams; "vllm"; a directory)
+    and `override_generation_config` (a dict on top)."""
 
-    def __init__(self, model: str, config: EngineConfig | None = None, **engine_settings):
-        from transformers import AutoConfig, AutoTokenizer
-
+    def __init__(self, model: str, config: EngineConfig | None = None, *, chat_template: str | None = None,
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 **engine_settings):
         if config is not None and engine_settings:
             raise TypeError("pass either an EngineConfig or engine settings, not both")
-        if not (Path(model) / "config.json").exists():
-            raise FileNotFoundError(f"{model} is not a checkpoint directory (no config.json)")
         self.config = config or EngineConfig.from_flat(**engine_settings)
-        check_family(model)  # an unsupported family fails here, with the supported ones named
-        hf_config = AutoConfig.from_pretrained(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.engine = EngineCore(model, self.config, hf_config=hf_config)
+        # config.json, family, tokenizer, chat template, sampling defaults: CheckpointError (ValueError) names
+        # what is wrong; an unsupported family fails here too, with the supported ones named
+        self.files = ModelFiles.open(model, ModelFilesConfig(
+            chat_template, generation_config, tuple((override_generation_config or {}).items())))
+        for note in self.files.notes():
+            log.log(logging.WARNING if note.startswith("warning:") else logging.INFO, note)
+        self.tokenizer = self.files.tokenizer
+        self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config)
         info = self.engine.info
-        self.encoder = ImageEncoder(model, hf_config, self.engine.dtype, self.engine.device,
-                                    model_fingerprint=info.fingerprint)
-        self.prompts = PromptBuilder(self.tokenizer, self.encoder.preprocess.geometry, info.image_token_id)
+        self.encoder = None if self.files.no_images_reason else ImageEncoder(
+            model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint)
+        self.prompts = PromptBuilder(self.tokenizer, self.files.geometry, info.image_token_id,
+                                     self.files.chat_template and self.files.chat_template.text)
         self.media = MediaConfig(allowed_local_media_path="/")  # offline: the caller's own files
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams samples with: the generation config's
+        defaults (vLLM's `LLM.get_default_sampling_params`), else SamplingParams()."""
+        return self.files.sampling_defaults.sampling_params()
 
     # -- public API ----------------------------------------------------------------
 
@@ -88,8 +102,10 @@ class LLM:
         params = self._params_list(sampling_params, len(conversations))
         requests = []
         for messages, p in zip(conversations, params):
-            image_bytes = [load_image_bytes(image_part_source(part), self.media)
-                           for part in image_parts(messages)]
+            parts = image_parts(messages)
+            if parts and self.encoder is None:
+                raise ValueError(self.files.no_images_reason)
+            image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools)
@@ -113,10 +129,9 @@ class LLM:
 
     # -- internals -------------------------------------------------------------------
 
-    @staticmethod
-    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

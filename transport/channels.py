@@ -8,6 +8,10 @@ same over `zmq.asyncio` for the API process.
 
 `recv` returns a message, None on timeout, or raises `WireError` for bytes
 that do not decode: the caller logs and keeps receiving, the socket is fine.
+A receiving end may cap the size of one frame (`max_frame_bytes`, ZeroMQ's
+MAXMSGSIZE): a peer that sends a larger one is disconnected before any of
+it is kept (`transport/frame_limits.py` says how large each end's frames
+may legitimately be).
 
 With `keys` (transport/auth.py), tcp sockets are CURVE: a binding Receiver
 admits only the plane's clients, and drops an `API_ONLY` message (Shutdown,
@@ -37,10 +41,13 @@ DEFAULT_HWM = 10_000
 
 
 def _open(ctx: zmq.Context, kind: int, address: str, bind: bool, hwm: int,
-          keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN, server_key: bytes | None = None) -> zmq.Socket:
+          keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN, server_key: bytes | None = None,
+          max_frame_bytes: int | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, hwm)
+    if max_frame_bytes is not None:  # a peer sending a larger frame is disconnected before it is kept
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if keys is not None and address.startswith("tcp://"):
         if bind:
             secure_server(sock, keys, domain)
@@ -130,8 +137,10 @@ class Receiver(_Channel, _Admits):
     server admitting `domain`'s clients."""
 
     def __init__(self, address: str, *, bind: bool = True, hwm: int = DEFAULT_HWM,
-                 ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN):
-        self.socket = _open(ctx or zmq.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain)
+                 ctx: zmq.Context | None = None, keys: PlaneKeys | None = None, domain: str = INBOX_DOMAIN,
+                 max_frame_bytes: int | None = None):
+        self.socket = _open(ctx or zmq.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain,
+                            max_frame_bytes=max_frame_bytes)
         self.address = _endpoint(self.socket, address, bind)
         if keys is not None and address.startswith("tcp://"):
             self.api_user_id = keys.api_user_id
@@ -182,8 +191,9 @@ class AsyncReceiver(_Channel, _Admits):
 
     def __init__(self, address: str, *, bind: bool = True, hwm: int = DEFAULT_HWM,
                  ctx: zmq.asyncio.Context | None = None, keys: PlaneKeys | None = None,
-                 domain: str = INBOX_DOMAIN):
-        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain)
+                 domain: str = INBOX_DOMAIN, max_frame_bytes: int | None = None):
+        self.socket = _open(ctx or zmq.asyncio.Context.instance(), zmq.PULL, address, bind, hwm, keys, domain,
+                            max_frame_bytes=max_frame_bytes)
         self.address = _endpoint(self.socket, address, bind)
         self._sync: zmq.Socket | None = None
         if keys is not None and address.startswith("tcp://"):

@@ -126,12 +126,12 @@ class GenerateRoute:
         decode = self.orchestrator.decode_token
         if type(body) is ChatCompletionRequest:
             request_id = internal_request_id(scope, "chatcmpl")
-            request = body.to_generate_request(request_id,
-                                               max_images_per_prompt=self.settings.max_images_per_prompt)
+            request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                               defaults=self.settings.sampling_defaults)
             return request, ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
                                        tool_choice=request.tool_choice)
         request_id = internal_request_id(scope, "cmpl")
-        return (body.to_generate_request(request_id),
+        return (body.to_generate_request(request_id, defaults=self.settings.sampling_defaults),
                 CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None))
 
 

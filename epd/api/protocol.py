@@ -21,6 +21,7 @@ from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (r
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
 from epd.engine.structured_output import check_constraint
+from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 
@@ -29,6 +30,7 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGIT_BIAS = 100.0
+NEUTRAL = SamplingDefaults()  # vLLM's --generation-config vllm: temperature 1, top_p 1, top_k off, ...
 
 def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
     """Token ids the client names must exist in the model: a stop token id past
@@ -197,7 +199,10 @@ class _GenerationRequest(BaseModel):
         return constraint(lambda: StructuredOutputsParams(**{k: so.get(k) for k in known}), "structured_outputs")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                         structured_outputs: StructuredOutputsParams | None = None,
+                         defaults: SamplingDefaults = NEUTRAL) -> SamplingParams:
+        """`defaults`: the values of the fields the request leaves out (--generation-config);
+        max_tokens stays as asked: its default and cap need the prompt's length (serve/preparer.py)."""
         stop = normalize_stop(self.stop)
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})",
@@ -205,14 +210,15 @@ class _GenerationRequest(BaseModel):
         try:
             return SamplingParams(
                 n=self.n or 1,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                min_p=self.min_p or 0.0,
+                temperature=defaults.temperature if self.temperature is None else self.temperature,
+                top_p=defaults.top_p if self.top_p is None else self.top_p,
+                top_k=defaults.top_k if self.top_k is None else self.top_k,
+                min_p=defaults.min_p if self.min_p is None else self.min_p,
                 seed=self.seed,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=defaults.repetition_penalty if self.repetition_penalty is None
+                else self.repetition_penalty,
                 max_tokens=max_tokens,
                 min_tokens=self.min_tokens,
                 stop=stop,
@@ -240,9 +246,10 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extra
 
-    def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None
-                            ) -> GenerateRequest:
-        """Raises RequestError for what the schema alone cannot catch."""
+    def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None,
+                            defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
+        """Raises RequestError for what the schema alone cannot catch. `defaults`:
+        the sampling values of the fields the request leaves out."""
         self._check_common()
         try:
             tools = validate_tools(self.tools or [])
@@ -263,7 +270,8 @@ class ChatCompletionRequest(_GenerationRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return GenerateRequest(request_id=request_id, messages=messages, prompt=None,
-                               sampling=self._sampling_params(max_tokens, logprobs, next(iter(constraints), None)),
+                               sampling=self._sampling_params(max_tokens, logprobs, next(iter(constraints), None),
+                                                              defaults),
                                add_generation_prompt=self.add_generation_prompt, tools=tools or None,
                                tool_choice=tool_choice)
 
@@ -296,14 +304,14 @@ class CompletionRequest(_GenerationRequest):
     echo: bool | None = False
     suffix: str | None = None
 
-    def to_generate_request(self, request_id: str) -> GenerateRequest:
+    def to_generate_request(self, request_id: str, *, defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
         self._check_common()
         if self.echo:
             raise RequestError("echo is not supported", param="echo")
         if self.suffix:
             raise RequestError("suffix is not supported", param="suffix")
         return GenerateRequest(request_id=request_id, messages=None, prompt=normalize_prompt(self.prompt),
-                               sampling=self._sampling_params(self.max_tokens, self.logprobs))
+                               sampling=self._sampling_params(self.max_tokens, self.logprobs, defaults=defaults))
 
 
 def constraint(build, param: str) -> StructuredOutputsParams:

@@ -67,7 +67,9 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
 
     def model_card() -> dict:
         return {"id": model, "object": "model", "created": started, "owned_by": "epd", "root": model,
-                "parent": None, "max_model_len": orchestrator.max_model_len}
+                "parent": None, "max_model_len": orchestrator.max_model_len,
+                # the generation config's defaults in force ({}: vLLM's neutral ones), by vLLM's names
+                "default_sampling_params": settings.sampling_defaults.overridden()}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

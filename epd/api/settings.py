@@ -1,7 +1,9 @@
 """`ApiSettings`: what the HTTP app serves and whom (built once by the launcher)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from epd.inputs.sampling_defaults import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -12,6 +14,8 @@ class ApiSettings:
     max_request_body_bytes: int = 64 << 20  # larger bodies get 413 before they are read (--max-request-body-mb)
     metrics_require_key: bool = False  # --metrics-require-key: /metrics behind the API key too (vLLM leaves it open)
     metrics_model_name: str | None = None  # the model_name label of /metrics (None: served_model_name); never a path
+    # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def keyed_paths(self) -> tuple[str, ...]:

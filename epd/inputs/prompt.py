@@ -17,6 +17,8 @@ IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 IMAGE_PAD = "<|image_pad|>"
 PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
 BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
+NO_CHAT_TEMPLATE = ("this model has no chat template (no chat_template.json, chat_template.jinja or "
+                    "tokenizer_config.json chat_template): start it with --chat-template FILE, or use /v1/completions")
 
 
 class PromptTooLong(ValueError):
@@ -98,17 +100,28 @@ def image_parts(messages: list[dict]) -> list[dict]:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, geometry: ImageGeometry, image_token_id: int):
+    def __init__(self, tokenizer, geometry: ImageGeometry | None, image_token_id: int,
+                 chat_template: str | None = None):
+        """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
+        (epd/inputs/model_files.py resolves it); None: the tokenizer's own."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
+        self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None) -> str:
         """The chat template's text; `tools` (OpenAI function tools) are rendered by the template."""
-        return self.tokenizer.apply_chat_template(
-            normalize_messages(messages), tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(NO_CHAT_TEMPLATE)
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                normalize_messages(messages), tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt, chat_template=self.chat_template)
+        except TemplateError as exc:  # the template refused these messages (its raise_exception)
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
     def build(self, messages: list[dict], images: list[ImageRef], add_generation_prompt: bool = True,
               tools: list[dict] | None = None, max_tokens: int | None = None) -> Prompt:

@@ -13,13 +13,16 @@ import uvicorn
 
 from epd.api.settings import ApiSettings
 from epd.config import ServeConfig
+from epd.inputs.sampling_defaults import SamplingDefaults
 
-def api_settings(config: ServeConfig) -> ApiSettings:
-    """What the HTTP app of `epd serve` serves and whom, from its one config."""
+def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None = None) -> ApiSettings:
+    """What the HTTP app of `epd serve` serves and whom, from its one config and the
+    checkpoint's sampling defaults (the orchestrator's `ModelFiles`; None: neutral)."""
     return ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                        max_images_per_prompt=config.media.limit_images_per_prompt,
                        max_request_body_bytes=config.limits.max_request_body_bytes,
-                       metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name)
+                       metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name,
+                       sampling_defaults=sampling_defaults or SamplingDefaults())
 
 
 class HttpServer(uvicorn.Server):

@@ -26,8 +26,8 @@ import time
 from typing import AsyncIterator
 
 from epd.engine.model_info import ModelInfo
-from epd.engine.models.registry import check_family
 from epd.config import ServeConfig
+from epd.inputs.model_files import ModelFiles
 from epd.requests import Delta, GenerateRequest, RequestError
 from epd.serve.attempt_stream import AttemptStream
 from epd.serve.placement import PREFILL_ROLES, Placement
@@ -36,6 +36,7 @@ from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.registry import WorkerRegistry
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
+from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.messages import Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats
 from epd.transport.roles import Role
@@ -62,14 +63,12 @@ class Orchestrator:
         worker-plane keys when the collector is on tcp (default `--worker-keys`).
         `api_index`: this API process's place among `--api-servers` (its
         collector's in WorkerSpec.apis)."""
-        from transformers import AutoConfig, AutoTokenizer
-
         self.config = config
         self.keys_dir = keys_dir or config.worker_keys
-        check_family(config.model)  # an unsupported family stops start-up with a clear message
-        hf_config = AutoConfig.from_pretrained(config.model)
-        self.info = ModelInfo.from_pretrained(config.model, hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        # tokenizer, chat template, sampling defaults, image processor; CheckpointError names what is wrong
+        self.files = ModelFiles.open(config.model, config.files)
+        self.info = ModelInfo.from_pretrained(config.model, self.files.hf_config)
+        self.tokenizer = self.files.tokenizer
         self.model_name = config.model_name
         self.max_model_len = config.engine.resolved_max_model_len(self.info.max_model_len)
         self.vocab_size = self.info.vocab_size
@@ -79,9 +78,9 @@ class Orchestrator:
         self.registry = WorkerRegistry(stuck_after_s=config.limits.request_timeout_s)
         self.metrics = WorkerMetrics(self.registry)
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
-        self.preparer = Preparer(config, self.info, self.tokenizer, self.max_model_len, self.metrics)
+        self.preparer = Preparer(config, self.info, self.files, self.max_model_len, self.metrics)
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,
-                                   self.preparer.geometry.merge_size, api_index)
+                                   self.info.spatial_merge_size, api_index)
         self.encoder_router = self.placement.encoder_router  # told of every encoder's Ready
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
         self._silent: set[str] = set()  # workers past the heartbeat timeout, already failed over
@@ -100,7 +99,8 @@ class Orchestrator:
 
     async def start(self) -> None:
         keys = PlaneKeys.load(self.keys_dir, API) if self.keys_dir else None
-        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN)
+        self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN,
+                                       max_frame_bytes=COLLECTOR_FRAME_BYTES)
         self._outbox = AsyncOutbox(keys=keys)
         self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
 
@@ -226,9 +226,6 @@ class Orchestrator:
     def missing_roles(self) -> list[str]:
         """The roles this mode needs that have no live worker now."""
         return self.registry.missing_roles(self.required_roles)
-
-    def is_healthy(self) -> bool:
-        return not self.missing_roles()
 
     def metrics_text(self) -> bytes:
         return self.metrics.render()

@@ -15,15 +15,13 @@ the same `Prepared`.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from epd.config import ServeConfig
 from epd.encoders.image_io import ImageError, read_image_size
-from epd.encoders.image_processor import ImageGeometry
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.worker_metrics import WorkerMetrics
@@ -47,16 +45,19 @@ class Preparer:
     """Media -> raw bytes -> tokens, image spans, mm_hashes and patches, for one
     model; and the budget of image bytes waiting to be prefilled."""
 
-    def __init__(self, config: ServeConfig, info: ModelInfo, tokenizer, max_model_len: int,
+    def __init__(self, config: ServeConfig, info: ModelInfo, files: ModelFiles, max_model_len: int,
                  metrics: WorkerMetrics):
+        """`files`: the checkpoint's tokenizer, chat template and image processor (epd/inputs/model_files.py)."""
         self.config = config
         self.info = info
-        self.tokenizer = tokenizer
+        self.files = files
+        self.tokenizer = files.tokenizer
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.geometry = ImageGeometry.from_pretrained(config.model)
-        self.prompts = PromptBuilder(tokenizer, self.geometry, info.image_token_id)
-        self.processor_config = json.loads((Path(config.model) / "preprocessor_config.json").read_text())
+        self.geometry = files.geometry  # None: text only (no preprocessor_config.json)
+        self.prompts = PromptBuilder(self.tokenizer, self.geometry, info.image_token_id,
+                                     files.chat_template and files.chat_template.text)
+        self.processor_config = files.processor_config or {}
         self.media = MediaFetcher(config.media)
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
 
@@ -94,8 +95,10 @@ class Preparer:
         checked by the API layer (protocol.validate_messages) before any fetch."""
         if req.messages is None:
             return []
-        loads = [asyncio.ensure_future(self.media.load(image_part_source(part)))
-                 for part in image_parts(req.messages)]
+        parts = image_parts(req.messages)
+        if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
+            raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
+        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in parts]
         try:
             return list(await asyncio.gather(*loads))
         except MediaError as exc:
@@ -169,12 +172,15 @@ class Preparer:
         return images, num_patches, refs
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
-        """The max_tokens to use; RequestError when the prompt leaves no room."""
+        """The max_tokens to use; RequestError when the prompt leaves no room, or the
+        max_tokens the request asked (after the generation config's cap) does not fit.
+        One it did not ask (None) is the generation config's default, within the room (vLLM)."""
         room = self.max_model_len - num_prompt_tokens
-        max_tokens = req.sampling.max_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = num_prompt_tokens + (max_tokens or 1)
+        asked = req.sampling.max_tokens
+        max_tokens = self.files.sampling_defaults.max_tokens_for(asked)
+        if room < 1 or (asked is not None and max_tokens > room):
+            total = num_prompt_tokens + (max_tokens or 1)
             raise RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} tokens; the "
-                               f"request asks for {asked} ({num_prompt_tokens} in the prompt, "
+                               f"request asks for {total} ({num_prompt_tokens} in the prompt, "
                                f"{max_tokens or 1} to generate)", param="max_tokens")
-        return max_tokens if max_tokens is not None else room
+        return room if max_tokens is None else min(max_tokens, room)

@@ -136,8 +136,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, 
     """An image embedding of the wrong width (an encoder of another model sending
     its tensors inline) fails the merge inside the step: the step's request is
     aborted, its blocks freed, and the next request runs as on a fresh engine."""
-    core = make_core(tiny_model, "combined")
-    expected = make_core(tiny_model, "combined")
+    core = make_core(tiny_model, "pd")
+    expected = make_core(tiny_model, "pd")
     expected.add_request(Request("ref", [1, 2, 3, 4], GREEDY))
     expected_tokens = [t for u in run_to_end(expected) for t in u.new_token_ids]
 
@@ -153,3 +153,17 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, 
     assert not core.has_unfinished() and core.num_free_blocks() == core.num_blocks
     core.add_request(Request("good", [1, 2, 3, 4], GREEDY))
     assert [t for u in run_to_end(core) for t in u.new_token_ids] == expected_tokens
+
+
+def test_the_inbox_takes_a_whole_prompts_kv_and_nothing_much_larger(tiny_model):
+    """transport/frame_limits.py: an engine worker's inbox cap covers the KV of a
+    --max-model-len prompt exported by a real prefill core, in float32."""
+    from epd.engine.worker import inbox_frame_bytes
+    from epd.transport.frame_limits import HEADER_MAX_BYTES, MARGIN_BYTES
+
+    core = make_core(tiny_model, "prefill")
+    info = core.info
+    max_len = core.config.resolved_max_model_len(info.max_model_len)
+    kv_bytes = info.num_layers * -(-max_len // BLOCK_SIZE) * BLOCK_SIZE * info.num_kv_heads * info.head_dim * 4
+    assert inbox_frame_bytes(core) == max(HEADER_MAX_BYTES, kv_bytes, max_len * info.hidden_size * 4) + MARGIN_BYTES
+    assert inbox_frame_bytes(core) >= kv_bytes

@@ -11,6 +11,7 @@ from epd.config import SHARED_CPU_NICE, ServeConfig, WorkerConfig
 from epd.engine.config import EngineConfig
 from epd.engine.scheduler import SchedulerConfig
 from epd.inputs.media import MediaConfig
+from epd.inputs.model_files import ModelFilesConfig
 from epd.serve.threads import API_CORES, worker_threads
 from epd.transport.auth import make_keys
 from epd.transport.roles import Mode, Role
@@ -44,6 +45,20 @@ def test_flag_defaults_are_the_config_defaults(tiny_model, keys, monkeypatch):
                                          gpu_memory_utilization=0.9, dtype="auto", device="auto")
     worker = WorkerConfig(tiny_model, "encoder", "tcp://h:1", worker_keys=keys)
     assert (worker.port, worker.mm_cache_gb, worker.max_image_pixels) == (0, 4.0, 64_000_000)
+
+
+def test_checkpoint_file_flags_fill_the_model_files_config(tiny_model, tmp_path):
+    parse = build_parser().parse_args
+    assert ServeConfig(model=tiny_model).files == ModelFilesConfig(None, "auto", ())
+    args = parse(["serve", tiny_model, "--chat-template", "t.jinja", "--generation-config", "vllm",
+                  "--override-generation-config", '{"top_k": 3, "temperature": 0.5}'])
+    assert serve_config(args).files == ModelFilesConfig("t.jinja", "vllm", (("temperature", 0.5), ("top_k", 3)))
+    assert serve_config(parse(["serve", tiny_model, "--generation-config", str(tmp_path)])).files.generation_config \
+        == str(tmp_path)
+    with pytest.raises(ValueError, match="--override-generation-config is not valid JSON"):
+        serve_config(parse(["serve", tiny_model, "--override-generation-config", "{temperature: 1}"]))
+    with pytest.raises(ValueError, match="--generation-config takes auto, vllm or a directory, got 'hf'"):
+        serve_config(parse(["serve", tiny_model, "--generation-config", "hf"]))
 
 
 def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):

@@ -14,7 +14,7 @@ TIMEOUT_S = 5.0
 
 
 def _kv_transfer() -> KVTransfer:
-    # [layers, blocks, block_size, kv_heads, head_dim]: ~1 MiB per frame, above zmq's copy threshold
+    # [layers, blocks, block_size, kv_heads, head_dim]: 128 KiB per frame, above zmq's copy threshold
     k = torch.randn(4, 8, 16, 4, 32).to(torch.bfloat16)
     return KVTransfer("req-9", list(range(100)), 7, SamplingParams(temperature=0.0), [2], [],
                       k, torch.randn(4, 8, 16, 4, 32).to(torch.bfloat16))
@@ -129,3 +129,27 @@ def test_bind_failure_names_the_address(ipc_dir):
     with Receiver("tcp://127.0.0.1:*") as rx:
         with pytest.raises(zmq.ZMQError, match="127.0.0.1"):
             Receiver(rx.address)
+
+
+def test_a_frame_past_the_cap_is_never_kept_and_the_others_arrive(address):
+    """Issue 33, item 10: a receiving end takes frames up to `max_frame_bytes` only;
+    a peer that sends a larger one is dropped, the socket and other peers go on."""
+    cap = 1 << 20
+    with Receiver(address, max_frame_bytes=cap) as inbox:
+        small = TokenOutput("req-1", [5], num_prompt_tokens=1)
+        with Sender(inbox.address) as rogue, Sender(inbox.address) as peer:
+            big_k = torch.randn(4, 64, 16, 4, 32)  # float32: 2 MiB, past the cap
+            assert big_k.nbytes > cap
+            rogue.send(KVTransfer("req-9", [1], 7, SamplingParams(), [2], [], big_k, big_k.clone()))
+            peer.send(small)
+            assert inbox.recv(timeout_s=TIMEOUT_S) == small
+            assert inbox.recv(timeout_s=0.5) is None  # the large one never arrives
+            peer.send(small)
+            assert inbox.recv(timeout_s=TIMEOUT_S) == small
+
+
+def test_a_frame_under_the_cap_arrives_whole(address):
+    with Receiver(address, max_frame_bytes=4 << 20) as inbox, Sender(inbox.address) as peer:
+        sent = _kv_transfer()
+        peer.send(sent)
+        _check_kv(inbox.recv(timeout_s=TIMEOUT_S), sent)

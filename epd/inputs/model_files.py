@@ -1,0 +1,203 @@
+"""What the API process and the offline `LLM` read from a checkpoint besides the
+weights, opened once at start-up: `ModelFiles.open(model_dir, ModelFilesConfig)`.
+
+    config.json              must exist and parse; its family must be one we serve
+    *.safetensors            at least one (the workers load them)
+    tokenizer                transformers' AutoTokenizer
+    chat template            --chat-template, else the processor's, else the tokenizer's:
+                               processor_config.json's "chat_template", chat_template.json, then
+                               chat_template.jinja (transformers' ProcessorMixin reads the legacy
+                               .json first when both exist), then the tokenizer's own
+    generation_config.json   the sampling defaults (epd/inputs/sampling_defaults.py)
+    preprocessor_config.json optional: without it the checkpoint serves text only
+
+A checkpoint that cannot be served raises `CheckpointError` (a ValueError: the
+CLI prints its one line and exits 2); one that serves less (no chat template,
+no image processor) opens, and `notes()` says what is missing.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImageGeometry
+from epd.engine.models.registry import check_family
+from epd.inputs.prompt import NO_CHAT_TEMPLATE
+from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
+
+# transformers' processor order: a "chat_template" key in processor_config.json, then the files
+PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a fast tokenizer's, or a BPE vocabulary's
+JINJA_CHARS = "{}\n"  # vLLM: a --chat-template holding none of these is a path
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelFilesConfig:
+    """The flags that choose what is read from the checkpoint (vLLM's names)."""
+
+    chat_template: str | None = None  # --chat-template: a file, or the template itself
+    generation_config: str = "auto"  # --generation-config auto | vllm | DIR
+    # --override-generation-config, as sorted (key, value) pairs: no dict inside the frozen config
+    override_generation_config: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).is_dir():
+            raise ValueError(f"--generation-config takes auto, vllm or a directory, got {self.generation_config!r}")
+        object.__setattr__(self, "override_generation_config",
+                           tuple(sorted(dict(self.override_generation_config).items())))
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    text: str
+    source: str  # the file it came from, or "--chat-template"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    model_dir: str
+    hf_config: Any  # transformers' config
+    tokenizer: Any  # transformers' tokenizer
+    chat_template: ChatTemplate | None  # None: chat requests are refused, completions served
+    sampling_defaults: SamplingDefaults
+    processor_config: dict | None  # preprocessor_config.json; None: text only
+    geometry: ImageGeometry | None = field(default=None)  # None: text only
+
+    @classmethod
+    def open(cls, model_dir: str | Path, config: ModelFilesConfig | None = None) -> ModelFiles:
+        """Reads and checks everything but the weights' tensors; CheckpointError otherwise."""
+        config = config or ModelFilesConfig()
+        directory = Path(model_dir)
+        hf_config = _hf_config(directory)
+        if not any(directory.glob("*.safetensors")):
+            raise CheckpointError(f"{directory} holds no *.safetensors weights")
+        tokenizer = _tokenizer(directory)
+        try:
+            defaults = SamplingDefaults.load(directory, config.generation_config,
+                                             dict(config.override_generation_config))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+        processor_config = geometry = None
+        if (directory / PROCESSOR_CONFIG).is_file():
+            try:
+                processor_config = read_json_object(directory / PROCESSOR_CONFIG)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+            geometry = ImageGeometry.from_pretrained(directory)
+        return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
+                   chat_template=resolve_chat_template(directory, tokenizer, config.chat_template),
+                   sampling_defaults=defaults, processor_config=processor_config, geometry=geometry)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The longest sequence the model takes (config.json's text_config)."""
+        return int(self.hf_config.text_config.max_position_embeddings)
+
+    @property
+    def no_images_reason(self) -> str | None:
+        """Why image inputs are refused (None: they are served)."""
+        return None if self.geometry is not None else NO_IMAGE_PROCESSOR
+
+    @property
+    def no_chat_reason(self) -> str | None:
+        """Why chat requests are refused (None: they are served)."""
+        return None if self.chat_template is not None else NO_CHAT_TEMPLATE
+
+    def notes(self) -> list[str]:
+        """What the start-up log says about these files: warnings first, then the sampling defaults."""
+        out = [f"warning: {reason}" for reason in (self.no_chat_reason, self.no_images_reason) if reason]
+        if self.chat_template is not None:
+            out.append(f"chat template from {self.chat_template.source}")
+        out.append(self.sampling_defaults.describe())
+        return out
+
+
+def resolve_chat_template(model_dir: Path, tokenizer, chat_template: str | None) -> ChatTemplate | None:
+    """`chat_template` (--chat-template) if given, else the processor's, else the tokenizer's;
+    CheckpointError for a template Jinja cannot parse (found at start-up, not at each request)."""
+    import jinja2
+
+    found = _find_chat_template(model_dir, tokenizer, chat_template)
+    if found is not None:
+        try:
+            jinja2.Environment().parse(found.text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise CheckpointError(f"the chat template from {found.source} is not valid Jinja "
+                                  f"(line {exc.lineno}: {exc.message})") from None
+    return found
+
+
+def _find_chat_template(model_dir: Path, tokenizer, chat_template: str | None) -> ChatTemplate | None:
+    if chat_template is not None:
+        return ChatTemplate(load_chat_template(chat_template), "--chat-template")
+    for name in PROCESSOR_TEMPLATE_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        if name.endswith(".json"):
+            try:
+                text = read_json_object(path).get("chat_template")
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+            if text is None and name == "processor_config.json":  # the processor's settings, no template
+                continue
+            if not isinstance(text, str):
+                raise CheckpointError(f"{path} holds no \"chat_template\" string")
+        else:
+            text = path.read_text(encoding="utf-8")
+        return ChatTemplate(text, str(path))
+    text = getattr(tokenizer, "chat_template", None)
+    if isinstance(text, dict):  # named templates: the default one
+        text = text.get("default")
+    return ChatTemplate(text, f"{model_dir / 'tokenizer_config.json'}") if isinstance(text, str) else None
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's reading of --chat-template: the file's text if `value` names one; else,
+    if it looks like a template (has any of `{`, `}`, a newline), the text itself with
+    backslash escapes decoded; else a ValueError (a path that cannot be opened)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        if not any(c in value for c in JINJA_CHARS):
+            raise CheckpointError(f"--chat-template {value!r} looks like a file path, but it cannot be "
+                                  f"read: {getattr(exc, 'strerror', None) or exc}") from None
+    return codecs.decode(value, "unicode_escape")
+
+
+def _hf_config(directory: Path):
+    """transformers' config of `directory`, after our own checks of config.json."""
+    from transformers import AutoConfig
+
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a checkpoint directory (no config.json)")
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    check_family(directory)  # UnsupportedModelError (a ValueError) names the families we serve
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except Exception as exc:  # transformers raises what it likes for a config it cannot build
+        raise CheckpointError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
+
+
+def _tokenizer(directory: Path):
+    from transformers import AutoTokenizer
+
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone
+        raise CheckpointError(f"{directory}: the tokenizer cannot be loaded (no {' or '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # missing or broken tokenizer files: OSError, ValueError, ...
+        raise CheckpointError(f"{directory}: the tokenizer cannot be loaded "
+                              f"({type(exc).__name__}: {exc})") from None
