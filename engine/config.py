@@ -16,6 +16,9 @@ from typing import Any
 from epd.engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+# vLLM's --dtype names -> ours (one name per precision in the config)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,12 @@ class EngineConfig:
     # A worker admits a request before all its images are here and prefills
     # up to the first missing one (engine/image_arrivals.py); off: it waits for all.
     early_prefill: bool = True
+    seed: int = 0  # vLLM's --seed: the torch seed of every engine; unseeded requests sample from it
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's half, float), got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -82,6 +82,7 @@ class EngineCore:
         self.info = info or ModelInfo.from_pretrained(model_dir, hf_config)
         self.config = config
         self.device = config.resolved_device()
+        torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,

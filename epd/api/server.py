@@ -21,6 +21,7 @@ import time
 import uuid
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
@@ -42,9 +43,14 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     FastAPI's routing too (the reference the lean route is tested against)."""
     metrics = ApiMetrics(settings.metrics_model_name or settings.served_model_name)
     generate = GenerateRoute(orchestrator, settings, metrics)
-    app = _App(_ApiMiddleware(generate, settings) if lean_routes else None, title="EPD OpenAI-compatible server")
+    lean = _with_cors(_ApiMiddleware(generate, settings), settings) if lean_routes else None
+    app = _App(lean, title="EPD OpenAI-compatible server")
     install_error_handlers(app)
     app.add_middleware(_ApiMiddleware, settings=settings)
+    if settings.allowed_origins:  # outside the API key: a browser's preflight carries none
+        app.add_middleware(CORSMiddleware, **_cors_options(settings))
+    if settings.log_requests:
+        _log_requests_at_info()
     app.state.metrics = metrics
     model = settings.served_model_name
     started = int(time.time())
@@ -91,6 +97,27 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
         return ServedResponse(generate, body)
 
     return app
+
+
+def _cors_options(settings: ApiSettings) -> dict:
+    return {"allow_origins": list(settings.allowed_origins), "allow_methods": list(settings.allowed_methods),
+            "allow_headers": list(settings.allowed_headers), "allow_credentials": settings.allow_credentials}
+
+
+def _with_cors(app, settings: ApiSettings):
+    """The lean generation route behind the same CORS headers as the rest (--allowed-origins)."""
+    return CORSMiddleware(app, **_cors_options(settings)) if settings.allowed_origins else app
+
+
+def _log_requests_at_info() -> None:
+    """--enable-log-requests: epd.requests' lines reach stderr whatever the root logger's level."""
+    request_log = logging.getLogger("epd.requests")
+    request_log.setLevel(logging.INFO)
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        request_log.addHandler(handler)
+        request_log.propagate = False
 
 
 class _App(FastAPI):

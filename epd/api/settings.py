@@ -16,6 +16,14 @@ class ApiSettings:
     metrics_model_name: str | None = None  # the model_name label of /metrics (None: served_model_name); never a path
     # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    max_logprobs: int = 20  # --max-logprobs: logprobs / top_logprobs a request may ask (-1: the wire's 20)
+    log_requests: bool = False  # --enable-log-requests: one log line per generation request
+    # CORS (--allowed-origins ...): no origins, no CORS middleware
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    version: str = ""  # what /version answers (the package's)
 
     @property
     def keyed_paths(self) -> tuple[str, ...]:

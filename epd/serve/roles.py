@@ -29,6 +29,7 @@ class WorkerLaunch:
     max_image_pixels: int
     num_threads: int
     nice: int = 0  # added to the process's niceness before any work
+    mm_processor_kwargs: tuple = ()  # --mm-processor-kwargs as (key, value) pairs: the encoder's processor
 
 
 def _die_with_parent() -> None:
@@ -70,7 +71,7 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
     from epd.encoders.image_encoder import ImageEncoder
 
     return ImageEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint,
-                        max_image_pixels=launch.max_image_pixels)
+                        max_image_pixels=launch.max_image_pixels, processor_kwargs=dict(launch.mm_processor_kwargs))
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
