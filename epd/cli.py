@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from epd import __version__
+from epd.version import __version__
 from epd.config import (CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, WorkerConfig,
                         field_default)
 from epd.engine.config import DTYPE_ALIASES, DTYPES, EngineConfig

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both served by
 `epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery),
-GET /v1/models[/{id}], GET /health, GET /metrics. The app knows the
+GET /v1/models[/{id}], POST /tokenize and /detokenize (epd.api.tokenizer_routes), GET /version,
+GET /health, GET /metrics. The app knows the
 orchestrator only through `OrchestratorLike`; one HTTP request with `n`
 choices becomes `n` `orchestrator.generate()` streams (see
 `protocol.fan_out`), merged by `merged_streams.MergedStreams`.
@@ -16,6 +17,7 @@ aborts the request in the workers.
 from __future__ import annotations
 
 import logging
+import posixpath
 import secrets
 import time
 import uuid
@@ -33,6 +35,7 @@ from epd.api.metrics import ApiMetrics
 from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
 from epd.api.settings import ApiSettings
+from epd.api.tokenizer_routes import add_tokenizer_routes
 from epd.requests import RequestError
 
 logger = logging.getLogger(__name__)
@@ -83,8 +86,17 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        check_model(model_id, model)
+        # a path id ("./ckpt", as `epd serve ./ckpt` lists it) may arrive with its dot segments
+        # resolved by the client ("/v1/models/./ckpt" -> "/v1/models/ckpt"): the same model
+        if posixpath.normpath(model_id) != posixpath.normpath(model):
+            check_model(model_id, model)
         return model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": settings.version}
+
+    add_tokenizer_routes(app, orchestrator, settings)
 
     # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
     # a POST to either path is taken by `_App` before FastAPI sees it.

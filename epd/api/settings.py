@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epd.version import __version__
 from epd.inputs.sampling_defaults import SamplingDefaults
 
 
@@ -23,11 +24,12 @@ class ApiSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    version: str = ""  # what /version answers (the package's)
+    version: str = __version__  # what /version answers
 
     @property
     def keyed_paths(self) -> tuple[str, ...]:
-        """Path prefixes that need the API key when one is set: the API, its schema and
-        docs pages, and /metrics by choice; /health stays open for probes."""
+        """Path prefixes that need the API key when one is set: the API (the tokenizer endpoints
+        too: they fetch media as a chat does), its schema and docs pages, and /metrics by choice;
+        /health and /version stay open for probes."""
         docs = ("/docs", "/redoc", "/openapi.json")
-        return ("/v1", *docs, *(("/metrics",) if self.metrics_require_key else ()))
+        return ("/v1", "/tokenize", "/detokenize", *docs, *(("/metrics",) if self.metrics_require_key else ()))

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 
 import uvicorn
 
-from epd import __version__
 from epd.api.settings import ApiSettings
 from epd.config import ServeConfig
 from epd.inputs.sampling_defaults import SamplingDefaults
@@ -26,8 +25,7 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        sampling_defaults=sampling_defaults or SamplingDefaults(),
                        max_logprobs=config.max_logprobs, log_requests=config.enable_log_requests,
                        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
-                       allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
-                       version=__version__)
+                       allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
 
 class HttpServer(uvicorn.Server):

@@ -280,9 +280,14 @@ def test_serve_help_describes_every_flag_with_its_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["--version"])
     assert exit_info.value.code == 0
+    import tomllib
+    from pathlib import Path
+
     from epd import __version__
 
     assert capsys.readouterr().out.strip() == f"epd {__version__}"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__
 
 
 def test_accepted_flags_say_what_they_do_here(tiny_model):
