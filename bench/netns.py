@@ -83,10 +83,6 @@ class Network:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def bridge_ip(self) -> str:
-        return f"{self.subnet}.254"
-
     def add_host(self, name: str) -> Host:
         index = len(self.hosts) + 1
         ns, outer = f"{self.tag}-{name}", f"{self.tag}v{index}"

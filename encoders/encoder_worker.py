@@ -15,10 +15,10 @@ holds (epd/serve/encoder_router.py), and the age of the oldest queued image
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
+from epd.encoders.encoder_delays import EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
@@ -31,25 +31,6 @@ from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
 
-# Tests only: "WxH:SECONDS" holds back the EncodeDone of every image of that
-# size that long (the worker serves on meanwhile), so a test can make an
-# image arrive late and after the request's later images, whichever encoder
-# it was routed to.
-SLOW_IMAGE_ENV = "EPD_TEST_SLOW_IMAGE"
-# Tests only: every batch takes at least this many more seconds, so a burst
-# backs the queue up whatever the machine's speed (the autoscaling test).
-BATCH_DELAY_ENV = "EPD_TEST_ENCODER_BATCH_DELAY_S"
-
-
-def _slow_image() -> tuple[tuple[int, int], float] | None:
-    value = os.environ.get(SLOW_IMAGE_ENV)
-    if not value:
-        return None
-    size, _, seconds = value.partition(":")
-    width, _, height = size.partition("x")
-    return (int(width), int(height)), float(seconds)
-
-
 @dataclass
 class _Job:
     msg: EncodeRequest
@@ -58,7 +39,8 @@ class _Job:
 
 
 class EncoderWorker(WorkerIO):
-    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder):
+    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, delays: EncoderDelays = EncoderDelays()):
+        """`delays`: tests only (encoders/encoder_delays.py); none by default."""
         if spec.role != Role.ENCODER:
             raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
         super().__init__(spec, encoder.model_fingerprint)
@@ -69,9 +51,8 @@ class EncoderWorker(WorkerIO):
         # a thread reads the socket while the ViT runs, so an image's queue time starts when it came in
         self.arrivals = StampedInbox(self.inbox, spec.worker_id)
         self._last_stats = 0.0
-        self._slow_image = _slow_image()
-        self._batch_delay_s = float(os.environ.get(BATCH_DELAY_ENV) or 0.0)
-        self._held: list[tuple[float, str, EncodeDone]] = []  # (send at, reply_to, message): tests only
+        self.delays = delays
+        self._held: list[tuple[float, str, EncodeDone]] = []  # (send at, reply_to, message): slow images only
 
     def run(self) -> None:
         self.arrivals.start()
@@ -133,8 +114,8 @@ class EncoderWorker(WorkerIO):
             results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
         except ImageError:
             results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
-        if self._batch_delay_s:
-            time.sleep(self._batch_delay_s)
+        if self.delays.batch_delay_s:
+            time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
             if isinstance(result, str):
@@ -187,8 +168,8 @@ class EncoderWorker(WorkerIO):
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:
             done = EncodeDone(msg.request_id, msg.mm_hash, ok=True)
-        if self._slow_image is not None and self._is_slow(msg.image):
-            self._held.append((time.monotonic() + self._slow_image[1], msg.reply_to, done))
+        if self.delays.slow_image_size is not None and self._is_slow(msg.image):
+            self._held.append((time.monotonic() + self.delays.slow_image_s, msg.reply_to, done))
             return
         start = time.perf_counter()
         self.outbox.send(msg.reply_to, done)
@@ -197,7 +178,7 @@ class EncoderWorker(WorkerIO):
 
     def _is_slow(self, image: bytes) -> bool:
         try:
-            return read_image_size(image, self.encoder.max_image_pixels) == self._slow_image[0]
+            return read_image_size(image, self.encoder.max_image_pixels) == self.delays.slow_image_size
         except (ImageError, ValueError):
             return False
 

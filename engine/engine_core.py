@@ -4,8 +4,8 @@
 
 Works on token ids and image embeddings only: tokenizing, detokenizing, stop
 strings and the vision tower live with the caller (the offline `LLM`, a
-worker process). The same object serves prefill-only, decode-only and
-combined roles (see `Scheduler`).
+worker process). The same object serves the prefill, decode and pd
+(prefill and decode in one engine) roles (see `Scheduler`).
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,
@@ -74,7 +74,7 @@ class StepResult:
 
 
 class EngineCore:
-    def __init__(self, model_dir: str, config: EngineConfig, role: str = "combined",
+    def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
                  hf_config=None, info: ModelInfo | None = None):
         from transformers import AutoConfig
 

@@ -4,15 +4,15 @@ A prefill (or pd, aggregated) worker admits a request to the engine once
 every image of it is here: held by the engine already, in the embedding
 cache, or arrived with an EncodeDone (or encoded in-process). With `early`
 (early prefill) it admits it at once, with the images here so far
-(`Ready.pending` names the others), and each later image is handed on as
+(`Admit.pending` names the others), and each later image is handed on as
 `Arrived` until the last. Messages come in any order (ZeroMQ fair-queues
 the API's and the encoders' pipes into one inbox), so an image, or an
 image's failure, may overtake its PrefillRequest: both are kept, bounded,
 until the request arrives.
 
-    add(request)              -> [Ready] when all its images are here (early: at once),
+    add(request)              -> [Admit] when all its images are here (early: at once),
                                  [Failed] if one failed early
-    arrived(mm_hash, entry)   -> the requests it completes, each Ready
+    arrived(mm_hash, entry)   -> the requests it completes, each Admit
                                  (early: each admitted request waiting for it, Arrived)
     arrived_in_cache(mm_hash) -> the same, reading the entry back (EncodeDone without tensors)
     failed(mm_hash, error)    -> the requests waiting for it, each Failed
@@ -36,8 +36,8 @@ MAX_EARLY = 256  # images (and failures) that arrived before their request, kept
 
 
 @dataclass
-class Ready:
-    """All images of `request` are here: admit it to the engine."""
+class Admit:
+    """Admit `request` to the engine: all its images are here (early: those here so far)."""
 
     request: Request
     embeddings: dict[str, MMEntry] = field(default_factory=dict)  # mm_hash -> encoder output, each image here
@@ -61,7 +61,7 @@ class Failed:
     error: str
 
 
-Outcome = Ready | Arrived | Failed
+Outcome = Admit | Arrived | Failed
 
 
 class ImageArrivals:
@@ -114,9 +114,9 @@ class ImageArrivals:
         self._admitted.add(request.request_id)
         here = {h: self._staged[h] for h in request.mm_hashes if h not in missing}
         self._unstage(list(here))  # the engine holds them from now on
-        return [Ready(request, here, frozenset(missing))]
+        return [Admit(request, here, frozenset(missing))]
 
-    def arrived(self, mm_hash: str, entry: MMEntry) -> list[Ready | Arrived]:
+    def arrived(self, mm_hash: str, entry: MMEntry) -> list[Admit | Arrived]:
         """An image is here; kept for a request still to come if none waits for it."""
         waiting = self._waiting_for(mm_hash)
         if not waiting:
@@ -180,13 +180,13 @@ class ImageArrivals:
     def _waiting_for(self, mm_hash: str) -> list[str]:
         return [rid for rid, (_, missing) in self._pending.items() if mm_hash in missing]
 
-    def _take(self, request_id: str) -> Ready:
+    def _take(self, request_id: str) -> Admit:
         request, missing = self._pending.pop(request_id)
         self._since_s.pop(request_id, None)
         assert not missing, f"request {request_id} still misses images {missing}"
         embeddings = {h: self._staged[h] for h in request.mm_hashes}
         self._unstage(request.mm_hashes)
-        return Ready(request, embeddings)
+        return Admit(request, embeddings)
 
     def _drop(self, request_id: str) -> None:
         request, _ = self._pending.pop(request_id)

@@ -107,10 +107,6 @@ class ModelRunner:
     def get_embedding(self, mm_hash: str) -> MMEntry | None:
         return self._mm_embeddings.get(mm_hash)
 
-    @property
-    def num_embeddings(self) -> int:
-        return len(self._mm_embeddings)
-
     # -- per-request state -----------------------------------------------------
 
     def _state(self, request: Request) -> _RequestState:

@@ -5,8 +5,8 @@ Pure Python (no torch), vLLM V1 style: a step is
     out = scheduler.schedule()          # which requests, how many tokens each
     sampled = runner.execute(out)       # {request_id: token_id} for chunks that sample
     updates = scheduler.update(out, sampled)
-The same object serves combined, prefill-only and decode-only workers
-(`role`), see `update`, `release` and `add_prefilled`.
+The same object serves pd (prefill and decode), prefill-only and decode-only
+workers (`role`), see `update`, `release` and `add_prefilled`.
 
 Invariants
 * `running` is sorted by arrival (decodes, and preemption victims, go by
@@ -39,7 +39,7 @@ from epd.engine.block_manager import BlockManager
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
-ROLES = ("combined", "prefill", "decode")
+ROLES = ("pd", "prefill", "decode")
 PREFILL_PRIORITIES = ("fcfs", "cost")
 
 
@@ -89,7 +89,7 @@ class SchedulerConfig:
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each.
 
-    role="combined": prompt prefill and decode on this worker.
+    role="pd":       prompt prefill and decode on this worker (pd and aggregated workers).
     role="prefill":  after its prompt is computed and the first token sampled,
         a request leaves `running` as *prefilled* (`RequestUpdate.is_prefilled`)
         but keeps its blocks until `release(request_id)`.
@@ -100,7 +100,7 @@ class Scheduler:
         local prefill delays the running decodes by one bounded chunk.
     """
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "combined") -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd") -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config

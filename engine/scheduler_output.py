@@ -43,11 +43,6 @@ class ScheduledRequest:
         """Token ids to run this step, `num_new_tokens` of them."""
         return self.request.all_token_ids[self.start:self.end]
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while any prompt token is in this chunk (it may also sample)."""
-        return self.start < self.request.num_prompt_tokens
-
     def mm_slices(self) -> list[tuple[MMSpan, int, int]]:
         """Image spans overlapping this chunk, as (span, first, last + 1).
 

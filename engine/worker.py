@@ -20,15 +20,21 @@ default) it enters at once and is prefilled up to its first missing image;
 the others follow it in with `EngineCore.add_embedding`. An image that
 fails fails its requests, wherever they are. The engine is reached only
 through `EngineCore`'s verbs.
+
+What the worker itself keeps for a request (its API process, its decode
+worker, the KV it sent or received, the tokens it holds back) is one
+`_RequestState`, made on arrival and dropped whole by `_forget` when the
+request leaves: its last output, its KVAck (prefill role), an abort.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Outcome, Ready
+from epd.engine.image_arrivals import Admit, Arrived, Failed, ImageArrivals, Outcome
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
@@ -55,6 +61,20 @@ def inbox_frame_bytes(core: EngineCore) -> int:
                                     config.resolved_max_model_len(info.max_model_len), config.scheduler.block_size)
 
 
+@dataclass(slots=True)
+class _RequestState:
+    """What the worker holds for one request, beside the engine and `ImageArrivals`.
+    Made when the request arrives (a PrefillRequest, or a KVTransfer on a decode
+    worker); dropped whole, by `_forget`, when the request leaves this worker:
+    its last output sent, its KVAck received (prefill role), or aborted."""
+
+    api_index: int | None = None  # several API processes: the one its outputs go to (None: the only one)
+    decode_target: str | None = None  # prefill role: the decode worker its KV goes to, until sent
+    transfer_start_s: float | None = None  # prefill role: KV sent at (perf_counter), until its KVAck
+    transfer: KVTransfer | None = None  # decode role: KV arrived, waiting for free blocks
+    held: TokenOutput | None = None  # stream interval: tokens not sent yet
+
+
 class EngineWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
         if not spec.role.holds_kv:
@@ -64,11 +84,8 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
                                       early=core.config.early_prefill)
-        self.decode_target: dict[str, str] = {}  # prefill role: request id -> decode worker address
-        self.api_index: dict[str, int] = {}  # several API processes: request id -> the one its outputs go to
-        self.transfer_start: dict[str, float] = {}
-        self.incoming: list[KVTransfer] = []  # decode role: waiting for free blocks
-        self.held: dict[str, TokenOutput] = {}  # stream interval: tokens not sent yet, by request id
+        self.requests: dict[str, _RequestState] = {}  # by request id, in arrival order
+        self._num_incoming = 0  # requests whose `transfer` waits for free blocks
         self.running = True
         self.counters = EngineCounters()  # the scheduler's own counters are copied in at each WorkerStats
         self.encoder_counters = EncoderCounters() if encode_fn is not None else None
@@ -80,7 +97,7 @@ class EngineWorker(WorkerIO):
         self.announce()
         try:
             while self.running:
-                busy = self.core.has_unfinished() or bool(self.incoming)
+                busy = self.core.has_unfinished() or self._num_incoming > 0
                 self._drain(timeout_s=0.0 if busy else 0.05)
                 self._admit_transfers()
                 self._settle(self.arrivals.expire(time.monotonic(), MAX_IMAGE_WAIT_S))
@@ -108,7 +125,7 @@ class EngineWorker(WorkerIO):
         elif isinstance(msg, EncodeRequest) and self.encode_fn is not None:
             self._on_encode_request([msg])
         elif isinstance(msg, KVTransfer):
-            self.incoming.append(msg)
+            self._on_kv_transfer(msg)
         elif isinstance(msg, KVAck):
             self._on_kv_ack(msg)
         elif isinstance(msg, Abort):
@@ -121,11 +138,10 @@ class EngineWorker(WorkerIO):
     # ---------------------------------------------------------- admission
 
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
-        self._remember_api(msg.request_id, msg.api_index)  # first: a failure below is answered there too
+        state = self._track(msg.request_id, msg.api_index)  # first: a failure below is answered there too
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                           mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
-        if msg.decode_worker:
-            self.decode_target[msg.request_id] = msg.decode_worker
+        state.decode_target = msg.decode_worker or None
         self._settle(self.arrivals.add(request, time.monotonic()))
 
     def _lookup_embedding(self, mm_hash: str) -> MMEntry | None:
@@ -173,10 +189,10 @@ class EngineWorker(WorkerIO):
             else:
                 self._admit(outcome)
 
-    def _admit(self, ready: Ready) -> None:
-        request_id = ready.request.request_id
+    def _admit(self, admit: Admit) -> None:
+        request_id = admit.request.request_id
         try:
-            self.core.add_request(ready.request, ready.embeddings, ready.pending)
+            self.core.add_request(admit.request, admit.embeddings, admit.pending)
         except ValueError as exc:  # e.g. a prompt that cannot fit the KV cache
             self._fail(request_id, str(exc))
         except Exception:  # fails this request only; the others of `outcomes` still settle
@@ -188,46 +204,63 @@ class EngineWorker(WorkerIO):
         (early prefill: blocks filled before an image failed)."""
         self.arrivals.remove(request_id)
         self.core.abort([request_id])
-        self.decode_target.pop(request_id, None)
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
                                       is_internal_error=is_internal))
 
-    def _remember_api(self, request_id: str, api_index: int) -> None:
-        """Several API processes: which one takes this request's outputs."""
+    def _track(self, request_id: str, api_index: int) -> _RequestState:
+        """The request's state, made on its arrival, with the API process that
+        takes its outputs (several API processes only)."""
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = _RequestState()
         if len(self.apis) == 1:
-            return
+            return state
         if api_index >= len(self.apis):  # misconfigured: `epd worker --api` names fewer API processes
             log.warning("%s: request %s comes from API process %d, but --api names %d", self.spec.worker_id,
                         request_id, api_index, len(self.apis))
-            return
-        self.api_index[request_id] = api_index
+            return state
+        state.api_index = api_index
+        return state
+
+    def _forget(self, request_id: str) -> _RequestState | None:
+        """The one place a request's state leaves the worker (the engine and
+        ImageArrivals free theirs on their own verbs)."""
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.transfer is not None:
+            self._num_incoming -= 1
+        return state
 
     def _requests_of(self, api_index: int | None) -> list[str]:
         """The requests whose outputs go to API process `api_index` (none for None)."""
         if api_index is None:
             return []
-        return [rid for rid, index in self.api_index.items() if index == api_index]
+        return [rid for rid, state in self.requests.items() if state.api_index == api_index]
 
     def _abort(self, request_ids: list[str]) -> None:
         ids = set(request_ids)
         aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
         for rid in ids:
-            self.held.pop(rid, None)
-            self.decode_target.pop(rid, None)
-            self.api_index.pop(rid, None)
-            self.transfer_start.pop(rid, None)
-        aborted |= {t.request_id for t in self.incoming if t.request_id in ids}  # KV not yet taken
-        self.incoming = [t for t in self.incoming if t.request_id not in ids]
+            state = self._forget(rid)
+            if state is not None and state.transfer is not None:  # KV not yet taken
+                aborted.add(rid)
         aborted |= set(self.core.abort(request_ids))
         self.counters.num_aborted += len(aborted)
 
     # ------------------------------------------------------------- KV moves
 
+    def _on_kv_transfer(self, msg: KVTransfer) -> None:
+        """Decode role: the KV waits in the request's state until blocks are free."""
+        state = self._track(msg.request_id, msg.api_index)
+        if state.transfer is None:
+            self._num_incoming += 1
+        state.transfer = msg
+
     def _admit_transfers(self) -> None:
-        """Decode role: write arrived KV into fresh blocks, then ack."""
-        still_waiting = []
-        for msg in self.incoming:
-            self._remember_api(msg.request_id, msg.api_index)
+        """Decode role: write arrived KV into fresh blocks (in arrival order), then ack."""
+        if not self._num_incoming:
+            return
+        for state in [s for s in self.requests.values() if s.transfer is not None]:
+            msg = state.transfer
             request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
                               mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
             request.output_token_ids.append(msg.first_token_id)
@@ -239,29 +272,30 @@ class EngineWorker(WorkerIO):
                                               error=str(exc)))
                 continue
             if not admitted:
-                still_waiting.append(msg)  # no room yet; prefill keeps its copy meanwhile
-                continue
+                continue  # no room yet; prefill keeps its copy meanwhile
+            state.transfer = None
+            self._num_incoming -= 1
             self.counters.kv_transfer_bytes += msg.k_blocks.nbytes + msg.v_blocks.nbytes
             self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=True))
-        self.incoming = still_waiting
 
     def _send_kv(self, request: Request) -> None:
         """Prefill role: ship a prefilled request's blocks to its decode worker."""
-        target = self.decode_target.pop(request.request_id, None)
-        if target is None:
+        state = self.requests.get(request.request_id)
+        if state is None or state.decode_target is None:
             return
+        target, state.decode_target = state.decode_target, None
         k, v = self.core.export_kv(request.request_id)  # [layers, blocks, block_size, kv_heads, head_dim]
-        self.transfer_start[request.request_id] = time.perf_counter()
+        state.transfer_start_s = time.perf_counter()
         self.outbox.send(target, KVTransfer(
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address, api_index=self.api_index.get(request.request_id, 0)))
+            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0))
 
     def _on_kv_ack(self, msg: KVAck) -> None:
-        self.api_index.pop(msg.request_id, None)
-        start = self.transfer_start.pop(msg.request_id, None)
-        if start is not None:
-            self.counters.kv_transfer_seconds_sum += time.perf_counter() - start
+        """Prefill role: the decode worker has the KV; the request leaves this worker."""
+        state = self._forget(msg.request_id)
+        if state is not None and state.transfer_start_s is not None:
+            self.counters.kv_transfer_seconds_sum += time.perf_counter() - state.transfer_start_s
             self.counters.num_kv_transfers += 1
         self.core.release(msg.request_id)  # False: aborted meanwhile, already freed
 
@@ -275,7 +309,6 @@ class EngineWorker(WorkerIO):
                           len(exc.request_ids))
             for request_id in exc.request_ids:
                 self.arrivals.remove(request_id)
-                self.decode_target.pop(request_id, None)
                 self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error",
                                               error="internal error in the engine", is_internal_error=True))
             for request_id, error in exc.failed.items():
@@ -287,7 +320,7 @@ class EngineWorker(WorkerIO):
         for update in result.updates:
             request = result.requests[update.request_id]
             lp = result.logprobs.get(update.request_id)
-            out = self._hold(TokenOutput(
+            out = self._hold(self.requests.get(update.request_id), TokenOutput(
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
@@ -297,31 +330,29 @@ class EngineWorker(WorkerIO):
             self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded
             if update.is_prefilled:
                 prefilled.append(request)
-            elif update.is_finished:
-                self.decode_target.pop(update.request_id, None)
-        self._send_step_outputs(outputs)
+        self._send_step_outputs(outputs)  # a finished request's state leaves with its last output
         for request in prefilled:  # after the step's first tokens: the client sees them before the KV moves
             try:
                 self._send_kv(request)
             except Exception:  # one request fails (the API sends it again elsewhere); the worker serves on
                 log.exception("%s: could not send the KV of %s", self.spec.worker_id, request.request_id)
-                self.transfer_start.pop(request.request_id, None)
                 self._fail(request.request_id, "could not send the KV cache to the decode worker", is_internal=True)
 
-    def _hold(self, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
+    def _hold(self, state: _RequestState | None, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
         """`out` joined to what is held for its request: returned to be sent when
         due (the request's first token, `stream_interval` tokens gathered, or the
-        last), else kept here (None)."""
-        held = self.held.pop(out.request_id, None)
+        last), else kept in `state` (None)."""
+        held = None if state is None else state.held
         if held is not None:
+            state.held = None
             held.token_ids += out.token_ids
             if held.logprobs is not None:
                 held.logprobs += out.logprobs or []
             held.finished, held.finish_reason = out.finished, out.finish_reason
             out = held
-        if out.finished or out.index == 0 or len(out.token_ids) >= stream_interval:
+        if out.finished or out.index == 0 or len(out.token_ids) >= stream_interval or state is None:
             return out
-        self.held[out.request_id] = out
+        state.held = out
         return None
 
     def _send_step_outputs(self, outputs: list[TokenOutput]) -> None:
@@ -334,12 +365,13 @@ class EngineWorker(WorkerIO):
 
     def _send_output(self, out: TokenOutput) -> None:
         """One output outside a step's batch (an error): whatever its request held is dropped."""
-        self.held.pop(out.request_id, None)
         self.outbox.send(self.apis[self._api_of(out)], out)
 
     def _api_of(self, out: TokenOutput) -> int:
-        """The API process `out` goes to (a request's last output forgets it)."""
-        return self.api_index.pop(out.request_id, 0) if out.finished else self.api_index.get(out.request_id, 0)
+        """The API process `out` goes to. A request's last output forgets the
+        request (and drops whatever it held)."""
+        state = self._forget(out.request_id) if out.finished else self.requests.get(out.request_id)
+        return 0 if state is None or state.api_index is None else state.api_index
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
@@ -352,7 +384,7 @@ class EngineWorker(WorkerIO):
         self.counters.prefix_cache_hits = stats["prefix_cache_hits"]
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=self.core.num_running,
-            num_waiting=self.core.num_waiting + self.arrivals.num_pending + len(self.incoming),
+            num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
             queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
             session=self.session))

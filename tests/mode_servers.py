@@ -28,7 +28,7 @@ SLOW_W, SLOW_H, HOLD_S = 72, 56, 4.0  # the image size held back, and for how lo
 
 def start_mode_server(model: str, mode: str, tmp) -> ServerProcess:
     """`epd serve` of `model` in `mode` with the flags above, ready."""
-    from epd.encoders.encoder_worker import SLOW_IMAGE_ENV
+    from epd.encoders.encoder_delays import ENV_SLOW_IMAGE
 
     port = free_port()
     args = ["serve", model, "--mode", mode, "--port", str(port), "--served-model-name", SERVED_MODEL,
@@ -38,7 +38,7 @@ def start_mode_server(model: str, mode: str, tmp) -> ServerProcess:
     if mode == "e-p-d":  # shared cores (the default); e-pd splits them: the same outputs either way
         args += ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"),
                  "--max-local-prefill-tokens", str(MAX_LOCAL_PREFILL_TOKENS)]
-        env[SLOW_IMAGE_ENV] = f"{SLOW_W}x{SLOW_H}:{HOLD_S}"
+        env[ENV_SLOW_IMAGE] = f"{SLOW_W}x{SLOW_H}:{HOLD_S}"
     if mode == "e-pd":
         args += ["--mm-cache-gb", "0.0001", "--cpu-sharing", "split"]
     srv = ServerProcess(args, port, str(tmp / f"server-{mode}-{port}.log"), env=env).wait_ready()

@@ -1,4 +1,5 @@
-"""The dependency rule of DESIGN.md, checked on every import statement.
+"""The dependency rule of docs/design.md ("Layout and the layering rule"),
+checked on every import statement.
 
     transport  imports nothing of ours
     encoders   imports transport only

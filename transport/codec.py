@@ -155,9 +155,6 @@ class Fields:
     def mm_hash(self, name: str) -> str:
         return self._get(name, Fields.is_mm_hash, "64 lowercase hex chars")
 
-    def int_list(self, name: str) -> list[int]:
-        return self._get(name, _is_int_list, "list[int]")
-
     def token_ids(self, name: str) -> list[int]:
         return self._get(name, lambda v: _is_int_list(v) and all(x >= 0 for x in v), "list of token ids >= 0")
 

@@ -61,10 +61,10 @@ class Role(_StrEnum):
 
     @property
     def scheduler_role(self) -> str:
-        """The engine scheduler's role of a KV-holding worker: prefill, decode or combined."""
+        """The engine scheduler's role of a KV-holding worker: prefill, decode or pd (aggregated too)."""
         if not self.holds_kv:
             raise ValueError(f"role {self.value!r} runs no engine")
-        return self.value if self in (Role.PREFILL, Role.DECODE) else "combined"
+        return Role.PD.value if self is Role.AGGREGATED else self.value
 
 
 class Mode(_StrEnum):

@@ -2,8 +2,8 @@
 its outbox, the LMDB embedding cache when it shares one, the `Ready` that
 registers it with the API, and closing all three.
 
-With several API processes (`epd serve --api-servers N`) `spec.api` names
-all N collectors, joined by ","; a worker registers with and reports its load
+With several API processes (`epd serve --api-servers N`) `spec.apis` names
+all N collectors, by API index; a worker registers with and reports its load
 to each (`publish`), and sends a request's TokenOutputs to the collector its
 PrefillRequest named (`api_index`). Every worker re-sends `Ready` every
 `REANNOUNCE_S`: a restarted API process learns it, and an API that took it
@@ -41,7 +41,7 @@ class WorkerSpec:
     worker_id: str
     role: Role
     inbox: str  # address this worker binds
-    api: str  # the API's collector address; with N API processes their N collectors, joined by ","
+    apis: tuple[str, ...]  # every API process's collector address, by API index (one without --api-servers)
     mm_cache_dir: str | None  # None: no embedding cache on this worker
     mm_cache_bytes: int
     stats_interval_s: float = 0.25
@@ -49,11 +49,9 @@ class WorkerSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too
-
-    @property
-    def apis(self) -> tuple[str, ...]:
-        """Every API process's collector, by API index."""
-        return tuple(self.api.split(","))
+        if isinstance(self.apis, str) or not self.apis:
+            raise TypeError(f"WorkerSpec.apis is a non-empty tuple of collector addresses, got {self.apis!r}")
+        object.__setattr__(self, "apis", tuple(self.apis))
 
 
 REANNOUNCE_S = 1.0  # how often Ready is sent again (a restarted API process learns us)

@@ -125,10 +125,6 @@ class ToolCallParser:
         self.calls: list[dict] = []  # complete calls, OpenAI's non-streamed form
         self._named_id: str | None = None
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls) or self._named_id is not None
-
     def feed(self, text: str) -> ParsedDelta:
         mode = self.choice.mode
         if mode == "none":

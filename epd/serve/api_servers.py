@@ -5,7 +5,7 @@ all routing to the same workers.
       binds the HTTP socket once; every API process accepts on it (as uvicorn
         --workers and gunicorn do: portable, and a dying process loses only the
         connections it had accepted, not the ones queued)
-      LocalSupervisor: the workers, whose WorkerSpec.api names all N collectors
+      LocalSupervisor: the workers, whose WorkerSpec.apis names all N collectors
       ApiServers: starts API process k (run_api_server), restarts it when it exits
       a worker exits -> WorkerExited to every collector (the workers are not the
         API processes' children, so only the launcher sees them exit)
@@ -80,7 +80,7 @@ def serve_many(config: ServeConfig) -> int:
     if config.cpu_sharing == "shared":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("spawn")
-    launches = [] if config.external_workers else worker_launches(config, addresses, ",".join(apis), mm_cache_dir)
+    launches = [] if config.external_workers else worker_launches(config, addresses, tuple(apis), mm_cache_dir)
     workers = LocalSupervisor(launches, ctx, max_restarts=config.limits.max_restarts,
                               down_retry_s=config.limits.down_retry_s,
                               restart_window_s=config.limits.restart_window_s)

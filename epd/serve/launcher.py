@@ -21,7 +21,7 @@ import uvicorn
 from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.http_server import HttpServer, api_settings
-from epd.serve.roles import WorkerLaunch, run_worker
+from epd.serve.worker_entry import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.serve.worker_launches import worker_launches
 from epd.transport.addresses import Addresses, tcp_address
@@ -80,7 +80,7 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str):
     else:
         addresses = Addresses.ipc(run_dir)
         collector = addresses.collector()
-    launches = [] if config.external_workers else worker_launches(config, addresses, collector, mm_cache_dir)
+    launches = [] if config.external_workers else worker_launches(config, addresses, (collector,), mm_cache_dir)
     supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
                                  max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
                                  restart_window_s=config.limits.restart_window_s, addresses=addresses)
@@ -138,11 +138,12 @@ def run_external_worker(config: WorkerConfig) -> int:
         with socket.socket() as s:  # pick a free port for the inbox
             s.bind((config.host, 0))
             port = s.getsockname()[1]
+    apis = tuple(config.api.split(","))  # --api: one collector per API process, joined by ","
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
-                      config.api, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys)
+                      apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
                           num_threads=config.num_threads or (os.cpu_count() or 1))
-    print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {spec.api}", flush=True)
+    print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)
     try:
         run_worker(launch, spawned=False)
     except KeyboardInterrupt:

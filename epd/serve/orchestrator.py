@@ -227,9 +227,6 @@ class Orchestrator:
         """The roles this mode needs that have no live worker now."""
         return self.registry.missing_roles(self.required_roles)
 
-    def is_healthy(self) -> bool:
-        return not self.missing_roles()
-
     def metrics_text(self) -> bytes:
         return self.metrics.render()
 

@@ -49,7 +49,7 @@ except ImportError:  # the CLI prints it as "epd serve: ..." and exits 2
 
 from epd.config import ServeConfig
 from epd.serve.ray_config import RayConfig
-from epd.serve.roles import WorkerLaunch, run_worker
+from epd.serve.worker_entry import WorkerLaunch, run_worker
 from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, RestartBudget
 from epd.transport.addresses import tcp_address, worker_id as make_worker_id
 from epd.transport.auth import API, WORKER, make_keys
@@ -108,7 +108,7 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
         if resources.get("GPU", 0) > 0:  # a fraction of a GPU: that share of --gpu-memory-utilization
             engine = replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization
                              * min(1.0, resources["GPU"]))
-        spec = WorkerSpec(make_worker_id(role, index), role, inbox="", api=collector, mm_cache_dir=cache_root,
+        spec = WorkerSpec(make_worker_id(role, index), role, inbox="", apis=(collector,), mm_cache_dir=cache_root,
                           mm_cache_bytes=config.mm_cache_bytes, keys_dir=config.worker_keys)
         return WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
                             mm_processor_kwargs=config.files.mm_processor_kwargs,
@@ -160,7 +160,7 @@ class WorkerActor:
         # each node its own cache: never shared with another node's workers, even on one file system
         spec = replace(spec, inbox=tcp_address(ip, port), keys_dir=keys_dir,
                        mm_cache_dir=os.path.join(spec.mm_cache_dir, f"node-{ip}"))
-        print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {spec.api}", flush=True)
+        print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {', '.join(spec.apis)}", flush=True)
         try:
             run_worker(replace(self.launch, spec=spec), spawned=False)
         finally:

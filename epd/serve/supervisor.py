@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from epd.serve.roles import WorkerLaunch, run_worker
+from epd.serve.worker_entry import WorkerLaunch, run_worker
 from epd.transport.addresses import Addresses, parse_worker_id, worker_id as make_worker_id
 from epd.transport.roles import Role
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from epd.config import ServeConfig
-from epd.serve.roles import WorkerLaunch
+from epd.serve.worker_entry import WorkerLaunch
 from epd.transport.addresses import Addresses, worker_id
 from epd.transport.worker_io import WorkerSpec
 
@@ -18,12 +18,13 @@ def visible_gpus(device: str) -> int:
     return torch.cuda.device_count()
 
 
-def worker_launches(config: ServeConfig, addresses: Addresses, collector: str, mm_cache_dir: str
+def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple[str, ...], mm_cache_dir: str
                     ) -> list[WorkerLaunch]:
+    """`collectors`: every API process's collector address, by API index."""
     engines = config.worker_engines(visible_gpus(config.engine.device))
     launches = []
     for (role, index), engine in zip(config.worker_roles(), engines):
-        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collector,
+        spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
                           mm_cache_dir, config.mm_cache_bytes)
         if engine.device.startswith("cuda"):
             print(f"EPD: {spec.worker_id} on {engine.device}"

@@ -46,7 +46,7 @@ def make_image_prompt(num_text_before: int, num_image_tokens: int, num_text_afte
 
 def make_scheduler(num_blocks: int = 64, *, block_size: int = 4, max_num_seqs: int = 256,
                    max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                   max_model_len: int | None = None, role: str = "combined",
+                   max_model_len: int | None = None, role: str = "pd",
                    **config: object) -> Scheduler:
     """A scheduler with small blocks, so test prompts stay short; `config`:
     other SchedulerConfig fields (prefill_priority, ...)."""

@@ -136,8 +136,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, 
     """An image embedding of the wrong width (an encoder of another model sending
     its tensors inline) fails the merge inside the step: the step's request is
     aborted, its blocks freed, and the next request runs as on a fresh engine."""
-    core = make_core(tiny_model, "combined")
-    expected = make_core(tiny_model, "combined")
+    core = make_core(tiny_model, "pd")
+    expected = make_core(tiny_model, "pd")
     expected.add_request(Request("ref", [1, 2, 3, 4], GREEDY))
     expected_tokens = [t for u in run_to_end(expected) for t in u.new_token_ids]
 

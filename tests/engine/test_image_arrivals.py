@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Ready
+from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Admit
 from epd.transport.mm_span import MMSpan
 
 from tests.engine.factories import IMAGE_PAD_ID, make_request
@@ -32,7 +32,7 @@ def make_arrivals(held: dict[str, str] | None = None, max_early: int = 256, earl
 
 
 def admitted(outcomes) -> dict[str, dict[str, str]]:
-    assert all(isinstance(o, Ready) for o in outcomes), outcomes
+    assert all(isinstance(o, Admit) for o in outcomes), outcomes
     return {o.request.request_id: o.embeddings for o in outcomes}
 
 

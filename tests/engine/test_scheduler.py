@@ -347,7 +347,7 @@ def test_decode_role_prefills_local_prompts_in_bounded_chunks_beside_its_decodes
 
 
 def test_only_the_decode_role_bounds_its_prefill_chunks():
-    for role in ("combined", "prefill"):
+    for role in ("pd", "prefill"):
         scheduler = make_scheduler(role=role, max_num_batched_tokens=64, max_local_prefill_tokens=8)
         scheduler.add_request(make_request(20))
         assert scheduler.schedule().num_batched_tokens == 20

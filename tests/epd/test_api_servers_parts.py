@@ -26,7 +26,7 @@ def stats(worker_id: str = "decode-0", running: int = 3) -> WorkerStats:
 def test_a_worker_registers_with_and_reports_to_every_api_process(tmp_path):
     addresses = Addresses.ipc(tmp_path)
     collectors = [Receiver(addresses.collector(k)) for k in range(3)]
-    spec = WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), ",".join(c.address for c in collectors),
+    spec = WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), tuple(c.address for c in collectors),
                       None, 0)
     worker = WorkerIO(spec, model_fingerprint="f")
     worker.heartbeat.interval_s = 3600.0  # these tests count messages: no Alive in between (test_heartbeat.py)
@@ -53,7 +53,7 @@ def test_one_api_process_hears_ready_again_too(tmp_path):
     worker for dead (silent on a slow link, a forged exit) takes it back."""
     addresses = Addresses.ipc(tmp_path)
     collector = Receiver(addresses.collector())
-    worker = WorkerIO(WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), collector.address, None, 0), "f")
+    worker = WorkerIO(WorkerSpec("decode-0", "decode", addresses.worker("decode", 0), (collector.address,), None, 0), "f")
     worker.heartbeat.interval_s = 3600.0
     try:
         worker.announce()
@@ -119,7 +119,8 @@ def test_api_servers_flag_is_checked(tiny_model, tmp_path):
     make_keys(tmp_path / "keys")
     worker = WorkerConfig(model=tiny_model, role="decode", api="tcp://h:9001,tcp://h:9002",
                           worker_keys=str(tmp_path / "keys"))
-    assert WorkerSpec("w", "decode", "tcp://h:1", worker.api, None, 0).apis == ("tcp://h:9001", "tcp://h:9002")
+    assert WorkerSpec("w", "decode", "tcp://h:1", tuple(worker.api.split(",")), None, 0).apis == (
+        "tcp://h:9001", "tcp://h:9002")
     with pytest.raises(ValueError, match="one per API process"):
         WorkerConfig(model=tiny_model, role="decode", api="tcp://h:9001,ipc:///x", worker_keys=str(tmp_path / "keys"))
 

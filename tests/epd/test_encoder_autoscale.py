@@ -1,6 +1,6 @@
 """`epd serve --encoders 1-2` end to end: a burst of image requests (every image
 distinct, so nothing is cached; every encoder batch made a second longer
-through `EPD_TEST_ENCODER_BATCH_DELAY_S`, so the queue backs up on a fast
+through `EPD_TEST_ENCODER_BATCH_DELAY_S`, encoders/encoder_delays.py, so the queue backs up on a fast
 machine as on a busy one) backs the encoder's queue up and a second
 encoder is started and takes images; when the traffic stops it is idle and the
 pool is back to one encoder. Seen through /metrics and /health, every answer
@@ -14,7 +14,7 @@ from hf_reference import hf_generate_text
 from media import costly_image, describe
 from server import image_burst, start_server
 
-from epd.encoders.encoder_worker import BATCH_DELAY_ENV
+from epd.encoders.encoder_delays import ENV_BATCH_DELAY
 
 MAX_TOKENS = 4
 NUM_CLIENTS = 3
@@ -44,7 +44,7 @@ def wait_for(server, condition, deadline_s: float, what: str) -> dict[str, float
 
 
 def test_a_burst_adds_an_encoder_and_idleness_removes_it(tiny_model, tmp_path, monkeypatch):
-    monkeypatch.setenv(BATCH_DELAY_ENV, str(BATCH_DELAY_S))  # the server's workers inherit it
+    monkeypatch.setenv(ENV_BATCH_DELAY, str(BATCH_DELAY_S))  # the server's workers inherit it
     server = start_server(tiny_model, tmp_path, "e-p-d", "--encoders", "1-2",
                           "--encoder-scale-up-queue-s", "0.3", "--encoder-scale-up-window-s", "0.5",
                           "--encoder-idle-s", "4", "--encoder-scale-cooldown-s", "1")

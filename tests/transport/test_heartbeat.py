@@ -36,7 +36,7 @@ def test_a_busy_worker_says_alive_to_every_api_and_stops_when_closed(tmp_path):
     keys_dir = make_keys(tmp_path / "keys")
     api = PlaneKeys.load(keys_dir, API)
     collectors = [Receiver("tcp://127.0.0.1:*", keys=api, domain=COLLECTOR_DOMAIN, ctx=CTX) for _ in range(2)]
-    spec = WorkerSpec("encoder-0", "encoder", "tcp://127.0.0.1:*", ",".join(c.address for c in collectors),
+    spec = WorkerSpec("encoder-0", "encoder", "tcp://127.0.0.1:*", tuple(c.address for c in collectors),
                       mm_cache_dir=None, mm_cache_bytes=0, keys_dir=str(keys_dir))
     worker = WorkerIO(spec, model_fingerprint="x")
     try:

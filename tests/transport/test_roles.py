@@ -18,7 +18,7 @@ def test_what_each_role_does():
     assert [r for r in Role if r.holds_kv] == [Role.PREFILL, Role.DECODE, Role.PD, Role.AGGREGATED]
     assert [r for r in Role if r.takes_prefill] == [Role.PREFILL, Role.PD, Role.AGGREGATED]
     assert [r for r in Role if r.encodes] == [Role.ENCODER, Role.AGGREGATED]
-    assert [r.scheduler_role for r in Role if r.holds_kv] == ["prefill", "decode", "combined", "combined"]
+    assert [r.scheduler_role for r in Role if r.holds_kv] == ["prefill", "decode", "pd", "pd"]
     with pytest.raises(ValueError, match="runs no engine"):
         Role.ENCODER.scheduler_role  # noqa: B018
 
@@ -35,7 +35,9 @@ def test_each_mode_starts_its_workers():
 def test_a_worker_spec_holds_a_role():
     from epd.transport.worker_io import WorkerSpec
 
-    spec = WorkerSpec("pd-0", "pd", "ipc:///tmp/x/pd-0.sock", "ipc:///tmp/x/api.sock", None, 0)
+    spec = WorkerSpec("pd-0", "pd", "ipc:///tmp/x/pd-0.sock", ("ipc:///tmp/x/api.sock",), None, 0)
     assert spec.role is Role.PD and spec.role.holds_kv
     with pytest.raises(ValueError, match="unknown role 'gpu'"):
-        WorkerSpec("gpu-0", "gpu", "ipc:///tmp/x/gpu-0.sock", "ipc:///tmp/x/api.sock", None, 0)
+        WorkerSpec("gpu-0", "gpu", "ipc:///tmp/x/gpu-0.sock", ("ipc:///tmp/x/api.sock",), None, 0)
+    with pytest.raises(TypeError, match="tuple of collector addresses"):  # not a comma-joined str
+        WorkerSpec("pd-0", "pd", "ipc:///tmp/x/pd-0.sock", "ipc:///tmp/x/api.sock", None, 0)

@@ -23,7 +23,7 @@ class WorkerLaunch:
     """Everything a worker process needs, picklable for multiprocessing spawn:
     the `spec` its worker loop takes, and what building the model needs."""
 
-    spec: WorkerSpec  # id, role, inbox to bind, the API's address, embedding cache
+    spec: WorkerSpec  # id, role, inbox to bind, every API collector's address, embedding cache
     model: str
     engine: EngineConfig
     max_image_pixels: int
@@ -75,13 +75,14 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
+    from epd.encoders.encoder_delays import EncoderDelays
     from epd.encoders.encoder_worker import EncoderWorker
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
                              device)
-    return EncoderWorker(launch.spec, encoder)
+    return EncoderWorker(launch.spec, encoder, EncoderDelays.from_env(os.environ))  # tests may slow it down
 
 
 def _engine_worker(launch: WorkerLaunch, hf_config, info):

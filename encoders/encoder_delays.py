@@ -1,0 +1,41 @@
+"""Delays an encoder worker can be told to add, for tests that need an encoder
+slower than the machine makes it: `EncoderWorker(spec, encoder, delays)`.
+
+    batch_delay_s     every batch takes at least this many seconds more, so a
+                      burst backs the queue up whatever the machine's speed
+                      (the autoscaling and heartbeat tests)
+    slow_image_size   (width, height): the EncodeDone of every image of that
+    slow_image_s      size is held back that long, without blocking the worker,
+                      so an image arrives late, after the request's later
+                      images, whichever encoder it was routed to (early prefill)
+
+A test that starts a server sets them through the environment of the
+process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS"):
+the worker entry (epd/serve/worker_entry.py) reads them once, with
+`from_env`, and the encoder worker itself reads no environment. Unset, no
+delay: production never sets them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_BATCH_DELAY = "EPD_TEST_ENCODER_BATCH_DELAY_S"
+ENV_SLOW_IMAGE = "EPD_TEST_SLOW_IMAGE"
+
+
+@dataclass(frozen=True)
+class EncoderDelays:
+    batch_delay_s: float = 0.0
+    slow_image_size: tuple[int, int] | None = None  # (width, height)
+    slow_image_s: float = 0.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> EncoderDelays:
+        """The delays `environ` asks for (none when it names none)."""
+        size, seconds = None, 0.0
+        if value := environ.get(ENV_SLOW_IMAGE):
+            dims, _, held = value.partition(":")
+            width, _, height = dims.partition("x")
+            size, seconds = (int(width), int(height)), float(held)
+        return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds)
