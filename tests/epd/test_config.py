@@ -301,3 +301,22 @@ def test_accepted_flags_say_what_they_do_here(tiny_model):
     assert any("never runs code from a checkpoint" in n for n in notes)
     assert any("always prefills in chunks of at most --max-num-batched-tokens (2048)" in n for n in notes)
     assert accepted_flag_notes(serve_config(build_parser().parse_args(["serve", tiny_model]))) == []
+
+
+def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
+    """--seed (EngineConfig.seed, vLLM's): the same seed, the same unseeded samples, whatever
+    drew from torch's generator before the engine was built; another seed, other samples."""
+    import torch
+
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=12)  # no seed of its own
+
+    def sample(seed: int, before: int) -> list[int]:
+        torch.manual_seed(before)
+        llm = LLM(tiny_model, device="cpu", dtype="float32", num_kv_blocks=32, seed=seed)
+        return llm.generate(["a b c d"], params)[0].outputs[0].token_ids
+
+    assert sample(3, before=1) == sample(3, before=2)
+    assert sample(3, before=1) != sample(4, before=1)
