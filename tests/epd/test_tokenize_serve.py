@@ -1,8 +1,10 @@
 """vLLM's /tokenize, /detokenize, /version and /v1/models/{id} on a real server: one
 aggregated server of the tiny checkpoint, started as `epd serve ./tiny` (so the model
-id it lists holds a dot and a slash), shared by the module."""
+id it lists holds a dot and a slash) with `--mm-processor-kwargs` (so the count is
+right only if the API and the encoder both resize with it), shared by the module."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -12,6 +14,7 @@ from media import IMG_A, IMG_B, image_part
 from server import ServerProcess, free_port
 
 MODEL_ID = "./tiny"
+PROCESSOR_KWARGS = {"max_pixels": 4096}  # below the test images' own: fewer placeholders than the file's
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,8 @@ def server(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("tokenize") / f"server-{port}.log"
     srv = ServerProcess(["serve", MODEL_ID, "--mode", "aggregated", "--port", str(port), "--num-kv-blocks", "64",
-                         "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1"],
+                         "--dtype", "float32", "--device", "cpu", "--threads-per-worker", "1",
+                         "--mm-processor-kwargs", json.dumps(PROCESSOR_KWARGS)],
                         port, str(log), cwd=str(Path(tiny_model).parent)).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -44,10 +48,12 @@ def test_tokenize_counts_what_a_chat_with_images_costs(server, client, tiny_mode
     usage = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=1, temperature=0).usage
     assert body["count"] == len(body["tokens"]) == usage.prompt_tokens
     # the images' placeholders are in the count, as many as each image costs
-    geometry = ImageGeometry.from_pretrained(tiny_model)
+    geometry = ImageGeometry.from_pretrained(tiny_model, PROCESSOR_KWARGS)
     image_token_id = ModelInfo.from_pretrained(tiny_model).image_token_id
     assert body["tokens"].count(image_token_id) == \
         geometry.num_image_tokens(100, 60) + geometry.num_image_tokens(37, 150) > 2
+    plain = ImageGeometry.from_pretrained(tiny_model)
+    assert geometry.num_image_tokens(100, 60) < plain.num_image_tokens(100, 60)
     models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
     assert body["max_model_len"] == models[0]["max_model_len"]
 
