@@ -163,9 +163,10 @@ class ServeConfig:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
-        if self.files.mm_processor_kwargs and self.external_workers:
-            raise ValueError("--mm-processor-kwargs does not reach `epd worker` processes yet: "
-                             "drop it with --external-workers")
+        for flag, given in (("--mm-processor-kwargs", self.files.mm_processor_kwargs),
+                            ("--tokenizer", self.files.tokenizer)):
+            if given and self.external_workers:
+                raise ValueError(f"{flag} does not reach `epd worker` processes yet: drop it with --external-workers")
         if self.api_servers > 1 and self.ray is not None:
             raise ValueError("--api-servers N > 1 runs with the local launcher or --external-workers, not --cluster ray")
         if self.api_servers > 1 and self.encoder_scaling is not None:

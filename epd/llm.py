@@ -77,7 +77,7 @@ class LLM:
         for note in self.files.notes():
             log.log(logging.WARNING if note.startswith("warning:") else logging.INFO, note)
         self.tokenizer = self.files.tokenizer
-        self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config)
+        self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config, tokenizer_dir=tokenizer)
         info = self.engine.info
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,

@@ -30,6 +30,7 @@ class WorkerLaunch:
     num_threads: int
     nice: int = 0  # added to the process's niceness before any work
     mm_processor_kwargs: tuple = ()  # --mm-processor-kwargs as (key, value) pairs: the encoder's processor
+    tokenizer: str | None = None  # --tokenizer: the grammar compiler's (None: the checkpoint's)
 
 
 def _die_with_parent() -> None:
@@ -90,7 +91,8 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
     from epd.engine.worker import EngineWorker
 
     role = launch.spec.role
-    core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info)
+    core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info,
+                      tokenizer_dir=launch.tokenizer)
     encode_fn = None
     if role.encodes:  # aggregated: the vision encoder in-process
         from epd.encoders.image_io import ImageError

@@ -264,3 +264,22 @@ def test_tokenizer_flag_takes_another_directory(tiny_model, tmp_path):
     assert files.chat_template.text.startswith("{% for m in messages %}OTHER")
     assert files.chat_template.source == str(other / "tokenizer_config.json")
     assert ModelFiles.open(tiny_model).chat_template.text != files.chat_template.text
+
+
+def test_tokenizer_flag_serves_a_checkpoint_without_one(tiny_model, tmp_path):
+    """--tokenizer reaches the engine's grammar compiler too: structured outputs work on a
+    checkpoint whose own directory holds no tokenizer."""
+    from epd import LLM
+    from epd.transport.sampling import StructuredOutputsParams
+
+    ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
+    ckpt.mkdir()
+    tok.mkdir()
+    for path in Path(tiny_model).iterdir():
+        ((tok if path.name.startswith("tokenizer") else ckpt) / path.name).symlink_to(path)
+    with pytest.raises(CheckpointError, match="the tokenizer cannot be loaded"):
+        ModelFiles.open(ckpt)
+    llm = LLM(str(ckpt), tokenizer=str(tok), **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate(["Is it?"], params)[0].outputs[0].text in ("yes", "no")
