@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from epd.version import __version__
 from epd.config import (CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, WorkerConfig,
                         field_default)
 from epd.engine.config import DTYPE_ALIASES, DTYPES, EngineConfig
 from epd.engine.scheduler import PREFILL_PRIORITIES
+from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.inputs.sampling_defaults import parse_overrides
@@ -19,6 +18,7 @@ from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
+from epd.version import __version__
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
@@ -136,65 +136,6 @@ def engine_config_of(argv: list[str]) -> EngineConfig:
     return _engine_config(known)
 
 
-MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys (video: 0 until it is served)
-
-
-def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
-    """--limit-mm-per-prompt as vLLM writes it, '{"image": 4, "video": 0}', or EPD's
-    image=N[,video=M] -> {"image": ..., "video": ...} (a modality left out: its default)."""
-    limits = {"image": field_default(MediaConfig, "limit_images_per_prompt"),
-              "video": field_default(MediaConfig, "limit_videos_per_prompt")}
-    if value is None:
-        return limits
-    if value.lstrip().startswith("{"):
-        try:
-            given = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {exc}") from None
-    else:
-        given = {}
-        for item in value.split(","):
-            key, _, num = item.strip().partition("=")
-            if not num.isdigit():
-                raise ValueError(f"--limit-mm-per-prompt takes '{{\"image\": N, \"video\": M}}' or image=N, "
-                                 f"got {value!r}")
-            given[key] = int(num)
-    unknown = sorted(set(given) - set(MODALITIES))
-    if unknown:
-        raise ValueError(f"--limit-mm-per-prompt: EPD serves {', '.join(MODALITIES)}, not {', '.join(unknown)}")
-    for key, num in given.items():
-        if isinstance(num, bool) or not isinstance(num, int) or num < 0:
-            raise ValueError(f"--limit-mm-per-prompt: {key} must be a count (>= 0), got {num!r}")
-    return {**limits, **given}
-
-
-def _json_object(flag: str, value: str | None) -> dict:
-    if value is None:
-        return {}
-    try:
-        out = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
-    return out
-
-
-def _string_list(flag: str, value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    """vLLM's JSON list ('["http://a.com"]'), or items separated by commas."""
-    if value is None:
-        return default
-    if value.lstrip().startswith("["):
-        try:
-            items = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{flag} is not a valid JSON list: {exc}") from None
-        if not all(isinstance(item, str) for item in items):
-            raise ValueError(f"{flag} must be a list of strings, got {value!r}")
-        return tuple(items)
-    return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
 def _domains(value: str | None) -> tuple[str, ...]:
     """'Host1, host2' -> ("host1", "host2")."""
     return tuple(d.strip().lower() for d in (value or "").split(",") if d.strip())
@@ -216,9 +157,9 @@ def serve_config(args) -> ServeConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         enable_chunked_prefill=args.enable_chunked_prefill, enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats, uvicorn_log_level=args.uvicorn_log_level,
-        allowed_origins=_string_list("--allowed-origins", args.allowed_origins, cors["allowed_origins"]),
-        allowed_methods=_string_list("--allowed-methods", args.allowed_methods, cors["allowed_methods"]),
-        allowed_headers=_string_list("--allowed-headers", args.allowed_headers, cors["allowed_headers"]),
+        allowed_origins=string_list("--allowed-origins", args.allowed_origins, cors["allowed_origins"]),
+        allowed_methods=string_list("--allowed-methods", args.allowed_methods, cors["allowed_methods"]),
+        allowed_headers=string_list("--allowed-headers", args.allowed_headers, cors["allowed_headers"]),
         allow_credentials=args.allow_credentials,
         model=args.model, mode=args.mode, num_encoders=min_encoders, encoder_scaling=scaling,
         num_prefill=args.prefill,
@@ -241,7 +182,7 @@ def serve_config(args) -> ServeConfig:
                                override_generation_config=tuple(
                                    parse_overrides(args.override_generation_config).items()),
                                tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
-                                   _json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items())),
+                                   json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items())),
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
