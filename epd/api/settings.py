@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from epd.version import __version__
 from epd.inputs.sampling_defaults import SamplingDefaults
+from epd.version import __version__
 
 
 @dataclass(frozen=True)

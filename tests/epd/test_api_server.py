@@ -637,6 +637,15 @@ def test_tokenize_bodies_that_are_not_json_objects(base_url):
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
 
 
+def test_tokenize_bodies_are_bounded_as_generation_bodies_are(base_url):
+    from epd.api.generate_route import max_json_items
+
+    items = max_json_items(FakeOrchestrator.max_model_len)
+    body = b'{"prompt": "x", "pad": [' + b"0," * items + b'0]}'
+    r = httpx.post(f"{base_url}/tokenize", content=body, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
 def test_detokenize(base_url):
     r = httpx.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": [5, 6]}, headers=AUTH)
     assert r.status_code == 200 and r.json() == {"prompt": " w5 w6"}
