@@ -16,9 +16,10 @@ from typing import Any
 from epd.engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
-# vLLM's --dtype names -> ours (one name per precision in the config)
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype names -> ours
+# every other name taken for a precision -> ours (one name per precision in the config)
+DTYPE_ALIASES = {**VLLM_DTYPES, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)

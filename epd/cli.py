@@ -7,7 +7,7 @@ from pathlib import Path
 
 from epd.config import (CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, WorkerConfig,
                         field_default)
-from epd.engine.config import DTYPE_ALIASES, DTYPES, EngineConfig
+from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
 from epd.engine.scheduler import PREFILL_PRIORITIES
 from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
@@ -102,7 +102,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=defaults["enable_prefix_caching"],
                    help="reuse the KV blocks of a prompt prefix already computed (images included, by mm_hash)")
     g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens in one KV cache block")
-    g.add_argument("--dtype", default=defaults["dtype"], choices=[*DTYPES, *DTYPE_ALIASES],
+    g.add_argument("--dtype", default=defaults["dtype"], choices=[*DTYPES, *VLLM_DTYPES],
                    help="weights and activations: auto (the checkpoint's own dtype), float32, float16, bfloat16; "
                         "vLLM's half (float16) and float (float32) too")
     g.add_argument("--seed", type=int, default=defaults["seed"],

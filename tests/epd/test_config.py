@@ -238,6 +238,9 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
     assert (config.engine.scheduler.enable_prefix_caching, config.api_servers, config.engine.dtype) == \
         (False, 3, "float32")
     assert (config.media.limit_images_per_prompt, config.media.limit_videos_per_prompt) == (2, 0)
+    assert EngineConfig(dtype="bf16").dtype == "bfloat16"  # LLM(dtype="bf16") as before
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
+        EngineConfig(dtype="int8")
     # the defaults: vLLM's where EPD can, else EPD's (docs/architecture.md, Decisions)
     config = serve_config(parse(["serve", tiny_model]))
     assert (config.engine.seed, config.max_logprobs, config.uvicorn_log_level, config.allowed_origins) == \
