@@ -32,15 +32,19 @@ class ImageEncoder:
     def __init__(self, model_dir: str | Path, hf_config, dtype: torch.dtype, device: str = "cpu",
                  model_fingerprint: str = "", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES,
-                 max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS):
+                 max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, processor_kwargs: dict | None = None):
+        """`processor_kwargs` (--mm-processor-kwargs): the image processor's settings over the file's."""
         # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
         has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
-        self.preprocess = ImagePreprocessor(model_dir) if has_processor else None
+        processor_kwargs = processor_kwargs or {}
+        self.preprocess = ImagePreprocessor(model_dir, processor_kwargs) if has_processor else None
         self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
         self.device = device
         self.dtype = dtype
         self.model_fingerprint = model_fingerprint
-        self.processor_config = json.loads((Path(model_dir) / PROCESSOR_CONFIG).read_text()) if has_processor else {}
+        # the settings it runs with, part of every mm_hash (the API hashes the same merge: ModelFiles)
+        self.processor_config = {**json.loads((Path(model_dir) / PROCESSOR_CONFIG).read_text()),
+                                 **processor_kwargs} if has_processor else {}
         self.max_image_pixels = max_image_pixels
         self.max_batch_patches = max_batch_patches
         self.max_decoded_pixels = max_decoded_pixels

@@ -18,6 +18,22 @@ from pathlib import Path
 MAX_ASPECT_RATIO = 200  # the Qwen2/3-VL image processors refuse anything longer
 PROCESSOR_CONFIG = "preprocessor_config.json"  # without it a checkpoint serves text only
 NO_IMAGE_PROCESSOR = f"this checkpoint has no {PROCESSOR_CONFIG} (no image processor): it serves text only"
+# --mm-processor-kwargs keys the Qwen image processor takes and `ImageGeometry` models (pixel bounds of the resize)
+PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+
+
+def check_processor_kwargs(kwargs: dict) -> None:
+    """ValueError for an --mm-processor-kwargs key we cannot apply, or a bad value."""
+    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
+    if unknown:
+        raise ValueError(f"--mm-processor-kwargs: {', '.join(unknown)} cannot be applied here; the image "
+                         f"processor takes {', '.join(PROCESSOR_KWARGS)}")
+    for key, value in kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--mm-processor-kwargs: {key} must be a positive integer, got {value!r}")
+    if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", float("inf")):
+        raise ValueError(f"--mm-processor-kwargs: min_pixels {kwargs['min_pixels']} is more than "
+                         f"max_pixels {kwargs['max_pixels']}")
 
 
 @dataclass(frozen=True)
@@ -31,8 +47,9 @@ class ImageGeometry:
     max_pixels: int
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ImageGeometry":
-        cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "ImageGeometry":
+        """`processor_kwargs` (--mm-processor-kwargs): min_pixels / max_pixels over the file's."""
+        cfg = {**json.loads((Path(model_dir) / "preprocessor_config.json").read_text()), **(processor_kwargs or {})}
         size = cfg.get("size") or {}
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56
         max_pixels = (cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
@@ -83,11 +100,12 @@ class ImageGeometry:
 class ImagePreprocessor:
     """Decoded images -> (pixel_values [num_patches, C*t*p*p], grid_thw per image)."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, processor_kwargs: dict | None = None):
         from transformers import AutoImageProcessor
 
-        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        self.geometry = ImageGeometry.from_pretrained(model_dir)
+        kwargs = processor_kwargs or {}
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir), **kwargs)
+        self.geometry = ImageGeometry.from_pretrained(model_dir, kwargs)
 
     def __call__(self, images: list) -> tuple["torch.Tensor", list[tuple[int, int, int]]]:  # noqa: F821
         out = self.processor(images=images, return_tensors="pt")

@@ -16,6 +16,10 @@ from typing import Any
 from epd.engine.scheduler import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype names -> ours
+# every other name taken for a precision -> ours (one name per precision in the config)
+DTYPE_ALIASES = {**VLLM_DTYPES, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -37,8 +41,12 @@ class EngineConfig:
     # A worker admits a request before all its images are here and prefills
     # up to the first missing one (engine/image_arrivals.py); off: it waits for all.
     early_prefill: bool = True
+    seed: int = 0  # vLLM's --seed: the torch seed of every engine; unseeded requests sample from it
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's half, float), got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

@@ -75,13 +75,15 @@ class StepResult:
 
 class EngineCore:
     def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
-                 hf_config=None, info: ModelInfo | None = None):
+                 hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None):
+        """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`)."""
         from transformers import AutoConfig
 
         hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
         self.info = info or ModelInfo.from_pretrained(model_dir, hf_config)
         self.config = config
         self.device = config.resolved_device()
+        torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
@@ -94,7 +96,8 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, config.resolved_backend(self.device), self.device)
         self.num_blocks = num_blocks
-        self.grammars = GrammarCompilerPool(model_dir, self.info.vocab_size, self.info.eos_token_ids)
+        self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
+                                            self.info.eos_token_ids)
         # Requests whose grammar (or bad words) are being prepared in the compiler
         # thread: they enter the scheduler when done, so no step waits for a compile.
         # (request, its images here, its images still to come, the compile)

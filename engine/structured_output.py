@@ -88,8 +88,8 @@ class GrammarCompilerPool:
     built lazily in one background thread (an engine that never sees a
     constraint never loads them)."""
 
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
-        self.model_dir = model_dir
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.tokenizer_dir = tokenizer_dir  # the checkpoint, or --tokenizer's directory
         self.vocab_size = vocab_size  # the logits' width, maybe padded past the tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
@@ -135,7 +135,7 @@ class GrammarCompilerPool:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         return self._tokenizer
 
     @property

@@ -5,7 +5,7 @@ the OpenAI-compatible server. Heavy imports (torch) happen on first use.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from epd.version import __version__
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 

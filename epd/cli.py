@@ -5,9 +5,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from epd.config import CPU_SHARING, ServeConfig, ServingLimits, WorkerConfig, field_default
-from epd.engine.config import EngineConfig
+from epd.config import (CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, WorkerConfig,
+                        field_default)
+from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
 from epd.engine.scheduler import PREFILL_PRIORITIES
+from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.inputs.sampling_defaults import parse_overrides
@@ -16,11 +18,12 @@ from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
 from epd.transport.roles import Mode, Role
+from epd.version import __version__
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
-                "early_prefill", "prefill_priority", "max_local_prefill_tokens")
+                "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed")
 
 
 def _make_model(args) -> int:
@@ -71,22 +74,45 @@ def _bench_offline(args) -> int:
     return 0
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     defaults = EngineConfig.flat_defaults()
     g = p.add_argument_group("engine")
-    g.add_argument("--num-kv-blocks", type=int, default=defaults["num_kv_blocks"])
-    g.add_argument("--kv-cache-gb", type=float, default=defaults["kv_cache_gb"])
-    g.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"])
-    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"])
-    g.add_argument("--max-model-len", type=int, default=defaults["max_model_len"])
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   default=defaults["enable_prefix_caching"])
-    g.add_argument("--dtype", default=defaults["dtype"], choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default=defaults["device"])
-    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"])
+    g.add_argument("--num-kv-blocks", type=int, default=defaults["num_kv_blocks"],
+                   help="KV cache blocks of each engine worker (None: from --kv-cache-gb or the GPU's free memory)")
+    g.add_argument("--kv-cache-gb", type=float, default=defaults["kv_cache_gb"],
+                   help="GiB of KV cache per engine worker (None: 1 on CPU, --gpu-memory-utilization on GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"],
+                   help="share of each GPU's memory the server may take (split among the KV workers on it)")
+    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"],
+                   help="sequences one engine step may hold")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"],
+                   help="tokens one engine step may compute (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-model-len", type=int, default=defaults["max_model_len"],
+                   help="prompt + output tokens of one request (None: the model's max_position_embeddings; "
+                        "more is refused)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=defaults["enable_prefix_caching"],
+                   help="reuse the KV blocks of a prompt prefix already computed (images included, by mm_hash)")
+    g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens in one KV cache block")
+    g.add_argument("--dtype", default=defaults["dtype"], choices=[*DTYPES, *VLLM_DTYPES],
+                   help="weights and activations: auto (the checkpoint's own dtype), float32, float16, bfloat16; "
+                        "vLLM's half (float16) and float (float32) too")
+    g.add_argument("--seed", type=int, default=defaults["seed"],
+                   help="torch seed of every engine worker, as vLLM's: requests with no seed sample from it "
+                        "(a request's own seed gives the same tokens whatever else runs)")
+    g.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"],
+                   help="paged attention kernels (auto: torch on CPU, triton on GPU)")
     g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=defaults["early_prefill"],
-                   help="prefill a request up to its first image not yet encoded (default on)")
+                   help="prefill a request up to its first image not yet encoded")
     g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),
                    help="which prefill gets the token budget: fcfs, or cost (fewest tokens first, aged)")
     g.add_argument("--max-local-prefill-tokens", type=int, default=defaults["max_local_prefill_tokens"],
@@ -110,15 +136,6 @@ def engine_config_of(argv: list[str]) -> EngineConfig:
     return _engine_config(known)
 
 
-def _limit_images(value: str | None) -> int | None:
-    if value is None:
-        return field_default(MediaConfig, "limit_images_per_prompt")
-    key, _, num = value.partition("=")
-    if key != "image" or not num.isdigit():
-        raise ValueError(f"--limit-mm-per-prompt takes image=N, got {value!r}")
-    return int(num)
-
-
 def _domains(value: str | None) -> tuple[str, ...]:
     """'Host1, host2' -> ("host1", "host2")."""
     return tuple(d.strip().lower() for d in (value or "").split(",") if d.strip())
@@ -133,7 +150,17 @@ def serve_config(args) -> ServeConfig:
         min_encoders, max_encoders, scale_up_queue_s=args.encoder_scale_up_queue_s,
         scale_up_window_s=args.encoder_scale_up_window_s, idle_s=args.encoder_idle_s,
         cooldown_s=args.encoder_scale_cooldown_s)
+    limits = limit_mm_per_prompt(args.limit_mm_per_prompt)
+    cors = {name: field_default(ServeConfig, name) for name in ("allowed_origins", "allowed_methods", "allowed_headers")}
     return ServeConfig(
+        max_logprobs=args.max_logprobs, trust_remote_code=args.trust_remote_code,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        enable_chunked_prefill=args.enable_chunked_prefill, enable_log_requests=args.enable_log_requests,
+        disable_log_stats=args.disable_log_stats, uvicorn_log_level=args.uvicorn_log_level,
+        allowed_origins=string_list("--allowed-origins", args.allowed_origins, cors["allowed_origins"]),
+        allowed_methods=string_list("--allowed-methods", args.allowed_methods, cors["allowed_methods"]),
+        allowed_headers=string_list("--allowed-headers", args.allowed_headers, cors["allowed_headers"]),
+        allow_credentials=args.allow_credentials,
         model=args.model, mode=args.mode, num_encoders=min_encoders, encoder_scaling=scaling,
         num_prefill=args.prefill,
         num_decode=args.decode, host=args.host, port=args.port, mm_cache_dir=args.mm_cache_dir,
@@ -149,11 +176,13 @@ def serve_config(args) -> ServeConfig:
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
-                          limit_images_per_prompt=_limit_images(args.limit_mm_per_prompt),
+                          limit_images_per_prompt=limits["image"], limit_videos_per_prompt=limits["video"],
                           max_request_pixels=args.max_request_pixels),
         files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
                                override_generation_config=tuple(
-                                   parse_overrides(args.override_generation_config).items())),
+                                   parse_overrides(args.override_generation_config).items()),
+                               tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
+                                   json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items())),
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
@@ -191,8 +220,25 @@ def check_checkpoint(config: ServeConfig) -> None:
 
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)
-    for note in files.notes():
+    for note in files.notes() + accepted_flag_notes(config):
         print(f"EPD: {note}", file=sys.stderr, flush=True)
+
+
+def accepted_flag_notes(config: ServeConfig) -> list[str]:
+    """One line for each vLLM flag given that is accepted but does what EPD always does."""
+    notes = []
+    if config.trust_remote_code:
+        notes.append("--trust-remote-code: accepted; EPD never runs code from a checkpoint "
+                     "(its own model code and transformers' config, tokenizer and image processor)")
+    if config.enable_auto_tool_choice:
+        notes.append(f"--enable-auto-tool-choice --tool-call-parser {config.tool_call_parser}: tool_choice "
+                     "\"auto\" is always served, parsing hermes <tool_call> blocks")
+    if config.enable_chunked_prefill:
+        notes.append("--enable-chunked-prefill: accepted; EPD always prefills in chunks of at most "
+                     f"--max-num-batched-tokens ({config.engine.scheduler.max_num_batched_tokens}) a step")
+    if config.disable_log_stats:
+        notes.append("--disable-log-stats: accepted; EPD logs no periodic stats (/metrics has them)")
+    return notes
 
 
 def worker_config(args) -> WorkerConfig:
@@ -281,6 +327,7 @@ def _bench_cache_hit(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="Disaggregated VLM serving")
+    parser.add_argument("--version", action="version", version=f"epd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from epd.tools.make_model import PRESETS
@@ -307,12 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
         "encoder_router", "served_model_name", "api_key", "metrics_require_key", "worker_port", "threads_per_worker", "cpu_sharing",
-        "api_servers", "stream_interval")}
+        "api_servers", "stream_interval", "max_logprobs", "uvicorn_log_level")}
     media = {name: field_default(MediaConfig, name) for name in (
         "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
-    p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers")
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers",
+                       formatter_class=HelpFormatter)
     p.add_argument("model", help="checkpoint directory")
-    p.add_argument("--mode", default=str(serve["mode"]), choices=[str(m) for m in Mode])
+    p.add_argument("--mode", default=str(serve["mode"]), choices=[str(m) for m in Mode],
+                   help="e-p-d: encoder, prefill and decode workers; e-pd: encoders and prefill+decode workers; "
+                        "aggregated: workers that do all three")
     p.add_argument("--encoders", default=str(serve["num_encoders"]), metavar="N|MIN-MAX",
                    help="encoder workers: N, or MIN-MAX to start MIN and scale on load (see --encoder-*)")
     scaling = {name: field_default(EncoderScaling, name) for name in (
@@ -326,32 +376,63 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-scale-cooldown-s", type=float, default=scaling["cooldown_s"],
                    help="MIN-MAX: seconds after one scaling decision before the next")
     p.add_argument("--prefill", type=int, default=serve["num_prefill"], help="prefill (or pd / aggregated) workers")
-    p.add_argument("--decode", type=int, default=serve["num_decode"])
-    p.add_argument("--host", default=serve["host"])
-    p.add_argument("--port", type=int, default=serve["port"])
+    p.add_argument("--decode", type=int, default=serve["num_decode"], help="decode workers (e-p-d)")
+    p.add_argument("--host", default=serve["host"], help="address the HTTP server binds")
+    p.add_argument("--port", type=int, default=serve["port"], help="HTTP port")
     p.add_argument("--mm-cache-dir", default=serve["mm_cache_dir"],
                    help="embedding cache (LMDB) directory; kept across restarts")
-    p.add_argument("--mm-cache-gb", type=float, default=serve["mm_cache_gb"])
-    p.add_argument("--router", default=serve["router"], choices=list(ROUTERS))
+    p.add_argument("--mm-cache-gb", type=float, default=serve["mm_cache_gb"],
+                   help="GiB the embedding cache may hold (least recently used out first)")
+    p.add_argument("--router", default=serve["router"], choices=list(ROUTERS),
+                   help="how a request picks its prefill and decode workers")
     p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
                    help="cost: each image to the encoder where it finishes first; round_robin: in turn")
-    p.add_argument("--served-model-name", default=serve["served_model_name"])
+    p.add_argument("--served-model-name", default=serve["served_model_name"],
+                   help="the model's name in the API (None: the checkpoint path as given)")
     p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY) on "
                    "/v1/* and the /docs, /redoc and /openapi.json pages")
     p.add_argument("--metrics-require-key", action="store_true", default=serve["metrics_require_key"],
                    help="/metrics needs the API key too (default: open, as in vLLM, for Prometheus)")
-    p.add_argument("--api-servers", type=int, default=serve["api_servers"],
-                   help="API processes behind the one HTTP port, all routing to the same workers")
+    p.add_argument("--api-servers", "--api-server-count", type=int, default=serve["api_servers"],
+                   help="API processes behind the one HTTP port, all routing to the same workers "
+                        "(--api-server-count: vLLM's name)")
     p.add_argument("--stream-interval", type=int, default=serve["stream_interval"], metavar="N",
                    help="send a stream's tokens every N tokens (the first and the last at once), as vLLM's flag; "
                         "fewer, larger SSE events and less API CPU per token (default 1: every token)")
+    p.add_argument("--max-logprobs", type=int, default=serve["max_logprobs"],
+                   help="most logprobs (completions) or top_logprobs (chat) a request may ask; more is a 400; "
+                        "-1: no cap below the 20 EPD returns at most")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted (needs --tool-call-parser hermes): EPD always serves tool_choice \"auto\"")
+    p.add_argument("--tool-call-parser", default=None, metavar="|".join(TOOL_CALL_PARSERS),
+                   help="how tool calls are read from the model's text: hermes <tool_call> blocks "
+                        "(Qwen's format), the only one EPD has")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted and logged: EPD never runs code from a checkpoint")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="accepted and logged: EPD always prefills in chunks (the --no- form is refused)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log one line per request: id, endpoint, prompt size, sampling parameters")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted: EPD logs no periodic stats (/metrics has them)")
+    p.add_argument("--uvicorn-log-level", default=serve["uvicorn_log_level"], choices=list(UVICORN_LOG_LEVELS),
+                   help="uvicorn's log level (info: an access line per request)")
+    p.add_argument("--allowed-origins", default=None, metavar="JSON_LIST",
+                   help="CORS origins, as vLLM's '[\"https://a.example\"]' (or comma-separated); "
+                        "default: no CORS headers (browsers refuse cross-origin calls)")
+    p.add_argument("--allowed-methods", default=None, metavar="JSON_LIST",
+                   help="CORS methods, with --allowed-origins (default: [\"*\"])")
+    p.add_argument("--allowed-headers", default=None, metavar="JSON_LIST",
+                   help="CORS request headers, with --allowed-origins (default: [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials, with --allowed-origins")
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=serve["worker_port"],
                    help="port workers register on (default: --port + 1)")
     p.add_argument("--worker-keys", default=None, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (needed with --external-workers: the worker "
-                        "port is ZeroMQ CURVE, authenticated and encrypted)")
+                        "port is ZeroMQ CURVE, authenticated and encrypted; default: none)")
     p.add_argument("--cluster", default="local", choices=["local", "ray"],
                    help="local (default): worker processes on this machine; ray: every worker in a Ray actor, "
                         "placed by --*-resources (needs `pip install epd[ray]`)")
@@ -361,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"Ray resources of one {role} worker{' (and pd / aggregated)' if role == 'prefill' else ''}"
                             f", e.g. '{{\"CPU\": 4}}', '{{\"GPU\": 0.5}}', '{{\"epd_{role}_node\": 1}}' "
                             f"(default '{{\"CPU\": 1}}')")
-    p.add_argument("--threads-per-worker", type=int, default=serve["threads_per_worker"])
+    p.add_argument("--threads-per-worker", type=int, default=serve["threads_per_worker"],
+                   help="torch threads of each worker (None: from the cores and --cpu-sharing)")
     p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "
                         "prefill, then encode); split: the cores divided over the workers")
@@ -371,11 +453,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host1,host2: hosts http(s):// image URLs may be fetched from (default: none, refused)")
     p.add_argument("--media-fetch-timeout", type=float, default=media["fetch_timeout_s"],
                    help="seconds one http(s) image fetch may take, redirects included")
-    p.add_argument("--max-image-bytes", type=int, default=media["max_image_bytes"])
+    p.add_argument("--max-image-bytes", type=int, default=media["max_image_bytes"],
+                   help="refuse larger encoded images")
     p.add_argument("--max-image-pixels", type=int, default=media["max_image_pixels"],
                    help="refuse larger images (from the header)")
-    p.add_argument("--limit-mm-per-prompt", default=None,
-                   help=f"image=N: images a request may hold (default {field_default(MediaConfig, 'limit_images_per_prompt')})")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON|image=N",
+                   help="items of each modality a request may hold, as vLLM's '{\"image\": 4, \"video\": 0}' or "
+                        f"image=N (default: image {field_default(MediaConfig, 'limit_images_per_prompt')}, "
+                        "video 0; video above 0 is refused until EPD serves video)")
+    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="the image processor's settings over preprocessor_config.json's, e.g. "
+                        "'{\"max_pixels\": 200704}': min_pixels, max_pixels (the API's placeholder counts and "
+                        "the encoders alike)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="take the tokenizer (and its chat template) from this directory (default: the checkpoint)")
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
                    help="pixels of all of a request's images together (from their headers)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",

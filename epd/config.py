@@ -33,6 +33,9 @@ from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
 
+TOOL_CALL_PARSERS = ("hermes",)  # what epd/api/tool_calls.py parses (Qwen's <tool_call> blocks)
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+MAX_LOGPROBS = 20  # the wire's bound on logprobs a token (transport/sampling.py)
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {Role.DECODE: 0, Role.PD: 0, Role.AGGREGATED: 0, Role.PREFILL: 2, Role.ENCODER: 4}
@@ -104,6 +107,19 @@ class ServeConfig:
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
     api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
     stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
+    # vLLM's front-end flags (issue 31): what each does here is in its help and README.md
+    max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs a request may ask; more is a 400
+    trust_remote_code: bool = False  # accepted: EPD never runs a checkpoint's code
+    enable_auto_tool_choice: bool = False  # accepted: tool_choice "auto" is always served (hermes)
+    tool_call_parser: str | None = None  # None or one of TOOL_CALL_PARSERS
+    enable_chunked_prefill: bool | None = None  # always on: True is logged, False refused (None: not given)
+    enable_log_requests: bool = False  # one log line per request (id, prompt, sampling)
+    disable_log_stats: bool = False  # accepted: EPD logs no periodic stats (/metrics has them)
+    uvicorn_log_level: str = "warning"  # one of UVICORN_LOG_LEVELS
+    allowed_origins: tuple[str, ...] = ()  # CORS; () adds no CORS middleware (browsers refuse cross-origin)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     media: MediaConfig = field(default_factory=MediaConfig)
     files: ModelFilesConfig = field(default_factory=ModelFilesConfig)  # what is read from the checkpoint
@@ -131,6 +147,25 @@ class ServeConfig:
             raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
         if not 1 <= self.api_servers <= MAX_API_SERVERS:
             raise ValueError(f"--api-servers must be in 1..{MAX_API_SERVERS}, got {self.api_servers}")
+        if not (self.max_logprobs == -1 or 0 <= self.max_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (EPD returns at most {MAX_LOGPROBS} "
+                             f"a token) or -1 (no cap below that), got {self.max_logprobs}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser}: EPD parses tool calls as hermes "
+                             f"<tool_call> blocks only (Qwen's format); use --tool-call-parser hermes")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM): "
+                             "--tool-call-parser hermes")
+        if self.enable_chunked_prefill is False:
+            raise ValueError("--no-enable-chunked-prefill: EPD always prefills in chunks "
+                             "(--max-num-batched-tokens a step)")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
+        for flag, given in (("--mm-processor-kwargs", self.files.mm_processor_kwargs),
+                            ("--tokenizer", self.files.tokenizer)):
+            if given and self.external_workers:
+                raise ValueError(f"{flag} does not reach `epd worker` processes yet: drop it with --external-workers")
         if self.api_servers > 1 and self.ray is not None:
             raise ValueError("--api-servers N > 1 runs with the local launcher or --external-workers, not --cluster ray")
         if self.api_servers > 1 and self.encoder_scaling is not None:

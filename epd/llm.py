@@ -60,25 +60,28 @@ class LLM:
     `chat_template` (a file or the template itself; default the checkpoint's),
     `generation_config` ("auto": the checkpoint's generation_config.json gives the
     sampling defaults of a call that passes no SamplingParams; "vllm"; a directory)
-    and `override_generation_config` (a dict on top)."""
+    and `override_generation_config` (a dict on top); `tokenizer` (another directory's)
+    and `mm_processor_kwargs` (min_pixels / max_pixels over the image processor's)."""
 
     def __init__(self, model: str, config: EngineConfig | None = None, *, chat_template: str | None = None,
                  generation_config: str = "auto", override_generation_config: dict | None = None,
-                 **engine_settings):
+                 tokenizer: str | None = None, mm_processor_kwargs: dict | None = None, **engine_settings):
         if config is not None and engine_settings:
             raise TypeError("pass either an EngineConfig or engine settings, not both")
         self.config = config or EngineConfig.from_flat(**engine_settings)
         # config.json, family, tokenizer, chat template, sampling defaults: CheckpointError (ValueError) names
         # what is wrong; an unsupported family fails here too, with the supported ones named
         self.files = ModelFiles.open(model, ModelFilesConfig(
-            chat_template, generation_config, tuple((override_generation_config or {}).items())))
+            chat_template, generation_config, tuple((override_generation_config or {}).items()), tokenizer,
+            tuple((mm_processor_kwargs or {}).items())))
         for note in self.files.notes():
             log.log(logging.WARNING if note.startswith("warning:") else logging.INFO, note)
         self.tokenizer = self.files.tokenizer
-        self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config)
+        self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config, tokenizer_dir=tokenizer)
         info = self.engine.info
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
-            model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint)
+            model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
+            processor_kwargs=mm_processor_kwargs)
         self.prompts = PromptBuilder(self.tokenizer, self.files.geometry, info.image_token_id,
                                      self.files.chat_template and self.files.chat_template.text)
         self.media = MediaConfig(allowed_local_media_path="/")  # offline: the caller's own files

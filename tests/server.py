@@ -115,15 +115,16 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], port: int, log_path: str, wait_health: bool = True,
-                 host: str = "127.0.0.1", wrap: list[str] = (), env: dict | None = None):
-        """`wrap`: a prefix that execs the command (`ip netns exec NS`); `host`: where its HTTP port is."""
+                 host: str = "127.0.0.1", wrap: list[str] = (), env: dict | None = None, cwd: str | None = None):
+        """`wrap`: a prefix that execs the command (`ip netns exec NS`); `host`: where its HTTP port is;
+        `cwd`: the directory it runs in (a relative checkpoint path)."""
         self.port = port
         self.base_url = f"http://{host}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = dict(env or os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "epd.cli", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
         self.pgid = self.proc.pid
 
     def wait_ready(self, timeout_s: float = 180.0) -> "ServerProcess":

@@ -41,7 +41,7 @@ from epd.api.errors import error_body, error_response, internal_error
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                              check_model, check_token_ids, fan_out, request_error_from_validation)
+                              check_max_logprobs, check_model, check_token_ids, fan_out, request_error_from_validation)
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from epd.api.settings import ApiSettings
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("epd.requests")  # --enable-log-requests (a handler at INFO: server.build_app)
 ResponseFormat = ChatFormat | CompletionFormat
 
 REQUEST_ID_KEY = "epd.request_id"  # ASGI scope keys set by server._ApiMiddleware
@@ -128,11 +129,23 @@ class GenerateRoute:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                defaults=self.settings.sampling_defaults)
+            self._checked(request, "top_logprobs")
             return request, ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
                                        tool_choice=request.tool_choice)
         request_id = internal_request_id(scope, "cmpl")
-        return (body.to_generate_request(request_id, defaults=self.settings.sampling_defaults),
+        request = body.to_generate_request(request_id, defaults=self.settings.sampling_defaults)
+        self._checked(request, "logprobs")
+        return (request,
                 CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None))
+
+
+    def _checked(self, request: GenerateRequest, logprobs_param: str) -> None:
+        """--max-logprobs; --enable-log-requests: one line for the request."""
+        check_max_logprobs(request, self.settings.max_logprobs, logprobs_param)
+        if self.settings.log_requests:
+            prompt = request.prompt if request.messages is None else request.messages
+            request_log.info("request %s: %s %d, sampling %s", request.request_id,
+                             "prompt" if request.messages is None else "messages", len(prompt), request.sampling)
 
 
 class _DisconnectGuard:

@@ -21,6 +21,19 @@ class OrchestratorLike(Protocol):
 
     def decode_token(self, token_id: int) -> str: ...
 
+    async def tokenize(self, request: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
+        """The prompt token ids `generate(request)` would send, image placeholders included
+        (/tokenize); RequestError for bad input, as generate() raises it."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included (/detokenize)."""
+        ...
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The tokenizer's string of each token (/tokenize's return_token_strs)."""
+        ...
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         """One sequence; raises RequestError before the first Delta for bad input;
         the last Delta has finish_reason set; aclose() aborts it."""

@@ -44,6 +44,14 @@ def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
             raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
 
 
+def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str) -> None:
+    """--max-logprobs (vLLM's cap, -1: none): a request asking more is a 400 naming `param`."""
+    k = request.sampling.logprobs
+    if k is not None and 0 <= max_logprobs < k:
+        raise RequestError(f"{param}: {k} logprobs asked, more than this server's --max-logprobs {max_logprobs}",
+                           param=param)
+
+
 def fan_out(request: GenerateRequest) -> list[GenerateRequest]:
     """`n` single-sequence requests with distinct ids; a seeded request gives
     sample i the seed `seed + i` (distinct but reproducible)."""

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both served by
 `epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery),
-GET /v1/models[/{id}], GET /health, GET /metrics. The app knows the
+GET /v1/models[/{id}], POST /tokenize and /detokenize (epd.api.tokenizer_routes), GET /version,
+GET /health, GET /metrics. The app knows the
 orchestrator only through `OrchestratorLike`; one HTTP request with `n`
 choices becomes `n` `orchestrator.generate()` streams (see
 `protocol.fan_out`), merged by `merged_streams.MergedStreams`.
@@ -16,11 +17,13 @@ aborts the request in the workers.
 from __future__ import annotations
 
 import logging
+import posixpath
 import secrets
 import time
 import uuid
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
@@ -32,6 +35,7 @@ from epd.api.metrics import ApiMetrics
 from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
 from epd.api.settings import ApiSettings
+from epd.api.tokenizer_routes import add_tokenizer_routes
 from epd.requests import RequestError
 
 logger = logging.getLogger(__name__)
@@ -42,9 +46,14 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     FastAPI's routing too (the reference the lean route is tested against)."""
     metrics = ApiMetrics(settings.metrics_model_name or settings.served_model_name)
     generate = GenerateRoute(orchestrator, settings, metrics)
-    app = _App(_ApiMiddleware(generate, settings) if lean_routes else None, title="EPD OpenAI-compatible server")
+    lean = _with_cors(_ApiMiddleware(generate, settings), settings) if lean_routes else None
+    app = _App(lean, title="EPD OpenAI-compatible server")
     install_error_handlers(app)
     app.add_middleware(_ApiMiddleware, settings=settings)
+    if settings.allowed_origins:  # outside the API key: a browser's preflight carries none
+        app.add_middleware(CORSMiddleware, **_cors_options(settings))
+    if settings.log_requests:
+        _log_requests_at_info()
     app.state.metrics = metrics
     model = settings.served_model_name
     started = int(time.time())
@@ -77,8 +86,17 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        check_model(model_id, model)
+        # a path id ("./ckpt", as `epd serve ./ckpt` lists it) may arrive with its dot segments
+        # resolved by the client ("/v1/models/./ckpt" -> "/v1/models/ckpt"): the same model
+        if posixpath.normpath(model_id) != posixpath.normpath(model):
+            check_model(model_id, model)
         return model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": settings.version}
+
+    add_tokenizer_routes(app, orchestrator, settings)
 
     # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
     # a POST to either path is taken by `_App` before FastAPI sees it.
@@ -91,6 +109,27 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
         return ServedResponse(generate, body)
 
     return app
+
+
+def _cors_options(settings: ApiSettings) -> dict:
+    return {"allow_origins": list(settings.allowed_origins), "allow_methods": list(settings.allowed_methods),
+            "allow_headers": list(settings.allowed_headers), "allow_credentials": settings.allow_credentials}
+
+
+def _with_cors(app, settings: ApiSettings):
+    """The lean generation route behind the same CORS headers as the rest (--allowed-origins)."""
+    return CORSMiddleware(app, **_cors_options(settings)) if settings.allowed_origins else app
+
+
+def _log_requests_at_info() -> None:
+    """--enable-log-requests: epd.requests' lines reach stderr whatever the root logger's level."""
+    request_log = logging.getLogger("epd.requests")
+    request_log.setLevel(logging.INFO)
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        request_log.addHandler(handler)
+        request_log.propagate = False
 
 
 class _App(FastAPI):

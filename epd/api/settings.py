@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from epd.inputs.sampling_defaults import SamplingDefaults
+from epd.version import __version__
 
 
 @dataclass(frozen=True)
@@ -16,10 +17,19 @@ class ApiSettings:
     metrics_model_name: str | None = None  # the model_name label of /metrics (None: served_model_name); never a path
     # the values of omitted sampling fields (--generation-config), read from the checkpoint once at start-up
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    max_logprobs: int = 20  # --max-logprobs: logprobs / top_logprobs a request may ask (-1: the wire's 20)
+    log_requests: bool = False  # --enable-log-requests: one log line per generation request
+    # CORS (--allowed-origins ...): no origins, no CORS middleware
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    version: str = __version__  # what /version answers
 
     @property
     def keyed_paths(self) -> tuple[str, ...]:
-        """Path prefixes that need the API key when one is set: the API, its schema and
-        docs pages, and /metrics by choice; /health stays open for probes."""
+        """Path prefixes that need the API key when one is set: the API (the tokenizer endpoints
+        too: they fetch media as a chat does), its schema and docs pages, and /metrics by choice;
+        /health and /version stay open for probes."""
         docs = ("/docs", "/redoc", "/openapi.json")
-        return ("/v1", *docs, *(("/metrics",) if self.metrics_require_key else ()))
+        return ("/v1", "/tokenize", "/detokenize", *docs, *(("/metrics",) if self.metrics_require_key else ()))

@@ -50,6 +50,7 @@ class MediaConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     fetch_timeout_s: float = 5.0
     limit_images_per_prompt: int | None = 16
+    limit_videos_per_prompt: int = 0  # --limit-mm-per-prompt's video: stored; only 0 until video is served
     max_request_pixels: int = 2 * DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
@@ -60,6 +61,9 @@ class MediaConfig:
             raise ValueError(f"--media-fetch-timeout must be positive, got {self.fetch_timeout_s}")
         if self.limit_images_per_prompt is not None and self.limit_images_per_prompt < 0:
             raise ValueError(f"--limit-mm-per-prompt image=N needs N >= 0, got {self.limit_images_per_prompt}")
+        if self.limit_videos_per_prompt != 0:
+            raise ValueError(f"--limit-mm-per-prompt: EPD serves no video yet, so video must be 0, "
+                             f"got {self.limit_videos_per_prompt}")
         if any(not d or d != d.strip().lower() or "/" in d or d.count(":") == 1 for d in self.allowed_media_domains):
             raise ValueError("--allowed-media-domains takes lower-case host names separated by commas "
                              f"(no scheme, port or path), got {','.join(self.allowed_media_domains)!r}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImageGeometry
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImageGeometry, check_processor_kwargs
 from epd.engine.models.registry import check_family
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
@@ -46,12 +46,20 @@ class ModelFilesConfig:
     generation_config: str = "auto"  # --generation-config auto | vllm | DIR
     # --override-generation-config, as sorted (key, value) pairs: no dict inside the frozen config
     override_generation_config: tuple[tuple[str, Any], ...] = ()
+    tokenizer: str | None = None  # --tokenizer: a directory to take the tokenizer from (None: the checkpoint)
+    # --mm-processor-kwargs, as sorted pairs: the image processor's settings over preprocessor_config.json's
+    mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.generation_config not in GENERATION_CONFIG_MODES and not Path(self.generation_config).is_dir():
             raise ValueError(f"--generation-config takes auto, vllm or a directory, got {self.generation_config!r}")
         object.__setattr__(self, "override_generation_config",
                            tuple(sorted(dict(self.override_generation_config).items())))
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"--tokenizer takes a directory holding a tokenizer, got {self.tokenizer!r}")
+        kwargs = dict(self.mm_processor_kwargs)
+        check_processor_kwargs(kwargs)
+        object.__setattr__(self, "mm_processor_kwargs", tuple(sorted(kwargs.items())))
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,9 @@ class ModelFiles:
         hf_config = _hf_config(directory)
         if not any(directory.glob("*.safetensors")):
             raise CheckpointError(f"{directory} holds no *.safetensors weights")
-        tokenizer = _tokenizer(directory)
+        # --tokenizer: the tokenizer and the chat template's files from there (vLLM's processor is loaded from it)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else directory
+        tokenizer = _tokenizer(tokenizer_dir)
         try:
             defaults = SamplingDefaults.load(directory, config.generation_config,
                                              dict(config.override_generation_config))
@@ -90,9 +100,11 @@ class ModelFiles:
                 processor_config = read_json_object(directory / PROCESSOR_CONFIG)
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
-            geometry = ImageGeometry.from_pretrained(directory)
+            kwargs = dict(config.mm_processor_kwargs)
+            processor_config = {**processor_config, **kwargs}  # what the encoder runs with: part of mm_hash
+            geometry = ImageGeometry.from_pretrained(directory, kwargs)
         return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
-                   chat_template=resolve_chat_template(directory, tokenizer, config.chat_template),
+                   chat_template=resolve_chat_template(tokenizer_dir, tokenizer, config.chat_template),
                    sampling_defaults=defaults, processor_config=processor_config, geometry=geometry)
 
     @property

@@ -289,7 +289,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
-    server = HttpServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
+    server = HttpServer(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=3,
                                     backlog=HTTP_BACKLOG, http=http_protocol()),
                         orchestrator.drain, config.limits.shutdown_grace_s)
     try:

@@ -22,7 +22,10 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        max_images_per_prompt=config.media.limit_images_per_prompt,
                        max_request_body_bytes=config.limits.max_request_body_bytes,
                        metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name,
-                       sampling_defaults=sampling_defaults or SamplingDefaults())
+                       sampling_defaults=sampling_defaults or SamplingDefaults(),
+                       max_logprobs=config.max_logprobs, log_requests=config.enable_log_requests,
+                       allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
+                       allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
 
 
 class HttpServer(uvicorn.Server):

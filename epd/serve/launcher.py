@@ -49,7 +49,7 @@ def serve(config: ServeConfig) -> int:
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
     app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
     app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
-    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                        timeout_graceful_shutdown=3, http=http_protocol()),
                         lambda grace_s: _drain(orchestrator, grace_s), config.limits.shutdown_grace_s)
     try:

@@ -233,6 +233,16 @@ class Orchestrator:
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    async def tokenize(self, req: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
+        """/tokenize: the prompt token ids `generate(req)` would send (Preparer.prompt_token_ids)."""
+        return await self.preparer.prompt_token_ids(req, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
     # ------------------------------------------------------------ requests
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Delta]:

@@ -79,6 +79,17 @@ class Preparer:
         prep.held_image_bytes = held_image_bytes
         return prep
 
+    async def prompt_token_ids(self, req: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
+        """The prompt `prepare(req)` would build (its images fetched for their sizes and hashes,
+        each one's placeholders counted), without holding its images or sizing max_tokens:
+        what /tokenize answers. `add_special_tokens`: a text prompt's, as the tokenizer adds them."""
+        raw_images = await self._load_images(req)
+        held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
+        try:
+            return (await asyncio.to_thread(self._prepare, req, raw_images, add_special_tokens)).token_ids
+        finally:
+            self._release_image_bytes(held_image_bytes)
+
     def release(self, prep: Prepared) -> None:
         """The request's images are no longer needed (prefilled, or the request ended); once only."""
         self._release_image_bytes(prep.held_image_bytes)
@@ -123,14 +134,15 @@ class Preparer:
 
     # ------------------------------------------------------------ prompt
 
-    def _prepare(self, req: GenerateRequest, raw_images: list[bytes]) -> Prepared:
+    def _prepare(self, req: GenerateRequest, raw_images: list[bytes], add_special_tokens: bool = False) -> Prepared:
         """Tokens, image spans and distinct images; RequestError for bad input."""
         max_prompt_tokens = self.max_model_len - 1  # one token at least is left to generate
         if req.messages is None:
             prompt = req.prompt
             if isinstance(prompt, str) and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
                 raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
+                else list(prompt)
             if not ids:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
             if any(not 0 <= t < self.info.vocab_size for t in ids):

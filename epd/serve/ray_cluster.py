@@ -111,6 +111,7 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
         spec = WorkerSpec(make_worker_id(role, index), role, inbox="", apis=(collector,), mm_cache_dir=cache_root,
                           mm_cache_bytes=config.mm_cache_bytes, keys_dir=config.worker_keys)
         return WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
+                            mm_processor_kwargs=config.files.mm_processor_kwargs, tokenizer=config.files.tokenizer,
                             num_threads=config.threads_per_worker or max(1, int(resources.get("CPU", 1))),
                             nice=config.worker_nice(role))
 

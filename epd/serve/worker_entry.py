@@ -29,6 +29,8 @@ class WorkerLaunch:
     max_image_pixels: int
     num_threads: int
     nice: int = 0  # added to the process's niceness before any work
+    mm_processor_kwargs: tuple = ()  # --mm-processor-kwargs as (key, value) pairs: the encoder's processor
+    tokenizer: str | None = None  # --tokenizer: the grammar compiler's (None: the checkpoint's)
 
 
 def _die_with_parent() -> None:
@@ -73,7 +75,7 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
     from epd.encoders.image_encoder import ImageEncoder
 
     return ImageEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint,
-                        max_image_pixels=launch.max_image_pixels)
+                        max_image_pixels=launch.max_image_pixels, processor_kwargs=dict(launch.mm_processor_kwargs))
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
@@ -92,7 +94,8 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
     from epd.engine.worker import EngineWorker
 
     role = launch.spec.role
-    core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info)
+    core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info,
+                      tokenizer_dir=launch.tokenizer)
     encode_fn = None
     if role.encodes:  # aggregated: the vision encoder in-process
         from epd.encoders.image_io import ImageError

@@ -31,5 +31,7 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
                      if role.holds_kv else ""), flush=True)
         launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
+                                     mm_processor_kwargs=config.files.mm_processor_kwargs,
+                                     tokenizer=config.files.tokenizer,
                                      num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
     return launches

@@ -51,6 +51,20 @@ class FakeOrchestrator:
     def decode_token(self, token_id: int) -> str:
         return f" w{token_id}"
 
+    async def tokenize(self, request: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
+        """As many tokens as generate() counts in the prompt (one more with special tokens)."""
+        self.requests.append(request)
+        text = request.prompt if request.messages is None else json.dumps(request.messages)
+        if "BAD" in text:
+            raise RequestError("the prompt is BAD", param="messages")
+        return list(range(100, 100 + len(text.split()))) + ([1] if add_special_tokens else [])
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "".join(self.decode_token(t) for t in token_ids)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return [f"w{t}" for t in token_ids]
+
     async def generate(self, request: GenerateRequest):
         self.requests.append(request)
         text = request.prompt if request.messages is None else json.dumps(request.messages)
@@ -79,9 +93,9 @@ class FakeOrchestrator:
 
 
 def _serve_app(fake: FakeOrchestrator, lean_routes: bool = True, max_body_bytes: int = 64 << 20,
-               metrics_require_key: bool = False):
-    settings = ApiSettings(served_model_name=MODEL, api_key=API_KEY, max_request_body_bytes=max_body_bytes,
-                           metrics_require_key=metrics_require_key)
+               metrics_require_key: bool = False, **settings):
+    settings = ApiSettings(**{"served_model_name": MODEL, **settings}, api_key=API_KEY,
+                           max_request_body_bytes=max_body_bytes, metrics_require_key=metrics_require_key)
     app = build_app(fake, settings, lean_routes=lean_routes)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -522,3 +536,146 @@ def test_metrics_name_no_host_or_port_of_a_worker():
     name = metrics_worker_name("encoder@hostb.example:7000")
     assert name.startswith("encoder@") and "hostb" not in name and "7000" not in name
     assert name != metrics_worker_name("encoder@hostc.example:7000")
+
+
+# -- vLLM's front-end flags (--max-logprobs, CORS, --enable-log-requests) -----------------------------------------
+
+@pytest.mark.parametrize("lean_routes", [True, False])
+def test_max_logprobs_caps_what_a_request_may_ask(lean_routes):
+    for url, _ in _serve_app(FakeOrchestrator(), lean_routes=lean_routes, max_logprobs=2):
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        ok = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 2}, headers=AUTH)
+        assert ok.status_code == 200, ok.text
+        too_many = httpx.post(f"{url}/v1/chat/completions", json={**chat, "top_logprobs": 3}, headers=AUTH)
+        assert too_many.status_code == 400
+        assert too_many.json()["error"]["param"] == "top_logprobs"
+        assert "--max-logprobs 2" in too_many.json()["error"]["message"]
+        completion = {"model": MODEL, "prompt": "hi", "logprobs": 3}
+        refused = httpx.post(f"{url}/v1/completions", json=completion, headers=AUTH)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("lean_routes", [True, False])
+def test_allowed_origins_answer_cors_on_every_route(lean_routes):
+    origin = {"origin": "https://app.example"}
+    for url, _ in _serve_app(FakeOrchestrator(), lean_routes=lean_routes, allowed_origins=("https://app.example",)):
+        preflight = httpx.options(f"{url}/v1/chat/completions", headers={
+            **origin, "access-control-request-method": "POST", "access-control-request-headers": "authorization"})
+        assert preflight.status_code == 200  # answered before the API key is asked
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=chat, headers={**AUTH, **origin})
+        assert answer.status_code == 200
+        assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        assert httpx.get(f"{url}/v1/models", headers={**AUTH, **origin}).headers[
+            "access-control-allow-origin"] == "https://app.example"
+        other = httpx.get(f"{url}/v1/models", headers={**AUTH, "origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_allowed_origins_no_cors_headers(base_url):
+    answer = httpx.get(f"{base_url}/v1/models", headers={**AUTH, "origin": "https://app.example"})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+def test_enable_log_requests_logs_one_line_per_request(caplog):
+    import logging
+
+    for url, _ in _serve_app(FakeOrchestrator(), log_requests=True):
+        logging.getLogger("epd.requests").propagate = True  # to caplog (the app gave it its own handler)
+        with caplog.at_level(logging.INFO, logger="epd.requests"):
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}
+            assert httpx.post(f"{url}/v1/chat/completions", json=chat, headers=AUTH).status_code == 200
+        [line] = [r.getMessage() for r in caplog.records if r.name == "epd.requests"]
+        assert line.startswith("request chatcmpl-") and "messages 1" in line and "temperature=0.5" in line
+
+
+# -- /tokenize, /detokenize, /version, /v1/models/{id} ------------------------------------------------------------
+
+def test_tokenize_a_prompt(base_url, fake):
+    r = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "prompt": "one two three"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 4, "max_model_len": 4096, "tokens": [100, 101, 102, 1], "token_strs": None}
+    r = httpx.post(f"{base_url}/tokenize", json={"prompt": "one two", "add_special_tokens": False,
+                                                 "return_token_strs": True}, headers=AUTH)  # model: optional
+    assert r.json() == {"count": 2, "max_model_len": 4096, "tokens": [100, 101], "token_strs": ["w100", "w101"]}
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": ""}, headers=AUTH).json()["tokens"] == []
+
+
+def test_tokenize_a_chat_counts_what_the_chat_costs(client, base_url, fake):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "what is this"}]}]
+    r = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": messages}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    request = fake.requests[-1]
+    assert (request.prompt, request.add_generation_prompt) == (None, True)
+    usage = client.chat.completions.create(model=MODEL, messages=messages).usage
+    assert r.json()["count"] == usage.prompt_tokens == len(r.json()["tokens"])
+    r = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, headers=AUTH)
+    assert r.status_code == 200 and fake.requests[-1].add_generation_prompt is False
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": "BAD"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}}, 400, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}, 400, "tools[0].type"),
+])
+def test_tokenize_refuses_bad_input_with_an_openai_error(base_url, body, status, param):
+    r = httpx.post(f"{base_url}/tokenize", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_bodies_that_are_not_json_objects(base_url):
+    for content in (b"{not json", b"[1, 2]"):
+        r = httpx.post(f"{base_url}/tokenize", content=content, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+def test_tokenize_bodies_are_bounded_as_generation_bodies_are(base_url):
+    from epd.api.generate_route import max_json_items
+
+    items = max_json_items(FakeOrchestrator.max_model_len)
+    body = b'{"prompt": "x", "pad": [' + b"0," * items + b'0]}'
+    r = httpx.post(f"{base_url}/tokenize", content=body, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_detokenize(base_url):
+    r = httpx.post(f"{base_url}/detokenize", json={"model": MODEL, "tokens": [5, 6]}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"prompt": " w5 w6"}
+    for tokens, message in (([5, 1000], "token id 1000 is outside the vocabulary [0, 1000)"),
+                            ([-1], "greater than or equal to 0")):
+        r = httpx.post(f"{base_url}/detokenize", json={"tokens": tokens}, headers=AUTH)
+        assert r.status_code == 400 and message in r.json()["error"]["message"]
+        assert r.json()["error"]["param"].startswith("tokens")
+    r = httpx.post(f"{base_url}/detokenize", json={"model": MODEL}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "tokens: field required"
+
+
+def test_tokenizer_endpoints_need_the_key_and_version_does_not(base_url):
+    from epd import __version__
+
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.post(f"{base_url}/detokenize", json={"tokens": [1]}).status_code == 401
+    r = httpx.get(f"{base_url}/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+
+
+def test_a_path_model_id_is_retrieved_as_listed():
+    """`epd serve ./ckpt` lists the id "./ckpt": the official client sends it percent-encoded,
+    plain HTTP clients resolve its dot segment; both find the model, another name does not."""
+    for served in ("./ckpt", "/models/Qwen3-VL-4B.v2"):
+        for url, _ in _serve_app(FakeOrchestrator(), served_model_name=served):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+            [listed] = client.models.list().data
+            assert listed.id == served and client.models.retrieve(listed.id).id == served
+            plain = httpx.get(f"{url}/v1/models/{served}", headers=AUTH)
+            assert plain.status_code == 200 and plain.json()["id"] == served
+            with pytest.raises(openai.NotFoundError):
+                client.models.retrieve("./other")

@@ -3,6 +3,7 @@ priorities, GPUs and their memory."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
         "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
         "prefill_priority", "prefill_aging", "max_num_image_waits", "max_local_prefill_tokens",
         "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
-        "early_prefill"}
+        "early_prefill", "seed"}
     args = build_parser().parse_args(["serve", tiny_model, "--no-early-prefill", "--prefill-priority", "fcfs"])
     engine = serve_config(args).engine
     assert (engine.early_prefill, engine.scheduler.prefill_priority) == (False, "fcfs")
@@ -207,3 +208,118 @@ def test_external_workers_need_the_api_key_pair(tiny_model, keys, tmp_path):
         (worker_host / name).write_bytes(open(f"{keys}/{name}", "rb").read())
     with pytest.raises(ValueError, match="api.key_secret"):
         ServeConfig(model=tiny_model, external_workers=True, worker_keys=str(worker_host))
+
+
+def test_vllm_flags_fill_the_config_they_name(tiny_model):
+    parse = build_parser().parse_args
+    config = serve_config(parse([
+        "serve", tiny_model, "--seed", "7", "--enable-prefix-caching", "--block-size", "32", "--dtype", "half",
+        "--limit-mm-per-prompt", '{"image": 4, "video": 0}', "--api-server-count", "2", "--tokenizer", tiny_model,
+        "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "5",
+        "--mm-processor-kwargs", '{"max_pixels": 200704, "min_pixels": 3136}', "--enable-log-requests",
+        "--disable-log-stats", "--uvicorn-log-level", "info", "--allowed-origins", '["https://a.example"]',
+        "--allowed-methods", '["GET", "POST"]', "--allowed-headers", "x-a, x-b", "--allow-credentials",
+        "--enable-chunked-prefill"]))
+    assert (config.engine.seed, config.engine.scheduler.enable_prefix_caching, config.engine.scheduler.block_size,
+            config.engine.dtype) == (7, True, 32, "float16")
+    assert (config.media.limit_images_per_prompt, config.media.limit_videos_per_prompt) == (4, 0)
+    assert config.api_servers == 2
+    assert config.files.tokenizer == tiny_model
+    assert config.files.mm_processor_kwargs == (("max_pixels", 200704), ("min_pixels", 3136))
+    assert (config.trust_remote_code, config.enable_auto_tool_choice, config.tool_call_parser) == (True, True, "hermes")
+    assert (config.max_logprobs, config.enable_log_requests, config.disable_log_stats, config.uvicorn_log_level) == \
+        (5, True, True, "info")
+    assert (config.allowed_origins, config.allowed_methods, config.allowed_headers, config.allow_credentials) == \
+        (("https://a.example",), ("GET", "POST"), ("x-a", "x-b"), True)
+    assert config.enable_chunked_prefill is True
+    # EPD's own names and forms keep working
+    config = serve_config(parse(["serve", tiny_model, "--no-enable-prefix-caching", "--api-servers", "3",
+                                 "--limit-mm-per-prompt", "image=2", "--dtype", "float"]))
+    assert (config.engine.scheduler.enable_prefix_caching, config.api_servers, config.engine.dtype) == \
+        (False, 3, "float32")
+    assert (config.media.limit_images_per_prompt, config.media.limit_videos_per_prompt) == (2, 0)
+    assert EngineConfig(dtype="bf16").dtype == "bfloat16"  # LLM(dtype="bf16") as before
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
+        EngineConfig(dtype="int8")
+    # the defaults: vLLM's where EPD can, else EPD's (docs/architecture.md, Decisions)
+    config = serve_config(parse(["serve", tiny_model]))
+    assert (config.engine.seed, config.max_logprobs, config.uvicorn_log_level, config.allowed_origins) == \
+        (0, 20, "warning", ())
+    assert config.engine.scheduler.block_size == 16 and config.files.mm_processor_kwargs == ()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit-mm-per-prompt", '{"image": 2, "video": 1}'], "EPD serves no video yet, so video must be 0, got 1"),
+    (["--limit-mm-per-prompt", '{"audio": 1}'], "EPD serves image, video, not audio"),
+    (["--limit-mm-per-prompt", '{"image": -1}'], "image must be a count"),
+    (["--limit-mm-per-prompt", "images=2"], None),
+    (["--tool-call-parser", "mistral"], "hermes <tool_call> blocks only"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--no-enable-chunked-prefill"], "EPD always prefills in chunks"),
+    (["--max-logprobs", "21"], "--max-logprobs must be in 0..20"),
+    (["--mm-processor-kwargs", '{"fps": 2}'], "fps cannot be applied here; the image processor takes min_pixels"),
+    (["--mm-processor-kwargs", '{"min_pixels": 9000, "max_pixels": 100}'], "min_pixels 9000 is more than"),
+    (["--mm-processor-kwargs", "[1]"], "--mm-processor-kwargs must be a JSON object"),
+    (["--tokenizer", "/no/such/dir"], "--tokenizer takes a directory"),
+    (["--allowed-origins", '["a", 1]'], "--allowed-origins must be a list of strings"),
+])
+def test_vllm_flags_refuse_what_epd_cannot_do(tiny_model, flags, message):
+    with pytest.raises(ValueError, match=re.escape(message) if message else "--limit-mm-per-prompt"):
+        serve_config(build_parser().parse_args(["serve", tiny_model, *flags]))
+
+
+def test_serve_help_describes_every_flag_with_its_default(capsys):
+    from epd.cli import HelpFormatter
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    formatter = HelpFormatter("epd serve")
+    flags = [a for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) > 70
+    assert [a.option_strings for a in flags if not a.help] == []
+    assert [a.option_strings for a in flags if "default" not in formatter._get_help_string(a)] == []
+    serve.print_help()
+    text = capsys.readouterr().out
+    assert "--api-server-count" in text and "(default: 0)" in text  # --seed's
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    import tomllib
+    from pathlib import Path
+
+    from epd import __version__
+
+    assert capsys.readouterr().out.strip() == f"epd {__version__}"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["version"] == __version__
+
+
+def test_accepted_flags_say_what_they_do_here(tiny_model):
+    from epd.cli import accepted_flag_notes
+
+    config = serve_config(build_parser().parse_args([
+        "serve", tiny_model, "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    notes = accepted_flag_notes(config)
+    assert len(notes) == 4
+    assert any("never runs code from a checkpoint" in n for n in notes)
+    assert any("always prefills in chunks of at most --max-num-batched-tokens (2048)" in n for n in notes)
+    assert accepted_flag_notes(serve_config(build_parser().parse_args(["serve", tiny_model]))) == []
+
+
+def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
+    """--seed (EngineConfig.seed, vLLM's): the same seed, the same unseeded samples, whatever
+    drew from torch's generator before the engine was built; another seed, other samples."""
+    import torch
+
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=12)  # no seed of its own
+
+    def sample(seed: int, before: int) -> list[int]:
+        torch.manual_seed(before)
+        llm = LLM(tiny_model, device="cpu", dtype="float32", num_kv_blocks=32, seed=seed)
+        return llm.generate(["a b c d"], params)[0].outputs[0].token_ids
+
+    assert sample(3, before=1) == sample(3, before=2)
+    assert sample(3, before=1) != sample(4, before=1)

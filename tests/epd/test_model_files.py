@@ -232,3 +232,54 @@ def test_a_bad_checkpoint_is_one_checkpoint_error(tiny_model, tmp_path, breakage
         ModelFiles.open(model)
     assert message in str(info.value) and "\n" not in str(info.value)
 
+
+
+def test_mm_processor_kwargs_reach_the_api_geometry_and_the_encoder(tiny_model):
+    """--mm-processor-kwargs: the API counts the placeholders the encoder then produces, and both
+    hash the image with the settings it was encoded with (another max_pixels, another mm_hash)."""
+    from epd.transport.mm_cache import mm_hash
+
+    kwargs = {"max_pixels": 128 * 128}
+    plain = ModelFiles.open(tiny_model)
+    files = ModelFiles.open(tiny_model, ModelFilesConfig(mm_processor_kwargs=tuple(kwargs.items())))
+    assert files.geometry.max_pixels == 128 * 128
+    assert files.geometry.num_image_tokens(500, 400) < plain.geometry.num_image_tokens(500, 400)
+    encoder = ImageEncoder(tiny_model, files.hf_config, torch.float32, processor_kwargs=kwargs)
+    img = image_bytes(500, 400, seed=1)
+    assert encoder.encode([img])[0].grid_thw == files.geometry.grid_thw(500, 400)
+    assert encoder.mm_hash(img) == mm_hash(img, "", files.processor_config) != mm_hash(img, "", plain.processor_config)
+
+
+def test_tokenizer_flag_takes_another_directory(tiny_model, tmp_path):
+    import shutil
+
+    other = tmp_path / "tok"
+    other.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_model) / name, other / name)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}OTHER {{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    files = ModelFiles.open(tiny_model, ModelFilesConfig(tokenizer=str(other)))
+    assert files.chat_template.text.startswith("{% for m in messages %}OTHER")
+    assert files.chat_template.source == str(other / "tokenizer_config.json")
+    assert ModelFiles.open(tiny_model).chat_template.text != files.chat_template.text
+
+
+def test_tokenizer_flag_serves_a_checkpoint_without_one(tiny_model, tmp_path):
+    """--tokenizer reaches the engine's grammar compiler too: structured outputs work on a
+    checkpoint whose own directory holds no tokenizer."""
+    from epd import LLM
+    from epd.transport.sampling import StructuredOutputsParams
+
+    ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
+    ckpt.mkdir()
+    tok.mkdir()
+    for path in Path(tiny_model).iterdir():
+        ((tok if path.name.startswith("tokenizer") else ckpt) / path.name).symlink_to(path)
+    with pytest.raises(CheckpointError, match="the tokenizer cannot be loaded"):
+        ModelFiles.open(ckpt)
+    llm = LLM(str(ckpt), tokenizer=str(tok), **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate(["Is it?"], params)[0].outputs[0].text in ("yes", "no")

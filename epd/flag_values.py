@@ -1,0 +1,68 @@
+"""Values of `epd serve` flags written as vLLM writes them: JSON objects and lists, and
+`--limit-mm-per-prompt` in vLLM's JSON form or EPD's image=N. Each refusal is a
+ValueError naming the flag (the CLI prints it and exits 2)."""
+from __future__ import annotations
+
+import json
+
+from epd.config import field_default
+from epd.inputs.media import MediaConfig
+
+MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys (video: 0 until it is served)
+
+
+def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt as vLLM writes it, '{"image": 4, "video": 0}', or EPD's
+    image=N[,video=M] -> {"image": ..., "video": ...} (a modality left out: its default)."""
+    limits = {"image": field_default(MediaConfig, "limit_images_per_prompt"),
+              "video": field_default(MediaConfig, "limit_videos_per_prompt")}
+    if value is None:
+        return limits
+    if value.lstrip().startswith("{"):
+        try:
+            given = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {exc}") from None
+    else:
+        given = {}
+        for item in value.split(","):
+            key, _, num = item.strip().partition("=")
+            if not num.isdigit():
+                raise ValueError(f"--limit-mm-per-prompt takes '{{\"image\": N, \"video\": M}}' or image=N, "
+                                 f"got {value!r}")
+            given[key] = int(num)
+    unknown = sorted(set(given) - set(MODALITIES))
+    if unknown:
+        raise ValueError(f"--limit-mm-per-prompt: EPD serves {', '.join(MODALITIES)}, not {', '.join(unknown)}")
+    for key, num in given.items():
+        if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {key} must be a count (>= 0), got {num!r}")
+    return {**limits, **given}
+
+
+def json_object(flag: str, value: str | None) -> dict:
+    """A flag's JSON object ({} when the flag is absent); ValueError naming the flag."""
+    if value is None:
+        return {}
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
+    return out
+
+
+def string_list(flag: str, value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """vLLM's JSON list ('["http://a.com"]'), or items separated by commas."""
+    if value is None:
+        return default
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not a valid JSON list: {exc}") from None
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"{flag} must be a list of strings, got {value!r}")
+        return tuple(items)
+    return tuple(item.strip() for item in value.split(",") if item.strip())
