@@ -22,6 +22,7 @@ from epd.encoders.encoder_delays import EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
+from epd.transport.frame_limits import encoder_inbox_frame_bytes
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
 from epd.transport.roles import Role
@@ -43,7 +44,8 @@ class EncoderWorker(WorkerIO):
         """`delays`: tests only (encoders/encoder_delays.py); none by default."""
         if spec.role != Role.ENCODER:
             raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
-        super().__init__(spec, encoder.model_fingerprint)
+        super().__init__(spec, encoder.model_fingerprint,
+                         max_frame_bytes=encoder_inbox_frame_bytes(spec.max_image_bytes))
         self.encoder = encoder
         self.queue: list[_Job] = []
         self.running = True

@@ -40,7 +40,7 @@ from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVT
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
-from epd.transport.frame_limits import engine_inbox_frame_bytes
+from epd.transport.frame_limits import encoder_inbox_frame_bytes, engine_inbox_frame_bytes
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
@@ -79,7 +79,9 @@ class EngineWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
         if not spec.role.holds_kv:
             raise ValueError(f"an engine worker cannot take the role '{spec.role}'")
-        super().__init__(spec, core.info.fingerprint, max_frame_bytes=inbox_frame_bytes(core))
+        max_frame_bytes = max(inbox_frame_bytes(core), encoder_inbox_frame_bytes(spec.max_image_bytes)
+                              if spec.role.encodes else 0)  # aggregated: images come in EncodeRequests
+        super().__init__(spec, core.info.fingerprint, max_frame_bytes=max_frame_bytes)
         self.core = core
         self.encode_fn = encode_fn
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images

@@ -245,7 +245,8 @@ def worker_config(args) -> WorkerConfig:
     """The WorkerConfig of parsed `epd worker` arguments."""
     return WorkerConfig(model=args.model, role=args.role, api=args.api, host=args.host, port=args.port,
                         mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
-                        max_image_pixels=args.max_image_pixels, num_threads=args.threads,
+                        max_image_pixels=args.max_image_pixels, max_image_bytes=args.max_image_bytes,
+                        num_threads=args.threads,
                         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=_engine_config(args))
 
 
@@ -504,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     worker = {name: field_default(WorkerConfig, name) for name in (
-        "host", "port", "mm_cache_dir", "mm_cache_gb", "max_image_pixels", "num_threads", "cpu_sharing")}
+        "host", "port", "mm_cache_dir", "mm_cache_gb", "max_image_pixels", "max_image_bytes", "num_threads",
+        "cpu_sharing")}
     p = sub.add_parser("worker", help="one worker on this host, registering with a remote `epd serve`")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--role", required=True, choices=[str(r) for r in Role])
@@ -515,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mm-cache-dir", default=worker["mm_cache_dir"])
     p.add_argument("--mm-cache-gb", type=float, default=worker["mm_cache_gb"])
     p.add_argument("--max-image-pixels", type=int, default=worker["max_image_pixels"])
+    p.add_argument("--max-image-bytes", type=int, default=worker["max_image_bytes"],
+                   help="the largest image this worker takes (as the API's --max-image-bytes; a larger frame "
+                        "disconnects its sender)")
     p.add_argument("--threads-per-worker", "--threads", dest="threads", type=int, default=worker["num_threads"],
                    help="torch threads (default: as `epd serve` gives a worker of this role alone on its host: "
                         "every core but one)")

@@ -257,6 +257,7 @@ class WorkerConfig:
     mm_cache_dir: str | None = None  # None: no embedding cache on this worker
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
+    max_image_bytes: int = field_default(MediaConfig, "max_image_bytes")  # as the API's --max-image-bytes
     num_threads: int | None = None  # --threads-per-worker; None: `num_worker_threads`'s rule
     cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)

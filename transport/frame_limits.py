@@ -9,6 +9,7 @@ by the deployment's --max-model-len, blobs by --max-image-bytes.
 """
 from __future__ import annotations
 
+DEFAULT_MAX_IMAGE_BYTES = 20 << 20  # --max-image-bytes (epd serve's media limit, epd worker's inbox)
 HEADER_MAX_BYTES = 64 << 20  # a prompt of 256k token ids is ~2.5 MB of msgpack; a step's outputs far less
 MARGIN_BYTES = 1 << 20  # msgpack and tensor-meta overhead on top of a payload
 FLOAT32_BYTES = 4  # the widest element a KV or embedding frame is sent in

@@ -61,7 +61,7 @@ class CacheEnv:
 def open_env(path: str, map_size: int, readonly: bool) -> CacheEnv | None:
     """The cache at `path` (created when missing), a fresh one in place of a
     corrupt one (writers), or None when there is none to be had (see above)."""
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)  # embeddings tell what users sent: the owner's alone
     with _flock(path, fcntl.LOCK_SH):
         try:
             return _open(path, map_size, readonly)
@@ -100,7 +100,7 @@ def _open(path: str, map_size: int, readonly: bool) -> CacheEnv:
         # no writer has created it yet: create it, then open it read-only
         _open(path, map_size, readonly=False).env.close()
     env = lmdb.open(path, map_size=map_size, subdir=True, readonly=readonly, lock=True,
-                    readahead=False, max_dbs=3, max_readers=512)
+                    readahead=False, max_dbs=3, max_readers=512, mode=0o600)
     try:
         dbs = [env.open_db(name, create=not readonly) for name in (b"entries", b"used", b"meta")]
         with env.begin() as txn:  # touch every root page: a damaged one fails here, not in serving

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 from epd.transport.auth import WORKER, PlaneKeys
+from epd.transport.frame_limits import DEFAULT_MAX_IMAGE_BYTES
 from epd.transport.channels import Outbox, Receiver
 from epd.transport.messages import Alive, Ready, WorkerStats
 from epd.transport.mm_cache import MMCache
@@ -46,6 +47,7 @@ class WorkerSpec:
     mm_cache_bytes: int
     stats_interval_s: float = 0.25
     keys_dir: str | None = None  # worker-plane keys (`epd keys`): CURVE on tcp sockets; None on one host
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image an EncodeRequest may carry (its inbox's cap)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS
+from epd.transport.frame_limits import DEFAULT_MAX_IMAGE_BYTES
 
 MAX_REDIRECTS = 5
 MAX_FILE_READERS = 4  # threads reading file:// images; a stuck read never takes a text request's thread
@@ -46,7 +47,7 @@ class MediaConfig:
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     fetch_timeout_s: float = 5.0
     limit_images_per_prompt: int | None = 16

@@ -75,7 +75,7 @@ def serve_many(config: ServeConfig) -> int:
     os.makedirs(metrics_dir)
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # before prometheus_client is imported, here and in children
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
-    os.makedirs(mm_cache_dir, exist_ok=True)
+    os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
     addresses = None if config.external_workers else Addresses.ipc(run_dir)
     apis = collectors(config, addresses)
     share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn

@@ -40,7 +40,7 @@ def serve(config: ServeConfig) -> int:
 
     run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
     mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
-    os.makedirs(mm_cache_dir, exist_ok=True)
+    os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
     share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
     collector, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
@@ -143,7 +143,8 @@ def run_external_worker(config: WorkerConfig) -> int:
             port = s.getsockname()[1]
     apis = tuple(config.api.split(","))  # --api: one collector per API process, joined by ","
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
-                      apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys)
+                      apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys,
+                      max_image_bytes=config.max_image_bytes)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
                           num_threads=config.num_worker_threads())
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)

@@ -25,7 +25,7 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
     launches = []
     for (role, index), engine in zip(config.worker_roles(), engines):
         spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
-                          mm_cache_dir, config.mm_cache_bytes)
+                          mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_image_bytes)
         if engine.device.startswith("cuda"):
             print(f"EPD: {spec.worker_id} on {engine.device}"
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"

@@ -153,3 +153,23 @@ def test_a_frame_under_the_cap_arrives_whole(address):
         sent = _kv_transfer()
         peer.send(sent)
         _check_kv(inbox.recv(timeout_s=TIMEOUT_S), sent)
+
+
+def test_an_encoder_inbox_takes_the_largest_image_the_api_may_send(ipc_dir):
+    """A WorkerSpec's --max-image-bytes sizes the inbox cap of an encoder (and of an
+    aggregated worker): an image of that size arrives, a frame well past it does not."""
+    from epd.transport.frame_limits import encoder_inbox_frame_bytes
+    from epd.transport.messages import EncodeRequest
+
+    max_image_bytes = 80 << 20  # above the header bound, so the image decides the cap
+    cap = encoder_inbox_frame_bytes(max_image_bytes)
+    assert cap > max_image_bytes
+    with Receiver(Addresses.ipc(os.path.join(ipc_dir, "enc")).worker("encoder", 0), max_frame_bytes=cap) as inbox:
+        with Sender(inbox.address) as api:
+            image = os.urandom(max_image_bytes)
+            api.send(EncodeRequest("r", "ab" * 32, image, "ipc:///x/p.sock"))
+            got = inbox.recv(timeout_s=30)
+            assert isinstance(got, EncodeRequest) and len(got.image) == max_image_bytes
+        with Sender(inbox.address) as rogue:
+            rogue.send(EncodeRequest("r", "ab" * 32, bytes(cap + 1), "ipc:///x/p.sock"))
+            assert inbox.recv(timeout_s=1.0) is None

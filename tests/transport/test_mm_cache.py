@@ -244,3 +244,21 @@ def test_two_processes_share_one_cache(tmp_path, monkeypatch):
     with MMCache(path, 64 * MiB, model_fingerprint=worker.FINGERPRINT) as c:
         size = len(encode_entry(worker.entry_of(0), worker.FINGERPRINT))
         assert len(c) == 40 and c.total_bytes == 40 * size
+
+
+def test_cache_files_are_the_owners_alone(tmp_path):
+    """Issue 33, item 10: embeddings tell what users sent; a cache EPD creates is
+    readable by its owner only (the directory 0700, every file 0600)."""
+    import stat
+
+    from epd.transport.mm_cache import MMCache
+
+    path = tmp_path / "cache"
+    cache = MMCache(str(path), 1 << 20, model_fingerprint="f")
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        files = sorted(p.name for p in path.iterdir())
+        assert "data.mdb" in files and "lock.mdb" in files
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()} == {name: 0o600 for name in files}
+    finally:
+        cache.close()
