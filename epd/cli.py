@@ -12,7 +12,6 @@ from epd.engine.scheduler import PREFILL_PRIORITIES
 from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
-from epd.inputs.sampling_defaults import parse_overrides
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.encoder_router import ENCODER_ROUTERS
@@ -180,7 +179,8 @@ def serve_config(args) -> ServeConfig:
                           max_request_pixels=args.max_request_pixels),
         files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
                                override_generation_config=tuple(
-                                   parse_overrides(args.override_generation_config).items()),
+                                   json_object("--override-generation-config",
+                                               args.override_generation_config).items()),
                                tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
                                    json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items())),
         limits=ServingLimits(request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,

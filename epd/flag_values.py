@@ -19,10 +19,7 @@ def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
     if value is None:
         return limits
     if value.lstrip().startswith("{"):
-        try:
-            given = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--limit-mm-per-prompt is not valid JSON: {exc}") from None
+        given = json_object("--limit-mm-per-prompt", value)
     else:
         given = {}
         for item in value.split(","):
@@ -49,7 +46,7 @@ def json_object(flag: str, value: str | None) -> dict:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{flag} is not valid JSON: {exc}") from None
     if not isinstance(out, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
+        raise ValueError(f"{flag} takes a JSON object, got {value!r}")
     return out
 
 

@@ -122,19 +122,6 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def parse_overrides(text: str | None) -> dict[str, Any]:
-    """--override-generation-config's JSON object (an empty one for None)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--override-generation-config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--override-generation-config takes a JSON object, got {text!r}")
-    return value
-
-
 def _typed(name: str, value: Any) -> Any:
     """The value as its field's type; TypeError naming the key for a non-number."""
     if value is None:

@@ -259,7 +259,7 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
     (["--max-logprobs", "21"], "--max-logprobs must be in 0..20"),
     (["--mm-processor-kwargs", '{"fps": 2}'], "fps cannot be applied here; the image processor takes min_pixels"),
     (["--mm-processor-kwargs", '{"min_pixels": 9000, "max_pixels": 100}'], "min_pixels 9000 is more than"),
-    (["--mm-processor-kwargs", "[1]"], "--mm-processor-kwargs must be a JSON object"),
+    (["--mm-processor-kwargs", "[1]"], "--mm-processor-kwargs takes a JSON object"),
     (["--tokenizer", "/no/such/dir"], "--tokenizer takes a directory"),
     (["--allowed-origins", '["a", 1]'], "--allowed-origins must be a list of strings"),
 ])

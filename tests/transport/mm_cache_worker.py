@@ -31,6 +31,23 @@ def check_new(cache: MMCache, pending: set[int]) -> None:
             pending.discard(i)
 
 
+def wait_until_seen(cache: MMCache, pending: set[int], timeout_s: float, poll_s: float) -> None:
+    """Until every entry of `pending` is readable (and right); fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        check_new(cache, pending)
+        time.sleep(poll_s)
+    assert not pending, f"never saw {sorted(pending)}"
+
+
+def join_or_kill(procs) -> None:
+    """The parent's side: every child joined (killed if it hangs)."""
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+
+
 def run(path: str, max_bytes: int, mine: list[int], theirs: list[int], results) -> None:
     """Write `mine`, then read until all of `theirs` appear with the right contents."""
     try:
@@ -38,11 +55,7 @@ def run(path: str, max_bytes: int, mine: list[int], theirs: list[int], results) 
                         touch_interval_s=0.0)
         for i in mine:
             assert cache.put(key_of(i), entry_of(i)), f"put {i} failed"
-        pending, deadline = set(theirs), time.monotonic() + 30
-        while pending and time.monotonic() < deadline:
-            check_new(cache, pending)
-            time.sleep(0.005)
-        assert not pending, f"never saw {sorted(pending)}"
+        wait_until_seen(cache, set(theirs), timeout_s=30, poll_s=0.005)
         cache.close()
         results.put("ok")
     except BaseException as e:  # report any failure to the parent
@@ -57,11 +70,7 @@ def open_at_once(path: str, index: int, num_procs: int, barrier, results) -> Non
         cache = MMCache(path, 16 << 20, model_fingerprint=FINGERPRINT)
         assert cache.is_open, "no cache"
         assert cache.put(key_of(index), entry_of(index)), f"put {index} failed"
-        pending, deadline = set(range(num_procs)), time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
-            check_new(cache, pending)
-            time.sleep(0.01)
-        assert not pending, f"never saw {sorted(pending)}: not one shared cache"
+        wait_until_seen(cache, set(range(num_procs)), timeout_s=60, poll_s=0.01)  # one shared cache
         cache.close()
         results.put("ok")
     except BaseException as e:  # report any failure to the parent

@@ -236,10 +236,7 @@ def test_two_processes_share_one_cache(tmp_path, monkeypatch):
             assert not pending
         assert [results.get(timeout=60) for _ in procs] == ["ok", "ok"]
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        worker.join_or_kill(procs)
         sys.modules.pop("mm_cache_worker", None)
     with MMCache(path, 64 * MiB, model_fingerprint=worker.FINGERPRINT) as c:
         size = len(encode_entry(worker.entry_of(0), worker.FINGERPRINT))

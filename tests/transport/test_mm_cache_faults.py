@@ -87,10 +87,7 @@ def test_many_writers_set_a_corrupt_file_aside_once(tmp_path, monkeypatch):
     try:
         assert sorted(results.get(timeout=120) for _ in procs) == ["ok"] * num_procs
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        worker.join_or_kill(procs)
         sys.modules.pop("mm_cache_worker", None)
     assert len([name for name in set_aside(path) if name.startswith("data.mdb")]) == 1
     with MMCache(path, 16 * MiB, model_fingerprint=worker.FINGERPRINT) as c:
