@@ -80,7 +80,8 @@ def test_serve_flags_build_the_media_config(tiny_model, tmp_path, monkeypatch):
     (["--allowed-media-domains", "http://images.example"], "--allowed-media-domains takes"),
     (["--allowed-media-domains", "images.example:8080"], "--allowed-media-domains takes"),
     (["--allowed-local-media-path", "/no/such/dir"], "is not a directory"),
-    (["--limit-mm-per-prompt", "video=2"], "image=N"),
+    (["--limit-mm-per-prompt", "video=2"], "no video yet, so video must be 0"),
+    (["--limit-mm-per-prompt", "pictures=2"], "EPD serves image, video"),
 ])
 def test_bad_media_flags_are_clear_errors(tiny_model, flags, message):
     with pytest.raises(ValueError, match=message):
