@@ -211,19 +211,25 @@ def count_json_items(body: bytes) -> int:
     return body.count(b",") + body.count(b"[") + body.count(b"{")
 
 
+def check_json_items(body: bytes, max_items: int) -> None:
+    """A 413 for a body of more JSON items than `max_items`, before it is parsed
+    (a Python object per item costs ~10-70x its JSON bytes)."""
+    if count_json_items(body) > max_items:
+        raise RequestError(f"the request body holds more than {max_items} JSON items (values, members and "
+                           "containers; commas and brackets counted)", status=413, code="request_too_large")
+
+
 def parse_body(path: str, body: bytes, content_type: str | None,
                max_items: int | None = None) -> ChatCompletionRequest | CompletionRequest:
     """FastAPI's handling of a JSON body parameter, step for step: an empty body is
     a missing one; only a JSON content type is decoded; the model validates.
-    `max_items`: a body with more JSON items (`count_json_items`) is refused before
-    it is parsed (a Python object per item costs ~10-70x its JSON bytes)."""
+    `max_items`: a body with more JSON items is refused before it is parsed (`check_json_items`)."""
     value: Any = body
     if not body:
         errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         raise request_error_from_validation(errors)
-    if max_items is not None and count_json_items(body) > max_items:
-        raise RequestError(f"the request body holds more than {max_items} JSON items (values, members and "
-                           "containers; commas and brackets counted)", status=413, code="request_too_large")
+    if max_items is not None:
+        check_json_items(body, max_items)
     if content_type is not None and _is_json(content_type):
         try:
             value = json.loads(body)

@@ -109,7 +109,8 @@ def request_error_from_validation(errors: Sequence[dict]) -> RequestError:
     return RequestError(f"{param}: {message}" if param else message, param=param)
 
 
-def _parse(model: type[BaseModel], body: Any):
+def validate_body(model: type[BaseModel], body: Any):
+    """A decoded JSON body as `model`, or the RequestError of its first problem."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -119,11 +120,11 @@ def _parse(model: type[BaseModel], body: Any):
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """A decoded JSON body -> ChatCompletionRequest, or RequestError (what FastAPI
     does for the route, usable without it)."""
-    return _parse(ChatCompletionRequest, body)
+    return validate_body(ChatCompletionRequest, body)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    return _parse(CompletionRequest, body)
+    return validate_body(CompletionRequest, body)
 
 
 # -- request bodies ----------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 A chat's tokens are the orchestrator's own (`OrchestratorLike.tokenize`: the
 same preparer that builds a chat's prompt), so an image costs here exactly the
 placeholder tokens it costs in `usage.prompt_tokens`. Bodies are bounded as the
-generation endpoints' are (`generate_route.count_json_items`); every refusal is
+generation endpoints' are (`generate_route.check_json_items`); every refusal is
 a 400 (413 for a body past the bound) with an OpenAI error body.
 """
 from __future__ import annotations
@@ -17,12 +17,12 @@ import json
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from epd.api.chat_messages import validate_messages
-from epd.api.generate_route import count_json_items, max_json_items
+from epd.api.generate_route import check_json_items, max_json_items
 from epd.api.orchestrator_like import OrchestratorLike
-from epd.api.protocol import INT64_MAX, check_model, request_error_from_validation
+from epd.api.protocol import INT64_MAX, check_model, validate_body
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
 from epd.requests import GenerateRequest, RequestError
@@ -75,13 +75,13 @@ def add_tokenizer_routes(app: FastAPI, orchestrator: OrchestratorLike, settings:
     async def tokenize(request: Request) -> dict:
         body = await _json_body(request, max_items)
         if "messages" in body:
-            chat = _validate(TokenizeChatRequest, body)
+            chat = validate_body(TokenizeChatRequest, body)
             _check_model(chat.model, settings)
             generate = _chat_request(chat, settings)
             token_ids = await orchestrator.tokenize(generate)
             return_token_strs = chat.return_token_strs
         else:
-            text = _validate(TokenizeCompletionRequest, body)
+            text = validate_body(TokenizeCompletionRequest, body)
             _check_model(text.model, settings)
             generate = GenerateRequest(request_id="tokenize", messages=None, prompt=text.prompt,
                                        sampling=SamplingParams())
@@ -93,7 +93,7 @@ def add_tokenizer_routes(app: FastAPI, orchestrator: OrchestratorLike, settings:
 
     @app.post(DETOKENIZE_PATH)
     async def detokenize(request: Request) -> dict:
-        body = _validate(DetokenizeRequest, await _json_body(request, max_items))
+        body = validate_body(DetokenizeRequest, await _json_body(request, max_items))
         _check_model(body.model, settings)
         bad = next((t for t in body.tokens if t >= orchestrator.vocab_size), None)
         if bad is not None:
@@ -125,9 +125,7 @@ def _check_model(model: str | None, settings: ApiSettings) -> None:
 
 async def _json_body(request: Request, max_items: int) -> dict:
     body = await request.body()
-    if count_json_items(body) > max_items:
-        raise RequestError(f"the request body holds more than {max_items} JSON items (values, members and "
-                           "containers; commas and brackets counted)", status=413, code="request_too_large")
+    check_json_items(body, max_items)
     try:
         value = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -136,9 +134,3 @@ async def _json_body(request: Request, max_items: int) -> dict:
         raise RequestError("The request body must be a JSON object")
     return value
 
-
-def _validate(model: type[BaseModel], body: dict):
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise request_error_from_validation(exc.errors(include_url=False)) from None

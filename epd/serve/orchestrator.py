@@ -38,7 +38,8 @@ from epd.serve.registry import WorkerRegistry
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
-from epd.transport.messages import Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats
+from epd.transport.messages import (Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
+                                    WorkerExited, WorkerStats)
 from epd.transport.roles import Role
 
 log = logging.getLogger("epd.api")

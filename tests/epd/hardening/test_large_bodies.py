@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from api_checks import MAX_BODY_MB, MAX_MODEL_LEN, MODEL, TEXT_MESSAGES, assert_error, assert_still_serving, chat_body, post
+from api_checks import MAX_BODY_MB, MAX_MODEL_LEN, MODEL, assert_error, assert_still_serving, chat_body, post
 
 MAX_BODY_BYTES = int(MAX_BODY_MB * (1 << 20))
 # What the API process may grow by while refusing one body. Before the bounds, a
