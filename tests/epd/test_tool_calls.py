@@ -66,6 +66,23 @@ def test_required_and_named():
     assert tool_choice_schema(AUTO, TOOLS) is None
 
 
+@pytest.mark.parametrize("choice, text", [
+    (ToolChoice("required"), '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Pa'),
+    (AUTO, 'x<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", '
+           '"arguments": {"city": "Pa'),
+    (ToolChoice("named", "get_weather"), '{"city": "Pa'),
+])
+def test_cut_short_every_mode_returns_the_begun_call_with_its_arguments_so_far(choice, text):
+    """One behaviour at `length` (vLLM's for a named function): the call as far as it got."""
+    whole = [{"name": "get_time", "arguments": "{}"}] if choice.mode != "named" else []
+    for size in (1, 4, len(text)):
+        content, calls = _feed(choice, [text[i:i + size] for i in range(0, len(text), size)])
+        assert calls == whole + [{"name": "get_weather", "arguments": '{"city": "Pa'}], (choice, size)
+        assert content == ("x" if choice.mode == "auto" else "")
+    # cut inside the name: no call (required: the text stays content; auto: dropped, as vLLM's parser)
+    assert _feed(AUTO, ['x<tool_call>{"name": "get_w']) == ("x", [])
+
+
 def test_tool_choice_defaults_and_refusals():
     assert parse_tool_choice(None, TOOLS) == AUTO and parse_tool_choice(None, []) == ToolChoice("none")
     with pytest.raises(ValueError, match="'nope', which is not among the tools"):
