@@ -1,7 +1,8 @@
 """A minimal real OpenAI-style streaming server (starlette + uvicorn on 127.0.0.1) for bench tests
 (tests/unit/bench/conftest.py makes it the `fake_server` fixture).
 
-It streams one content chunk per requested token with a small sleep, then
+It serves /v1/chat/completions and /v1/completions (the same, with
+`text` chunks), streaming one content chunk per requested token with a small sleep, then
 a finish chunk, a usage chunk (`prompt_tokens` = prompt words +
 TOKENS_PER_IMAGE per image) and `[DONE]`. A prompt containing "FAIL" gets an
 HTTP 400 with an OpenAI error body. It records every request body and the
@@ -38,6 +39,8 @@ class FakeServerState:
 
 
 def _prompt_of(body: dict) -> tuple[str, int]:
+    if "prompt" in body:  # /v1/completions
+        return body["prompt"], 0
     content = body["messages"][-1]["content"]
     if isinstance(content, str):
         return content, 0
@@ -63,7 +66,13 @@ def _app(state: FakeServerState) -> Starlette:
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
+        completions = request.url.path == "/v1/completions"
+
         def chunk(delta: dict, finish: str | None = None) -> str:
+            if completions:  # text_completion chunks carry `text`, not a delta
+                choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish}
+                return sse({"id": "c", "object": "text_completion", "created": int(time.time()),
+                            "model": MODEL_NAME, "choices": [choice]})
             return sse({"id": "c", "object": "chat.completion.chunk", "created": int(time.time()),
                         "model": MODEL_NAME, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
 
@@ -84,7 +93,8 @@ def _app(state: FakeServerState) -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/completions", chat, methods=["POST"])])
 
 
 @contextmanager
