@@ -94,15 +94,23 @@ def _free_port() -> int:
 class ServeProcess:
     """One `epd serve` subprocess on a free port, pinned to `cpus`, ready when
     /health is 200 (the server sizes its workers' threads from the CPU set it
-    is pinned to). `extra`: more `epd serve` flags."""
+    is pinned to). `extra`: more `epd serve` flags. Another server (vs_vllm's
+    `vllm serve`) starts through `_launch` with its own command."""
+
+    name = "epd serve"
 
     def __init__(self, model: str, mode: str, cpus, extra: list[str], log_path: Path):
+        self._launch(lambda port: [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode,
+                                   "--port", str(port), *extra], cpus, log_path)
+
+    def _launch(self, command, cpus, log_path: Path, env: dict | None = None) -> None:
+        """`command(port)`: the argv to run; `env`: the environment (default: this one)."""
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode, "--port", str(self.port), *extra]
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+        self.started_s = time.monotonic()
+        self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
     def wait_ready(self, timeout_s: float = 600.0, headers: dict | None = None) -> str:
@@ -110,14 +118,14 @@ class ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (see {self._log.name})")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return httpx.get(self.base_url + "/v1/models", timeout=5, headers=headers).json()["data"][0]["id"]
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"epd serve not ready after {timeout_s:.0f} s (see {self._log.name})")
+        raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f} s (see {self._log.name})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,0 +1,81 @@
+"""`python -m epd.bench.vs_vllm`'s pure parts (rows, ratios with ranges, the table) and its EPD
+client against the fake OpenAI server; vLLM itself is not started (not in CI: issue 32)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from epd.bench import vs_vllm
+from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, ratio_summary, summarize
+
+
+def _args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    vs_vllm.add_arguments(p)
+    return p.parse_args(["/ckpt", "--vllm-bin", "/venv/bin/vllm", *extra])
+
+
+def test_ratio_is_of_the_means_and_the_range_spans_the_rounds_ratios():
+    r = ratio_summary([60.0, 40.0, 50.0], [100.0, 50.0, 50.0])
+    assert r["mean"] == pytest.approx(50.0) and r["base_mean"] == pytest.approx(200 / 3)
+    assert r["ratio"] == pytest.approx(0.75)
+    assert (r["ratio_min"], r["ratio_max"]) == (pytest.approx(0.6), pytest.approx(1.0))
+    assert r["rounds"] == 3
+
+
+def test_a_round_missing_on_either_side_is_left_out():
+    r = ratio_summary([None, 30.0, 20.0], [10.0, None, 10.0])
+    assert r["rounds"] == 1 and r["ratio"] == pytest.approx(2.0)
+    assert ratio_summary([None], [10.0])["ratio"] is None
+
+
+def test_table_has_every_server_and_the_direction_of_each_row():
+    tok = new_row("text C=8 output tok/s", "output_throughput", True)
+    ttft = new_row("1 image(s) @ 0.5 req/s median TTFT ms", "median_ttft_ms", False)
+    for base, epd in ((100.0, 120.0), (80.0, 120.0)):
+        add_value(tok, "vllm", base)
+        add_value(tok, "aggregated", epd)
+    add_value(ttft, "vllm", 200.0)
+    add_value(ttft, "aggregated", None)  # a failed run
+    results = summarize({"base": "vllm", "servers": ["vllm", "aggregated"], "rows": [tok, ttft]})
+    lines = markdown_table(results).splitlines()
+    assert lines[0] == "| row | vllm | aggregated | aggregated / vllm (range) |"
+    assert lines[2] == "| text C=8 output tok/s (higher is better) | 90 | 120 | 1.33 (1.20-1.50) |"
+    assert lines[3] == "| 1 image(s) @ 0.5 req/s median TTFT ms (lower is better) | 200 | - | - |"
+
+
+def test_greedy_lines_count_identical_texts_per_server():
+    texts = {"vllm": ["a", "b", "c"], "aggregated": ["a", "b", "c"], "e-p-d": ["a", "x", "c"]}
+    greedy = {"base": "vllm", "texts": texts}
+    assert greedy_lines(greedy) == ["greedy text, aggregated vs vllm: 3/3 prompts identical",
+                                    "greedy text, e-p-d vs vllm: 2/3 prompts identical"]
+
+
+def test_workloads_one_text_row_per_stream_count_and_ttft_tpot_rows_sharing_one_run():
+    rows = vs_vllm.workloads(_args("--streams", "1,8", "--image-rows", "4@0.25", "--num-prompts", "4"))
+    assert [r["name"] for r in rows] == ["text C=1 output tok/s", "text C=8 output tok/s",
+                                         "4 image(s) @ 0.25 req/s median TTFT ms",
+                                         "4 image(s) @ 0.25 req/s median TPOT ms"]
+    assert [r["num_prompts"] for r in rows[:2]] == [4, 8]  # never fewer requests than streams
+    assert rows[2]["shares_run_with"] == rows[3]["shares_run_with"]
+    with pytest.raises(ValueError, match="IMAGES@RATE"):
+        vs_vllm.parse_image_rows("4")
+
+
+def test_vllm_is_found_beside_its_python():
+    p = argparse.ArgumentParser()
+    vs_vllm.add_arguments(p)
+    assert vs_vllm.vllm_bin(p.parse_args(["/ckpt", "--vllm-python", "/v/bin/python"])) == "/v/bin/vllm"
+
+
+def test_epd_client_runs_a_text_row_through_bench_serve(fake_server, tmp_path):
+    args = _args("--streams", "2", "--image-rows", "", "--num-prompts", "3", "--input-len", "5",
+                 "--output-len", "4")
+    args.model_dir = None  # the fake server has no tokenizer: prompts counted in words
+    workload = vs_vllm.workloads(args)[0]
+    result = vs_vllm.epd_client(args, workload, fake_server.base_url, "fake-model", 7, tmp_path / "r.json")
+    assert result["completed"] == 3 and result["output_throughput"] > 0
+    assert fake_server.peak_in_flight <= 2
+    bodies = [b for b in fake_server.payloads if b["max_tokens"] == 4]
+    assert len(bodies) == 3 and (tmp_path / "r.json").exists()
