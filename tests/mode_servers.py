@@ -1,7 +1,7 @@
 """One real `epd serve` per mode, shared by every module that serves the tiny
 checkpoint in that mode with ordinary flags (tests/epd/test_serve.py,
-test_structured_serve.py, test_early_prefill_serve.py, and the aggregated one
-by test_openai_conformance.py): a server start costs seconds of both cores,
+test_structured_serve.py, test_early_prefill_serve.py, the aggregated one
+by test_openai_conformance.py and the e-pd one by test_responses_api.py): a server start costs seconds of both cores,
 so the same three servers serve them all. Session-scoped and parametrized,
 so pytest runs every test of one mode before it starts the next mode's server.
 
