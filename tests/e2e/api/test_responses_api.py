@@ -1,7 +1,8 @@
 """POST /v1/responses (OpenAI's Responses API, stateless) through a real `epd serve`
-(the shared e-pd server) and the official `openai` client, unchanged: greedy text
-and images give the chat path's text, `responses.stream` folds the events into the
-same response, `text.format` is held by the grammar engine, refusals are OpenAI 400s."""
+and the official `openai` client, unchanged: greedy text and images give the chat
+path's text and `responses.stream` folds the events into the same response, in every
+mode (the shared server of each); on the e-pd one, `text.format` is held by the
+grammar engine, logprobs come with the text and refusals are OpenAI 400s."""
 from __future__ import annotations
 
 import json
@@ -13,9 +14,10 @@ import pytest
 from pydantic import BaseModel, Field
 from testkit.api_checks import assert_error
 from testkit.media import data_url, image_bytes, image_part
-from testkit.mode_servers import SERVED_MODEL
+from testkit.mode_servers import MODES, SERVED_MODEL
 
-pytestmark = pytest.mark.parametrize("mode_server", ["e-pd"], indirect=True)
+EVERY_MODE = pytest.mark.parametrize("mode_server", MODES, indirect=True)
+E_PD = pytest.mark.parametrize("mode_server", ["e-pd"], indirect=True)  # one server is enough
 
 MODEL = SERVED_MODEL
 NUM_TOKENS = 12
@@ -30,7 +32,7 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(mode_server) -> openai.OpenAI:
-    """The official client of the shared e-pd server (tests/e2e/conftest.py)."""
+    """The official client of the mode's shared server (tests/e2e/conftest.py)."""
     return openai.OpenAI(base_url=mode_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -60,12 +62,16 @@ def assert_same_answer(response, completion) -> None:
         assert response.status == "completed" and response.incomplete_details is None
 
 
+@EVERY_MODE
 def test_text_input_gives_the_chat_text(client):
     response = respond(client, PROMPT, store=True)  # store is accepted (nothing is stored, as vLLM)
     assert_same_answer(response, chat(client, [{"role": "user", "content": PROMPT}]))
     assert response.max_output_tokens == NUM_TOKENS and response.temperature == 0.0
+    unnamed = client.responses.create(input=PROMPT, max_output_tokens=NUM_TOKENS, temperature=0)  # as vLLM: optional
+    assert (unnamed.model, unnamed.output_text) == (MODEL, response.output_text)
 
 
+@E_PD
 def test_instructions_and_parts_are_the_chat_messages(client):
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Hello."}]},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi there."}]},
@@ -79,6 +85,7 @@ def test_instructions_and_parts_are_the_chat_messages(client):
     assert response.instructions == "Answer like a sailor."
 
 
+@EVERY_MODE
 def test_image_input_gives_the_chat_text(client):
     items = [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(IMG), "detail": "auto"},
                                           {"type": "input_text", "text": "What is this?"}]}]
@@ -88,6 +95,7 @@ def test_image_input_gives_the_chat_text(client):
     assert response.usage.input_tokens > respond(client, "What is this?").usage.input_tokens  # the image counted
 
 
+@E_PD
 def test_logprobs_come_with_the_text(client):
     response = respond(client, PROMPT, include=["message.output_text.logprobs"], top_logprobs=2)
     logprobs = response.output[0].content[0].logprobs
@@ -96,6 +104,7 @@ def test_logprobs_come_with_the_text(client):
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in logprobs)
 
 
+@EVERY_MODE
 @pytest.mark.parametrize("input", [PROMPT, "image"])
 def test_stream_folds_into_the_same_response(client, input):
     if input == "image":
@@ -118,6 +127,7 @@ def test_stream_folds_into_the_same_response(client, input):
     assert (final.status, final.usage.output_tokens) == (expected.status, expected.usage.output_tokens)
 
 
+@E_PD
 def test_stream_ends_with_the_completed_event_and_no_done_marker(mode_server):
     body = {"model": MODEL, "input": PROMPT, "max_output_tokens": 3, "stream": True}
     response = httpx.post(mode_server.base_url + "/v1/responses", json=body, timeout=120)
@@ -130,6 +140,7 @@ def test_stream_ends_with_the_completed_event_and_no_done_marker(mode_server):
     assert frames[-1].startswith("event: response.completed\n")
 
 
+@E_PD
 def test_text_format_json_schema_is_held_by_the_grammar(client):
     response = client.responses.create(
         model=MODEL, input="The weather?", max_output_tokens=60, temperature=0,
@@ -142,6 +153,7 @@ def test_text_format_json_schema_is_held_by_the_grammar(client):
     assert isinstance(parsed.output_parsed, Weather)
 
 
+@E_PD
 @pytest.mark.parametrize("fields, param", [
     ({"background": True}, "background"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
@@ -164,6 +176,7 @@ def test_refusals_are_openai_400s(mode_server, fields, param):
     assert_error(httpx.post(mode_server.base_url + "/v1/responses", json=body, timeout=60), 400, param=param)
 
 
+@E_PD
 def test_unknown_model_is_a_404_and_the_server_keeps_serving(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-4o", input=PROMPT)
