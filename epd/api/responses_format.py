@@ -12,9 +12,10 @@ framed `event: <type>` / `data: <json>` and numbered by `sequence_number`:
     response.output_text.done, response.content_part.done,
     response.output_item.done, response.completed        (with the last Delta)
 
-Like vLLM, the stream always ends with `response.completed`, whose response
-says `"status": "incomplete"` (reason `max_output_tokens`) when the length
-ran out, and no `data: [DONE]` follows (epd/api/responses_route.py drops it).
+Like vLLM, the stream ends with `response.completed`, whose response says
+`"status": "incomplete"` (reason `max_output_tokens`) when the length ran out,
+and no `data: [DONE]` follows (epd/api/responses_route.py drops it). An error
+after the stream began ends it with OpenAI's `error` and `response.failed`.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import uuid
 from collections.abc import Callable
 
 from epd.api.responses import ChatFormat, SequenceOutput
-from epd.requests import Delta
+from epd.requests import Delta, RequestError
 from epd.transport.sampling import TokenLogprobs
 
 _STATUS = {"stop": "completed", "length": "incomplete"}  # any other finish ("abort"): failed
@@ -53,17 +54,19 @@ class ResponsesFormat:
     # -- not streamed --------------------------------------------------------------------------
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
-        return self._response(outputs[0], done=True)
+        return self._final(outputs[0])
 
-    def _response(self, output: SequenceOutput, *, done: bool) -> dict:
-        if not done:
-            return {**self._head, "status": "in_progress", "error": None, "incomplete_details": None,
-                    "output": [], "usage": None}
+    def _final(self, output: SequenceOutput) -> dict:
         status = _STATUS.get(output.finish_reason, "failed")
-        return {**self._head, "status": status,
-                "error": {"code": "server_error", "message": "generation was aborted"} if status == "failed" else None,
+        aborted = {"code": "server_error", "message": "generation was aborted"}
+        return self._response(output, status, aborted if status == "failed" else None)
+
+    def _response(self, output: SequenceOutput, status: str, error: dict | None = None) -> dict:
+        started = status == "in_progress"
+        return {**self._head, "status": status, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "output": [self._message(output, status)], "usage": response_usage(output)}
+                "output": [] if started else [self._message(output, "incomplete" if error else status)],
+                "usage": None if started else response_usage(output)}
 
     def _message(self, output: SequenceOutput, status: str) -> dict:
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
@@ -81,7 +84,7 @@ class ResponsesFormat:
         return []  # the opening events go out with the first Delta (`delta_event`)
 
     def delta_event(self, index: int, delta: Delta) -> bytes | None:
-        events = [] if self._sequence_number else self._opening_events()
+        events = self._opening_events()
         self._streamed.add(delta)
         if delta.text or delta.logprobs:
             events.append(self._event("response.output_text.delta", **self._where(), delta=delta.text,
@@ -90,8 +93,20 @@ class ResponsesFormat:
             events += self._closing_events(self._streamed)
         return b"".join(events) or None
 
+    def error_event(self, error: RequestError) -> bytes:
+        """An error after the stream began: OpenAI's `error` event, then `response.failed`
+        with what was generated so far."""
+        failed = self._response(self._streamed, "failed", {"code": "server_error" if error.status >= 500
+                                                           else "invalid_prompt", "message": error.message})
+        return b"".join([*self._opening_events(),
+                         self._event("error", code=error.code or error.type, message=error.message, param=error.param),
+                         self._event("response.failed", response=failed)])
+
     def _opening_events(self) -> list[bytes]:
-        started = self._response(self._streamed, done=False)
+        """The four events that open the stream, once (an empty list after)."""
+        if self._sequence_number:
+            return []
+        started = self._response(self._streamed, "in_progress")
         item = {"id": self.item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
         return [self._event("response.created", response=started),
                 self._event("response.in_progress", response=started),
@@ -99,7 +114,7 @@ class ResponsesFormat:
                 self._event("response.content_part.added", **self._where(), part=self._text_part("", []))]
 
     def _closing_events(self, output: SequenceOutput) -> list[bytes]:
-        final = self._response(output, done=True)
+        final = self._final(output)
         message = final["output"][0]
         part = message["content"][0]
         return [self._event("response.output_text.done", **self._where(), text=part["text"],

@@ -16,6 +16,7 @@ are tools and prompt templates (docs/architecture.md, Decisions).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -113,16 +114,29 @@ class ResponsesRequest(BaseModel):
                            param="text.format.type")
 
 
-def renamed(error: RequestError) -> RequestError:
-    """A refusal of the chat request, named by the Responses field it came from."""
+def renamed(error: RequestError, has_instructions: bool) -> RequestError:
+    """A refusal of the chat request (or of its prompt, by the orchestrator), named by the
+    Responses field it came from: messages[i] is input[i], or input[i - 1] after instructions."""
     param = error.param or ""
+    new = param
     for chat_name, name in (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-                            ("max_completion_tokens", "max_output_tokens"), ("messages", "input")):
+                            ("max_completion_tokens", "max_output_tokens")):
         if param.startswith(chat_name):
             new = name + param[len(chat_name):]
-            message = error.message.replace(param, new, 1)
-            return RequestError(message, status=error.status, param=new, code=error.code)
-    return error
+            break
+    else:
+        if param.startswith("messages"):
+            new = re.sub(r"^messages\[(\d+)\]", lambda m: _input_item(int(m[1]), has_instructions), param)
+            new = re.sub(r"^messages", "input", new)
+    if new == param:
+        return error
+    return RequestError(error.message.replace(param, new, 1), status=error.status, param=new, code=error.code,
+                        type=error.type, retry_after_s=error.retry_after_s)
+
+
+def _input_item(index: int, has_instructions: bool) -> str:
+    index -= has_instructions
+    return "instructions" if index < 0 else f"input[{index}]"
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:

@@ -36,17 +36,20 @@ class ResponsesRoute(GenerateRoute):
     async def serve(self, body: ResponsesRequest, scope, receive, send) -> None:
         await super().serve(body, scope, receive, _without_done(send) if body.stream else send)
 
+    async def _serve(self, body: ResponsesRequest, scope, receive, send, guard) -> None:
+        try:
+            await super()._serve(body, scope, receive, send, guard)
+        except RequestError as exc:  # before the answer started: named by the Responses fields
+            raise renamed(exc, body.instructions is not None) from None
+
     def _prepare(self, body: ResponsesRequest, scope) -> tuple[GenerateRequest, ResponsesFormat]:
         model = self.settings.served_model_name
         request_id = internal_request_id(scope, "resp").replace("-", "_", 1)  # OpenAI's "resp_..." ids
-        try:
-            chat = body.to_chat_request(model)
-            check_model(chat.model, model)
-            request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
-                                               defaults=self.settings.sampling_defaults)
-            self._checked(request, "top_logprobs")
-        except RequestError as exc:
-            raise renamed(exc) from None
+        chat = body.to_chat_request(model)
+        check_model(chat.model, model)
+        request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                           defaults=self.settings.sampling_defaults)
+        self._checked(request, "top_logprobs")
         return request, ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
                                         body.want_logprobs, _echo(body, request))
 
