@@ -4,10 +4,11 @@
 
 Works on token ids and image embeddings only: tokenizing, detokenizing, stop
 strings and the vision tower live with the caller (the offline `LLM`, a
-worker process). The images of its requests are in one `ImageLedger`: this
-class enters them and takes requests out as they leave; the scheduler asks it
-how far a request may be prefilled, the runner reads the embeddings from it. The same object serves the prefill, decode and pd
-(prefill and decode in one engine) roles (see `Scheduler`).
+worker process). The same object serves the prefill, decode and pd
+(prefill and decode in one engine) roles (see `Scheduler`). The images of
+its requests are in one `ImageLedger`: this class enters them and takes a
+request out when it leaves; the scheduler asks the ledger how far a request
+may be prefilled, the runner reads the embeddings from it.
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,

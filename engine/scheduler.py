@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from epd.engine.block_manager import BlockManager
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.request import Request, RequestStatus
-from epd.engine.scheduler_config import PREFILL_PRIORITIES, ROLES, SchedulerConfig  # noqa: F401 (re-exported)
+from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
 @dataclass

@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from epd.engine.request import Request
 from epd.transport.mm_span import MMSpan
 from epd.transport.sampling import SamplingParams
-from epd.engine.scheduler import Scheduler, SchedulerConfig
+from epd.engine.scheduler import Scheduler
+from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
 
 ENTRY = object()  # an image's encoder output: opaque to the scheduler and the image ledger
