@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", default="448x448", help="WxH of the image rows' images")
     p.add_argument("--greedy-tokens", type=int, default=24, help="tokens per greedy-text prompt")
     p.add_argument("--offline-concurrency", type=int, default=32, help="offline row's requests; 0: no offline row")
+    p.add_argument("--offline-rounds", type=int, default=None, help="offline rounds (default: --rounds)")
     p.add_argument("--offline-threads", type=int, default=None, help="torch threads of both engines (default: CPUs)")
     p.add_argument("--client", choices=["epd", "vllm"], default="epd",
                    help="who sends the traces: epd bench serve's code, or vLLM's `vllm bench serve`")
@@ -177,10 +178,15 @@ def start_servers(args, cpus: set[int], out_dir: Path) -> tuple[dict, dict, dict
         servers[mode] = ServeProcess(args.model_dir, mode, cpus, args.server_args.split(),
                                      out_dir / f"server-{mode}.log")
     models, startup = {}, {}
-    for label, server in servers.items():
-        models[label] = server.wait_ready(args.ready_timeout_s)
-        startup[label] = time.monotonic() - server.started_s
-        print(f"{label}: ready after {startup[label]:.0f} s (started together with the others)", flush=True)
+    try:
+        for label, server in servers.items():
+            models[label] = server.wait_ready(args.ready_timeout_s)
+            startup[label] = time.monotonic() - server.started_s
+            print(f"{label}: ready after {startup[label]:.0f} s (started together with the others)", flush=True)
+    except BaseException:  # one failed to start: the others must not outlive the bench
+        for server in servers.values():
+            server.stop()
+        raise
     return servers, models, startup
 
 
@@ -201,7 +207,7 @@ def offline_rows(args, cpus: set[int], out_dir: Path) -> list[dict]:
     engines = [(BASE, python, vs_vllm_offline.vllm_command()),
                (modes(args)[0], sys.executable,
                 vs_vllm_offline.epd_command())]
-    for r in range(args.rounds):
+    for r in range(args.offline_rounds or args.rounds):
         for label, exe, script in engines:
             tok_s = vs_vllm_offline.run_engine(exe, script, workload, cpus, out_dir / f"offline-{label}-r{r}.log",
                                                args.ready_timeout_s)

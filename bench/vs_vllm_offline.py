@@ -52,7 +52,8 @@ def epd_command() -> list[str]:
 
 
 def vllm_command() -> list[str]:
-    return [str(PEER_SCRIPT)]
+    # -P: not bench/ first on sys.path (its kernels.py would shadow the `kernels` package vLLM imports)
+    return ["-P", str(PEER_SCRIPT)]
 
 
 def _epd_main(path: str) -> None:
