@@ -3,18 +3,22 @@
     VLLM_PYTHON bench/vllm_offline_peer.py WORKLOAD.json
 
 WORKLOAD.json (written by `epd.bench.vs_vllm_offline`): {"model", "dtype", "threads",
-"prompts": [[token ids]], "output_lens": [n]}. Runs the same greedy, EOS-ignoring
+"kv_cache_gib", "prompts": [[token ids]], "output_lens": [n]}. The KV cache is sized by
+VLLM_CPU_KVCACHE_SPACE (GiB): without it vLLM's CPU worker reserves a fraction of the whole
+machine's memory and refuses to start when other processes hold it. Runs the same greedy, EOS-ignoring
 requests through `vllm.LLM.generate` as EPD's `bench_epd` runs through `epd.llm.LLM`
 (one warm-up on a prompt the run does not hold, then the timed batch) and prints one
 JSON line {"tok_s": ...}. Imports nothing from EPD: vLLM's environment does not have it.
 """
 import json
+import os
 import sys
 import time
 
 
 def main(path: str) -> None:
     work = json.load(open(path))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(work["kv_cache_gib"]))
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

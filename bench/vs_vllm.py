@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", default=None, help="CPU list every server is pinned to, e.g. 0-1 (default: all)")
     p.add_argument("--server-args", default="", help="extra `epd serve` flags")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, e.g. '--max-num-seqs 128'")
-    p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for vLLM's servers")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (vLLM's KV cache, GiB)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="start-up limit per server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results/vs-vllm")
@@ -202,7 +202,7 @@ def offline_rows(args, cpus: set[int], out_dir: Path) -> list[dict]:
     row = new_row(f"offline C={c} output tok/s (engine, any mode)", "tok_s", True)
     workload = out_dir / "offline-workload.json"
     vs_vllm_offline.write_workload(workload, args.model_dir, "float32", args.offline_threads or len(cpus), c,
-                                   args.input_len, args.output_len, 0.0, args.seed)
+                                   args.input_len, args.output_len, 0.0, args.seed, args.vllm_kv_cache_gib)
     python = args.vllm_python or str(Path(args.vllm_bin).parent / "python")
     engines = [(BASE, python, vs_vllm_offline.vllm_command()),
                (modes(args)[0], sys.executable,

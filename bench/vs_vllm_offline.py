@@ -19,14 +19,14 @@ PEER_SCRIPT = Path(__file__).with_name("vllm_offline_peer.py")
 
 
 def write_workload(path: Path, model: str, dtype: str, threads: int, concurrency: int, input_len: int,
-                   output_len: int, range_ratio: float, seed: int) -> None:
+                   output_len: int, range_ratio: float, seed: int, kv_cache_gib: int = 4) -> None:
     from transformers import AutoTokenizer
 
     from epd.bench.offline import _workload
 
     prompts, output_lens = _workload(AutoTokenizer.from_pretrained(model), concurrency, input_len, output_len,
                                      range_ratio, seed)
-    path.write_text(json.dumps({"model": model, "dtype": dtype, "threads": threads,
+    path.write_text(json.dumps({"model": model, "dtype": dtype, "threads": threads, "kv_cache_gib": kv_cache_gib,
                                 "prompts": prompts, "output_lens": output_lens}))
 
 
