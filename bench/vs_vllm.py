@@ -2,8 +2,8 @@
 
 Starts `vllm serve` from vLLM's own environment (`--vllm-bin`, or the `vllm`
 beside `--vllm-python`; `scripts/vllm_env.sh` builds the CPU one) and
-`epd serve` in each of `--modes`, all pinned to the same CPUs and kept up for
-the whole run, then:
+`epd serve` in each of `--modes` (one after another, each start-up timed),
+all pinned to the same CPUs and kept up for the whole run, then:
   * greedy text: a few prompts (text, one image, two images) to every server;
     each server's texts against vLLM's;
   * interleaved rounds (`--rounds`, each row measured on vLLM, then on each
@@ -170,24 +170,28 @@ def greedy_texts(args, servers: dict, models: dict) -> dict:
 
 
 def start_servers(args, cpus: set[int], out_dir: Path) -> tuple[dict, dict, dict]:
-    """vLLM's server and one `epd serve` per mode, started together and waited for; (servers, models, start-up s)."""
-    servers: dict[str, ServeProcess] = {
-        BASE: VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), out_dir / "server-vllm.log",
-                          args.vllm_kv_cache_gib)}
-    for mode in modes(args):
-        servers[mode] = ServeProcess(args.model_dir, mode, cpus, args.server_args.split(),
-                                     out_dir / f"server-{mode}.log")
+    """vLLM's server, then one `epd serve` per mode, each started alone and waited for (so each
+    start-up is its own, on the machine the others leave idle); (servers, models, start-up s)."""
+    servers: dict[str, ServeProcess] = {}
     models, startup = {}, {}
     try:
-        for label, server in servers.items():
+        for label in [BASE, *modes(args)]:
+            servers[label] = server = _launch(args, label, cpus, out_dir / f"server-{label}.log")
             models[label] = server.wait_ready(args.ready_timeout_s)
             startup[label] = time.monotonic() - server.started_s
-            print(f"{label}: ready after {startup[label]:.0f} s (started together with the others)", flush=True)
+            print(f"{label}: ready after {startup[label]:.0f} s", flush=True)
     except BaseException:  # one failed to start: the others must not outlive the bench
         for server in servers.values():
             server.stop()
         raise
     return servers, models, startup
+
+
+def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess:
+    if label == BASE:
+        return VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path,
+                           args.vllm_kv_cache_gib)
+    return ServeProcess(args.model_dir, label, cpus, args.server_args.split(), log_path)
 
 
 def modes(args) -> list[str]:
@@ -266,7 +270,7 @@ def main(args) -> dict:
     finally:
         for server in servers.values():
             server.stop()
-    startup_row = new_row("start-up to ready s (all started together)", "startup_s", False)
+    startup_row = new_row("start-up to ready s", "startup_s", False)
     for label, seconds in startup.items():
         add_value(startup_row, label, seconds)
     results = summarize({"base": BASE, "servers": list(servers), "rows": rows + [startup_row], "greedy": greedy,
