@@ -42,6 +42,8 @@ BENCH_IN_PROCESS = {
     "epd.bench.overhead": "runs the offline LLM beside `epd serve` on the same requests",
     "epd.bench.plan": "launches `epd serve` per split, as compare does, and reads the niceness per role",
     "epd.bench.plan_measure": "measures each stage's service time with the offline engine (LLM)",
+    "epd.bench.reliability_probe": "plays a peer holding the worker keys: forges worker-plane messages "
+                                   "(transport's keys, channels and messages) against a keyed deployment",
     "epd.bench.plan_sim": "routes short text prompts with the orchestrator's own rule (router.idle_prefill_workers) "
                           "and gives each worker the threads serve gives it (threads.worker_threads)",
 }
