@@ -136,6 +136,8 @@ class SamplingParams:
     # leave the worker every `stream_interval` tokens, the first and the last at
     # once (`epd serve --stream-interval`, set by the API); the offline LLM ignores it.
     stream_interval: int = 1
+    # Read where the text is made (the API's detokenizer, the offline LLM's), not by the engine.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

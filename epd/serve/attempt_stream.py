@@ -39,7 +39,10 @@ class AttemptStream:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.release_images = release_images
-        self.detok = IncrementalDetokenizer(tokenizer, prep.token_ids, sampling.skip_special_tokens, sampling.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, prep.token_ids, sampling.skip_special_tokens, sampling.stop,
+                                            sampling.include_stop_str_in_output, sampling.min_tokens)
+        # an EOS ends a request with stop_reason None; any other stop token names itself (vLLM)
+        self.eos_token_id = None if sampling.ignore_eos else tokenizer.eos_token_id
         self.emitted: list[int] = []  # every token streamed so far, over all attempts
         self.num_cached = 0
         self.dispatched_s: float | None = None  # the end of request_queue_time_seconds
@@ -111,5 +114,16 @@ class AttemptStream:
                 attempt.is_finished = out.finished
                 break
             out = in_order.next_tokens_nowait()  # an event met instead waits for the next next()
+        first = len(self.emitted) == len(token_ids)  # the sequence's first Delta carries its prompt
         return Delta("".join(parts), token_ids, finish, len(self.prep.token_ids), self.num_cached,
-                     logprobs, dispatched_s=self.dispatched_s)
+                     logprobs, dispatched_s=self.dispatched_s, stop_reason=self._stop_reason(finish),
+                     prompt_token_ids=self.prep.token_ids if first else None)
+
+    def _stop_reason(self, finish: str | None) -> int | str | None:
+        """The stop string matched, or the stop token that ended the sequence (not an EOS)."""
+        if finish != "stop":
+            return None
+        if self.detok.is_stopped:
+            return self.detok.stop_reason
+        last = self.emitted[-1] if self.emitted else None
+        return None if last is None or last == self.eos_token_id else last

@@ -24,7 +24,7 @@ SAMPLING = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
                           skip_special_tokens=False, logit_bias={5: -2.5, 9: 100}, allowed_token_ids=[3, 5, 9],
                           bad_words=["dog"],
                           structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {}}),
-                          stream_interval=4)
+                          stream_interval=4, include_stop_str_in_output=True)
 GREEDY = SamplingParams(temperature=0)
 
 
