@@ -29,6 +29,10 @@ def test_a_corrupt_cache_dir_does_not_block_start_up(tiny_model, tmp_path):
         assert server.metric_sum("epd:mm_cache_hits_total") == 1  # the API reads the fresh cache
         assert server.settled_sum("epd:encoder_images_total") == 1
         assert server.log().count("set aside") == 1
+        # /metrics tells it too: one worker set the file aside, and every worker serves with the fresh cache
+        assert server.settled_sum("epd:mm_cache_set_aside_total") == 1
+        assert server.metric_sum("epd:mm_cache_serving") == 2  # the encoder and the pd worker
+        assert server.metric_sum("epd:mm_cache_read_errors_total") == 0
     finally:
         assert server.stop() == 0
     assert [name.split(".corrupt-")[0] for name in set_aside(cache)] == ["data.mdb", "lock.mdb"]
@@ -47,6 +51,9 @@ def test_a_full_cache_filesystem_serves_on_and_caches_again(tiny_model, tmp_path
             texts = [chat_text(server, messages, max_tokens=4) for messages in full]
             assert chat_text(server, full[0], max_tokens=4) == texts[0]
             assert server.metric_sum("epd:mm_cache_hits_total") == 0  # nothing got in
+            # each image's write failed for room on the encoder (and the pd worker's copy of it inline)
+            assert server.settled_sum("epd:mm_cache_space_failures_total") >= 3
+            assert server.metric_sum("epd:mm_cache_skipped_puts_total") >= 3
             os.remove(filler)  # space comes back
             again = describe(image_bytes(80, 120, seed=50))
             assert chat_text(server, again, max_tokens=4) == chat_text(server, again, max_tokens=4)

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from epd.serve.registry import WorkerRegistry
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.messages import Ready, WorkerStats
-from epd.transport.wire_values import EncoderCounters, EngineCounters
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
 
 # distinct values, so each exported sample names the one counter it came from
 ENGINE = EngineCounters(num_preemptions=2, prefix_cache_queries=3, prefix_cache_hits=5, kv_transfer_bytes=7,
@@ -128,3 +128,19 @@ def test_a_worker_shows_only_what_its_role_counts():
     assert "epd:kv_cache_usage_perc" not in samples["encoder-0"]  # holds no KV cache
     assert samples["decode-0"]["epd:kv_cache_usage_perc"] == 0.25  # 24 of 32 blocks free
     assert (samples["decode-0"]["epd:num_requests_running"], samples["decode-0"]["epd:num_requests_waiting"]) == (3, 1)
+
+
+def test_cache_faults_are_exported_once_per_worker_of_any_role():
+    faults = CacheFaults(serving=0, set_aside=83, read_errors=89, bad_entries=97, space_failures=101,
+                         skipped_puts=103)
+    samples = _samples(WorkerStats("decode-0", "decode", 0, 0, 8, 8, 0, engine=ENGINE, cache=faults),
+                       WorkerStats("encoder-0", "encoder", 0, 0, 0, 0, 0, encoder=ENCODER, cache=CacheFaults()),
+                       WorkerStats("prefill-0", "prefill", 0, 0, 8, 8, 0, engine=ENGINE))  # no cache
+    names = {"epd:mm_cache_serving": 0, "epd:mm_cache_set_aside_total": 83, "epd:mm_cache_read_errors_total": 89,
+             "epd:mm_cache_bad_entries_total": 97, "epd:mm_cache_space_failures_total": 101,
+             "epd:mm_cache_skipped_puts_total": 103}
+    assert {name: _value(samples, name, worker="decode-0") for name in names} == names
+    assert _value(samples, "epd:mm_cache_serving", worker="encoder-0") == 1
+    assert not [s for s in samples if s.name.startswith("epd:mm_cache_s") and s.labels.get("worker") == "prefill-0"]
+    rendered = [s for s in samples if s.labels.get("worker") == "decode-0"]
+    assert len({(s.name, tuple(sorted(s.labels.items()))) for s in rendered}) == len(rendered)  # no duplicates

@@ -12,7 +12,7 @@ from epd.transport.messages import (
     decode_message,
 )
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
-from epd.transport.wire_values import EncoderCounters, EngineCounters, sampling_to_map
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, sampling_to_map
 
 
 HASH_A = "ab" * 32
@@ -84,7 +84,9 @@ def make_messages() -> list[Message]:
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
         WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
                     encoder=_busy_encoder()),
-        WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters()),
+        WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters(),
+                    cache=CacheFaults(serving=0, set_aside=1, read_errors=2, bad_entries=3, space_failures=4,
+                                      skipped_puts=5)),
         Ready("prefill-0", "prefill", "ipc:///tmp/epd-x/prefill-0.sock", "a"),
         Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
         Abort(["req-1", "req-2"]),
