@@ -71,6 +71,7 @@ class StepResult:
     num_batched_tokens: int = 0
     requests: dict[str, Request] = field(default_factory=dict)  # every request run this step
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error (e.g. a grammar that fails to compile)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # with a request's first token
 
 
 class EngineCore:
@@ -228,7 +229,7 @@ class EngineCore:
             self.scheduler.abort(request_ids)
             raise StepFailed(request_ids, failed) from exc
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
-                          {s.request_id: s.request for s in out.scheduled}, failed)
+                          {s.request_id: s.request for s in out.scheduled}, failed, runner_out.prompt_logprobs)
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose grammar is compiled into the scheduler; returns those

@@ -78,3 +78,4 @@ class Delta:
     dispatched_s: float | None = None  # time.monotonic() when the request was handed to a prefill worker
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS)
     prompt_token_ids: list[int] | None = None  # the prompt as prefilled, on the sequence's first Delta
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, on the first Delta, when asked

@@ -155,6 +155,8 @@ class GenerateRoute:
     def _checked(self, request: GenerateRequest, logprobs_param: str) -> None:
         """--max-logprobs; --enable-log-requests: one line for the request."""
         check_max_logprobs(request, self.settings.max_logprobs, logprobs_param)
+        if request.sampling.prompt_logprobs is not None:
+            check_max_logprobs(request, self.settings.max_logprobs, "prompt_logprobs", request.sampling.prompt_logprobs)
         if self.settings.log_requests:
             prompt = request.prompt if request.messages is None else request.messages
             request_log.info("request %s: %s %d, sampling %s", request.request_id,

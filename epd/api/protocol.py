@@ -46,9 +46,10 @@ def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
             raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
 
 
-def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str) -> None:
-    """--max-logprobs (vLLM's cap, -1: none): a request asking more is a 400 naming `param`."""
-    k = request.sampling.logprobs
+def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str, k: int | None = None) -> None:
+    """--max-logprobs (vLLM's cap, -1: none): a request asking more is a 400 naming `param`
+    (`k`: the count asked there; the per-token logprobs by default)."""
+    k = request.sampling.logprobs if k is None else k
     if k is not None and 0 <= max_logprobs < k:
         raise RequestError(f"{param}: {k} logprobs asked, more than this server's --max-logprobs {max_logprobs}",
                            param=param)
@@ -182,6 +183,7 @@ class _GenerationRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None  # left (the default): keep the last tokens
     return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the answer
     stream_interval: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # raises --stream-interval
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's, not streamed
 
     @property
     def include_usage(self) -> bool:
@@ -196,6 +198,8 @@ class _GenerationRequest(BaseModel):
         check_extra_fields(self.model_extra, self._refused)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule (0 streams, and returns nothing)
+            raise RequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
 
     def _request(self, request_id: str, sampling: SamplingParams, **fields) -> GenerateRequest:
         """A GenerateRequest with the fields both endpoints carry the same way."""
@@ -253,7 +257,7 @@ class _GenerationRequest(BaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured_outputs: StructuredOutputsParams | None = None,
-                         defaults: SamplingDefaults = NEUTRAL) -> SamplingParams:
+                         defaults: SamplingDefaults = NEUTRAL, prompt_logprobs: int | None = None) -> SamplingParams:
         """`defaults`: the values of the fields the request leaves out (--generation-config);
         max_tokens stays as asked: its default and cap need the prompt's length (serve/preparer.py)."""
         stop = normalize_stop(self.stop)
@@ -285,6 +289,7 @@ class _GenerationRequest(BaseModel):
                 structured_outputs=structured_outputs or self._structured_outputs(),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 stream_interval=self.stream_interval or 1,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
         except ValueError as exc:  # SamplingParams names the field first: "top_k must be ..."
             message = str(exc)
@@ -341,8 +346,9 @@ class ChatCompletionRequest(_GenerationRequest):
         # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        prompt_logprobs = (self.top_logprobs or 0) if self.echo and self.prompt_logprobs is None else None
         return self._request(request_id, self._sampling_params(max_tokens, logprobs, next(iter(constraints), None),
-                                                               defaults),
+                                                               defaults, prompt_logprobs),
                              messages=messages, prompt=None, add_generation_prompt=self.add_generation_prompt,
                              tools=tools or None, tool_choice=tool_choice)
 
@@ -357,14 +363,13 @@ class CompletionRequest(_GenerationRequest):
     def to_generate_requests(self, request_id: str, *, defaults: SamplingDefaults = NEUTRAL) -> list[GenerateRequest]:
         """One GenerateRequest per prompt of the batch (`request_id`, or `request_id-p<i>` for a batch)."""
         self._check_common()
-        if self.echo and self.logprobs is not None:
-            raise RequestError("logprobs: echo with logprobs needs the prompt's logprobs, which EPD's engine "
-                               "does not compute", param="logprobs")
         constraint_ = self._response_format()
         if constraint_ is not None and self.structured_outputs is not None:
             raise RequestError("at most one of response_format (json) and structured_outputs may constrain the "
                                "output", param="response_format")
-        sampling = self._sampling_params(self.max_tokens, self.logprobs, constraint_, defaults=defaults)
+        # vLLM: echo with logprobs scores the prompt with the same k
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        sampling = self._sampling_params(self.max_tokens, self.logprobs, constraint_, defaults, prompt_logprobs)
         prompts = normalize_prompts(self.prompt)
         return [self._request(request_id if len(prompts) == 1 else f"{request_id}-p{i}", sampling, messages=None,
                               prompt=prompt, add_special_tokens=self.add_special_tokens)

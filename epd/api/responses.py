@@ -5,8 +5,8 @@ id, model, whether logprobs were asked and vLLM's extras (`Extras`: token ids,
 usage in every chunk, echo, choices per prompt), and builds every JSON object
 the request answers with, streamed or not; `epd.api.server` only moves Deltas.
 Every choice carries vLLM's `stop_reason`; the non-streamed answers carry its
-`prompt_logprobs` (always null: not computed) and, asked for, `prompt_token_ids`
-/ `token_ids`.
+`prompt_logprobs` (null unless asked) and, asked for, `prompt_token_ids` /
+`token_ids`.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class SequenceOutput:
     token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, delta: Delta) -> None:
         self.text_parts.append(delta.text)
@@ -67,6 +68,7 @@ class SequenceOutput:
         self.token_ids += delta.token_ids
         self.stop_reason = delta.stop_reason if delta.finish_reason is not None else self.stop_reason
         self.prompt_token_ids = delta.prompt_token_ids or self.prompt_token_ids
+        self.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else self.prompt_logprobs
         self.logprobs.extend(delta.logprobs or ())
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -95,6 +97,22 @@ def choice_usage(output: SequenceOutput) -> dict:
 
 def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_json(output: SequenceOutput, decode_token: Callable[[int], str]) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} for the token itself and the top k."""
+    if output.prompt_logprobs is None:
+        return None
+    steps: list[dict | None] = [None]
+    for e in output.prompt_logprobs:
+        step = {str(e.token_id): {"logprob": _logprob(e.logprob), "rank": e.rank,
+                                  "decoded_token": decode_token(e.token_id)}}
+        for rank, (token_id, logprob) in enumerate(e.top, start=1):
+            step.setdefault(str(token_id), {"logprob": _logprob(logprob), "rank": rank,
+                                            "decoded_token": decode_token(token_id)})
+        steps.append(step)
+    return steps
 
 
 class _Format:
@@ -206,7 +224,8 @@ class ChatFormat(_Format):
                             "finish_reason": finish_reason, "stop_reason": o.stop_reason, **self._token_ids(o)})
         prompt_token_ids = outputs[0].prompt_token_ids if self.extras.return_token_ids else None
         return {**self._envelope("chat.completion", choices), "usage": usage(outputs, self.extras.n),
-                "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids}
+                "prompt_logprobs": prompt_logprobs_json(outputs[0], self.decode_token),
+                "prompt_token_ids": prompt_token_ids}
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict:
         """OpenAI chat form: {"content": [{token, logprob, bytes, top_logprobs}]}."""
@@ -247,7 +266,10 @@ class CompletionFormat(_Format):
         """The choice's first chunk starts with the echoed prompt and (return_token_ids) names the prompt's ids."""
         first = index not in self._started
         text = self.extras.echo_of(index) + delta.text if first else delta.text
-        logprobs = self._logprobs_from(index, delta.logprobs or []) if self.want_logprobs else None
+        logprobs = None
+        if self.want_logprobs:
+            prompt = delta.prompt_logprobs if first and self.extras.echo else None
+            logprobs = self._logprobs_from(index, delta.logprobs or [], prompt, delta.prompt_token_ids)
         if not text and delta.finish_reason is None and not delta.logprobs \
                 and not (self.extras.return_token_ids and delta.token_ids):
             return None
@@ -270,19 +292,31 @@ class CompletionFormat(_Format):
         return {**self._envelope("text_completion", []), "usage": usage(outputs, self.extras.n)}
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
-        prompt_token_ids = self.extras.return_token_ids
+        prompt_token_ids, echo = self.extras.return_token_ids, bool(self.extras.echo)
         choices = [{"index": o.index, "text": self.extras.echo_of(o.index) + o.text,
-                    "logprobs": self._logprobs_from(o.index, o.logprobs) if self.want_logprobs else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason, "prompt_logprobs": None,
+                    "logprobs": self._logprobs_from(o.index, o.logprobs, o.prompt_logprobs if echo else None,
+                                                    o.prompt_token_ids) if self.want_logprobs else None,
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(o, self.decode_token),
                     "prompt_token_ids": o.prompt_token_ids if prompt_token_ids else None, **self._token_ids(o)}
                    for o in outputs]
         return {**self._envelope("text_completion", choices), "usage": usage(outputs, self.extras.n)}
 
-    def _logprobs_from(self, index: int, entries: list[TokenLogprobs]) -> dict:
+    def _logprobs_from(self, index: int, entries: list[TokenLogprobs], prompt: list[TokenLogprobs] | None = None,
+                       prompt_token_ids: list[int] | None = None) -> dict:
         """Legacy form: tokens, token_logprobs, top_logprobs (the sampled token is always
-        in its dict, so up to k + 1 entries, as OpenAI documents), text_offset."""
+        in its dict, so up to k + 1 entries, as OpenAI documents), text_offset. `prompt`
+        (echo): the prompt's entries go first, its first token with null logprobs (vLLM)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = self._text_offsets.get(index, 0)
+        if prompt is not None and prompt_token_ids:
+            token = self.decode_token(prompt_token_ids[0])
+            tokens.append(token)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(token)
+            entries = list(prompt) + list(entries)
         for e in entries:
             token = self.decode_token(e.token_id)
             tokens.append(token)

@@ -33,7 +33,6 @@ REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, which is not supported"),
     "watermarking": ((None, False), "watermarking is not supported"),
     "spaces_between_special_tokens": ((True,), "special tokens are always decoded without spaces between them"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not computed by EPD's engine"),
     "logprob_token_ids": ((None,), "logprobs of chosen token ids are not supported; use logprobs / top_logprobs"),
     "priority": ((0,), "priority scheduling is not enabled (vLLM refuses it the same way without "
                        "--scheduling-policy priority)"),
@@ -82,7 +81,7 @@ SERVED_COMMON = frozenset({
     "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
     "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "bad_words", "structured_outputs",
-    "response_format", "echo", "return_token_ids", "stream_interval",
+    "response_format", "echo", "return_token_ids", "stream_interval", "prompt_logprobs",
 })
 SERVED_CHAT = SERVED_COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                                "add_generation_prompt"}

@@ -170,7 +170,8 @@ def test_completion_prompts(prompt, expected):
     ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": ["a"] * 257}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"), ({"prompt": {"x": 1}}, "prompt"), ({"logprobs": 21}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "logprobs"), ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_completion_requests(fields, param):
     assert refused(completion_request, **fields).param == param

@@ -48,7 +48,7 @@ def completion(**fields):
     return parse_completion_request({"model": "m", "prompt": "hi", **fields}).to_generate_request("r")
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("prompt_logprobs", 0), ("priority", 1),
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("logprob_token_ids", [3]), ("priority", 1),
                                           ("length_penalty", 2.0), ("spaces_between_special_tokens", False),
                                           ("thinking_token_budget", 10), ("priority", False)])
 def test_refused_values_name_their_field(field, value):

@@ -123,12 +123,6 @@ def test_echo_prepends_the_prompt(client, reference):
     assert by_ids.choices[0].text == PROMPT + reference["text"]
 
 
-def test_echo_with_logprobs_is_refused(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        complete(client, echo=True, logprobs=1)
-    assert info.value.body["param"] == "logprobs"
-
-
 def test_batched_prompts_prompt_major_with_n(client, reference):
     other = "A second prompt, about the sea"
     alone = complete(client, prompt=other).choices[0].text
@@ -189,7 +183,7 @@ def test_stream_interval_per_request(client):
     assert len(chunks) <= 5  # the first token, then every 4 (the last at once): not one chunk a token
 
 
-@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("prompt_logprobs", 1), ("length_penalty", 0.5),
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("logprob_token_ids", [1]), ("length_penalty", 0.5),
                                           ("priority", 3), ("cache_salt", "salt"), ("suffix", "x")])
 def test_vllm_fields_not_served_are_a_400_naming_them(mode_server, field, value):
     response = post(mode_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, field: value})
