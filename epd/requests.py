@@ -61,6 +61,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: as many as fit), vLLM's
     truncation_side: str = "left"  # left: keep the last ones; right: the first
     add_special_tokens: bool = False  # a completion's text prompt: the tokenizer's BOS / EOS added
+    continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
 
 
 @dataclass

@@ -76,6 +76,23 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
+def _image_part(part: dict, where: str) -> dict:
+    """{"type": "image_url", "image_url": {"url"}} and vLLM's optional `uuid` naming the
+    image; with a uuid the url may be left out (or null, or ""): the image sent under
+    that uuid before (epd/inputs/media_uuids.py). A bare-string image_url: 400, as in vLLM."""
+    image, uuid = part.get("image_url"), part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        raise RequestError(f"{where}.uuid: must be a non-empty string", param=f"{where}.uuid")
+    if image is not None and not isinstance(image, dict):
+        raise RequestError(f"{where}.image_url: must be an object {{\"url\": ...}}", param=f"{where}.image_url")
+    url = (image or {}).get("url")
+    if uuid is not None and not url:
+        return {"type": "image_url", "image_url": {"url": None}, "uuid": uuid}
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
+    return {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid is not None else {})}
+
+
 def _content_part(part: Any, role: str, where: str) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
@@ -85,16 +102,7 @@ def _content_part(part: Any, role: str, where: str) -> dict:
     if kind == "image_url":
         if role != "user":
             raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
-        image = part.get("image_url")
-        if not isinstance(image, dict) and part.get("uuid") is None:  # a bare string: vLLM refuses it too
-            raise RequestError(f"{where}.image_url: must be an object {{\"url\": ...}}", param=f"{where}.image_url")
-        url = image.get("url") if isinstance(image, dict) else None
-        if part.get("uuid") is not None and not url:
-            raise RequestError(f"{where}.uuid: an image named by its uuid alone is not served (EPD keeps no "
-                               "uuid -> image map); send its url as well", param=f"{where}.uuid")
-        if not isinstance(url, str) or not url:
-            raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
-        return {"type": "image_url", "image_url": {"url": url}}
+        return _image_part(part, where)
     raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
                        param=f"{where}.type")
 

@@ -127,7 +127,7 @@ class GenerateRoute:
         """The requests (one per prompt) and the format of their answer."""
         model = self.settings.served_model_name
         check_model(body.model, model)
-        decode = self.orchestrator.decode_token
+        decode = token_id_text if body.return_tokens_as_token_ids else self.orchestrator.decode_token
         if type(body) is ChatCompletionRequest:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
@@ -266,6 +266,11 @@ def _is_json(content_type: str) -> bool:
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a logprob token as "token_id:<id>" (any bytes survive JSON)."""
+    return f"token_id:{token_id}"
 
 
 def internal_request_id(scope, prefix: str) -> str:

@@ -184,6 +184,7 @@ class _GenerationRequest(BaseModel):
     return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the answer
     stream_interval: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # raises --stream-interval
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's, not streamed
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
 
     @property
     def include_usage(self) -> bool:
@@ -305,6 +306,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM extra
+    continue_final_message: bool = False  # vLLM: the last message left open (with add_generation_prompt false)
     echo: bool = False  # vLLM: the answer starts with the last message's content when it has the answer's role
 
     @property
@@ -343,6 +345,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = validate_messages(self.messages, max_images_per_prompt)
+        check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -350,7 +353,8 @@ class ChatCompletionRequest(_GenerationRequest):
         return self._request(request_id, self._sampling_params(max_tokens, logprobs, next(iter(constraints), None),
                                                                defaults, prompt_logprobs),
                              messages=messages, prompt=None, add_generation_prompt=self.add_generation_prompt,
-                             tools=tools or None, tool_choice=tool_choice)
+                             tools=tools or None, tool_choice=tool_choice,
+                             continue_final_message=self.continue_final_message)
 
 class CompletionRequest(_GenerationRequest):
     _refused: ClassVar[dict] = REFUSED_COMPLETION
@@ -379,6 +383,12 @@ class CompletionRequest(_GenerationRequest):
         """The GenerateRequest of a one-prompt request."""
         [request] = self.to_generate_requests(request_id, defaults=defaults)
         return request
+
+
+def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:  # vLLM's rule
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
 
 
 def constraint(build, param: str) -> StructuredOutputsParams:

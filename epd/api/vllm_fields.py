@@ -45,7 +45,6 @@ REFUSED_COMMON: dict[str, tuple[tuple[Any, ...], str]] = {
     "repetition_detection": ((None,), "repetition detection is not supported"),
     "thinking_token_budget": ((None, -1), "thinking budgets need a reasoning parser, which EPD does not have"),
     "routed_experts_prompt_start": ((0,), "EPD serves no mixture-of-experts model"),
-    "return_tokens_as_token_ids": ((None, False), "logprob tokens are always returned as text"),
     "prompt_embeds": ((None,), "prompt embeddings are not accepted"),
 }
 
@@ -53,7 +52,6 @@ REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     **REFUSED_COMMON,
     "reasoning_effort": ((None,), "reasoning effort needs a reasoning model's template switch, not supported"),
     "parallel_tool_calls": ((None, True), "every tool call the model makes is returned"),
-    "continue_final_message": ((False,), "continuing the final message is not supported"),
     "add_special_tokens": ((False,), "the chat template adds the special tokens"),
     "documents": ((None,), "documents (RAG templates) are not supported"),
     "chat_template": ((None,), "a per-request chat template is not trusted (vLLM refuses it too without "
@@ -82,9 +80,10 @@ SERVED_COMMON = frozenset({
     "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
     "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "bad_words", "structured_outputs",
     "response_format", "echo", "return_token_ids", "stream_interval", "prompt_logprobs",
+    "return_tokens_as_token_ids",
 })
 SERVED_CHAT = SERVED_COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                               "add_generation_prompt"}
+                               "add_generation_prompt", "continue_final_message"}
 SERVED_COMPLETION = SERVED_COMMON | {"prompt", "add_special_tokens"}
 
 

@@ -21,6 +21,7 @@ from epd.config import ServeConfig
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.requests import GenerateRequest, RequestError
@@ -59,6 +60,7 @@ class Preparer:
                                      files.chat_template and files.chat_template.text)
         self.processor_config = files.processor_config or {}
         self.media = MediaFetcher(config.media)
+        self.images_by_uuid = ImagesByUuid()  # vLLM's media uuid: the latest image sent under each
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
@@ -109,7 +111,7 @@ class Preparer:
         parts = image_parts(req.messages)
         if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
             raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
-        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in parts]
+        loads = [asyncio.ensure_future(self._load_image(part)) for part in parts]
         try:
             return list(await asyncio.gather(*loads))
         except MediaError as exc:
@@ -118,6 +120,19 @@ class Preparer:
             for load in loads:
                 load.cancel()
             await asyncio.gather(*loads, return_exceptions=True)
+
+    async def _load_image(self, part: dict) -> bytes:
+        """One image part's bytes: its url's, or (a uuid without url) those sent under its uuid."""
+        uuid = part.get("uuid")
+        if uuid is not None and image_part_source(part) is None:
+            data = self.images_by_uuid.get(uuid)
+            if data is None:
+                raise MediaError(f"no image was sent under uuid {uuid!r} (or it is no longer kept): send its url")
+            return data
+        data = await self.media.load(image_part_source(part))
+        if uuid is not None:
+            self.images_by_uuid.put(uuid, data)
+        return data
 
     def _admit_image_bytes(self, num_bytes: int) -> int:
         limit = self.config.limits.max_pending_image_bytes
@@ -153,7 +168,7 @@ class Preparer:
         images, num_patches, refs = self._image_refs(raw_images)
         try:
             prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
-                                        max_tokens=max_prompt_tokens)
+                                        max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message)
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:

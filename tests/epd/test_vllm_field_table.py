@@ -50,7 +50,8 @@ def completion(**fields):
 
 @pytest.mark.parametrize("field, value", [("use_beam_search", True), ("logprob_token_ids", [3]), ("priority", 1),
                                           ("length_penalty", 2.0), ("spaces_between_special_tokens", False),
-                                          ("thinking_token_budget", 10), ("priority", False)])
+                                          ("thinking_token_budget", 10), ("priority", False),
+                                          ("watermarking", True)])
 def test_refused_values_name_their_field(field, value):
     with pytest.raises(RequestError) as info:
         completion(**{field: value})

@@ -74,7 +74,8 @@ def test_stop_string_stop_reason_and_include_stop_str(client, reference):
     assert stop.strip(), text
     cut = text[:text.index(stop)]
     r = complete(client, stop=[stop])
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == (cut, "stop", stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.choices[0].model_extra["stop_reason"]) == \
+        (cut, "stop", stop)
     kept = complete(client, stop=[stop], extra={"include_stop_str_in_output": True}).choices[0]
     assert (kept.text, kept.model_extra["stop_reason"]) == (cut + stop, stop)
     streamed = list(complete(client, stop=[stop], stream=True, extra={"include_stop_str_in_output": True}))
@@ -89,7 +90,8 @@ def test_stop_token_id_is_the_stop_reason_and_min_tokens_defers_it(client, refer
     at = ids.index(stop_id)
     r = complete(client, extra={"stop_token_ids": [stop_id], "return_token_ids": True})
     choice = r.choices[0].model_extra
-    assert (r.choices[0].finish_reason, choice["stop_reason"], choice["token_ids"]) == ("stop", stop_id, ids[:at + 1])
+    assert (r.choices[0].finish_reason, choice["stop_reason"], choice["token_ids"]) == \
+        ("stop", stop_id, ids[:at + 1])
     later = complete(client, extra={"stop_token_ids": [stop_id], "min_tokens": at + 2, "return_token_ids": True})
     assert later.usage.completion_tokens > at + 1
     later_ids = later.choices[0].model_extra["token_ids"]  # the stop token is masked until min_tokens (vLLM)
@@ -249,6 +251,44 @@ def test_image_parts_as_vllm_takes_them(mode_server):
             {"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]})
     bare = chat({"type": "image_url", "image_url": url})  # a bare string: vLLM answers 400
     assert (bare.status_code, bare.json()["error"]["param"]) == (400, "messages[0].content[0].image_url")
-    assert chat({"type": "image_url", "image_url": {"url": url}, "uuid": "img-1"}).status_code == 200
-    alone = chat({"type": "image_url", "image_url": None, "uuid": "img-1"})
-    assert (alone.status_code, alone.json()["error"]["param"]) == (400, "messages[0].content[0].uuid")
+    first = chat({"type": "image_url", "image_url": {"url": url}, "uuid": "img-1"})
+    assert first.status_code == 200, first.text
+    again = chat({"type": "image_url", "image_url": None, "uuid": "img-1"})  # vLLM: the image sent under it
+    assert again.status_code == 200, again.text
+    assert again.json()["usage"]["prompt_tokens"] == first.json()["usage"]["prompt_tokens"]
+    other = chat({"type": "image_url", "image_url": {"url": image_part(image_bytes(64, 64, seed=4))["image_url"]["url"]},
+                  "uuid": "img-2"})
+    assert other.json()["usage"]["prompt_tokens"] > first.json()["usage"]["prompt_tokens"]  # a bigger image
+    by_uuid = chat({"type": "image_url", "uuid": "img-2"})
+    assert by_uuid.json()["usage"]["prompt_tokens"] == other.json()["usage"]["prompt_tokens"]
+    unknown = chat({"type": "image_url", "uuid": "never-sent"})
+    assert (unknown.status_code, unknown.json()["error"]["param"]) == (400, "messages")
+    assert "never-sent" in unknown.json()["error"]["message"]
+
+
+def test_continue_final_message_leaves_the_last_message_open(client, mode_server):
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]
+    opened = {"add_generation_prompt": False, "continue_final_message": True}
+    tokens = post(mode_server, "/tokenize", {"messages": messages, **opened}).json()["tokens"]
+    text = post(mode_server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nOnce upon")  # no end-of-turn after it
+    closed = post(mode_server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert len(closed) > len(tokens)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                       extra_body={**opened, "ignore_eos": True, "echo": True})
+    assert r.usage.prompt_tokens == len(tokens) and r.choices[0].message.content.startswith("Once upon")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})  # with a generation prompt
+    assert info.value.body["param"] == "continue_final_message"
+
+
+def test_return_tokens_as_token_ids(client, reference):
+    r = complete(client, logprobs=2, extra={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in r.choices[0].model_extra["token_ids"]]
+    assert all(lp.tokens[i] in lp.top_logprobs[i] for i in range(len(lp.tokens)))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert all(c.token.startswith("token_id:") for c in chat.choices[0].logprobs.content)
