@@ -22,7 +22,7 @@ __all__ = ["CacheFaults", "EncoderCounters", "EngineCounters", "logprobs_from_li
 
 
 def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
-    """Every SamplingParams field by name (tests/transport/test_messages.py checks none is left out)."""
+    """Every SamplingParams field by name (tests/unit/transport/test_messages.py checks none is left out)."""
     return {"n": p.n, "temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": p.top_k,
             "min_p": float(p.min_p), "seed": p.seed, "presence_penalty": float(p.presence_penalty),
             "frequency_penalty": float(p.frequency_penalty), "repetition_penalty": float(p.repetition_penalty),

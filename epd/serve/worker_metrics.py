@@ -24,7 +24,7 @@ from epd.serve.registry import WorkerRegistry
 from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
 
-# Every counter a worker sends is exported (tests/epd/test_worker_metrics.py checks that none is left out).
+# Every counter a worker sends is exported (tests/unit/serve/test_worker_metrics.py checks that none is left out).
 # Counters: (metric name without _total, help, the value). Summaries: (name, help, (count, sum)).
 ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
     ("epd:num_preemptions", "Requests preempted for lack of KV blocks.", lambda c: c.num_preemptions),
