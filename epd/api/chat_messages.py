@@ -23,8 +23,8 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
         where = f"messages[{i}]"
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise RequestError(f"{where}.role: must be a non-empty string ({', '.join(CHAT_ROLES)}, or a role "
-                               "the chat template renders)", param=f"{where}.role")
+            raise RequestError(f"{where}.role: unsupported role {role!r}: must be a non-empty string "
+                               f"({', '.join(CHAT_ROLES)}, or a role the chat template renders)", param=f"{where}.role")
         tool_calls = msg.get("tool_calls")
         if tool_calls and role != "assistant":
             raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls",
