@@ -170,7 +170,8 @@ class LLM:
                 self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
                 pending[request.request_id] = _Pending(
                     request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                    params.stop),
+                                                    params.stop, params.include_stop_str_in_output,
+                                                    params.min_tokens),
                     [] if params.logprobs is not None else None)
 
         while self.engine.has_unfinished():

@@ -222,13 +222,15 @@ class TokenOutput(Message):
     error: str | None = None
     index: int = 0
     is_internal_error: bool = False  # the worker's fault, not the request's: the API may retry it
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, with token 0 when asked
 
     def _fields(self):
         return {"request_id": self.request_id, "token_ids": list(self.token_ids),
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "logprobs": logprobs_to_list(self.logprobs),
-                "error": self.error, "index": self.index, "is_internal_error": self.is_internal_error}
+                "error": self.error, "index": self.index, "is_internal_error": self.is_internal_error,
+                "prompt_logprobs": logprobs_to_list(self.prompt_logprobs)}
 
     @classmethod
     def _build(cls, f, payload):
@@ -236,15 +238,18 @@ class TokenOutput(Message):
         if logprobs is not None:
             need(len(logprobs) == len(token_ids), cls.TYPE, "logprobs: one entry per token")
             logprobs = logprobs_from_list(logprobs, f"{cls.TYPE}.logprobs")
+        prompt_logprobs = f.opt_list("prompt_logprobs")
+        if prompt_logprobs is not None:
+            prompt_logprobs = logprobs_from_list(prompt_logprobs, f"{cls.TYPE}.prompt_logprobs")
         return cls(f.str("request_id"), token_ids, f.bool("finished"),
                    f.one_of("finish_reason", FINISH_REASONS), f.int("num_prompt_tokens"),
                    f.int("num_cached_tokens"), logprobs, f.opt_str("error"), f.int("index"),
-                   f.bool("is_internal_error"))
+                   f.bool("is_internal_error"), prompt_logprobs)
 
 
 # TokenOutput's fields in the order of its list form (TokenOutputs' entries).
 _TOKEN_OUTPUT_KEYS = ("request_id", "token_ids", "finished", "finish_reason", "num_prompt_tokens",
-                      "num_cached_tokens", "logprobs", "error", "index", "is_internal_error")
+                      "num_cached_tokens", "logprobs", "error", "index", "is_internal_error", "prompt_logprobs")
 
 
 @dataclass
@@ -252,7 +257,7 @@ class TokenOutputs(Message):
     """Worker -> API, once per engine step: every TokenOutput of the step bound
     for one API process, in the order the step made them.
 
-    Each entry is a TokenOutput as a 10-item list, its fields in the order of
+    Each entry is a TokenOutput as an 11-item list, its fields in the order of
     `_TOKEN_OUTPUT_KEYS`, checked as TokenOutput's own fields are. A step of
     128 streams is one message (one receive, one header decode on the API's
     event loop) instead of 128. A worker still sends a lone TokenOutput for an
@@ -264,7 +269,7 @@ class TokenOutputs(Message):
     def _fields(self):
         return {"outputs": [[o.request_id, list(o.token_ids), o.finished, o.finish_reason, o.num_prompt_tokens,
                              o.num_cached_tokens, logprobs_to_list(o.logprobs), o.error, o.index,
-                             o.is_internal_error] for o in self.outputs]}
+                             o.is_internal_error, logprobs_to_list(o.prompt_logprobs)] for o in self.outputs]}
 
     @classmethod
     def _build(cls, f, payload):
@@ -284,8 +289,8 @@ def _plain_output(entry: list) -> TokenOutput | None:
     """The common entry (no logprobs, every field well typed) checked inline, a few
     us cheaper than the named getters per output; None for anything else."""
     request_id, token_ids, finished, finish_reason, num_prompt_tokens, num_cached_tokens, logprobs, error, index, \
-        is_internal_error = entry
-    if (logprobs is None and type(request_id) is str and type(token_ids) is list
+        is_internal_error, prompt_logprobs = entry
+    if (logprobs is None and prompt_logprobs is None and type(request_id) is str and type(token_ids) is list
             and all(type(t) is int and t >= 0 for t in token_ids) and type(finished) is bool
             and (finish_reason is None or type(finish_reason) is str and finish_reason in FINISH_REASONS)
             and type(num_prompt_tokens) is int and type(num_cached_tokens) is int

@@ -42,7 +42,7 @@ from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
                               check_max_logprobs, check_model, check_token_ids, fan_out, request_error_from_validation)
-from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
+from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
     from epd.api.orchestrator_like import OrchestratorLike
@@ -100,9 +100,11 @@ class GenerateRoute:
             guard.disarm()
 
     async def _serve(self, body, scope, receive, send, guard: _DisconnectGuard) -> None:
-        request, fmt = self._prepare(body, scope)
-        check_token_ids(request, self.orchestrator.vocab_size)
-        sequences = fan_out(request)
+        requests, fmt = self._prepare(body, scope)
+        for request in requests:
+            check_token_ids(request, self.orchestrator.vocab_size)
+        # a batch's choices: prompt-major, `n` per prompt (choice i answers prompt i // n)
+        sequences = [sequence for request in requests for sequence in fan_out(request)]
         tracker = self.metrics.track(len(sequences), scope.get(ARRIVAL_KEY))
         if not body.stream:
             answer = await _collect(self.orchestrator, sequences, fmt, tracker)
@@ -121,27 +123,40 @@ class GenerateRoute:
             guard.disarm()
             await events.aclose()
 
-    def _prepare(self, body, scope) -> tuple[GenerateRequest, ResponseFormat]:
+    def _prepare(self, body, scope) -> tuple[list[GenerateRequest], ResponseFormat]:
+        """The requests (one per prompt) and the format of their answer."""
         model = self.settings.served_model_name
         check_model(body.model, model)
-        decode = self.orchestrator.decode_token
+        decode = token_id_text if body.return_tokens_as_token_ids else self.orchestrator.decode_token
         if type(body) is ChatCompletionRequest:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             self._checked(request, "top_logprobs")
-            return request, ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
-                                       tool_choice=request.tool_choice)
+            extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
+            return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
+                                         extras, tool_choice=request.tool_choice)
         request_id = internal_request_id(scope, "cmpl")
-        request = body.to_generate_request(request_id, defaults=self.settings.sampling_defaults)
-        self._checked(request, "logprobs")
-        return (request,
-                CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None))
+        requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)
+        for request in requests:
+            self._checked(request, "logprobs")
+        # vLLM echoes the prompt's text (token ids decoded), and nothing when token ids are returned
+        echo = tuple(r.prompt if isinstance(r.prompt, str) else self.orchestrator.detokenize(r.prompt)
+                     for r in requests) if body.echo and not body.return_token_ids else ()
+        return (requests, CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None,
+                                           self._extras(body, requests[0], echo)))
+
+    @staticmethod
+    def _extras(body, request: GenerateRequest, echo: tuple[str, ...], role: str = "assistant") -> Extras:
+        return Extras(n=request.sampling.n, return_token_ids=bool(body.return_token_ids),
+                      continuous_usage=body.continuous_usage, echo=echo if any(echo) else (), role=role)
 
 
     def _checked(self, request: GenerateRequest, logprobs_param: str) -> None:
         """--max-logprobs; --enable-log-requests: one line for the request."""
         check_max_logprobs(request, self.settings.max_logprobs, logprobs_param)
+        if request.sampling.prompt_logprobs is not None:
+            check_max_logprobs(request, self.settings.max_logprobs, "prompt_logprobs", request.sampling.prompt_logprobs)
         if self.settings.log_requests:
             prompt = request.prompt if request.messages is None else request.messages
             request_log.info("request %s: %s %d, sampling %s", request.request_id,
@@ -267,6 +282,11 @@ def _is_json(content_type: str) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+def token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a logprob token as "token_id:<id>" (any bytes survive JSON)."""
+    return f"token_id:{token_id}"
+
+
 def internal_request_id(scope, prefix: str) -> str:
     """"chatcmpl-<uuid>": the generated x-request-id when the client sent none (one
     id to grep for), otherwise a fresh uuid (client ids need not be unique)."""
@@ -303,7 +323,7 @@ async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: Requ
                 outputs[index].add(delta)
                 tracker.on_delta(index, delta)
                 num_finished += delta.finish_reason is not None
-                event = fmt.delta_event(index, delta)
+                event = fmt.delta_event(index, delta, outputs[index])
                 if event:
                     events.append(event)
             if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]

@@ -48,7 +48,7 @@ class ResponsesRoute(GenerateRoute):
         except RequestError as exc:  # before the answer started: named by the Responses fields
             raise renamed(exc, body.instructions is not None) from None
 
-    def _prepare(self, body: ResponsesRequest, scope) -> tuple[GenerateRequest, ResponsesFormat]:
+    def _prepare(self, body: ResponsesRequest, scope) -> tuple[list[GenerateRequest], ResponsesFormat]:
         model = self.settings.served_model_name
         request_id = internal_request_id(scope, "resp").replace("-", "_", 1)  # OpenAI's "resp_..." ids
         chat = body.to_chat_request(model)
@@ -56,8 +56,8 @@ class ResponsesRoute(GenerateRoute):
         request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                            defaults=self.settings.sampling_defaults)
         self._checked(request, "top_logprobs")
-        return request, ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
-                                        body.want_logprobs, _echo(body, request))
+        return [request], ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
+                                          body.want_logprobs, _echo(body, request))
 
 
 def _echo(body: ResponsesRequest, request: GenerateRequest) -> dict:
