@@ -62,6 +62,7 @@ class GenerateRequest:
     truncation_side: str = "left"  # left: keep the last ones; right: the first
     add_special_tokens: bool = False  # a completion's text prompt: the tokenizer's BOS / EOS added
     continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
+    chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
 
 
 @dataclass

@@ -307,6 +307,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM extra
     continue_final_message: bool = False  # vLLM: the last message left open (with add_generation_prompt false)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables for the chat template
     echo: bool = False  # vLLM: the answer starts with the last message's content when it has the answer's role
 
     @property
@@ -346,6 +347,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = validate_messages(self.messages, max_images_per_prompt)
         check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
+        check_chat_template_kwargs(self.chat_template_kwargs)
         # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -354,7 +356,8 @@ class ChatCompletionRequest(_GenerationRequest):
                                                                defaults, prompt_logprobs),
                              messages=messages, prompt=None, add_generation_prompt=self.add_generation_prompt,
                              tools=tools or None, tool_choice=tool_choice,
-                             continue_final_message=self.continue_final_message)
+                             continue_final_message=self.continue_final_message,
+                             chat_template_kwargs=self.chat_template_kwargs or None)
 
 class CompletionRequest(_GenerationRequest):
     _refused: ClassVar[dict] = REFUSED_COMPLETION
@@ -383,6 +386,21 @@ class CompletionRequest(_GenerationRequest):
         """The GenerateRequest of a one-prompt request."""
         [request] = self.to_generate_requests(request_id, defaults=defaults)
         return request
+
+
+# The template arguments EPD sets itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict",
+                                    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """vLLM's chat_template_kwargs: variables the chat template reads (e.g. Qwen3's
+    `enable_thinking`); one that names what EPD sets from the request's own fields is a 400."""
+    clash = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs or {}))
+    if clash:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}: use the request's own fields",
+                           param="chat_template_kwargs")
 
 
 def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from epd.api.chat_messages import validate_messages
 from epd.api.generate_route import max_json_items, read_json_object
 from epd.api.orchestrator_like import OrchestratorLike
-from epd.api.protocol import INT64_MAX, check_continue_final_message, check_model, validate_body
+from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_continue_final_message, check_model,
+                              validate_body)
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
 from epd.requests import GenerateRequest, RequestError
@@ -56,7 +57,7 @@ class TokenizeChatRequest(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "chat_template", "mm_processor_kwargs")
 
 
 class DetokenizeRequest(BaseModel):
@@ -113,9 +114,11 @@ def _chat_request(chat: TokenizeChatRequest, settings: ApiSettings) -> GenerateR
         raise RequestError(str(exc), param=exc.param) from None
     messages = validate_messages(chat.messages, settings.max_images_per_prompt)
     check_continue_final_message(chat.continue_final_message, chat.add_generation_prompt)
+    check_chat_template_kwargs(chat.chat_template_kwargs)
     return GenerateRequest(request_id="tokenize", messages=messages, prompt=None, sampling=SamplingParams(),
                            add_generation_prompt=chat.add_generation_prompt, tools=tools or None,
-                           continue_final_message=chat.continue_final_message)
+                           continue_final_message=chat.continue_final_message,
+                           chat_template_kwargs=chat.chat_template_kwargs or None)
 
 
 def _check_model(model: str | None, settings: ApiSettings) -> None:

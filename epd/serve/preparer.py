@@ -168,7 +168,8 @@ class Preparer:
         images, num_patches, refs = self._image_refs(raw_images)
         try:
             prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
-                                        max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message)
+                                        max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
+                                        template_kwargs=req.chat_template_kwargs)
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
