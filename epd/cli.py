@@ -8,7 +8,7 @@ from pathlib import Path
 from epd.config import (CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, WorkerConfig,
                         field_default)
 from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
-from epd.engine.scheduler import PREFILL_PRIORITIES
+from epd.engine.scheduler_config import PREFILL_PRIORITIES
 from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
