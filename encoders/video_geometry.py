@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epd.encoders.image_processor import smart_resize
+
 VIDEO_CONFIG = "video_preprocessor_config.json"
 IMAGE_CONFIG = "preprocessor_config.json"  # transformers' fallback when a checkpoint has no video config
 MAX_ASPECT_RATIO = 200
@@ -265,17 +267,7 @@ def _smart_resize_qwen3(num_frames: int, height: int, width: int, temporal_facto
 
 def _smart_resize_qwen2(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     _check_aspect(height, width)
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, factor, min_pixels, max_pixels)
 
 
 def _torch_arange_int(end: int, step: float) -> list[int]:

@@ -28,18 +28,21 @@ def reference_available() -> bool:
     return (TORCHVISION_DIR / "torchvision").is_dir()
 
 
-def hf_video_outputs(model_dir: str, frames: np.ndarray, meta, calls: list[dict], work: Path) -> list[dict]:
-    """transformers' AutoVideoProcessor on all `frames` (uint8 [N, H, W, 3]) with
-    the header `meta` (VideoMeta), once per kwargs in `calls`: each result has
-    pixel_values_videos, video_grid_thw, frames_indices, the Qwen3-VL group
-    timestamps, or `error` (the message transformers raised)."""
+def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list[dict]]],
+                     work: Path) -> list[list[dict]]:
+    """transformers' AutoVideoProcessor, in one child process, on each video's
+    frames (all of them, uint8 [N, H, W, 3]) with its header `meta` (VideoMeta),
+    once per kwargs of its calls. Each result has pixel_values_videos,
+    video_grid_thw, frames_indices, the Qwen3-VL group timestamps and the
+    sampled fps, or `error` (the message transformers raised)."""
     work.mkdir(parents=True, exist_ok=True)
-    np.save(work / "frames.npy", frames)
-    job = {"model_dir": model_dir, "frames": str(work / "frames.npy"), "out": str(work / "out.pt"),
-           "meta": {"total_num_frames": meta.num_frames, "fps": meta.fps, "width": meta.width,
-                    "height": meta.height, "duration": meta.duration_s},
-           "calls": calls}
-    (work / "job.json").write_text(json.dumps(job))
+    jobs = []
+    for i, (frames, meta, calls) in enumerate(videos):
+        np.save(work / f"frames{i}.npy", frames)
+        jobs.append({"frames": str(work / f"frames{i}.npy"), "calls": calls,
+                     "meta": {"total_num_frames": meta.num_frames, "fps": meta.fps, "width": meta.width,
+                              "height": meta.height, "duration": meta.duration_s}})
+    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"), "videos": jobs}))
     proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
                           timeout=240)
     if proc.returncode != 0:
@@ -56,16 +59,18 @@ def _main(job_path: str) -> None:
 
     job = json.loads(Path(job_path).read_text())
     processor = AutoVideoProcessor.from_pretrained(job["model_dir"])
-    frames = np.load(job["frames"])
     results = []
-    for kwargs in job["calls"]:
-        try:
-            out = processor(videos=[frames], video_metadata=[VideoMetadata(**job["meta"])], return_metadata=True,
-                            return_tensors="pt", **kwargs)
-        except Exception as exc:  # the refusal is the reference answer
-            results.append({"error": f"{exc.__class__.__name__}: {exc}"})
-            continue
-        results.append(_result(processor, frames, out))
+    for video in job["videos"]:
+        frames = np.load(video["frames"])
+        results.append([])
+        for kwargs in video["calls"]:
+            try:
+                out = processor(videos=[frames], video_metadata=[VideoMetadata(**video["meta"])],
+                                return_metadata=True, return_tensors="pt", **kwargs)
+            except Exception as exc:  # the refusal is the reference answer
+                results[-1].append({"error": f"{exc.__class__.__name__}: {exc}"})
+                continue
+            results[-1].append(_result(processor, frames, out))
     torch.save(results, job["out"])
 
 

@@ -27,27 +27,41 @@ def test_lossless_decode_returns_the_planned_frames_in_order():
         decode_frames(data, [3, 9])
 
 
-@pytest.mark.skipif(not reference_available(), reason="scripts/env.sh dev installs the reference")
-@pytest.mark.parametrize("preset, kind, kwargs", [
-    ("tiny", "mp4", {}),  # Qwen3-VL: 2 fps of a 5 fps clip, 48x64 -> 64x64 (bicubic up)
-    ("tiny", "webm", {"size": {"shortest_edge": 4096, "longest_edge": 5 * 32 * 32}}),  # resized down
-    ("tiny", "mkv", {"num_frames": 5, "fps": None}),  # odd count: the last frame fills the group
-    ("qwen2.5-vl-tiny", "mp4", {}),  # every frame, 48x64 -> 56x56
-    ("qwen2.5-vl-tiny", "mkv", {"do_sample_frames": True, "fps": 2}),
-])
-def test_preprocessing_equals_transformers(tmp_path, preset, kind, kwargs):
-    write_processor_configs(tmp_path, PRESETS[preset])
-    geometry = VideoGeometry.from_pretrained(tmp_path)
-    data = encode_video(synthetic_frames(11), kind, fps=5)
-    all_frames = decode_frames(data, range(11))
+# (video kind, transformers' call kwargs) per checkpoint preset
+CASES = {
+    "tiny": [  # Qwen3-VL
+        ("mp4", {}),  # 2 fps of a 5 fps clip, 48x64 -> 64x64 (bicubic up)
+        ("webm", {"size": {"shortest_edge": 4096, "longest_edge": 5 * 32 * 32}}),  # resized down
+        ("mkv", {"num_frames": 5, "fps": None}),  # odd count: the last frame fills the group
+    ],
+    "qwen2.5-vl-tiny": [
+        ("mp4", {}),  # every frame, 48x64 -> 56x56
+        ("mkv", {"do_sample_frames": True, "fps": 2}),
+    ],
+}
+
+
+def _options(kwargs: dict) -> VideoOptions:
     options = {k: v for k, v in kwargs.items() if v is not None and k != "size"}
     if size := kwargs.get("size"):
         options.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
-    meta, plan = plan_video(data, geometry, VideoOptions.from_kwargs(options))
-    pixels, grid = VideoPreprocessor(geometry)(decode_frames(data, plan.frame_indices), plan)
-    [ref] = hf_video_outputs(str(tmp_path), all_frames, meta, [kwargs], tmp_path / "ref")
-    assert list(plan.frame_indices) == ref["frames_indices"]
-    assert list(grid) == ref["video_grid_thw"]
-    assert (plan.resized_height, plan.resized_width) != (meta.height, meta.width)  # a real resize ran
-    assert pixels.dtype == torch.float32
-    assert torch.equal(pixels, ref["pixel_values_videos"])
+    return VideoOptions.from_kwargs(options)
+
+
+@pytest.mark.skipif(not reference_available(), reason="scripts/env.sh dev installs the reference")
+@pytest.mark.parametrize("preset", list(CASES))
+def test_preprocessing_equals_transformers(tmp_path, preset):
+    write_processor_configs(tmp_path, PRESETS[preset])
+    geometry = VideoGeometry.from_pretrained(tmp_path)
+    videos = [(encode_video(synthetic_frames(11, seed=i), kind, fps=5), kwargs)
+              for i, (kind, kwargs) in enumerate(CASES[preset])]
+    refs = hf_video_outputs(str(tmp_path), [(decode_frames(data, range(11)), plan_video(data, geometry)[0], [kwargs])
+                                            for data, kwargs in videos], tmp_path / "ref")
+    for (data, kwargs), [ref] in zip(videos, refs):
+        meta, plan = plan_video(data, geometry, _options(kwargs))
+        pixels, grid = VideoPreprocessor(geometry)(decode_frames(data, plan.frame_indices), plan)
+        assert list(plan.frame_indices) == ref["frames_indices"], kwargs
+        assert list(grid) == ref["video_grid_thw"], kwargs
+        assert (plan.resized_height, plan.resized_width) != (meta.height, meta.width)  # a real resize ran
+        assert pixels.dtype == torch.float32
+        assert torch.equal(pixels, ref["pixel_values_videos"]), kwargs

@@ -50,7 +50,7 @@ def test_plan_from_header_matches_transformers(tmp_path, family):
     data = encode_video(synthetic_frames(11), "mkv", fps=5)
     frames = decode_frames(data, range(11))
     meta, _ = plan_video(data, geometry)
-    refs = hf_video_outputs(model_dir, frames, meta, CALLS[family], tmp_path / "ref")
+    [refs] = hf_video_outputs(model_dir, [(frames, meta, CALLS[family])], tmp_path / "ref")
     for kwargs, ref in zip(CALLS[family], refs):
         assert "error" not in ref, (kwargs, ref)
         _, plan = plan_video(data, geometry, _options(kwargs))
@@ -74,7 +74,7 @@ def test_refusals_match_transformers(tmp_path):
     with pytest.raises(VideoError, match="at least 2"):
         plan_video(data, geometry)
     meta = plan_video(data, VideoGeometry.from_pretrained(_configs(tmp_path / "q25", "qwen2.5")))[0]
-    [ref] = hf_video_outputs(model_dir, decode_frames(data, [0]), meta, [{}], tmp_path / "ref")
+    [[ref]] = hf_video_outputs(model_dir, [(decode_frames(data, [0]), meta, [{}])], tmp_path / "ref")
     assert "must be larger than temporal_factor" in ref["error"]
 
 
@@ -97,6 +97,23 @@ def test_bad_videos_are_refused_with_a_reason(tmp_path):
         plan_video(data, geometry, max_frames=8)
     with pytest.raises(VideoError, match="cannot open video"):
         plan_video(data[: len(data) // 3], geometry)
+    with pytest.raises(VideoError, match="no video stream"):
+        plan_video(_audio_only_wav(), geometry)
+
+
+def _audio_only_wav() -> bytes:
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buf.getvalue()
 
 
 def test_request_kwargs_are_checked():
