@@ -3,6 +3,8 @@ container header alone, against transformers' own video processors given
 every decoded frame and the same metadata (tests/testkit/video_reference.py)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -21,11 +23,14 @@ needs_reference = pytest.mark.skipif(not reference_available(), reason="scripts/
 CALLS = {
     "qwen3": [{}, {"fps": 1}, {"fps": 4}, {"num_frames": 5, "fps": None}, {"do_sample_frames": False},
               {"max_frames": 2}, {"size": {"shortest_edge": 4096, "longest_edge": 4 * 64 * 64}}],
+    # the releases' config with the per-frame pixel cap on (transformers' future default)
+    "qwen3-capped": [{}, {"fps": 4}, {"size": {"shortest_edge": 64, "longest_edge": 40 * 64 * 64}}],
+    "qwen2.5-capped": [{"do_sample_frames": True, "fps": 4}],
     "qwen2.5": [{}, {"do_sample_frames": True, "fps": 2}, {"do_sample_frames": True, "num_frames": 6},
                 {"do_sample_frames": True, "fps": 1, "min_frames": 2, "max_frames": 4},
                 {"max_pixels": 28 * 28 * 2}, {"min_pixels": 112 * 112}],
 }
-PRESET = {"qwen3": "tiny", "qwen2.5": "qwen2.5-vl-tiny"}
+PRESET = {"qwen3": "tiny", "qwen2.5": "qwen2.5-vl-tiny", "qwen3-capped": "tiny", "qwen2.5-capped": "qwen2.5-vl-tiny"}
 
 
 def _options(kwargs: dict) -> VideoOptions:
@@ -39,15 +44,21 @@ def _options(kwargs: dict) -> VideoOptions:
 def _configs(tmp_path, family: str) -> str:
     tmp_path.mkdir(parents=True, exist_ok=True)
     write_processor_configs(tmp_path, PRESETS[PRESET[family]])
+    if family.endswith("-capped"):
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if (path := tmp_path / name).exists():
+                path.write_text(json.dumps({**json.loads(path.read_text()), "cap_pixels_per_frame": True,
+                                            "max_video_tokens": 3}))
+                break
     return str(tmp_path)
 
 
 @needs_reference
-@pytest.mark.parametrize("family", ["qwen3", "qwen2.5"])
+@pytest.mark.parametrize("family", list(CALLS))
 def test_plan_from_header_matches_transformers(tmp_path, family):
     model_dir = _configs(tmp_path, family)
     geometry = VideoGeometry.from_pretrained(model_dir)
-    data = encode_video(synthetic_frames(11), "mkv", fps=5)
+    data = encode_video(synthetic_frames(11, height=96, width=160), "mkv", fps=5)
     frames = decode_frames(data, range(11))
     meta, _ = plan_video(data, geometry)
     [refs] = hf_video_outputs(model_dir, [(frames, meta, CALLS[family])], tmp_path / "ref")
@@ -59,7 +70,7 @@ def test_plan_from_header_matches_transformers(tmp_path, family):
         t, h, w = ref["video_grid_thw"]
         assert plan.num_tokens == t * h * w // ref["merge_size"] ** 2, kwargs
         assert plan.tokens_per_group * t == plan.num_tokens
-        if family == "qwen3":
+        if family.startswith("qwen3"):
             assert list(plan.group_timestamps_s) == ref["timestamps"], kwargs
         else:
             assert plan.second_per_grid_t == geometry.temporal_patch_size / ref["sampled_fps"], kwargs
