@@ -219,6 +219,20 @@ def check_json_items(body: bytes, max_items: int) -> None:
                            "containers; commas and brackets counted)", status=413, code="request_too_large")
 
 
+async def read_json_object(request, max_items: int) -> dict:
+    """The body of a route declared on FastAPI (tokenizer routes, /v1/responses), bounded
+    like the generation endpoints' (`check_json_items`) before it is parsed: a JSON object."""
+    body = await request.body()
+    check_json_items(body, max_items)
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RequestError(f"Invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise RequestError("The request body must be a JSON object")
+    return value
+
+
 def parse_body(path: str, body: bytes, content_type: str | None,
                max_items: int | None = None) -> ChatCompletionRequest | CompletionRequest:
     """FastAPI's handling of a JSON body parameter, step for step: an empty body is

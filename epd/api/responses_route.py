@@ -5,17 +5,20 @@
 (epd/api/responses_format.py); everything between (validation of messages
 and images, structured output, the orchestrator's streams, disconnects,
 metrics) is the chat path's. The route is declared on FastAPI
-(`add_responses_route`), so its body is parsed and validated there.
+(`add_responses_route`); its body is bounded like the generation endpoints'
+(`generate_route.read_json_object`: JSON items counted before parsing), then
+validated as a `ResponsesRequest`.
 """
 from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd.api.generate_route import GenerateRoute, ServedResponse, internal_request_id
-from epd.api.protocol import GenerateRequest, RequestError, check_model
+from epd.api.generate_route import (GenerateRoute, ServedResponse, internal_request_id, max_json_items,
+                                    read_json_object)
+from epd.api.protocol import GenerateRequest, RequestError, check_model, validate_body
 from epd.api.responses import SSE_DONE
 from epd.api.responses_format import ResponsesFormat
 from epd.api.responses_request import ResponsesRequest, renamed
@@ -27,8 +30,11 @@ def add_responses_route(app: FastAPI, route: GenerateRoute) -> None:
     """POST /v1/responses on `app`, served by a ResponsesRoute sharing `route`'s orchestrator and metrics."""
     responses = ResponsesRoute(route.orchestrator, route.settings, route.metrics)
 
+    max_items = max_json_items(route.orchestrator.max_model_len)
+
     @app.post(RESPONSES_PATH)
-    async def create_response(body: ResponsesRequest) -> Response:
+    async def create_response(request: Request) -> Response:
+        body = validate_body(ResponsesRequest, await read_json_object(request, max_items))
         return ServedResponse(responses, body)
 
 
