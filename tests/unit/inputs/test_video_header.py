@@ -89,6 +89,19 @@ def test_refusals_match_transformers(tmp_path):
     assert "must be larger than temporal_factor" in ref["error"]
 
 
+def test_made_checkpoints_carry_the_releases_video_config(tmp_path):
+    """Qwen3-VL releases ship video_preprocessor_config.json; Qwen2.5-VL's do not (video reads the image one)."""
+    qwen3 = VideoGeometry.from_pretrained(_configs(tmp_path / "q3", "qwen3"))
+    assert (tmp_path / "q3" / "video_preprocessor_config.json").exists()
+    assert (qwen3.family, qwen3.min_pixels, qwen3.max_pixels, qwen3.patch_size) == ("qwen3_vl", 4096, 25165824, 16)
+    assert (qwen3.fps, qwen3.do_sample_frames, qwen3.image_mean) == (2, True, (0.5, 0.5, 0.5))
+    qwen25 = VideoGeometry.from_pretrained(_configs(tmp_path / "q25", "qwen2.5"))
+    assert not (tmp_path / "q25" / "video_preprocessor_config.json").exists()
+    preset = PRESETS["qwen2.5-vl-tiny"]
+    assert (qwen25.family, qwen25.min_pixels, qwen25.max_pixels) == ("qwen2_vl", preset.min_pixels, preset.max_pixels)
+    assert (qwen25.patch_size, qwen25.do_sample_frames, qwen25.fps) == (14, False, None)
+
+
 @pytest.mark.parametrize("kind", ["mp4", "mkv", "webm"])
 def test_header_reads_count_rate_and_size(kind):
     data = encode_video(synthetic_frames(7, height=40, width=72), kind, fps=4)
