@@ -253,9 +253,9 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     import uvicorn
 
-    from epd.api.http_protocol import http_protocol
+    from epd.api.fast_path import HttpServer, http_protocol
     from epd.api.server import build_app
-    from epd.serve.http_server import HttpServer, api_settings
+    from epd.serve.http_server import api_settings
     from epd.serve.orchestrator import Orchestrator
 
     config = launch.config
@@ -263,7 +263,6 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
     if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
         orchestrator.registry.supervised = lambda worker_id: True
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -284,7 +283,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         finally:
             await orchestrator.stop(shutdown_workers=False)  # the workers serve the other API processes
 
-    app.router.lifespan_context = lifespan
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults), lifespan=lifespan)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -20,7 +20,7 @@ import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
 from epd.serve.heap import freeze_startup_heap
-from epd.serve.http_server import HttpServer, api_settings
+from epd.serve.http_server import api_settings
 from epd.serve.worker_entry import WorkerLaunch, run_worker
 from epd.serve.supervisor import LocalSupervisor
 from epd.serve.threads import share_cores
@@ -34,7 +34,7 @@ def serve(config: ServeConfig) -> int:
         from epd.serve.api_servers import serve_many
 
         return serve_many(config)
-    from epd.api.http_protocol import http_protocol
+    from epd.api.fast_path import HttpServer, http_protocol
     from epd.api.server import build_app
     from epd.serve.orchestrator import Orchestrator
 
@@ -47,8 +47,8 @@ def serve(config: ServeConfig) -> int:
     if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
         orchestrator.registry.supervised = supervisor.owns
     orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
-    app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults),
+                    lifespan=_lifespan(config, orchestrator, supervisor, collector))
     server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                        timeout_graceful_shutdown=3, http=http_protocol()),
                         lambda grace_s: _drain(orchestrator, grace_s), config.limits.shutdown_grace_s)

@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 
 from epd.transport.sampling import TokenLogprobs
-from epd.api.http_protocol import http_protocol
+from epd.api.fast_path import http_protocol
 from epd.api.server import ApiSettings, build_app
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 
