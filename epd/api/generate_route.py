@@ -218,10 +218,9 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
     streams = await MergedStreams.open(orchestrator, requests)
     outputs = [SequenceOutput(i) for i in range(len(requests))]
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
     finally:
         await streams.aclose()
     return fmt.response(outputs)
@@ -229,20 +228,20 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
 
 async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
                       include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body: every event that is ready goes out in one write; the last write ends with [DONE]."""
+    """The SSE body, one chunk per Delta (the role chunks go with the first, the last
+    Delta's event with the usage and [DONE]: the last chunk is the one ending with [DONE])."""
     outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
     opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
     events: list[bytes] = [opening] if opening else []
     num_finished = 0
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
-                num_finished += delta.finish_reason is not None
-                event = fmt.delta_event(index, delta)
-                if event:
-                    events.append(event)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
+            num_finished += delta.finish_reason is not None
+            event = fmt.delta_event(index, delta)
+            if event:
+                events.append(event)
             if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]
                 yield b"".join(events)
                 events = []
