@@ -18,15 +18,24 @@ from epd.transport.roles import Mode
 
 
 def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers",
+                       formatter_class=HelpFormatter)
+    p.add_argument("model", help="checkpoint directory")
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
         "encoder_router", "served_model_name", "api_key", "metrics_require_key", "worker_port", "threads_per_worker", "cpu_sharing",
         "api_servers", "stream_interval", "max_logprobs", "uvicorn_log_level")}
-    media = {name: field_default(MediaConfig, name) for name in (
-        "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
-    p = sub.add_parser("serve", help="start the OpenAI-compatible server and its workers",
-                       formatter_class=HelpFormatter)
-    p.add_argument("model", help="checkpoint directory")
+    _add_worker_flags(p, serve)
+    _add_api_flags(p, serve)
+    _add_placement_flags(p, serve)
+    _add_media_flags(p)
+    _add_limit_flags(p)
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _add_worker_flags(p: argparse.ArgumentParser, serve: dict) -> None:
+    """How many workers of each role, where the HTTP server listens, the cache and the routers."""
     p.add_argument("--mode", default=str(serve["mode"]), choices=[str(m) for m in Mode],
                    help="e-p-d: encoder, prefill and decode workers; e-pd: encoders and prefill+decode workers; "
                         "aggregated: workers that do all three")
@@ -54,6 +63,10 @@ def add_serve_parser(sub) -> None:
                    help="how a request picks its prefill and decode workers")
     p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
                    help="cost: each image to the encoder where it finishes first; round_robin: in turn")
+
+
+def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
+    """What the HTTP API serves and whom: name, key, processes, streaming, vLLM's accepted flags, CORS."""
     p.add_argument("--served-model-name", default=serve["served_model_name"],
                    help="the model's name in the API (None: the checkpoint path as given)")
     p.add_argument("--api-key", default=serve["api_key"], help="require this bearer token (also EPD_API_KEY) on "
@@ -93,6 +106,10 @@ def add_serve_parser(sub) -> None:
                    help="CORS request headers, with --allowed-origins (default: [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials, with --allowed-origins")
+
+
+def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
+    """Where the workers run: external, Ray, and their threads on this host."""
     p.add_argument("--external-workers", action="store_true",
                    help="start no workers; wait for `epd worker` processes to register")
     p.add_argument("--worker-port", type=int, default=serve["worker_port"],
@@ -114,6 +131,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "
                         "prefill, then encode); split: the cores divided over the workers")
+
+
+def _add_media_flags(p: argparse.ArgumentParser) -> None:
+    """Images (where they may come from, how large), the tokenizer, the chat template and sampling defaults."""
+    media = {name: field_default(MediaConfig, name) for name in (
+        "allowed_local_media_path", "fetch_timeout_s", "max_image_bytes", "max_image_pixels")}
     p.add_argument("--allowed-local-media-path", default=media["allowed_local_media_path"],
                    help="directory file:// image URLs may read from (default: file:// refused)")
     p.add_argument("--allowed-media-domains", default=None,
@@ -148,6 +171,10 @@ def add_serve_parser(sub) -> None:
                    help="generation-config values on top of --generation-config's, e.g. "
                         "'{\"temperature\": 0.5, \"max_new_tokens\": 512}' (a max_new_tokens here also caps "
                         "every request's max_tokens)")
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request and the server may hold, and how long; worker restarts."""
     limits = {name: field_default(ServingLimits, name) for name in (
         "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
         "max_request_body_bytes", "max_restarts", "down_retry_s")}
@@ -167,8 +194,6 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--down-retry-interval", type=float, default=limits["down_retry_s"], metavar="SECONDS",
                    help="a worker given up on (its role down: requests needing it get 503 at once) is started "
                         "again this often")
-    add_engine_args(p)
-    p.set_defaults(func=_serve)
 
 
 
