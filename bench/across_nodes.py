@@ -41,7 +41,7 @@ from epd.bench.netns import Host, Network
 API_PORT, WORKER_PORT = 18600, 18601
 ROLES = ("encoder", "prefill", "decode")
 # As the launcher nices them: a copy of epd.config.SHARED_CPU_NICE (bench/ is a client and
-# imports none of the server: tests/test_layering.py).
+# imports none of the server: tests/unit/repo/test_layering.py).
 NICE = {"encoder": 4, "prefill": 2, "decode": 0}
 COMMON = ["--dtype", "float32", "--device", "cpu"]
 

@@ -42,31 +42,48 @@ class RequestResult:
     error: str = ""
 
 
-def build_payload(model: str, request: BenchRequest) -> dict:
+def build_payload(model: str, request: BenchRequest, sampling: dict | None = None, *,
+                  completions: bool = False) -> dict:
     """The JSON body of `POST /v1/chat/completions` for `request` (images, then text,
-    or the other way round with `request.text_first`)."""
-    if request.image_urls:
-        images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
-        text = [{"type": "text", "text": request.prompt}]
-        content: str | list[dict] = text + images if request.text_first else images + text
+    or the other way round with `request.text_first`); with `completions`, of
+    `POST /v1/completions` (text only). `sampling`: fields that replace greedy
+    (temperature, top_p, top_k, min_p)."""
+    body: dict = {"model": model}
+    if completions:
+        if request.image_urls:
+            raise ValueError("/v1/completions takes no images: use the chat endpoint for image datasets")
+        body["prompt"] = request.prompt
     else:
-        content = request.prompt
+        body["messages"] = [{"role": "user", "content": _content(request)}]
     return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
+        **body,
         "max_tokens": request.output_len,
         "min_tokens": request.output_len,  # vLLM extra: exact output length
         "ignore_eos": True,  # vLLM extra
         "temperature": 0.0,
+        **(sampling or {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
 
 
+def _content(request: BenchRequest) -> str | list[dict]:
+    if not request.image_urls:
+        return request.prompt
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
+    text = [{"type": "text", "text": request.prompt}]
+    return text + images if request.text_first else images + text
+
+
+def is_completions_url(url: str) -> bool:
+    """Whether `url` is a `/v1/completions` endpoint (prompt in, `text` chunks out) rather than chat."""
+    return url.rstrip("/").endswith("/completions") and not url.rstrip("/").endswith("/chat/completions")
+
+
 async def send_chat_request(http: httpx.AsyncClient, url: str, model: str, request: BenchRequest, *,
                             api_key: str | None = None, timeout_s: float | None = None,
-                            run_start_s: float = 0.0) -> RequestResult:
-    """Send `request` to `url` (the full chat-completions URL) and time its stream.
+                            run_start_s: float = 0.0, sampling: dict | None = None) -> RequestResult:
+    """Send `request` to `url` (the full chat-completions or completions URL) and time its stream.
 
     `timeout_s` bounds the whole request; `run_start_s` is the
     `time.perf_counter()` of the run start, so `start_s` is relative to it.
@@ -76,7 +93,8 @@ async def send_chat_request(http: httpx.AsyncClient, url: str, model: str, reque
     start = time.perf_counter()
     result.start_s = start - run_start_s
     try:
-        await asyncio.wait_for(_stream(http, url, build_payload(model, request), headers, start, result),
+        payload = build_payload(model, request, sampling, completions=is_completions_url(url))
+        await asyncio.wait_for(_stream(http, url, payload, headers, start, result),
                                timeout=timeout_s)
     except asyncio.TimeoutError:
         result.success, result.error = False, f"timeout after {timeout_s:g} s"
@@ -117,7 +135,7 @@ async def _stream(http: httpx.AsyncClient, url: str, payload: dict, headers: dic
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
-                piece = delta.get("content") or delta.get("reasoning_content")
+                piece = delta.get("content") or delta.get("reasoning_content") or choice.get("text")
                 if not piece:
                     continue
                 now = time.perf_counter()

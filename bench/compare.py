@@ -105,15 +105,15 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=lambda: os.sched_setaffinity(0, cpus))
 
-    def wait_ready(self, timeout_s: float = 600.0) -> str:
-        """The served model name."""
+    def wait_ready(self, timeout_s: float = 600.0, headers: dict | None = None) -> str:
+        """The served model name (`headers`: e.g. the API key's)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"epd serve exited with {self.proc.returncode} (see {self._log.name})")
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return httpx.get(self.base_url + "/v1/models", timeout=5).json()["data"][0]["id"]
+                    return httpx.get(self.base_url + "/v1/models", timeout=5, headers=headers).json()["data"][0]["id"]
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)

@@ -19,6 +19,7 @@ import functools
 import io
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def _cut_to_tokens(text: str, num_tokens: int, tokenizer) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None, trust_remote_code: bool = False):
     """A Hugging Face tokenizer from a local directory, or None (loaded once per
     path: `epd bench compare` builds a dataset for every mode and rate)."""
     if not path:
@@ -88,7 +89,7 @@ def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--tokenizer {path}: cannot load a tokenizer there ({exc})") from None
 
@@ -142,10 +143,12 @@ def parse_image_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
-                  tokenizer=None) -> list[BenchRequest]:
-    """Text-only requests of `input_len` random tokens (words without a tokenizer), `output_len` out."""
+                  tokenizer=None, input_lens: Sequence[int] | None = None) -> list[BenchRequest]:
+    """Text-only requests of `input_len` random tokens (words without a tokenizer), `output_len` out;
+    `input_lens`: each request's own length instead."""
     rng = random.Random(seed)
-    return [BenchRequest(random_prompt(rng, input_len, tokenizer), output_len) for _ in range(num_prompts)]
+    lens = input_lens or [input_len] * num_prompts
+    return [BenchRequest(random_prompt(rng, lens[i], tokenizer), output_len) for i in range(num_prompts)]
 
 
 @dataclass(frozen=True)
@@ -164,14 +167,18 @@ class RandomMMDraw:
 def draw_random_mm(num_prompts: int, input_len: int, *, images_per_request: int = 1,
                    images_range_ratio: float = 0.0, image_sizes: list[tuple[int, int]] | None = None,
                    repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
-                   seed: int = 0) -> list[RandomMMDraw]:
+                   seed: int = 0, input_lens: Sequence[int] | None = None, max_images: int | None = None,
+                   image_weights: Sequence[float] | None = None) -> list[RandomMMDraw]:
     """Every random choice of `sample_random_mm` (same arguments, same order), without
     making an image: cheap, so the planner's simulation (bench/plan_sim.py) draws the
     same text-only requests as the real run for a seed.
 
     * K is drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
       (r = `images_range_ratio`).
-    * Each image's size is drawn from `image_sizes` (width, height).
+      at most `max_images` (vLLM's --random-mm-limit-mm-per-prompt).
+    * Each image's size is drawn from `image_sizes` (width, height), with
+      `image_weights` when given (vLLM's --random-mm-bucket-config).
+    * `input_lens`: each request's text length (default `input_len` for all).
     * With probability `repeat_image_ratio` an image comes from a fixed pool
       of `IMAGE_POOL_SIZE` images (embedding-cache hits); otherwise it is
       unique to the whole run.
@@ -188,11 +195,17 @@ def draw_random_mm(num_prompts: int, input_len: int, *, images_per_request: int 
     rng = random.Random(seed)
     low = max(0, round(images_per_request * (1 - images_range_ratio)))
     high = max(low, round(images_per_request * (1 + images_range_ratio)))
+    if max_images is not None:
+        low, high = min(low, max_images), min(high, max_images)
+    lens = input_lens or [input_len] * num_prompts
+
+    def size() -> tuple[int, int]:
+        return rng.choice(sizes) if image_weights is None else rng.choices(sizes, image_weights)[0]
     draws = []
-    for _ in range(num_prompts):
-        words = _random_words(rng, input_len)
+    for i in range(num_prompts):
+        words = _random_words(rng, lens[i])
         num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
-        images = [rng.randrange(IMAGE_POOL_SIZE) if rng.random() < repeat_image_ratio else rng.choice(sizes)
+        images = [rng.randrange(IMAGE_POOL_SIZE) if rng.random() < repeat_image_ratio else size()
                   for _ in range(num_images)]
         draws.append(RandomMMDraw(words, tuple(images)))
     return draws
@@ -202,12 +215,16 @@ def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
                      images_per_request: int = 1, images_range_ratio: float = 0.0,
                      image_sizes: list[tuple[int, int]] | None = None,
                      repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
-                     image_format: str = "jpeg", seed: int = 0, tokenizer=None) -> list[BenchRequest]:
+                     image_format: str = "jpeg", seed: int = 0, tokenizer=None,
+                     input_lens: Sequence[int] | None = None, max_images: int | None = None,
+                     image_weights: Sequence[float] | None = None) -> list[BenchRequest]:
     """Random text (as `sample_random`) plus K images per request, as `draw_random_mm` draws them."""
     mime = _MIME.get(image_format)
     draws = draw_random_mm(num_prompts, input_len, images_per_request=images_per_request,
                            images_range_ratio=images_range_ratio, image_sizes=image_sizes,
-                           repeat_image_ratio=repeat_image_ratio, text_only_ratio=text_only_ratio, seed=seed)
+                           repeat_image_ratio=repeat_image_ratio, text_only_ratio=text_only_ratio, seed=seed,
+                           input_lens=input_lens, max_images=max_images, image_weights=image_weights)
+    lens = input_lens or [input_len] * num_prompts
     if mime is None:
         raise ValueError(f"image format must be one of {sorted(_MIME)}, got {image_format!r}")
     sizes = image_sizes or [(1024, 1024)]
@@ -228,7 +245,8 @@ def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
                 data = make_image_bytes(w, h, seed=_image_seed(seed, "unique", num_unique), fmt=image_format)
                 urls.append(data_url(data, mime))
                 num_unique += 1
-        requests.append(BenchRequest(_cut_to_tokens(draw.words, input_len, tokenizer), output_len, tuple(urls)))
+        requests.append(BenchRequest(_cut_to_tokens(draw.words, lens[len(requests)], tokenizer), output_len,
+                                     tuple(urls)))
     return requests
 
 

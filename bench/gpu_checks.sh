@@ -34,8 +34,8 @@ step() {  # step NAME CMD... : run CMD, tee its output to $out/NAME.txt, remembe
 step versions bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'"
 step pytest_gpu "$python" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/engine/test_attention.py tests/engine/test_engine_vs_transformers.py tests/epd/test_serve_gpu.py \
-    tests/engine/test_moe.py tests/engine/test_families_vs_transformers.py
+    tests/unit/engine/test_attention.py tests/unit/engine/test_engine_vs_transformers.py \
+    tests/unit/engine/test_moe.py tests/unit/engine/test_families_vs_transformers.py tests/e2e/serve/test_serve_gpu.py
 step kernels "$python" -m epd.bench.kernels
 model=${EPD_GPU_MODEL:-/tmp/epd-gpu-small}
 case " ${GPU_STEPS:-offline_bf16} " in *" offline_bf16 "* | *" serving "*)  # the steps that need a checkpoint

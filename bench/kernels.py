@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench.kernels times Triton kernels on a CUDA GPU, and torch.cuda.is_available() is False "
               "here; nothing to measure. (Kernel correctness on CPU: "
-              "pytest tests/engine/test_attention.py, which runs them under TRITON_INTERPRET=1.)",
+              "pytest tests/unit/engine/test_attention.py, which runs them under TRITON_INTERPRET=1.)",
               file=sys.stderr)
         return 1
     import triton.testing

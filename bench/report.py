@@ -64,6 +64,17 @@ def write_result(path: str | Path, result: dict, save_detailed: bool = False) ->
     path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
+def append_result(path: str | Path, result: dict, save_detailed: bool = False) -> None:
+    """vLLM's --append-result: the result as one more JSON line of the file."""
+    if not save_detailed:
+        result = {k: v for k, v in result.items() if k not in DETAILED_FIELDS}
+    path = Path(path)
+    if path.parent != Path(""):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(result) + "\n")
+
+
 def format_table(result: dict, percentiles: Sequence[float]) -> str:
     """The 'Serving Benchmark Result' block, as vLLM prints it."""
     lines = [" Serving Benchmark Result ".center(_WIDTH, "=")]
@@ -86,6 +97,8 @@ def format_table(result: dict, percentiles: Sequence[float]) -> str:
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
     row("Total token throughput (tok/s):", result["total_token_throughput"], ".2f")
     for key, name, header in _SECTIONS:
+        if f"mean_{key}_ms" not in result:  # not among --percentile-metrics
+            continue
         lines.append(header.center(_WIDTH, "-"))
         row(f"Mean {name} (ms):", result[f"mean_{key}_ms"], ".2f")
         row(f"Median {name} (ms):", result[f"median_{key}_ms"], ".2f")

@@ -12,7 +12,9 @@ import argparse
 import asyncio
 import math
 import os
+import random
 import sys
+import time
 from dataclasses import replace
 from datetime import datetime
 
@@ -20,11 +22,12 @@ import httpx
 
 from epd.bench.arrivals import arrival_times_s, parse_rate
 from epd.bench.client import RequestResult, send_chat_request
-from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, sample_random,
-                            sample_random_mm)
+from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, random_prompt,
+                                sample_random, sample_random_mm)
 from epd.bench.load import run_load
-from epd.bench.metrics import compute_metrics, parse_goodput, parse_percentiles
-from epd.bench.report import detailed_fields, format_table, write_result
+from epd.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles
+from epd.bench.report import append_result, detailed_fields, format_table, write_result
+from epd.bench import vllm_names
 
 DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
 
@@ -34,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--dataset", default="random-mm", choices=["random-mm", "random", "jsonl"])
+    p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random-mm",
+                   choices=["random-mm", "random", "jsonl"])
     p.add_argument("--dataset-path", default=None, help="the jsonl file for --dataset jsonl")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests to send (default {DEFAULT_NUM_PROMPTS}; jsonl: all lines)")
@@ -46,12 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for random prompts of exactly --input-len tokens "
                         "(default: --model when it is a local directory; without one, --input-len words)")
-    p.add_argument("--input-len", type=int, default=1024,
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024,
                    help="random datasets: text tokens per prompt (images add their own)")
-    p.add_argument("--output-len", type=int, default=128,
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=128,
                    help="exact output tokens per request (jsonl: unless a line sets output_len)")
-    p.add_argument("--images-per-request", type=int, default=1, help="random-mm: K images per request")
-    p.add_argument("--images-range-ratio", type=float, default=0.0,
+    p.add_argument("--images-per-request", "--random-mm-base-items-per-request", dest="images_per_request",
+                   type=int, default=1, help="random-mm: K images per request")
+    p.add_argument("--images-range-ratio", "--random-mm-num-mm-items-range-ratio", dest="images_range_ratio",
+                   type=float, default=0.0,
                    help="random-mm: K drawn uniformly from [K(1-r), K(1+r)]")
     p.add_argument("--image-size", type=_argtype(parse_image_sizes), default=[(1024, 1024)],
                    help="random-mm: WxH[,WxH...], one chosen per image (default 1024x1024)")
@@ -65,13 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it (default: images first); early prefill can start only on text before an image")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
-    p.add_argument("--percentiles", type=_argtype(parse_percentiles), default=[50.0, 90.0, 99.0],
+    p.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=_argtype(parse_percentiles),
+                   default=[50.0, 90.0, 99.0],
                    help="comma-separated percentiles to report (default 50,90,99)")
-    p.add_argument("--save-result", default=None, metavar="FILE", help="write the result JSON here")
+    p.add_argument("--save-result", nargs="?", const=True, default=None, metavar="FILE",
+                   help="write the result JSON here (without FILE: in --result-dir, named as vLLM names it)")
     p.add_argument("--save-detailed", action="store_true", help="include per-request arrays in the JSON")
     p.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, seconds")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
+                   help="no progress bar on stderr")
+    vllm_names.add_arguments(p)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -80,6 +90,7 @@ def main(args: argparse.Namespace) -> dict:
     The returned dict always holds the per-request arrays; the saved file
     holds them only with `--save-detailed`. Bad flags raise ValueError.
     """
+    args = vllm_names.resolve(args)
     slos_ms = parse_goodput(args.goodput) if args.goodput else {}
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
@@ -88,18 +99,30 @@ def main(args: argparse.Namespace) -> dict:
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
     requests = build_requests(args)
-    base_url = args.base_url.rstrip("/")
-    outcome = asyncio.run(_run(args, base_url, requests))
-    model, results, duration_s = outcome
+    model, results, duration_s = asyncio.run(_run(args, requests))
     _warn_on_output_lengths(requests, results)
+    result = _header(args, model, len(requests), duration_s, slos_ms)
+    metrics = compute_metrics(results, duration_s, args.percentiles, slos_ms or None)
+    result.update({k: v for k, v in metrics.items() if _reported(k, args.percentile_metrics)})
+    result.update(detailed_fields(results))
+    print(format_table(result, args.percentiles))
+    if args.save_result and getattr(args, "append_result", False):
+        append_result(args.save_result, result, save_detailed=args.save_detailed)
+    elif args.save_result:
+        write_result(args.save_result, result, save_detailed=args.save_detailed)
+    return result
 
+
+def _header(args: argparse.Namespace, model: str, num_prompts: int, duration_s: float, slos_ms: dict) -> dict:
+    """The run's description in the result JSON (vLLM's names, then EPD's dataset fields)."""
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat",
-        "base_url": base_url,
+        "backend": vllm_names.ENDPOINTS[args.endpoint_path],
+        "label": getattr(args, "label", None),
+        "base_url": args.server_root,
         "model_id": model,
         "tokenizer_id": tokenizer_path(args),  # None: prompts were counted in words
-        "num_prompts": len(requests),
+        "num_prompts": num_prompts,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
@@ -107,6 +130,7 @@ def main(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "goodput_slos_ms": slos_ms or None,
         "duration": duration_s,
+        **args.metadata,
     }
     if args.dataset != "jsonl":
         result.update(input_len=args.input_len, output_len=args.output_len)
@@ -114,12 +138,13 @@ def main(args: argparse.Namespace) -> dict:
         result.update(images_per_request=args.images_per_request, images_range_ratio=args.images_range_ratio,
                       image_sizes=[f"{w}x{h}" for w, h in args.image_size], image_format=args.image_format,
                       repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio)
-    result.update(compute_metrics(results, duration_s, args.percentiles, slos_ms or None))
-    result.update(detailed_fields(results))
-    print(format_table(result, args.percentiles))
-    if args.save_result:
-        write_result(args.save_result, result, save_detailed=args.save_detailed)
     return result
+
+
+def _reported(key: str, percentile_metrics: tuple[str, ...]) -> bool:
+    """vLLM's --percentile-metrics: a latency metric's statistics are reported only when it is chosen."""
+    return not any(key.endswith(f"_{name}_ms") and name not in percentile_metrics and not key.startswith(
+        ("text_only_", "image_")) for name in LATENCY_METRICS)
 
 
 def tokenizer_path(args: argparse.Namespace) -> str | None:
@@ -144,37 +169,60 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
     num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
-    tokenizer = load_tokenizer(tokenizer_path(args))
+    tokenizer = load_tokenizer(tokenizer_path(args), getattr(args, "trust_remote_code", False))
+    input_lens, output_lens = getattr(args, "input_lens", None), getattr(args, "output_lens", None)
     if args.dataset == "random":
-        return sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed, tokenizer=tokenizer)
-    requests = sample_random_mm(
-        num_prompts, args.input_len, args.output_len, images_per_request=args.images_per_request,
-        images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
-        repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
-        image_format=args.image_format, seed=args.seed, tokenizer=tokenizer)
-    return [replace(r, text_first=True) for r in requests] if args.text_first else requests
+        requests = sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed, tokenizer=tokenizer,
+                                 input_lens=input_lens)
+    else:
+        requests = sample_random_mm(
+            num_prompts, args.input_len, args.output_len, images_per_request=args.images_per_request,
+            images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
+            repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
+            image_format=args.image_format, seed=args.seed, tokenizer=tokenizer, input_lens=input_lens,
+            max_images=getattr(args, "max_images", None), image_weights=getattr(args, "image_weights", None))
+        requests = [replace(r, text_first=True) for r in requests] if args.text_first else requests
+    prefix_len = getattr(args, "prefix_len", 0)
+    if prefix_len:  # one fixed random prefix for all (vLLM's --random-prefix-len), from a stream of its own
+        prefix = random_prompt(random.Random(f"prefix-{args.seed}"), prefix_len, tokenizer)
+        requests = [replace(r, prompt=f"{prefix} {r.prompt}") for r in requests]
+    if output_lens:
+        requests = [replace(r, output_len=n) for r, n in zip(requests, output_lens)]
+    return requests
 
 
-async def _run(args: argparse.Namespace, base_url: str,
-               requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float]:
-    url = f"{base_url}/v1/chat/completions"
+async def _run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float]:
+    url = args.url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # httpx caps at 100 otherwise
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout_s)) as http:
-        model = args.model or await _first_model(http, base_url, headers)
-        probe = await send_chat_request(http, url, model, BenchRequest("Hello", 2), api_key=args.api_key,
-                                        timeout_s=args.timeout_s)
-        if not probe.success:
-            raise ValueError(f"test request to {url} failed: {probe.error}")
-        times_s = arrival_times_s(len(requests), args.request_rate, args.burstiness, seed=args.seed)
+        model = (getattr(args, "served_model_name", None) or args.model
+                 or await _first_model(http, args.server_root, headers))
 
-        async def send(request: BenchRequest, run_start_s: float) -> RequestResult:
+        async def send(request: BenchRequest, run_start_s: float = 0.0) -> RequestResult:
             return await send_chat_request(http, url, model, request, api_key=args.api_key,
-                                           timeout_s=args.timeout_s, run_start_s=run_start_s)
+                                           timeout_s=args.timeout_s, run_start_s=run_start_s,
+                                           sampling=args.sampling)
 
+        await _check_ready(send, url, getattr(args, "ready_check_timeout_sec", 0.0))
+        for warmup in requests[:getattr(args, "num_warmups", 0)]:  # vLLM's --num-warmups: first, unmeasured
+            await send(warmup)
+        times_s = arrival_times_s(len(requests), args.request_rate, args.burstiness, seed=args.seed)
         results, duration_s = await run_load(requests, times_s, send, max_concurrency=args.max_concurrency,
                                              progress=not args.no_progress)
     return model, results, duration_s
+
+
+async def _check_ready(send, url: str, timeout_s: float) -> None:
+    """One test request (vLLM's); with --ready-check-timeout-sec, tried again until it answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        probe = await send(BenchRequest("Hello", 2))
+        if probe.success:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(f"test request to {url} failed: {probe.error}")
+        await asyncio.sleep(1.0)
 
 
 async def _first_model(http: httpx.AsyncClient, base_url: str, headers: dict) -> str:

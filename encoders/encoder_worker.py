@@ -206,4 +206,5 @@ class EncoderWorker(WorkerIO):
             self.counters.cache_bytes = self.cache.total_bytes
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
-            num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters, session=self.session))
+            num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters, session=self.session,
+            cache=None if self.cache is None else self.cache.faults()))

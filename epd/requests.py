@@ -7,7 +7,7 @@ orchestrator (epd/serve) and what it gets back.
     ToolChoice        what the edge parses out of a chat answer (carried, not read, here)
 
 Neither side owns them, so both import them from here and neither imports the
-other for them. Importing this module loads no torch (tests/test_layering.py).
+other for them. Importing this module loads no torch (tests/unit/repo/test_layering.py).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from epd.transport.roles import Role
 from epd.transport.codec import Fields, WireError, as_buffer, decode_tensor, encode_tensor
 from epd.transport.codec import pack_header, unpack_header
 from epd.transport.sampling import SamplingParams, TokenLogprobs
-from epd.transport.wire_values import (EncoderCounters, EngineCounters, logprobs_from_list, logprobs_to_list,
+from epd.transport.wire_values import (CacheFaults, EncoderCounters, EngineCounters, logprobs_from_list, logprobs_to_list,
                                        sampling_from_map, sampling_to_map)
 from epd.transport.mm_span import MMSpan
 
@@ -428,7 +428,7 @@ class WorkerStats(Message):
     """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
 
     TYPE: ClassVar[str] = "worker_stats"
-    VERSION: ClassVar[int] = 2  # 2: session
+    VERSION: ClassVar[int] = 3  # 2: session, 3: cache
     worker_id: str
     role: str
     num_running: int
@@ -439,23 +439,26 @@ class WorkerStats(Message):
     engine: EngineCounters | None = None  # engine roles
     encoder: EncoderCounters | None = None  # encoders, and the aggregated worker's in-process one
     session: str = ""  # the sender's session token (its Ready's): the registry takes stats only from it
+    cache: CacheFaults | None = None  # its embedding cache's faults; None: it has no cache
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "num_running": self.num_running,
                 "num_waiting": self.num_waiting, "num_free_blocks": self.num_free_blocks,
                 "num_total_blocks": self.num_total_blocks, "queue_depth": self.queue_depth,
                 "engine": None if self.engine is None else self.engine.to_map(),
-                "encoder": None if self.encoder is None else self.encoder.to_map(), "session": self.session}
+                "encoder": None if self.encoder is None else self.encoder.to_map(), "session": self.session,
+                "cache": None if self.cache is None else self.cache.to_map()}
 
     @classmethod
     def _build(cls, f, payload):
-        engine, encoder = f.opt_map("engine"), f.opt_map("encoder")
+        engine, encoder, cache = f.opt_map("engine"), f.opt_map("encoder"), f.opt_map("cache")
         counts = [f.int(name) for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
                                             "queue_depth")]
         _need(all(0 <= n < 2 ** 40 for n in counts), cls.TYPE, f"counts must be in [0, 2^40), got {counts}")
         return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), *counts,
                    None if engine is None else EngineCounters.from_map(engine),
-                   None if encoder is None else EncoderCounters.from_map(encoder), _session(f))
+                   None if encoder is None else EncoderCounters.from_map(encoder), _session(f),
+                   None if cache is None else CacheFaults.from_map(cache))
 
 
 @dataclass

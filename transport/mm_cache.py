@@ -46,6 +46,7 @@ from epd.transport.codec import WireError
 from epd.transport.mm_cache_env import open_env
 from epd.transport.mm_cache_space import free_bytes, is_space_error, space_bytes
 from epd.transport.mm_entry import MMEntry, decode_entry, encode_entry, read_header
+from epd.transport.wire_values import CacheFaults
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class MMCache:
         self._warned: set[str] = set()
         opened = open_env(self.path, 2 * self.max_bytes + _MAP_SLACK_BYTES, readonly)
         self._env = None if opened is None else opened.env
+        self._set_aside = opened is not None and opened.set_aside
         if opened is not None:
             self._entries, self._used, self._meta = opened.entries, opened.used, opened.meta
 
@@ -121,6 +123,12 @@ class MMCache:
     def is_open(self) -> bool:
         """False when no environment could be opened: every lookup a miss, every put skipped."""
         return self._env is not None and not self._closed
+
+    def faults(self) -> CacheFaults:
+        """This instance's faults, for the worker's stats (and /metrics)."""
+        s = self.stats
+        return CacheFaults(serving=int(self.is_open), set_aside=int(self._set_aside), read_errors=s.read_errors,
+                           bad_entries=s.bad_entries, space_failures=s.space_failures, skipped_puts=s.skipped_puts)
 
     def _warn_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._warned:

@@ -56,6 +56,7 @@ class CacheEnv:
     entries: object  # lmdb._Database
     used: object
     meta: object
+    set_aside: bool = False  # the files found here were unreadable and renamed away for this one
 
 
 def open_env(path: str, map_size: int, readonly: bool) -> CacheEnv | None:
@@ -92,6 +93,7 @@ def open_env(path: str, map_size: int, readonly: bool) -> CacheEnv | None:
     log.warning("mm cache %s was unreadable (%s): set aside as %s; serving on with a fresh, empty cache "
                 "(delete the set-aside files when no longer needed)", path, error,
                 ", ".join(os.path.basename(new) for _, new in moved) or "nothing")
+    cache_env.set_aside = bool(moved)
     return cache_env
 
 

@@ -17,12 +17,12 @@ from epd.transport.codec import Fields, WireError
 from epd.transport.histogram import ENCODER_SECONDS_BOUNDS, IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
-__all__ = ["EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
+__all__ = ["CacheFaults", "EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
            "sampling_from_map", "sampling_to_map"]
 
 
 def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
-    """Every SamplingParams field by name (tests/transport/test_messages.py checks none is left out)."""
+    """Every SamplingParams field by name (tests/unit/transport/test_messages.py checks none is left out)."""
     return {"n": p.n, "temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": p.top_k,
             "min_p": float(p.min_p), "seed": p.seed, "presence_penalty": float(p.presence_penalty),
             "frequency_penalty": float(p.frequency_penalty), "repetition_penalty": float(p.repetition_penalty),
@@ -168,5 +168,29 @@ class EncoderCounters:
                               oldest_queued_s=m.float("oldest_queued_s"),
                               **{name: Buckets.from_list(m.opt_list(name), bounds, f"{m.tag}.{name}")
                                  for name, bounds in EncoderCounters._HISTOGRAMS.items()})
+        m.reject_unknown(out.to_map())
+        return out
+
+
+@dataclass
+class CacheFaults:
+    """How a worker's embedding cache has fared since the worker started (transport/mm_cache.py):
+    the faults that make a disposable cache quietly useless, exported by epd/serve/worker_metrics.py."""
+
+    serving: int = 1  # a gauge: 1 while the cache is open, 0 while the worker serves without one
+    set_aside: int = 0  # unreadable cache files this worker renamed away to open a fresh cache
+    read_errors: int = 0  # reads LMDB failed: each a miss
+    bad_entries: int = 0  # corrupt or foreign values found (each a miss, deleted)
+    space_failures: int = 0  # writes skipped for lack of room on the filesystem (or in the map)
+    skipped_puts: int = 0  # every write not cached: no room, too large, an LMDB error
+
+    _INTS = ("serving", "set_aside", "read_errors", "bad_entries", "space_failures", "skipped_puts")
+
+    def to_map(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._INTS}
+
+    @staticmethod
+    def from_map(m: Fields) -> CacheFaults:
+        out = CacheFaults(**{name: m.int(name) for name in CacheFaults._INTS})
         m.reject_unknown(out.to_map())
         return out

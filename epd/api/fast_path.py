@@ -9,7 +9,7 @@ responses as ASGI apps, `CORSMiddleware`, `uvicorn.Config`).
 
 `WRITTEN_AGAINST` holds the version ranges this was written and tested
 against; pyproject.toml pins the same ranges, and
-tests/epd/test_fast_path.py fails when they differ from each other or from
+tests/unit/api/test_fast_path.py fails when they differ from each other or from
 what is installed, and when an inside relied on below is gone.
 
 * `FastPathApp` (FastAPI subclass, `__call__`): a POST to a generation
@@ -23,7 +23,7 @@ what is installed, and when an inside relied on below is gone.
   `application/*+json`, judged by `email.message.Message`) is decoded, the
   model validates the decoded value with `from_attributes=True`, errors get
   the `("body", ...)` location, anything else is "There was an error parsing
-  the body". tests/epd/test_api_server.py compares it with FastAPI's own route
+  the body". tests/unit/api/test_api_lean_route.py compares it with FastAPI's own route
   (`build_app(..., lean_routes=False)`).
 * `SSE_HEADERS`: the headers Starlette's `StreamingResponse` sends for
   `media_type="text/event-stream"`.

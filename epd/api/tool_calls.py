@@ -15,6 +15,13 @@ Qwen writes calls as hermes blocks (vLLM's `hermes` parser):
   a name     the output is constrained to that function's parameters schema and
              is the call's arguments.
 
+Cut short (`finish_reason` "length", or an unclosed block at the end), every
+mode answers alike: a call whose name was generated is returned with the
+arguments text generated so far (not valid JSON then), and `finish_reason`
+stays "length" — what vLLM does for a named function; a call cut before its
+name is dropped (auto, as vLLM's hermes parser) or the text is content
+(required). See docs/architecture.md, "Tool calls cut short".
+
 A `ToolCallParser` per choice turns text deltas into content deltas and call
 deltas; the whole answer is the same parser fed the whole text at once, so
 streamed deltas concatenate to exactly the non-streamed message.
@@ -22,6 +29,7 @@ streamed deltas concatenate to exactly the non-streamed message.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +173,9 @@ class ToolCallParser:
             items = json.loads(text)
             calls = [_call(item["name"], item["parameters"]) for item in items]
         except (ValueError, TypeError, KeyError):
-            return ParsedDelta(content=text)  # cut short (length): no call, the text as content
+            calls = _begun_calls(text)  # cut short (length): the calls as far as they got
+            if not calls:
+                return ParsedDelta(content=text)  # not even a name: the text as content
         return self._add(calls)
 
     def _auto(self, final: bool) -> ParsedDelta:
@@ -187,22 +197,23 @@ class ToolCallParser:
                 return out
             end = self.buffer.find(TOOL_CALL_END, start)
             if end < 0:
-                if final:  # an unclosed last block (cut by max_tokens or EOS): parse what is there
+                if final:  # an unclosed last block (cut by max_tokens or EOS): the call as far as it got
                     block, self.buffer = self.buffer[start + len(TOOL_CALL_START):], ""
-                    out.tool_calls += self._block(block).tool_calls
+                    out.tool_calls += self._block(block, cut=True).tool_calls
                 return out
             block = self.buffer[start + len(TOOL_CALL_START):end]
             self.buffer = self.buffer[end + len(TOOL_CALL_END):]
             out.tool_calls += self._block(block).tool_calls
 
-    def _block(self, block: str) -> ParsedDelta:
+    def _block(self, block: str, cut: bool = False) -> ParsedDelta:
         try:
             obj = json.loads(block)
             name, arguments = obj["name"], obj.get("arguments", obj.get("parameters", {}))
             if not isinstance(name, str):
                 raise TypeError
         except (ValueError, TypeError, KeyError, AttributeError):
-            return ParsedDelta()  # not a call: dropped (vLLM logs and skips it)
+            begun = _begun_call(block, 0, "arguments") if cut else None
+            return self._add([begun]) if begun else ParsedDelta()  # not a call: dropped (as vLLM's parser)
         return self._add([_call(name, arguments)])
 
     def _add(self, calls: list[dict]) -> ParsedDelta:
@@ -211,6 +222,36 @@ class ToolCallParser:
             deltas.append({"index": len(self.calls), **call})
             self.calls.append(call)
         return ParsedDelta(tool_calls=deltas)
+
+
+_SEPARATOR = re.compile(r"\s*,?\s*")
+
+
+def _begun_calls(text: str) -> list[dict]:
+    """The calls of a `required` array cut short: its whole items, then the last
+    one begun with the arguments text generated so far (if its name is whole)."""
+    start = text.find("[")
+    if start < 0:
+        return []
+    calls, pos, decoder = [], start + 1, json.JSONDecoder()
+    while True:
+        pos = _SEPARATOR.match(text, pos).end()
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+            calls.append(_call(item["name"], item["parameters"]))
+        except (ValueError, TypeError, KeyError):
+            begun = _begun_call(text, pos, "parameters")
+            return calls + ([begun] if begun else [])
+
+
+def _begun_call(text: str, pos: int, arguments_key: str) -> dict | None:
+    """A call object cut short at `pos`: `{"name": "...", "<arguments_key>": ` and what followed it,
+    as the call's (incomplete) arguments; None when the name itself was cut."""
+    head = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + arguments_key + r'"\s*:\s*')
+    match = head.match(text, pos)
+    if match is None:
+        return None
+    return _call(json.loads(match.group(1)), text[match.end():].rstrip())
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -22,9 +22,9 @@ from prometheus_client.utils import floatToGoString
 from epd.multiprocess_metrics import is_multiprocess
 from epd.serve.registry import WorkerRegistry
 from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
-from epd.transport.wire_values import EncoderCounters, EngineCounters
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
 
-# Every counter a worker sends is exported (tests/epd/test_worker_metrics.py checks that none is left out).
+# Every counter a worker sends is exported (tests/unit/serve/test_worker_metrics.py checks that none is left out).
 # Counters: (metric name without _total, help, the value). Summaries: (name, help, (count, sum)).
 ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
     ("epd:num_preemptions", "Requests preempted for lack of KV blocks.", lambda c: c.num_preemptions),
@@ -76,6 +76,23 @@ ENCODER_GAUGES: list[tuple[str, str, Callable[[EncoderCounters], float]]] = [
     ("epd:mm_cache_bytes", "Bytes of the entries in the embedding cache this worker writes.", lambda c: c.cache_bytes),
     ("epd:encoder_oldest_queued_seconds", "How long the oldest image in an encoder's queue has waited (0: none).",
      lambda c: c.oldest_queued_s),
+]
+# Every worker with an embedding cache (any role): how its cache has fared.
+CACHE_COUNTERS: list[tuple[str, str, Callable[[CacheFaults], int]]] = [
+    ("epd:mm_cache_set_aside", "Unreadable embedding-cache files a worker renamed away to open a fresh cache.",
+     lambda c: c.set_aside),
+    ("epd:mm_cache_read_errors", "Embedding-cache reads that failed (a damaged file): each a miss.",
+     lambda c: c.read_errors),
+    ("epd:mm_cache_bad_entries", "Corrupt or foreign embedding-cache entries found (each a miss, deleted).",
+     lambda c: c.bad_entries),
+    ("epd:mm_cache_space_failures", "Embedding-cache writes skipped because the filesystem had no room.",
+     lambda c: c.space_failures),
+    ("epd:mm_cache_skipped_puts", "Embeddings not cached: no room, larger than the cache, or a write error.",
+     lambda c: c.skipped_puts),
+]
+CACHE_GAUGES: list[tuple[str, str, Callable[[CacheFaults], float]]] = [
+    ("epd:mm_cache_serving", "1 while a worker's embedding cache is open, 0 while it serves without one.",
+     lambda c: c.serving),
 ]
 # epd:encoder_requests_total{outcome}: how each EncodeRequest an encoder took up ended
 ENCODER_OUTCOMES: list[tuple[str, Callable[[EncoderCounters], int]]] = [
@@ -189,6 +206,7 @@ class WorkerMetrics:
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
         encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
         encoder_extras = _EncoderExtras()
+        cache = _Families(CACHE_COUNTERS, (), gauges=CACHE_GAUGES)
         for w in self.registry.workers.values():
             s = w.stats
             if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
@@ -203,12 +221,15 @@ class WorkerMetrics:
             if s.encoder is not None:  # encoders, and the aggregated worker's in-process encoder
                 encoder.add(labels, s.encoder)
                 encoder_extras.add(labels, s.encoder)
+            if s.cache is not None:
+                cache.add(labels, s.cache)
         yield running
         yield waiting
         yield usage
         yield from engine
         yield from encoder
         yield from encoder_extras
+        yield from cache
         if self.worker_restarts is not None:
             yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", self.worker_restarts())
 

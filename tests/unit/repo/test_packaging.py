@@ -1,0 +1,47 @@
+"""The wheel exposes one import namespace, `epd`, and works installed (not editable)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (path,) = out.glob("epd-*.whl")
+    return path
+
+
+def test_the_wheel_holds_only_the_epd_namespace(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"epd", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
+    for module in ("epd/engine/scheduler.py", "epd/transport/messages.py", "epd/encoders/vision_tower.py",
+                   "epd/bench/serve.py", "epd/api/server.py", "epd/engine/attention/torch_attention.py"):
+        assert module in names
+
+
+def test_the_installed_wheel_imports(wheel, tmp_path):
+    target = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                             str(wheel)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # run outside the repository with only the installed copy on the path
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    code = ("import epd, epd.engine.scheduler, epd.transport.messages, epd.api.protocol\n"
+            "assert epd.__file__.startswith(%r), epd.__file__\n"
+            "assert epd.engine.scheduler.__file__.startswith(%r)\n") % (str(target), str(target))
+    result = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r})\n" + code],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
