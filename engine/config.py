@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.engine.scheduler import SchedulerConfig
+from epd.engine.scheduler_config import SchedulerConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")

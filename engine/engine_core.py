@@ -5,7 +5,10 @@
 Works on token ids and image embeddings only: tokenizing, detokenizing, stop
 strings and the vision tower live with the caller (the offline `LLM`, a
 worker process). The same object serves the prefill, decode and pd
-(prefill and decode in one engine) roles (see `Scheduler`).
+(prefill and decode in one engine) roles (see `Scheduler`). The images of
+its requests are in one `ImageLedger`: this class enters them and takes a
+request out when it leaves; the scheduler asks the ledger how far a request
+may be prefilled, the runner reads the embeddings from it.
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd.engine.config import EngineConfig
+from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.model_info import ModelInfo
@@ -71,6 +75,9 @@ class StepResult:
     num_batched_tokens: int = 0
     requests: dict[str, Request] = field(default_factory=dict)  # every request run this step
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error (e.g. a grammar that fails to compile)
+    # Dropped by the scheduler: no KV block left and it cannot be recomputed here
+    # (decode role, images elsewhere); the caller may send it again elsewhere.
+    dropped: list[str] = field(default_factory=list)
 
 
 class EngineCore:
@@ -92,16 +99,18 @@ class EngineCore:
                                    profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
-        self.scheduler = Scheduler(sched_cfg, num_blocks, role=role)
+        self.images = ImageLedger()  # the images of the requests in the engine
+        self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
-                                  self.info.image_token_id, config.resolved_backend(self.device), self.device)
+                                  self.info.image_token_id, self.images, config.resolved_backend(self.device),
+                                  self.device)
         self.num_blocks = num_blocks
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
         # Requests whose grammar (or bad words) are being prepared in the compiler
-        # thread: they enter the scheduler when done, so no step waits for a compile.
-        # (request, its images here, its images still to come, the compile)
-        self._preparing: dict[str, tuple[Request, dict[str, MMEntry], set[str], Future]] = {}
+        # thread: they enter the scheduler when done, so no step waits for a compile
+        # (their images are in the ledger already).
+        self._preparing: dict[str, tuple[Request, Future]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -117,10 +126,8 @@ class EngineCore:
         request is prefilled up to the first of them meanwhile (early
         prefill). ValueError if an image is unaccounted for, or if the
         scheduler refuses the request."""
-        mm_embeddings = mm_embeddings or {}
         pending_mm_hashes = set(pending_mm_hashes)
-        missing = [h for h in request.mm_hashes if h not in mm_embeddings and h not in pending_mm_hashes
-                   and self.runner.get_embedding(h) is None]
+        missing = self.images.missing(request, mm_embeddings, pending_mm_hashes)
         if missing:
             raise ValueError(f"request {request.request_id}: no embeddings for images {missing}")
         if not request.eos_token_ids:
@@ -129,32 +136,18 @@ class EngineCore:
             request.max_model_len = self.max_model_len
         if request.request_id in self._preparing:
             raise ValueError(f"request {request.request_id} is already queued")
-        # Only its own images: the scheduler frees exactly those when it is done.
-        own = {h: mm_embeddings[h] for h in request.mm_hashes if h in mm_embeddings}
-        pending = {h for h in request.mm_hashes
-                   if h in pending_mm_hashes and h not in own and self.runner.get_embedding(h) is None}
         if GrammarCompilerPool.needs(request.sampling_params):
-            self.scheduler._check_new(request)  # refuse what the scheduler would refuse, now
-            self._preparing[request.request_id] = (request, own, pending,
-                                                    self.grammars.prepare(request.sampling_params))
-            return
-        self.scheduler.add_request(request, pending)
-        self.runner.add_embeddings(own)
+            self.scheduler.check(request)  # refuse what the scheduler would refuse, now
+            self._preparing[request.request_id] = (request, self.grammars.prepare(request.sampling_params))
+        else:
+            self.scheduler.add_request(request)
+        self.images.add(request, mm_embeddings, pending_mm_hashes)
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
         here: they may be prefilled past it. False, keeping nothing, when no
         request waits for it (e.g. they were aborted meanwhile)."""
-        waited = False
-        for _, own, pending, _ in self._preparing.values():
-            if mm_hash in pending:
-                pending.discard(mm_hash)
-                own[mm_hash] = entry
-                waited = True
-        if self.scheduler.image_arrived(mm_hash):
-            self.runner.add_embeddings({mm_hash: entry})
-            waited = True
-        return waited
+        return self.images.arrived(mm_hash, entry)
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV
@@ -200,13 +193,16 @@ class EngineCore:
             self.scheduler.release(request_id)
         except ValueError:
             return False
+        self.images.remove([request_id])
         return True
 
     def abort(self, request_ids) -> list[str]:
         """Finishes the requests wherever they are; returns the ids actually aborted."""
         request_ids = list(request_ids)
         parked = [rid for rid in request_ids if self._preparing.pop(rid, None) is not None]
-        return parked + self.scheduler.abort(request_ids)
+        aborted = parked + self.scheduler.abort(request_ids)
+        self.images.remove(aborted)
+        return aborted
 
     # -- one step --------------------------------------------------------------------
 
@@ -219,16 +215,19 @@ class EngineCore:
         An exception while running or updating aborts the step's requests and
         raises StepFailed naming them (and the grammars that failed meanwhile)."""
         failed = self._admit_prepared()
+        self.images.drop_unused()  # images whose last request left since the last step
         out = self.scheduler.schedule()
+        self.images.remove(out.dropped_request_ids)
         try:
             runner_out = self.runner.execute(out)
             updates = self.scheduler.update(out, runner_out.sampled_token_ids)
         except Exception as exc:
             request_ids = [s.request_id for s in out.scheduled]
-            self.scheduler.abort(request_ids)
+            self.abort(request_ids)
             raise StepFailed(request_ids, failed) from exc
+        self.images.remove(u.request_id for u in updates if u.is_finished)
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
-                          {s.request_id: s.request for s in out.scheduled}, failed)
+                          {s.request_id: s.request for s in out.scheduled}, failed, out.dropped_request_ids)
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose grammar is compiled into the scheduler; returns those
@@ -238,17 +237,17 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             wait([f for *_, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         failed = {}
-        for rid, (request, embeddings, pending, future) in list(self._preparing.items()):
+        for rid, (request, future) in list(self._preparing.items()):
             if not future.done():
                 continue
             del self._preparing[rid]
             try:
                 prepared = future.result()
-                self.scheduler.add_request(request, pending)
+                self.scheduler.add_request(request)
             except ValueError as exc:
                 failed[rid] = str(exc)
+                self.images.remove([rid])
                 continue
-            self.runner.add_embeddings(embeddings)
             self.runner.add_constraints(request, prepared)
         return failed
 
@@ -257,7 +256,7 @@ class EngineCore:
     def get_embedding(self, mm_hash: str) -> MMEntry | None:
         """An image's encoder output while the engine holds it (a request
         still uses it, or the step that drops it has not run yet)."""
-        return self.runner.get_embedding(mm_hash)
+        return self.images.get(mm_hash)
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()

@@ -7,10 +7,9 @@ take their rows of the image embeddings (a chunk may start or end inside an
 image) and deepstack features; logits are computed only for the rows that
 sample.
 
-The runner owns the KV cache and the image embeddings of its requests:
-`read_blocks` / `write_blocks` move whole blocks in and out (KV transfer),
-`add_embeddings` takes an image's encoder output, and the scheduler's
-`freed_mm_hashes` say when to drop it.
+The runner owns the KV cache: `read_blocks` / `write_blocks` move whole
+blocks in and out (KV transfer). Image embeddings it reads from the
+engine's `ImageLedger`, which holds them while a request uses them.
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import torch
 
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.image_ledger import ImageLedger
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
@@ -44,9 +44,10 @@ class _RequestState:
 
 class ModelRunner:
     def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
-                 spatial_merge_size: int, image_token_id: int, attention_backend: str = "torch",
-                 device: str | torch.device = "cpu"):
+                 spatial_merge_size: int, image_token_id: int, images: ImageLedger,
+                 attention_backend: str = "torch", device: str | torch.device = "cpu"):
         self.model = model
+        self.images = images  # the engine's: embeddings of the images its requests use
         self.block_size = block_size
         self.spatial_merge_size = spatial_merge_size
         self.image_token_id = image_token_id
@@ -59,7 +60,6 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
-        self._mm_embeddings: dict[str, MMEntry] = {}  # mm_hash -> encoder output
         self._states: dict[str, _RequestState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
         self._bad_words: dict[str, list[list[int]]] = {}  # request id -> each bad word's token ids
@@ -97,16 +97,6 @@ class ModelRunner:
                 raise ValueError(f"{name} {list(t.shape)} do not fit this KV cache: want "
                                  f"[{num_layers}, >={num_blocks}, {block_size}, {num_kv_heads}, {head_dim}]")
 
-    # -- image embeddings ------------------------------------------------------------
-
-    def add_embeddings(self, embeddings: dict[str, MMEntry]) -> None:
-        """Keeps each image's encoder output until a step's `freed_mm_hashes` names it."""
-        for mm_hash, entry in embeddings.items():
-            self._mm_embeddings.setdefault(mm_hash, entry)
-
-    def get_embedding(self, mm_hash: str) -> MMEntry | None:
-        return self._mm_embeddings.get(mm_hash)
-
     # -- per-request state -----------------------------------------------------
 
     def _state(self, request: Request) -> _RequestState:
@@ -140,8 +130,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.drop(out.finished_request_ids)
-        for mm_hash in out.freed_mm_hashes:
-            self._mm_embeddings.pop(mm_hash, None)  # a decode worker never had them
         if out.is_empty:
             return RunnerOutput()
         token_ids: list[int] = []
@@ -155,7 +143,7 @@ class ModelRunner:
             positions.append(self._positions(req, state, s.start, s.end))
             chunk_mask = [False] * s.num_new_tokens
             for span, first, last in s.mm_slices():
-                emb = self._mm_embeddings.get(span.mm_hash)
+                emb = self.images.get(span.mm_hash)
                 if emb is None:
                     raise RuntimeError(f"request {req.request_id}: no embedding for image {span.mm_hash}")
                 mm_rows.append((emb, first, last))

@@ -69,6 +69,20 @@ class Request:
         """Its distinct images, in prompt order."""
         return list(dict.fromkeys(s.mm_hash for s in self.mm_spans))
 
+    def stop_status(self, max_model_len: int) -> RequestStatus | None:
+        """How its last sampled token ends it, if it does: EOS (unless
+        `ignore_eos`) or a `stop_token_ids` token once `min_tokens` are out
+        -> FINISHED_STOPPED; `max_tokens` out or `max_model_len` reached ->
+        FINISHED_LENGTH."""
+        params = self.sampling_params
+        token_id = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def max_tokens(self) -> int:
         """Output tokens allowed, bounded by the model length when known."""

@@ -13,77 +13,49 @@ Invariants
   arrival); `waiting` is FCFS except that preempted requests go back to its
   front. Under `prefill_priority="cost"` the prefills (waiting and running)
   are *taken* in priority order (`_priority`), the queues stay as they are.
-* A request added with images still missing (`pending_mm_hashes`) is never
-  scheduled past the first placeholder of a missing image (`prefill_bound`);
+* Images are the `ImageLedger`'s: a request is never scheduled past the
+  first placeholder of an image still pending there (`prefill_bound`);
   blocked there it holds only the blocks it has filled and yields its
   budget. At most `max_num_image_waits` such requests hold blocks at once,
   and one is admitted only when the free blocks cover its whole prompt.
+* Only a request the ledger `can_recompute` is preempted: one prefilled on
+  another worker with images (decode role) keeps its blocks and waits for
+  free ones; when every block is held by such waiters, the latest arrival
+  is dropped (`SchedulerOutput.dropped_request_ids`) so the others go on.
 * Every request in `running` (and every prefilled request held for KV
   transfer) holds blocks for at least its `num_computed_tokens`; waiting
   requests hold none.
 * A running request always has at least one token left to compute
   (`num_computed_tokens < num_tokens`), so each step it is scheduled it
   computes KV and the last chunk samples.
-* An image is in use from the moment a request holding it is added until
-  the last such request finishes or is released; the next `schedule()`
-  then reports it in `freed_mm_hashes` (unless a new request took it again).
 """
 from __future__ import annotations
 
 import bisect
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
+from epd.engine.image_ledger import ImageLedger
 from epd.engine.request import Request, RequestStatus
+from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
 
-ROLES = ("pd", "prefill", "decode")
-PREFILL_PRIORITIES = ("fcfs", "cost")
+@dataclass
+class _Step:
+    """What `schedule` has picked so far this step."""
 
+    token_budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted_ids: list[str] = field(default_factory=list)
+    may_admit: bool = True  # False once a waiting request did not fit (head-of-line)
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Scheduling limits chosen at launch.
-
-    The number of KV blocks is discovered at run time (memory profiling), so
-    it is a `Scheduler` argument, not a config field. `max_model_len=None`
-    means "as long as the KV cache allows".
-    """
-
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    # Which prefill gets the token budget first: "fcfs" (arrival) or "cost"
-    # (fewest tokens left to prefill, aged; see `Scheduler._priority`).
-    prefill_priority: str = "cost"
-    # Aging of "cost": a request gains `prefill_aging` tokens of priority per
-    # token the engine schedules after it arrived.
-    prefill_aging: float = 0.1
-    # Requests that may hold KV blocks while an image they need is missing.
-    max_num_image_waits: int = 4
-    # Conditional disaggregation (e-p-d): a text-only prompt of at most this many
-    # tokens is prefilled on a decode worker instead of the prefill worker, and a
-    # decode worker's step computes at most this many prompt tokens beside its
-    # decodes. 0: off (a decode worker takes prefilled requests only).
-    max_local_prefill_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_image_waits"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.prefill_priority not in PREFILL_PRIORITIES:
-            raise ValueError(f"prefill_priority must be one of {', '.join(PREFILL_PRIORITIES)}, "
-                             f"got {self.prefill_priority!r}")
-        if self.max_local_prefill_tokens < 0:
-            raise ValueError(f"max_local_prefill_tokens must be non-negative, got {self.max_local_prefill_tokens}")
-        if not self.prefill_aging > 0:
-            raise ValueError(f"prefill_aging must be positive, got {self.prefill_aging}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+    def take(self, scheduled: ScheduledRequest) -> None:
+        self.scheduled.append(scheduled)
+        self.scheduled_ids.add(scheduled.request_id)
+        self.token_budget -= scheduled.num_new_tokens
 
 
 class Scheduler:
@@ -100,11 +72,15 @@ class Scheduler:
         local prefill delays the running decodes by one bounded chunk.
     """
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd") -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
+                 images: ImageLedger | None = None) -> None:
+        """`images`: the engine's image ledger, asked how far a request may be
+        prefilled and whether it can be recomputed (None: a ledger of its own)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config = config
         self.role = role
+        self.images = images if images is not None else ImageLedger()
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.num_cache_tokens = num_blocks * config.block_size
@@ -119,66 +95,33 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every request not yet finished or released
         self._arrival_keys: dict[str, tuple[float, int]] = {}
         self._arrival_work: dict[str, int] = {}  # request id -> tokens scheduled before it arrived
-        self._missing_mm_hashes: dict[str, set[str]] = {}  # request id -> images not here yet
         self._num_added = 0
         self.num_scheduled_tokens = 0  # every token scheduled so far: the clock of aging
         self._finished_request_ids: list[str] = []  # since the last schedule()
-        self._mm_users: dict[str, int] = {}  # mm_hash -> unfinished requests holding it
-        self._freed_mm_hashes: dict[str, None] = {}  # since the last schedule(), in order
+        self._stalled: list[Request] = []  # last schedule(): got no block, cannot be preempted
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- intake
 
-    def add_request(self, request: Request, pending_mm_hashes: Iterable[str] = ()) -> None:
-        """Queue a new request (status WAITING, no blocks).
-
-        `pending_mm_hashes`: its images whose embeddings are not here yet
-        (early prefill). It is prefilled up to the first placeholder of such
-        an image, and on after `image_arrived` names it.
-        Raises ValueError for a duplicate id, an empty prompt, a prompt
-        longer than the KV cache or one leaving no room under max_model_len.
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING, no blocks). Its images are in
+        the ledger already; one still pending there bounds its prefill.
+        ValueError as `check` says.
         """
         if self.role == "decode" and not self.config.max_local_prefill_tokens:
             raise ValueError("a decode-only scheduler takes requests through add_prefilled "
                              "(--max-local-prefill-tokens 0)")
-        self._check_new(request)
+        self.check(request)
         if request.status is not RequestStatus.WAITING or request.block_ids \
                 or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} is not a fresh waiting request")
         self._register(request)
-        missing = set(pending_mm_hashes) & set(request.mm_hashes)
-        if missing:
-            self._missing_mm_hashes[request.request_id] = missing
         self.waiting.append(request)
 
-    def image_arrived(self, mm_hash: str) -> bool:
-        """An image some requests were added without is here: they may be
-        prefilled past it. False when no request waits for it."""
-        waited = False
-        for request_id, missing in list(self._missing_mm_hashes.items()):
-            if mm_hash in missing:
-                waited = True
-                missing.discard(mm_hash)
-                if not missing:
-                    del self._missing_mm_hashes[request_id]
-        return waited
-
-    def prefill_bound(self, request: Request, start: int | None = None) -> int:
-        """How far `request` may be computed now: its first placeholder, at or
-        after `start` (default: its computed tokens), of an image not here
-        yet; else all its tokens."""
-        missing = self._missing_mm_hashes.get(request.request_id)
-        if not missing:
-            return request.num_tokens
-        start = request.num_computed_tokens if start is None else start
-        for span in request.mm_spans:  # in prompt order
-            if span.mm_hash in missing and span.end > start:
-                return max(span.offset, start)
-        return request.num_tokens
-
     def is_waiting_for_image(self, request: Request) -> bool:
-        """Whether an image it needs next is missing (it can compute nothing now)."""
-        return self.prefill_bound(request) <= request.num_computed_tokens
+        """Whether an image it needs next is pending (it can compute nothing now)."""
+        return self.images.prefill_bound(request) <= request.num_computed_tokens
+
     def add_prefilled(self, request: Request) -> list[int] | None:
         """Take a request whose prompt KV was computed on a prefill worker.
 
@@ -190,16 +133,17 @@ class Scheduler:
         transferred KV into them before the next `schedule()`. The request
         goes straight to `running` with `num_computed_tokens =
         num_prompt_tokens`; its next step decodes. Returns None, changing
-        nothing, when blocks or `max_num_seqs` leave no room now: retry later.
+        nothing, when blocks or `max_num_seqs` leave no room now, or a
+        running request waits for a block (`_stalled`): retry later.
         """
         if self.role == "prefill":
             raise ValueError("a prefill-only scheduler does not take prefilled requests")
-        self._check_new(request)
+        self.check(request)
         if request.num_output_tokens < 1:
             raise ValueError(f"prefilled request {request.request_id} has no sampled token")
         if request.block_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds KV state")
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled):
             return None
         if not self.block_manager.allocate(request, request.num_prompt_tokens):
             return None
@@ -209,7 +153,9 @@ class Scheduler:
         bisect.insort(self.running, request, key=self._arrival_key)
         return list(request.block_ids)
 
-    def _check_new(self, request: Request) -> None:
+    def check(self, request: Request) -> None:
+        """ValueError unless the request may be added: a new id, a prompt that
+        is not empty, fits the KV cache and leaves room under max_model_len."""
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         num_prompt_tokens = request.num_prompt_tokens
@@ -231,9 +177,6 @@ class Scheduler:
         self._arrival_keys[request.request_id] = (request.arrival_time, self._num_added)
         self._arrival_work[request.request_id] = self.num_scheduled_tokens
         self._num_added += 1
-        for mm_hash in request.mm_hashes:
-            self._mm_users[mm_hash] = self._mm_users.get(mm_hash, 0) + 1
-            self._freed_mm_hashes.pop(mm_hash, None)  # taken again before the runner dropped it
 
     def _arrival_key(self, request: Request) -> tuple[float, int]:
         return self._arrival_keys[request.request_id]
@@ -267,38 +210,32 @@ class Scheduler:
         and a request admitted ahead of a running prefill must leave the
         blocks that prefill's next chunk needs. A prompt longer than the
         remaining budget is chunked at any token, also inside an image span,
-        and never past `prefill_bound`: a request blocked there is skipped
-        and its budget goes to the next. When blocks run out, the most
-        recently arrived running request not yet scheduled this step is
-        preempted (possibly the one asking); no waiting request is admitted
+        and never past the ledger's `prefill_bound`: a request blocked there
+        is skipped and its budget goes to the next. When blocks run out, a
+        running request not yet scheduled this step is preempted (see
+        `_allocate_or_preempt`); no waiting request is admitted
         in a step that preempted, nor after one that did not fit
         (head-of-line: nobody overtakes the request it is its turn to admit).
         A decode-role scheduler gives its prefills at most
         `max_local_prefill_tokens` of the budget a step.
         """
-        token_budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        scheduled_ids: set[str] = set()
-        preempted_ids: list[str] = []
-
+        step = _Step(self.config.max_num_batched_tokens)
+        self._stalled = []
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes:
-            if token_budget == 0:
+            if step.token_budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted for an earlier request in this loop
-            if self._allocate_or_preempt(request, 1, scheduled_ids, preempted_ids):
-                scheduled.append(self._scheduled(request, 1))
-                scheduled_ids.add(request.request_id)
-                token_budget -= 1
+            # (a request preempted for an earlier one in this loop is not RUNNING)
+            if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, step):
+                step.take(self._scheduled(request, 1))
 
         # A decode worker's prompts (local prefills, recomputed preemptions) take at
         # most max_local_prefill_tokens a step: the running decodes wait one bounded chunk.
         held_back = 0
         if self.role == "decode" and self.config.max_local_prefill_tokens:
-            held_back = max(0, token_budget - self.config.max_local_prefill_tokens)
-            token_budget -= held_back
+            held_back = max(0, step.token_budget - self.config.max_local_prefill_tokens)
+            step.token_budget -= held_back
 
         # Prefills, running and waiting, in one order: "fcfs" the running ones by
         # arrival, then the queue; "cost" all by priority, so a short prompt that
@@ -307,59 +244,53 @@ class Scheduler:
             order = prefills + list(self.waiting)
         else:
             order = sorted(prefills + list(self.waiting), key=self._priority)
-        num_image_waits = sum(1 for r in self.running if self.prefill_bound(r) < r.num_tokens)
-        may_admit = True
         for i, request in enumerate(order):
-            if token_budget == 0:
+            if step.token_budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                num_new_tokens = min(self.prefill_bound(request) - request.num_computed_tokens, token_budget)
-                if num_new_tokens <= 0:
-                    continue  # waiting for an image: its budget goes to the others
-                if self._allocate_or_preempt(request, num_new_tokens, scheduled_ids, preempted_ids):
-                    scheduled.append(self._scheduled(request, num_new_tokens))
-                    scheduled_ids.add(request.request_id)
-                    token_budget -= num_new_tokens
-                continue
-            if preempted_ids or not may_admit or len(self.running) >= self.config.max_num_seqs:
-                continue  # no admission in a step that preempted, nor past one that did not fit
-            computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
-            bound = self.prefill_bound(request, num_cached_tokens)
-            num_new_tokens = min(bound - num_cached_tokens, token_budget)
-            if num_new_tokens <= 0:
-                continue  # its first image is not here: it holds nothing and waits
-            is_partial = bound < request.num_tokens
-            if is_partial and not self._can_wait_for_images(request, num_cached_tokens, num_image_waits):
-                continue
-            reserve = self._blocks_to_go_on(order[i + 1:], token_budget - num_new_tokens)
-            if not self.block_manager.can_allocate(request, num_new_tokens, computed_block_ids) \
-                    or self.block_manager.num_free_blocks - reserve \
-                    < self._num_new_blocks(request, num_new_tokens, computed_block_ids):
-                may_admit = False  # nobody overtakes the request whose turn it is
-                continue
-            self.block_manager.allocate(request, num_new_tokens, computed_block_ids)
-            self.waiting.remove(request)
-            num_image_waits += is_partial
-            if request.status is RequestStatus.WAITING:  # first schedule, not a return
-                request.num_cached_tokens = num_cached_tokens
-            request.num_computed_tokens = num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._arrival_key)
-            scheduled.append(self._scheduled(request, num_new_tokens))
-            scheduled_ids.add(request.request_id)
-            token_budget -= num_new_tokens
+                num_new_tokens = min(self.images.prefill_bound(request) - request.num_computed_tokens,
+                                     step.token_budget)  # <= 0: waiting for an image, the budget goes on
+                if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, step):
+                    step.take(self._scheduled(request, num_new_tokens))
+            elif step.may_admit and not step.preempted_ids and len(self.running) < self.config.max_num_seqs:
+                self._admit(request, step, order[i + 1:])
 
-        token_budget += held_back
-        num_batched_tokens = self.config.max_num_batched_tokens - token_budget
+        step.token_budget += held_back
+        num_batched_tokens = self.config.max_num_batched_tokens - step.token_budget
         self.num_scheduled_tokens += num_batched_tokens
+        dropped_ids = [self._drop_stalled()] if self._stalled and not step.scheduled else []
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
-        freed_mm_hashes, self._freed_mm_hashes = list(self._freed_mm_hashes), {}
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=num_batched_tokens,
-            preempted_request_ids=preempted_ids,
-            finished_request_ids=finished_ids,
-            freed_mm_hashes=freed_mm_hashes)
+        return SchedulerOutput(scheduled=step.scheduled, num_batched_tokens=num_batched_tokens,
+                               preempted_request_ids=step.preempted_ids, finished_request_ids=finished_ids,
+                               dropped_request_ids=dropped_ids)
+
+    def _admit(self, request: Request, step: _Step, later: list[Request]) -> None:
+        """Move a waiting request to `running` with its first chunk (from its
+        prefix-cache hit up to its `prefill_bound`) if its blocks are free
+        beside those the running prefills in `later` need next. One whose
+        first image is pending, or that may not wait for images now, stays
+        and the next may start; one that does not fit stops admission."""
+        computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
+        bound = self.images.prefill_bound(request, num_cached_tokens)
+        num_new_tokens = min(bound - num_cached_tokens, step.token_budget)
+        if num_new_tokens <= 0:
+            return  # its first image is not here: it holds nothing and waits
+        if bound < request.num_tokens and not self._can_wait_for_images(request, num_cached_tokens):
+            return
+        reserve = self._blocks_to_go_on(later, step.token_budget - num_new_tokens)
+        if not self.block_manager.can_allocate(request, num_new_tokens, computed_block_ids) \
+                or self.block_manager.num_free_blocks - reserve \
+                < self._num_new_blocks(request, num_new_tokens, computed_block_ids):
+            step.may_admit = False  # nobody overtakes the request whose turn it is
+            return
+        self.block_manager.allocate(request, num_new_tokens, computed_block_ids)
+        self.waiting.remove(request)
+        if request.status is RequestStatus.WAITING:  # first schedule, not a return
+            request.num_cached_tokens = num_cached_tokens
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._arrival_key)
+        step.take(self._scheduled(request, num_new_tokens))
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, computed_block_ids: list[int]) -> int:
         """Free blocks admitting `request` takes (prefix hits on cached-free blocks included)."""
@@ -375,18 +306,19 @@ class Scheduler:
         for request in later:
             if request.status is not RequestStatus.RUNNING or token_budget <= 0:
                 continue
-            num_new_tokens = min(self.prefill_bound(request) - request.num_computed_tokens, token_budget)
+            num_new_tokens = min(self.images.prefill_bound(request) - request.num_computed_tokens, token_budget)
             if num_new_tokens > 0:
                 token_budget -= num_new_tokens
                 num_blocks += max(0, self.block_manager.num_blocks_for(request.num_computed_tokens + num_new_tokens)
                                   - len(request.block_ids))
         return num_blocks
 
-    def _can_wait_for_images(self, request: Request, num_cached_tokens: int, num_image_waits: int) -> bool:
+    def _can_wait_for_images(self, request: Request, num_cached_tokens: int) -> bool:
         """Whether a request that will stop at a missing image may start now:
         fewer than `max_num_image_waits` others hold blocks waiting for images,
         and the free blocks cover its whole prompt (so starting it never
         preempts a request whose images are all here)."""
+        num_image_waits = sum(1 for r in self.running if self.images.prefill_bound(r) < r.num_tokens)
         if num_image_waits >= self.config.max_num_image_waits:
             return False
         num_blocks = self.block_manager.num_blocks_for(request.num_tokens) \
@@ -398,21 +330,38 @@ class Scheduler:
         return ScheduledRequest(request=request, start=start, num_new_tokens=num_new_tokens,
                                 is_last_chunk=start + num_new_tokens == request.num_tokens)
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int,
-                             scheduled_ids: set[str], preempted_ids: list[str]) -> bool:
-        """Allocate for `request`, preempting later arrivals until it fits.
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, step: _Step) -> bool:
+        """Allocate for `request`, preempting others until it fits.
 
-        Returns False when `request` itself had to be preempted.
+        The victim is the most recent arrival not yet scheduled this step
+        (`request` at the latest) that the ledger `can_recompute`: a decode
+        worker has no embeddings for the images of a request prefilled
+        elsewhere, so it never preempts one; asking itself, such a request
+        finds no victim, keeps its blocks and waits (`_stalled`).
+        Returns False when `request` was preempted or stalled.
         """
         while not self.block_manager.allocate(request, num_new_tokens):
-            # `running` is in arrival order: the last unscheduled one is the
-            # most recent arrival we may still evict (`request` at the latest).
-            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+            # `running` is in arrival order: the last unscheduled one is the latest arrival.
+            victim = next((r for r in reversed(self.running) if r.request_id not in step.scheduled_ids
+                           and self.images.can_recompute(r)), None)
+            if victim is None:
+                self._stalled.append(request)
+                return False
             self._preempt(victim)
-            preempted_ids.append(victim.request_id)
+            step.preempted_ids.append(victim.request_id)
             if victim is request:
                 return False
         return True
+
+    def _drop_stalled(self) -> str:
+        """Every block is held by requests that wait for one and cannot be
+        recomputed here: the latest arrival of them finishes as aborted (its
+        caller may retry it elsewhere), so the others go on. Returns its id."""
+        request = max(self._stalled, key=self._arrival_key)
+        self._stalled.remove(request)
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request.request_id
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: drop KV, back to the front of `waiting`."""
@@ -433,12 +382,8 @@ class Scheduler:
         For every scheduled request: `num_computed_tokens += num_new_tokens`
         and newly full blocks enter the prefix cache. For every chunk with
         `is_last_chunk`, `sampled_token_ids[request_id]` is appended and the
-        stop rules run (other entries are ignored):
-          * EOS (`request.eos_token_ids`, unless `ignore_eos`) or a
-            `stop_token_ids` token -> "stop", but only once
-            `num_output_tokens >= min_tokens`;
-          * `num_output_tokens >= request.max_tokens` or `num_tokens >=
-            max_model_len` -> "length".
+        stop rules run (`Request.stop_status`: EOS or a stop token -> "stop",
+        max_tokens or max_model_len -> "length"; other entries are ignored).
         Finished requests free their blocks. In the prefill role an unfinished
         request that sampled becomes prefilled (keeps its blocks). Requests
         aborted between `schedule` and `update` are skipped.
@@ -460,7 +405,7 @@ class Scheduler:
                                  f"whose chunk ends at its last token")
             token_id = sampled_token_ids[request.request_id]
             request.output_token_ids.append(token_id)
-            status = self._check_stop(request)
+            status = request.stop_status(self.max_model_len)
             if status is not None:
                 self._finish(request, status)
                 updates.append(RequestUpdate(request.request_id, [token_id], status.value))
@@ -473,18 +418,6 @@ class Scheduler:
                         and r.request_id not in self._prefilled]
         return updates
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token_id in request.eos_token_ids) \
-                    or token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens \
-                or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and free blocks; the caller drops it from `running`."""
         request.status = status
@@ -495,13 +428,7 @@ class Scheduler:
         del self._requests[request.request_id]
         del self._arrival_keys[request.request_id]
         del self._arrival_work[request.request_id]
-        self._missing_mm_hashes.pop(request.request_id, None)
         self._finished_request_ids.append(request.request_id)
-        for mm_hash in request.mm_hashes:
-            self._mm_users[mm_hash] -= 1
-            if not self._mm_users[mm_hash]:
-                del self._mm_users[mm_hash]
-                self._freed_mm_hashes[mm_hash] = None
 
     # ---------------------------------------------------------- abort/release
 
@@ -562,14 +489,8 @@ class Scheduler:
         return len(self._prefilled)
 
     def stats(self) -> dict[str, int | float]:
-        block_manager = self.block_manager
-        return {
-            "num_running": self.num_running,
-            "num_waiting": self.num_waiting,
-            "num_prefilled": self.num_prefilled,
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": block_manager.prefix_cache_queries,
-            "prefix_cache_hits": block_manager.prefix_cache_hits,
-            "kv_usage": block_manager.usage,
-            "num_free_blocks": block_manager.num_free_blocks,
-        }
+        blocks = self.block_manager
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting,
+                "num_prefilled": self.num_prefilled, "num_preemptions": self.num_preemptions,
+                "prefix_cache_queries": blocks.prefix_cache_queries, "prefix_cache_hits": blocks.prefix_cache_hits,
+                "kv_usage": blocks.usage, "num_free_blocks": blocks.num_free_blocks}

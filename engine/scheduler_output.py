@@ -63,16 +63,16 @@ class SchedulerOutput:
     `preempted_request_ids` lost their KV this step (they will be recomputed
     from scratch); `finished_request_ids` finished, were aborted or released
     since the previous step. Runners that keep per-request state drop it for
-    both. `freed_mm_hashes` are images no unfinished request uses any more:
-    the runner drops their embeddings (as vLLM frees encoder outputs through
-    its scheduler output). None of them is used by this step's requests.
+    both. `dropped_request_ids` (also finished) were aborted by this step:
+    they held blocks, needed one more and could not be recomputed here
+    (`Scheduler._drop_stalled`); the caller answers them with an error.
     """
 
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
-    freed_mm_hashes: list[str] = field(default_factory=list)
+    dropped_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -318,6 +318,8 @@ class EngineWorker(WorkerIO):
             return
         for request_id, error in result.failed.items():  # e.g. a grammar this engine cannot compile
             self._fail(request_id, error)
+        for request_id in result.dropped:  # out of KV blocks, its images elsewhere: the API sends it again
+            self._fail(request_id, "no KV cache block left for it on this decode worker", is_internal=True)
         outputs, prefilled = [], []
         for update in result.updates:
             request = result.requests[update.request_id]

@@ -3,7 +3,7 @@
     ServeConfig (epd serve)          mode, worker counts, HTTP, routing, cores
       encoder_scaling                epd/serve/autoscale.py (--encoders MIN-MAX)
       engine: EngineConfig           epd/engine/config.py
-        scheduler: SchedulerConfig   epd/engine/scheduler.py
+        scheduler: SchedulerConfig   epd/engine/scheduler_config.py
       media: MediaConfig             epd/inputs/media.py
       files: ModelFilesConfig        epd/inputs/model_files.py (--chat-template, --generation-config)
     WorkerConfig (epd worker)        one worker registering with a remote API

@@ -19,7 +19,8 @@ import random
 import numpy as np
 
 from epd.engine.request import Request
-from epd.engine.scheduler import Scheduler, SchedulerConfig
+from epd.engine.scheduler import Scheduler
+from epd.engine.scheduler_config import SchedulerConfig
 from epd.transport.sampling import SamplingParams
 
 def simulate(priority: str, load: float, num_requests: int, budget: int, seed: int,

@@ -33,7 +33,7 @@ import anyio
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, TypeAdapter
 
-from epd.api.errors import error_body, error_response, internal_error
+from epd.api.errors import error_response, internal_error
 from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
@@ -248,10 +248,10 @@ async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: Requ
         if include_usage:
             events.append(sse(fmt.usage_chunk(outputs)))
     except RequestError as exc:  # the status is already sent: report in-band, as vLLM does
-        events.append(sse(error_body(exc)))
+        events.append(fmt.error_event(exc))
     except Exception:
         logger.exception("request %s failed mid-stream", fmt.request_id)
-        events.append(sse(error_body(internal_error())))
+        events.append(fmt.error_event(internal_error()))
     finally:
         with anyio.CancelScope(shield=True):  # runs even when the client disconnect cancelled us
             await streams.aclose()

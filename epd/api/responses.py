@@ -10,7 +10,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from epd.requests import Delta
+from epd.api.errors import error_body
+from epd.requests import Delta, RequestError
 from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
 from epd.transport.sampling import TokenLogprobs
 
@@ -84,6 +85,10 @@ class _Format:
             return template[0] + json.dumps(delta.text, ensure_ascii=False).encode() + template[1]
         chunk = self.delta_chunk(index, delta)
         return sse(chunk) if chunk is not None else None
+
+    def error_event(self, error: RequestError) -> bytes:
+        """An error after the stream began (its status is sent): reported in-band, as vLLM does."""
+        return sse(error_body(error))
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,

@@ -4,6 +4,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions (both served by
 `epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery by
 `epd.api.fast_path.FastPathApp`),
 GET /v1/models[/{id}], POST /tokenize and /detokenize (epd.api.tokenizer_routes), GET /version,
+POST /v1/responses (epd.api.responses_route, on the chat path),
 GET /health, GET /metrics. The app knows the
 orchestrator only through `OrchestratorLike`; one HTTP request with `n`
 choices becomes `n` `orchestrator.generate()` streams (see
@@ -38,6 +39,7 @@ from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLET
 from epd.api.metrics import ApiMetrics
 from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
+from epd.api.responses_route import add_responses_route
 from epd.api.settings import ApiSettings
 from epd.api.tokenizer_routes import add_tokenizer_routes
 from epd.requests import RequestError
@@ -64,6 +66,7 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     _add_health_routes(app, orchestrator, metrics)
     _add_model_routes(app, orchestrator, settings)
     add_tokenizer_routes(app, orchestrator, settings)
+    add_responses_route(app, generate)
 
     # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
     # a POST to either path is taken by `FastPathApp` before FastAPI sees it.

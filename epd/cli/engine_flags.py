@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
-from epd.engine.scheduler import PREFILL_PRIORITIES
+from epd.engine.scheduler_config import PREFILL_PRIORITIES
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",

@@ -7,9 +7,11 @@ from collections.abc import Callable, Sequence
 from epd.engine.request import Request
 from epd.transport.mm_span import MMSpan
 from epd.transport.sampling import SamplingParams
-from epd.engine.scheduler import Scheduler, SchedulerConfig
+from epd.engine.scheduler import Scheduler
+from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
 
+ENTRY = object()  # an image's encoder output: opaque to the scheduler and the image ledger
 IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it
 EOS_ID = 2
 
@@ -55,6 +57,18 @@ def make_scheduler(num_blocks: int = 64, *, block_size: int = 4, max_num_seqs: i
                              enable_prefix_caching=enable_prefix_caching,
                              max_model_len=max_model_len, **config)
     return Scheduler(config, num_blocks=num_blocks, role=role)
+
+
+def add_request(scheduler: Scheduler, request: Request, pending: Sequence[str] = ()) -> None:
+    """As `EngineCore.add_request`: queue `request` and enter its images in the
+    scheduler's ledger, those in `pending` still to come, the others here."""
+    scheduler.add_request(request)
+    scheduler.images.add(request, {h: ENTRY for h in request.mm_hashes if h not in pending}, pending)
+
+
+def expected_outputs(num_prompt_tokens: int, num_output_tokens: int) -> list[int]:
+    """What `fake_token` samples for a request run without interruption."""
+    return [10_000 + num_prompt_tokens + i for i in range(num_output_tokens)]
 
 
 def fake_token(request: Request) -> int:

@@ -1,8 +1,8 @@
 """One real `epd serve` per mode, shared by every module that serves the tiny
 checkpoint in that mode with ordinary flags (tests/e2e/serve/test_serve.py,
-test_structured_serve.py, test_early_prefill_serve.py, and the aggregated one
-by test_openai_conformance.py): a server start costs seconds of both cores,
-so the same three servers serve them all. Session-scoped and parametrized,
+test_structured_serve.py, test_early_prefill_serve.py, the aggregated one by
+test_openai_conformance.py and the e-pd one by test_responses_api.py): a server
+start costs seconds of both cores, so the same three servers serve them all. Session-scoped and parametrized,
 so pytest runs every test of one mode before it starts the next mode's server.
 
 The flags are the union of what those modules need, each for its reason:

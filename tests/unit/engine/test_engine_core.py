@@ -167,3 +167,46 @@ def test_the_inbox_takes_a_whole_prompts_kv_and_nothing_much_larger(tiny_model):
     kv_bytes = info.num_layers * -(-max_len // BLOCK_SIZE) * BLOCK_SIZE * info.num_kv_heads * info.head_dim * 4
     assert inbox_frame_bytes(core) == max(HEADER_MAX_BYTES, kv_bytes, max_len * info.hidden_size * 4) + MARGIN_BYTES
     assert inbox_frame_bytes(core) >= kv_bytes
+
+
+def test_a_decode_engine_out_of_blocks_never_recomputes_an_image_request(tiny_model, image_prompt):
+    """A decode engine has no embeddings for a request prefilled elsewhere. With
+    KV for just the two prompts it must preempt: it gives way with the text
+    request (recomputed here), and both decode exactly as on a roomy engine."""
+    token_ids, spans, embeddings = image_prompt
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    block_size = 4
+    prefill = make_core(tiny_model, "prefill", block_size=block_size)
+
+    def transferred() -> list[tuple[Request, torch.Tensor, torch.Tensor]]:
+        """The text request (it arrives first), then the image one, as a prefill engine hands them over."""
+        requests = [Request("text", list(range(100, 120)), greedy),
+                    Request("image", list(token_ids), greedy, mm_spans=list(spans))]
+        prefill.add_request(requests[0])
+        prefill.add_request(requests[1], embeddings)
+        first = {u.request_id: u.new_token_ids[0] for u in run_to_end(prefill)}
+        out = []
+        for r in requests:
+            k, v = prefill.export_kv(r.request_id)
+            assert prefill.release(r.request_id)
+            request = Request(r.request_id, r.prompt_token_ids, greedy, mm_spans=r.mm_spans,
+                              eos_token_ids=prefill.info.eos_token_ids)
+            request.output_token_ids.append(first[r.request_id])
+            out.append((request, k, v))
+        return out
+
+    def decoded(num_kv_blocks: int) -> tuple[dict[str, list[int]], int]:
+        decode = make_core(tiny_model, "decode", num_kv_blocks=num_kv_blocks, block_size=block_size)
+        requests = transferred()
+        for request, k, v in requests:
+            assert decode.add_prefilled(request, k, v)
+        run_to_end(decode)
+        assert decode.num_free_blocks() == decode.num_blocks
+        return {r.request_id: r.output_token_ids for r, _, _ in requests}, decode.stats()["num_preemptions"]
+
+    expected, num_preemptions = decoded(num_kv_blocks=64)
+    assert num_preemptions == 0 and all(len(t) == greedy.max_tokens for t in expected.values())
+    num_prompt_blocks = -(-20 // block_size) + -(-len(token_ids) // block_size)
+    tokens, num_preemptions = decoded(num_kv_blocks=num_prompt_blocks)  # full once both are in
+    assert num_preemptions > 0
+    assert tokens == expected

@@ -5,14 +5,9 @@ import pytest
 
 from epd.engine.request import Request, RequestStatus
 
-from testkit.engine_factories import (EOS_ID, assert_all_blocks_free, fake_run, fake_token,
-                                    make_image_prompt, make_request, make_scheduler,
-                                    run_until_done)
-
-
-def expected_outputs(num_prompt_tokens: int, num_output_tokens: int) -> list[int]:
-    """What `fake_token` samples for a request run without interruption."""
-    return [10_000 + num_prompt_tokens + i for i in range(num_output_tokens)]
+from testkit.engine_factories import (EOS_ID, assert_all_blocks_free, expected_outputs, fake_run, fake_token,
+                                      make_image_prompt, make_request, make_scheduler,
+                                      run_until_done)
 
 
 def step(scheduler, model=fake_token):

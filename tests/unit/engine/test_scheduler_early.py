@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from epd.transport.mm_span import MMSpan
 
-from testkit.engine_factories import (IMAGE_PAD_ID, assert_all_blocks_free, image_request, make_request,
-                                    make_scheduler, run_until_done, step)
+from testkit.engine_factories import (ENTRY, IMAGE_PAD_ID, add_request, assert_all_blocks_free, image_request,
+                                      make_request, make_scheduler, run_until_done, step)
 
 
 def two_image_request(num_text: int = 6, num_image_tokens: int = 4, **kwargs):
@@ -24,31 +24,31 @@ def computed_by_step(scheduler, request, num_steps):
 def test_a_request_is_prefilled_up_to_its_first_missing_image_then_on_as_images_arrive():
     scheduler = make_scheduler(max_num_batched_tokens=4)
     request = two_image_request()  # cat at 6..10, dog at 12..16, 18 tokens
-    scheduler.add_request(request, pending_mm_hashes=["cat", "dog"])
+    add_request(scheduler, request, pending=["cat", "dog"])
     assert computed_by_step(scheduler, request, 5) == 6  # chunks 4 + 2, then blocked at cat
     assert not scheduler.has_unfinished() and scheduler.num_waiting_for_images == 1
     assert scheduler.schedule().scheduled == []
     # dog first (out of order): still blocked at cat
-    assert scheduler.image_arrived("dog") and not scheduler.has_unfinished()
+    assert scheduler.images.arrived("dog", ENTRY) and not scheduler.has_unfinished()
     assert scheduler.schedule().scheduled == []
-    assert scheduler.image_arrived("cat") and scheduler.has_unfinished()
+    assert scheduler.images.arrived("cat", ENTRY) and scheduler.has_unfinished()
     outputs = run_until_done(scheduler)
     assert request.is_finished and request.num_output_tokens == 4
     chunks = [(s.start, s.end) for o in outputs for s in o.scheduled if s.start < 18]
     assert chunks[0] == (6, 10)  # resumed exactly where it stopped
-    assert not scheduler.image_arrived("cat")  # nobody waits for it any more
+    assert not scheduler.images.arrived("cat", ENTRY)  # nobody waits for it any more
     assert_all_blocks_free(scheduler)
 
 
 def test_no_chunk_ever_covers_a_missing_image():
     scheduler = make_scheduler(max_num_batched_tokens=5)
     request = two_image_request()
-    scheduler.add_request(request, pending_mm_hashes=["cat", "dog"])
+    add_request(scheduler, request, pending=["cat", "dog"])
     arrivals = {3: "cat", 6: "dog"}  # step -> image that arrives before it
     here: set[str] = set()
     for i in range(40):
         if i in arrivals:
-            scheduler.image_arrived(arrivals[i])
+            scheduler.images.arrived(arrivals[i], ENTRY)
             here.add(arrivals[i])
         output, _ = step(scheduler)
         for s in output.scheduled:
@@ -64,8 +64,8 @@ def test_a_blocked_request_yields_its_budget_and_does_not_block_the_queue():
     image_first = make_request(prompt_token_ids=[IMAGE_PAD_ID] * 4 + [7, 8],
                                mm_spans=[MMSpan(0, 4, "fox", (1, 2, 8))])
     text = make_request(12)
-    scheduler.add_request(blocked, pending_mm_hashes=["cat"])
-    scheduler.add_request(image_first, pending_mm_hashes=["fox"])  # cannot even start
+    add_request(scheduler, blocked, pending=["cat"])
+    add_request(scheduler, image_first, pending=["fox"])  # cannot even start
     scheduler.add_request(text)
     output, _ = step(scheduler)
     assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [
@@ -79,11 +79,11 @@ def test_at_most_max_num_image_waits_requests_hold_blocks_waiting_for_images():
     scheduler = make_scheduler(max_num_image_waits=2)
     waiting = [two_image_request() for _ in range(4)]
     for request in waiting:
-        scheduler.add_request(request, pending_mm_hashes=["cat"])
+        add_request(scheduler, request, pending=["cat"])
     step(scheduler)
     assert [r.num_computed_tokens for r in waiting] == [6, 6, 0, 0]
     assert [bool(r.block_ids) for r in waiting] == [True, True, False, False]
-    scheduler.image_arrived("cat")
+    scheduler.images.arrived("cat", ENTRY)
     run_until_done(scheduler)
     assert all(r.is_finished for r in waiting)
     assert_all_blocks_free(scheduler)
@@ -95,7 +95,7 @@ def test_a_request_that_will_wait_starts_only_when_its_whole_prompt_fits():
     scheduler.add_request(holder)
     step(scheduler)
     partial = two_image_request()  # 18 tokens: 5 blocks; 6 before cat would need 2
-    scheduler.add_request(partial, pending_mm_hashes=["cat"])
+    add_request(scheduler, partial, pending=["cat"])
     step(scheduler)
     assert partial.num_computed_tokens == 0 and partial.block_ids == []
     while not holder.is_finished:
@@ -110,11 +110,11 @@ def test_waiting_requests_cannot_deadlock_the_cache():
     scheduler = make_scheduler(num_blocks=10, max_num_image_waits=4)  # 40 tokens
     requests = [two_image_request(num_text=7) for _ in range(4)]  # 19 tokens, 8 before dog
     for request in requests:
-        scheduler.add_request(request, pending_mm_hashes=["dog"])
+        add_request(scheduler, request, pending=["dog"])
     for _ in range(4):
         step(scheduler)
     assert sum(r.num_computed_tokens for r in requests) > 0
-    scheduler.image_arrived("dog")
+    scheduler.images.arrived("dog", ENTRY)
     run_until_done(scheduler)
     assert all(r.is_finished and r.num_output_tokens == 4 for r in requests)
     assert_all_blocks_free(scheduler)
@@ -125,14 +125,14 @@ def test_a_request_waiting_for_an_image_is_preempted_for_an_earlier_one():
     first = make_request(4, max_tokens=18)  # grows to 22 tokens: KV of 21 needs all 6 blocks
     blocked = two_image_request(num_text=3)  # 15 tokens, stops at 3
     scheduler.add_request(first)
-    scheduler.add_request(blocked, pending_mm_hashes=["cat"])
+    add_request(scheduler, blocked, pending=["cat"])
     step(scheduler)
     assert blocked.num_computed_tokens == 3 and len(blocked.block_ids) == 1
     while not first.is_finished:
         step(scheduler)
     assert first.num_output_tokens == 18
     assert blocked.num_preemptions == 1 and blocked in scheduler.waiting
-    scheduler.image_arrived("cat")
+    scheduler.images.arrived("cat", ENTRY)
     run_until_done(scheduler)
     assert blocked.is_finished
     assert_all_blocks_free(scheduler)
@@ -141,7 +141,7 @@ def test_a_request_waiting_for_an_image_is_preempted_for_an_earlier_one():
 def test_prefix_hashes_stay_correct_when_a_request_stops_mid_block():
     scheduler = make_scheduler(block_size=4)
     request = two_image_request(num_text=6)  # stops at 6: block 1 half full
-    scheduler.add_request(request, pending_mm_hashes=["cat"])
+    add_request(scheduler, request, pending=["cat"])
     step(scheduler)
     assert request.num_computed_tokens == 6
     same_text = two_image_request(num_text=6)
@@ -150,7 +150,7 @@ def test_prefix_hashes_stay_correct_when_a_request_stops_mid_block():
                                          for s in same_text.mm_spans])
     blocks, num_cached = scheduler.block_manager.get_computed_blocks(other_image)
     assert num_cached == 4  # only the full text block; the half-filled one is not cached
-    scheduler.image_arrived("cat")
+    scheduler.images.arrived("cat", ENTRY)
     run_until_done(scheduler)
     # Once computed with cat, the same prompt hits through the image; another image does not.
     blocks, num_cached = scheduler.block_manager.get_computed_blocks(same_text)

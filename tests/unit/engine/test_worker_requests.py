@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from epd.engine.engine_core import StepResult
 from epd.engine.worker import EngineWorker
 from epd.transport.addresses import Addresses
 from epd.transport.channels import Receiver
@@ -28,6 +29,7 @@ class FakeCore:
                                       scheduler=SimpleNamespace(block_size=4))
         self.room = True  # add_prefilled: whether blocks are free
         self.added, self.aborted, self.released = [], [], []
+        self.result = StepResult()  # what the next step returns
 
     def add_request(self, request, embeddings=None, pending=frozenset()):
         self.added.append(request.request_id)
@@ -53,6 +55,9 @@ class FakeCore:
 
     def has_unfinished(self) -> bool:
         return False
+
+    def step(self) -> StepResult:
+        return self.result
 
 
 @pytest.fixture
@@ -155,3 +160,19 @@ def test_held_tokens_go_with_the_last_output_and_the_request_with_them(plane):
     worker._send_step_outputs([last])
     assert worker.requests == {}
     assert plane.collectors[0].recv(timeout_s=5).outputs[0].token_ids == [8, 9]
+
+
+def test_a_request_the_engine_dropped_is_answered_for_a_retry_and_forgotten(plane):
+    """A decode engine out of blocks drops an image request it cannot recompute
+    (engine/scheduler.py `_drop_stalled`): an internal error, so the API resumes
+    it elsewhere, and nothing of it stays here."""
+    worker = plane.make("decode")
+    worker._handle(kv_transfer("r", plane.decode.address, api_index=1))
+    worker._admit_transfers()
+    assert plane.decode.recv(timeout_s=5).request_id == "r"  # its KVAck
+    worker.core.result = StepResult(dropped=["r"])
+    worker._step()
+    out = plane.collectors[1].recv(timeout_s=5)
+    assert isinstance(out, TokenOutput) and (out.request_id, out.finish_reason) == ("r", "error")
+    assert out.is_internal_error and "KV cache block" in out.error
+    assert worker.requests == {}

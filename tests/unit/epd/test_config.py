@@ -10,7 +10,7 @@ import pytest
 from epd.cli import build_parser, serve_config, worker_config
 from epd.config import SHARED_CPU_NICE, ServeConfig, WorkerConfig
 from epd.engine.config import EngineConfig
-from epd.engine.scheduler import SchedulerConfig
+from epd.engine.scheduler_config import SchedulerConfig
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.serve.threads import API_CORES, worker_threads
