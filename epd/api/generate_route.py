@@ -7,11 +7,10 @@ StreamingResponse's anyio task group): `epd.api.server` hands them the ASGI
 call directly, behind its own `_ApiMiddleware` (request id, API key, 500s).
 What they answer is what FastAPI answered:
 
-* the body is decoded by FastAPI's rules (JSON only under a JSON content
-  type, `json.loads`; its error is the same "Invalid JSON body" 400) and
-  validated by the same pydantic model in the same mode (`validate_python`,
-  `from_attributes`), its errors turned into the same OpenAI 400;
-* the answer is JSON or server-sent events with the same headers and bytes.
+* the body is decoded and validated by FastAPI's rules
+  (`fast_path.parse_json_body`), its errors turned into the same OpenAI 400;
+* the answer is JSON or server-sent events with the same headers and bytes
+  (`fast_path.SSE_HEADERS`).
 
 A client that goes away is noticed by one listener task per request (the
 `http.disconnect` message), which cancels the request's own task: before the
@@ -24,20 +23,18 @@ paths run the same code after parsing.
 from __future__ import annotations
 
 import asyncio
-import email.message
-import functools
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter
 
 from epd.api.errors import error_response, internal_error
+from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
@@ -59,7 +56,6 @@ ARRIVAL_KEY = "epd.arrival_s"  # time.monotonic() when the request reached the m
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 BODY_MODELS: dict[str, type[BaseModel]] = {CHAT_PATH: ChatCompletionRequest, COMPLETIONS_PATH: CompletionRequest}
 _ADAPTERS = {path: TypeAdapter(model) for path, model in BODY_MODELS.items()}  # built once, not per request
-_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),)  # what StreamingResponse sent
 MIN_JSON_ITEMS = 1 << 18  # `max_json_items` for models with a short context (~0.6 KB of objects an item)
 
 
@@ -73,11 +69,11 @@ class GenerateRoute:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope["path"]
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return  # the client left before its body arrived: nobody to answer
         try:
-            parsed = parse_body(path, body, _header(scope, b"content-type"),
+            parsed = parse_body(path, body, header(scope, b"content-type"),
                                 max_items=max_json_items(self.orchestrator.max_model_len))
         except RequestError as exc:
             return await error_response(exc)(scope, receive, send)
@@ -113,7 +109,7 @@ class GenerateRoute:
         streams = await MergedStreams.open(self.orchestrator, sequences)
         events = _sse_events(streams, fmt, tracker, body.include_usage)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            await send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
             async for chunk in events:
                 last = chunk.endswith(SSE_DONE)  # only the stream's last write ends with [DONE]
                 if last:
@@ -191,26 +187,6 @@ async def _wait_for_disconnect(receive) -> None:
         pass
 
 
-async def _read_body(receive) -> bytes | None:
-    """The whole request body, or None when the client disconnected first."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _header(scope, name: bytes) -> str | None:
-    """The first header `name` (lower case, as ASGI servers pass names), like Starlette's Headers.get."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
 def max_json_items(max_model_len: int) -> int:
     """Commas and brackets a body may hold: more than any request the model can
     serve needs (a prompt of token ids has one comma a token), few enough that
@@ -250,36 +226,11 @@ async def read_json_object(request, max_items: int) -> dict:
 
 def parse_body(path: str, body: bytes, content_type: str | None,
                max_items: int | None = None) -> ChatCompletionRequest | CompletionRequest:
-    """FastAPI's handling of a JSON body parameter, step for step: an empty body is
-    a missing one; only a JSON content type is decoded; the model validates.
+    """The body of a POST to `path`, as FastAPI would parse it (`fast_path.parse_json_body`).
     `max_items`: a body with more JSON items is refused before it is parsed (`check_json_items`)."""
-    value: Any = body
-    if not body:
-        errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-        raise request_error_from_validation(errors)
     if max_items is not None:
         check_json_items(body, max_items)
-    if content_type is not None and _is_json(content_type):
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise request_error_from_validation([{"type": "json_invalid", "loc": ("body", exc.pos),
-                                                  "msg": "JSON decode error", "ctx": {"error": exc.msg}}]) from None
-        except Exception:  # not UTF-8, nested too deep: FastAPI's own words
-            raise RequestError("There was an error parsing the body") from None
-    try:
-        return _ADAPTERS[path].validate_python(value, from_attributes=True)
-    except ValidationError as exc:
-        raise request_error_from_validation([{**e, "loc": ("body", *e["loc"])}
-                                             for e in exc.errors(include_url=False)]) from None
-
-
-@functools.lru_cache(maxsize=64)
-def _is_json(content_type: str) -> bool:
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+    return parse_json_body(_ADAPTERS[path], body, content_type)
 
 
 def token_id_text(token_id: int) -> str:
@@ -301,10 +252,9 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
     streams = await MergedStreams.open(orchestrator, requests)
     outputs = [SequenceOutput(i) for i in range(len(requests))]
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
     finally:
         await streams.aclose()
     return fmt.response(outputs)
@@ -312,20 +262,20 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
 
 async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
                       include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body: every event that is ready goes out in one write; the last write ends with [DONE]."""
+    """The SSE body, one chunk per Delta (the role chunks go with the first, the last
+    Delta's event with the usage and [DONE]: the last chunk is the one ending with [DONE])."""
     outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
     opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
     events: list[bytes] = [opening] if opening else []
     num_finished = 0
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
-                num_finished += delta.finish_reason is not None
-                event = fmt.delta_event(index, delta, outputs[index])
-                if event:
-                    events.append(event)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
+            num_finished += delta.finish_reason is not None
+            event = fmt.delta_event(index, delta, outputs[index])
+            if event:
+                events.append(event)
             if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]
                 yield b"".join(events)
                 events = []

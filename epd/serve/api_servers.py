@@ -239,11 +239,9 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     config = launch.config
-    orchestrator, app = build_api(config, launch.collector, launch.mm_cache_dir,
-                                  LauncherWorkers(config.external_workers), api_index=launch.index)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(_app):  # `orchestrator` is build_api's, below (the lifespan runs once the server starts)
         await orchestrator.start()
         try:
             # every worker registers with every API process (a restarted one hears them re-announce)
@@ -261,7 +259,9 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         finally:
             await orchestrator.stop(shutdown_workers=False)  # the workers serve the other API processes
 
-    app.router.lifespan_context = lifespan
+    orchestrator, app = build_api(config, launch.collector, launch.mm_cache_dir,
+                                  LauncherWorkers(config.external_workers), api_index=launch.index,
+                                  lifespan=lambda _orchestrator: lifespan)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

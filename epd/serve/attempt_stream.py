@@ -3,6 +3,7 @@
     TokenOrder            outputs back in output order (two workers, two pipes)   epd/serve/token_order.py
     coalescing            every output already queued goes into one Delta: a reader
                           that fell behind catches up in one step instead of one per token
+                          (docs/architecture.md, "Batching on the token path")
     detokenizer           text deltas, stop strings                               epd/detokenizer.py
     logprobs              one entry per token taken
     events                the deadline (503), a worker lost or a failed step (Retry),

@@ -106,15 +106,18 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str
 
 
 def build_api(config: ServeConfig, collector: str, mm_cache_dir: str, supervisor: WorkerWatch,
-              keys_dir: str | None = None, api_index: int = 0):
-    """(Orchestrator, FastAPI app) of API process `api_index`, the supervisor given at construction."""
+              keys_dir: str | None = None, api_index: int = 0, lifespan=None):
+    """(Orchestrator, FastAPI app) of API process `api_index`, the supervisor given at construction;
+    `lifespan(orchestrator)`: the app's lifespan (the workers started before the first request)."""
     from epd.api.server import build_app
     from epd.serve.http_server import api_settings
     from epd.serve.orchestrator import Orchestrator
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir, api_index=api_index,
                                 supervisor=supervisor)
-    return orchestrator, build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
+    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults),
+                    lifespan=None if lifespan is None else lifespan(orchestrator))
+    return orchestrator, app
 
 
 def http_server(config: ServeConfig, app, drain: Callable[[float], Awaitable[None]], **listen):
@@ -122,8 +125,7 @@ def http_server(config: ServeConfig, app, drain: Callable[[float], Awaitable[Non
     for the sockets given to `run`."""
     import uvicorn
 
-    from epd.api.http_protocol import http_protocol
-    from epd.serve.http_server import HttpServer
+    from epd.api.fast_path import HttpServer, http_protocol
 
     return HttpServer(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=UVICORN_STOP_S,
                                      http=http_protocol(), **listen), drain, config.limits.shutdown_grace_s)

@@ -38,8 +38,8 @@ def _serve_one(deployment: Deployment) -> int:
     """This process is the API: it holds the supervisor, which starts the workers in the app's lifespan."""
     config, supervisor, collector = deployment.config, deployment.supervisor, deployment.collectors[0]
     orchestrator, app = build_api(config, collector, deployment.mm_cache_dir, supervisor,
-                                  keys_dir=deployment.keys_dir)
-    app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
+                                  keys_dir=deployment.keys_dir,
+                                  lifespan=lambda orchestrator: _lifespan(config, orchestrator, supervisor, collector))
     server = http_server(config, app, lambda grace_s: _drain(orchestrator, grace_s), host=config.host,
                          port=config.port)
     try:
