@@ -23,6 +23,7 @@ paths run the same code after parsing.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -38,7 +39,7 @@ from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                              check_max_logprobs, check_model, check_token_ids, fan_out, request_error_from_validation)
+                              check_max_logprobs, check_model, check_token_ids, fan_out)
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
