@@ -6,6 +6,7 @@ import sys
 
 from epd.cli.engine_flags import add_engine_args, engine_config
 from epd.config import CPU_SHARING, WorkerConfig, field_default
+from epd.flag_values import json_object
 from epd.transport.roles import Role
 
 
@@ -34,6 +35,11 @@ def add_worker_parsers(sub) -> None:
                         "spinning on cores other processes need (as `epd serve`); split: OpenMP's default")
     p.add_argument("--worker-keys", required=True, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (this host needs worker.key_secret)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the tokenizer's directory, as the API's `epd serve --tokenizer` (default: the checkpoint)")
+    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="the image processor's settings over preprocessor_config.json's, as the API's "
+                        "`epd serve --mm-processor-kwargs` (the two must agree on an image's tokens)")
     add_engine_args(p)
     p.set_defaults(func=_worker)
 
@@ -49,7 +55,9 @@ def worker_config(args) -> WorkerConfig:
                         mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
                         max_image_pixels=args.max_image_pixels, max_image_bytes=args.max_image_bytes,
                         num_threads=args.threads,
-                        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=engine_config(args))
+                        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=engine_config(args),
+                        tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
+                            json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items()))
 
 
 def _keys(args) -> int:

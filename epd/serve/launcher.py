@@ -109,7 +109,8 @@ def run_external_worker(config: WorkerConfig) -> int:
                       apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys,
                       max_image_bytes=config.max_image_bytes)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
-                          num_threads=config.num_worker_threads())
+                          num_threads=config.num_worker_threads(), tokenizer=config.tokenizer,
+                          mm_processor_kwargs=config.mm_processor_kwargs)
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)
     try:
         run_worker(launch, spawned=False)
