@@ -1,4 +1,4 @@
-"""`python -m epd.bench.reliability_probe MODEL_DIR`: issue 33's probe, re-run as one script.
+"""`epd bench reliability-probe MODEL_DIR`: issue 33's probe, re-run as one script.
 
 One `epd serve` (e-pd: an encoder and an aggregated prefill-decode worker)
 with an API key, `--max-restarts 0` and a one-second `--shutdown-grace`,
@@ -267,13 +267,13 @@ def main(args) -> int:
     return failed
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir")
-    parser.add_argument("--cpus", default=None, help="CPU list the server is pinned to (default: all)")
-    parser.add_argument("--output-dir", default="bench-results/reliability-probe")
-    return parser
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_dir", help="checkpoint directory to serve")
+    p.add_argument("--cpus", default=None, help="CPU list the servers are pinned to (default: all)")
+    p.add_argument("--output-dir", default="bench-results/reliability-probe")
 
 
 if __name__ == "__main__":
-    sys.exit(main(_parser().parse_args()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

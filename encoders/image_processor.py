@@ -36,6 +36,23 @@ def check_processor_kwargs(kwargs: dict) -> None:
                          f"max_pixels {kwargs['max_pixels']}")
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's `smart_resize` (its image and video processors): (height, width)
+    as multiples of `factor`, the area within [min_pixels, max_pixels], the
+    aspect kept as near as may be. The caller checks sizes first."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 @dataclass(frozen=True)
 class ImageGeometry:
     """The resize rule of the checkpoint's image processor (`smart_resize`)."""
@@ -73,17 +90,7 @@ class ImageGeometry:
             raise ValueError(f"image has an empty dimension ({width}x{height})")
         if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
             raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
-        f = self.factor
-        h_bar = round(height / f) * f
-        w_bar = round(width / f) * f
-        if h_bar * w_bar > self.max_pixels:
-            beta = math.sqrt((height * width) / self.max_pixels)
-            h_bar = max(f, math.floor(height / beta / f) * f)
-            w_bar = max(f, math.floor(width / beta / f) * f)
-        elif h_bar * w_bar < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h_bar = math.ceil(height * beta / f) * f
-            w_bar = math.ceil(width * beta / f) * f
+        h_bar, w_bar = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
         return w_bar, h_bar
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:

@@ -115,8 +115,8 @@ class BlockManager:
         from, hence the cap at the last block boundary below `num_tokens`.
         Pure lookup: touches no ref count and no counter.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         block_ids = []
         for block_hash in self._get_block_hashes(request, max_num_blocks):

@@ -78,6 +78,7 @@ class StepResult:
     # Dropped by the scheduler: no KV block left and it cannot be recomputed here
     # (decode role, images elsewhere); the caller may send it again elsewhere.
     dropped: list[str] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # with a request's first token
 
 
 class EngineCore:
@@ -227,7 +228,8 @@ class EngineCore:
             raise StepFailed(request_ids, failed) from exc
         self.images.remove(u.request_id for u in updates if u.is_finished)
         return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
-                          {s.request_id: s.request for s in out.scheduled}, failed, out.dropped_request_ids)
+                          {s.request_id: s.request for s in out.scheduled}, failed, out.dropped_request_ids,
+                          runner_out.prompt_logprobs)
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose grammar is compiled into the scheduler; returns those

@@ -5,7 +5,8 @@ contributes its chunk of tokens (a prefill chunk or one decode token), with
 M-RoPE positions, cache slots and its block table. Image placeholder tokens
 take their rows of the image embeddings (a chunk may start or end inside an
 image) and deepstack features; logits are computed only for the rows that
-sample.
+sample, and for the prompt rows of a request that asked for prompt logprobs
+(`_score_prompt`).
 
 The runner owns the KV cache: `read_blocks` / `write_blocks` move whole
 blocks in and out (KV transfer). Image embeddings it reads from the
@@ -23,7 +24,7 @@ from epd.engine.image_ledger import ImageLedger
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
-from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator
+from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, gather_logprobs, make_generator
 from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import SchedulerOutput
@@ -33,6 +34,11 @@ from epd.transport.mm_entry import MMEntry
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # a request's prompt logprobs (prompt tokens 1..n-1), with its first sampled token
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+_PROMPT_LOGITS_ROWS = 256  # prompt rows scored at once: [rows, vocab] float32 logits at a time
 
 
 @dataclass
@@ -40,6 +46,7 @@ class _RequestState:
     prompt_positions: torch.Tensor  # [3, num_prompt_tokens]
     delta: int  # position of token i >= num_prompt_tokens is i + delta
     generator: torch.Generator | None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # gathered over the prefill chunks
 
 
 class ModelRunner:
@@ -136,9 +143,10 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         mm_mask: list[bool] = []
         mm_rows: list[tuple[MMEntry, int, int]] = []
-        q_lens, seq_lens, block_tables, sample_rows, sample_reqs = [], [], [], [], []
+        q_lens, seq_lens, block_tables, sample_rows, sample_reqs, offsets = [], [], [], [], [], []
         for s in out.scheduled:
             req, state = s.request, self._state(s.request)
+            offsets.append(len(token_ids))  # the chunk's first row in the batch
             token_ids += s.token_ids
             positions.append(self._positions(req, state, s.start, s.end))
             chunk_mask = [False] * s.num_new_tokens
@@ -169,10 +177,42 @@ class ModelRunner:
                                                   for i in range(num_deepstack)]).to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
+        self._score_prompt(out.scheduled, offsets, hidden)
         if not sample_rows:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return self._sample(logits, sample_reqs)
+        result = self._sample(logits, sample_reqs)
+        for req in sample_reqs:
+            state = self._states[req.request_id]
+            if state.prompt_logprobs is not None and req.num_output_tokens == 0:
+                result.prompt_logprobs[req.request_id] = state.prompt_logprobs
+                state.prompt_logprobs = None
+        return result
+
+    def _score_prompt(self, scheduled, offsets: list[int], hidden: torch.Tensor) -> None:
+        """vLLM's prompt logprobs: the logits at prompt position p score prompt token
+        p + 1 (log-softmax of the raw logits, float32; its rank and the top k).
+        Gathered chunk by chunk until the request's first token; a request that
+        already sampled (decode, a recompute after preemption) is not scored again."""
+        rows, targets, owners = [], [], []
+        for s, offset in zip(scheduled, offsets):
+            req = s.request
+            if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+                continue
+            state = self._states[req.request_id]
+            if s.start == 0:
+                state.prompt_logprobs = []
+            for p in range(s.start, min(s.end, req.num_prompt_tokens - 1)):
+                rows.append(offset + p - s.start)
+                targets.append(req.prompt_token_ids[p + 1])
+                owners.append((state, req.sampling_params.prompt_logprobs))
+        for i in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+            part = slice(i, i + _PROMPT_LOGITS_ROWS)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            entries = gather_logprobs(logits, torch.tensor(targets[part], device=self.device),
+                                      [k for _, k in owners[part]])
+            for (state, _), entry in zip(owners[part], entries):
+                state.prompt_logprobs.append(entry)
 
     def _positions(self, req: Request, state: _RequestState, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end of the request."""

@@ -299,7 +299,7 @@ def _exponential(batch: SamplingBatch, shape: torch.Size, device: torch.device) 
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # no division by zero
 
 
-def _gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
     """Logprobs of the raw model output (vLLM's default), for rows that asked."""
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
@@ -347,7 +347,7 @@ class Sampler:
 
         logprobs = None
         if batch.num_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logits, token_ids, batch.num_logprobs)
+            logprobs = gather_logprobs(raw_logits, token_ids, batch.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod

@@ -328,7 +328,8 @@ class EngineWorker(WorkerIO):
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
-                index=request.num_output_tokens - len(update.new_token_ids)), request.sampling_params.stream_interval)
+                index=request.num_output_tokens - len(update.new_token_ids),
+                prompt_logprobs=result.prompt_logprobs.get(update.request_id)), request.sampling_params.stream_interval)
             if out is not None:
                 outputs.append(out)
             self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded

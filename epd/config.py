@@ -162,10 +162,6 @@ class ServeConfig:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
-        for flag, given in (("--mm-processor-kwargs", self.files.mm_processor_kwargs),
-                            ("--tokenizer", self.files.tokenizer)):
-            if given and self.external_workers:
-                raise ValueError(f"{flag} does not reach `epd worker` processes yet: drop it with --external-workers")
         if self.api_servers > 1 and self.ray is not None:
             raise ValueError("--api-servers N > 1 runs with the local launcher or --external-workers, not --cluster ray")
         if self.api_servers > 1 and self.encoder_scaling is not None:
@@ -262,6 +258,9 @@ class WorkerConfig:
     cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # as the API's `epd serve --tokenizer / --mm-processor-kwargs`: the worker must count and encode alike
+    tokenizer: str | None = None
+    mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -275,6 +274,8 @@ class WorkerConfig:
         if self.mm_cache_gb <= 0:
             raise ValueError(f"--mm-cache-gb must be positive, got {self.mm_cache_gb}")
         _check_checkpoint(self.model)
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"--tokenizer {self.tokenizer}: not a directory")
         _check_keys(self.worker_keys, WORKER, "epd worker")
 
     @property

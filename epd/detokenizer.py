@@ -36,11 +36,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int] | None = None,
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
+        """`min_tokens`: no stop string matches while the output has this many tokens or
+        fewer (vLLM's rule: its stop strings, like its stop tokens, wait for min_tokens)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self.stop_reason: str | None = None  # the stop string that ended the text
 
         # The last prompt tokens lead the list as context; output tokens follow.
@@ -114,7 +117,7 @@ class IncrementalDetokenizer:
             return False
         start = len(self._decoded)
         self._decoded += new_text
-        if not self.stop:
+        if not self.stop or self.num_tokens <= self.min_tokens:
             return False
         # A match must end inside the new text; it may start up to len(stop)-1 earlier.
         best: tuple[int, str] | None = None

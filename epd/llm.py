@@ -95,10 +95,12 @@ class LLM:
     # -- public API ----------------------------------------------------------------
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
         conversation may be passed directly. `tools` (OpenAI function tools) are
-        rendered by the chat template; constrain the output with
+        rendered by the chat template, and `chat_template_kwargs` are more variables
+        for it (as vLLM's LLM.chat takes them); constrain the output with
         `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -111,7 +113,8 @@ class LLM:
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
-            prompt = self.prompts.build(messages, refs, add_generation_prompt, tools)
+            prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
+                                        template_kwargs=chat_template_kwargs)
             requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)), p))
         return self._run(requests)
 
@@ -170,7 +173,8 @@ class LLM:
                 self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
                 pending[request.request_id] = _Pending(
                     request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                    params.stop),
+                                                    params.stop, params.include_stop_str_in_output,
+                                                    params.min_tokens),
                     [] if params.logprobs is not None else None)
 
         while self.engine.has_unfinished():

@@ -58,6 +58,11 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     tools: list[dict] | None = None  # rendered by the chat template
     tool_choice: ToolChoice | None = None  # how the answer is parsed into tool calls (chat only)
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: as many as fit), vLLM's
+    truncation_side: str = "left"  # left: keep the last ones; right: the first
+    add_special_tokens: bool = False  # a completion's text prompt: the tokenizer's BOS / EOS added
+    continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
+    chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
 
 
 @dataclass
@@ -73,3 +78,6 @@ class Delta:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one per token in token_ids, when asked
     dispatched_s: float | None = None  # time.monotonic() when the request was handed to a prefill worker
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS)
+    prompt_token_ids: list[int] | None = None  # the prompt as prefilled, on the sequence's first Delta
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..n-1, on the first Delta, when asked

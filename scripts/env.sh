@@ -24,6 +24,14 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     TARGET="$ROOT"
     [ -n "$EXTRAS" ] && TARGET="$ROOT[$EXTRAS]"
     pip install -q -e "$TARGET"
+    if [[ ",$EXTRAS," == *",dev,"* ]]; then
+        # The video tests' reference (transformers' video processors) needs torchvision's
+        # transforms; inside the venv it would change AutoImageProcessor's pixels, so it
+        # goes to its own folder, put on sys.path by the reference process alone
+        # (tests/testkit/video_reference.py). Its version follows torch's (2.N -> 0.N+15).
+        TV="$(python -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.*')")"
+        pip install -q --no-deps --upgrade --target "$ROOT/.venv/reference-torchvision" "torchvision==$TV"
+    fi
     python -c "import epd, torch; print('epd env ready: torch', torch.__version__)"
     touch "$STAMP"
 fi

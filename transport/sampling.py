@@ -123,6 +123,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's)
     skip_special_tokens: bool = True
     # Logits controls: OpenAI's logit_bias (token id -> added to its logit, in
     # [-100, 100]); vLLM's allowed_token_ids (only these may be sampled) and
@@ -136,6 +137,8 @@ class SamplingParams:
     # leave the worker every `stream_interval` tokens, the first and the last at
     # once (`epd serve --stream-interval`, set by the API); the offline LLM ignores it.
     stream_interval: int = 1
+    # Read where the text is made (the API's detokenizer, the offline LLM's), not by the engine.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -175,6 +178,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0:
                 raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")

@@ -34,7 +34,8 @@ def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
             "allowed_token_ids": None if p.allowed_token_ids is None else list(p.allowed_token_ids),
             "bad_words": list(p.bad_words),
             "structured_outputs": None if p.structured_outputs is None else p.structured_outputs.to_map(),
-            "stream_interval": p.stream_interval}
+            "stream_interval": p.stream_interval, "include_stop_str_in_output": p.include_stop_str_in_output,
+            "prompt_logprobs": p.prompt_logprobs}
 
 
 def sampling_from_map(m: Fields) -> SamplingParams:
@@ -49,7 +50,8 @@ def sampling_from_map(m: Fields) -> SamplingParams:
         logprobs=m.opt_int("logprobs"), skip_special_tokens=m.bool("skip_special_tokens"),
         logit_bias=m.opt_list("logit_bias"), allowed_token_ids=m.opt_list("allowed_token_ids"),
         bad_words=m.list_of("bad_words", str), structured_outputs=m.opt_map("structured_outputs"),
-        stream_interval=m.int("stream_interval"))
+        stream_interval=m.int("stream_interval"), include_stop_str_in_output=m.bool("include_stop_str_in_output"),
+        prompt_logprobs=m.opt_int("prompt_logprobs"))
     m.reject_unknown(kwargs)
     if kwargs["logit_bias"] is not None:
         if not all(isinstance(e, list) and len(e) == 2 and type(e[0]) is int and e[0] >= 0

@@ -12,7 +12,8 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None) -> list[dict]:
     """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant/tool
-    ("developer" becomes "system") and content a string or a list of
+    ("developer" becomes "system") or any other name, which the chat template renders
+    (vLLM's custom roles), and content a string or a list of
     {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} parts; an
     assistant message keeps its `tool_calls` (arguments parsed, for the template) and
     a tool message its `tool_call_id`."""
@@ -21,9 +22,9 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = msg.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise RequestError(f"{where}.role: unsupported role {role!r}; expected one of "
-                               f"{', '.join(CHAT_ROLES)}", param=f"{where}.role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(f"{where}.role: unsupported role {role!r}: must be a non-empty string "
+                               f"({', '.join(CHAT_ROLES)}, or a role the chat template renders)", param=f"{where}.role")
         tool_calls = msg.get("tool_calls")
         if tool_calls and role != "assistant":
             raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls",
@@ -39,7 +40,7 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content: must be a string or a list of content parts",
                                param=f"{where}.content")
-        clean = {"role": CHAT_ROLES[role], "content": content}
+        clean = {"role": CHAT_ROLES.get(role, role), "content": content}
         if tool_calls:
             clean["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
         if role == "tool":
@@ -75,6 +76,23 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
+def _image_part(part: dict, where: str) -> dict:
+    """{"type": "image_url", "image_url": {"url"}} and vLLM's optional `uuid` naming the
+    image; with a uuid the url may be left out (or null, or ""): the image sent under
+    that uuid before (epd/inputs/media_uuids.py). A bare-string image_url: 400, as in vLLM."""
+    image, uuid = part.get("image_url"), part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        raise RequestError(f"{where}.uuid: must be a non-empty string", param=f"{where}.uuid")
+    if image is not None and not isinstance(image, dict):
+        raise RequestError(f"{where}.image_url: must be an object {{\"url\": ...}}", param=f"{where}.image_url")
+    url = (image or {}).get("url")
+    if uuid is not None and not url:
+        return {"type": "image_url", "image_url": {"url": None}, "uuid": uuid}
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
+    return {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid is not None else {})}
+
+
 def _content_part(part: Any, role: str, where: str) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
@@ -84,11 +102,7 @@ def _content_part(part: Any, role: str, where: str) -> dict:
     if kind == "image_url":
         if role != "user":
             raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
-        image = part.get("image_url")
-        url = image.get("url") if isinstance(image, dict) else image
-        if not isinstance(url, str) or not url:
-            raise RequestError(f"{where}.image_url.url: must be a non-empty string", param=f"{where}.image_url.url")
-        return {"type": "image_url", "image_url": {"url": url}}
+        return _image_part(part, where)
     raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
                        param=f"{where}.type")
 

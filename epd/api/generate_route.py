@@ -7,11 +7,10 @@ StreamingResponse's anyio task group): `epd.api.server` hands them the ASGI
 call directly, behind its own `_ApiMiddleware` (request id, API key, 500s).
 What they answer is what FastAPI answered:
 
-* the body is decoded by FastAPI's rules (JSON only under a JSON content
-  type, `json.loads`; its error is the same "Invalid JSON body" 400) and
-  validated by the same pydantic model in the same mode (`validate_python`,
-  `from_attributes`), its errors turned into the same OpenAI 400;
-* the answer is JSON or server-sent events with the same headers and bytes.
+* the body is decoded and validated by FastAPI's rules
+  (`fast_path.parse_json_body`), its errors turned into the same OpenAI 400;
+* the answer is JSON or server-sent events with the same headers and bytes
+  (`fast_path.SSE_HEADERS`).
 
 A client that goes away is noticed by one listener task per request (the
 `http.disconnect` message), which cancels the request's own task: before the
@@ -24,25 +23,24 @@ paths run the same code after parsing.
 from __future__ import annotations
 
 import asyncio
-import email.message
-import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter
 
 from epd.api.errors import error_response, internal_error
+from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                              check_max_logprobs, check_model, check_token_ids, fan_out, request_error_from_validation)
-from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, SequenceOutput, sse
+                              check_max_logprobs, check_model, check_token_ids, fan_out)
+from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
     from epd.api.orchestrator_like import OrchestratorLike
@@ -59,7 +57,6 @@ ARRIVAL_KEY = "epd.arrival_s"  # time.monotonic() when the request reached the m
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 BODY_MODELS: dict[str, type[BaseModel]] = {CHAT_PATH: ChatCompletionRequest, COMPLETIONS_PATH: CompletionRequest}
 _ADAPTERS = {path: TypeAdapter(model) for path, model in BODY_MODELS.items()}  # built once, not per request
-_SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),)  # what StreamingResponse sent
 MIN_JSON_ITEMS = 1 << 18  # `max_json_items` for models with a short context (~0.6 KB of objects an item)
 
 
@@ -73,11 +70,11 @@ class GenerateRoute:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope["path"]
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return  # the client left before its body arrived: nobody to answer
         try:
-            parsed = parse_body(path, body, _header(scope, b"content-type"),
+            parsed = parse_body(path, body, header(scope, b"content-type"),
                                 max_items=max_json_items(self.orchestrator.max_model_len))
         except RequestError as exc:
             return await error_response(exc)(scope, receive, send)
@@ -100,9 +97,11 @@ class GenerateRoute:
             guard.disarm()
 
     async def _serve(self, body, scope, receive, send, guard: _DisconnectGuard) -> None:
-        request, fmt = self._prepare(body, scope)
-        check_token_ids(request, self.orchestrator.vocab_size)
-        sequences = fan_out(request)
+        requests, fmt = self._prepare(body, scope)
+        for request in requests:
+            check_token_ids(request, self.orchestrator.vocab_size)
+        # a batch's choices: prompt-major, `n` per prompt (choice i answers prompt i // n)
+        sequences = [sequence for request in requests for sequence in fan_out(request)]
         tracker = self.metrics.track(len(sequences), scope.get(ARRIVAL_KEY))
         if not body.stream:
             answer = await _collect(self.orchestrator, sequences, fmt, tracker)
@@ -111,7 +110,7 @@ class GenerateRoute:
         streams = await MergedStreams.open(self.orchestrator, sequences)
         events = _sse_events(streams, fmt, tracker, body.include_usage)
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": list(_SSE_HEADERS)})
+            await send({"type": "http.response.start", "status": 200, "headers": list(SSE_HEADERS)})
             async for chunk in events:
                 last = chunk.endswith(SSE_DONE)  # only the stream's last write ends with [DONE]
                 if last:
@@ -121,27 +120,40 @@ class GenerateRoute:
             guard.disarm()
             await events.aclose()
 
-    def _prepare(self, body, scope) -> tuple[GenerateRequest, ResponseFormat]:
+    def _prepare(self, body, scope) -> tuple[list[GenerateRequest], ResponseFormat]:
+        """The requests (one per prompt) and the format of their answer."""
         model = self.settings.served_model_name
         check_model(body.model, model)
-        decode = self.orchestrator.decode_token
+        decode = token_id_text if body.return_tokens_as_token_ids else self.orchestrator.decode_token
         if type(body) is ChatCompletionRequest:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             self._checked(request, "top_logprobs")
-            return request, ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
-                                       tool_choice=request.tool_choice)
+            extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
+            return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
+                                         extras, tool_choice=request.tool_choice)
         request_id = internal_request_id(scope, "cmpl")
-        request = body.to_generate_request(request_id, defaults=self.settings.sampling_defaults)
-        self._checked(request, "logprobs")
-        return (request,
-                CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None))
+        requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)
+        for request in requests:
+            self._checked(request, "logprobs")
+        # vLLM echoes the prompt's text (token ids decoded), and nothing when token ids are returned
+        echo = tuple(r.prompt if isinstance(r.prompt, str) else self.orchestrator.detokenize(r.prompt)
+                     for r in requests) if body.echo and not body.return_token_ids else ()
+        return (requests, CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None,
+                                           self._extras(body, requests[0], echo)))
+
+    @staticmethod
+    def _extras(body, request: GenerateRequest, echo: tuple[str, ...], role: str = "assistant") -> Extras:
+        return Extras(n=request.sampling.n, return_token_ids=bool(body.return_token_ids),
+                      continuous_usage=body.continuous_usage, echo=echo if any(echo) else (), role=role)
 
 
     def _checked(self, request: GenerateRequest, logprobs_param: str) -> None:
         """--max-logprobs; --enable-log-requests: one line for the request."""
         check_max_logprobs(request, self.settings.max_logprobs, logprobs_param)
+        if request.sampling.prompt_logprobs is not None:
+            check_max_logprobs(request, self.settings.max_logprobs, "prompt_logprobs", request.sampling.prompt_logprobs)
         if self.settings.log_requests:
             prompt = request.prompt if request.messages is None else request.messages
             request_log.info("request %s: %s %d, sampling %s", request.request_id,
@@ -176,26 +188,6 @@ async def _wait_for_disconnect(receive) -> None:
         pass
 
 
-async def _read_body(receive) -> bytes | None:
-    """The whole request body, or None when the client disconnected first."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _header(scope, name: bytes) -> str | None:
-    """The first header `name` (lower case, as ASGI servers pass names), like Starlette's Headers.get."""
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
 def max_json_items(max_model_len: int) -> int:
     """Commas and brackets a body may hold: more than any request the model can
     serve needs (a prompt of token ids has one comma a token), few enough that
@@ -219,38 +211,32 @@ def check_json_items(body: bytes, max_items: int) -> None:
                            "containers; commas and brackets counted)", status=413, code="request_too_large")
 
 
+async def read_json_object(request, max_items: int) -> dict:
+    """The body of a route declared on FastAPI (tokenizer routes, /v1/responses), bounded
+    like the generation endpoints' (`check_json_items`) before it is parsed: a JSON object."""
+    body = await request.body()
+    check_json_items(body, max_items)
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RequestError(f"Invalid JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise RequestError("The request body must be a JSON object")
+    return value
+
+
 def parse_body(path: str, body: bytes, content_type: str | None,
                max_items: int | None = None) -> ChatCompletionRequest | CompletionRequest:
-    """FastAPI's handling of a JSON body parameter, step for step: an empty body is
-    a missing one; only a JSON content type is decoded; the model validates.
+    """The body of a POST to `path`, as FastAPI would parse it (`fast_path.parse_json_body`).
     `max_items`: a body with more JSON items is refused before it is parsed (`check_json_items`)."""
-    value: Any = body
-    if not body:
-        errors = [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-        raise request_error_from_validation(errors)
     if max_items is not None:
         check_json_items(body, max_items)
-    if content_type is not None and _is_json(content_type):
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as exc:
-            raise request_error_from_validation([{"type": "json_invalid", "loc": ("body", exc.pos),
-                                                  "msg": "JSON decode error", "ctx": {"error": exc.msg}}]) from None
-        except Exception:  # not UTF-8, nested too deep: FastAPI's own words
-            raise RequestError("There was an error parsing the body") from None
-    try:
-        return _ADAPTERS[path].validate_python(value, from_attributes=True)
-    except ValidationError as exc:
-        raise request_error_from_validation([{**e, "loc": ("body", *e["loc"])}
-                                             for e in exc.errors(include_url=False)]) from None
+    return parse_json_body(_ADAPTERS[path], body, content_type)
 
 
-@functools.lru_cache(maxsize=64)
-def _is_json(content_type: str) -> bool:
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+def token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids: a logprob token as "token_id:<id>" (any bytes survive JSON)."""
+    return f"token_id:{token_id}"
 
 
 def internal_request_id(scope, prefix: str) -> str:
@@ -267,10 +253,9 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
     streams = await MergedStreams.open(orchestrator, requests)
     outputs = [SequenceOutput(i) for i in range(len(requests))]
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
     finally:
         await streams.aclose()
     return fmt.response(outputs)
@@ -278,20 +263,20 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
 
 async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
                       include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body: every event that is ready goes out in one write; the last write ends with [DONE]."""
+    """The SSE body, one chunk per Delta (the role chunks go with the first, the last
+    Delta's event with the usage and [DONE]: the last chunk is the one ending with [DONE])."""
     outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
     opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
     events: list[bytes] = [opening] if opening else []
     num_finished = 0
     try:
-        async for batch in streams.batches():
-            for index, delta in batch:
-                outputs[index].add(delta)
-                tracker.on_delta(index, delta)
-                num_finished += delta.finish_reason is not None
-                event = fmt.delta_event(index, delta)
-                if event:
-                    events.append(event)
+        async for index, delta in streams:
+            outputs[index].add(delta)
+            tracker.on_delta(index, delta)
+            num_finished += delta.finish_reason is not None
+            event = fmt.delta_event(index, delta, outputs[index])
+            if event:
+                events.append(event)
             if events and num_finished < len(outputs):  # the last events go with the usage and [DONE]
                 yield b"".join(events)
                 events = []

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 class MergedStreams:
     """The orchestrator streams of one HTTP request, merged into (index, Delta) in
-    arrival order. `open` waits for every first Delta; `aclose` closes them all.
+    arrival order (`async for`). `open` waits for every first Delta; `aclose` closes them all.
     One stream (n = 1, the usual case) is read directly; n > 1 streams are
     pumped into one queue by a task each."""
 
@@ -54,30 +54,26 @@ class MergedStreams:
     def num_sequences(self) -> int:
         return len(self._streams)
 
-    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
-        """Every (index, Delta) that is here, at least one per batch: a reader
-        that fell behind gets what accumulated at once (one write, not one per Delta)."""
-        yield list(enumerate(self._firsts))
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Every (index, Delta), firsts first. One at a time: the Deltas of a reader
+        that fell behind are handed over in one pass of the event loop, and their
+        writes leave as one (docs/architecture.md, "Batching on the token path")."""
+        for item in enumerate(self._firsts):
+            yield item
         if not self._pumps:
             if len(self._streams) == 1 and self._firsts[0].finish_reason is None:
                 async for delta in self._streams[0]:  # each Delta already holds every token that was here
-                    yield [(0, delta)]
+                    yield 0, delta
             return
         remaining = len(self._pumps)
         while remaining:
-            items = [await self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            batch = []
-            for index, item in items:
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    batch.append((index, item))
-            if batch:
-                yield batch
+            index, item = await self._queue.get()  # no wait while the queue holds any
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
 
     async def aclose(self) -> None:
         for pump in self._pumps:

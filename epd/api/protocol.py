@@ -13,19 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (re-exported)
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
+from epd.api.vllm_fields import REFUSED_CHAT, REFUSED_COMPLETION, check_extra_fields
 from epd.engine.structured_output import check_constraint
 from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one /v1/completions batch (vLLM's cap is VLLM_MAX_COMPLETION_PROMPTS)
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -44,9 +46,10 @@ def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
             raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
 
 
-def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str) -> None:
-    """--max-logprobs (vLLM's cap, -1: none): a request asking more is a 400 naming `param`."""
-    k = request.sampling.logprobs
+def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str, k: int | None = None) -> None:
+    """--max-logprobs (vLLM's cap, -1: none): a request asking more is a 400 naming `param`
+    (`k`: the count asked there; the per-token logprobs by default)."""
+    k = request.sampling.logprobs if k is None else k
     if k is not None and 0 <= max_logprobs < k:
         raise RequestError(f"{param}: {k} logprobs asked, more than this server's --max-logprobs {max_logprobs}",
                            param=param)
@@ -138,14 +141,17 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # below the vocabulary size
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk (with include_usage)
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and completions: OpenAI's, then vLLM's extras."""
 
-    # like vLLM: unknown fields are ignored; NaN and infinities (which Python's
-    # JSON parser accepts) are refused in every float field
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # fields not declared here land in `model_extra`: vLLM's are refused unless at their
+    # default, the others logged once (epd/api/vllm_fields.py); NaN and infinities
+    # (which Python's JSON parser accepts) are refused in every float field
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    _refused: ClassVar[dict] = {}
 
     model: Annotated[str, Field(min_length=1)]
     frequency_penalty: Penalty | None = None
@@ -171,14 +177,36 @@ class _GenerationRequest(BaseModel):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar, json_object
+    response_format: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None  # -1: the model's limit
+    truncation_side: Literal["left", "right"] | None = None  # left (the default): keep the last tokens
+    return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the answer
+    stream_interval: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # raises --stream-interval
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # vLLM's, not streamed
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage in every chunk (needs include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
     def _check_common(self) -> None:
+        check_extra_fields(self.model_extra, self._refused)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream is true", param="stream_options")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule (0 streams, and returns nothing)
+            raise RequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+
+    def _request(self, request_id: str, sampling: SamplingParams, **fields) -> GenerateRequest:
+        """A GenerateRequest with the fields both endpoints carry the same way."""
+        return GenerateRequest(request_id=request_id, sampling=sampling,
+                               truncate_prompt_tokens=self.truncate_prompt_tokens,
+                               truncation_side=self.truncation_side or "left", **fields)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's {"token id": bias}; ids are checked against the vocabulary in `check_token_ids`."""
@@ -207,9 +235,30 @@ class _GenerationRequest(BaseModel):
                                param="structured_outputs")
         return constraint(lambda: StructuredOutputsParams(**{k: so.get(k) for k in known}), "structured_outputs")
 
+    def _response_format(self) -> StructuredOutputsParams | None:
+        """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}."""
+        rf = self.response_format
+        kind = None if rf is None else rf.get("type")
+        if rf is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise RequestError("response_format.json_schema: must be an object with a name and a schema",
+                                   param="response_format.json_schema")
+            schema = spec.get("schema", {"type": "object"})
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema: must be a JSON schema object",
+                                   param="response_format.json_schema.schema")
+            return constraint(lambda: StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
+        raise RequestError(f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                           param="response_format.type")
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          structured_outputs: StructuredOutputsParams | None = None,
-                         defaults: SamplingDefaults = NEUTRAL) -> SamplingParams:
+                         defaults: SamplingDefaults = NEUTRAL, prompt_logprobs: int | None = None) -> SamplingParams:
         """`defaults`: the values of the fields the request leaves out (--generation-config);
         max_tokens stays as asked: its default and cap need the prompt's length (serve/preparer.py)."""
         stop = normalize_stop(self.stop)
@@ -239,6 +288,9 @@ class _GenerationRequest(BaseModel):
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words or [],
                 structured_outputs=structured_outputs or self._structured_outputs(),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                stream_interval=self.stream_interval or 1,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             )
         except ValueError as exc:  # SamplingParams names the field first: "top_k must be ..."
             message = str(exc)
@@ -246,14 +298,33 @@ class _GenerationRequest(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    _refused: ClassVar[dict] = REFUSED_CHAT
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     max_completion_tokens: WireInt1 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extra
+    continue_final_message: bool = False  # vLLM: the last message left open (with add_generation_prompt false)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables for the chat template
+    echo: bool = False  # vLLM: the answer starts with the last message's content when it has the answer's role
+
+    @property
+    def response_role(self) -> str:
+        """vLLM's: "assistant" after a generation prompt, otherwise the last message's role."""
+        role = self.messages[-1].get("role")
+        return "assistant" if self.add_generation_prompt or not isinstance(role, str) else role
+
+    def echo_text(self) -> str:
+        """What `echo` puts before the answer: the last message's text when its role is the answer's."""
+        last = self.messages[-1]
+        if not self.echo or last.get("role") != self.response_role:
+            return ""
+        content = last.get("content")
+        if isinstance(content, list):
+            return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return content if isinstance(content, str) else ""
 
     def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None,
                             defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
@@ -275,52 +346,67 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = validate_messages(self.messages, max_images_per_prompt)
+        check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
+        check_chat_template_kwargs(self.chat_template_kwargs)
         # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return GenerateRequest(request_id=request_id, messages=messages, prompt=None,
-                               sampling=self._sampling_params(max_tokens, logprobs, next(iter(constraints), None),
-                                                              defaults),
-                               add_generation_prompt=self.add_generation_prompt, tools=tools or None,
-                               tool_choice=tool_choice)
-
-    def _response_format(self) -> StructuredOutputsParams | None:
-        """OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}."""
-        rf = self.response_format
-        kind = None if rf is None else rf.get("type")
-        if rf is None or kind == "text":
-            return None
-        if kind == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                raise RequestError("response_format.json_schema: must be an object with a name and a schema",
-                                   param="response_format.json_schema")
-            schema = spec.get("schema", {"type": "object"})
-            if not isinstance(schema, dict):
-                raise RequestError("response_format.json_schema.schema: must be a JSON schema object",
-                                   param="response_format.json_schema.schema")
-            return constraint(lambda: StructuredOutputsParams(json=schema), "response_format.json_schema.schema")
-        raise RequestError(f"response_format.type: {kind!r} is not one of 'text', 'json_object', 'json_schema'",
-                           param="response_format.type")
-
+        prompt_logprobs = (self.top_logprobs or 0) if self.echo and self.prompt_logprobs is None else None
+        return self._request(request_id, self._sampling_params(max_tokens, logprobs, next(iter(constraints), None),
+                                                               defaults, prompt_logprobs),
+                             messages=messages, prompt=None, add_generation_prompt=self.add_generation_prompt,
+                             tools=tools or None, tool_choice=tool_choice,
+                             continue_final_message=self.continue_final_message,
+                             chat_template_kwargs=self.chat_template_kwargs or None)
 
 class CompletionRequest(_GenerationRequest):
+    _refused: ClassVar[dict] = REFUSED_COMPLETION
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: WireInt1 | None = 16  # OpenAI's and vLLM's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool | None = False
-    suffix: str | None = None
+    echo: bool | None = False  # the prompt's text before each answer
+    add_special_tokens: bool = True  # vLLM's default for a text prompt (BOS where the tokenizer has one)
+
+    def to_generate_requests(self, request_id: str, *, defaults: SamplingDefaults = NEUTRAL) -> list[GenerateRequest]:
+        """One GenerateRequest per prompt of the batch (`request_id`, or `request_id-p<i>` for a batch)."""
+        self._check_common()
+        constraint_ = self._response_format()
+        if constraint_ is not None and self.structured_outputs is not None:
+            raise RequestError("at most one of response_format (json) and structured_outputs may constrain the "
+                               "output", param="response_format")
+        # vLLM: echo with logprobs scores the prompt with the same k
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        sampling = self._sampling_params(self.max_tokens, self.logprobs, constraint_, defaults, prompt_logprobs)
+        prompts = normalize_prompts(self.prompt)
+        return [self._request(request_id if len(prompts) == 1 else f"{request_id}-p{i}", sampling, messages=None,
+                              prompt=prompt, add_special_tokens=self.add_special_tokens)
+                for i, prompt in enumerate(prompts)]
 
     def to_generate_request(self, request_id: str, *, defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
-        self._check_common()
-        if self.echo:
-            raise RequestError("echo is not supported", param="echo")
-        if self.suffix:
-            raise RequestError("suffix is not supported", param="suffix")
-        return GenerateRequest(request_id=request_id, messages=None, prompt=normalize_prompt(self.prompt),
-                               sampling=self._sampling_params(self.max_tokens, self.logprobs, defaults=defaults))
+        """The GenerateRequest of a one-prompt request."""
+        [request] = self.to_generate_requests(request_id, defaults=defaults)
+        return request
+
+
+# The template arguments EPD sets itself: a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "return_dict",
+                                    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def check_chat_template_kwargs(kwargs: dict | None) -> None:
+    """vLLM's chat_template_kwargs: variables the chat template reads (e.g. Qwen3's
+    `enable_thinking`); one that names what EPD sets from the request's own fields is a 400."""
+    clash = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs or {}))
+    if clash:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}: use the request's own fields",
+                           param="chat_template_kwargs")
+
+
+def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:  # vLLM's rule
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
 
 
 def constraint(build, param: str) -> StructuredOutputsParams:
@@ -345,15 +431,14 @@ def normalize_stop(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def normalize_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    """One text prompt or one list of token ids (a batch of one is unwrapped)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise RequestError("batched prompts are not supported: send one prompt per request",
-                               param="prompt")
-        prompt = prompt[0]
-    if len(prompt) == 0:
-        raise RequestError("prompt must not be empty", param="prompt")
-    if isinstance(prompt, list) and any(t < 0 for t in prompt):
-        raise RequestError("prompt token ids must be non-negative", param="prompt")
-    return prompt
+def normalize_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request: one text or list of token ids, or a batch of them."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    if len(batch) > MAX_PROMPTS:
+        raise RequestError(f"at most {MAX_PROMPTS} prompts per request are allowed, got {len(batch)}", param="prompt")
+    for one in batch:
+        if len(one) == 0:
+            raise RequestError("prompt must not be empty", param="prompt")
+        if isinstance(one, list) and any(t < 0 for t in one):
+            raise RequestError("prompt token ids must be non-negative", param="prompt")
+    return batch

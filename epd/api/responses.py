@@ -1,8 +1,12 @@
 """OpenAI response objects: chat.completion(.chunk), text_completion, usage, SSE framing.
 
 A format object (`ChatFormat`, `CompletionFormat`) knows one HTTP request's
-id, model and whether logprobs were asked, and builds every JSON object the
-request answers with, streamed or not; `epd.api.server` only moves Deltas.
+id, model, whether logprobs were asked and vLLM's extras (`Extras`: token ids,
+usage in every chunk, echo, choices per prompt), and builds every JSON object
+the request answers with, streamed or not; `epd.api.server` only moves Deltas.
+Every choice carries vLLM's `stop_reason`; the non-streamed answers carry its
+`prompt_logprobs` (null unless asked) and, asked for, `prompt_token_ids` /
+`token_ids`.
 """
 from __future__ import annotations
 
@@ -25,6 +29,24 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+@dataclass(frozen=True)
+class Extras:
+    """vLLM's additions to an answer that a request asked for."""
+
+    n: int = 1  # choices per prompt: choice i answers prompt i // n
+    return_token_ids: bool = False  # prompt_token_ids (once per choice) and token_ids
+    continuous_usage: bool = False  # usage (this choice's) in every streamed chunk
+    echo: tuple[str, ...] = ()  # per prompt: the text its answers start with
+    role: str = "assistant"  # chat: the answer's role
+
+    @property
+    def is_plain(self) -> bool:
+        return not (self.return_token_ids or self.continuous_usage or any(self.echo))
+
+    def echo_of(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+
 @dataclass
 class SequenceOutput:
     """Everything one sequence produced so far, accumulated from its Deltas."""
@@ -36,10 +58,18 @@ class SequenceOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     def add(self, delta: Delta) -> None:
         self.text_parts.append(delta.text)
         self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
+        self.stop_reason = delta.stop_reason if delta.finish_reason is not None else self.stop_reason
+        self.prompt_token_ids = delta.prompt_token_ids or self.prompt_token_ids
+        self.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else self.prompt_logprobs
         self.logprobs.extend(delta.logprobs or ())
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -50,40 +80,68 @@ class SequenceOutput:
         return "".join(self.text_parts)
 
 
-def usage(outputs: list[SequenceOutput]) -> dict:
-    """The prompt counts once whatever `n` is (as OpenAI and vLLM count it)."""
-    prompt_tokens = outputs[0].num_prompt_tokens
+def usage(outputs: list[SequenceOutput], n: int = 1) -> dict:
+    """Each prompt counts once whatever `n` is (as OpenAI and vLLM count it); a batch's prompts add up."""
+    prompts = outputs[::n]
+    prompt_tokens = sum(o.num_prompt_tokens for o in prompts)
     completion_tokens = sum(o.num_tokens for o in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": outputs[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in prompts)}}
+
+
+def choice_usage(output: SequenceOutput) -> dict:
+    """vLLM's continuous usage: this choice's prompt and its tokens so far."""
+    return {"prompt_tokens": output.num_prompt_tokens, "completion_tokens": output.num_tokens,
+            "total_tokens": output.num_prompt_tokens + output.num_tokens}
 
 
 def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def prompt_logprobs_json(output: SequenceOutput, decode_token: Callable[[int], str]) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token
+    {token id: {logprob, rank, decoded_token}} for the token itself and the top k."""
+    if output.prompt_logprobs is None:
+        return None
+    steps: list[dict | None] = [None]
+    for e in output.prompt_logprobs:
+        step = {str(e.token_id): {"logprob": _logprob(e.logprob), "rank": e.rank,
+                                  "decoded_token": decode_token(e.token_id)}}
+        for rank, (token_id, logprob) in enumerate(e.top, start=1):
+            step.setdefault(str(token_id), {"logprob": _logprob(logprob), "rank": rank,
+                                            "decoded_token": decode_token(token_id)})
+        steps.append(step)
+    return steps
+
+
 class _Format:
     def __init__(self, request_id: str, model: str, created: int, decode_token: Callable[[int], str],
-                 want_logprobs: bool):
+                 want_logprobs: bool, extras: Extras = Extras()):
         self.request_id = request_id
         self.model = model
         self.created = created
         self.decode_token = decode_token
         self.want_logprobs = want_logprobs
+        self.extras = extras
         self._templates: dict[int, tuple[bytes, bytes]] = {}  # index -> the text event around its text
+        self._started: set[int] = set()  # choices whose first chunk (echo, prompt_token_ids) went out
 
-    def delta_event(self, index: int, delta: Delta) -> bytes | None:
+    def delta_event(self, index: int, delta: Delta, output: SequenceOutput | None = None) -> bytes | None:
         """`sse(delta_chunk(...))`, or None when there is nothing to send. A plain
-        text delta (no logprobs, no tool calls, not the last) is the same bytes
-        from a template made once per choice, with only the text encoded."""
-        if delta.text and delta.finish_reason is None and self._is_plain_text():
+        text delta (no logprobs, no tool calls, no extras, not the last) is the same
+        bytes from a template made once per choice, with only the text encoded.
+        `output`: the choice so far, for continuous usage."""
+        if delta.text and delta.finish_reason is None and self.extras.is_plain and self._is_plain_text():
             template = self._templates.get(index)
             if template is None:
                 prefix, suffix = sse(self._text_chunk(index, _TEXT_SLOT)).split(json.dumps(_TEXT_SLOT).encode())
                 template = self._templates[index] = (prefix, suffix)
             return template[0] + json.dumps(delta.text, ensure_ascii=False).encode() + template[1]
         chunk = self.delta_chunk(index, delta)
+        if chunk is not None and output is not None and self.extras.continuous_usage:
+            chunk["usage"] = choice_usage(output)
         return sse(chunk) if chunk is not None else None
 
     def error_event(self, error: RequestError) -> bytes:
@@ -93,6 +151,9 @@ class _Format:
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
+
+    def _token_ids(self, output: SequenceOutput) -> dict:
+        return {"token_ids": output.token_ids if self.extras.return_token_ids else None}
 
 
 class ChatFormat(_Format):
@@ -105,17 +166,26 @@ class ChatFormat(_Format):
         self._parsers: dict[int, ToolCallParser] = {}  # streamed: one per choice
 
     def opening_chunks(self, index: int) -> list[dict]:
-        """Sent for every choice before its first content: the role."""
-        return [self._chunk(index, {"role": "assistant", "content": ""}, None, None)]
+        """Sent for every choice before its first content: the role, then what `echo` repeats."""
+        chunks = [self._chunk(index, {"role": self.extras.role, "content": ""}, None, None)]
+        if self.extras.echo_of(index):
+            chunks.append(self._chunk(index, {"content": self.extras.echo_of(index)}, None, None))
+        return chunks
 
     def delta_chunk(self, index: int, delta: Delta) -> dict | None:
         logprobs = self.logprobs(delta.logprobs or []) if self.want_logprobs and delta.logprobs else None
         if self.tool_choice is not None:
-            return self._tool_delta_chunk(index, delta, logprobs)
-        if not delta.text and delta.finish_reason is None and logprobs is None:
+            chunk = self._tool_delta_chunk(index, delta, logprobs)
+        elif not delta.text and delta.finish_reason is None and logprobs is None \
+                and not (self.extras.return_token_ids and delta.token_ids):
             return None  # nothing to say yet (e.g. text held back while a stop string may match)
-        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
-        return self._chunk(index, content, delta.finish_reason, logprobs)
+        else:
+            content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            chunk = self._chunk(index, content, delta.finish_reason, logprobs, delta)
+        if chunk is not None and self.extras.return_token_ids and index not in self._started:
+            self._started.add(index)
+            chunk["prompt_token_ids"] = delta.prompt_token_ids  # vLLM: on the first chunk
+        return chunk
 
     def _is_plain_text(self) -> bool:
         return self.tool_choice is None and not self.want_logprobs
@@ -136,27 +206,31 @@ class ChatFormat(_Format):
             body["content"] = parsed.content
         if parsed.tool_calls:
             body["tool_calls"] = parsed.tool_calls
-        return self._chunk(index, body, _finish_reason(parser, delta.finish_reason), logprobs)
+        return self._chunk(index, body, _finish_reason(parser, delta.finish_reason), logprobs, delta)
 
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
-        return {**self._envelope("chat.completion.chunk", []), "usage": usage(outputs)}
+        return {**self._envelope("chat.completion.chunk", []), "usage": usage(outputs, self.extras.n)}
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
         choices = []
         for o in outputs:
-            message: dict = {"role": "assistant", "content": o.text}
+            text = self.extras.echo_of(o.index) + o.text
+            message: dict = {"role": self.extras.role, "content": text}
             finish_reason = o.finish_reason
             if self.tool_choice is not None:  # the same parser as streaming, fed the whole text
                 parser = ToolCallParser(self.tool_choice)
-                content = parser.feed(o.text).content + parser.finish().content
+                content = parser.feed(text).content + parser.finish().content
                 message["content"] = content or (None if parser.calls else "")
                 if parser.calls:
                     message["tool_calls"] = parser.calls
                 finish_reason = _finish_reason(parser, o.finish_reason)
             choices.append({"index": o.index, "message": message,
                             "logprobs": self.logprobs(o.logprobs) if self.want_logprobs else None,
-                            "finish_reason": finish_reason})
-        return {**self._envelope("chat.completion", choices), "usage": usage(outputs)}
+                            "finish_reason": finish_reason, "stop_reason": o.stop_reason, **self._token_ids(o)})
+        prompt_token_ids = outputs[0].prompt_token_ids if self.extras.return_token_ids else None
+        return {**self._envelope("chat.completion", choices), "usage": usage(outputs, self.extras.n),
+                "prompt_logprobs": prompt_logprobs_json(outputs[0], self.decode_token),
+                "prompt_token_ids": prompt_token_ids}
 
     def logprobs(self, entries: list[TokenLogprobs]) -> dict:
         """OpenAI chat form: {"content": [{token, logprob, bytes, top_logprobs}]}."""
@@ -167,9 +241,14 @@ class ChatFormat(_Format):
         token = self.decode_token(token_id)
         return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode("utf-8"))}
 
-    def _chunk(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return self._envelope("chat.completion.chunk", [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None,
+               source: Delta | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:  # vLLM: on the last chunk only
+            choice["stop_reason"] = source.stop_reason if source is not None else None
+        if self.extras.return_token_ids:
+            choice["token_ids"] = source.token_ids if source is not None else []
+        return self._envelope("chat.completion.chunk", [choice])
 
 
 def _finish_reason(parser: ToolCallParser, finish_reason: str | None) -> str | None:
@@ -189,33 +268,60 @@ class CompletionFormat(_Format):
         return []
 
     def delta_chunk(self, index: int, delta: Delta) -> dict | None:
-        logprobs = self._logprobs_from(index, delta.logprobs or []) if self.want_logprobs else None
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        """The choice's first chunk starts with the echoed prompt and (return_token_ids) names the prompt's ids."""
+        first = index not in self._started
+        text = self.extras.echo_of(index) + delta.text if first else delta.text
+        logprobs = None
+        if self.want_logprobs:
+            prompt = delta.prompt_logprobs if first and self.extras.echo else None
+            logprobs = self._logprobs_from(index, delta.logprobs or [], prompt, delta.prompt_token_ids)
+        if not text and delta.finish_reason is None and not delta.logprobs \
+                and not (self.extras.return_token_ids and delta.token_ids):
             return None
-        return self._envelope("text_completion", [
-            {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}])
+        self._started.add(index)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                  "stop_reason": delta.stop_reason}
+        if self.extras.return_token_ids:
+            choice["prompt_token_ids"] = delta.prompt_token_ids if first else None
+            choice["token_ids"] = delta.token_ids
+        return self._envelope("text_completion", [choice])
 
     def _is_plain_text(self) -> bool:
         return not self.want_logprobs
 
     def _text_chunk(self, index: int, text: str) -> dict:
         return self._envelope("text_completion", [
-            {"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+            {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}])
 
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
-        return {**self._envelope("text_completion", []), "usage": usage(outputs)}
+        return {**self._envelope("text_completion", []), "usage": usage(outputs, self.extras.n)}
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
-        choices = [{"index": o.index, "text": o.text,
-                    "logprobs": self._logprobs_from(o.index, o.logprobs) if self.want_logprobs else None,
-                    "finish_reason": o.finish_reason} for o in outputs]
-        return {**self._envelope("text_completion", choices), "usage": usage(outputs)}
+        prompt_token_ids, echo = self.extras.return_token_ids, bool(self.extras.echo)
+        choices = [{"index": o.index, "text": self.extras.echo_of(o.index) + o.text,
+                    "logprobs": self._logprobs_from(o.index, o.logprobs, o.prompt_logprobs if echo else None,
+                                                    o.prompt_token_ids) if self.want_logprobs else None,
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "prompt_logprobs": prompt_logprobs_json(o, self.decode_token),
+                    "prompt_token_ids": o.prompt_token_ids if prompt_token_ids else None, **self._token_ids(o)}
+                   for o in outputs]
+        return {**self._envelope("text_completion", choices), "usage": usage(outputs, self.extras.n)}
 
-    def _logprobs_from(self, index: int, entries: list[TokenLogprobs]) -> dict:
+    def _logprobs_from(self, index: int, entries: list[TokenLogprobs], prompt: list[TokenLogprobs] | None = None,
+                       prompt_token_ids: list[int] | None = None) -> dict:
         """Legacy form: tokens, token_logprobs, top_logprobs (the sampled token is always
-        in its dict, so up to k + 1 entries, as OpenAI documents), text_offset."""
+        in its dict, so up to k + 1 entries, as OpenAI documents), text_offset. `prompt`
+        (echo): the prompt's entries go first, its first token with null logprobs (vLLM)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = self._text_offsets.get(index, 0)
+        if prompt is not None and prompt_token_ids:
+            token = self.decode_token(prompt_token_ids[0])
+            tokens.append(token)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(token)
+            entries = list(prompt) + list(entries)
         for e in entries:
             token = self.decode_token(e.token_id)
             tokens.append(token)

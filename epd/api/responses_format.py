@@ -83,7 +83,8 @@ class ResponsesFormat:
     def opening_chunks(self, index: int) -> list[dict]:
         return []  # the opening events go out with the first Delta (`delta_event`)
 
-    def delta_event(self, index: int, delta: Delta) -> bytes | None:
+    def delta_event(self, index: int, delta: Delta, output: SequenceOutput | None = None) -> bytes | None:
+        """`output` (the chat formats' continuous usage) is not read: the stream keeps its own."""
         events = self._opening_events()
         self._streamed.add(delta)
         if delta.text or delta.logprobs:

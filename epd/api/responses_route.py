@@ -5,17 +5,20 @@
 (epd/api/responses_format.py); everything between (validation of messages
 and images, structured output, the orchestrator's streams, disconnects,
 metrics) is the chat path's. The route is declared on FastAPI
-(`add_responses_route`), so its body is parsed and validated there.
+(`add_responses_route`); its body is bounded like the generation endpoints'
+(`generate_route.read_json_object`: JSON items counted before parsing), then
+validated as a `ResponsesRequest`.
 """
 from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from epd.api.generate_route import GenerateRoute, ServedResponse, internal_request_id
-from epd.api.protocol import GenerateRequest, RequestError, check_model
+from epd.api.generate_route import (GenerateRoute, ServedResponse, internal_request_id, max_json_items,
+                                    read_json_object)
+from epd.api.protocol import GenerateRequest, RequestError, check_model, validate_body
 from epd.api.responses import SSE_DONE
 from epd.api.responses_format import ResponsesFormat
 from epd.api.responses_request import ResponsesRequest, renamed
@@ -27,8 +30,11 @@ def add_responses_route(app: FastAPI, route: GenerateRoute) -> None:
     """POST /v1/responses on `app`, served by a ResponsesRoute sharing `route`'s orchestrator and metrics."""
     responses = ResponsesRoute(route.orchestrator, route.settings, route.metrics)
 
+    max_items = max_json_items(route.orchestrator.max_model_len)
+
     @app.post(RESPONSES_PATH)
-    async def create_response(body: ResponsesRequest) -> Response:
+    async def create_response(request: Request) -> Response:
+        body = validate_body(ResponsesRequest, await read_json_object(request, max_items))
         return ServedResponse(responses, body)
 
 
@@ -42,7 +48,7 @@ class ResponsesRoute(GenerateRoute):
         except RequestError as exc:  # before the answer started: named by the Responses fields
             raise renamed(exc, body.instructions is not None) from None
 
-    def _prepare(self, body: ResponsesRequest, scope) -> tuple[GenerateRequest, ResponsesFormat]:
+    def _prepare(self, body: ResponsesRequest, scope) -> tuple[list[GenerateRequest], ResponsesFormat]:
         model = self.settings.served_model_name
         request_id = internal_request_id(scope, "resp").replace("-", "_", 1)  # OpenAI's "resp_..." ids
         chat = body.to_chat_request(model)
@@ -50,8 +56,8 @@ class ResponsesRoute(GenerateRoute):
         request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                            defaults=self.settings.sampling_defaults)
         self._checked(request, "top_logprobs")
-        return request, ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
-                                        body.want_logprobs, _echo(body, request))
+        return [request], ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
+                                          body.want_logprobs, _echo(body, request))
 
 
 def _echo(body: ResponsesRequest, request: GenerateRequest) -> dict:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app(orchestrator, settings) -> FastAPI`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions (both served by
-`epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery),
+`epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery by
+`epd.api.fast_path.FastPathApp`),
 GET /v1/models[/{id}], POST /tokenize and /detokenize (epd.api.tokenizer_routes), GET /version,
 POST /v1/responses (epd.api.responses_route, on the chat path),
 GET /health, GET /metrics. The app knows the
@@ -22,6 +23,8 @@ import posixpath
 import secrets
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -30,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from epd.api.body_limit import call_within_limit
 from epd.api.errors import error_body, error_response, install_error_handlers, internal_error
+from epd.api.fast_path import FastPathApp
 from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLETIONS_PATH, REQUEST_ID_GENERATED_KEY,
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
 from epd.api.metrics import ApiMetrics
@@ -43,13 +47,15 @@ from epd.requests import RequestError
 logger = logging.getLogger(__name__)
 
 
-def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_routes: bool = True) -> FastAPI:
+def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_routes: bool = True,
+              lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None) -> FastAPI:
     """`lean_routes=False`: POST /v1/chat/completions and /v1/completions go through
-    FastAPI's routing too (the reference the lean route is tested against)."""
+    FastAPI's routing too (the reference the lean route is tested against).
+    `lifespan`: FastAPI's (the start-up code's workers, started before the first request)."""
     metrics = ApiMetrics(settings.metrics_model_name or settings.served_model_name)
     generate = GenerateRoute(orchestrator, settings, metrics)
     lean = _with_cors(_ApiMiddleware(generate, settings), settings) if lean_routes else None
-    app = _App(lean, title="EPD OpenAI-compatible server")
+    app = FastPathApp(lean, _is_generation_post, title="EPD OpenAI-compatible server", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(_ApiMiddleware, settings=settings)
     if settings.allowed_origins:  # outside the API key: a browser's preflight carries none
@@ -57,8 +63,31 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     if settings.log_requests:
         _log_requests_at_info()
     app.state.metrics = metrics
-    model = settings.served_model_name
-    started = int(time.time())
+    _add_health_routes(app, orchestrator, metrics)
+    _add_model_routes(app, orchestrator, settings)
+    add_tokenizer_routes(app, orchestrator, settings)
+    add_responses_route(app, generate)
+
+    # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
+    # a POST to either path is taken by `FastPathApp` before FastAPI sees it.
+    @app.post(CHAT_PATH)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return ServedResponse(generate, body)
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(body: CompletionRequest) -> Response:
+        return ServedResponse(generate, body)
+
+    return app
+
+
+def _is_generation_post(scope) -> bool:
+    """A request the lean route (`GenerateRoute` behind `_ApiMiddleware`) takes."""
+    return scope["path"] in BODY_MODELS and scope["method"] == "POST" and not scope.get("root_path")
+
+
+def _add_health_routes(app: FastAPI, orchestrator: OrchestratorLike, metrics: ApiMetrics) -> None:
+    """GET /health (503 naming the roles with no live worker) and GET /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,6 +104,12 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
         if workers:
             text += workers if workers.endswith(b"\n") else workers + b"\n"
         return Response(content=text, media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+def _add_model_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiSettings) -> None:
+    """GET /v1/models, /v1/models/{id} and /version."""
+    model = settings.served_model_name
+    started = int(time.time())
 
     def model_card() -> dict:
         return {"id": model, "object": "model", "created": started, "owned_by": "epd", "root": model,
@@ -98,21 +133,6 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     async def version() -> dict:
         return {"version": settings.version}
 
-    add_tokenizer_routes(app, orchestrator, settings)
-    add_responses_route(app, generate)
-
-    # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
-    # a POST to either path is taken by `_App` before FastAPI sees it.
-    @app.post(CHAT_PATH)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return ServedResponse(generate, body)
-
-    @app.post(COMPLETIONS_PATH)
-    async def completions(body: CompletionRequest) -> Response:
-        return ServedResponse(generate, body)
-
-    return app
-
 
 def _cors_options(settings: ApiSettings) -> dict:
     return {"allow_origins": list(settings.allowed_origins), "allow_methods": list(settings.allowed_methods),
@@ -133,22 +153,6 @@ def _log_requests_at_info() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
         request_log.addHandler(handler)
         request_log.propagate = False
-
-
-class _App(FastAPI):
-    """FastAPI, but a POST to one of the two generation endpoints goes straight to
-    `lean` (the GenerateRoute behind _ApiMiddleware): none of FastAPI's per-request
-    machinery on the path every token takes (docs/architecture.md, Decisions)."""
-
-    def __init__(self, lean, **kwargs):
-        super().__init__(**kwargs)
-        self._lean = lean
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (self._lean is not None and scope["type"] == "http" and scope["path"] in BODY_MODELS
-                and scope["method"] == "POST" and not scope.get("root_path")):
-            return await self._lean(scope, receive, send)
-        await super().__call__(scope, receive, send)
 
 
 # -- request ids, API key, body size, last-resort 500 --------------------------------------------

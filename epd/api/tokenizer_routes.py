@@ -13,16 +13,16 @@ a 400 (413 for a body past the bound) with an OpenAI error body.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from epd.api.chat_messages import validate_messages
-from epd.api.generate_route import check_json_items, max_json_items
+from epd.api.generate_route import max_json_items, read_json_object
 from epd.api.orchestrator_like import OrchestratorLike
-from epd.api.protocol import INT64_MAX, check_model, validate_body
+from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_continue_final_message, check_model,
+                              validate_body)
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
 from epd.requests import GenerateRequest, RequestError
@@ -57,8 +57,7 @@ class TokenizeChatRequest(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "continue_final_message", "chat_template", "chat_template_kwargs",
-                           "mm_processor_kwargs")
+UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "chat_template", "mm_processor_kwargs")
 
 
 class DetokenizeRequest(BaseModel):
@@ -73,7 +72,7 @@ def add_tokenizer_routes(app: FastAPI, orchestrator: OrchestratorLike, settings:
 
     @app.post(TOKENIZE_PATH)
     async def tokenize(request: Request) -> dict:
-        body = await _json_body(request, max_items)
+        body = await read_json_object(request, max_items)
         if "messages" in body:
             chat = validate_body(TokenizeChatRequest, body)
             _check_model(chat.model, settings)
@@ -93,7 +92,7 @@ def add_tokenizer_routes(app: FastAPI, orchestrator: OrchestratorLike, settings:
 
     @app.post(DETOKENIZE_PATH)
     async def detokenize(request: Request) -> dict:
-        body = validate_body(DetokenizeRequest, await _json_body(request, max_items))
+        body = validate_body(DetokenizeRequest, await read_json_object(request, max_items))
         _check_model(body.model, settings)
         bad = next((t for t in body.tokens if t >= orchestrator.vocab_size), None)
         if bad is not None:
@@ -114,23 +113,14 @@ def _chat_request(chat: TokenizeChatRequest, settings: ApiSettings) -> GenerateR
     except ToolError as exc:
         raise RequestError(str(exc), param=exc.param) from None
     messages = validate_messages(chat.messages, settings.max_images_per_prompt)
+    check_continue_final_message(chat.continue_final_message, chat.add_generation_prompt)
+    check_chat_template_kwargs(chat.chat_template_kwargs)
     return GenerateRequest(request_id="tokenize", messages=messages, prompt=None, sampling=SamplingParams(),
-                           add_generation_prompt=chat.add_generation_prompt, tools=tools or None)
+                           add_generation_prompt=chat.add_generation_prompt, tools=tools or None,
+                           continue_final_message=chat.continue_final_message,
+                           chat_template_kwargs=chat.chat_template_kwargs or None)
 
 
 def _check_model(model: str | None, settings: ApiSettings) -> None:
     if model is not None:  # optional here, as in vLLM
         check_model(model, settings.served_model_name)
-
-
-async def _json_body(request: Request, max_items: int) -> dict:
-    body = await request.body()
-    check_json_items(body, max_items)
-    try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise RequestError(f"Invalid JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(value, dict):
-        raise RequestError("The request body must be a JSON object")
-    return value
-

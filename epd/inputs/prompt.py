@@ -110,8 +110,11 @@ class PromptBuilder:
         self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
-        """The chat template's text; `tools` (OpenAI function tools) are rendered by the template."""
+               tools: list[dict] | None = None, continue_final_message: bool = False,
+               template_kwargs: dict | None = None) -> str:
+        """The chat template's text; `tools` (OpenAI function tools) are rendered by the template;
+        `continue_final_message`: the last message left open, for the model to go on with it;
+        `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs)."""
         if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(NO_CHAT_TEMPLATE)
         from jinja2 import TemplateError
@@ -119,15 +122,17 @@ class PromptBuilder:
         try:
             return self.tokenizer.apply_chat_template(
                 normalize_messages(messages), tools=tools or None, tokenize=False,
-                add_generation_prompt=add_generation_prompt, chat_template=self.chat_template)
+                add_generation_prompt=add_generation_prompt, chat_template=self.chat_template,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except TemplateError as exc:  # the template refused these messages (its raise_exception)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
     def build(self, messages: list[dict], images: list[ImageRef], add_generation_prompt: bool = True,
-              tools: list[dict] | None = None, max_tokens: int | None = None) -> Prompt:
+              tools: list[dict] | None = None, max_tokens: int | None = None,
+              continue_final_message: bool = False, template_kwargs: dict | None = None) -> Prompt:
         """`images` in the order their parts appear in `messages`. `max_tokens`: a rendered
         prompt surely longer is refused (PromptTooLong) before it is tokenized whole."""
-        text = self.render(messages, add_generation_prompt, tools)
+        text = self.render(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
         if max_tokens is not None and exceeds_tokens(self.tokenizer, text, max_tokens):  # image pads only add
             raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
         pieces = text.split(IMAGE_PAD)

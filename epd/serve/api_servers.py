@@ -1,11 +1,11 @@
 """`epd serve --api-servers N` (N > 1): N API processes behind one HTTP port,
 all routing to the same workers.
 
-    launcher (serve_many; serves no HTTP itself)
+    launcher (serve_many over the Deployment of epd/serve/deployment.py; serves no HTTP itself)
       binds the HTTP socket once; every API process accepts on it (as uvicorn
         --workers and gunicorn do: portable, and a dying process loses only the
         connections it had accepted, not the ones queued)
-      LocalSupervisor: the workers, whose WorkerSpec.apis names all N collectors
+      the deployment's LocalSupervisor: the workers, whose WorkerSpec.apis names all N collectors
       ApiServers: starts API process k (run_api_server), restarts it when it exits
       a worker exits -> WorkerExited to every collector (the workers are not the
         API processes' children, so only the launcher sees them exit)
@@ -16,8 +16,9 @@ all routing to the same workers.
       stop: Ctrl-C or SIGTERM to every API process (SIGTERM: each drains), then
         Shutdown to the workers
     API process k (run_api_server)
-      Orchestrator(collector <run dir>/api[-k].sock, api_index=k): its own registry
-        (every worker registers with every API process), its own requests
+      build_api(collector <run dir>/api[-k].sock, api_index=k, LauncherWorkers): its own
+        registry (every worker registers with every API process), its own requests; it
+        holds no supervisor, so it reads the launcher's through `LauncherWorkers`
       FastAPI app on the shared socket and on its own unix socket <run dir>/http-k.sock
         (to reach one process on purpose: operators, tests)
 """
@@ -28,21 +29,17 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
-from epd.multiprocess_metrics import MULTIPROC_DIR_ENV  # read by prometheus_client when imported (not yet, here)
+from epd.serve.deployment import Deployment, build_api, http_server
 from epd.serve.heap import freeze_startup_heap
-from epd.serve.supervisor import POLL_S, LocalSupervisor, RestartBudget
-from epd.serve.threads import share_cores
-from epd.serve.worker_launches import worker_launches
-from epd.transport.addresses import Addresses, tcp_address
+from epd.serve.local_supervisor import LocalSupervisor
+from epd.serve.supervisor import POLL_S, RestartBudget
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
 
@@ -61,48 +58,38 @@ class ApiServerLaunch:
     own_socket_path: str  # this process alone listens here (unix socket)
 
 
-def collectors(config: ServeConfig, addresses: Addresses | None) -> list[str]:
-    """Every API process's collector, by index: ipc in the run dir, or tcp from the worker port up."""
-    if config.external_workers:
-        first = config.worker_port or config.port + 1
-        return [tcp_address(config.host, first + k) for k in range(config.api_servers)]
-    return [addresses.collector(k) for k in range(config.api_servers)]
+class LauncherWorkers:
+    """What an API process reads of the launcher's LocalSupervisor (a `WorkerWatch`,
+    epd/serve/supervisor.py): the launcher's workers' exits arrive at once, as
+    WorkerExited (external workers are nobody's children: silence judges them);
+    restarts are counted by the launcher, into the shared metric files."""
+
+    def __init__(self, external_workers: bool):
+        self.external_workers = external_workers
+
+    def sees_exit(self, worker_id: str) -> bool:
+        return not self.external_workers
+
+    def restart_counts(self) -> dict[str, int] | None:
+        return None
 
 
-def serve_many(config: ServeConfig) -> int:
-    run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
-    metrics_dir = os.path.join(run_dir, "metrics")
-    os.makedirs(metrics_dir)
-    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # before prometheus_client is imported, here and in children
-    mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
-    os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
-    addresses = None if config.external_workers else Addresses.ipc(run_dir)
-    apis = collectors(config, addresses)
-    share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
-    ctx = multiprocessing.get_context("spawn")
-    launches = [] if config.external_workers else worker_launches(config, addresses, tuple(apis), mm_cache_dir)
-    workers = LocalSupervisor(launches, ctx, max_restarts=config.limits.max_restarts,
-                              down_retry_s=config.limits.down_retry_s,
-                              restart_window_s=config.limits.restart_window_s)
+def serve_many(deployment: Deployment) -> int:
+    """The launcher: N API processes on one HTTP socket, the deployment's workers; stops on SIGINT / SIGTERM."""
+    config = deployment.config
     try:
         http = socket.create_server((config.host, config.port), backlog=HTTP_BACKLOG)
     except OSError as exc:
         print(f"epd serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr, flush=True)
-        shutil.rmtree(run_dir, ignore_errors=True)
         return 1
-    servers = ApiServers([ApiServerLaunch(config, k, apis[k], mm_cache_dir, os.path.join(run_dir, f"http-{k}.sock"))
-                          for k in range(config.api_servers)], http, ctx)
-    code = 1
+    launches = [ApiServerLaunch(config, k, deployment.collectors[k], deployment.mm_cache_dir,
+                                os.path.join(deployment.run_dir, f"http-{k}.sock")) for k in range(config.api_servers)]
+    servers = ApiServers(launches, http, multiprocessing.get_context("spawn"))
     try:
-        code = asyncio.run(_run(config, workers, servers, apis))
+        return asyncio.run(_run(config, deployment.supervisor, servers, deployment.collectors))
     finally:
         servers.stop()
-        workers.stop()
         http.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if code == 0:
-        print("EPD: stopped; every worker exited", flush=True)
-    return code
 
 
 async def _run(config: ServeConfig, workers: LocalSupervisor, servers: ApiServers, apis: list[str]) -> int:
@@ -145,7 +132,7 @@ async def _run(config: ServeConfig, workers: LocalSupervisor, servers: ApiServer
     watches = [asyncio.create_task(workers.watch(on_worker_exit)), asyncio.create_task(servers.watch(on_api_exit))]
     try:
         while not stop.done():
-            for role, n in workers.restarts.items():
+            for role, n in workers.restart_counts().items():
                 restarts.labels(role).inc(n - counted.get(role, 0))
                 counted[role] = n
             await asyncio.wait([stop], timeout=POLL_S)
@@ -251,22 +238,10 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    import uvicorn
-
-    from epd.api.http_protocol import http_protocol
-    from epd.api.server import build_app
-    from epd.serve.http_server import HttpServer, api_settings
-    from epd.serve.orchestrator import Orchestrator
-
     config = launch.config
-    orchestrator = Orchestrator(config, launch.collector, launch.mm_cache_dir, api_index=launch.index)
-    orchestrator.metrics.worker_restarts = None  # the launcher counts them (shared metric files)
-    if not config.external_workers:  # the launcher's children: their exits arrive as WorkerExited
-        orchestrator.registry.supervised = lambda worker_id: True
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
+    async def lifespan(_app):  # `orchestrator` is build_api's, below (the lifespan runs once the server starts)
         await orchestrator.start()
         try:
             # every worker registers with every API process (a restarted one hears them re-announce)
@@ -284,14 +259,14 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
         finally:
             await orchestrator.stop(shutdown_workers=False)  # the workers serve the other API processes
 
-    app.router.lifespan_context = lifespan
+    orchestrator, app = build_api(config, launch.collector, launch.mm_cache_dir,
+                                  LauncherWorkers(config.external_workers), api_index=launch.index,
+                                  lifespan=lambda _orchestrator: lifespan)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     own.bind(launch.own_socket_path)
-    server = HttpServer(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=3,
-                                    backlog=HTTP_BACKLOG, http=http_protocol()),
-                        orchestrator.drain, config.limits.shutdown_grace_s)
+    server = http_server(config, app, orchestrator.drain, backlog=HTTP_BACKLOG)
     try:
         server.run(sockets=[http, own])
     except KeyboardInterrupt:

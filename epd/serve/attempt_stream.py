@@ -3,6 +3,7 @@
     TokenOrder            outputs back in output order (two workers, two pipes)   epd/serve/token_order.py
     coalescing            every output already queued goes into one Delta: a reader
                           that fell behind catches up in one step instead of one per token
+                          (docs/architecture.md, "Batching on the token path")
     detokenizer           text deltas, stop strings                               epd/detokenizer.py
     logprobs              one entry per token taken
     events                the deadline (503), a worker lost or a failed step (Retry),
@@ -39,8 +40,12 @@ class AttemptStream:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.release_images = release_images
-        self.detok = IncrementalDetokenizer(tokenizer, prep.token_ids, sampling.skip_special_tokens, sampling.stop)
+        self.detok = IncrementalDetokenizer(tokenizer, prep.token_ids, sampling.skip_special_tokens, sampling.stop,
+                                            sampling.include_stop_str_in_output, sampling.min_tokens)
+        # an EOS ends a request with stop_reason None; any other stop token names itself (vLLM)
+        self.eos_token_id = None if sampling.ignore_eos else tokenizer.eos_token_id
         self.emitted: list[int] = []  # every token streamed so far, over all attempts
+        self.prompt_logprobs = None  # the first attempt's (a resumed one scores a longer prompt)
         self.num_cached = 0
         self.dispatched_s: float | None = None  # the end of request_queue_time_seconds
 
@@ -94,6 +99,7 @@ class AttemptStream:
         """`out` and every output already here after it, as one Delta (one SSE event)."""
         detok = self.detok
         token_ids, logprobs, parts, finish = [], [] if out.logprobs else None, [], None
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs  # with an attempt's first output
         while out is not None:
             new_ids, new_logprobs, num_read = out.token_ids, out.logprobs, detok.num_tokens
             parts.append(detok.push(new_ids))
@@ -111,5 +117,17 @@ class AttemptStream:
                 attempt.is_finished = out.finished
                 break
             out = in_order.next_tokens_nowait()  # an event met instead waits for the next next()
+        first = len(self.emitted) == len(token_ids)  # the sequence's first Delta carries its prompt
         return Delta("".join(parts), token_ids, finish, len(self.prep.token_ids), self.num_cached,
-                     logprobs, dispatched_s=self.dispatched_s)
+                     logprobs, dispatched_s=self.dispatched_s, stop_reason=self._stop_reason(finish),
+                     prompt_token_ids=self.prep.token_ids if first else None,
+                     prompt_logprobs=self.prompt_logprobs if first else None)
+
+    def _stop_reason(self, finish: str | None) -> int | str | None:
+        """The stop string matched, or the stop token that ended the sequence (not an EOS)."""
+        if finish != "stop":
+            return None
+        if self.detok.is_stopped:
+            return self.detok.stop_reason
+        last = self.emitted[-1] if self.emitted else None
+        return None if last is None or last == self.eos_token_id else last

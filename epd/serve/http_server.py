@@ -1,19 +1,13 @@
-"""`HttpServer`: uvicorn with EPD's signals, and `api_settings`: the app's settings from
-the config, for `epd serve` (epd/serve/launcher.py) and each API process of
-`--api-servers N` (epd/serve/api_servers.py)."""
+"""`api_settings`: the HTTP app's settings from the config, for `epd serve`
+(epd/serve/launcher.py) and each API process of `--api-servers N`
+(epd/serve/api_servers.py). Both serve it with `epd.api.fast_path.HttpServer`
+(uvicorn with EPD's signals)."""
 from __future__ import annotations
-
-import asyncio
-import contextlib
-import signal
-import threading
-from collections.abc import Awaitable, Callable
-
-import uvicorn
 
 from epd.api.settings import ApiSettings
 from epd.config import ServeConfig
 from epd.inputs.sampling_defaults import SamplingDefaults
+
 
 def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None = None) -> ApiSettings:
     """What the HTTP app of `epd serve` serves and whom, from its one config and the
@@ -26,48 +20,3 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        max_logprobs=config.max_logprobs, log_requests=config.enable_log_requests,
                        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
                        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials)
-
-
-class HttpServer(uvicorn.Server):
-    """uvicorn with EPD's signals. SIGTERM drains: `drain(grace_s)` refuses new
-    requests and lets those in flight finish for `--shutdown-grace`, then ends
-    the rest with an OpenAI error; Ctrl-C does the same with no grace. Only
-    then does uvicorn stop (open connections get 3 s), so it never has a
-    request left to cut off. A second Ctrl-C stops at once. Neither signal is
-    raised again after the stop (uvicorn's own habit, which for SIGTERM killed
-    the process before the launcher could clean up)."""
-
-    def __init__(self, config: uvicorn.Config, drain: Callable[[float], Awaitable[None]], grace_s: float):
-        super().__init__(config)
-        self._drain = drain
-        self._grace_s = grace_s
-        self._draining: asyncio.Task | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        originals = {sig: signal.signal(sig, lambda sig, _frame: loop.call_soon_threadsafe(self._on_signal, sig))
-                     for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, sig: int) -> None:
-        if self.started and self._draining is None:
-            grace_s = self._grace_s if sig == signal.SIGTERM else 0.0
-            self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit(grace_s))
-        elif self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-        else:
-            self.should_exit = True
-
-    async def _drain_then_exit(self, grace_s: float) -> None:
-        try:
-            await self._drain(grace_s)
-        finally:
-            self.should_exit = True

@@ -9,84 +9,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
-import os
-import shutil
 import socket
 import sys
-import tempfile
-
-import uvicorn
 
 from epd.config import ServeConfig, WorkerConfig
+from epd.serve.api_servers import serve_many
+from epd.serve.deployment import Deployment, build_api, http_server
 from epd.serve.heap import freeze_startup_heap
-from epd.serve.http_server import HttpServer, api_settings
+from epd.serve.supervisor import Supervisor
 from epd.serve.worker_entry import WorkerLaunch, run_worker
-from epd.serve.supervisor import LocalSupervisor
-from epd.serve.threads import share_cores
-from epd.serve.worker_launches import worker_launches
-from epd.transport.addresses import Addresses, tcp_address
+from epd.transport.addresses import tcp_address
 from epd.transport.worker_io import WorkerSpec
 
 
 def serve(config: ServeConfig) -> int:
-    if config.api_servers > 1:
-        from epd.serve.api_servers import serve_many
+    """The deployment (epd/serve/deployment.py), served by one API process here or N behind one port."""
+    deployment = Deployment.build(config)
+    try:
+        code = serve_many(deployment) if config.api_servers > 1 else _serve_one(deployment)
+    finally:
+        deployment.close()
+    if code == 0:
+        print("EPD: stopped; every worker exited", flush=True)
+    return code
 
-        return serve_many(config)
-    from epd.api.http_protocol import http_protocol
-    from epd.api.server import build_app
-    from epd.serve.orchestrator import Orchestrator
 
-    run_dir = tempfile.mkdtemp(prefix="epd-")  # 0700: the ipc sockets' only protection
-    mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
-    os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
-    share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
-    collector, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
-    orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir)
-    if config.ray is None:  # a busy local worker is not a dead one (Ray's workers may be on lost nodes)
-        orchestrator.registry.supervised = supervisor.owns
-    orchestrator.metrics.worker_restarts = lambda: dict(supervisor.restarts)
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults))
-    app.router.lifespan_context = _lifespan(config, orchestrator, supervisor, collector)
-    server = HttpServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
-                                       timeout_graceful_shutdown=3, http=http_protocol()),
-                        lambda grace_s: _drain(orchestrator, grace_s), config.limits.shutdown_grace_s)
+def _serve_one(deployment: Deployment) -> int:
+    """This process is the API: it holds the supervisor, which starts the workers in the app's lifespan."""
+    config, supervisor, collector = deployment.config, deployment.supervisor, deployment.collectors[0]
+    orchestrator, app = build_api(config, collector, deployment.mm_cache_dir, supervisor,
+                                  keys_dir=deployment.keys_dir,
+                                  lifespan=lambda orchestrator: _lifespan(config, orchestrator, supervisor, collector))
+    server = http_server(config, app, lambda grace_s: _drain(orchestrator, grace_s), host=config.host,
+                         port=config.port)
     try:
         server.run()
     except KeyboardInterrupt:
         pass
-    finally:
-        supervisor.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
-    if server.started:
-        print("EPD: stopped; every worker exited", flush=True)
     return 0 if server.started else 1
 
 
-def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str):
-    """(collector address, worker keys dir, supervisor) of the workers: Ray actors,
-    external workers that register themselves, or local processes."""
-    keys_dir = config.worker_keys
-    if config.ray is not None:  # every worker in a Ray actor: epd/serve/ray_cluster.py
-        from epd.serve.ray_cluster import start_ray_plane
-
-        plane = start_ray_plane(config, run_dir)
-        return plane.collector, plane.keys_dir, plane.supervisor
-    if config.external_workers:
-        collector = tcp_address(config.host, config.worker_port or config.port + 1)
-        addresses = None
-    else:
-        addresses = Addresses.ipc(run_dir)
-        collector = addresses.collector()
-    launches = [] if config.external_workers else worker_launches(config, addresses, (collector,), mm_cache_dir)
-    supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"),
-                                 max_restarts=config.limits.max_restarts, down_retry_s=config.limits.down_retry_s,
-                                 restart_window_s=config.limits.restart_window_s, addresses=addresses)
-    return collector, keys_dir, supervisor
-
-
-def _lifespan(config: ServeConfig, orchestrator, supervisor, collector: str):
+def _lifespan(config: ServeConfig, orchestrator, supervisor: Supervisor, collector: str):
     """The app's lifespan: workers started and Ready before the first request, stopped after the last."""
 
     @contextlib.asynccontextmanager
@@ -146,7 +109,8 @@ def run_external_worker(config: WorkerConfig) -> int:
                       apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys,
                       max_image_bytes=config.max_image_bytes)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
-                          num_threads=config.num_worker_threads())
+                          num_threads=config.num_worker_threads(), tokenizer=config.tokenizer,
+                          mm_processor_kwargs=config.mm_processor_kwargs)
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)
     try:
         run_worker(launch, spawned=False)

@@ -35,6 +35,7 @@ from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.registry import WorkerRegistry
+from epd.serve.supervisor import Unsupervised, WorkerWatch
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
@@ -58,12 +59,13 @@ class Orchestrator:
     `Preparer`, `Placement` and `AttemptStream`, the collector, failover."""
 
     def __init__(self, config: ServeConfig, collector_address: str, mm_cache_dir: str,
-                 keys_dir: str | None = None, api_index: int = 0):
+                 keys_dir: str | None = None, api_index: int = 0, supervisor: WorkerWatch | None = None):
         """`mm_cache_dir`: the embedding cache the launcher's workers share
         (`--mm-cache-dir`, or one it made under its run dir). `keys_dir`: the
         worker-plane keys when the collector is on tcp (default `--worker-keys`).
         `api_index`: this API process's place among `--api-servers` (its
-        collector's in WorkerSpec.apis)."""
+        collector's in WorkerSpec.apis). `supervisor`: who keeps the workers
+        up, as this process sees it (epd/serve/supervisor.py; None: nobody here)."""
         self.config = config
         self.keys_dir = keys_dir or config.worker_keys
         # tokenizer, chat template, sampling defaults, image processor; CheckpointError names what is wrong
@@ -76,8 +78,9 @@ class Orchestrator:
         self.collector_address = collector_address
         self.api_index = api_index
         # a worker busy past the request timeout holds nothing that can still finish
-        self.registry = WorkerRegistry(stuck_after_s=config.limits.request_timeout_s)
-        self.metrics = WorkerMetrics(self.registry)
+        supervisor = supervisor or Unsupervised()
+        self.registry = WorkerRegistry(supervised=supervisor.sees_exit, stuck_after_s=config.limits.request_timeout_s)
+        self.metrics = WorkerMetrics(self.registry, worker_restarts=supervisor.restart_counts)
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
         self.preparer = Preparer(config, self.info, self.files, self.max_model_len, self.metrics)
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,

@@ -185,7 +185,7 @@ class Placement:
         prefill, decode = placed.prefill, placed.decode
         sampling = replace(req.sampling, max_tokens=prep.max_tokens - len(emitted), n=1,
                            min_tokens=max(0, req.sampling.min_tokens - len(emitted)),
-                           stream_interval=self.config.stream_interval)
+                           stream_interval=max(self.config.stream_interval, req.sampling.stream_interval))
         # The PrefillRequest goes before its EncodeRequests, so an idle prefill worker
         # has it before any EncodeDone (a busy one may still read them out of order).
         await outbox.send(prefill.inbox, PrefillRequest(

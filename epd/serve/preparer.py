@@ -15,12 +15,13 @@ the same `Prepared`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from epd.config import ServeConfig
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
 from epd.requests import GenerateRequest, RequestError
@@ -59,6 +60,7 @@ class Preparer:
                                      files.chat_template and files.chat_template.text)
         self.processor_config = files.processor_config or {}
         self.media = MediaFetcher(config.media)
+        self.images_by_uuid = ImagesByUuid()  # vLLM's media uuid: the latest image sent under each
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
@@ -109,7 +111,7 @@ class Preparer:
         parts = image_parts(req.messages)
         if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
             raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
-        loads = [asyncio.ensure_future(self.media.load(image_part_source(part))) for part in parts]
+        loads = [asyncio.ensure_future(self._load_image(part)) for part in parts]
         try:
             return list(await asyncio.gather(*loads))
         except MediaError as exc:
@@ -118,6 +120,19 @@ class Preparer:
             for load in loads:
                 load.cancel()
             await asyncio.gather(*loads, return_exceptions=True)
+
+    async def _load_image(self, part: dict) -> bytes:
+        """One image part's bytes: its url's, or (a uuid without url) those sent under its uuid."""
+        uuid = part.get("uuid")
+        if uuid is not None and image_part_source(part) is None:
+            data = self.images_by_uuid.get(uuid)
+            if data is None:
+                raise MediaError(f"no image was sent under uuid {uuid!r} (or it is no longer kept): send its url")
+            return data
+        data = await self.media.load(image_part_source(part))
+        if uuid is not None:
+            self.images_by_uuid.put(uuid, data)
+        return data
 
     def _admit_image_bytes(self, num_bytes: int) -> int:
         limit = self.config.limits.max_pending_image_bytes
@@ -136,27 +151,50 @@ class Preparer:
 
     def _prepare(self, req: GenerateRequest, raw_images: list[bytes], add_special_tokens: bool = False) -> Prepared:
         """Tokens, image spans and distinct images; RequestError for bad input."""
-        max_prompt_tokens = self.max_model_len - 1  # one token at least is left to generate
+        # one token at least is left to generate; a prompt to be truncated is tokenized whole
+        max_prompt_tokens = self.max_model_len - 1 if req.truncate_prompt_tokens is None else None
         if req.messages is None:
             prompt = req.prompt
-            if isinstance(prompt, str) and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
+            if isinstance(prompt, str) and max_prompt_tokens is not None \
+                    and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
                 raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) \
-                else list(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens or req.add_special_tokens) \
+                if isinstance(prompt, str) else list(prompt)
             if not ids:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
-            return Prepared(ids, [], {}, {})
+            return self._truncated(req, Prepared(ids, [], {}, {}))
         images, num_patches, refs = self._image_refs(raw_images)
         try:
             prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
-                                        max_tokens=max_prompt_tokens)
+                                        max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
+                                        template_kwargs=req.chat_template_kwargs)
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
-        return Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
+        return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches))
+
+    def _truncated(self, req: GenerateRequest, prep: Prepared) -> Prepared:
+        """vLLM's truncate_prompt_tokens: keep k tokens (-1: as many as the model takes
+        beside max_tokens), the last ones (truncation_side left) or the first (right).
+        A cut through an image's placeholders is refused: an image is whole or absent."""
+        k = req.truncate_prompt_tokens
+        if k is not None and k < 0:
+            k = self.max_model_len - (req.sampling.max_tokens or 0)
+        ids = prep.token_ids
+        if k is None or k >= len(ids):
+            return prep
+        start = len(ids) - k if req.truncation_side == "left" else 0
+        if any(span.offset < start or span.offset + span.length > start + k for span in prep.mm_spans):
+            raise RequestError(status=400, message=f"truncate_prompt_tokens: keeping {k} of the prompt's {len(ids)} "
+                               "tokens would cut an image", param="truncate_prompt_tokens")
+        if k == 0:
+            raise RequestError(status=400, message="truncate_prompt_tokens: 0 leaves an empty prompt",
+                               param="truncate_prompt_tokens")
+        spans = [replace(span, offset=span.offset - start) for span in prep.mm_spans]
+        return Prepared(ids[start:start + k], spans, prep.images, prep.num_patches)
 
     def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
         return RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} "

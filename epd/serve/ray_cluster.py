@@ -9,10 +9,8 @@ its node's address, registers with the API's collector over CURVE with
 (`<cache root>/node-<node ip>`), so across nodes embeddings travel inside
 `EncodeDone` and KV inside `KVTransfer`, as between `epd worker` hosts.
 
-`RaySupervisor` offers the orchestrator what `LocalSupervisor` offers
-(start / all_alive / await watch(on_exit) / stop, `restarts` per role,
-`down`), plus `add_worker(role)` and `remove_worker(worker_id)` for an
-autoscaler.
+`RaySupervisor` is a `Supervisor` (epd/serve/supervisor.py), as
+`LocalSupervisor` is: the same interface, the same backoff and down retry.
 
 How a worker is kept up. The actor's `run` method is the worker loop: it
 returns only after Shutdown. Actors are created with Ray's `max_restarts=-1`
@@ -26,7 +24,12 @@ call with `max_task_retries=-1` waits through Ray's restart) and calls `run`
 again; the new process binds a new inbox and registers with `Ready` under
 the same worker id, so the registry and router follow it to its new node.
 A worker that exits more than `max_restarts` times within `restart_window_s`
-is killed for good and its role reported down, as the local launcher does.
+is given up on and its role reported down, as the local launcher does: its
+actor is killed, and every `down_retry_s` a fresh actor is created under the
+same worker id (placed by Ray anew: a node that came back, or another).
+Nothing here `sees_exit` at once: an actor on a lost node or behind a
+partition is noticed by Ray late or never, so the registry judges Ray's
+workers by their silence too.
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ except ImportError:  # the CLI prints it as "epd serve: ..." and exits 2
 from epd.config import ServeConfig
 from epd.serve.ray_config import RayConfig
 from epd.serve.worker_entry import WorkerLaunch, run_worker
-from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, RestartBudget
-from epd.transport.addresses import tcp_address, worker_id as make_worker_id
+from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, Supervisor
+from epd.transport.addresses import parse_worker_id, tcp_address, worker_id as make_worker_id
 from epd.transport.auth import API, WORKER, make_keys
 from epd.transport.roles import Role
 from epd.transport.worker_io import WorkerSpec
@@ -117,7 +120,8 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
                             nice=config.worker_nice(role))
 
     supervisor = RaySupervisor(config.mode_roles(), launch, rc, shipped, max_restarts=config.limits.max_restarts,
-                               restart_window_s=config.limits.restart_window_s)
+                               restart_window_s=config.limits.restart_window_s,
+                               down_retry_s=config.limits.down_retry_s)
     print(f"EPD: Ray cluster with {len(ray.nodes())} nodes; workers register at {collector}", flush=True)
     return RayPlane(collector, keys_dir, supervisor)
 
@@ -170,27 +174,22 @@ class WorkerActor:
         return 0
 
 
-class RaySupervisor:
-    """`LocalSupervisor`'s interface over Ray actors (see the module docstring)."""
+class RaySupervisor(Supervisor):
+    """The `Supervisor` interface over Ray actors (see the module docstring)."""
 
     def __init__(self, roles: list[tuple[Role, int]], launch: Callable[[Role, int], WorkerLaunch],
                  config: RayConfig, keys: dict[str, bytes] | None, max_restarts: int = 5,
-                 restart_window_s: float = 60.0):
+                 restart_window_s: float = 60.0, down_retry_s: float = 30.0):
+        super().__init__(max_restarts, restart_window_s, down_retry_s)
         self.initial = list(roles)
         self.launch = launch
         self.config = config
         self.keys = keys
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
         self.actors: dict[str, object] = {}  # worker id -> actor handle
         self.runs: dict[str, ray.ObjectRef] = {}  # worker id -> its running `run`
         self.waking: dict[str, ray.ObjectRef] = {}  # worker id -> `node` of a restarting actor
         self._waking_since: dict[str, float] = {}
-        self.restarts: dict[str, int] = {}
-        self.down: set[str] = set()
-        self.budget = RestartBudget(max_restarts, restart_window_s)
         self._not_before: dict[str, float] = {}  # worker id -> when `run` may be called again (backoff)
-        self._stopped = False
 
     # ---------------------------------------------------------- interface
 
@@ -201,7 +200,7 @@ class RaySupervisor:
     def add_worker(self, role: Role | str) -> str:
         """Starts one more worker of `role` (placed by Ray like the others); returns its worker id."""
         role = Role.parse(role)
-        used = {int(w.rpartition("-")[2]) for w in self.actors if w.rpartition("-")[0] == role}
+        used = {parse_worker_id(w)[1] for w in self.actors if parse_worker_id(w)[0] == role}
         index = next(i for i in range(len(used) + 1) if i not in used)
         return self._create(role, index)
 
@@ -234,9 +233,9 @@ class RaySupervisor:
 
     def stop(self) -> None:
         """Lets workers told to stop (Shutdown) end, then kills every actor. Idempotent."""
-        if self._stopped or not ray.is_initialized():
+        if self._stopping or not ray.is_initialized():
             return
-        self._stopped = True
+        self._stopping = True
         refs = list(self.runs.values())
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_GRACE_S)
@@ -247,7 +246,19 @@ class RaySupervisor:
                 pass
         ray.shutdown()
 
+    def sees_exit(self, worker_id: str) -> bool:
+        """Never at once: Ray tells of an actor on a lost node late, of one behind a partition never."""
+        return False
+
     # ----------------------------------------------------------- internals
+
+    def _holds(self, worker_id: str) -> bool:
+        return worker_id in self.actors
+
+    def _start_again(self, worker_id: str) -> None:
+        """A fresh actor for a worker given up on (the old one was killed for good)."""
+        role, index = parse_worker_id(worker_id)
+        self._create(role, index)
 
     def _create(self, role: Role, index: int) -> str:
         worker_id = make_worker_id(role, index)
@@ -269,13 +280,9 @@ class RaySupervisor:
             worker_id = next(w for w, r in self.runs.items() if r == ref)
             del self.runs[worker_id]
             code, why = _outcome(ref)
-            delay = self.budget.next_delay(worker_id)
-            on_exit(worker_id, code, delay is not None)
+            delay = self._exited(worker_id, code, f"ended ({why})", on_exit)
             if delay is None:
-                self.down.add(worker_id)
                 ray.kill(self.actors[worker_id], no_restart=True)
-                print(f"EPD: worker {worker_id} ended ({why}); it ended {self.max_restarts + 1} times within "
-                      f"{self.restart_window_s:g} s: not restarted, its role is down", flush=True)
                 continue
             print(f"EPD: worker {worker_id} ended ({why}); Ray restarts it, `run` again in {delay:g} s",
                   flush=True)
@@ -308,8 +315,7 @@ class RaySupervisor:
                 print(f"EPD: worker {worker_id} not back yet: {type(exc).__name__}", flush=True)
                 self.waking[worker_id] = self.actors[worker_id].node.options(max_task_retries=-1).remote()
                 continue
-            role = worker_id.rpartition("-")[0]
-            self.restarts[role] = self.restarts.get(role, 0) + 1
+            self._count_restart(worker_id)
             print(f"EPD: worker {worker_id} restarting on node {node}", flush=True)
             self.runs[worker_id] = self.actors[worker_id].run.remote()
 

@@ -77,8 +77,8 @@ class WorkerRegistry:
     def __init__(self, heartbeat_timeout_s: float | None = None,
                  supervised: Callable[[str], bool] = lambda worker_id: False,
                  stuck_after_s: float = float("inf")):
-        """`supervised(worker_id)`: a supervisor here reports that worker's exit
-        (the launcher sets it), so it is never judged by silence.
+        """`supervised(worker_id)`: a supervisor here sees that worker's exit at once
+        (`Supervisor.sees_exit`), so it is never judged by silence.
         `heartbeat_timeout_s`: None reads EPD_HEARTBEAT_TIMEOUT_S (default 10 s).
         `stuck_after_s`: an unsupervised worker whose loop has been busy this long is dead."""
         self.workers: dict[str, WorkerInfo] = {}

@@ -157,8 +157,12 @@ def _add_buckets(family: HistogramMetricFamily, labels: list[str], buckets: Buck
 class WorkerMetrics:
     """A prometheus collector over the registry's latest stats, plus API-side counters."""
 
-    def __init__(self, registry: WorkerRegistry):
+    def __init__(self, registry: WorkerRegistry, worker_restarts: Callable[[], dict[str, int] | None] = dict):
+        """`worker_restarts`: role -> restarts, from the supervisor (`restart_counts`); a None
+        from it: another process exports them (the launcher of `--api-servers N`, in the
+        shared metric files), so this one does not."""
         self.registry = registry
+        self.worker_restarts = worker_restarts
         self._api = CollectorRegistry()
         self.mm_cache_queries = Count(Counter("epd:mm_cache_queries", "Images looked up in the embedding cache.",
                                               registry=self._api))
@@ -184,8 +188,6 @@ class WorkerMetrics:
         self.requests_refused = CountBy(Counter(  # reason -> requests refused by admission control
             "epd:requests_refused", "Requests refused by admission control (503 + Retry-After).", ["reason"],
             registry=self._api))
-        # role -> restarts, from the supervisor; None: the launcher counts them in the shared metric files
-        self.worker_restarts: Callable[[], dict[str, int]] | None = dict
         self._prom = CollectorRegistry(auto_describe=False)
         self._prom.register(self)
 
@@ -230,8 +232,9 @@ class WorkerMetrics:
         yield from encoder
         yield from encoder_extras
         yield from cache
-        if self.worker_restarts is not None:
-            yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", self.worker_restarts())
+        restarts = self.worker_restarts()
+        if restarts is not None:
+            yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", restarts)
 
 
 WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")

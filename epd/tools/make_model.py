@@ -337,7 +337,7 @@ def make_model(out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0
 
     tokenizer.save_pretrained(out)
     _embed_chat_template(out)
-    _write_preprocessor_config(out, p)
+    write_processor_configs(out, p)
     return out
 
 
@@ -388,7 +388,8 @@ def _embed_chat_template(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-def _write_preprocessor_config(out: Path, p: Preset) -> None:
+def write_processor_configs(out: Path, p: Preset) -> None:
+    """preprocessor_config.json and, as the family's releases, video_preprocessor_config.json."""
     mean, std = IMAGE_MEAN_STD[p.family]
     cfg = {
         "image_processor_type": "Qwen2VLImageProcessor",
@@ -407,3 +408,27 @@ def _write_preprocessor_config(out: Path, p: Preset) -> None:
         "merge_size": 2,
     }
     (out / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if p.family in VIDEO_SIZE:
+        _write_video_config(out, p)
+
+
+# Qwen3-VL releases ship video_preprocessor_config.json with these pixel bounds
+# (a 4096-pixel floor, 25165824 pixels over all frames); Qwen2.5-VL's ship none,
+# and transformers then reads preprocessor_config.json for video as well.
+VIDEO_SIZE = {"qwen3_vl": {"longest_edge": 25165824, "shortest_edge": 4096},
+              "qwen3_vl_moe": {"longest_edge": 25165824, "shortest_edge": 4096}}
+
+
+def _write_video_config(out: Path, p: Preset) -> None:
+    mean, std = IMAGE_MEAN_STD[p.family]
+    cfg = {
+        "size": VIDEO_SIZE[p.family],
+        "patch_size": p.patch_size,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": mean,
+        "image_std": std,
+        "processor_class": PROCESSOR_CLASS[p.family],
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(cfg, indent=2) + "\n")

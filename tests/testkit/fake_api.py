@@ -21,7 +21,7 @@ import time
 import httpx
 import uvicorn
 
-from epd.api.http_protocol import http_protocol
+from epd.api.fast_path import http_protocol
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.api.server import ApiSettings, build_app
 from epd.transport.sampling import TokenLogprobs

@@ -18,6 +18,7 @@ QWEN2_5_VL_SAMPLING = {"do_sample": True, "temperature": 0.1, "top_p": 0.001, "t
 # what a request that spells out vLLM's neutral values gets
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 PROCESSOR_TEMPLATE_MARK = "Served with the processor template."
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")  # a text-only release has neither
 
 
 def release_checkpoint(tiny_model: str, out: Path, sampling: dict | None = None, *,
@@ -26,13 +27,13 @@ def release_checkpoint(tiny_model: str, out: Path, sampling: dict | None = None,
     chat_template.json, `sampling` merged into generation_config.json.
     `tokenizer_template`: tokenizer_config.json keeps its template too, and the one
     in chat_template.json differs from it (a system line `PROCESSOR_TEMPLATE_MARK`).
-    `image_processor` False: no preprocessor_config.json (text only)."""
+    `image_processor` False: no preprocessor_config.json nor video one (text only)."""
     src = Path(tiny_model)
     out.mkdir(parents=True)
     for path in src.iterdir():
         if path.suffix == ".safetensors":
             (out / path.name).symlink_to(path)
-        elif path.name != "chat_template.jinja" and (image_processor or path.name != "preprocessor_config.json"):
+        elif path.name != "chat_template.jinja" and (image_processor or path.name not in PROCESSOR_FILES):
             shutil.copy(path, out / path.name)
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
     template = tok_cfg["chat_template"]

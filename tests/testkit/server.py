@@ -41,6 +41,15 @@ def chat_text(server: ServerProcess, messages: list[dict], max_tokens: int, stre
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def assert_refused_for_a_down_role(server: ServerProcess, body: dict) -> None:
+    """`body` sent while its role is down: a 503 at admission (not after --request-timeout),
+    Retry-After, and the reason in an OpenAI error body."""
+    refused = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "10"
+    assert "role is down" in refused.json()["error"]["message"]
+
+
 class Traffic:
     """`num_clients` threads, each calling `send(client, i)` for i = 0, 1, ...
     back to back until the `with` block ends; `results` holds (client, i,
@@ -140,6 +149,13 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def wait_health(self, status: int, timeout_s: float) -> None:
+        """Until /health answers `status` (a role down: 503; back: 200); fails after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.base_url + "/health", timeout=5).status_code != status:
+            assert time.monotonic() < deadline, f"/health never became {status}:\n{self.log()[-3000:]}"
+            time.sleep(0.1)
 
     def log(self) -> str:
         if not self._log.closed:

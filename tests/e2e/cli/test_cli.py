@@ -19,7 +19,7 @@ def test_make_model_writes_a_hf_checkpoint(tmp_path):
     proc = run_epd("make-model", str(out), "--preset", "tiny", "--seed", "3")
     assert proc.returncode == 0, proc.stderr
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "preprocessor_config.json"):
+                 "tokenizer_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
         assert (out / name).exists(), name
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert "<|image_pad|>" in tok_cfg["chat_template"]

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import pytest
 from testkit.hf_reference import hf_generate_text
 from testkit.media import CHATS, costly_image, describe
 from testkit.netns import Network, RayCluster, skip_reason
-from testkit.server import ServerProcess, Traffic, image_burst
+from testkit.server import ServerProcess, Traffic, assert_refused_for_a_down_role, image_burst
 
 MAX_TOKENS = 10
 SERVE_FLAGS = ["--num-kv-blocks", "256", "--dtype", "float32", "--device", "cpu"]
@@ -124,6 +125,25 @@ def _wait_metrics(server: ServerProcess, condition, deadline_s: float, what: str
     return metrics
 
 
+def _local_ray_env(tmp_path, **extra: str) -> tuple[dict, str]:
+    """(environment, Ray's temp dir) for an `epd serve --cluster ray` that starts its own Ray."""
+    token = tmp_path / "ray-token"
+    token.write_text(os.urandom(16).hex())
+    ray_tmp = tempfile.mkdtemp(prefix="epdt-ray-")  # Ray's session files; short: they hold unix sockets
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
+               RAY_TMPDIR=ray_tmp, RAY_DEDUP_LOGS="0", **extra)
+    env.pop("RAY_ADDRESS", None)
+    return env, ray_tmp
+
+
+def _wait_nothing_left(host, ray_tmp: str) -> None:
+    deadline = time.monotonic() + 30
+    while host.pids():  # Ray's own processes end a moment after the driver
+        assert time.monotonic() < deadline, f"left running: {host.pids()}"
+        time.sleep(0.5)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 def test_cluster_ray_on_one_machine_starts_its_own_ray_and_scales_encoders(net, tiny_model, tmp_path):
     """`epd serve --cluster ray --encoders 1-2` without --ray-address: a local
     Ray (inside one namespace, on its loopback), each worker in an actor. A
@@ -132,12 +152,7 @@ def test_cluster_ray_on_one_machine_starts_its_own_ray_and_scales_encoders(net, 
     actor, which takes images; idleness removes it. Every answer is
     transformers' text, and nothing of Ray is left once the server stops."""
     host = net.add_host("l")
-    token = tmp_path / "ray-token"
-    token.write_text(os.urandom(16).hex())
-    ray_tmp = tempfile.mkdtemp(prefix="epdt-ray-")  # Ray's session files; short: they hold unix sockets
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
-               RAY_TMPDIR=ray_tmp, RAY_DEDUP_LOGS="0", EPD_TEST_ENCODER_BATCH_DELAY_S="1.0")
-    env.pop("RAY_ADDRESS", None)
+    env, ray_tmp = _local_ray_env(tmp_path, EPD_TEST_ENCODER_BATCH_DELAY_S="1.0")
     port = 18720
     server = ServerProcess(["serve", tiny_model, "--mode", "e-pd", "--cluster", "ray", "--host", host.ip,
                             "--port", str(port), "--mm-cache-dir", str(tmp_path / "cache"),
@@ -164,11 +179,7 @@ def test_cluster_ray_on_one_machine_starts_its_own_ray_and_scales_encoders(net, 
     finally:
         code = server.stop()
     assert code == 0, server.log()
-    deadline = time.monotonic() + 30
-    while host.pids():  # Ray's own processes end a moment after the driver
-        assert time.monotonic() < deadline, f"left running: {host.pids()}"
-        time.sleep(0.5)
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+    _wait_nothing_left(host, ray_tmp)
     assert answers and all(status == 200 for _, status, _ in answers), answers
     wrong = [seed for seed, _, text in answers
              if text != hf_generate_text(tiny_model, describe(costly_image(seed)), [costly_image(seed)], 4)]
@@ -257,3 +268,54 @@ def test_lost_node_comes_back_on_a_spare(ray_server, ray_cluster, net, expected)
     wrong = [(name, status, text) for name, status, text in results
              if not (status == 503 or (status, text) == (200, expected[name]))]
     assert wrong == []
+
+
+def _worker_actor_pids(host) -> list[int]:
+    """The processes in `host` running a worker's actor (Ray titles them ray::WorkerActor...)."""
+    pids = []
+    for pid in host.pids():
+        try:
+            title = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::WorkerActor"):
+            pids.append(pid)
+    return pids
+
+
+def test_cluster_ray_probes_a_down_role_again(net, tiny_model, tmp_path):
+    """Issue 33 item 5 under Ray, as tests/e2e/serve/test_role_down.py for local workers:
+    with `--max-restarts 0` the aggregated worker's actor process killed is given up
+    on at once (its actor killed for good): a request gets a 503 with Retry-After at
+    admission, and `--down-retry-interval` later the Ray supervisor creates a fresh
+    actor, which registers and serves transformers' text."""
+    host = net.add_host("r")
+    env, ray_tmp = _local_ray_env(tmp_path)
+    messages = CHATS["text_only"][0]
+    expected = hf_generate_text(tiny_model, messages, [], max_new_tokens=MAX_TOKENS)
+    port, retry_s = 18730, 8
+    server = ServerProcess(["serve", tiny_model, "--mode", "aggregated", "--cluster", "ray", "--host", host.ip,
+                            "--port", str(port), "--mm-cache-dir", str(tmp_path / "cache"), "--max-restarts", "0",
+                            "--down-retry-interval", str(retry_s), *SERVE_FLAGS], port, str(tmp_path / "api.log"),
+                           host=host.ip, wrap=host.command([]), env=env)
+    try:
+        server.wait_ready(timeout_s=240)
+        body = {"model": httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"],
+                "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+        (first,) = _worker_actor_pids(host)  # aggregated-0's
+        os.kill(first, signal.SIGKILL)
+        server.wait_health(503, 60)
+        assert_refused_for_a_down_role(server, body)
+        server.wait_health(200, retry_s + 180)  # probed again: a fresh actor, loaded, registered
+        served = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["message"]["content"] == expected
+        now = _worker_actor_pids(host)
+        assert len(now) == 1 and now != [first], (first, now)
+        log = server.log()
+        assert "its role is down; trying it again in 8 s" in log and "trying its role again" in log, log[-3000:]
+        assert server.metric_sum("epd:worker_restarts_total", role="aggregated") == 1
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    _wait_nothing_left(host, ray_tmp)

@@ -24,7 +24,7 @@ BAD_BODIES = {  # name -> (body, status, message, param)
     "schema_missing_messages": ({"model": MODEL}, 400, "field required", "messages"),
     "schema_wrong_type": (chat_body("hello"), 400, "", "messages"),
     "schema_max_tokens_string": (chat_body(TEXT_MESSAGES, max_tokens="many"), 400, "", "max_tokens"),
-    "unknown_role": (chat_body([{"role": "wizard", "content": "hi"}]), 400, "unsupported role", "messages[0].role"),
+    "empty_role": (chat_body([{"role": "", "content": "hi"}]), 400, "must be a non-empty string", "messages[0].role"),
     "role_not_a_string": (chat_body([{"role": ["user"], "content": "hi"}]), 400, "unsupported role",
                           "messages[0].role"),
     "temperature": (chat_body(TEXT_MESSAGES, temperature=7), 400, "", "temperature"),

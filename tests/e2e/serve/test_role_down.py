@@ -12,21 +12,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import httpx
 from testkit.hf_reference import hf_generate_text
-from testkit.server import start_server
+from testkit.server import assert_refused_for_a_down_role, start_server
 
 MESSAGES = [{"role": "user", "content": "Say something about boats."}]
 RETRY_S = 8  # --down-retry-interval: long enough to see the role down, short for the suite
-
-
-def _wait_health(server, status: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(server.base_url + "/health", timeout=5).status_code != status:
-        assert time.monotonic() < deadline, f"/health never became {status}:\n{server.log()}"
-        time.sleep(0.1)
 
 
 def test_a_role_down_is_refused_at_once_and_probed_again(tiny_model, tmp_path):
@@ -38,15 +30,12 @@ def test_a_role_down_is_refused_at_once_and_probed_again(tiny_model, tmp_path):
         body = {"model": model, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
         pid = int(re.search(r"EPD: worker aggregated-0 pid (\d+)", server.log()).group(1))
         os.kill(pid, signal.SIGKILL)
-        _wait_health(server, 503, 10)
-        refused = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
-        assert refused.status_code == 503, refused.text
-        assert refused.headers["retry-after"] == "10"
-        assert "role is down" in refused.json()["error"]["message"]
+        server.wait_health(503, 10)
+        assert_refused_for_a_down_role(server, body)
         metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
         assert 'epd:requests_refused_total{reason="role_down"} 1.0' in metrics
         assert not re.search(r'epd:num_requests_running\{[^}]*worker="aggregated-0"', metrics)  # no stale gauge
-        _wait_health(server, 200, RETRY_S + 60)  # tried again: restarted, loaded, registered
+        server.wait_health(200, RETRY_S + 60)  # tried again: restarted, loaded, registered
         served = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
         assert served.status_code == 200, served.text
         assert served.json()["choices"][0]["message"]["content"] == expected

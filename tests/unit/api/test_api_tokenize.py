@@ -38,8 +38,9 @@ def test_tokenize_a_chat_counts_what_the_chat_costs(client, base_url, fake):
     ({"prompt": 3}, 400, "prompt"),
     ({"prompt": "BAD"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}}, 400, "chat_template_kwargs"),
+    ({"messages": [{"role": "", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}, 400, "tools[0].type"),
 ])

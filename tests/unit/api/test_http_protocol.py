@@ -1,11 +1,11 @@
-"""`JoinedWrites`: a connection's writes in one event-loop pass leave as one write, in order,
-and closing writes what is held first (a real socket pair, a real asyncio transport)."""
+"""`JoinedWrites` (epd/api/fast_path.py): a connection's writes in one event-loop pass
+leave as one write, in order, and closing writes what is held first (a real socket pair, a real asyncio transport)."""
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from epd.api.http_protocol import JoinedWrites
+from epd.api.fast_path import JoinedWrites
 
 
 class _CountingTransport:
@@ -63,7 +63,7 @@ def test_a_connection_whose_headers_dawdle_is_closed_and_a_prompt_one_is_served(
 
     import uvicorn
 
-    from epd.api.http_protocol import http_protocol
+    from epd.api.fast_path import http_protocol
 
     async def app(scope, receive, send):
         if scope["type"] != "http":

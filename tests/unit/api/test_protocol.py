@@ -119,7 +119,9 @@ def test_invalid_sampling_values_are_refused_naming_the_field(fields, param):
     ("hi", "messages"),
     ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
     ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}], "messages[0].tool_calls"),
-    ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}], "messages[1].role"),
+    ([{"role": "user", "content": "a"}, {"role": "", "content": "b"}], "messages[1].role"),
+    ([{"role": "user", "content": "a"}, {"role": 5, "content": "b"}], "messages[1].role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "data:x"}]}], "messages[0].content[0].image_url"),
     ([{"content": "no role"}], "messages[0].role"),
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
@@ -140,7 +142,7 @@ def test_bad_messages_are_refused_naming_the_field(messages, param):
 def test_messages_are_normalised():
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "name": "ann", "content": [{"type": "text", "text": "what is"}, IMAGE,
-                                                           {"type": "image_url", "image_url": "data:x"}]},
+                                                           {"type": "image_url", "image_url": {"url": "data:x"}}]},
                 {"role": "assistant", "content": None}]
     request = chat_request(messages=messages, add_generation_prompt=False)
     assert request.messages == [
@@ -165,9 +167,11 @@ def test_completion_prompts(prompt, expected):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a"] * 257}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"), ({"prompt": {"x": 1}}, "prompt"), ({"logprobs": 21}, "logprobs"),
-    ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"suffix": "x"}, "suffix"), ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_bad_completion_requests(fields, param):
     assert refused(completion_request, **fields).param == param

@@ -100,3 +100,19 @@ def test_prompt_errors_name_the_input(base_url, stream):
 def test_the_api_key_guards_the_route(base_url):
     response = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hello"})
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_responses_bodies_are_bounded_as_generation_bodies_are(base_url):
+    """JSON items counted before the body is parsed (issue 33, item 1), as on the other routes."""
+    from epd.api.generate_route import max_json_items
+    from testkit.fake_api import FakeOrchestrator
+
+    items = max_json_items(FakeOrchestrator.max_model_len)
+    body = b'{"input": "x", "metadata": {"pad": [' + b"0," * items + b'0]}}'
+    r = httpx.post(f"{base_url}/v1/responses", content=body, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    for content in (b"{not json", b"[1, 2]"):
+        r = httpx.post(f"{base_url}/v1/responses", content=content, headers=AUTH)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    r = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": 5}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

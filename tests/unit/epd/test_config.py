@@ -30,6 +30,17 @@ def test_flag_defaults_are_the_config_defaults(tiny_model, keys, monkeypatch):
     assert worker_config(parse(["worker", tiny_model, "--role", "pd", "--api", "tcp://10.0.0.1:8001",
                                 "--worker-keys", keys])) == WorkerConfig(tiny_model, Role.PD, "tcp://10.0.0.1:8001",
                                                                          worker_keys=keys)
+    # epd worker's --tokenizer and --mm-processor-kwargs, as epd serve's
+    given = worker_config(parse(["worker", tiny_model, "--role", "encoder", "--api", "tcp://10.0.0.1:8001",
+                                 "--worker-keys", keys, "--tokenizer", tiny_model,
+                                 "--mm-processor-kwargs", '{"max_pixels": 4096}']))
+    assert (given.tokenizer, given.mm_processor_kwargs) == (tiny_model, (("max_pixels", 4096),))
+    with pytest.raises(ValueError, match="--tokenizer /nonexistent: not a directory"):
+        WorkerConfig(tiny_model, Role.ENCODER, "tcp://10.0.0.1:8001", worker_keys=keys, tokenizer="/nonexistent")
+    with pytest.raises(ValueError, match="--mm-processor-kwargs takes a JSON object"):
+        parse_worker = parse(["worker", tiny_model, "--role", "pd", "--api", "tcp://10.0.0.1:8001",
+                              "--worker-keys", keys, "--mm-processor-kwargs", "[1]"])
+        worker_config(parse_worker)
     # the defaults themselves, written once on the fields
     config = ServeConfig(model=tiny_model)
     assert (config.mode, config.num_encoders, config.num_prefill, config.num_decode) == (Mode.E_P_D, 1, 1, 1)

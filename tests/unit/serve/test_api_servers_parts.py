@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from epd.config import ServeConfig, WorkerConfig
+from epd.serve.api_servers import LauncherWorkers
 from epd.serve.registry import WorkerRegistry
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.addresses import MAX_API_SERVERS, Addresses
@@ -93,7 +94,8 @@ def test_api_counts_read_like_ints_and_render_as_counters():
     assert 'epd:requests_failed_total{reason="timeout"} 2.0' in text
     assert 'epd:requests_refused_total{reason="busy"} 1.0' in text
     assert "epd:worker_restarts" in text
-    metrics.worker_restarts = None  # several API processes: the launcher exports it
+    # several API processes: the launcher exports it, each process reads its supervisor through LauncherWorkers
+    metrics = WorkerMetrics(WorkerRegistry(), worker_restarts=LauncherWorkers(external_workers=False).restart_counts)
     assert "epd:worker_restarts" not in metrics.render().decode()
 
 
@@ -129,7 +131,7 @@ def test_the_launcher_imports_no_prometheus_client_before_it_sets_the_metrics_di
     """prometheus_client picks in-memory or file-backed values when first imported:
     were `epd serve`'s launcher to import it before PROMETHEUS_MULTIPROC_DIR is
     set, the worker restarts it counts would never reach the API processes."""
-    code = ("import sys, epd.cli, epd.serve.launcher, epd.serve.api_servers; "
+    code = ("import sys, epd.cli, epd.serve.launcher, epd.serve.deployment, epd.serve.api_servers; "
             "print('prometheus_client' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

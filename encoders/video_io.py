@@ -1,0 +1,87 @@
+"""Reading videos with PyAV (the `video` extra): the container's header only
+(API process: frame count, rate, size) or the planned frames' pixels (encoder).
+
+PyAV rather than torchvision or torchcodec: it is a self-contained wheel (its
+own FFmpeg inside), installs beside any torch build, reads the header without
+decoding, and is the reader transformers itself uses (`read_video_pyav`): frame
+count from the stream's `frames`, rate from its `average_rate`, pixels as rgb24.
+Every failure is a `VideoError` with a message fit for a client.
+"""
+from __future__ import annotations
+
+import io
+
+from epd.encoders.video_geometry import VideoMeta
+
+
+class VideoError(ValueError):
+    """The bytes are not a usable video."""
+
+
+def _av():
+    try:
+        import av
+    except ImportError:
+        raise VideoError("video input needs PyAV: pip install 'epd[video]'") from None
+    return av
+
+
+def _open(data: bytes):
+    av = _av()
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception as exc:  # av raises InvalidDataError and others for bad input
+        raise VideoError(f"cannot open video: {exc.__class__.__name__}") from None
+    if not container.streams.video:
+        container.close()
+        raise VideoError("the file has no video stream")
+    return container
+
+
+def read_video_meta(data: bytes) -> VideoMeta:
+    """The first video stream's frame count, average rate and size, as
+    transformers' PyAV reader takes them; no frame is decoded. A header that
+    counts no frames (Matroska/WebM keep no count) is counted by demuxing the
+    stream's packets, which reads the file but decodes nothing."""
+    container = _open(data)
+    try:
+        stream = container.streams.video[0]
+        num_frames = int(stream.frames)
+        fps = float(stream.average_rate) if stream.average_rate else 0.0
+        width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+        if num_frames == 0:
+            num_frames = sum(1 for packet in container.demux(stream) if packet.size > 0)
+    except VideoError:
+        raise
+    except Exception as exc:
+        raise VideoError(f"cannot read video header: {exc.__class__.__name__}") from None
+    finally:
+        container.close()
+    return VideoMeta(num_frames=num_frames, fps=fps, width=width, height=height)
+
+
+def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int]) -> "np.ndarray":  # noqa: F821
+    """The frames at `frame_indices` (ascending, repeats allowed) of the first
+    video stream, as uint8 [num_frames, height, width, 3] RGB, decoding no further
+    than the last one. VideoError when the stream ends before it."""
+    import numpy as np
+
+    if not frame_indices:
+        raise VideoError("no frame to decode")
+    wanted = set(frame_indices)
+    last = max(wanted)
+    picked: dict[int, np.ndarray] = {}
+    container = _open(data)
+    try:
+        for i, frame in enumerate(container.decode(video=0)):
+            if i in wanted:
+                picked[i] = frame.to_ndarray(format="rgb24")
+            if i >= last:
+                break
+    except Exception as exc:
+        raise VideoError(f"cannot decode video: {exc.__class__.__name__}") from None
+    finally:
+        container.close()
+    if last not in picked:
+        raise VideoError(f"the video ends before frame {last} (its header promised more)")
+    return np.stack([picked[i] for i in frame_indices])

@@ -1,0 +1,75 @@
+"""The engine flags `epd serve` and `epd worker` share: `add_engine_args`, `engine_config`;
+`engine_config_of` reads them from a list of `epd serve` flags (the planner's `--server-args`)."""
+from __future__ import annotations
+
+import argparse
+
+from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
+from epd.engine.scheduler_config import PREFILL_PRIORITIES
+
+# flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
+ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
+                "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default after its help, unless the help already says it."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig.flat_defaults()
+    g = p.add_argument_group("engine")
+    g.add_argument("--num-kv-blocks", type=int, default=defaults["num_kv_blocks"],
+                   help="KV cache blocks of each engine worker (None: from --kv-cache-gb or the GPU's free memory)")
+    g.add_argument("--kv-cache-gb", type=float, default=defaults["kv_cache_gb"],
+                   help="GiB of KV cache per engine worker (None: 1 on CPU, --gpu-memory-utilization on GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=defaults["gpu_memory_utilization"],
+                   help="share of each GPU's memory the server may take (split among the KV workers on it)")
+    g.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"],
+                   help="sequences one engine step may hold")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults["max_num_batched_tokens"],
+                   help="tokens one engine step may compute (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-model-len", type=int, default=defaults["max_model_len"],
+                   help="prompt + output tokens of one request (None: the model's max_position_embeddings; "
+                        "more is refused)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=defaults["enable_prefix_caching"],
+                   help="reuse the KV blocks of a prompt prefix already computed (images included, by mm_hash)")
+    g.add_argument("--block-size", type=int, default=defaults["block_size"], help="tokens in one KV cache block")
+    g.add_argument("--dtype", default=defaults["dtype"], choices=[*DTYPES, *VLLM_DTYPES],
+                   help="weights and activations: auto (the checkpoint's own dtype), float32, float16, bfloat16; "
+                        "vLLM's half (float16) and float (float32) too")
+    g.add_argument("--seed", type=int, default=defaults["seed"],
+                   help="torch seed of every engine worker, as vLLM's: requests with no seed sample from it "
+                        "(a request's own seed gives the same tokens whatever else runs)")
+    g.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"],
+                   help="paged attention kernels (auto: torch on CPU, triton on GPU)")
+    g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=defaults["early_prefill"],
+                   help="prefill a request up to its first image not yet encoded")
+    g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),
+                   help="which prefill gets the token budget: fcfs, or cost (fewest tokens first, aged)")
+    g.add_argument("--max-local-prefill-tokens", type=int, default=defaults["max_local_prefill_tokens"],
+                   help="e-p-d: text-only prompts of at most this many tokens are prefilled on a decode worker "
+                        "(no KV transfer), which computes at most this many prompt tokens a step; 0: off")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig.from_flat(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+
+
+def engine_config_of(argv: list[str]) -> EngineConfig:
+    """The engine settings among `epd serve` flags, with serve's defaults; other flags are ignored.
+    A bad value raises ValueError (the planner reads `--server-args` with it)."""
+    p = argparse.ArgumentParser(prog="epd serve", add_help=False, allow_abbrev=False, exit_on_error=False)
+    add_engine_args(p)
+    try:
+        known, _ = p.parse_known_args(argv)
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    return engine_config(known)

@@ -1,0 +1,73 @@
+"""`epd make-model` (a random-weight checkpoint) and `epd chat` (one user turn, offline)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from epd.config import field_default
+from epd.engine.config import EngineConfig
+
+
+def add_model_parsers(sub) -> None:
+    from epd.tools.make_model import PRESETS
+
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL)")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("chat", help="one user turn (images first, then the text); prints the completion")
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default=field_default(EngineConfig, "dtype"))
+    p.add_argument("--device", default=field_default(EngineConfig, "device"))
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="the chat template: a file, or the template itself (default: the checkpoint's)")
+    p.set_defaults(func=_chat)
+
+
+
+def _make_model(args) -> int:
+    from epd.tools.make_model import make_model
+
+    out = make_model(args.dir, preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} checkpoint to {out}")
+    return 0
+
+
+def _chat(args) -> int:
+    from epd.encoders.image_io import ImageError, read_image_size
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    from epd.inputs.model_files import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
+
+    if not (Path(args.model) / "config.json").exists():
+        print(f"epd chat: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    if args.image and not (Path(args.model) / PROCESSOR_CONFIG).is_file():
+        print(f"epd chat: {NO_IMAGE_PROCESSOR}", file=sys.stderr)
+        return 2
+    parts = []
+    for path in args.image:
+        try:
+            data = Path(path).read_bytes()
+            read_image_size(data)
+        except OSError as exc:
+            print(f"epd chat: cannot read image {path}: {exc.strerror}", file=sys.stderr)
+            return 2
+        except ImageError as exc:
+            print(f"epd chat: {path} is not a usable image ({exc})", file=sys.stderr)
+            return 2
+        parts.append({"type": "image_url", "image_url": {"url": Path(path).resolve().as_uri()}})
+    parts.append({"type": "text", "text": args.prompt})
+    llm = LLM(args.model, EngineConfig(dtype=args.dtype, device=args.device), chat_template=args.chat_template)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    out = llm.chat([[{"role": "user", "content": parts}]], params)[0]
+    print(out.outputs[0].text)
+    return 0

@@ -1,0 +1,93 @@
+"""transformers' own video processor (Qwen3-VL / Qwen2-VL) as the reference for
+the video tests, run in a child process.
+
+Those processors need torchvision's transforms; installed into the venv,
+torchvision would move `AutoImageProcessor` onto its torchvision path and
+change image pixels for every other test, so scripts/env.sh installs it with
+--no-deps into .venv/reference-torchvision and only this child puts it on
+sys.path (with `torchvision._meta_registrations` stubbed: its fake-tensor
+registrations need a matching torch build and nothing here uses them).
+
+The child gets every decoded frame with the header's metadata and samples,
+resizes and patchifies by itself, as transformers does for a user's video.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TORCHVISION_DIR = Path(__file__).resolve().parents[2] / ".venv" / "reference-torchvision"
+
+
+def reference_available() -> bool:
+    return (TORCHVISION_DIR / "torchvision").is_dir()
+
+
+def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list[dict]]],
+                     work: Path) -> list[list[dict]]:
+    """transformers' AutoVideoProcessor, in one child process, on each video's
+    frames (all of them, uint8 [N, H, W, 3]) with its header `meta` (VideoMeta),
+    once per kwargs of its calls. Each result has pixel_values_videos,
+    video_grid_thw, frames_indices, the Qwen3-VL group timestamps and the
+    sampled fps, or `error` (the message transformers raised)."""
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for i, (frames, meta, calls) in enumerate(videos):
+        np.save(work / f"frames{i}.npy", frames)
+        jobs.append({"frames": str(work / f"frames{i}.npy"), "calls": calls,
+                     "meta": {"total_num_frames": meta.num_frames, "fps": meta.fps, "width": meta.width,
+                              "height": meta.height, "duration": meta.duration_s}})
+    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"), "videos": jobs}))
+    proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
+                          timeout=240)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference process failed:\n{proc.stderr[-4000:]}")
+    return torch.load(work / "out.pt")
+
+
+def _main(job_path: str) -> None:
+    sys.path.insert(0, str(TORCHVISION_DIR))
+    import types
+    sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+    from transformers import AutoVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    job = json.loads(Path(job_path).read_text())
+    processor = AutoVideoProcessor.from_pretrained(job["model_dir"])
+    results = []
+    for video in job["videos"]:
+        frames = np.load(video["frames"])
+        results.append([])
+        for kwargs in video["calls"]:
+            try:
+                out = processor(videos=[frames], video_metadata=[VideoMetadata(**video["meta"])],
+                                return_metadata=True, return_tensors="pt", **kwargs)
+            except Exception as exc:  # the refusal is the reference answer
+                results[-1].append({"error": f"{exc.__class__.__name__}: {exc}"})
+                continue
+            results[-1].append(_result(processor, frames, out))
+    torch.save(results, job["out"])
+
+
+def _result(processor, frames, out) -> dict:
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    metadata = out["video_metadata"][0]
+    indices = (list(range(len(frames))) if metadata.frames_indices is None
+               else [int(i) for i in metadata.frames_indices])
+    timestamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), metadata.fps,
+                                                        processor.temporal_patch_size)
+    return {"pixel_values_videos": out["pixel_values_videos"],
+            "video_grid_thw": [int(v) for v in out["video_grid_thw"][0]],
+            "frames_indices": indices, "timestamps": [float(t) for t in timestamps],
+            "sampled_fps": float(metadata.sampled_fps), "merge_size": processor.merge_size,
+            "processor_class": type(processor).__name__}
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
