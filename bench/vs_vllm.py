@@ -1,4 +1,4 @@
-"""`python -m epd.bench.vs_vllm`: EPD against vLLM itself, same machine, checkpoint and trace (issue 32).
+"""`epd bench vs-vllm`: EPD against vLLM itself, same machine, checkpoint and trace (issue 32).
 
 Starts `vllm serve` from vLLM's own environment (`--vllm-bin`, or the `vllm`
 beside `--vllm-python`; `scripts/vllm_env.sh` builds the CPU one) and

@@ -17,6 +17,8 @@ BENCHMARKS = {
                        "time until goodput is back"),
     "body-memory": ("body_memory", "the API process's peak memory and time for request bodies of "
                                    "1, 10, 100 MB"),
+    "vs-vllm": ("vs_vllm", "EPD against `vllm serve` (a separate venv: scripts/vllm_env.sh) on one checkpoint "
+                           "and one trace, interleaved rounds, each row's ratio with its range"),
     "reliability-probe": ("reliability_probe", "issue 33's attacks on a live server and a keyed external "
                                                "deployment; the exit code counts the failed checks"),
 }
