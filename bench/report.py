@@ -54,25 +54,19 @@ def results_from_json(result: dict) -> list[RequestResult]:
     ]
 
 
-def write_result(path: str | Path, result: dict, save_detailed: bool = False) -> None:
-    """Write `result` as JSON; the per-request arrays only with `save_detailed`."""
+def write_result(path: str | Path, result: dict, save_detailed: bool = False, append: bool = False) -> None:
+    """Write `result` as JSON; the per-request arrays only with `save_detailed`.
+    `append` (vLLM's --append-result): one more JSON line of the file instead."""
     if not save_detailed:
         result = {k: v for k, v in result.items() if k not in DETAILED_FIELDS}
     path = Path(path)
     if path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-
-
-def append_result(path: str | Path, result: dict, save_detailed: bool = False) -> None:
-    """vLLM's --append-result: the result as one more JSON line of the file."""
-    if not save_detailed:
-        result = {k: v for k, v in result.items() if k not in DETAILED_FIELDS}
-    path = Path(path)
-    if path.parent != Path(""):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(result) + "\n")
+    if append:
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(result) + "\n")
+    else:
+        path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 def format_table(result: dict, percentiles: Sequence[float]) -> str:

@@ -26,7 +26,7 @@ from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_
                                 sample_random, sample_random_mm)
 from epd.bench.load import run_load
 from epd.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles
-from epd.bench.report import append_result, detailed_fields, format_table, write_result
+from epd.bench.report import detailed_fields, format_table, write_result
 from epd.bench import vllm_names
 
 DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
@@ -106,10 +106,9 @@ def main(args: argparse.Namespace) -> dict:
     result.update({k: v for k, v in metrics.items() if _reported(k, args.percentile_metrics)})
     result.update(detailed_fields(results))
     print(format_table(result, args.percentiles))
-    if args.save_result and getattr(args, "append_result", False):
-        append_result(args.save_result, result, save_detailed=args.save_detailed)
-    elif args.save_result:
-        write_result(args.save_result, result, save_detailed=args.save_detailed)
+    if args.save_result:
+        write_result(args.save_result, result, save_detailed=args.save_detailed,
+                     append=getattr(args, "append_result", False))
     return result
 
 

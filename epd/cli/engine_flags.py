@@ -21,6 +21,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text if "default" in text else super()._get_help_string(action)
 
 
+def add_input_processing_args(p) -> None:
+    """--mm-processor-kwargs and --tokenizer: `epd serve`'s, and each `epd worker`'s (given the same values)."""
+    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="the image processor's settings over preprocessor_config.json's, e.g. "
+                        "'{\"max_pixels\": 200704}': min_pixels, max_pixels (the API's placeholder counts and "
+                        "the encoders alike)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="take the tokenizer (and its chat template) from this directory (default: the checkpoint)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     defaults = EngineConfig.flat_defaults()
     g = p.add_argument_group("engine")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from epd.cli.engine_flags import HelpFormatter, add_engine_args, engine_config
+from epd.cli.engine_flags import HelpFormatter, add_engine_args, add_input_processing_args, engine_config
 from epd.config import CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, field_default
 from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
@@ -151,12 +151,7 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
                    help="items of each modality a request may hold, as vLLM's '{\"image\": 4, \"video\": 0}' or "
                         f"image=N (default: image {field_default(MediaConfig, 'limit_images_per_prompt')}, "
                         "video 0; video above 0 is refused until EPD serves video)")
-    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
-                   help="the image processor's settings over preprocessor_config.json's, e.g. "
-                        "'{\"max_pixels\": 200704}': min_pixels, max_pixels (the API's placeholder counts and "
-                        "the encoders alike)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="take the tokenizer (and its chat template) from this directory (default: the checkpoint)")
+    add_input_processing_args(p)
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
                    help="pixels of all of a request's images together (from their headers)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from epd.cli.engine_flags import add_engine_args, engine_config
+from epd.cli.engine_flags import add_engine_args, add_input_processing_args, engine_config
 from epd.config import CPU_SHARING, WorkerConfig, field_default
 from epd.flag_values import json_object
 from epd.transport.roles import Role
@@ -35,11 +35,7 @@ def add_worker_parsers(sub) -> None:
                         "spinning on cores other processes need (as `epd serve`); split: OpenMP's default")
     p.add_argument("--worker-keys", required=True, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (this host needs worker.key_secret)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="the tokenizer's directory, as the API's `epd serve --tokenizer` (default: the checkpoint)")
-    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
-                   help="the image processor's settings over preprocessor_config.json's, as the API's "
-                        "`epd serve --mm-processor-kwargs` (the two must agree on an image's tokens)")
+    add_input_processing_args(p)  # as the API's: the two must agree on a prompt's and an image's tokens
     add_engine_args(p)
     p.set_defaults(func=_worker)
 
