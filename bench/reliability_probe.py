@@ -48,9 +48,6 @@ from PIL import Image
 
 from epd.bench.body_memory import _status_kib, make_body
 from epd.bench.compare import ServeProcess, _free_port, cpu_set
-from epd.transport.auth import WORKER, PlaneKeys, make_keys
-from epd.transport.channels import Receiver, Sender
-from epd.transport.messages import Abort, Ready, WorkerExited
 
 KEY = "probe-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -191,6 +188,12 @@ def probe_shutdown(p: Probe, server: ServeProcess, model: str) -> None:
 
 
 def probe_worker_plane(p: Probe, args, out: Path) -> None:
+    # here, not at the top: `epd`'s parser imports this module, and the messages import torch
+    # (which must load after `epd worker` set its OpenMP wait policy)
+    from epd.transport.auth import WORKER, PlaneKeys, make_keys
+    from epd.transport.channels import Receiver, Sender
+    from epd.transport.messages import Abort, Ready, WorkerExited
+
     shutil.rmtree(out / "keys", ignore_errors=True)
     keys_dir = make_keys(out / "keys")
     server = ServeProcess(args.model_dir, "aggregated", cpu_set(args.cpus),
