@@ -169,7 +169,7 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
     num_prompts = args.num_prompts or DEFAULT_NUM_PROMPTS
     tokenizer = load_tokenizer(tokenizer_path(args), getattr(args, "trust_remote_code", False))
-    input_lens, output_lens = getattr(args, "input_lens", None), getattr(args, "output_lens", None)
+    input_lens, output_lens = vllm_names.draw_lengths(args, num_prompts)
     if args.dataset == "random":
         requests = sample_random(num_prompts, args.input_len, args.output_len, seed=args.seed, tokenizer=tokenizer,
                                  input_lens=input_lens)

@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of `args` with the vLLM names folded into what bench/serve.py reads:
-    `server_root`, `endpoint_path`, `url`, `sampling`, `image_weights`, `max_images`, `input_lens`, `output_lens`,
+    `server_root`, `endpoint_path`, `url`, `sampling`, `image_weights`, `max_images`,
     `prefix_len`, `percentile_metrics`, `save_result` (a path or None)."""
     out = copy.copy(args)
     opt = _Options(args)
@@ -100,7 +100,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                                                     ("min_p", opt.get("min_p"))) if value is not None}
     out.image_size, out.image_weights = _image_sizes(args, opt.get("random_mm_bucket_config"))
     out.max_images = _max_images(opt.get("random_mm_limit_mm_per_prompt"))
-    out.input_lens, out.output_lens = _lengths(args, opt.get("random_range_ratio", 0.0))
+    ratio = opt.get("random_range_ratio", 0.0)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
     out.prefix_len = opt.get("random_prefix_len", 0)
     if out.prefix_len < 0:
         raise ValueError(f"--random-prefix-len must be >= 0, got {out.prefix_len}")
@@ -192,14 +194,12 @@ def _max_images(limits: dict | None) -> int | None:
     return limits.get("image", 0) if "image" in limits else None
 
 
-def _lengths(args, ratio: float) -> tuple[list[int] | None, list[int] | None]:
-    """Per-request input and output lengths as vLLM's random dataset draws them:
-    uniform integers in [floor(L(1-r)), ceil(L(1+r))]; None when r is 0."""
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+def draw_lengths(args, n: int) -> tuple[list[int] | None, list[int] | None]:
+    """The `n` requests' input and output lengths as vLLM's random dataset draws them
+    (--random-range-ratio r): uniform integers in [floor(L(1-r)), ceil(L(1+r))]; None when r is 0."""
+    ratio = getattr(args, "random_range_ratio", 0.0)
     if ratio == 0.0 or args.dataset == "jsonl":
         return None, None
-    n = args.num_prompts or 1000
     rng = random.Random(f"lengths-{args.seed}")  # apart from the prompts' stream: r=0 draws what it always drew
 
     def draw(length: int) -> list[int]:
