@@ -32,6 +32,7 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.request import Request
 from epd.transport.sampling import TokenLogprobs
+from epd.transport.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
@@ -49,7 +50,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
-    dtype = model.lm_head.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
     cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
@@ -95,6 +96,7 @@ class EngineCore:
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        pack_linears(model)  # CPU float32: oneDNN with packed weights (transport/cpu_linear.py)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
