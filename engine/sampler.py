@@ -288,12 +288,13 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits.index_put_((batch.bias_rows[keep], batch.bias_ids[keep]), batch.bias_values[keep], accumulate=True)
 
 
-def _exponential(batch: SamplingBatch, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def exponential_noise(generators: Sequence[torch.Generator | None], shape: torch.Size,
+                      device: torch.device) -> torch.Tensor:
     """[num_seqs, vocab] Exp(1) noise; seeded rows draw from their own generator."""
     q = torch.empty(shape, dtype=torch.float32, device=device)
-    if not all(batch.generators):
+    if not all(generators):
         q.exponential_()  # default generator; seeded rows are overwritten below
-    for i, generator in enumerate(batch.generators):
+    for i, generator in enumerate(generators):
         if generator is not None:
             q[i].exponential_(generator=generator)
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # no division by zero
@@ -322,6 +323,33 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     return out
 
 
+def edited_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """A float32 copy of logits [num_rows, vocab] with the grammar mask, allowed,
+    banned ids, logit_bias and penalties applied: what greedy rows take the argmax
+    of. Shared with the speculative verifier (engine/spec_sampling.py)."""
+    logits = logits.to(torch.float32, copy=True)  # ours to edit in place
+    if batch.has_logit_edits:
+        apply_constraints(logits, batch)
+    if batch.has_penalties:
+        rows = batch.penalty_rows
+        logits.index_copy_(0, rows, apply_penalties(
+            logits.index_select(0, rows), batch.prompt_token_ids, batch.output_token_ids,
+            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_rows, vocab] the distribution random rows sample from: temperature,
+    min-p, top-k, top-p, softmax over `edited_logits` (divided in place). Greedy
+    rows get a distribution at temperature 1 that nobody should read."""
+    logits.div_(batch.temperature.unsqueeze(1))
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits.softmax(dim=-1)
+
+
 class Sampler:
     """`Sampler()(logits, batch)`: logits [num_seqs, vocab], any float dtype."""
 
@@ -332,14 +360,7 @@ class Sampler:
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # fast path
 
         raw_logits = logits
-        logits = logits.to(torch.float32, copy=True)  # ours to edit in place
-        if batch.has_logit_edits:
-            apply_constraints(logits, batch)
-        if batch.has_penalties:
-            rows = batch.penalty_rows
-            logits.index_copy_(0, rows, apply_penalties(
-                logits.index_select(0, rows), batch.prompt_token_ids, batch.output_token_ids,
-                batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty))
+        logits = edited_logits(logits, batch)
         token_ids = logits.argmax(dim=-1)
         if not batch.is_all_greedy:
             sampled = self._sample(logits, batch)
@@ -353,11 +374,6 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[num_seqs] sampled ids; greedy rows get a value that the caller discards."""
-        logits.div_(batch.temperature.unsqueeze(1))
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        q = _exponential(batch, probs.shape, probs.device)
+        probs = sampling_probs(logits, batch)
+        q = exponential_noise(batch.generators, probs.shape, probs.device)
         return (probs / q).argmax(dim=-1)
