@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .sampler import SamplingBatch, SamplingInput, edited_logits, exponential_noise, sampling_probs
+from epd.engine.sampler import SamplingBatch, SamplingInput, edited_logits, exponential_noise, sampling_probs
 
 _PAD_ID = -1
 
