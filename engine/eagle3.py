@@ -2,9 +2,11 @@
 
 An EAGLE-3 head drafts tokens from the target's own features. For each
 position the target runs, it takes the residual stream *entering* three target
-layers (`aux_layer_ids`; id L, the number of target layers, is the last
-layer's output before the final norm; vLLM's capture, and Speculators'
-default ids [2, L // 2, L - 3]), concatenated in ascending id order, and fuses
+layers (`aux_layer_ids`: vLLM captures hidden + residual just before layer
+id runs, so id 0 is the token embeddings; Speculators' default ids are
+[2, L // 2, L - 3] for L target layers, and it also admits id L, the final
+hidden state, which vLLM's layer loop never reaches: its exact form is to be
+checked before a head that uses it is served), concatenated in ascending id order, and fuses
 them with `fc` ([num_aux * target_hidden] -> hidden). Its first decoder layer
 ("midlayer" in EAGLE's own checkpoints) attends over
 cat(input_layernorm(token embedding), hidden_norm(fused)) — q/k/v take

@@ -201,6 +201,11 @@ def test_greedy_verification_equals_greedy_decoding_with_penalties():
     assert out.token_ids[0].tolist() == expected[0]
     assert out.token_ids[1].tolist() == expected[1][:3] + [-1, -1]
     assert out.token_ids[2].tolist() == [expected[2][0], -1, -1, -1, -1]
+    # a step where nobody drafted is a plain decode step
+    plain = verify(logits[:, :1], inputs, [[], [], []])
+    assert plain.num_emitted.tolist() == [1, 1, 1] and plain.token_ids[:, 0].tolist() == [r[0] for r in expected]
+    sampled = verify(logits[:, :1], [SamplingInput(SamplingParams(temperature=1.0, top_k=1))] * 3, [[], [], []])
+    assert sampled.token_ids[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
     # greedy_verify is the same rule on a bare argmax
     assert greedy_verify(torch.tensor([[7, 8, 9]]), DraftBatch.from_lists([[7, 1]])).token_ids.tolist() == [[7, 8, -1]]
 
