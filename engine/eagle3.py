@@ -23,8 +23,9 @@ step j > 1 feeds the head's own output hidden (pre-norm, or post-norm with
 norm_output) with the token drafted at step j - 1; no `fc` there. RoPE
 positions only matter up to a constant offset (vLLM uses the hidden state's
 position; Speculators trains with the token's). The head keeps its own KV
-cache: `attend` below is that cache for one sequence; the engine may pass
-its own (paged) attention with the same signature.
+cache: `DenseKV.attend` is that cache for one sequence; the engine may pass
+its own (paged) attention with the same signature. `propose` is the whole
+drafting step for one sequence (greedy drafts: the verifier's q is one-hot).
 
 The token embedding is the target's unless the checkpoint has `embed_tokens`.
 config.json: `speculators_model_type: "eagle3"` with `transformer_layer_config`
@@ -272,10 +273,37 @@ class DenseKV:
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
         return torch.einsum("hnt,thd->nhd", probs, values.float()).to(q.dtype)
 
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[0]
+
     def truncate(self, length: int) -> None:
         """Drops the entries past `length` (the rejected drafts' positions)."""
         self.k = [None if k is None else k[:length] for k in self.k]
         self.v = [None if v is None else v[:length] for v in self.v]
+
+
+def propose(head: Eagle3Head, kv: DenseKV, aux_hidden_states: Sequence[torch.Tensor], next_token_ids: torch.Tensor,
+            positions: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor], num_tokens: int) -> torch.Tensor:
+    """One sequence's drafts, greedily (a deterministic proposer: the verifier takes q one-hot).
+
+    The head first catches up on the N positions the target just ran (their aux
+    states [N, target_hidden] each, the token that followed each, their
+    positions); the last of them yields draft 1, and drafts 2.. feed the head's
+    own hidden back. The KV keeps the N target-fed positions only: the drafts'
+    entries are dropped, since accepted drafts come back next step with the
+    target's features. Returns [num_tokens] int64 target ids.
+    """
+    kept = kv.length + len(next_token_ids)
+    normed, feed = head(head.combine(aux_hidden_states), embed(next_token_ids), positions, kv.attend)
+    drafts = [head.compute_logits(normed[-1:]).argmax(dim=-1)]  # [1]
+    position = positions[-1:]
+    for _ in range(num_tokens - 1):
+        position = position + 1
+        normed, feed = head(feed[-1:], embed(drafts[-1]), position, kv.attend)
+        drafts.append(head.compute_logits(normed).argmax(dim=-1))
+    kv.truncate(kept)
+    return torch.cat(drafts)
 
 
 def _renamed(name: str) -> str:

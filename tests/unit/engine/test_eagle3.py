@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epd.cli import build_parser
-from epd.engine.eagle3 import DenseKV, Eagle3Config, Eagle3Head, config_dict, load_eagle3
+from epd.engine.eagle3 import DenseKV, Eagle3Config, Eagle3Head, config_dict, load_eagle3, propose
 from epd.tools.make_eagle3 import make_eagle3
 from testkit.speculators_reference import reference_available, speculators_reference
 
@@ -123,6 +123,39 @@ def test_head_equals_the_reference_in_chunks_and_steps(name):
     ref_all, _ = reference(t, cfg, aux, torch.cat([embeds, step_embeds]), torch.cat([positions, positions[-1:] + 1]),
                            hidden=hidden_in)
     torch.testing.assert_close(got, ref_all[-1:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "two-layers-norm-before-fc"])
+def test_propose_drafts_greedily_and_keeps_only_target_fed_positions(name):
+    """Drafts over two steps equal the reference run on the whole sequence: prompt positions
+    fed with the target's features, then each draft fed with the head's previous hidden."""
+    cfg = VARIANTS[name]
+    head = random_head(cfg, seed=2)
+    t = {k: v.detach() for k, v in head.state_dict().items()}
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    torch.manual_seed(4)
+    n, k = 5, 3
+    aux = [torch.randn(n, cfg.target_hidden_size) for _ in range(cfg.num_aux)]
+    next_ids, positions = torch.randint(0, cfg.vocab_size, (n,)), torch.arange(n)
+    kv = DenseKV(cfg.num_layers)
+    with torch.no_grad():
+        drafts = propose(head, kv, aux, next_ids, positions, lambda ids: table[ids], k)
+        fused = head.combine(aux)
+    assert kv.length == n and drafts.shape == (k,)
+    # the reference, one draft at a time, on the whole sequence so far
+    hidden, ids, pos, want = fused, next_ids, positions, []
+    for _ in range(k):
+        logits, feed = reference(t, cfg, aux, table[ids], pos, hidden=hidden)
+        want.append(int(logits[-1].argmax()))
+        hidden, ids, pos = torch.cat([hidden, feed[-1:]]), torch.cat([ids, ids.new_tensor([want[-1]])]), \
+            torch.cat([pos, pos[-1:] + 1])
+    assert drafts.tolist() == want
+    assert all(bool(head.t2d[d]) for d in want)  # drafts are target ids the draft vocab names
+    # the next step starts from the n target-fed positions: as if the drafts had never run
+    fresh = DenseKV(cfg.num_layers)
+    with torch.no_grad():
+        head(fused, table[next_ids], positions, fresh.attend)
+    assert all(torch.equal(a, b) for a, b in zip(kv.k + kv.v, fresh.k + fresh.v))
 
 
 def test_logits_land_on_the_target_ids_of_the_draft_vocab():
