@@ -13,7 +13,7 @@ Chen et al. 2023):
 
 p_j is the target's distribution at position j *after* the request's
 processing (grammar mask, allowed/banned ids, logit_bias, penalties,
-temperature, min-p, top-k, top-p): engine/sampler.py's `edited_logits` and
+temperature, min-p, top-k, top-p): engine/sampler.py's `Sampler.process` and
 `sampling_probs`, the same code the plain sampler runs. q_j is the
 distribution d_j was drawn from; a deterministic proposer (n-gram, an argmax
 draft) passes no q: it is one-hot on d_j, every draft is accepted with
@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from epd.engine.sampler import SamplingBatch, SamplingInput, edited_logits, exponential_noise, sampling_probs
+from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, exponential_noise, sampling_probs
 
 _PAD_ID = -1
 
@@ -209,7 +209,7 @@ class SpecSampler:
         num_seqs, num_positions, vocab_size = target_logits.shape
         assert num_positions == drafts.max_k + 1 and batch.num_seqs == num_seqs * num_positions, \
             (target_logits.shape, drafts.token_ids.shape, batch.num_seqs)
-        logits = edited_logits(target_logits.reshape(-1, vocab_size), batch)  # [num_rows, vocab]
+        logits = Sampler.process(target_logits.reshape(-1, vocab_size), batch)  # [num_rows, vocab]
         argmax = logits.argmax(dim=-1).view(num_seqs, num_positions)
         out = greedy_verify(argmax, drafts)
         if batch.is_all_greedy:
