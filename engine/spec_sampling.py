@@ -31,11 +31,17 @@ API for the engine (the runner calls it after the verification forward):
     out = SpecSampler()(target_logits, batch, drafts)     # target_logits [num_seqs, max_k + 1, vocab]
     out.token_ids[i, :out.num_emitted[i]]                 # accepted drafts + the correction / bonus token
 
-with `drafts = DraftBatch.from_lists(draft_token_ids, draft_probs=None | [num_seqs, max_k, vocab])`.
+with `drafts = DraftBatch.from_lists(draft_token_ids, probs)` (probs: None, or per draft
+[k_i, vocab] / None, or one [num_seqs, max_k, vocab]). On the runner's flat layout (each
+sequence's k_i + 1 rows anywhere in the step's rows, plain decodes between them):
+
+    processed = Sampler.process(logits, batch)            # [num_rows, vocab], the step's rows
+    out = verify(processed, batch, first_rows, drafts)    # first_rows[i]: sequence i's first row
+
 `num_emitted - 1` drafts were accepted (the metric). The KV slots of the
 rejected drafts (positions num_emitted.. of the k+1) are the caller's to roll
 back. Logprobs of emitted tokens are the target's: `gather_logprobs` on the
-raw logits rows `[i, :num_emitted[i]]`.
+raw logits of the emitted tokens' rows.
 
 Randomness: a seeded request draws its k_i acceptance uniforms and one Exp(1)
 vector for its last token from its own generator (`make_generator`), so its
@@ -65,17 +71,32 @@ class DraftBatch:
     probs: torch.Tensor | None = None
 
     @classmethod
-    def from_lists(cls, draft_token_ids: Sequence[Sequence[int]], probs: torch.Tensor | None = None,
+    def from_lists(cls, draft_token_ids: Sequence[Sequence[int]],
+                   probs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
                    device: torch.device | str = "cpu") -> DraftBatch:
+        """`probs`: one [num_seqs, max_k, vocab] tensor, or per draft its [k_i, vocab]
+        distributions or None (deterministic: one-hot), or None for all."""
         max_k = max((len(d) for d in draft_token_ids), default=0)
         ids = [list(d) + [_PAD_ID] * (max_k - len(d)) for d in draft_token_ids]
-        return cls(token_ids=torch.tensor(ids, dtype=torch.int64, device=device).reshape(len(ids), max_k),
-                   num_tokens=torch.tensor([len(d) for d in draft_token_ids], dtype=torch.int64, device=device),
-                   probs=probs)
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=device).reshape(len(ids), max_k)
+        if probs is not None and not isinstance(probs, torch.Tensor):
+            probs = _padded_probs(token_ids, list(probs)) if any(q is not None for q in probs) else None
+        return cls(token_ids=token_ids, probs=probs,
+                   num_tokens=torch.tensor([len(d) for d in draft_token_ids], dtype=torch.int64, device=device))
 
     @property
     def max_k(self) -> int:
         return self.token_ids.shape[1]
+
+
+def _padded_probs(token_ids: torch.Tensor, probs: list[torch.Tensor | None]) -> torch.Tensor:
+    """[num_seqs, max_k, vocab]: each draft's [k_i, vocab] rows, one-hot where it gave None."""
+    vocab_size = next(q for q in probs if q is not None).shape[-1]
+    out = one_hot_probs(token_ids, vocab_size)
+    for i, q in enumerate(probs):
+        if q is not None:
+            out[i, :q.shape[0]] = q
+    return out
 
 
 @dataclass
@@ -196,33 +217,47 @@ def draw_noise(generators: Sequence[torch.Generator | None], drafts: DraftBatch,
     return uniforms, exponential_noise(generators, torch.Size((num_seqs, vocab_size)), device)
 
 
+def verify(processed: torch.Tensor, batch: SamplingBatch, first_rows: Sequence[int],
+           drafts: DraftBatch) -> SpecSamplerOutput:
+    """The verifier on the runner's flat layout: `processed` [num_rows, vocab] is
+    `Sampler.process` of the verification forward's rows, `batch` those rows'
+    SamplingBatch, and sequence i's k_i + 1 rows start at `first_rows[i]` (row
+    first_rows[i] + j sees the output plus drafts 0..j-1). Rows of sequences
+    without a draft may sit in between (plain decodes): only the named rows are
+    read. Random rows' `processed` is divided in place (as `Sampler.choose`)."""
+    num_seqs, max_k = drafts.token_ids.shape
+    device = processed.device
+    first = torch.tensor(list(first_rows), dtype=torch.int64, device=device)  # [num_seqs]
+    offsets = torch.arange(max_k + 1, device=device).unsqueeze(0)  # [1, max_k + 1]
+    index = first.unsqueeze(1) + torch.minimum(offsets, drafts.num_tokens.unsqueeze(1))  # padding: last real row
+    out = greedy_verify(processed.argmax(dim=-1)[index], drafts)
+    is_greedy = batch.is_greedy[first]
+    if bool(is_greedy.all()):
+        return out
+    random_rows = (~is_greedy).nonzero().squeeze(1)  # sequences, not rows
+    probs = sampling_probs(processed, batch)[index[random_rows]]  # [num_random, max_k + 1, vocab]
+    sub = DraftBatch(drafts.token_ids[random_rows], drafts.num_tokens[random_rows],
+                     None if drafts.probs is None else drafts.probs[random_rows])
+    generators = [batch.generators[first_rows[i]] for i in random_rows.tolist()]
+    uniforms, exponentials = draw_noise(generators, sub, processed.shape[-1], device)
+    sampled = rejection_sample(probs, sub, uniforms, exponentials)
+    out.token_ids[random_rows] = sampled.token_ids
+    out.num_emitted[random_rows] = sampled.num_emitted
+    return out
+
+
 class SpecSampler:
-    """`SpecSampler()(target_logits, batch, drafts)`.
+    """`SpecSampler()(target_logits, batch, drafts)` on a padded layout.
 
     target_logits [num_seqs, max_k + 1, vocab] (any float dtype) are the raw
     scores of the verification forward; `batch` has num_seqs * (max_k + 1) rows
     in that order (`verification_inputs`). Greedy sequences follow
-    `greedy_verify`, the others `rejection_sample`.
+    `greedy_verify`, the others `rejection_sample` (`verify` does both).
     """
 
     def __call__(self, target_logits: torch.Tensor, batch: SamplingBatch, drafts: DraftBatch) -> SpecSamplerOutput:
         num_seqs, num_positions, vocab_size = target_logits.shape
         assert num_positions == drafts.max_k + 1 and batch.num_seqs == num_seqs * num_positions, \
             (target_logits.shape, drafts.token_ids.shape, batch.num_seqs)
-        logits = Sampler.process(target_logits.reshape(-1, vocab_size), batch)  # [num_rows, vocab]
-        argmax = logits.argmax(dim=-1).view(num_seqs, num_positions)
-        out = greedy_verify(argmax, drafts)
-        if batch.is_all_greedy:
-            return out
-        probs = sampling_probs(logits, batch).view(num_seqs, num_positions, vocab_size)
-        is_greedy = batch.is_greedy.view(num_seqs, num_positions)[:, 0]
-        generators = batch.generators[::num_positions]  # None on greedy rows: they draw nothing
-        random_rows = (~is_greedy).nonzero().squeeze(1)
-        sub = DraftBatch(drafts.token_ids[random_rows], drafts.num_tokens[random_rows],
-                         None if drafts.probs is None else drafts.probs[random_rows])
-        uniforms, exponentials = draw_noise([generators[i] for i in random_rows.tolist()], sub,
-                                            vocab_size, target_logits.device)
-        sampled = rejection_sample(probs[random_rows], sub, uniforms, exponentials)
-        out.token_ids[random_rows] = sampled.token_ids
-        out.num_emitted[random_rows] = sampled.num_emitted
-        return out
+        processed = Sampler.process(target_logits.reshape(-1, vocab_size), batch)  # [num_rows, vocab]
+        return verify(processed, batch, range(0, num_seqs * num_positions, num_positions), drafts)

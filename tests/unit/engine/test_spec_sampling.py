@@ -13,6 +13,7 @@ import torch
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator, sampling_probs
 from epd.engine.spec_sampling import (DraftBatch, SpecSampler, acceptance_probs, draw_noise, greedy_verify,
                                       one_hot_probs, rejection_sample, residual_probs, verification_inputs)
+from epd.engine.spec_sampling import verify as verify_flat
 from epd.transport.sampling import SamplingParams
 
 V = 6
@@ -253,3 +254,31 @@ def test_sampled_rows_follow_the_processed_target():
     expected = p.double()[kept] * num_seqs
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < 25.0  # 3 degrees of freedom: P(chi2 > 25) < 2e-5
+
+
+def test_flat_layout_gives_what_the_padded_one_gives():
+    """The runner's layout (each sequence's rows where the step put them, a plain decode
+    between them, per-draft probs or None) verifies exactly as the padded one: the same
+    seeded draws, the same tokens."""
+    torch.manual_seed(5)
+    vocab = 16
+    drafts = [[3, 4], [], [5, 6, 7]]
+    params = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.1, top_p=0.9, seed=2)]
+    q = torch.softmax(torch.randn(2, vocab), -1)
+
+    def inputs():
+        return [SamplingInput(p, generator=make_generator(p.seed) if p.seed is not None else None) for p in params]
+
+    padded_logits = torch.randn(3, 4, vocab)
+    padded = SpecSampler()(padded_logits, SamplingBatch.from_inputs(
+        verification_inputs(inputs(), drafts)), DraftBatch.from_lists(drafts, [q, None, None]))
+    # flat: seq 0's 3 rows, a plain decode, seq 1's row, seq 2's 4 rows
+    plain = SamplingInput(SamplingParams(temperature=0))
+    rows = verification_inputs(inputs(), drafts)
+    flat_inputs = rows[0:3] + [plain] + rows[4:5] + rows[8:12]
+    flat_logits = torch.cat([padded_logits[0, :3], torch.randn(1, vocab), padded_logits[1, :1], padded_logits[2]])
+    batch = SamplingBatch.from_inputs(flat_inputs)
+    flat = verify_flat(Sampler.process(flat_logits, batch), batch, [0, 4, 5],
+                       DraftBatch.from_lists(drafts, [q, None, None]))
+    assert torch.equal(flat.token_ids, padded.token_ids) and torch.equal(flat.num_emitted, padded.num_emitted)
