@@ -282,3 +282,16 @@ def test_flat_layout_gives_what_the_padded_one_gives():
     flat = verify_flat(Sampler.process(flat_logits, batch), batch, [0, 4, 5],
                        DraftBatch.from_lists(drafts, [q, None, None]))
     assert torch.equal(flat.token_ids, padded.token_ids) and torch.equal(flat.num_emitted, padded.num_emitted)
+
+
+def test_a_draft_the_constraints_forbid_is_never_accepted():
+    """allowed_token_ids (as a grammar mask would) zero p at the draft: sampled rows reject it
+    every time and draw the replacement from the allowed ids only."""
+    torch.manual_seed(6)
+    vocab, num_seqs = 12, 400
+    logits = torch.randn(num_seqs, 2, vocab)
+    logits[:, :, 7] += 5.0  # the draft is the target's favourite, but not allowed
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[1, 2, 3])
+    out = verify(logits, [SamplingInput(params)] * num_seqs, [[7]] * num_seqs)
+    assert out.num_emitted.eq(1).all()
+    assert set(out.token_ids[:, 0].tolist()) <= {1, 2, 3} and out.token_ids[:, 1].eq(-1).all()
