@@ -60,14 +60,17 @@ ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not tor
 @pytest.mark.parametrize("device", ["cpu", ON_GPU])
 def test_three_adapters_and_the_base_in_one_batch_match_peft(tiny_model, loras, expected, device):
     # two slots and two adapters in host memory for three adapters: steps run at most two
-    # adapters, slots are rewritten and adapters read again
-    llm = _llm(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=2, device=device)
+    # adapters, slots are rewritten and adapters read again; a KV budget that forces preemption
+    # (recomputed with the adapter) and a token budget that chunks the prompts
+    llm = _llm(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=2, device=device,
+               num_kv_blocks=14, max_num_batched_tokens=24)
     cases = [(i, name) for i in range(len(PROMPTS)) for name in NAMES]
     outs = llm.generate([PROMPTS[i] for i, _ in cases], GREEDY,
                         lora_request=[None if n is None else loras[n] for _, n in cases])
     assert {case: o.outputs[0].token_ids for case, o in zip(cases, outs)} == expected
     # three adapters through two slots: a slot was written over; two in host memory: read again
     assert llm.engine.lora.num_slot_loads >= 3 and llm.engine.lora.num_loads > 3
+    assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks
 
 
