@@ -39,7 +39,7 @@ from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                              check_max_logprobs, check_max_tokens, check_model, check_token_ids, fan_out)
+                              check_max_logprobs, check_max_tokens, check_token_ids, fan_out)
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
@@ -122,8 +122,8 @@ class GenerateRoute:
 
     def _prepare(self, body, scope) -> tuple[list[GenerateRequest], ResponseFormat]:
         """The requests (one per prompt) and the format of their answer."""
-        model = self.settings.served_model_name
-        check_model(body.model, model)
+        lora = self.settings.adapter(body.model)  # unknown: 404
+        model = body.model if lora else self.settings.served_model_name
         decode = token_id_text if body.return_tokens_as_token_ids else self.orchestrator.decode_token
         max_model_len = self.orchestrator.max_model_len
         if type(body) is ChatCompletionRequest:
@@ -134,6 +134,7 @@ class GenerateRoute:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                defaults=self.settings.sampling_defaults)
+            request.lora = lora
             self._checked(request, "top_logprobs")
             extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
             return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
@@ -142,6 +143,7 @@ class GenerateRoute:
         check_max_tokens(body.max_tokens, "max_tokens", max_model_len)
         requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)
         for request in requests:
+            request.lora = lora
             self._checked(request, "logprobs")
         # vLLM echoes the prompt's text (token ids decoded), and nothing when token ids are returned
         echo = tuple(r.prompt if isinstance(r.prompt, str) else self.orchestrator.detokenize(r.prompt)
