@@ -12,20 +12,21 @@ positions are those of a one-frame grid (1, h, w), as transformers splits the
 video's grid. A plan without (Qwen2.5-VL) is one run, one span, one entry of
 grid (t, h, w). Groups are independent tower inputs (attention stays within a
 group), so a group's entry is the same whether it was encoded alone or with
-the rest of its video.
+the rest of its video. Torch-free at import (epd/inputs/prompt.py imports it).
 """
 from __future__ import annotations
 
 import hashlib
 
 from epd.encoders.video_geometry import VideoPlan
-from epd.transport.mm_cache import mm_hash
 
 
 def video_mm_hash(data: bytes, model_fingerprint: str, video_config: dict, plan: VideoPlan) -> str:
     """Content key of one video as encoded: its bytes, the model, the video
     processor's settings and what the plan picked (frames and their size);
     the timestamps change the prompt, not the embeddings, and are left out."""
+    from epd.transport.mm_cache import mm_hash  # here: the prompt side imports this module, torch-free
+
     config = {**video_config, "epd_video_plan": {"frame_indices": list(plan.frame_indices),
                                                  "resized": [plan.resized_height, plan.resized_width]}}
     return mm_hash(data, model_fingerprint, config)
