@@ -151,12 +151,14 @@ class PromptBuilder:
                  chat_template: str | None = None, video_token_id: int | None = None):
         """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
         (epd/inputs/model_files.py resolves it); None: the tokenizer's own.
-        `video_token_id` (config.json's): None, the tokenizer's `<|video_pad|>`."""
+        `video_token_id` (config.json's): None, the tokenizer's `<|video_pad|>` (-1: it has none)."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
-        self.video_token_id = (tokenizer.convert_tokens_to_ids(VIDEO_PAD) if video_token_id is None
-                               else video_token_id)
+        if video_token_id is None:
+            found = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+            video_token_id = -1 if found is None or found == getattr(tokenizer, "unk_token_id", None) else found
+        self.video_token_id = video_token_id
         self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
