@@ -110,9 +110,10 @@ def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tok
 
 
 @torch.no_grad()
-def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int) -> str:
+def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int,
+                     videos: list[dict] = ()) -> str:
     """transformers' generate(), greedy, stopping at EOS like a user would run it."""
     model, tok, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images)
+    inputs = hf_inputs(model_dir, messages, images, videos)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
