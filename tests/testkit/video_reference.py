@@ -85,7 +85,9 @@ def _processor_main(job: dict) -> None:
     for video in job["videos"]:
         merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
                                          return_tensors="pt", **video["calls"][0])
-        kwargs = dict(merged["videos_kwargs"], video_metadata=[VideoMetadata(**video["meta"])])
+        # the call's own kwargs as given (an explicit fps=None must reach the video processor)
+        kwargs = dict(merged["videos_kwargs"], **video["calls"][0],
+                      video_metadata=[VideoMetadata(**video["meta"])])
         out, replacements = processor._process_videos([np.load(video["frames"])], **kwargs)
         spgt = out.get("second_per_grid_ts")
         results.append({"replacement": replacements[0], "pixel_values_videos": out["pixel_values_videos"],
