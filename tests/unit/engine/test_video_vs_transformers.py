@@ -4,8 +4,10 @@ prompt's timestamps or one run of pads, M-RoPE video positions, deepstack)
 equals transformers in float32: its own processor (Qwen3VLProcessor /
 Qwen2_5_VLProcessor, in a child process with torchvision) on the same decoded
 frames and its own model. Checked: prompt token ids, the greedy tokens, and
-each token's logprob (a tiny random model says nearly the same text for any
-video; a wrong frame order, fps or position moves the logprobs)."""
+the top-5 logprobs at each generated token (a tiny random model says nearly
+the same text for any video, and its chosen token's logprob is ~0 whatever the
+video: the runners-up's logprobs are what a wrong frame, order, attention
+span, fps or position moves)."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +25,7 @@ pytest.importorskip("av")
 pytestmark = pytest.mark.skipif(not reference_available(), reason="scripts/env.sh dev installs the reference")
 
 NUM_TOKENS = 6
+TOP = 5
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +34,8 @@ def qwen25_model(tmp_path_factory) -> str:
 
 
 @torch.no_grad()
-def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int], list[int], list[float]]:
-    """(prompt ids, greedy tokens, each token's logprob) by transformers, one full forward per token."""
+def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int], list[int], list[list]]:
+    """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) by transformers, one full forward per token."""
     model, _, _ = _load(model_dir)
     inputs = hf_inputs(model_dir, messages, images, videos)
     ids = inputs["input_ids"]
@@ -41,7 +44,8 @@ def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int],
         logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=_mm_token_types(model, ids))).logits[0, -1]
         token = int(logits.argmax())
         tokens.append(token)
-        logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+        top = torch.log_softmax(logits.float(), -1).topk(TOP)
+        logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return prompt, tokens, logprobs
 
@@ -81,10 +85,13 @@ def test_llm_chat_with_video_equals_transformers(case, tiny_model, qwen25_model,
         model_dir, messages, [IMG_A] if with_image else [], [ref_video])
 
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64)  # prefill in chunks across the video
-    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0),
+    [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP),
                      mm_processor_kwargs=ours)
     assert out.prompt_token_ids == ref_prompt
     assert out.outputs[0].token_ids == ref_tokens
-    torch.testing.assert_close([lp.logprob for lp in out.outputs[0].logprobs], ref_logprobs, atol=1e-4, rtol=0)
+    tops = [lp.top for lp in out.outputs[0].logprobs]
+    assert [[t for t, _ in top] for top in tops] == [[t for t, _ in top] for top in ref_logprobs]
+    torch.testing.assert_close([[v for _, v in top] for top in tops], [[v for _, v in top] for top in ref_logprobs],
+                               atol=1e-4, rtol=0)
     video_pad = llm.engine.info.video_token_id
     assert ref_prompt.count(video_pad) == int(ref_video["video_grid_thw"].prod()) // 4  # the video is in the prompt
