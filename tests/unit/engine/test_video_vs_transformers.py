@@ -64,8 +64,13 @@ CASES = {
 }
 
 
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])  # cuda: the towers and the engine on the GPU
 @pytest.mark.parametrize("case", list(CASES))
-def test_llm_chat_with_video_equals_transformers(case, tiny_model, qwen25_model, tmp_path):
+def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen25_model, tmp_path):
     from epd import LLM
 
     preset, kind, (n, height, width), hf_kwargs, ours, with_image = CASES[case]
@@ -84,7 +89,7 @@ def test_llm_chat_with_video_equals_transformers(case, tiny_model, qwen25_model,
     ref_prompt, ref_tokens, ref_logprobs = _hf_greedy_logprobs(
         model_dir, messages, [IMG_A] if with_image else [], [ref_video])
 
-    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64)  # prefill in chunks across the video
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64, device=device)  # prefill in chunks across the video
     [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP),
                      mm_processor_kwargs=ours)
     assert out.prompt_token_ids == ref_prompt
