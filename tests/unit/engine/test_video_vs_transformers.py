@@ -54,12 +54,14 @@ def _video_part(path) -> dict:
     return {"type": "video_url", "video_url": {"url": f"file://{path}"}}
 
 
-# (checkpoint, container, frames (n, height, width), transformers' kwargs, ours, with an image)
+# (checkpoint, videos as (container, frames (n, height, width)), transformers' kwargs, ours, with an image)
 CASES = {
-    "qwen3_text_video": ("tiny", "mp4", (11, 64, 96), {}, None, False),  # 2 fps of 5: 4 frames, 2 groups
-    "qwen3_image_video": ("tiny", "mkv", (9, 48, 64), {"num_frames": 6, "fps": None}, {"num_frames": 6}, True),
-    "qwen25_text_video": ("qwen25", "mp4", (7, 64, 96), {}, None, False),  # every frame: 4 groups, 2 windows
-    "qwen25_image_video": ("qwen25", "mkv", (11, 48, 64), {"do_sample_frames": True, "fps": 2},
+    "qwen3_text_video": ("tiny", [("mp4", (11, 64, 96))], {}, None, False),  # 2 fps of 5: 4 frames, 2 groups
+    "qwen3_image_video": ("tiny", [("mkv", (9, 48, 64))], {"num_frames": 6, "fps": None}, {"num_frames": 6}, True),
+    # video, image, video: spans of both videos' groups in prompt order around the image's
+    "qwen3_two_videos": ("tiny", [("mp4", (11, 64, 96)), ("webm", (8, 48, 64))], {}, None, True),
+    "qwen25_text_video": ("qwen25", [("mp4", (7, 64, 96))], {}, None, False),  # every frame: 4 groups, 2 windows
+    "qwen25_image_video": ("qwen25", [("mkv", (11, 48, 64))], {"do_sample_frames": True, "fps": 2},
                            {"do_sample_frames": True, "fps": 2}, True),
 }
 
@@ -73,23 +75,27 @@ ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not tor
 def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen25_model, tmp_path):
     from epd import LLM
 
-    preset, kind, (n, height, width), hf_kwargs, ours, with_image = CASES[case]
+    preset, clips, hf_kwargs, ours, with_image = CASES[case]
     model_dir = tiny_model if preset == "tiny" else qwen25_model
-    data = encode_video(synthetic_frames(n, height, width, seed=len(case)), kind, fps=5)
-    path = tmp_path / f"clip.{kind}"
-    path.write_bytes(data)
-    content = [_video_part(path), {"type": "text", "text": "What happens?"}]
+    videos = [encode_video(synthetic_frames(n, height, width, seed=len(case) + i), kind, fps=5)
+              for i, (kind, (n, height, width)) in enumerate(clips)]
+    parts = []
+    for i, ((kind, _), data) in enumerate(zip(clips, videos)):
+        path = tmp_path / f"clip{i}.{kind}"
+        path.write_bytes(data)
+        parts.append(_video_part(path))
     if with_image:
-        content.insert(0, image_part(IMG_A))
-    messages = [{"role": "user", "content": content}]
+        parts.insert(1 if len(parts) > 1 else 0, image_part(IMG_A))
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
 
-    meta = read_video_meta(data)
-    [ref_video] = hf_video_prompt_inputs(model_dir, [(decode_frames(data, range(meta.num_frames)), meta, hf_kwargs)],
-                                         tmp_path / "ref")
+    metas = [read_video_meta(data) for data in videos]
+    ref_videos = hf_video_prompt_inputs(model_dir, [(decode_frames(data, range(meta.num_frames)), meta, hf_kwargs)
+                                                    for data, meta in zip(videos, metas)], tmp_path / "ref")
     ref_prompt, ref_tokens, ref_logprobs = _hf_greedy_logprobs(
-        model_dir, messages, [IMG_A] if with_image else [], [ref_video])
+        model_dir, messages, [IMG_A] if with_image else [], ref_videos)
 
-    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64, device=device)  # prefill in chunks across the video
+    # a token budget that prefills in chunks across the video
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64, device=device)
     [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP),
                      mm_processor_kwargs=ours)
     assert out.prompt_token_ids == ref_prompt
@@ -99,4 +105,4 @@ def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen2
     torch.testing.assert_close([[v for _, v in top] for top in tops], [[v for _, v in top] for top in ref_logprobs],
                                atol=1e-4, rtol=0)
     video_pad = llm.engine.info.video_token_id
-    assert ref_prompt.count(video_pad) == int(ref_video["video_grid_thw"].prod()) // 4  # the video is in the prompt
+    assert ref_prompt.count(video_pad) == sum(int(v["video_grid_thw"].prod()) // 4 for v in ref_videos)
