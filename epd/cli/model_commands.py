@@ -21,7 +21,8 @@ def add_model_parsers(sub) -> None:
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-    p.add_argument("--video", action="append", default=[], help="video file (repeatable; PyAV: pip install 'epd[video]')")
+    p.add_argument("--video", action="append", default=[],
+                   help="video file (repeatable; PyAV: pip install 'epd[video]')")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
