@@ -16,6 +16,7 @@ import torch
 from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.tools.make_model import make_model
 from epd.transport.sampling import SamplingParams
+from testkit.family_checkpoints import family_checkpoint
 from testkit.hf_reference import _load, _mm_token_types, hf_inputs
 from testkit.media import IMG_A, image_part
 from testkit.video_reference import hf_video_prompt_inputs, reference_available
@@ -60,6 +61,8 @@ CASES = {
     "qwen3_image_video": ("tiny", [("mkv", (9, 48, 64))], {"num_frames": 6, "fps": None}, {"num_frames": 6}, True),
     # video, image, video: spans of both videos' groups in prompt order around the image's
     "qwen3_two_videos": ("tiny", [("mp4", (11, 64, 96)), ("webm", (8, 48, 64))], {}, None, True),
+    # Qwen3-VL-MoE with odd shapes: a 7x7 position table, one deepstack layer, padded vocabulary
+    "qwen3_moe_image_video": ("qwen3_vl_moe", [("mp4", (11, 64, 96))], {}, None, True),
     "qwen25_text_video": ("qwen25", [("mp4", (7, 64, 96))], {}, None, False),  # every frame: 4 groups, 2 windows
     "qwen25_image_video": ("qwen25", [("mkv", (11, 48, 64))], {"do_sample_frames": True, "fps": 2},
                            {"do_sample_frames": True, "fps": 2}, True),
@@ -76,7 +79,7 @@ def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen2
     from epd import LLM
 
     preset, clips, hf_kwargs, ours, with_image = CASES[case]
-    model_dir = tiny_model if preset == "tiny" else qwen25_model
+    model_dir = {"tiny": tiny_model, "qwen25": qwen25_model}.get(preset) or family_checkpoint(preset)
     videos = [encode_video(synthetic_frames(n, height, width, seed=len(case) + i), kind, fps=5)
               for i, (kind, (n, height, width)) in enumerate(clips)]
     parts = []
