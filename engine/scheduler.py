@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
 from epd.engine.image_ledger import ImageLedger
+from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -73,12 +74,12 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
-                 images: ImageLedger | None = None) -> None:
-        """`images`: the engine's image ledger, asked how far a request may be
-        prefilled and whether it can be recomputed (None: a ledger of its own)."""
+                 images: ImageLedger | None = None, max_loras: int = 0) -> None:
+        """`images`: the engine's image ledger (None: a ledger of its own);
+        `max_loras`: distinct adapters among the running requests at most (0: no limit)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config = config
+        self.config, self.max_loras = config, max_loras
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -143,7 +144,8 @@ class Scheduler:
             raise ValueError(f"prefilled request {request.request_id} has no sampled token")
         if request.block_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds KV state")
-        if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled):
+        if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled) \
+                or not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
             return None
         if not self.block_manager.allocate(request, request.num_prompt_tokens):
             return None
@@ -269,7 +271,9 @@ class Scheduler:
         prefix-cache hit up to its `prefill_bound`) if its blocks are free
         beside those the running prefills in `later` need next. One whose
         first image is pending, or that may not wait for images now, stays
-        and the next may start; one that does not fit stops admission."""
+        and the next may start (one past `max_loras` adapters too); one that does not fit stops admission."""
+        if not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
+            return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)
         num_new_tokens = min(bound - num_cached_tokens, step.token_budget)

@@ -22,6 +22,7 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
 from epd.engine.structured_output import check_constraint
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
@@ -107,23 +108,26 @@ class LLM:
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
         conversation may be passed directly. `tools` (OpenAI function tools) are
         rendered by the chat template, and `chat_template_kwargs` are more variables
         for it (as vLLM's LLM.chat takes them); constrain the output with
-        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`.
-        Videos: `{"type": "video_url", "video_url": {"url": "file://..." or "data:video/..."}}`
-        parts, sampled as the checkpoint's video processor says, or as
-        `mm_processor_kwargs` (fps, num_frames, do_sample_frames, min/max_pixels,
-        min/max_frames; epd/encoders/video_geometry.VideoOptions) override it."""
+        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`;
+        `lora_request` as `generate`'s. Videos: `{"type": "video_url", "video_url":
+        {"url": "file://..." or "data:video/..."}}` parts, sampled as the checkpoint's
+        video processor says, or as `mm_processor_kwargs` (fps, num_frames,
+        do_sample_frames, min/max_pixels, min/max_frames;
+        epd/encoders/video_geometry.VideoOptions) override it."""
         options = VideoOptions.from_kwargs(mm_processor_kwargs)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
+        loras = _per_prompt(lora_request, len(conversations))
         requests = []
-        for messages, p in zip(conversations, params):
+        for messages, p, lora in zip(conversations, params, loras):
             parts = image_parts(messages)
             if parts and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
@@ -134,19 +138,21 @@ class LLM:
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
                                         template_kwargs=chat_template_kwargs, videos=[v for v, _ in videos])
             requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)),
-                             {v.mm_hash: (data, v.plan) for v, data in videos}, p))
+                             p, lora, {v.mm_hash: (data, v.plan) for v, data in videos}))
         return self._run(requests)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Plain text prompts (no chat template) or lists of token ids."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Plain text prompts (no chat template) or lists of token ids. `lora_request`
+        (vLLM's): one adapter for every prompt, or one per prompt (None: the base model);
+        needs `enable_lora=True`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-            requests.append((ids, [], {}, {}, p))
+            requests.append((ids, [], {}, p, lora, {}))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -184,12 +190,14 @@ class LLM:
         return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
-        for *_, params in requests:  # a schema xgrammar refuses: ValueError before any work
+        for _, _, _, params, *_ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
+        for lora in dict.fromkeys(r[4] for r in requests if r[4] is not None):  # a bad adapter: before any work
+            self.engine.load_lora(lora)
         images: dict[str, bytes] = {}
         videos: dict[str, tuple[bytes, VideoPlan]] = {}
-        for _, _, mm, video_mm, _ in requests:
+        for _, _, mm, _, _, video_mm in requests:
             images.update(mm)
             videos.update(video_mm)
         embeddings = self._encode_images(images)
@@ -197,7 +205,7 @@ class LLM:
 
         outputs: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
-        for token_ids, spans, _, _, params in requests:
+        for token_ids, spans, mm, params, lora, _ in requests:
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
             outputs.append(out)
@@ -206,7 +214,7 @@ class LLM:
                 if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
                     sub_params = SamplingParams(**{**params.__dict__, "seed": params.seed + index, "n": 1})
                 request = Request(request_id=f"{rid}-{index}", prompt_token_ids=list(token_ids),
-                                  sampling_params=sub_params, mm_spans=list(spans))
+                                  sampling_params=sub_params, mm_spans=list(spans), lora_request=lora)
                 self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
                 pending[request.request_id] = _Pending(
                     request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -241,6 +249,15 @@ class LLM:
                 out.outputs.append(CompletionOutput(index, p.detokenizer.text, list(p.request.output_token_ids),
                                                     p.finish_reason, p.logprobs))
         return outputs
+
+
+def _per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
+    """vLLM's forms: None, one LoRARequest for all, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"{len(lora_request)} lora requests for {n} prompts")
+    return list(lora_request)
 
 
 def _video_source(part: dict) -> str:
