@@ -63,6 +63,7 @@ class GenerateRequest:
     add_special_tokens: bool = False  # a completion's text prompt: the tokenizer's BOS / EOS added
     continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
     chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
+    mm_processor_kwargs: dict | None = None  # chat: the video processor's settings (vLLM's), checked at the edge
 
 
 @dataclass

@@ -128,6 +128,7 @@ class GenerateRoute:
         if type(body) is ChatCompletionRequest:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                               max_videos_per_prompt=self.settings.max_videos_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             self._checked(request, "top_logprobs")
             extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)

@@ -54,6 +54,7 @@ class ResponsesRoute(GenerateRoute):
         chat = body.to_chat_request(model)
         check_model(chat.model, model)
         request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                           max_videos_per_prompt=self.settings.max_videos_per_prompt,
                                            defaults=self.settings.sampling_defaults)
         self._checked(request, "top_logprobs")
         return [request], ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
