@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS
+from epd.encoders.video_io import DecodeLimits
 from epd.transport.frame_limits import DEFAULT_MAX_IMAGE_BYTES
 
 MAX_REDIRECTS = 5
@@ -101,6 +102,11 @@ class MediaConfig:
     def max_bytes(self, modality: str) -> int:
         """The encoded-size cap of one item of `modality`."""
         return self.max_video_bytes if modality == "video" else self.max_image_bytes
+
+    def decode_limits(self) -> DecodeLimits:
+        """What an encoder may spend decoding one video (it checks them again: a peer's plan)."""
+        return DecodeLimits(max_frame_pixels=self.max_image_pixels, max_decoded_pixels=self.max_request_video_pixels,
+                            deadline_s=self.video_decode_timeout_s)
 
     @property
     def max_blob_bytes(self) -> int:
