@@ -38,3 +38,17 @@ def encode_video(frames: np.ndarray, kind: str = "mp4", fps: int = 5) -> bytes:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return buf.getvalue()
+
+
+def audio_only(seconds: float = 0.25, rate: int = 8000) -> bytes:
+    """A WAV file: a container with an audio stream and no video stream."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, int(rate * seconds)), np.int16), format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in (*stream.encode(frame), *stream.encode()):
+            container.mux(packet)
+    return buf.getvalue()

@@ -54,3 +54,26 @@ def test_chat_on_a_file_that_is_not_an_image(tiny_model, tmp_path):
 def test_chat_on_a_missing_checkpoint(tmp_path):
     proc = run_epd("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
     assert proc.returncode != 0 and "not a checkpoint directory" in proc.stderr
+
+
+def test_chat_with_a_video_prints_the_offline_answer(tiny_model, tmp_path):
+    from testkit.videos import encode_video, synthetic_frames
+
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(encode_video(synthetic_frames(9, 48, 64, seed=2), "mp4", fps=4))
+    proc = run_epd("chat", tiny_model, "--prompt", "What happens?", "--video", str(clip), "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    parts = [{"type": "video_url", "video_url": {"url": clip.as_uri()}}, {"type": "text", "text": "What happens?"}]
+    [out] = LLM(tiny_model).chat([{"role": "user", "content": parts}], SamplingParams(temperature=0, max_tokens=8))
+    assert proc.stdout.rstrip("\n") == out.outputs[0].text
+
+
+def test_chat_on_a_file_that_is_not_a_video(tiny_model, tmp_path):
+    bogus = tmp_path / "clip.mp4"
+    bogus.write_text("this is text, not frames")
+    proc = run_epd("chat", tiny_model, "--prompt", "hi", "--video", str(bogus))
+    assert proc.returncode == 2
+    assert "clip.mp4 is not a usable video (cannot open video" in proc.stderr
