@@ -33,7 +33,6 @@ DEFAULT_MAX_VIDEO_BYTES = 64 << 20  # --max-video-mb
 DEFAULT_MAX_VIDEO_FRAMES = 4096  # frames a video's container may hold (its header's count)
 DEFAULT_MAX_REQUEST_VIDEO_PIXELS = 1 << 33  # pixels the encoder decodes for one request's videos
 DEFAULT_VIDEO_DECODE_TIMEOUT_S = 60.0
-MODALITIES = ("image", "video")
 MAX_FILE_READERS = 4  # threads reading file:// images; a stuck read never takes a text request's thread
 
 
