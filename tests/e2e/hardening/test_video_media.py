@@ -14,7 +14,7 @@ from testkit.videos import encode_video, synthetic_frames
 pytest.importorskip("av")
 CLIP = encode_video(synthetic_frames(9, 48, 64, seed=21), "mp4", fps=4)
 LONG = encode_video(np.full((MAX_VIDEO_FRAMES + 5, 48, 64, 3), 90, np.uint8), "mp4", fps=10)  # small, many frames
-BIG = encode_video(synthetic_frames(60, 192, 256, seed=22), "mp4", fps=4)
+BIG = CLIP + bytes(int(MAX_VIDEO_MB * (1 << 20)))  # refused by its size alone
 
 
 def video_messages(url: str) -> list[dict]:
