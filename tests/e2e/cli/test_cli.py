@@ -5,8 +5,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from epd.encoders.video_io import decode_frames, read_video_meta
 from testkit.hf_reference import hf_generate_text
 from testkit.media import image_bytes, image_part
+from testkit.video_reference import hf_video_prompt_inputs, reference_available
+from testkit.videos import encode_video, synthetic_frames
 
 
 def run_epd(*args, timeout=300):
@@ -22,7 +27,7 @@ def test_make_model_writes_a_hf_checkpoint(tmp_path):
                  "tokenizer_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
         assert (out / name).exists(), name
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    assert "<|image_pad|>" in tok_cfg["chat_template"]
+    assert "<|image_pad|>" in tok_cfg["chat_template"] and "<|video_pad|>" in tok_cfg["chat_template"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -51,29 +56,31 @@ def test_chat_on_a_file_that_is_not_an_image(tiny_model, tmp_path):
     assert "not a usable image" in proc.stderr and "notes.png" in proc.stderr
 
 
-def test_chat_on_a_missing_checkpoint(tmp_path):
-    proc = run_epd("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
-    assert proc.returncode != 0 and "not a checkpoint directory" in proc.stderr
-
-
-def test_chat_with_a_video_prints_the_offline_answer(tiny_model, tmp_path):
-    from testkit.videos import encode_video, synthetic_frames
-
-    from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
-
-    clip = tmp_path / "clip.mp4"
-    clip.write_bytes(encode_video(synthetic_frames(9, 48, 64, seed=2), "mp4", fps=4))
-    proc = run_epd("chat", tiny_model, "--prompt", "What happens?", "--video", str(clip), "--max-tokens", "8")
+def test_chat_with_a_video_prints_transformers_greedy_text(tiny_model, tmp_path):
+    pytest.importorskip("av")
+    if not reference_available():
+        pytest.skip("scripts/env.sh dev installs the reference")
+    data = encode_video(synthetic_frames(11, 64, 96, seed=4), "mp4", fps=5)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    proc = run_epd("chat", tiny_model, "--prompt", "What happens?", "--video", str(path), "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
-    parts = [{"type": "video_url", "video_url": {"url": clip.as_uri()}}, {"type": "text", "text": "What happens?"}]
-    [out] = LLM(tiny_model).chat([{"role": "user", "content": parts}], SamplingParams(temperature=0, max_tokens=8))
-    assert proc.stdout.rstrip("\n") == out.outputs[0].text
+    meta = read_video_meta(data)
+    [video] = hf_video_prompt_inputs(tiny_model, [(decode_frames(data, range(meta.num_frames)), meta, {})],
+                                     tmp_path / "ref")
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    assert proc.stdout.rstrip("\n") == hf_generate_text(tiny_model, messages, [], max_new_tokens=12, videos=[video])
 
 
 def test_chat_on_a_file_that_is_not_a_video(tiny_model, tmp_path):
     bogus = tmp_path / "clip.mp4"
-    bogus.write_text("this is text, not frames")
+    bogus.write_bytes(b"\x00" * 100)
     proc = run_epd("chat", tiny_model, "--prompt", "hi", "--video", str(bogus))
-    assert proc.returncode == 2
-    assert "clip.mp4 is not a usable video (cannot open video" in proc.stderr
+    assert proc.returncode != 0
+    assert "not a usable video" in proc.stderr and "clip.mp4" in proc.stderr
+
+
+def test_chat_on_a_missing_checkpoint(tmp_path):
+    proc = run_epd("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert proc.returncode != 0 and "not a checkpoint directory" in proc.stderr
+
