@@ -9,7 +9,7 @@ import pytest
 from testkit.api_checks import assert_error
 from testkit.media import data_url
 from testkit.mode_servers import SERVED_MODEL
-from testkit.videos import audio_only, encode_video, synthetic_frames
+from testkit.videos import audio_only, cut_after_header, encode_video, synthetic_frames
 
 pytest.importorskip("av")
 MAX_TOKENS = 6
@@ -98,4 +98,17 @@ def test_bad_video_input_is_a_400_and_the_server_serves_on(mode_server, name):
     fields = {} if kwargs is None else {"mm_processor_kwargs": kwargs}
     assert_error(chat(mode_server, content, **fields), 400, message, param)
     ok = chat(mode_server, [{"type": "text", "text": "Still there?"}])
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_video_only_the_encoder_finds_broken_is_a_400(mode_server):
+    """Its header is whole, its frames are not: the encoder's EncodeDone(ok=False) fails
+    the request (a 400 through the prefill worker's TokenOutput), and nothing else."""
+    if mode_server.mode == "aggregated":
+        pytest.skip(AGGREGATED_WAITS)
+    broken = cut_after_header(synthetic_frames(12, 48, 64, seed=7), fps=4)
+    encoded = mode_server.settled_sum("epd:encoder_errors_total")
+    assert_error(chat(mode_server, [video_part(broken), QUESTION]), 400, "the video ends before frame 11", "messages")
+    assert mode_server.settled_sum("epd:encoder_errors_total") == encoded + 1
+    ok = chat(mode_server, [video_part(CLIP), QUESTION])
     assert ok.status_code == 200, ok.text
