@@ -30,6 +30,10 @@ def chat(server, content: list[dict], **fields) -> httpx.Response:
     return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
 
 
+# (name, clip, mm_processor_kwargs): the checkpoint's sampling (2 fps), another clip, and the request's own
+CASES = [("clip", CLIP, None), ("other", OTHER_CLIP, None), ("clip_at_4_fps", CLIP, {"fps": 4})]
+
+
 @pytest.fixture(scope="module")
 def offline(tiny_model):
     """(text, prompt tokens) of the offline LLM's greedy answer for each clip."""
@@ -38,9 +42,9 @@ def offline(tiny_model):
 
     llm = LLM(tiny_model)
     out = {}
-    for name, clip in (("clip", CLIP), ("other", OTHER_CLIP)):
+    for name, clip, kwargs in CASES:
         [result] = llm.chat([{"role": "user", "content": [video_part(clip), QUESTION]}],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), mm_processor_kwargs=kwargs)
         out[name] = (result.outputs[0].text, len(result.prompt_token_ids))
     return out
 
@@ -49,11 +53,13 @@ def test_a_video_chat_answers_as_offline(mode_server, offline):
     if mode_server.mode == "aggregated":
         assert_error(chat(mode_server, [video_part(CLIP), QUESTION]), 400, "video needs encoder workers")
         pytest.skip(AGGREGATED_WAITS)
-    for name, clip in (("clip", CLIP), ("other", OTHER_CLIP)):
-        response = chat(mode_server, [video_part(clip), QUESTION])
+    for name, clip, kwargs in CASES:
+        fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
+        response = chat(mode_server, [video_part(clip), QUESTION], **fields)
         assert response.status_code == 200, response.text
         body = response.json()
         assert (body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]) == offline[name]
+    assert offline["clip_at_4_fps"][1] > offline["clip"][1]  # more frames sampled: more placeholders
 
 
 def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
