@@ -11,8 +11,9 @@ request out when it leaves; the scheduler asks the ledger how far a request
 may be prefilled, the runner reads the embeddings from it.
 
 It is the only door into the engine: callers use the verbs below
-(`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,
-`abort`, `step`, `get_embedding`, the counts), never its scheduler or runner.
+(`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
+`add_prefilled`, `export_kv`, `release`, `abort`, `step`, `get_embedding`,
+the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.request import Request
 from epd.transport.sampling import TokenLogprobs
+from epd.transport.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
@@ -48,7 +50,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
-    dtype = model.lm_head.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
     cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
@@ -94,6 +96,7 @@ class EngineCore:
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        pack_linears(model)  # CPU float32: oneDNN with packed weights (transport/cpu_linear.py)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
@@ -146,9 +149,25 @@ class EngineCore:
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
-        here: they may be prefilled past it. False, keeping nothing, when no
-        request waits for it (e.g. they were aborted meanwhile)."""
+        here: they may be prefilled past it. False, keeping nothing, when it is
+        not pending (no request in the engine uses it: aborted meanwhile)."""
         return self.images.arrived(mm_hash, entry)
+
+    def fail_image(self, mm_hash: str) -> list[str]:
+        """An image that requests were added without will never come (it could
+        not be encoded, or it left the cache before use): the requests that
+        wait for it (`ImageLedger.waiting_for`) are aborted, freeing what they
+        hold. Returns their ids, for the caller to answer."""
+        waiting = self.images.waiting_for(mm_hash)
+        return self.abort(waiting) if waiting else []
+
+    def abort_overdue(self, now_s: float, max_wait_s: float) -> list[str]:
+        """Aborts the requests that have waited for an image more than
+        `max_wait_s` since they arrived (`Request.arrival_time`, the clock of
+        `now_s`): nobody else will give up on them when their encoder died.
+        Returns their ids, for the caller to answer."""
+        late = self.images.overdue(now_s, max_wait_s)  # asked between every two steps: [] fast
+        return self.abort(late) if late else []
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV

@@ -65,7 +65,7 @@ class ModelRunner:
         self.backend = get_backend(attention_backend)
         self.sampler = Sampler()
         cfg = model.cfg
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation.
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)

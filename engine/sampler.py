@@ -29,6 +29,12 @@ _SAMPLING_EPS = 1e-5
 _PAD_ID = -1  # padding in the [num_seqs, max_len] token-id tensors
 
 
+def is_greedy_params(params: SamplingParams) -> bool:
+    """Whether a sequence takes the argmax (no random draw): its temperature is below
+    what dividing by is safe for. Speculative decoding verifies these only."""
+    return params.temperature < _SAMPLING_EPS
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one seeded sequence; keep it for the request's lifetime."""
     generator = torch.Generator(device=device)
@@ -108,7 +114,7 @@ class SamplingBatch:
     def from_inputs(cls, inputs: Sequence[SamplingInput],
                     device: torch.device | str = "cpu") -> SamplingBatch:
         params = [x.params for x in inputs]
-        is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        is_greedy = [is_greedy_params(p) for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -288,12 +294,13 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits.index_put_((batch.bias_rows[keep], batch.bias_ids[keep]), batch.bias_values[keep], accumulate=True)
 
 
-def _exponential(batch: SamplingBatch, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def exponential_noise(generators: Sequence[torch.Generator | None], shape: torch.Size,
+                      device: torch.device) -> torch.Tensor:
     """[num_seqs, vocab] Exp(1) noise; seeded rows draw from their own generator."""
     q = torch.empty(shape, dtype=torch.float32, device=device)
-    if not all(batch.generators):
+    if not all(generators):
         q.exponential_()  # default generator; seeded rows are overwritten below
-    for i, generator in enumerate(batch.generators):
+    for i, generator in enumerate(generators):
         if generator is not None:
             q[i].exponential_(generator=generator)
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # no division by zero
@@ -322,6 +329,19 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     return out
 
 
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_rows, vocab] the distribution random rows sample from: temperature,
+    min-p, top-k, top-p and softmax over `Sampler.process`'s logits (divided in
+    place). Greedy rows get a distribution at temperature 1 that nobody should
+    read. Shared with the speculative verifier (engine/spec_sampling.py)."""
+    logits.div_(batch.temperature.unsqueeze(1))
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits.softmax(dim=-1)
+
+
 class Sampler:
     """`Sampler()(logits, batch)`: logits [num_seqs, vocab], any float dtype."""
 
@@ -331,7 +351,18 @@ class Sampler:
                 and batch.num_logprobs is None):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # fast path
 
-        raw_logits = logits
+        token_ids = self.choose(self.process(logits, batch), batch)
+        logprobs = None
+        if batch.num_logprobs is not None:
+            logprobs = gather_logprobs(logits, token_ids, batch.num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """float32 copy of `logits` with the grammar masks, allowed / banned ids,
+        logit_bias and penalties applied: what greedy rows take the argmax of and
+        random rows filter and sample from (speculative decoding verifies a
+        draft against these, engine/spec_verify.py)."""
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place
         if batch.has_logit_edits:
             apply_constraints(logits, batch)
@@ -340,24 +371,20 @@ class Sampler:
             logits.index_copy_(0, rows, apply_penalties(
                 logits.index_select(0, rows), batch.prompt_token_ids, batch.output_token_ids,
                 batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty))
-        token_ids = logits.argmax(dim=-1)
-        if not batch.is_all_greedy:
-            sampled = self._sample(logits, batch)
-            token_ids = torch.where(batch.is_greedy, token_ids, sampled)
+        return logits
 
-        logprobs = None
-        if batch.num_logprobs is not None:
-            logprobs = gather_logprobs(raw_logits, token_ids, batch.num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    def choose(self, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[num_seqs] token ids from `process`'s logits: the argmax on greedy rows,
+        a draw on random rows (which edits `processed` in place)."""
+        token_ids = processed.argmax(dim=-1)
+        if not batch.is_all_greedy:
+            sampled = self._sample(processed, batch)
+            token_ids = torch.where(batch.is_greedy, token_ids, sampled)
+        return token_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[num_seqs] sampled ids; greedy rows get a value that the caller discards."""
-        logits.div_(batch.temperature.unsqueeze(1))
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        q = _exponential(batch, probs.shape, probs.device)
+        probs = sampling_probs(logits, batch)
+        q = exponential_noise(batch.generators, probs.shape, probs.device)
         return (probs / q).argmax(dim=-1)
