@@ -29,6 +29,12 @@ _SAMPLING_EPS = 1e-5
 _PAD_ID = -1  # padding in the [num_seqs, max_len] token-id tensors
 
 
+def is_greedy_params(params: SamplingParams) -> bool:
+    """Whether a sequence takes the argmax (no random draw): its temperature is below
+    what dividing by is safe for. Speculative decoding verifies these only."""
+    return params.temperature < _SAMPLING_EPS
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one seeded sequence; keep it for the request's lifetime."""
     generator = torch.Generator(device=device)
@@ -108,7 +114,7 @@ class SamplingBatch:
     def from_inputs(cls, inputs: Sequence[SamplingInput],
                     device: torch.device | str = "cpu") -> SamplingBatch:
         params = [x.params for x in inputs]
-        is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        is_greedy = [is_greedy_params(p) for p in params]
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -331,7 +337,18 @@ class Sampler:
                 and batch.num_logprobs is None):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))  # fast path
 
-        raw_logits = logits
+        token_ids = self.choose(self.process(logits, batch), batch)
+        logprobs = None
+        if batch.num_logprobs is not None:
+            logprobs = gather_logprobs(logits, token_ids, batch.num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """float32 copy of `logits` with the grammar masks, allowed / banned ids,
+        logit_bias and penalties applied: what greedy rows take the argmax of and
+        random rows filter and sample from (speculative decoding verifies a
+        draft against these, engine/spec_verify.py)."""
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place
         if batch.has_logit_edits:
             apply_constraints(logits, batch)
@@ -340,15 +357,16 @@ class Sampler:
             logits.index_copy_(0, rows, apply_penalties(
                 logits.index_select(0, rows), batch.prompt_token_ids, batch.output_token_ids,
                 batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty))
-        token_ids = logits.argmax(dim=-1)
-        if not batch.is_all_greedy:
-            sampled = self._sample(logits, batch)
-            token_ids = torch.where(batch.is_greedy, token_ids, sampled)
+        return logits
 
-        logprobs = None
-        if batch.num_logprobs is not None:
-            logprobs = gather_logprobs(raw_logits, token_ids, batch.num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    def choose(self, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[num_seqs] token ids from `process`'s logits: the argmax on greedy rows,
+        a draw on random rows (which edits `processed` in place)."""
+        token_ids = processed.argmax(dim=-1)
+        if not batch.is_all_greedy:
+            sampled = self._sample(processed, batch)
+            token_ids = torch.where(batch.is_greedy, token_ids, sampled)
+        return token_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -88,6 +88,9 @@ CASES = {
     "long_prefill_prefix": ([600, 3], [100, 40]),  # 600 query rows: several calls of rows
     "decode": ([1, 1, 1, 1, 1], [0, 15, 40, 7, 41]),
     "mixed": ([1, 9, 1, 4, 20], [30, 0, 2, 21, 17]),
+    # speculative decoding: a decode's last token and its draft, behind its context (several query
+    # tokens, causal among them), batched by count; beside one-token decodes and a prefill
+    "verify": ([4, 4, 1, 3, 4, 17, 2], [30, 3, 12, 50, 1, 40, 0]),
 }
 
 
@@ -170,6 +173,7 @@ TRITON_CASES = [
     ("prefill_mha_bs8_d24", [9, 1, 17], [30, 2, 0], (2, 2, 24), 8),
     ("decode_gqa_bs16", [1] * 4, [0, 15, 299, 64], (8, 2, 32), 16),
     ("decode_g5_bs8", [1] * 3, [130, 6, 33], (5, 1, 32), 8),
+    ("verify_gqa_bs8", [4, 1, 3, 9], [21, 40, 2, 0], (4, 2, 32), 8),  # drafts beside a decode and a prefill
 ]
 
 
