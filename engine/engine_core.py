@@ -42,8 +42,9 @@ from epd.transport.mm_entry import MMEntry
 @torch.inference_mode()
 def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     """The largest forward an engine step runs (a full token budget, logits for
-    max_num_seqs rows) on a throwaway cache, so its peak activation memory is
-    measured before the KV cache takes the rest of the GPU."""
+    max_num_seqs rows, times 1 + k with speculative decoding) on a throwaway
+    cache, so its peak activation memory is measured before the KV cache takes
+    the rest of the GPU."""
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
     from epd.engine.models.qwen3_vl import ForwardBatch
@@ -57,7 +58,9 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
                          backend=get_backend(config.resolved_backend(device)),
                          kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
-    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs):])  # [rows, vocab]
+    spec = config.speculative_config
+    rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too
+    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs * rows_per_seq):])  # [rows, vocab]
 
 
 class StepFailed(RuntimeError):

@@ -231,9 +231,10 @@ class Scheduler:
             # (a request preempted for an earlier one in this loop is not RUNNING)
             if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, step):
                 step.take(self._scheduled(request, 1))
-        # speculative decoding: the decodes' drafts, before any prefill (engine/spec_decode.py)
+        may_admit = self.waiting and len(self.running) < self.config.max_num_seqs
         step.token_budget -= add_drafts(step.scheduled, step.token_budget, self.max_model_len, self.block_manager,
-                                        lambda budget: self._blocks_to_go_on(prefills, budget))
+                                        lambda budget: self._blocks_to_go_on(prefills, budget),
+                                        self.waiting[0].num_tokens if may_admit else 0)
 
         # A decode worker's prompts (local prefills, recomputed preemptions) take at
         # most max_local_prefill_tokens a step: the running decodes wait one bounded chunk.
@@ -385,13 +386,12 @@ class Scheduler:
                sampled_token_ids: Mapping[str, int | Sequence[int]]) -> list[RequestUpdate]:
         """Apply a finished model step.
 
-        For every scheduled request: `num_computed_tokens += num_new_tokens`
-        (less rejected draft tokens, whose blocks go back) and newly full blocks
-        enter the prefix cache. For every chunk with `is_last_chunk`,
-        `sampled_token_ids[request_id]` (a token, or a verified draft's accepted
-        prefix and the target's token) is appended, the stop rules running after
-        each token (`Request.append_tokens`; other entries are ignored).
-        Finished requests free their blocks. In the prefill role an unfinished
+        For every scheduled request: `num_computed_tokens += num_new_tokens` (less
+        rejected draft tokens, whose blocks go back) and newly full blocks enter the
+        prefix cache. For every chunk with `is_last_chunk`, `sampled_token_ids[request_id]`
+        (a token, or a verified draft's accepted prefix and the target's token) is
+        appended, the stop rules running after each (`Request.append_tokens`; other
+        entries are ignored). Finished requests free their blocks. In the prefill role an unfinished
         request that sampled becomes prefilled (keeps its blocks). Requests
         aborted between `schedule` and `update` are skipped.
         Returns one RequestUpdate per request that sampled, in batch order.

@@ -22,11 +22,15 @@ from epd.engine.scheduler_output import ScheduledRequest
 
 
 def add_drafts(scheduled: list[ScheduledRequest], token_budget: int, max_model_len: int, blocks: BlockManager,
-               reserved_blocks: Callable[[int], int]) -> int:
-    """Gives each decode in `scheduled` (in place) the draft its request holds,
-    as much as `draft_room` leaves, allocating its blocks; the drafts are taken
-    off the requests. `reserved_blocks(budget)`: blocks the running prefills
-    need for their next chunks within that budget. Returns the tokens added."""
+               reserved_blocks: Callable[[int], int], next_prompt_tokens: int = 0) -> int:
+    """Speculative decoding's share of a step, taken after the decodes and before
+    any prefill: each decode in `scheduled` (in place) takes the draft its
+    request holds, as much as `draft_room` leaves, and its blocks; the drafts
+    are taken off the requests. Blocks are left for what the step's prefills
+    need next: `reserved_blocks(budget)`, the running prefills' next chunks
+    within that budget, and the first chunk of the waiting request of
+    `next_prompt_tokens` tokens (0: none may be admitted), so speculation never
+    makes anyone preempt nor holds back an admission. Returns the tokens added."""
     num_added = 0
     for i, s in enumerate(scheduled):
         request = s.request
@@ -34,7 +38,8 @@ def add_drafts(scheduled: list[ScheduledRequest], token_budget: int, max_model_l
         if not draft or num_added == token_budget:
             continue
         budget = token_budget - num_added
-        num_draft = draft_room(request, len(draft), budget, max_model_len, blocks, reserved_blocks(budget))
+        reserved = reserved_blocks(budget) + blocks.num_blocks_for(min(next_prompt_tokens, budget))
+        num_draft = draft_room(request, len(draft), budget, max_model_len, blocks, reserved)
         if num_draft and blocks.allocate(request, 1 + num_draft):
             scheduled[i] = dataclasses.replace(s, num_new_tokens=1 + num_draft, draft_token_ids=tuple(draft[:num_draft]))
             num_added += num_draft

@@ -152,6 +152,19 @@ def test_a_draft_never_makes_anyone_preempt():
     assert_all_blocks_free(scheduler)
 
 
+def test_a_draft_leaves_the_blocks_a_waiting_prompt_needs():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    running = make_request(3, max_tokens=20)
+    add_request(scheduler, running)
+    step_with_drafts(scheduler, {})  # one block held, five free
+    waiting = make_request(16, max_tokens=2)  # its prompt takes four
+    add_request(scheduler, waiting)
+    output, _ = step_with_drafts(scheduler, {running.request_id: right_draft(running, 12)})
+    decode, prefill = output.scheduled
+    assert len(decode.draft_token_ids) == 4  # the slots of one more block, not the twelve asked
+    assert (prefill.request_id, prefill.num_new_tokens) == (waiting.request_id, 16)  # admitted beside it
+
+
 def test_preemption_clears_a_proposed_draft_and_the_recompute_is_exact():
     scheduler = make_scheduler(num_blocks=5, block_size=4, enable_prefix_caching=False)
     requests = [make_request(6, max_tokens=9) for _ in range(2)]
