@@ -32,10 +32,13 @@ def test_an_accepted_draft_gives_its_tokens_and_a_bonus_in_one_step():
     request = make_request(6, max_tokens=20)
     add_request(scheduler, request)
     step_with_drafts(scheduler, {})  # the prompt, token 1
-    output, [update] = step_with_drafts(scheduler, {request.request_id: right_draft(request, 3)})
+    request.draft_token_ids = right_draft(request, 3)
+    output = scheduler.schedule()
     [scheduled] = output.scheduled
     assert (scheduled.num_new_tokens, scheduled.draft_token_ids) == (4, tuple(expected_outputs(6, 4)[1:]))
-    assert scheduled.token_ids == [expected_outputs(6, 1)[0], *expected_outputs(6, 4)[1:]]
+    assert scheduled.token_ids == expected_outputs(6, 4)  # the last token, then the draft
+    assert request.draft_token_ids == []  # taken by the step
+    [update] = scheduler.update(output, fake_run(output))
     assert update.new_token_ids == expected_outputs(6, 5)[1:]  # 3 accepted + the bonus
     assert request.output_token_ids == expected_outputs(6, 5)
     assert request.num_computed_tokens == request.num_tokens - 1  # the bonus token is not computed yet
