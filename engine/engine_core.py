@@ -11,8 +11,9 @@ request out when it leaves; the scheduler asks the ledger how far a request
 may be prefilled, the runner reads the embeddings from it.
 
 It is the only door into the engine: callers use the verbs below
-(`add_request`, `add_embedding`, `add_prefilled`, `export_kv`, `release`,
-`abort`, `step`, `get_embedding`, the counts), never its scheduler or runner.
+(`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
+`add_prefilled`, `export_kv`, `release`, `abort`, `step`, `get_embedding`,
+the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
@@ -156,9 +157,25 @@ class EngineCore:
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
-        here: they may be prefilled past it. False, keeping nothing, when no
-        request waits for it (e.g. they were aborted meanwhile)."""
+        here: they may be prefilled past it. False, keeping nothing, when it is
+        not pending (no request in the engine uses it: aborted meanwhile)."""
         return self.images.arrived(mm_hash, entry)
+
+    def fail_image(self, mm_hash: str) -> list[str]:
+        """An image that requests were added without will never come (it could
+        not be encoded, or it left the cache before use): the requests that
+        wait for it (`ImageLedger.waiting_for`) are aborted, freeing what they
+        hold. Returns their ids, for the caller to answer."""
+        waiting = self.images.waiting_for(mm_hash)
+        return self.abort(waiting) if waiting else []
+
+    def abort_overdue(self, now_s: float, max_wait_s: float) -> list[str]:
+        """Aborts the requests that have waited for an image more than
+        `max_wait_s` since they arrived (`Request.arrival_time`, the clock of
+        `now_s`): nobody else will give up on them when their encoder died.
+        Returns their ids, for the caller to answer."""
+        late = self.images.overdue(now_s, max_wait_s)  # asked between every two steps: [] fast
+        return self.abort(late) if late else []
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV

@@ -1,7 +1,9 @@
 """Every image the engine knows, by content hash (`mm_hash`): whether its
 encoder output is here or still to come, which requests in the engine use
-it, and when it is freed. The one place an image's state lives inside an
-engine (`ImageArrivals` keeps the requests a worker has not yet let in).
+it, which of those wait for it, and when it is freed. The one place an
+image's state lives inside an engine (`ImageArrivals` keeps only what has
+not reached the engine: requests a worker has not let in yet, images and
+failures that overtook their request).
 
 One image goes
 
@@ -14,13 +16,21 @@ One image goes
 when it leaves the engine (`remove`: finished, aborted, released); the
 scheduler asks how far a request may be computed (`prefill_bound`) and
 whether it could be computed again (`can_recompute`, before preempting it);
-the model runner reads the outputs (`get`).
+the model runner reads the outputs (`get`). With early prefill a request
+enters before its images; which requests still wait for a pending image
+(`waiting_for`: to fail them when it fails) and which waited too long
+(`overdue`) are asked here too, so the engine's worker keeps no copy.
+
+A request *waits for* a pending image while it has not been computed past
+one of that image's placeholders: it cannot finish without it. A request
+whose prefix-cache hit covered the image does not wait for it (and samples
+without it); one preempted after that waits again.
 
 Pure Python (no torch): an encoder output is an opaque value here.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING
 
 from epd.engine.request import Request
@@ -35,7 +45,7 @@ class ImageLedger:
         self._pending: set[str] = set()  # used by a request, not here yet
         self._users: dict[str, set[str]] = {}  # mm_hash -> ids of the requests in the engine using it
         self._unused: dict[str, None] = {}  # here, no user left: freed at the next `drop_unused`, in order
-        self._images_of: dict[str, list[str]] = {}  # request id -> its images
+        self._requests: dict[str, Request] = {}  # request id -> the request, in the order they entered
 
     # -- a request enters and leaves -----------------------------------------------
 
@@ -55,10 +65,10 @@ class ImageLedger:
         missing = self.missing(request, embeddings, pending)
         if missing:
             raise ValueError(f"request {request.request_id}: no embeddings for images {missing}")
-        if request.request_id in self._images_of:
+        if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already in the image ledger")
         embeddings = embeddings or {}
-        self._images_of[request.request_id] = request.mm_hashes
+        self._requests[request.request_id] = request
         for mm_hash in request.mm_hashes:
             self._users.setdefault(mm_hash, set()).add(request.request_id)
             self._unused.pop(mm_hash, None)  # taken again before it was dropped
@@ -74,7 +84,8 @@ class ImageLedger:
         unused (dropped by the next `drop_unused`) or, still pending, forgotten
         (a late `arrived` then keeps nothing). Unknown ids are ignored."""
         for request_id in request_ids:
-            for mm_hash in self._images_of.pop(request_id, ()):
+            request = self._requests.pop(request_id, None)
+            for mm_hash in () if request is None else request.mm_hashes:
                 users = self._users[mm_hash]
                 users.discard(request_id)
                 if users:
@@ -129,6 +140,28 @@ class ImageLedger:
         dropped: every image of it is here or pending. A request prefilled on
         another worker (decode role) arrives without its images: False."""
         return all(h in self._entries or h in self._pending for h in request.mm_hashes)
+
+    # -- what the engine's worker asks (early prefill) ----------------------------------
+
+    def waiting_for(self, mm_hash: str) -> list[str]:
+        """The requests that wait for the pending image `mm_hash`, in the
+        order they entered: when it fails, these cannot be finished."""
+        if mm_hash not in self._pending:
+            return []
+        return [rid for rid, request in self._requests.items() if self._waits(request, (mm_hash,))]
+
+    def overdue(self, now_s: float, max_wait_s: float) -> list[str]:
+        """The requests that wait for a pending image and arrived
+        (`Request.arrival_time`, on `now_s`'s clock) more than `max_wait_s`
+        before `now_s`, in the order they entered."""
+        if not self._pending:
+            return []
+        return [rid for rid, request in self._requests.items()
+                if now_s - request.arrival_time > max_wait_s and self._waits(request, self._pending)]
+
+    def _waits(self, request: Request, pending: Container[str]) -> bool:
+        """Whether a placeholder of an image in `pending` is not computed yet."""
+        return any(span.mm_hash in pending and span.end > request.num_computed_tokens for span in request.mm_spans)
 
     # -- counts ----------------------------------------------------------------------
 

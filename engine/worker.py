@@ -17,9 +17,12 @@ A request's images come from the engine (another request holds them), the
 embedding cache (LMDB) or an EncodeDone; `ImageArrivals` keeps it until all
 of them are here, then it enters the engine. With early prefill (the
 default) it enters at once and is prefilled up to its first missing image;
-the others follow it in with `EngineCore.add_embedding`. An image that
-fails fails its requests, wherever they are. The engine is reached only
-through `EngineCore`'s verbs.
+the others follow it in with `EngineCore.add_embedding`, and the engine's
+image ledger is then the only record of what it waits for: an image that
+fails fails the requests waiting for it in the engine (`fail_image`) and
+those held here; one that waited `MAX_IMAGE_WAIT_S` is given up on, in the
+engine (`abort_overdue`) and here (`ImageArrivals.expire`). The engine is
+reached only through `EngineCore`'s verbs.
 
 What the worker itself keeps for a request (its API process, its decode
 worker, the KV it sent or received, the tokens it holds back) is one
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.image_arrivals import Admit, Arrived, Failed, ImageArrivals, Outcome
+from epd.engine.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gave_up_error
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
@@ -102,7 +105,7 @@ class EngineWorker(WorkerIO):
                 busy = self.core.has_unfinished() or self._num_incoming > 0
                 self._drain(timeout_s=0.0 if busy else 0.05)
                 self._admit_transfers()
-                self._settle(self.arrivals.expire(time.monotonic(), MAX_IMAGE_WAIT_S))
+                self._give_up_waiting()
                 if self.core.has_unfinished():
                     self._step()
                 self._maybe_send_stats()
@@ -155,15 +158,18 @@ class EngineWorker(WorkerIO):
 
     def _on_encode_done(self, msg: EncodeDone) -> None:
         if not msg.ok:
-            self._settle(self.arrivals.failed(msg.mm_hash, f"image could not be encoded: {msg.error}",
-                                              msg.request_id))
-        elif msg.embeddings is None:  # written to the cache we share with the encoder
-            self._settle(self.arrivals.arrived_in_cache(msg.mm_hash))
+            self._image_failed(msg.mm_hash, f"image could not be encoded: {msg.error}", msg.request_id)
+            return
+        if msg.embeddings is None:  # written to the cache we share with the encoder
+            entry = self.arrivals.find(msg.mm_hash)
+            if entry is None:
+                self._image_failed(msg.mm_hash, "image embedding missing from the cache (evicted before use?)")
+                return
         else:
             entry = MMEntry(msg.embeddings, list(msg.deepstack), msg.grid_thw or (1, 1, 1))
             if self.cache is not None:  # no shared cache dir: keep a copy in ours
                 self.cache.put(msg.mm_hash, entry)
-            self._settle(self.arrivals.arrived(msg.mm_hash, entry))
+        self._image_arrived(msg.mm_hash, entry)
 
     def _on_encode_request(self, msgs: list[EncodeRequest]) -> None:
         """Aggregated role: encode in-process, then proceed as if EncodeDone arrived."""
@@ -178,16 +184,36 @@ class EngineWorker(WorkerIO):
             self.encoder_counters.num_images += 1
             if self.cache is not None:
                 self.cache.put(msg.mm_hash, result)
-            self._settle(self.arrivals.arrived(msg.mm_hash, result))
+            self._image_arrived(msg.mm_hash, result)
+
+    def _image_arrived(self, mm_hash: str, entry: MMEntry) -> None:
+        """An image is here: the engine takes it if requests in it wait for it
+        (early prefill), the requests held here that it completes enter the engine."""
+        is_taken = self.core.add_embedding(mm_hash, entry)
+        self._settle(self.arrivals.arrived(mm_hash, entry, is_taken))
+
+    def _image_failed(self, mm_hash: str, error: str, request_id: str | None = None) -> None:
+        """An image will not come: the requests waiting for it fail, in the engine
+        (early prefill) and held here; `request_id`, the request its encode was
+        for, fails on arrival when the failure overtook it."""
+        in_engine = self.core.fail_image(mm_hash)
+        for rid in in_engine:
+            self._fail(rid, error)
+        self._settle(self.arrivals.failed(mm_hash, error, None if request_id in in_engine else request_id))
+
+    def _give_up_waiting(self) -> None:
+        """Fails the requests that waited `MAX_IMAGE_WAIT_S` for an image, in the engine and held here."""
+        now_s = time.monotonic()
+        for rid in self.core.abort_overdue(now_s, MAX_IMAGE_WAIT_S):
+            self._fail(rid, gave_up_error(MAX_IMAGE_WAIT_S))
+        self._settle(self.arrivals.expire(now_s, MAX_IMAGE_WAIT_S))
 
     def _settle(self, outcomes: list[Outcome]) -> None:
-        """Admits the requests whose images are here (early: some of them), hands
-        later images to the engine, answers the requests whose image failed."""
+        """Admits the requests whose images are here (early: all at once),
+        answers the requests whose image failed."""
         for outcome in outcomes:
             if isinstance(outcome, Failed):
                 self._fail(outcome.request_id, outcome.error)
-            elif isinstance(outcome, Arrived):
-                self.core.add_embedding(outcome.mm_hash, outcome.entry)
             else:
                 self._admit(outcome)
 
@@ -310,7 +336,6 @@ class EngineWorker(WorkerIO):
             log.exception("%s: a step failed; failing its %d requests", self.spec.worker_id,
                           len(exc.request_ids))
             for request_id in exc.request_ids:
-                self.arrivals.remove(request_id)
                 self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error",
                                               error="internal error in the engine", is_internal_error=True))
             for request_id, error in exc.failed.items():
@@ -332,7 +357,6 @@ class EngineWorker(WorkerIO):
                 prompt_logprobs=result.prompt_logprobs.get(update.request_id)), request.sampling_params.stream_interval)
             if out is not None:
                 outputs.append(out)
-            self.arrivals.remove(update.request_id)  # an image the prefix cache made unneeded
             if update.is_prefilled:
                 prefilled.append(request)
         self._send_step_outputs(outputs)  # a finished request's state leaves with its last output

@@ -1,10 +1,14 @@
-"""ImageArrivals: requests wait for their images, images (and failures) for their requests."""
+"""ImageArrivals: requests wait for their images, images (and failures) for
+their requests, until they reach the engine. With early prefill a request
+reaches it at once; the engine's ImageLedger (a real one here) then knows
+which images it waits for."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from epd.engine.image_arrivals import Arrived, Failed, ImageArrivals, Admit
+from epd.engine.image_arrivals import Admit, Failed, ImageArrivals
+from epd.engine.image_ledger import ImageLedger
 from epd.transport.mm_span import MMSpan
 
 from testkit.engine_factories import IMAGE_PAD_ID, make_request
@@ -120,15 +124,29 @@ def test_early_failures_are_bounded():
     assert arrivals.add(image_request("r2", ["dog"])) == [Failed("r2", "second")]
 
 
-def test_arrived_in_cache_reads_the_entry_or_fails_the_waiting():
+def test_an_image_written_to_the_cache_is_found_there_or_fails_the_waiting():
+    """An EncodeDone without tensors (engine/worker.py): `find` reads the image
+    back; one already gone fails those waiting for it (the worker's error
+    text for that is checked in test_early_prefill.py)."""
     arrivals, held, _ = make_arrivals()
     arrivals.add(image_request("a", ["cat"]))
     arrivals.add(image_request("b", ["dog"]))
     held["cat"] = "emb-cat"
-    assert admitted(arrivals.arrived_in_cache("cat")) == {"a": {"cat": "emb-cat"}}
-    evicted = arrivals.arrived_in_cache("dog")
-    assert [f.request_id for f in evicted] == ["b"] and "evicted" in evicted[0].error
+    assert arrivals.find("cat") == "emb-cat"
+    assert admitted(arrivals.arrived("cat", "emb-cat")) == {"a": {"cat": "emb-cat"}}
+    assert arrivals.find("dog") is None
+    evicted = arrivals.failed("dog", "evicted")
+    assert [f.request_id for f in evicted] == ["b"]
     assert arrivals.num_pending == 0
+
+
+def test_an_image_the_engine_took_is_not_kept_for_later():
+    arrivals, held, lookups = make_arrivals()
+    assert arrivals.arrived("cat", "emb-cat", is_taken=True) == []
+    assert arrivals.find("cat") is None and lookups == ["cat"]  # not kept: only looked up
+    assert arrivals.arrived("dog", "emb-dog") == []
+    assert arrivals.find("dog") == "emb-dog" and lookups == ["cat"]  # kept, taken once
+    assert arrivals.find("dog") is None
 
 
 def test_removing_a_pending_request_unstages_its_images():
@@ -160,23 +178,45 @@ def test_a_request_waiting_too_long_for_an_image_gives_up():
     assert arrivals.expire(now_s=10_000.0, max_wait_s=60.0) == []  # admitted requests are not waiting
 
 
+def admit_to(ledger: ImageLedger, outcomes) -> list[Admit]:
+    """As the worker's `_admit` (EngineCore.add_request): each Admit enters the engine's ledger."""
+    for admit in outcomes:
+        assert isinstance(admit, Admit), admit
+        ledger.add(admit.request, admit.embeddings, admit.pending)
+    return outcomes
+
+
+def hand_on(arrivals: ImageArrivals, ledger: ImageLedger, mm_hash: str, entry: str) -> list:
+    """As the worker's `_image_arrived`: the engine first (EngineCore.add_embedding), then the held requests."""
+    return arrivals.arrived(mm_hash, entry, is_taken=ledger.arrived(mm_hash, entry))
+
+
 def test_early_a_request_is_admitted_at_once_and_its_images_follow_it():
     arrivals, _, _ = make_arrivals({"cat": "emb-cat"}, early=True)
-    [ready] = arrivals.add(image_request("r", ["cat", "dog", "owl"]))
+    ledger = ImageLedger()
+    [ready] = admit_to(ledger, arrivals.add(image_request("r", ["cat", "dog", "owl"])))
     assert ready.embeddings == {"cat": "emb-cat"} and ready.pending == {"dog", "owl"}
-    assert arrivals.num_pending == 0 and "r" in arrivals  # admitted, still expecting images
-    [ready_too] = arrivals.add(image_request("s", ["owl"]))  # another request waits for owl
+    assert arrivals.num_pending == 0 and "r" not in arrivals  # admitted: the ledger knows what it waits for
+    assert ledger.waiting_for("dog") == ["r"] and ledger.waiting_for("owl") == ["r"]
+    [ready_too] = admit_to(ledger, arrivals.add(image_request("s", ["owl"])))  # another request waits for owl
     assert ready_too.pending == {"owl"}
-    assert arrivals.arrived("owl", "emb-owl") == [Arrived("r", "owl", "emb-owl"), Arrived("s", "owl", "emb-owl")]
-    assert "s" not in arrivals  # it has all its images
-    assert arrivals.arrived("dog", "emb-dog") == [Arrived("r", "dog", "emb-dog")]
-    assert "r" not in arrivals and arrivals._staged == {}
+    assert ledger.waiting_for("owl") == ["r", "s"]
+    assert hand_on(arrivals, ledger, "owl", "emb-owl") == []  # the engine took it
+    assert ledger.waiting_for("owl") == [] and ledger.get("owl") == "emb-owl"  # "s" has all its images
+    assert hand_on(arrivals, ledger, "dog", "emb-dog") == []
+    assert ledger.waiting_for("dog") == [] and ledger.get("dog") == "emb-dog"
+    assert arrivals._staged == {} and arrivals.find("dog") is None  # taken by the engine: not kept here
 
 
 def test_early_a_failed_image_fails_the_admitted_request():
     arrivals, _, _ = make_arrivals(early=True)
-    [ready] = arrivals.add(image_request("r", ["cat", "dog"]))
-    assert arrivals.arrived("cat", "emb-cat") == [Arrived("r", "cat", "emb-cat")]
-    assert arrivals.failed("dog", "bad pixels", "r") == [Failed("r", "bad pixels")]
-    assert "r" not in arrivals
-    assert arrivals.arrived("dog", "emb-dog") == []  # kept for a request still to come, bounded
+    ledger = ImageLedger()
+    admit_to(ledger, arrivals.add(image_request("r", ["cat", "dog"])))
+    assert hand_on(arrivals, ledger, "cat", "emb-cat") == []
+    failed = ledger.waiting_for("dog")  # as EngineCore.fail_image: these leave the engine and fail
+    assert failed == ["r"]
+    ledger.remove(failed)
+    assert arrivals.failed("dog", "bad pixels", None) == []  # the worker passes None: "r" reached the engine
+    assert "r" not in arrivals and ledger.waiting_for("dog") == []
+    assert hand_on(arrivals, ledger, "dog", "emb-dog") == []  # nobody uses it any more:
+    assert ledger.get("dog") is None and arrivals.find("dog") == "emb-dog"  # kept here for a request still to come

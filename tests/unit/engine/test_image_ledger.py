@@ -174,3 +174,57 @@ def test_a_decode_worker_keeps_no_images_for_its_prefilled_requests():
     run_until_done(scheduler)
     assert request.is_finished and scheduler.images.num_images == 0
     assert engine_step(scheduler)[1] == []
+
+
+def test_waiting_for_names_the_requests_an_image_failure_fails():
+    images = ImageLedger()
+    a, b, c = image_request(["cat"]), image_request(["dog", "cat"]), image_request(["dog"])
+    images.add(a, pending=["cat"])
+    images.add(b, pending=["dog", "cat"])
+    images.add(c, pending=["dog"])
+    held = image_request(["owl"])
+    images.add(held, {"owl": ENTRY})
+    assert images.waiting_for("cat") == [a.request_id, b.request_id]  # in the order they entered
+    assert images.waiting_for("dog") == [b.request_id, c.request_id]
+    assert images.waiting_for("owl") == [] and images.waiting_for("emu") == []  # here; unknown
+    images.remove(images.waiting_for("cat"))  # as EngineCore.fail_image
+    assert images.waiting_for("dog") == [c.request_id]
+    assert not images.arrived("cat", ENTRY)  # nobody uses it any more: not kept
+    assert images.arrived("dog", ENTRY) and images.waiting_for("dog") == []  # here: nobody waits
+
+
+def test_a_request_computed_past_a_pending_image_does_not_wait_for_it():
+    """Its prefix-cache hit covered the image: it samples without it, so the
+    image's failure or lateness is no longer its own."""
+    scheduler = make_scheduler()  # block_size 4, prefix caching
+    token_ids, span = make_image_prompt(2, 4, 10, mm_hash="cat")  # cat at 2..6 of 16 tokens
+    first = make_request(prompt_token_ids=token_ids, mm_spans=[span], max_tokens=1)
+    add_request(scheduler, first)
+    run_until_done(scheduler)
+    assert engine_step(scheduler)[1] == ["cat"]  # freed: the next request waits for it again
+    again = make_request(prompt_token_ids=token_ids, mm_spans=[span], max_tokens=2)
+    again.arrival_time = 0.0
+    add_request(scheduler, again, pending=["cat"])
+    assert scheduler.images.waiting_for("cat") == [again.request_id]
+    assert scheduler.images.overdue(now_s=1000.0, max_wait_s=600.0) == [again.request_id]
+    engine_step(scheduler)  # 12 tokens from the prefix cache, past cat: the rest is computed, one sampled
+    assert again.num_cached_tokens == 12 and again.output_token_ids
+    assert scheduler.images.waiting_for("cat") == []
+    assert scheduler.images.overdue(now_s=1000.0, max_wait_s=600.0) == []
+    assert scheduler.images.can_recompute(again)  # still pending: preempted, it would wait again
+
+
+def test_overdue_names_the_requests_still_waiting_past_the_deadline():
+    images = ImageLedger()
+    old, new, here = image_request(["cat"]), image_request(["cat", "dog"]), image_request(["owl"])
+    old.arrival_time, new.arrival_time, here.arrival_time = 100.0, 150.0, 0.0
+    images.add(old, pending=["cat"])
+    images.add(new, pending=["cat", "dog"])
+    images.add(here, {"owl": ENTRY})  # all its images here: never overdue
+    assert images.overdue(now_s=160.0, max_wait_s=60.0) == []
+    assert images.overdue(now_s=161.0, max_wait_s=60.0) == [old.request_id]
+    assert images.overdue(now_s=10_000.0, max_wait_s=60.0) == [old.request_id, new.request_id]
+    images.arrived("cat", ENTRY)
+    assert images.overdue(now_s=10_000.0, max_wait_s=60.0) == [new.request_id]  # still waits for dog
+    images.arrived("dog", ENTRY)
+    assert images.overdue(now_s=10_000.0, max_wait_s=60.0) == []
