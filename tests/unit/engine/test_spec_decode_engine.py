@@ -46,7 +46,7 @@ def _both(plain, spec, params, prompts=PROMPTS):
 
 
 def test_greedy_tokens_are_the_same_and_drafts_are_accepted(plain, spec):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     without, with_spec, accepted = _both(plain, spec, params)
     assert [[c.token_ids for c in o] for o in with_spec] == [[c.token_ids for c in o] for o in without]
     assert accepted > 0
@@ -72,17 +72,17 @@ def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, pl
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
-def test_max_tokens(plain, spec, max_tokens):
-    without, with_spec, _ = _both(plain, spec, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+def test_max_tokens(plain, spec):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 13, 7)]
+    without, with_spec, _ = _both(plain, spec, params)
     assert [o[0].token_ids for o in with_spec] == [o[0].token_ids for o in without]
-    assert all(len(o[0].token_ids) == max_tokens for o in with_spec)
+    assert [len(o[0].token_ids) for o in with_spec] == [1, 2, 5, 13, 7]
 
 
 def test_stop_strings_end_where_they_end_without_speculation(plain, spec):
-    reference = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    reference = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stops = [o.outputs[0].text[len(o.outputs[0].text) // 2:][:3] for o in reference]  # text from the middle
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[s]) for s in stops]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[s]) for s in stops]
     without, with_spec, _ = _both(plain, spec, params)
     got = [(c.text, c.token_ids, c.finish_reason) for [c] in with_spec]
     assert got == [(c.text, c.token_ids, c.finish_reason) for [c] in without]
@@ -110,12 +110,12 @@ def test_n_greater_than_one(plain, spec):
 
 def test_penalties_min_tokens_and_bad_words_see_each_draft_prefix(plain, spec):
     """Each verified position is scored with the output it would follow, drafts included."""
-    params = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.8, frequency_penalty=0.5,
+    params = [SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.8, frequency_penalty=0.5,
                              ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=30, min_tokens=25),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, bad_words=["the"]),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={13: 3.0, 302: -2.0})]
+              SamplingParams(temperature=0, max_tokens=24, min_tokens=20),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=["the"]),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={13: 3.0, 302: -2.0})]
     without, with_spec, _ = _both(plain, spec, params)
     assert [o[0].token_ids for o in with_spec] == [o[0].token_ids for o in without]
 
@@ -134,8 +134,8 @@ def test_structured_output_is_not_advanced_by_a_rejected_draft(plain, spec):
 
 
 def test_sampled_requests_are_not_speculated_on(plain, spec):
-    params = SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
     drafts_before = spec.stats()["spec_decode_num_drafts"]
-    without, with_spec, _ = _both(plain, spec, params)
+    without, with_spec, _ = _both(plain, spec, params, PROMPTS[:2])
     assert [o[0].token_ids for o in with_spec] == [o[0].token_ids for o in without]
     assert spec.stats()["spec_decode_num_drafts"] == drafts_before
