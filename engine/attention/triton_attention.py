@@ -1,9 +1,9 @@
 """Triton attention backend: the GPU serving path.
 
 `store_kv` scatters new K/V into the paged cache; `attention` runs the
-split-K decode kernel when every sequence has one query token, and the paged
-prefill kernel (which handles any mix of prefill chunks and decodes)
-otherwise. Kernels live in triton_store.py / triton_prefill.py /
+split-K decode kernel when every sequence has at most MAX_QUERY_LEN query
+tokens (decodes, and decodes verifying a draft), and the paged prefill kernel
+(which handles any mix of prefill chunks and decodes) otherwise. Kernels live in triton_store.py / triton_prefill.py /
 triton_decode.py; the torch backend is their reference.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from epd.engine.attention.metadata import AttentionMetadata
-from epd.engine.attention.triton_decode import paged_decode_attention
+from epd.engine.attention.triton_decode import MAX_QUERY_LEN, paged_decode_attention
 from epd.engine.attention.triton_prefill import paged_prefill_attention
 from epd.engine.attention.triton_store import store_kv
 
@@ -24,6 +24,6 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
     """
-    if meta.is_decode_only:
+    if meta.max_seqlen_q <= MAX_QUERY_LEN:
         return paged_decode_attention(query, k_cache, v_cache, meta, scale)
     return paged_prefill_attention(query, k_cache, v_cache, meta, scale)
