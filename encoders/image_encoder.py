@@ -19,6 +19,7 @@ from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, I
 from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_entry import MMEntry
+from epd.transport.cpu_linear import pack_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
 BatchTimer = Callable[[int, float, float], None]
@@ -39,6 +40,8 @@ class ImageEncoder:
         processor_kwargs = processor_kwargs or {}
         self.preprocess = ImagePreprocessor(model_dir, processor_kwargs) if has_processor else None
         self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
+        if self.tower is not None:
+            pack_linears(self.tower)  # CPU float32: oneDNN with packed weights (transport/cpu_linear.py)
         self.device = device
         self.dtype = dtype
         self.model_fingerprint = model_fingerprint

@@ -39,7 +39,7 @@ def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: 
     """Chained hash of one full block.
 
     Covers the parent block's hash (so equal blocks match only after equal
-    prefixes), the block's token ids, and for every image span overlapping
+    prefixes, and with the same adapter: `root_block_hash`), the block's token ids, and for every image span overlapping
     the block its `mm_hash` plus the overlap range relative to the span: all
     images share one placeholder token id, so token ids alone would let the
     same text with a different image match.
@@ -51,6 +51,15 @@ def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: 
     # msgpack of ints/strings is byte-stable across processes (Python's hash() is not).
     payload = msgpack.packb([list(token_ids), mm_keys])
     return hashlib.sha256(parent_block_hash + payload).digest()
+
+
+def root_block_hash(lora_key: tuple[str, str] | None) -> bytes:
+    """The parent hash of a prompt's first block: the fixed root for the base
+    model, one derived from the adapter's name and path otherwise, so no block
+    computed with one adapter (or none) ever matches a request with another."""
+    if lora_key is None:
+        return _ROOT_BLOCK_HASH
+    return hashlib.sha256(b"lora" + msgpack.packb(list(lora_key))).digest()
 
 
 class BlockManager:
@@ -136,7 +145,7 @@ class BlockManager:
             token_ids = request.all_token_ids
             for i in range(len(block_hashes), num_full_blocks):
                 start = i * self.block_size
-                parent = block_hashes[-1] if block_hashes else _ROOT_BLOCK_HASH
+                parent = block_hashes[-1] if block_hashes else root_block_hash(request.lora_key)
                 block_hashes.append(hash_block(parent, token_ids[start:start + self.block_size],
                                                start, request.mm_spans))
         return block_hashes[:num_full_blocks]

@@ -4,9 +4,10 @@
       scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len,
                                     prefill priority
       speculative_config: SpeculativeConfig | None   speculative decoding (engine/spec_config.py)
+      lora: LoRAConfig              enable_lora, max_loras, max_lora_rank, max_cpu_loras
 
-`EngineConfig.from_flat(**settings)` takes the flat vLLM names of both
-(`max_num_seqs=8, device="cpu"`), as `LLM(...)` and the CLI flags do.
+`EngineConfig.from_flat(**settings)` takes the flat vLLM names of all three
+(`max_num_seqs=8, device="cpu", enable_lora=True`), as `LLM(...)` and the CLI flags do.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd.engine.lora.config import LoRAConfig
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.spec_config import SpeculativeConfig
 
@@ -34,6 +36,7 @@ class EngineConfig:
     """
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     num_kv_blocks: int | None = None
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
@@ -67,20 +70,21 @@ class EngineConfig:
     def from_flat(cls, **settings: Any) -> EngineConfig:
         """From the flat names of this class's and `SchedulerConfig`'s fields;
         TypeError naming any other."""
-        own, sched = _field_names(cls) - {"scheduler"}, _field_names(SchedulerConfig)
-        unknown = set(settings) - own - sched
+        own, sched, lora = _field_names(cls) - _NESTED, _field_names(SchedulerConfig), _field_names(LoRAConfig)
+        unknown = set(settings) - own - sched - lora
         if unknown:
             raise TypeError(f"unknown engine setting(s) {', '.join(sorted(unknown))}; "
-                            f"expected some of {', '.join(sorted(own | sched))}")
+                            f"expected some of {', '.join(sorted(own | sched | lora))}")
         return cls(scheduler=SchedulerConfig(**{k: v for k, v in settings.items() if k in sched}),
+                   lora=LoRAConfig(**{k: v for k, v in settings.items() if k in lora}),
                    **{k: v for k, v in settings.items() if k in own})
 
     @classmethod
     def flat_defaults(cls) -> dict[str, Any]:
         """Every flat setting `from_flat` takes, with its default."""
         config = cls()
-        return {**dataclasses.asdict(config.scheduler),
-                **{name: getattr(config, name) for name in _field_names(cls) - {"scheduler"}}}
+        return {**dataclasses.asdict(config.scheduler), **dataclasses.asdict(config.lora),
+                **{name: getattr(config, name) for name in _field_names(cls) - _NESTED}}
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -102,6 +106,9 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if device.startswith("cuda") else "torch"
+
+
+_NESTED = {"scheduler", "lora"}
 
 
 def _field_names(cls) -> set[str]:

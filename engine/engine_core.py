@@ -13,7 +13,7 @@ may be prefilled, the runner reads the embeddings from it.
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
 `add_prefilled`, `export_kv`, `release`, `abort`, `step`, `get_embedding`,
-the counts), never its scheduler or runner.
+`load_lora`, the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
@@ -28,12 +28,15 @@ from epd.engine.config import EngineConfig
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
+from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
 from epd.engine.sampler import is_greedy_params
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
+from epd.transport.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
@@ -52,7 +55,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
-    dtype = model.lm_head.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
     cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
@@ -100,6 +103,11 @@ class EngineCore:
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
+        self.lora = LoRAManager(model, config.lora) if config.lora.enable_lora else None
+        # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
+        # reads the base projections' weights, and reaches the base projections inside the wrappers
+        pack_linears(model)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
@@ -107,10 +115,11 @@ class EngineCore:
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.images = ImageLedger()  # the images of the requests in the engine
-        self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images)
+        self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
+                                   max_loras=config.lora.max_loras if self.lora else 0)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device)
+                                  self.device, lora=self.lora)
         self.num_blocks = num_blocks
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
@@ -148,12 +157,25 @@ class EngineCore:
             request.max_model_len = self.max_model_len
         if request.request_id in self._preparing:
             raise ValueError(f"request {request.request_id} is already queued")
+        self._check_lora(request)
         if GrammarCompilerPool.needs(request.sampling_params):
             self.scheduler.check(request)  # refuse what the scheduler would refuse, now
             self._preparing[request.request_id] = (request, self.grammars.prepare(request.sampling_params))
         else:
             self.scheduler.add_request(request)
         self.images.add(request, mm_embeddings, pending_mm_hashes)
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks an adapter into host memory. ValueError unless it can run
+        here: LoRA enabled, and the adapter reads and fits the model (its message names
+        the field: r above --max-lora-rank, a target the model lacks, another base's shapes)."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled (--enable-lora)")
+        self.lora.load(lora)
+
+    def _check_lora(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.load_lora(request.lora_request)
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
@@ -185,6 +207,7 @@ class EngineCore:
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        self._check_lora(request)
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
         prepared = None

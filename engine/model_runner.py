@@ -14,6 +14,7 @@ engine's `ImageLedger`, which holds them while a request uses them.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.image_ledger import ImageLedger
+from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
@@ -57,8 +59,10 @@ class _RequestState:
 class ModelRunner:
     def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
                  spatial_merge_size: int, image_token_id: int, images: ImageLedger,
-                 attention_backend: str = "torch", device: str | torch.device = "cpu"):
+                 attention_backend: str = "torch", device: str | torch.device = "cpu",
+                 lora: LoRAManager | None = None):
         self.model = model
+        self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
         self.images = images  # the engine's: embeddings of the images its requests use
         self.block_size = block_size
         self.spatial_merge_size = spatial_merge_size
@@ -67,7 +71,7 @@ class ModelRunner:
         self.backend = get_backend(attention_backend)
         self.sampler = Sampler()
         cfg = model.cfg
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation.
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
@@ -181,7 +185,8 @@ class ModelRunner:
                 batch.mm_deepstack = torch.stack([torch.cat([e.deepstack[i][a:b] for e, a, b in mm_rows])
                                                   for i in range(num_deepstack)]).to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
+        with self._adapters(out.scheduled, len(token_ids)):
+            hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
         self._score_prompt(out.scheduled, offsets, hidden)
         if not sample_rows:
             return RunnerOutput()
@@ -193,6 +198,19 @@ class ModelRunner:
                 result.prompt_logprobs[req.request_id] = state.prompt_logprobs
                 state.prompt_logprobs = None
         return result
+
+    def _adapters(self, scheduled, num_tokens: int):
+        """The step's adapters in their slots and each token's slot, around the forward pass."""
+        loras = [s.request.lora_request for s in scheduled if s.request.lora_request is not None]
+        if not loras:
+            return contextlib.nullcontext()
+        slots = self.lora.activate(loras)
+        token_slots: list[int] = []
+        for s in scheduled:
+            key = s.request.lora_key
+            token_slots += [-1 if key is None else slots[key]] * s.num_new_tokens
+        assert len(token_slots) == num_tokens
+        return self.lora.applied(self.lora.rows(token_slots, self.device))
 
     def _score_prompt(self, scheduled, offsets: list[int], hidden: torch.Tensor) -> None:
         """vLLM's prompt logprobs: the logits at prompt position p score prompt token

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from epd.transport.lora_request import LoRARequest
 from epd.transport.mm_span import MMSpan  # the one span type, shared with the wire
 from epd.transport.sampling import SamplingParams
 
@@ -37,6 +38,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -67,6 +69,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def lora_key(self) -> tuple[str, str] | None:
+        """Its adapter's identity (name, path), None for the base model."""
+        return None if self.lora_request is None else self.lora_request.key
 
     @property
     def mm_hashes(self) -> list[str]:

@@ -294,12 +294,13 @@ def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits.index_put_((batch.bias_rows[keep], batch.bias_ids[keep]), batch.bias_values[keep], accumulate=True)
 
 
-def _exponential(batch: SamplingBatch, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def exponential_noise(generators: Sequence[torch.Generator | None], shape: torch.Size,
+                      device: torch.device) -> torch.Tensor:
     """[num_seqs, vocab] Exp(1) noise; seeded rows draw from their own generator."""
     q = torch.empty(shape, dtype=torch.float32, device=device)
-    if not all(batch.generators):
+    if not all(generators):
         q.exponential_()  # default generator; seeded rows are overwritten below
-    for i, generator in enumerate(batch.generators):
+    for i, generator in enumerate(generators):
         if generator is not None:
             q[i].exponential_(generator=generator)
     return q.clamp_min_(torch.finfo(torch.float32).tiny)  # no division by zero
@@ -326,6 +327,19 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         pairs = list(zip(top_ids_l[j][:k], top_lp_l[j][:k])) if k else []
         out[i] = TokenLogprobs(token_id=chosen_l[j], logprob=lp_l[j], rank=rank_l[j], top=pairs)
     return out
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[num_rows, vocab] the distribution random rows sample from: temperature,
+    min-p, top-k, top-p and softmax over `Sampler.process`'s logits (divided in
+    place). Greedy rows get a distribution at temperature 1 that nobody should
+    read. Shared with the speculative verifier (engine/spec_sampling.py)."""
+    logits.div_(batch.temperature.unsqueeze(1))
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits.softmax(dim=-1)
 
 
 class Sampler:
@@ -371,11 +385,6 @@ class Sampler:
     @staticmethod
     def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[num_seqs] sampled ids; greedy rows get a value that the caller discards."""
-        logits.div_(batch.temperature.unsqueeze(1))
-        if batch.min_p is not None:
-            logits = apply_min_p(logits, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        q = _exponential(batch, probs.shape, probs.device)
+        probs = sampling_probs(logits, batch)
+        q = exponential_noise(batch.generators, probs.shape, probs.device)
         return (probs / q).argmax(dim=-1)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
 from epd.engine.image_ledger import ImageLedger
+from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -74,12 +75,12 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
-                 images: ImageLedger | None = None) -> None:
-        """`images`: the engine's image ledger, asked how far a request may be
-        prefilled and whether it can be recomputed (None: a ledger of its own)."""
+                 images: ImageLedger | None = None, max_loras: int = 0) -> None:
+        """`images`: the engine's image ledger (None: a ledger of its own);
+        `max_loras`: distinct adapters among the running requests at most (0: no limit)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config = config
+        self.config, self.max_loras = config, max_loras
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -145,7 +146,8 @@ class Scheduler:
             raise ValueError(f"prefilled request {request.request_id} has no sampled token")
         if request.block_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds KV state")
-        if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled):
+        if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled) \
+                or not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
             return None
         if not self.block_manager.allocate(request, request.num_prompt_tokens):
             return None
@@ -231,10 +233,9 @@ class Scheduler:
             # (a request preempted for an earlier one in this loop is not RUNNING)
             if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, step):
                 step.take(self._scheduled(request, 1))
-        may_admit = self.waiting and len(self.running) < self.config.max_num_seqs
         step.token_budget -= add_drafts(step.scheduled, step.token_budget, self.max_model_len, self.block_manager,
                                         lambda budget: self._blocks_to_go_on(prefills, budget),
-                                        self.waiting[0].num_tokens if may_admit else 0)
+                                        self.waiting[0].num_tokens if self.waiting else 0)
 
         # A decode worker's prompts (local prefills, recomputed preemptions) take at
         # most max_local_prefill_tokens a step: the running decodes wait one bounded chunk.
@@ -275,7 +276,9 @@ class Scheduler:
         prefix-cache hit up to its `prefill_bound`) if its blocks are free
         beside those the running prefills in `later` need next. One whose
         first image is pending, or that may not wait for images now, stays
-        and the next may start; one that does not fit stops admission."""
+        and the next may start (one past `max_loras` adapters too); one that does not fit stops admission."""
+        if not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
+            return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)
         num_new_tokens = min(bound - num_cached_tokens, step.token_budget)
@@ -384,17 +387,14 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput,
                sampled_token_ids: Mapping[str, int | Sequence[int]]) -> list[RequestUpdate]:
-        """Apply a finished model step.
-
-        For every scheduled request: `num_computed_tokens += num_new_tokens` (less
-        rejected draft tokens, whose blocks go back) and newly full blocks enter the
-        prefix cache. For every chunk with `is_last_chunk`, `sampled_token_ids[request_id]`
-        (a token, or a verified draft's accepted prefix and the target's token) is
-        appended, the stop rules running after each (`Request.append_tokens`; other
-        entries are ignored). Finished requests free their blocks. In the prefill role an unfinished
-        request that sampled becomes prefilled (keeps its blocks). Requests
-        aborted between `schedule` and `update` are skipped.
-        Returns one RequestUpdate per request that sampled, in batch order.
+        """Apply a finished model step: per scheduled request `num_computed_tokens +=
+        num_new_tokens` (less rejected draft tokens, whose blocks go back) and newly full
+        blocks enter the prefix cache; a last chunk's `sampled_token_ids[request_id]` (a
+        token, or a draft's accepted prefix and the target's token) is appended, the stop
+        rules after each (`Request.append_tokens`; other entries are ignored). Finished
+        requests free their blocks; in the prefill role an unfinished request that sampled
+        becomes prefilled (keeps its blocks). Requests aborted between `schedule` and
+        `update` are skipped. Returns one RequestUpdate per request that sampled, in order.
         """
         updates: list[RequestUpdate] = []
         for scheduled in output.scheduled:

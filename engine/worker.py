@@ -145,7 +145,8 @@ class EngineWorker(WorkerIO):
     def _on_prefill_request(self, msg: PrefillRequest) -> None:
         state = self._track(msg.request_id, msg.api_index)  # first: a failure below is answered there too
         request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                          mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
+                          mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids),
+                          lora_request=msg.lora)
         state.decode_target = msg.decode_worker or None
         self._settle(self.arrivals.add(request, time.monotonic()))
 
@@ -290,7 +291,8 @@ class EngineWorker(WorkerIO):
         for state in [s for s in self.requests.values() if s.transfer is not None]:
             msg = state.transfer
             request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                              mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids))
+                              mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids),
+                              lora_request=msg.lora)
             request.output_token_ids.append(msg.first_token_id)
             try:
                 admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks)
@@ -317,7 +319,7 @@ class EngineWorker(WorkerIO):
         self.outbox.send(target, KVTransfer(
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0))
+            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0, lora=request.lora_request))
 
     def _on_kv_ack(self, msg: KVAck) -> None:
         """Prefill role: the decode worker has the KV; the request leaves this worker."""

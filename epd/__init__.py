@@ -6,7 +6,7 @@ the OpenAI-compatible server. Heavy imports (torch) happen on first use.
 from __future__ import annotations
 
 from epd.version import __version__
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from epd.transport.sampling import SamplingParams
 
         return SamplingParams
+    if name == "LoRARequest":
+        from epd.transport.lora_request import LoRARequest
+
+        return LoRARequest
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from epd import llm
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epd.engine.config import EngineConfig
+from epd.lora_modules import LoRAModule
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.serve.autoscale import EncoderScaling
@@ -121,6 +122,7 @@ class ServeConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
+    lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: the adapters served by name (with --enable-lora)
     media: MediaConfig = field(default_factory=MediaConfig)
     files: ModelFilesConfig = field(default_factory=ModelFilesConfig)  # what is read from the checkpoint
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -174,6 +176,8 @@ class ServeConfig:
         if self.ray is not None and self.worker_keys:
             _check_keys(self.worker_keys, API, "--cluster ray")
         _check_checkpoint(self.model)
+        if self.lora_modules and not self.engine.lora.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
 
     @property
     def model_name(self) -> str:

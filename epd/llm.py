@@ -18,6 +18,7 @@ from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
 from epd.engine.structured_output import check_constraint
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
@@ -96,17 +97,20 @@ class LLM:
 
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
         conversation may be passed directly. `tools` (OpenAI function tools) are
         rendered by the chat template, and `chat_template_kwargs` are more variables
         for it (as vLLM's LLM.chat takes them); constrain the output with
-        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`."""
+        `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`;
+        `lora_request` as `generate`'s."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
+        loras = _per_prompt(lora_request, len(conversations))
         requests = []
-        for messages, p in zip(conversations, params):
+        for messages, p, lora in zip(conversations, params, loras):
             parts = image_parts(messages)
             if parts and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
@@ -115,19 +119,22 @@ class LLM:
                     for b in image_bytes]
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
                                         template_kwargs=chat_template_kwargs)
-            requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)), p))
+            requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)),
+                             p, lora))
         return self._run(requests)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """Plain text prompts (no chat template) or lists of token ids."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Plain text prompts (no chat template) or lists of token ids. `lora_request`
+        (vLLM's): one adapter for every prompt, or one per prompt (None: the base model);
+        needs `enable_lora=True`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-            requests.append((ids, [], {}, p))
+            requests.append((ids, [], {}, p, lora))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -150,17 +157,19 @@ class LLM:
         return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
-        for _, _, _, params in requests:  # a schema xgrammar refuses: ValueError before any work
+        for _, _, _, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
+        for lora in dict.fromkeys(r[4] for r in requests if r[4] is not None):  # a bad adapter: before any work
+            self.engine.load_lora(lora)
         images: dict[str, bytes] = {}
-        for _, _, mm, _ in requests:
+        for _, _, mm, _, _ in requests:
             images.update(mm)
         embeddings = self._encode_images(images)
 
         outputs: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
-        for token_ids, spans, mm, params in requests:
+        for token_ids, spans, mm, params, lora in requests:
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
             outputs.append(out)
@@ -169,7 +178,7 @@ class LLM:
                 if params.n > 1 and params.seed is not None:  # distinct but reproducible samples
                     sub_params = SamplingParams(**{**params.__dict__, "seed": params.seed + index, "n": 1})
                 request = Request(request_id=f"{rid}-{index}", prompt_token_ids=list(token_ids),
-                                  sampling_params=sub_params, mm_spans=list(spans))
+                                  sampling_params=sub_params, mm_spans=list(spans), lora_request=lora)
                 self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
                 pending[request.request_id] = _Pending(
                     request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
@@ -207,3 +216,12 @@ class LLM:
                                                     p.finish_reason,
                                                     None if p.logprobs is None else p.logprobs[:num_tokens]))
         return outputs
+
+
+def _per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
+    """vLLM's forms: None, one LoRARequest for all, or a list with one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(f"{len(lora_request)} lora requests for {n} prompts")
+    return list(lora_request)

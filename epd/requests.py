@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -63,6 +64,7 @@ class GenerateRequest:
     add_special_tokens: bool = False  # a completion's text prompt: the tokenizer's BOS / EOS added
     continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
     chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
+    lora: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
 
 
 @dataclass

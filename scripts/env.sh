@@ -13,7 +13,7 @@ fi
 # shellcheck disable=SC1091
 source "$ROOT/.venv/bin/activate"
 STAMP="$ROOT/.venv/.epd-installed-${EXTRAS:-base}"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scripts/env.sh" -nt "$STAMP" ]; then
     if ! python -c "import torch" 2>/dev/null; then
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             pip install -q torch
@@ -31,6 +31,11 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
         # (tests/testkit/video_reference.py). Its version follows torch's (2.N -> 0.N+15).
         TV="$(python -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.*')")"
         pip install -q --no-deps --upgrade --target "$ROOT/.venv/reference-torchvision" "torchvision==$TV"
+        # Speculators' config classes: the reference the EAGLE-3 head tests check our config.json
+        # against (tests/testkit/speculators_reference.py). It pins transformers <= 5.19 and pulls
+        # torchvision, torchaudio and datasets, so it too goes to its own folder, without its
+        # dependencies: nothing in the venv changes and no torch is downloaded.
+        pip install -q --no-deps --upgrade --target "$ROOT/.venv/reference-speculators" "speculators==0.9.0"
     fi
     python -c "import epd, torch; print('epd env ready: torch', torch.__version__)"
     touch "$STAMP"

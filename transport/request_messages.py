@@ -10,6 +10,7 @@ from typing import ClassVar
 import torch
 
 from epd.transport.codec import Fields, WireError
+from epd.transport.lora_request import LoRARequest
 from epd.transport.message import Message, need, read_address, read_api_index
 from epd.transport.mm_span import MMSpan
 from epd.transport.sampling import SamplingParams, TokenLogprobs
@@ -28,6 +29,19 @@ def _spans(f: Fields, name: str, num_prompt_tokens: int) -> list[MMSpan]:
         need(s.offset >= 0 and s.length >= 1 and s.offset + s.length <= num_prompt_tokens, f.tag,
              f"{name}: span [{s.offset}, +{s.length}) outside the prompt of {num_prompt_tokens} tokens")
     return spans
+
+
+def _lora_to_wire(lora: LoRARequest | None) -> list | None:
+    return None if lora is None else lora.to_list()
+
+
+def _lora(f: Fields, name: str) -> LoRARequest | None:
+    """The request's adapter: None or [name, id, path] with a positive id and a path."""
+    value = f.opt_list(name)
+    try:
+        return None if value is None else LoRARequest.from_list(value)
+    except ValueError as e:
+        raise WireError(f"{f.tag}.{name}: {e}") from None
 
 
 @dataclass
@@ -112,19 +126,21 @@ class PrefillRequest(Message):
     eos_token_ids: list[int]
     decode_worker: str | None  # None: this worker decodes too (e-pd / aggregated)
     api_index: int = 0  # which API process's collector (WorkerSpec.apis) takes its TokenOutputs
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def _fields(self):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "mm_spans": [s.to_list() for s in self.mm_spans], "sampling": sampling_to_map(self.sampling),
                 "eos_token_ids": list(self.eos_token_ids), "decode_worker": self.decode_worker,
-                "api_index": self.api_index}
+                "api_index": self.api_index, "lora": _lora_to_wire(self.lora)}
 
     @classmethod
     def _build(cls, f, payload):
         prompt = f.token_ids("prompt_token_ids")
         return cls(f.str("request_id"), prompt, _spans(f, "mm_spans", len(prompt)),
                    sampling_from_map(f.map("sampling")), f.token_ids("eos_token_ids"),
-                   read_address(f, "decode_worker", optional=True), read_api_index(f))
+                   read_address(f, "decode_worker", optional=True), read_api_index(f),
+                   _lora(f, "lora"))
 
 
 @dataclass
@@ -148,6 +164,7 @@ class KVTransfer(Message):
     v_blocks: torch.Tensor
     reply_to: str = ""  # address of the prefill worker, for the KVAck
     api_index: int = 0  # the PrefillRequest's: where the decode worker sends the TokenOutputs
+    lora: LoRARequest | None = None  # the PrefillRequest's adapter: decode goes on with it
 
     @property
     def num_layers(self) -> int:
@@ -162,7 +179,7 @@ class KVTransfer(Message):
                 "first_token_id": self.first_token_id, "sampling": sampling_to_map(self.sampling),
                 "eos_token_ids": list(self.eos_token_ids),
                 "mm_spans": [s.to_list() for s in self.mm_spans], "reply_to": self.reply_to,
-                "api_index": self.api_index}
+                "api_index": self.api_index, "lora": _lora_to_wire(self.lora)}
 
     def _payload(self):
         return [self.k_blocks, self.v_blocks]
@@ -180,7 +197,8 @@ class KVTransfer(Message):
         need(first_token_id >= 0, cls.TYPE, "first_token_id must be a token id >= 0")
         return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
                    f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v,
-                   read_address(f, "reply_to", optional=True) or "", read_api_index(f))
+                   read_address(f, "reply_to", optional=True) or "", read_api_index(f),
+                   _lora(f, "lora"))
 
 
 @dataclass

@@ -39,7 +39,7 @@ from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
-                              check_max_logprobs, check_model, check_token_ids, fan_out)
+                              check_max_logprobs, check_max_tokens, check_token_ids, fan_out)
 from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
@@ -122,31 +122,42 @@ class GenerateRoute:
 
     def _prepare(self, body, scope) -> tuple[list[GenerateRequest], ResponseFormat]:
         """The requests (one per prompt) and the format of their answer."""
-        model = self.settings.served_model_name
-        check_model(body.model, model)
+        lora = self.settings.adapter(body.model)  # unknown: 404
+        model = body.model if lora else self.settings.served_model_name
         decode = token_id_text if body.return_tokens_as_token_ids else self.orchestrator.decode_token
+        max_model_len = self.orchestrator.max_model_len
         if type(body) is ChatCompletionRequest:
+            if body.max_completion_tokens is not None:
+                check_max_tokens(body.max_completion_tokens, "max_completion_tokens", max_model_len)
+            else:
+                check_max_tokens(body.max_tokens, "max_tokens", max_model_len)
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                defaults=self.settings.sampling_defaults)
+            request.lora = lora
             self._checked(request, "top_logprobs")
             extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
             return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
                                          extras, tool_choice=request.tool_choice)
         request_id = internal_request_id(scope, "cmpl")
+        check_max_tokens(body.max_tokens, "max_tokens", max_model_len)
         requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)
         for request in requests:
+            request.lora = lora
             self._checked(request, "logprobs")
         # vLLM echoes the prompt's text (token ids decoded), and nothing when token ids are returned
         echo = tuple(r.prompt if isinstance(r.prompt, str) else self.orchestrator.detokenize(r.prompt)
                      for r in requests) if body.echo and not body.return_token_ids else ()
         return (requests, CompletionFormat(request_id, model, int(time.time()), decode, body.logprobs is not None,
-                                           self._extras(body, requests[0], echo)))
+                                           self._extras(body, requests[0], echo, echo_only=body.echo_only,
+                                                        echo_logprobs=bool(body.echo))))
 
     @staticmethod
-    def _extras(body, request: GenerateRequest, echo: tuple[str, ...], role: str = "assistant") -> Extras:
+    def _extras(body, request: GenerateRequest, echo: tuple[str, ...], role: str = "assistant",
+                echo_only: bool = False, echo_logprobs: bool = False) -> Extras:
         return Extras(n=request.sampling.n, return_token_ids=bool(body.return_token_ids),
-                      continuous_usage=body.continuous_usage, echo=echo if any(echo) else (), role=role)
+                      continuous_usage=body.continuous_usage, echo=echo if any(echo) else (), role=role,
+                      echo_only=echo_only, echo_logprobs=echo_logprobs)
 
 
     def _checked(self, request: GenerateRequest, logprobs_param: str) -> None:
@@ -263,14 +274,18 @@ async def _collect(orchestrator: OrchestratorLike, requests: list[GenerateReques
 
 async def _sse_events(streams: MergedStreams, fmt: ResponseFormat, tracker: RequestTracker,
                       include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body, one chunk per Delta (the role chunks go with the first, the last
+    """The SSE body, one chunk per Delta (a choice's opening chunks, the chat role, go with
+    its first: they carry what only that Delta knows, the prompt's ids and length; the last
     Delta's event with the usage and [DONE]: the last chunk is the one ending with [DONE])."""
     outputs = [SequenceOutput(i) for i in range(streams.num_sequences)]
-    opening = b"".join(sse(chunk) for output in outputs for chunk in fmt.opening_chunks(output.index))
-    events: list[bytes] = [opening] if opening else []
+    events: list[bytes] = []
+    opened: set[int] = set()
     num_finished = 0
     try:
         async for index, delta in streams:
+            if index not in opened:
+                opened.add(index)
+                events += [sse(chunk) for chunk in fmt.opening_chunks(index, delta)]
             outputs[index].add(delta)
             tracker.on_delta(index, delta)
             num_finished += delta.finish_reason is not None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (re-exported)
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
@@ -43,7 +43,8 @@ def check_token_ids(request: GenerateRequest, vocab_size: int) -> None:
                       ("prompt", request.prompt if isinstance(request.prompt, list) else ())):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=name)
+            raise RequestError(f"{name}: token id {bad} is out of vocabulary (vocabulary size: {vocab_size})",
+                               param=name)
 
 
 def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str, k: int | None = None) -> None:
@@ -53,6 +54,14 @@ def check_max_logprobs(request: GenerateRequest, max_logprobs: int, param: str, 
     if k is not None and 0 <= max_logprobs < k:
         raise RequestError(f"{param}: {k} logprobs asked, more than this server's --max-logprobs {max_logprobs}",
                            param=param)
+
+
+def check_max_tokens(asked: int | None, param: str, max_model_len: int) -> None:
+    """vLLM's rule: asking more tokens than the model's whole context is a 400 naming the
+    field; a smaller ask that does not fit beside the prompt is cut to the room (serve/preparer.py)."""
+    if asked is not None and asked > max_model_len:
+        raise RequestError(f"{param}={asked} cannot be greater than max_model_len={max_model_len}. "
+                           "Please request fewer output tokens.", param=param)
 
 
 def fan_out(request: GenerateRequest) -> list[GenerateRequest]:
@@ -106,10 +115,15 @@ def request_error_from_validation(errors: Sequence[dict]) -> RequestError:
     if param is not None and err.get("type") == "missing":
         return RequestError(f"{param}: field required", param=param)
     # a union reports one error per member: say what each member wanted
-    messages = list(dict.fromkeys(e.get("msg", "invalid value") for e in errors
-                                  if (format_loc(e.get("loc", ())) or None) == param))
+    messages = list(dict.fromkeys(_error_text(e) for e in errors if (format_loc(e.get("loc", ())) or None) == param))
     message = " or ".join(messages)
     return RequestError(f"{param}: {message}" if param else message, param=param)
+
+
+def _error_text(error: dict) -> str:
+    """pydantic's message and, as vLLM's errors show it, its type: "... [type=less_than_equal]"."""
+    kind = error.get("type")
+    return f"{error.get('msg', 'invalid value')} [type={kind}]" if kind else error.get("msg", "invalid value")
 
 
 def validate_body(model: type[BaseModel], body: Any):
@@ -197,7 +211,7 @@ class _GenerationRequest(BaseModel):
 
     def _check_common(self) -> None:
         check_extra_fields(self.model_extra, self._refused)
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise RequestError("stream_options can only be set when stream is true", param="stream_options")
         if self.stream and self.prompt_logprobs:  # vLLM's rule (0 streams, and returns nothing)
             raise RequestError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
@@ -212,12 +226,13 @@ class _GenerationRequest(BaseModel):
         """OpenAI's {"token id": bias}; ids are checked against the vocabulary in `check_token_ids`."""
         if not self.logit_bias:
             return None
+        not_ids = [key for key in self.logit_bias if _as_int(key) is None]
+        if not_ids:  # all of them named, as vLLM does
+            raise RequestError(f"logit_bias: keys must be token ids, got {', '.join(map(repr, not_ids))}",
+                               param="logit_bias")
         out = {}
         for key, bias in self.logit_bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
-                raise RequestError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+            token_id = int(key)
             if not 0 <= token_id <= INT64_MAX or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise RequestError(f"logit_bias: token {key} -> {bias}: ids must be non-negative and "
                                    "biases in [-100, 100]", param="logit_bias")
@@ -331,6 +346,9 @@ class ChatCompletionRequest(_GenerationRequest):
         """Raises RequestError for what the schema alone cannot catch. `defaults`:
         the sampling values of the fields the request leaves out."""
         self._check_common()
+        if self.tools == []:
+            raise RequestError("tools must not be an empty array: give at least one tool or leave the field out",
+                               param="tools")
         try:
             tools = validate_tools(self.tools or [])
             tool_choice = parse_tool_choice(self.tool_choice, tools)
@@ -362,10 +380,20 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     _refused: ClassVar[dict] = REFUSED_COMPLETION
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: WireInt1 | None = 16  # OpenAI's and vLLM's default here
+    max_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] | None = 16  # OpenAI's and vLLM's default here
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = False  # the prompt's text before each answer
     add_special_tokens: bool = True  # vLLM's default for a text prompt (BOS where the tokenizer has one)
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value: Any) -> Any:
+        return 16 if value is None else value  # vLLM: null is the default, not "as many as fit"
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo with max_tokens 0: the prompt alone is the answer (one token is generated, unseen)."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def to_generate_requests(self, request_id: str, *, defaults: SamplingDefaults = NEUTRAL) -> list[GenerateRequest]:
         """One GenerateRequest per prompt of the batch (`request_id`, or `request_id-p<i>` for a batch)."""
@@ -376,7 +404,11 @@ class CompletionRequest(_GenerationRequest):
                                "output", param="response_format")
         # vLLM: echo with logprobs scores the prompt with the same k
         prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
-        sampling = self._sampling_params(self.max_tokens, self.logprobs, constraint_, defaults, prompt_logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be at least 1, got 0 (with echo, 0 answers the prompt alone)",
+                               param="max_tokens")
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        sampling = self._sampling_params(max_tokens, self.logprobs, constraint_, defaults, prompt_logprobs)
         prompts = normalize_prompts(self.prompt)
         return [self._request(request_id if len(prompts) == 1 else f"{request_id}-p{i}", sampling, messages=None,
                               prompt=prompt, add_special_tokens=self.add_special_tokens)
@@ -417,6 +449,13 @@ def constraint(build, param: str) -> StructuredOutputsParams:
     except ValueError as exc:
         raise RequestError(f"{param}: {exc}", param=param) from None
     return so
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 # -- field normalisation -----------------------------------------------------------------------

@@ -38,10 +38,12 @@ class Extras:
     continuous_usage: bool = False  # usage (this choice's) in every streamed chunk
     echo: tuple[str, ...] = ()  # per prompt: the text its answers start with
     role: str = "assistant"  # chat: the answer's role
+    echo_only: bool = False  # completions, echo with max_tokens 0: the prompt alone (vLLM)
+    echo_logprobs: bool = False  # completions, echo: the prompt's logprobs lead the answer's (even with no text)
 
     @property
     def is_plain(self) -> bool:
-        return not (self.return_token_ids or self.continuous_usage or any(self.echo))
+        return not (self.return_token_ids or self.continuous_usage or any(self.echo) or self.echo_only)
 
     def echo_of(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
@@ -165,11 +167,21 @@ class ChatFormat(_Format):
         self.tool_choice = tool_choice if tool_choice is not None and tool_choice.mode != "none" else None
         self._parsers: dict[int, ToolCallParser] = {}  # streamed: one per choice
 
-    def opening_chunks(self, index: int) -> list[dict]:
-        """Sent for every choice before its first content: the role, then what `echo` repeats."""
-        chunks = [self._chunk(index, {"role": self.extras.role, "content": ""}, None, None)]
+    def opening_chunks(self, index: int, first: Delta) -> list[dict]:
+        """Sent for every choice with its first Delta, before its content: the role (with
+        vLLM's `prompt_token_ids` when asked), then what `echo` repeats; continuous usage
+        asked, each carries the prompt's usage (nothing generated yet), as in vLLM."""
+        role = self._chunk(index, {"role": self.extras.role, "content": ""}, None, None)
+        if self.extras.return_token_ids:  # vLLM: on the first chunk
+            self._started.add(index)
+            role["prompt_token_ids"] = first.prompt_token_ids
+        chunks = [role]
         if self.extras.echo_of(index):
             chunks.append(self._chunk(index, {"content": self.extras.echo_of(index)}, None, None))
+        if self.extras.continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": 0,
+                                  "total_tokens": first.num_prompt_tokens}
         return chunks
 
     def delta_chunk(self, index: int, delta: Delta) -> dict | None:
@@ -264,17 +276,20 @@ class CompletionFormat(_Format):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # index -> characters of logprob tokens streamed so far
 
-    def opening_chunks(self, index: int) -> list[dict]:
+    def opening_chunks(self, index: int, first: Delta) -> list[dict]:
         return []
 
     def delta_chunk(self, index: int, delta: Delta) -> dict | None:
-        """The choice's first chunk starts with the echoed prompt and (return_token_ids) names the prompt's ids."""
+        """The choice's first chunk starts with the echoed prompt and (return_token_ids) names the prompt's ids.
+        Echo with max_tokens 0: the generated token is not shown (vLLM)."""
         first = index not in self._started
-        text = self.extras.echo_of(index) + delta.text if first else delta.text
+        generated = "" if self.extras.echo_only else delta.text
+        text = self.extras.echo_of(index) + generated if first else generated
         logprobs = None
         if self.want_logprobs:
-            prompt = delta.prompt_logprobs if first and self.extras.echo else None
-            logprobs = self._logprobs_from(index, delta.logprobs or [], prompt, delta.prompt_token_ids)
+            prompt = delta.prompt_logprobs if first and self.extras.echo_logprobs else None
+            entries = [] if self.extras.echo_only else delta.logprobs or []
+            logprobs = self._logprobs_from(index, entries, prompt, delta.prompt_token_ids)
         if not text and delta.finish_reason is None and not delta.logprobs \
                 and not (self.extras.return_token_ids and delta.token_ids):
             return None
@@ -297,9 +312,11 @@ class CompletionFormat(_Format):
         return {**self._envelope("text_completion", []), "usage": usage(outputs, self.extras.n)}
 
     def response(self, outputs: list[SequenceOutput]) -> dict:
-        prompt_token_ids, echo = self.extras.return_token_ids, bool(self.extras.echo)
-        choices = [{"index": o.index, "text": self.extras.echo_of(o.index) + o.text,
-                    "logprobs": self._logprobs_from(o.index, o.logprobs, o.prompt_logprobs if echo else None,
+        prompt_token_ids, echo = self.extras.return_token_ids, self.extras.echo_logprobs
+        prompt_only = self.extras.echo_only  # echo with max_tokens 0: the prompt alone
+        choices = [{"index": o.index, "text": self.extras.echo_of(o.index) + ("" if prompt_only else o.text),
+                    "logprobs": self._logprobs_from(o.index, [] if prompt_only else o.logprobs,
+                                                    o.prompt_logprobs if echo else None,
                                                     o.prompt_token_ids) if self.want_logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
                     "prompt_logprobs": prompt_logprobs_json(o, self.decode_token),

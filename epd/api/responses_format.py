@@ -80,7 +80,7 @@ class ResponsesFormat:
 
     # -- streamed ------------------------------------------------------------------------------
 
-    def opening_chunks(self, index: int) -> list[dict]:
+    def opening_chunks(self, index: int, first: Delta) -> list[dict]:
         return []  # the opening events go out with the first Delta (`delta_event`)
 
     def delta_event(self, index: int, delta: Delta, output: SequenceOutput | None = None) -> bytes | None:

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from epd.api.generate_route import (GenerateRoute, ServedResponse, internal_request_id, max_json_items,
                                     read_json_object)
-from epd.api.protocol import GenerateRequest, RequestError, check_model, validate_body
+from epd.api.protocol import GenerateRequest, RequestError, validate_body
 from epd.api.responses import SSE_DONE
 from epd.api.responses_format import ResponsesFormat
 from epd.api.responses_request import ResponsesRequest, renamed
@@ -49,12 +49,13 @@ class ResponsesRoute(GenerateRoute):
             raise renamed(exc, body.instructions is not None) from None
 
     def _prepare(self, body: ResponsesRequest, scope) -> tuple[list[GenerateRequest], ResponsesFormat]:
-        model = self.settings.served_model_name
         request_id = internal_request_id(scope, "resp").replace("-", "_", 1)  # OpenAI's "resp_..." ids
-        chat = body.to_chat_request(model)
-        check_model(chat.model, model)
+        chat = body.to_chat_request(self.settings.served_model_name)
+        lora = self.settings.adapter(chat.model)  # unknown: 404
+        model = chat.model if lora else self.settings.served_model_name
         request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                            defaults=self.settings.sampling_defaults)
+        request.lora = lora
         self._checked(request, "top_logprobs")
         return [request], ResponsesFormat(request_id, model, int(time.time()), self.orchestrator.decode_token,
                                           body.want_logprobs, _echo(body, request))

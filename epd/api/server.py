@@ -38,7 +38,7 @@ from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLET
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
 from epd.api.metrics import ApiMetrics
 from epd.api.orchestrator_like import OrchestratorLike
-from epd.api.protocol import ChatCompletionRequest, CompletionRequest, check_model
+from epd.api.protocol import ChatCompletionRequest, CompletionRequest
 from epd.api.responses_route import add_responses_route
 from epd.api.settings import ApiSettings
 from epd.api.tokenizer_routes import add_tokenizer_routes
@@ -107,7 +107,8 @@ def _add_health_routes(app: FastAPI, orchestrator: OrchestratorLike, metrics: Ap
 
 
 def _add_model_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiSettings) -> None:
-    """GET /v1/models, /v1/models/{id} and /version."""
+    """GET /v1/models (the model, then each --lora-modules adapter with its `parent`,
+    as vLLM lists them), /v1/models/{id} and /version."""
     model = settings.served_model_name
     started = int(time.time())
 
@@ -117,17 +118,23 @@ def _add_model_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: Ap
                 # the generation config's defaults in force ({}: vLLM's neutral ones), by vLLM's names
                 "default_sampling_params": settings.sampling_defaults.overridden()}
 
+    def adapter_card(name: str) -> dict:
+        module = next(m for m in settings.lora_modules if m.name == name)
+        return {"id": name, "object": "model", "created": started, "owned_by": "epd",
+                "root": settings.adapter(name).lora_path, "parent": module.base_model_name or model,
+                "max_model_len": None}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(adapter_card(m.name) for m in settings.lora_modules)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
         # a path id ("./ckpt", as `epd serve ./ckpt` lists it) may arrive with its dot segments
         # resolved by the client ("/v1/models/./ckpt" -> "/v1/models/ckpt"): the same model
-        if posixpath.normpath(model_id) != posixpath.normpath(model):
-            check_model(model_id, model)
-        return model_card()
+        if posixpath.normpath(model_id) == posixpath.normpath(model):
+            return model_card()
+        return model_card() if settings.adapter(model_id) is None else adapter_card(model_id)
 
     @app.get("/version")
     async def version() -> dict:

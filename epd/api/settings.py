@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from epd.inputs.sampling_defaults import SamplingDefaults
+from epd.lora_modules import LoRAModule, lora_requests
+from epd.transport.lora_request import LoRARequest
 from epd.version import __version__
 
 
@@ -25,6 +28,23 @@ class ApiSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     version: str = __version__  # what /version answers
+    lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: adapters a request's `model` may name
+
+    @cached_property
+    def _lora_requests(self) -> dict[str, LoRARequest]:
+        return lora_requests(self.lora_modules)
+
+    def adapter(self, requested: str) -> LoRARequest | None:
+        """The adapter a request's `model` names: None for the served model itself,
+        a 404 model_not_found (vLLM's body) for a name served by neither."""
+        if requested == self.served_model_name:
+            return None
+        lora = self._lora_requests.get(requested)
+        if lora is None:
+            from epd.api.protocol import check_model
+
+            check_model(requested, self.served_model_name)  # raises its 404
+        return lora
 
     @property
     def keyed_paths(self) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from epd.api.chat_messages import validate_messages
 from epd.api.generate_route import max_json_items, read_json_object
 from epd.api.orchestrator_like import OrchestratorLike
-from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_continue_final_message, check_model,
+from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_continue_final_message,
                               validate_body)
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
@@ -122,5 +122,5 @@ def _chat_request(chat: TokenizeChatRequest, settings: ApiSettings) -> GenerateR
 
 
 def _check_model(model: str | None, settings: ApiSettings) -> None:
-    if model is not None:  # optional here, as in vLLM
-        check_model(model, settings.served_model_name)
+    if model is not None:  # optional here, as in vLLM; an adapter's name too (the same tokenizer)
+        settings.adapter(model)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 
 from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
+from epd.engine.lora.config import MAX_LORA_RANKS
 from epd.engine.scheduler_config import PREFILL_PRIORITIES
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
-                "speculative_config")
+                "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,6 +73,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding on the decode-side workers, vLLM's JSON: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
                         "(greedy requests only for now; default: none)")
+    _add_lora_args(p, defaults)
+
+
+def _add_lora_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """vLLM's LoRA flags, names and defaults (the adapters themselves: serve's --lora-modules)."""
+    g = p.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true", default=defaults["enable_lora"],
+                   help="serve LoRA adapters (PEFT format) on the language model; a request's model picks one")
+    g.add_argument("--max-loras", type=int, default=defaults["max_loras"],
+                   help="adapters resident in one engine worker at once (and so in one step)")
+    g.add_argument("--max-lora-rank", type=int, default=defaults["max_lora_rank"], choices=list(MAX_LORA_RANKS),
+                   help="the largest adapter rank served (a larger one is refused)")
+    g.add_argument("--max-cpu-loras", type=int, default=defaults["max_cpu_loras"],
+                   help="adapters kept read in host memory (None: --max-loras; at least --max-loras)")
 
 
 def engine_config(args) -> EngineConfig:

@@ -9,11 +9,13 @@ from epd.engine.config import EngineConfig
 
 
 def add_model_parsers(sub) -> None:
+    from epd.tools.make_eagle3 import EAGLE3_PRESETS
     from epd.tools.make_model import PRESETS
 
-    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL)")
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL) "
+                                          "or EAGLE-3 draft head (the *-eagle3 presets)")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS) + list(EAGLE3_PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_model)
 
@@ -33,9 +35,13 @@ def add_model_parsers(sub) -> None:
 
 
 def _make_model(args) -> int:
+    from epd.tools.make_eagle3 import EAGLE3_PRESETS, make_eagle3
     from epd.tools.make_model import make_model
 
-    out = make_model(args.dir, preset=args.preset, seed=args.seed)
+    if args.preset in EAGLE3_PRESETS:
+        out = make_eagle3(args.dir, preset=args.preset, seed=args.seed)
+    else:
+        out = make_model(args.dir, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} checkpoint to {out}")
     return 0
 

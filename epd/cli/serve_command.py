@@ -10,6 +10,7 @@ from epd.config import CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, Serve
 from epd.flag_values import json_object, limit_mm_per_prompt, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
+from epd.lora_modules import check_lora_modules, parse_lora_modules
 from epd.serve.autoscale import EncoderScaling
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
@@ -106,6 +107,9 @@ def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
                    help="CORS request headers, with --allowed-origins (default: [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials, with --allowed-origins")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="name=path|JSON",
+                   help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
@@ -227,7 +231,7 @@ def serve_config(args) -> ServeConfig:
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
-        engine=engine_config(args),
+        engine=engine_config(args), lora_modules=parse_lora_modules(args.lora_modules),
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
@@ -277,6 +281,7 @@ def check_checkpoint(config: ServeConfig) -> None:
 
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)
+    check_lora_modules(config.lora_modules, config.model_name, files.hf_config, config.engine.lora.max_lora_rank)
     for note in files.notes() + accepted_flag_notes(config):
         print(f"EPD: {note}", file=sys.stderr, flush=True)
 

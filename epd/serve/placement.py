@@ -190,7 +190,7 @@ class Placement:
         # has it before any EncodeDone (a busy one may still read them out of order).
         await outbox.send(prefill.inbox, PrefillRequest(
             attempt.attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling,
-            list(self.info.eos_token_ids), decode.inbox if decode else None, self.api_index))
+            list(self.info.eos_token_ids), decode.inbox if decode else None, self.api_index, lora=req.lora))
         for (key, data), enc in zip(placed.misses, placed.encoders):
             attempt.encoders.append(enc)
             await outbox.send(enc.inbox, EncodeRequest(

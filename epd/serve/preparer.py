@@ -197,7 +197,7 @@ class Preparer:
         return Prepared(ids[start:start + k], spans, prep.images, prep.num_patches)
 
     def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
-        return RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} "
+        return RequestError(status=400, message=f"This model's maximum context length is {self.max_model_len} "
                             f"tokens; {exc}, leaving none to generate", param=param)
 
     def _image_refs(self, raw_images: list[bytes]) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
@@ -222,15 +222,15 @@ class Preparer:
         return images, num_patches, refs
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
-        """The max_tokens to use; RequestError when the prompt leaves no room, or the
-        max_tokens the request asked (after the generation config's cap) does not fit.
-        One it did not ask (None) is the generation config's default, within the room (vLLM)."""
+        """The max_tokens to use: what the request asked (None: the generation config's
+        default) after the generation config's cap, cut to the room beside the prompt, as
+        vLLM 0.32 does (`get_max_tokens`; asking past max_model_len itself is refused at the
+        API, `protocol.check_max_tokens`). RequestError when the prompt leaves no room."""
         room = self.max_model_len - num_prompt_tokens
-        asked = req.sampling.max_tokens
-        max_tokens = self.files.sampling_defaults.max_tokens_for(asked)
-        if room < 1 or (asked is not None and max_tokens > room):
-            total = num_prompt_tokens + (max_tokens or 1)
-            raise RequestError(status=400, message=f"this model's maximum context length is {self.max_model_len} tokens; the "
-                               f"request asks for {total} ({num_prompt_tokens} in the prompt, "
-                               f"{max_tokens or 1} to generate)", param="max_tokens")
+        if room < 1:
+            raise RequestError(status=400, message=f"This model's maximum context length is {self.max_model_len} "
+                               f"tokens. However, your prompt contains {num_prompt_tokens} input tokens, which "
+                               "leaves no room for output tokens. Please reduce the length of the input prompt.",
+                               param="prompt" if req.messages is None else "messages")
+        max_tokens = self.files.sampling_defaults.max_tokens_for(req.sampling.max_tokens)
         return room if max_tokens is None else min(max_tokens, room)

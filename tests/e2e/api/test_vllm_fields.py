@@ -1,15 +1,15 @@
-"""vLLM's request fields through a real `epd serve` (the shared aggregated server)
-and the official `openai` client (issue 31 item 5): each one does what vLLM does
-with it, or is refused with a 400 naming it; an unknown field is logged once."""
+"""vLLM's request fields through a real `epd serve` (the shared server of every
+mode) and the official `openai` client (issue 31 item 5): each one does what vLLM
+does with it, or is refused with a 400 naming it; an unknown field is logged once."""
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
 from testkit.media import image_bytes, image_part
-from testkit.mode_servers import SERVED_MODEL
+from testkit.mode_servers import MODES, SERVED_MODEL
 
-pytestmark = pytest.mark.parametrize("mode_server", ["aggregated"], indirect=True)
+pytestmark = pytest.mark.parametrize("mode_server", MODES, indirect=True)
 
 MODEL = SERVED_MODEL
 PROMPT = "The lighthouse keeper opened the door and"

@@ -36,7 +36,8 @@ BAD_BODIES = {  # name -> (body, status, message, param)
     "min_tokens": (chat_body(TEXT_MESSAGES, min_tokens=9), 400, "min_tokens", "min_tokens"),
     "too_many_stops": (chat_body(TEXT_MESSAGES, stop=list("abcde")), 400, "stop", "stop"),
     "negative_seed_type": (chat_body(TEXT_MESSAGES, seed="x"), 400, "", "seed"),
-    "too_long": (chat_body(TEXT_MESSAGES, max_tokens=MAX_MODEL_LEN), 400, "maximum context length", "max_tokens"),
+    "too_long": (chat_body(TEXT_MESSAGES, max_tokens=MAX_MODEL_LEN + 1), 400, "cannot be greater than max_model_len",
+                 "max_tokens"),  # vLLM's rule: a smaller max_tokens is cut to the room beside the prompt
     "unknown_model": ({**chat_body(TEXT_MESSAGES), "model": "gpt-17"}, 404, "does not exist", "model"),
 }
 

@@ -101,7 +101,7 @@ def test_200_concurrent_requests_mixed_with_bad_ones(server, expected):
            (json.dumps(chat_body(messages_with(url_part("data:image/png;base64,!!notbase64!!")))).encode(), 400),
            (json.dumps({**chat_body(TEXT_MESSAGES), "model": "nope"}).encode(), 404),
            (json.dumps(chat_body(TEXT_MESSAGES, temperature=-1)).encode(), 400),
-           (json.dumps(chat_body(TEXT_MESSAGES, max_tokens=MAX_MODEL_LEN)).encode(), 400),
+           (json.dumps(chat_body(TEXT_MESSAGES, max_tokens=MAX_MODEL_LEN + 1)).encode(), 400),
            (json.dumps(chat_body(messages_with(url_part("http://example.com/x.png")))).encode(), 400)]
     names = list(good)
     jobs = [("good", names[i % len(names)], i % 2 == 1) for i in range(150)] + \

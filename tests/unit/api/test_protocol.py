@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from epd.api.protocol import (GenerateRequest, RequestError, check_model, fan_out, format_loc, parse_chat_request,
-                          parse_completion_request, request_error_from_validation)
+from epd.api.protocol import (GenerateRequest, RequestError, check_max_tokens, check_model, fan_out, format_loc,
+                              parse_chat_request, parse_completion_request, request_error_from_validation)
 from epd.transport.sampling import SamplingParams
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -225,3 +225,37 @@ def test_fan_out_gives_distinct_ids_and_consecutive_seeds():
     assert [c.sampling.seed for c in fan_out(chat_request(n=2))] == [None, None]
     single = chat_request()
     assert fan_out(single) == [single]
+
+
+# -- vLLM 0.32's rules (tests/e2e/api/test_vllm_conformance.py asks them of a real server) ----------
+
+def test_completion_max_tokens_null_is_the_default_and_zero_needs_echo():
+    assert completion_request(max_tokens=None).sampling.max_tokens == 16  # vLLM: null is the default
+    body = parse_completion_request({"model": "m", "prompt": "hello", "max_tokens": 0, "echo": True})
+    assert body.echo_only and body.to_generate_request("cmpl-1").sampling.max_tokens == 1  # one token, not shown
+    assert "at least 1" in refused(completion_request, max_tokens=0).message
+
+
+def test_max_tokens_past_the_model_length_is_refused_naming_the_field():
+    check_max_tokens(None, "max_tokens", 64)
+    check_max_tokens(64, "max_tokens", 64)  # fits the context: cut to the room beside the prompt later
+    with pytest.raises(RequestError) as info:
+        check_max_tokens(65, "max_completion_tokens", 64)
+    assert info.value.param == "max_completion_tokens"
+    assert info.value.message.startswith("max_completion_tokens=65 cannot be greater than max_model_len=64")
+
+
+def test_empty_stream_options_without_stream_are_no_options():
+    assert chat_request(stream_options={}).sampling.n == 1
+    assert refused(chat_request, stream_options={"continuous_usage_stats": True}).param == "stream_options"
+
+
+def test_tools_must_not_be_empty_and_every_bad_logit_bias_key_is_named():
+    assert refused(chat_request, tools=[]).param == "tools"
+    error = refused(chat_request, logit_bias={"bad1": 1.0, "5": 1.0, "bad2": 2.0})
+    assert error.param == "logit_bias" and "'bad1'" in error.message and "'bad2'" in error.message
+
+
+def test_validation_messages_carry_pydantics_error_type():
+    error = refused(chat_request, seed=2**63)
+    assert error.param == "seed" and "[type=less_than_equal]" in error.message

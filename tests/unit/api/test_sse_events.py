@@ -41,3 +41,33 @@ def test_an_empty_delta_sends_nothing():
     for fmt in _formats():
         if not fmt.want_logprobs:
             assert fmt.delta_event(0, Delta("", [7], None, 3, 0)) is None
+
+
+def test_the_chat_role_chunk_carries_the_prompt_ids_and_usage_as_vllms():
+    from epd.api.responses import Extras
+
+    first = Delta("a", [5], None, 7, 0, prompt_token_ids=[1, 2, 3, 4, 5, 6, 7])
+    fmt = ChatFormat("chatcmpl-1", "m", 1, str, False, Extras(return_token_ids=True, continuous_usage=True))
+    [role] = fmt.opening_chunks(0, first)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["prompt_token_ids"] == first.prompt_token_ids
+    assert role["usage"] == {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}
+    assert "prompt_token_ids" not in fmt.delta_chunk(0, first)  # on the role chunk only
+    plain = ChatFormat("chatcmpl-2", "m", 1, str, False).opening_chunks(0, first)
+    assert "usage" not in plain[0] and "prompt_token_ids" not in plain[0]
+
+
+def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
+    from epd.api.responses import Extras, SequenceOutput
+
+    fmt = CompletionFormat("cmpl-1", "m", 1, lambda t: f"<{t}>", True, Extras(echo=("Hi there",), echo_only=True,
+                                                                        echo_logprobs=True))
+    delta = Delta("x", [9], "length", 2, 0, [TokenLogprobs(9, -0.5, 1, [])], prompt_token_ids=[3, 4],
+                  prompt_logprobs=[TokenLogprobs(4, -1.0, 1, [])])
+    output = SequenceOutput(0)
+    output.add(delta)
+    [choice] = fmt.response([output])["choices"]
+    assert choice["text"] == "Hi there" and choice["logprobs"]["tokens"] == ["<3>", "<4>"]
+    streamed = CompletionFormat("cmpl-2", "m", 1, lambda t: f"<{t}>", True, fmt.extras).delta_chunk(0, delta)
+    assert streamed["choices"][0]["text"] == "Hi there"
+    assert streamed["choices"][0]["logprobs"]["tokens"] == ["<3>", "<4>"]

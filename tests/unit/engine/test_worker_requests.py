@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from epd.engine.engine_core import StepResult
+from epd.engine.request import Request
 from epd.engine.worker import EngineWorker
 from epd.transport.addresses import Addresses
 from epd.transport.channels import Receiver
@@ -97,8 +98,7 @@ def test_a_failure_after_the_kv_left_forgets_the_request_whole(plane):
     worker._handle(prefill_request("r", decode_worker=plane.decode.address, api_index=1))
     state = worker.requests["r"]
     assert (state.api_index, state.decode_target) == (1, plane.decode.address)
-    worker._send_kv(SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3], output_token_ids=[5],
-                                    sampling_params=SamplingParams(max_tokens=4), eos_token_ids=(0,), mm_spans=[]))
+    worker._send_kv(Request("r", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_ids=(0,), output_token_ids=[5]))
     assert state.decode_target is None and state.transfer_start_s is not None
     assert isinstance(plane.decode.recv(timeout_s=5), KVTransfer)
 
@@ -111,8 +111,7 @@ def test_a_failure_after_the_kv_left_forgets_the_request_whole(plane):
 def test_a_kv_ack_forgets_the_request_and_counts_the_transfer(plane):
     worker = plane.make("prefill")
     worker._handle(prefill_request("r", decode_worker=plane.decode.address))
-    worker._send_kv(SimpleNamespace(request_id="r", prompt_token_ids=[1, 2, 3], output_token_ids=[5],
-                                    sampling_params=SamplingParams(max_tokens=4), eos_token_ids=(0,), mm_spans=[]))
+    worker._send_kv(Request("r", [1, 2, 3], SamplingParams(max_tokens=4), eos_token_ids=(0,), output_token_ids=[5]))
     worker._handle(KVAck("r", ok=True))
     assert worker.requests == {} and worker.core.released == ["r"]
     assert worker.counters.num_kv_transfers == 1

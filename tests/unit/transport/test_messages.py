@@ -11,6 +11,7 @@ from epd.transport.messages import (
     Alive, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, sampling_to_map
 
@@ -62,11 +63,13 @@ def make_messages() -> list[Message]:
         PrefillRequest("req-1", list(range(40)), spans, SAMPLING, [151645, 151643], "ipc:///tmp/epd-x/decode-1.sock"),
         PrefillRequest("req-2", [1, 2, 3], [], SamplingParams(), [], None),
         PrefillRequest("req-3", [1], [], GREEDY, [], None, api_index=3),  # from API process 3
+        PrefillRequest("req-4", [1, 2], [], GREEDY, [], None, lora=LoRARequest("sql", 2, "/adapters/sql")),
         KVTransfer("req-1", list(range(10)), 42, SAMPLING, [2], [MMSpan(2, 4, HASH_A, (1, 4, 4))],
                    make_kv(), make_kv()),
         KVTransfer("req-1", [5], 1, GREEDY, [], [],
                    make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
         KVTransfer("req-3", [5], 1, GREEDY, [], [], make_kv(), make_kv(), reply_to="tcp://[::1]:27101", api_index=1),
+        KVTransfer("req-4", [5], 1, GREEDY, [], [], make_kv(), make_kv(), lora=LoRARequest("sql", 2, "/adapters/sql")),
         KVAck("req-1", ok=True),
         KVAck("req-1", ok=False, error="out of blocks"),
         TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
@@ -372,6 +375,13 @@ def test_every_sampling_field_crosses_the_wire():
     assert [n for n in names if getattr(SAMPLING, n) == getattr(SamplingParams(), n)] == []
     out = decode_message(PrefillRequest("r", [1], [], SAMPLING, [], None).to_wire())
     assert out.sampling == SAMPLING and out.sampling is not SAMPLING
+
+
+@pytest.mark.parametrize("lora", [["sql", 0, "/a"], ["sql", 1], ["", 1, "/a"], "sql", ["sql", 1, 2]])
+def test_a_bad_adapter_on_the_wire_is_refused_naming_the_field(lora):
+    frames = [bytes(f) for f in PrefillRequest("r", [1], [], SAMPLING, [], None).to_wire()]
+    with pytest.raises(WireError, match="prefill_request.lora"):
+        decode_message(_with(frames, lora=lora))
 
 
 def test_every_counter_crosses_the_wire():

@@ -1,0 +1,70 @@
+"""`--lora-modules`: the adapters `epd serve` serves by name (vLLM's flag and forms).
+
+    --lora-modules sql=/adapters/sql '{"name": "chat", "path": "/adapters/chat", "base_model_name": "qwen"}'
+
+Each becomes a `LoRAModule`; the API maps a request's `model` to its
+`LoRARequest` (ids 1, 2, ... in flag order) and lists it in /v1/models with
+`parent` (its `base_model_name`, else the served model). Every adapter is read
+and checked against the checkpoint before any process starts
+(`check_lora_modules`), so a bad one stops `epd serve` with a message naming
+the field. Torch-free: the API process imports it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from epd.transport.lora_request import LoRARequest
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    name: str
+    path: str
+    base_model_name: str | None = None  # /v1/models' `parent` (None: the served model)
+
+
+def parse_lora_modules(values: list[str] | None) -> tuple[LoRAModule, ...]:
+    """`name=path` or vLLM's JSON object form, each; ValueError naming the flag."""
+    modules = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules {value!r}: not valid JSON ({exc})") from None
+            unknown = sorted(set(item) - {"name", "path", "base_model_name"}) if isinstance(item, dict) else []
+            if not isinstance(item, dict) or unknown or not isinstance(item.get("name"), str) \
+                    or not isinstance(item.get("path"), str):
+                raise ValueError(f"--lora-modules {value!r}: expected {{\"name\": ..., \"path\": ..., "
+                                 f"\"base_model_name\"?: ...}}" + (f"; unknown keys {unknown}" if unknown else ""))
+            modules.append(LoRAModule(item["name"], item["path"], item.get("base_model_name")))
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path or a JSON object, got {value!r}")
+            modules.append(LoRAModule(name, path))
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: a name given twice in {names}")
+    return tuple(modules)
+
+
+def lora_requests(modules: tuple[LoRAModule, ...]) -> dict[str, LoRARequest]:
+    """Adapter name -> the LoRARequest its requests carry (ids 1.. in flag order; the
+    path made absolute: every worker reads it, from its own working directory)."""
+    return {m.name: LoRARequest(m.name, i, os.path.abspath(m.path)) for i, m in enumerate(modules, start=1)}
+
+
+def check_lora_modules(modules: tuple[LoRAModule, ...], served_model_name: str, hf_config,
+                       max_lora_rank: int) -> None:
+    """Every adapter read and checked against the checkpoint (torch-free); ValueError naming
+    the adapter and the field (r above --max-lora-rank, a target the model lacks, another base)."""
+    from epd.engine.lora.adapter import ProjectionShapes, read_adapter
+
+    shapes = ProjectionShapes.from_hf(hf_config)
+    for module in modules:
+        if module.name == served_model_name:
+            raise ValueError(f"--lora-modules: {module.name!r} is the served model's own name")
+        read_adapter(module.name, module.path, shapes, max_lora_rank)

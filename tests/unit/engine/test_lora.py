@@ -1,0 +1,201 @@
+"""Multi-LoRA in the engine (issue 28): adapters made with peft on the tiny
+checkpoint give transformers + peft's greedy tokens, mixed in one batch with
+the base model; slots and host memory evict; the prefix cache keeps adapters
+apart; bad adapters are refused naming the field."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from testkit.lora_adapters import ALL_MODULES, make_adapter, peft_greedy
+
+from epd.transport.lora_request import LoRARequest
+from epd.transport.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# token ids of the tiny checkpoint's vocabulary; one of 40 tokens covers two full KV blocks
+PROMPTS = [list(range(10, 17)), list(range(100, 140)), [5, 900, 33, 7, 512, 64, 3, 3, 8], list(range(300, 321))]
+NAMES = [None, "attn", "mlp", "all"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("lora")
+    return {"attn": make_adapter(tiny_model, out / "attn", ("q_proj", "k_proj", "v_proj", "o_proj"), r=4, seed=1),
+            "mlp": make_adapter(tiny_model, out / "mlp", ("gate_proj", "up_proj", "down_proj"), r=8, seed=2,
+                                use_rslora=True),
+            "all": make_adapter(tiny_model, out / "all", ALL_MODULES, r=16, lora_alpha=8, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def loras(adapters) -> dict[str, LoRARequest]:
+    return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(adapters.items(), start=1)}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, adapters) -> dict[tuple[int, str | None], list[int]]:
+    """(prompt index, adapter) -> transformers + peft's greedy tokens."""
+    cases = [(i, name) for i in range(len(PROMPTS)) for name in NAMES]
+    tokens = peft_greedy(tiny_model, adapters, [PROMPTS[i] for i, _ in cases], [n for _, n in cases], 8)
+    return dict(zip(cases, tokens))
+
+
+def _llm(tiny_model, **settings):
+    from epd import LLM
+
+    return LLM(tiny_model, **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, **settings})
+
+
+def test_the_adapters_change_the_answers(expected):
+    for name in NAMES[1:]:
+        assert any(expected[i, name] != expected[i, None] for i in range(len(PROMPTS))), name
+
+
+ON_GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+def test_three_adapters_and_the_base_in_one_batch_match_peft(tiny_model, loras, expected, device):
+    # two slots and two adapters in host memory for three adapters: steps run at most two
+    # adapters, slots are rewritten and adapters read again; a KV budget that forces preemption
+    # (recomputed with the adapter) and a token budget that chunks the prompts
+    llm = _llm(tiny_model, enable_lora=True, max_loras=2, max_cpu_loras=2, device=device,
+               num_kv_blocks=14, max_num_batched_tokens=24)
+    cases = [(i, name) for i in range(len(PROMPTS)) for name in NAMES]
+    outs = llm.generate([PROMPTS[i] for i, _ in cases], GREEDY,
+                        lora_request=[None if n is None else loras[n] for _, n in cases])
+    assert {case: o.outputs[0].token_ids for case, o in zip(cases, outs)} == expected
+    # three adapters through two slots: a slot was written over; two in host memory: read again
+    assert llm.engine.lora.num_slot_loads >= 3 and llm.engine.lora.num_loads > 3
+    assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+
+
+def test_one_adapter_for_every_prompt(tiny_model, loras, expected):
+    llm = _llm(tiny_model, enable_lora=True, max_lora_rank=16)
+    outs = llm.generate(PROMPTS, GREEDY, lora_request=loras["all"])
+    assert [o.outputs[0].token_ids for o in outs] == [expected[i, "all"] for i in range(len(PROMPTS))]
+
+
+def test_the_prefix_cache_keeps_adapters_apart(tiny_model, loras, expected):
+    llm = _llm(tiny_model, enable_lora=True)
+    prompt = PROMPTS[1]  # two full blocks: cached after the first request
+
+    def run(lora):
+        before = llm.stats()["prefix_cache_hits"]
+        tokens = llm.generate([prompt], GREEDY, lora_request=lora)[0].outputs[0].token_ids
+        return tokens, llm.stats()["prefix_cache_hits"] - before
+
+    assert run(loras["attn"]) == (expected[1, "attn"], 0)
+    assert run(None) == (expected[1, None], 0)  # the adapter's blocks are not the base's
+    assert run(loras["mlp"]) == (expected[1, "mlp"], 0)
+    tokens, hits = run(None)
+    assert tokens == expected[1, None] and hits > 0  # the base's own blocks are
+    tokens, hits = run(loras["attn"])
+    assert tokens == expected[1, "attn"] and hits > 0
+
+
+def test_an_adapter_without_enable_lora_is_refused(tiny_model, loras):
+    llm = _llm(tiny_model)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=loras["attn"])
+
+
+def test_a_rank_above_max_lora_rank_is_refused_before_any_work(tiny_model, loras):
+    llm = _llm(tiny_model, enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"'all' .*: r = 16 is above --max-lora-rank 8"):
+        llm.generate(PROMPTS[:2], GREEDY, lora_request=[None, loras["all"]])
+    assert not llm.engine.has_unfinished()
+
+
+# -- the checks, on the files (torch-free) -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shapes(tiny_model):
+    from transformers import AutoConfig
+
+    from epd.engine.lora.adapter import ProjectionShapes
+
+    return ProjectionShapes.from_hf(AutoConfig.from_pretrained(tiny_model))
+
+
+def test_the_shapes_from_the_config_are_the_engines(tiny_model, shapes):
+    from transformers import AutoConfig
+
+    from epd.engine.lora.adapter import ProjectionShapes
+    from epd.engine.models.registry import family_of
+
+    hf_config = AutoConfig.from_pretrained(tiny_model)
+    assert shapes == ProjectionShapes.of(family_of(hf_config).text_config(hf_config))
+
+
+def _copy(adapter: str, tmp_path, config_changes=None) -> str:
+    out = tmp_path / "adapter"
+    shutil.copytree(adapter, out)
+    if config_changes:
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**cfg, **config_changes}))
+    return str(out)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"target_modules": ["q_proj", "lm_head"]}, r"target_modules \['lm_head'\] are not projections"),
+    ({"r": 32}, r"r = 32 is above --max-lora-rank 16"),
+    ({"use_dora": True}, "use_dora is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"peft_type": "IA3"}, "peft_type 'IA3' is not LORA"),
+    ({"r": 8}, r"tensor '.*' has shape \[\d+, \d+\], expected \[\d+, \d+\] \(r = 8"),  # the config lies
+])
+def test_a_bad_adapter_config_is_refused_naming_the_field(adapters, shapes, tmp_path, changes, message):
+    from epd.engine.lora.adapter import LoRAAdapterError, read_adapter
+
+    path = _copy(adapters["all"], tmp_path, changes)
+    with pytest.raises(LoRAAdapterError, match=message):
+        read_adapter("bad", path, shapes, max_lora_rank=16)
+
+
+def _rewrite_weights(path: str, change) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{path}/adapter_model.safetensors")
+    save_file(change(tensors), f"{path}/adapter_model.safetensors")
+
+
+def test_an_adapter_of_another_base_is_refused_naming_the_tensor(adapters, shapes, tmp_path):
+    import torch
+
+    from epd.engine.lora.adapter import LoRAAdapterError, read_adapter
+
+    path = _copy(adapters["attn"], tmp_path)
+    key = next(k for k in _keys(path) if k.endswith("q_proj.lora_A.weight"))
+    _rewrite_weights(path, lambda t: {**t, key: torch.zeros(4, 128)})  # hidden 128: another model
+    with pytest.raises(LoRAAdapterError, match=r"has shape \[4, 128\], expected \[4, 64\].*another base"):
+        read_adapter("other", path, shapes, max_lora_rank=16)
+
+
+def test_weights_of_a_module_the_model_lacks_are_refused(adapters, shapes, tmp_path):
+    import torch
+
+    from epd.engine.lora.adapter import LoRAAdapterError, read_adapter
+
+    path = _copy(adapters["attn"], tmp_path)
+    _rewrite_weights(path, lambda t: {**t, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)})
+    with pytest.raises(LoRAAdapterError, match="lm_head.lora_A.weight' is not a LoRA weight"):
+        read_adapter("head", path, shapes, max_lora_rank=16)
+
+
+def test_a_directory_without_an_adapter_is_refused(shapes, tmp_path):
+    from epd.engine.lora.adapter import LoRAAdapterError, read_adapter
+
+    with pytest.raises(LoRAAdapterError, match="no adapter_config.json"):
+        read_adapter("none", str(tmp_path), shapes, max_lora_rank=16)
+
+
+def _keys(path: str):
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/adapter_model.safetensors", framework="pt") as f:
+        return list(f.keys())

@@ -1,0 +1,33 @@
+"""`epd serve`'s LoRA flags (issue 28): vLLM's names and defaults, and a bad
+adapter refused with its reason before any process starts."""
+from __future__ import annotations
+
+from testkit.lora_adapters import make_adapter
+
+from epd.cli import build_parser, main, serve_config
+from epd.engine.lora.config import LoRAConfig
+from epd.lora_modules import LoRAModule
+
+
+def test_the_lora_flags_fill_the_engine_config(tiny_model, monkeypatch):
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", tiny_model])).engine.lora == LoRAConfig(False, 1, 16, None)  # vLLM's
+    config = serve_config(parse(["serve", tiny_model, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "64",
+                                 "--max-cpu-loras", "8", "--lora-modules", "a=/x/a",
+                                 '{"name": "b", "path": "/x/b", "base_model_name": "base"}']))
+    assert config.engine.lora == LoRAConfig(True, 4, 64, 8)
+    assert config.lora_modules == (LoRAModule("a", "/x/a"), LoRAModule("b", "/x/b", "base"))
+
+
+def test_serve_refuses_bad_lora_settings_before_any_process_starts(tiny_model, tmp_path, capsys):
+    adapter = make_adapter(tiny_model, tmp_path / "big", r=16)
+    cases = [(["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"big={adapter}"],
+              "r = 16 is above --max-lora-rank 8"),
+             (["--lora-modules", f"big={adapter}"], "--lora-modules needs --enable-lora"),
+             (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+              "max_cpu_loras (1) must be at least max_loras (2)"),
+             (["--enable-lora", "--lora-modules", f"big={tmp_path}"], "no adapter_config.json")]
+    for flags, message in cases:
+        assert main(["serve", tiny_model, *flags]) == 2
+        assert message in capsys.readouterr().err
