@@ -27,7 +27,8 @@ from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
-from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, gather_logprobs, make_generator
+from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
+                                make_generator)
 from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -256,11 +257,13 @@ class ModelRunner:
         inputs = [row for s in scheduled for row in self._sampling_inputs(s)]
         batch = SamplingBatch.from_inputs(inputs, device=self.device)
         firsts = list(itertools.accumulate((s.num_sample_rows for s in scheduled), initial=0))
-        drafts = [Draft(row, s.draft_token_ids) for s, row in zip(scheduled, firsts) if s.draft_token_ids]
+        drafts = [Draft(row, s.draft_token_ids, is_greedy=is_greedy_params(s.request.sampling_params))
+                  for s, row in zip(scheduled, firsts) if s.draft_token_ids]
         if drafts:
             processed = self.sampler.process(logits, batch)
-            verified = iter(verify_drafts(processed, drafts))  # before `choose`, which may edit `processed`
-            row_tokens = self.sampler.choose(processed, batch).tolist()
+            # random rows: `choose` and a sampled draft's verification each divide their rows in place
+            row_tokens = self.sampler.choose(processed if batch.is_all_greedy else processed.clone(), batch).tolist()
+            verified = iter(verify_drafts(processed, drafts, batch))
             logprobs = None
         else:
             result = self.sampler(logits, batch)
