@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from epd.transport.codec import Fields
+from epd.transport.codec import Fields, WireError
+from epd.transport.lora_request import LoRARequest
 from epd.transport.message import Message, need, read_address, read_api_index
 from epd.transport.roles import Role
 from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
@@ -145,6 +146,28 @@ class Abort(Message):
     @classmethod
     def _build(cls, f, payload):
         return cls(f.list_of("request_ids", str), None if f.opt_int("api_index") is None else read_api_index(f))
+
+
+@dataclass
+class LoRAUpdate(Message):
+    """API -> prefill/decode workers: an adapter loaded at run time (POST
+    /v1/load_lora_adapter: read it into host memory before its first request
+    comes) or unloaded (/v1/unload_lora_adapter: forget it)."""
+
+    TYPE: ClassVar[str] = "lora_update"
+    lora: LoRARequest
+    is_load: bool
+
+    def _fields(self):
+        return {"lora": self.lora.to_list(), "is_load": self.is_load}
+
+    @classmethod
+    def _build(cls, f, payload):
+        try:
+            lora = LoRARequest.from_list(f.opt_list("lora"))
+        except ValueError as e:
+            raise WireError(f"{f.tag}.lora: {e}") from None
+        return cls(lora, f.bool("is_load"))
 
 
 @dataclass

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    Alive, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
+    Alive, LoRAUpdate, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
 from epd.transport.lora_request import LoRARequest
@@ -99,6 +99,8 @@ def make_messages() -> list[Message]:
         Abort(["req-1", "req-2"]),
         Abort([]),
         Abort([], api_index=1),  # the launcher: API process 1 exited
+        LoRAUpdate(LoRARequest("sql", 3, "/adapters/sql"), is_load=True),
+        LoRAUpdate(LoRARequest("sql", 3, "/adapters/sql"), is_load=False),
         Shutdown(),
         WorkerExited("decode-0", -9),
         WorkerExited("prefill-1", None),
@@ -382,6 +384,9 @@ def test_a_bad_adapter_on_the_wire_is_refused_naming_the_field(lora):
     frames = [bytes(f) for f in PrefillRequest("r", [1], [], SAMPLING, [], None).to_wire()]
     with pytest.raises(WireError, match="prefill_request.lora"):
         decode_message(_with(frames, lora=lora))
+    update = [bytes(f) for f in LoRAUpdate(LoRARequest("sql", 1, "/a"), True).to_wire()]
+    with pytest.raises(WireError, match="lora_update.lora"):
+        decode_message(_with(update, lora=lora))
 
 
 def test_every_counter_crosses_the_wire():
