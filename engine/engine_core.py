@@ -39,6 +39,7 @@ from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.mm_entry import MMEntry
+from epd.transport.wire_values import LoRAState
 
 
 @torch.inference_mode()
@@ -335,6 +336,19 @@ class EngineCore:
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
+
+    def lora_state(self) -> LoRAState | None:
+        """The adapters of its running and waiting requests and those resident in its slots,
+        by name (its stats: metrics and routing); None without --enable-lora."""
+        if self.lora is None:
+            return None
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+        waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
+        return LoRAState(names(self.scheduler.running), names(waiting),
+                         tuple(name for name, _ in self.lora.resident), self.config.lora.max_loras)
 
     @property
     def num_running(self) -> int:

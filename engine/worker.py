@@ -430,4 +430,5 @@ class EngineWorker(WorkerIO):
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
             queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
-            session=self.session, cache=None if self.cache is None else self.cache.faults()))
+            session=self.session, cache=None if self.cache is None else self.cache.faults(),
+            lora=self.core.lora_state()))

@@ -9,8 +9,8 @@ keeps its tensors in host memory: the engine admits the request when the read
 is done, so a slow read never stalls the step loop and the requests it runs
 (`load` waits for it: the offline `LLM`, which checks adapters before any
 work). An adapter evicted from host memory before its request runs (more
-adapters in flight than --max-cpu-loras) is read again, in the step. `activate` gives every adapter of a step a slot, writing the
-weights of one that is not resident over the least recently used slot no
+adapters in flight than --max-cpu-loras) is read again, in the step.
+`activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
 the step's per-token adapters into the groups `LoRALinear` adds deltas to.

@@ -346,7 +346,8 @@ class Orchestrator:
             self.metrics.requests_failed["shutdown"] += 1
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
                                retry_after_s=5)
-        placed = await self.placement.place(prep, emitted, attempt_no, deadline)
+        placed = await self.placement.place(prep, emitted, attempt_no, deadline,
+                                            None if req.lora is None else req.lora.lora_name)
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
         attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted))
         self.attempts[attempt_id] = attempt

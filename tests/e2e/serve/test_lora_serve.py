@@ -84,6 +84,11 @@ def test_adapters_by_name_mixed_and_kept_apart(server, expected):
     with pytest.raises(openai.NotFoundError, match="The model `sql` does not exist"):
         _complete(client, "sql", PROMPTS["cache"])
 
+    import httpx  # vLLM's lora_requests_info, one sample per engine worker, from its stats
+    info = [line for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+            if line.startswith("epd:lora_requests_info{")]
+    assert info and all('max_lora="2"' in line for line in info)
+
 
 @pytest.fixture(scope="module")
 def late(tiny_model, tmp_path_factory) -> tuple[str, list[int]]:

@@ -207,6 +207,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
     import threading
 
     from epd.engine.request import Request
+    from epd.transport.wire_values import LoRAState
 
     core = _llm(tiny_model, enable_lora=True).engine
     gate = threading.Event()
@@ -224,6 +225,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
         assert base.output_token_ids == expected[0, None]
         assert tuned.output_token_ids == [] and core.num_waiting == 0 and core.has_unfinished()
         assert core.lora.num_loads == 0 and not core.lora.is_loaded(loras["attn"].key)
+        assert core.lora_state() == LoRAState((), ("attn",), (), 1)  # its stats: lora_requests_info
     finally:
         gate.set()
     for _ in range(200):
@@ -231,6 +233,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
             break
         core.step()
     assert tuned.output_token_ids == expected[1, "attn"] and core.lora.num_loads == 1
+    assert core.lora_state() == LoRAState((), (), ("attn",), 1)  # resident: what the routers prefer
 
 
 def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, adapters, expected, tmp_path):

@@ -13,7 +13,7 @@ from epd.transport.messages import (
 )
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, sampling_to_map
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
 
 
 HASH_A = "ab" * 32
@@ -89,6 +89,8 @@ def make_messages() -> list[Message]:
                       TokenOutput("req-4", [2], num_prompt_tokens=2, prompt_logprobs=[TokenLogprobs(3, -2.0, 4, [])])]),
         TokenOutputs([]),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
+        WorkerStats("prefill-0", "prefill", 3, 1, 100, 512, 4, engine=EngineCounters(),
+                    lora=LoRAState(("sql",), ("chat", "sql"), ("sql", "math"), 2)),
         WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
                     encoder=_busy_encoder()),
         WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters(),
