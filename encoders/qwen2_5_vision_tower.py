@@ -156,9 +156,12 @@ class Qwen2_5VisionTower(nn.Module):
 
         x = by_window(self._embed(pixel_values))  # [num_patches, hidden], window order
         cos, sin = by_window(emb.cos()), by_window(emb.sin())
-        image_lens = [t * h * w for t, h, w in grid_thw]  # windows never cross images
+        image_lens = [t * h * w for t, h, w in grid_thw]
+        # full attention is within one temporal group (a video's frames pair), as transformers'
+        # cu_seqlens; windows never cross groups
+        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, image_lens if i in c.fullatt_block_indexes else window_lens)
+            x = block(x, cos, sin, frame_lens if i in c.fullatt_block_indexes else window_lens)
         merged = self.merger(x)[torch.argsort(order)]  # [num_tokens, out_hidden], processor order
         token_counts = [n // unit for n in image_lens]
         embeds = list(merged.split(token_counts))

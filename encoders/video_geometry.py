@@ -32,6 +32,17 @@ MAX_ASPECT_RATIO = 200
 REQUEST_KEYS = ("fps", "num_frames", "do_sample_frames", "min_pixels", "max_pixels", "min_frames", "max_frames")
 
 
+def load_video_config(model_dir: str | Path) -> dict:
+    """The checkpoint's video processor settings as transformers reads them:
+    video_preprocessor_config.json, else preprocessor_config.json
+    (FileNotFoundError when neither is there). Part of every video's mm_hash."""
+    directory = Path(model_dir)
+    path = directory / VIDEO_CONFIG
+    if not path.exists():
+        path = directory / IMAGE_CONFIG
+    return json.loads(path.read_text())
+
+
 class VideoPlanError(ValueError):
     """The video cannot be processed with these settings (the message is fit for a client)."""
 
@@ -126,11 +137,7 @@ class VideoGeometry:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "VideoGeometry":
         """FileNotFoundError when the checkpoint has neither config."""
-        directory = Path(model_dir)
-        path = directory / VIDEO_CONFIG
-        if not path.exists():
-            path = directory / IMAGE_CONFIG
-        return cls.from_config(json.loads(path.read_text()))
+        return cls.from_config(load_video_config(model_dir))
 
     @classmethod
     def from_config(cls, cfg: dict) -> "VideoGeometry":

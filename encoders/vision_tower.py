@@ -110,7 +110,7 @@ class VisionAttention(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
-        # Each image attends only to itself (non-causal).
+        # Each image (each temporal group of a video) attends only to itself (non-causal).
         outs = []
         for qi, ki, vi in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens)):
             o = F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
@@ -236,10 +236,12 @@ class VisionTower(nn.Module):
         x = x + torch.cat(pos).to(x.dtype)
         cos, sin = self._rotary(rows_all, cols_all)
         seq_lens = [t * h * w for t, h, w in grid_thw]
+        # attention is within one temporal group (a video's frames pair), as transformers' cu_seqlens
+        frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]
 
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, seq_lens)
+            x = block(x, cos, sin, frame_lens)
             if i in self.cfg.deepstack_indexes:
                 merger = self.deepstack_merger_list[self.cfg.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))  # [num_tokens, out_hidden]

@@ -115,7 +115,7 @@ class EngineCore:
                                    max_loras=config.lora.max_loras if self.lora else 0)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device, lora=self.lora)
+                                  self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second)
         self.num_blocks = num_blocks
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)

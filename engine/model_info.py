@@ -33,6 +33,8 @@ class ModelInfo:
     vocab_size: int
     checkpoint_dtype: str
     fingerprint: str
+    video_token_id: int = -1  # -1: none in config.json
+    tokens_per_second: float = 1.0  # Qwen2.5-VL's vision config: video temporal positions per second
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config=None) -> "ModelInfo":
@@ -61,6 +63,8 @@ class ModelInfo:
             checkpoint_dtype=str(getattr(cfg, "dtype", None) or getattr(tc, "dtype", None) or "float32")
             .replace("torch.", ""),
             fingerprint=weights_fingerprint(model_dir),
+            video_token_id=int(getattr(cfg, "video_token_id", None) or -1),
+            tokens_per_second=float(getattr(cfg.vision_config, "tokens_per_second", None) or 1.0),
         )
 
 

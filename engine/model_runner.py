@@ -2,9 +2,9 @@
 
 One flattened variable-length batch per step: every scheduled request
 contributes its chunk of tokens (a prefill chunk or one decode token), with
-M-RoPE positions, cache slots and its block table. Image placeholder tokens
-take their rows of the image embeddings (a chunk may start or end inside an
-image) and deepstack features; logits are computed only for the rows that
+M-RoPE positions, cache slots and its block table. Image and video
+placeholder tokens take their rows of the span's embeddings (a chunk may
+start or end inside a span) and deepstack features; logits are computed only for the rows that
 sample, and for the prompt rows of a request that asked for prompt logprobs
 (`_score_prompt`).
 
@@ -55,9 +55,11 @@ class ModelRunner:
     def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
                  spatial_merge_size: int, image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
-                 lora: LoRAManager | None = None):
+                 lora: LoRAManager | None = None, tokens_per_second: float = 1.0):
+        """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py)."""
         self.model = model
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
+        self.tokens_per_second = tokens_per_second
         self.images = images  # the engine's: embeddings of the images its requests use
         self.block_size = block_size
         self.spatial_merge_size = spatial_merge_size
@@ -114,7 +116,7 @@ class ModelRunner:
         state = self._states.get(request.request_id)
         if state is None:
             positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
-                                               self.spatial_merge_size)
+                                               self.spatial_merge_size, self.tokens_per_second)
             seed = request.sampling_params.seed
             generator = make_generator(seed, self.device) if seed is not None else None
             state = _RequestState(positions.to(self.device), delta, generator)

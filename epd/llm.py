@@ -1,9 +1,10 @@
 """Offline inference: `from epd import LLM, SamplingParams`.
 
 One process runs everything (the aggregated path): the vision tower encodes
-each distinct image once, the engine schedules all requests together with
-continuous batching, and each request's text is detokenized incrementally
-with stop strings applied.
+each distinct image and video once, the engine schedules all requests together
+with continuous batching, and each request's text is detokenized incrementally
+with stop strings applied. A video is planned from its header as the API does
+(epd/inputs/video_header.py), then decoded and encoded (encoders/video_encoder.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from dataclasses import dataclass, field
 
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
+from epd.encoders.video_encoder import VideoEncoder
+from epd.encoders.video_geometry import VideoOptions, VideoPlan, load_video_config
+from epd.encoders.video_keys import video_mm_hash
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
@@ -22,10 +26,12 @@ from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
-from epd.inputs.prompt import ImageRef, PromptBuilder, image_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef, image_parts, video_parts
+from epd.inputs.video_header import plan_video
 from epd.transport.mm_entry import MMEntry
 
 log = logging.getLogger("epd.llm")
+MAX_VIDEO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
 
 
 @dataclass
@@ -83,9 +89,14 @@ class LLM:
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
             processor_kwargs=mm_processor_kwargs)
+        self.video = None if self.encoder is None else VideoEncoder(
+            model, self.encoder.tower, self.engine.dtype, self.engine.device)
+        self.video_config = {} if self.encoder is None else load_video_config(model)
         self.prompts = PromptBuilder(self.tokenizer, self.files.geometry, info.image_token_id,
-                                     self.files.chat_template and self.files.chat_template.text)
+                                     self.files.chat_template and self.files.chat_template.text,
+                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
         self.media = MediaConfig(allowed_local_media_path="/")  # offline: the caller's own files
+        self.video_media = MediaConfig(allowed_local_media_path="/", max_image_bytes=MAX_VIDEO_BYTES)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -98,13 +109,19 @@ class LLM:
     def chat(self, conversations, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Each conversation is a list of OpenAI-format messages; a single
         conversation may be passed directly. `tools` (OpenAI function tools) are
         rendered by the chat template, and `chat_template_kwargs` are more variables
         for it (as vLLM's LLM.chat takes them); constrain the output with
         `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`;
-        `lora_request` as `generate`'s."""
+        `lora_request` as `generate`'s. Videos: `{"type": "video_url", "video_url":
+        {"url": "file://..." or "data:video/..."}}` parts, sampled as the checkpoint's
+        video processor says, or as `mm_processor_kwargs` (fps, num_frames,
+        do_sample_frames, min/max_pixels, min/max_frames;
+        epd/encoders/video_geometry.VideoOptions) override it."""
+        options = VideoOptions.from_kwargs(mm_processor_kwargs)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
@@ -117,10 +134,11 @@ class LLM:
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
                     for b in image_bytes]
+            videos = [self._video(part, options) for part in video_parts(messages)]
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
-                                        template_kwargs=chat_template_kwargs)
+                                        template_kwargs=chat_template_kwargs, videos=[v for v, _ in videos])
             requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)),
-                             p, lora))
+                             p, lora, {v.mm_hash: (data, v.plan) for v, data in videos}))
         return self._run(requests)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -134,7 +152,7 @@ class LLM:
         requests = []
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
             ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-            requests.append((ids, [], {}, p, lora))
+            requests.append((ids, [], {}, p, lora, {}))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -151,25 +169,43 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
 
+    def _video(self, part: dict, options: VideoOptions) -> tuple[VideoRef, bytes]:
+        """A video part's bytes and what the prompt needs of it: the plan from its header and its key."""
+        if self.video is None:
+            raise ValueError(self.files.no_images_reason)
+        data = load_image_bytes(_video_source(part), self.video_media)
+        _, plan = plan_video(data, self.video.geometry, options)
+        return VideoRef(plan, video_mm_hash(data, self.engine.info.fingerprint, self.video_config, plan)), data
+
+    def _encode_videos(self, wanted: dict[str, tuple[bytes, VideoPlan]]) -> dict[str, MMEntry]:
+        """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
+        out: dict[str, MMEntry] = {}
+        for key, (data, plan) in wanted.items():
+            out.update(self.video.encode(data, plan, key))
+        return out
+
     def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEntry]:
         hashes = list(wanted)
         encoded = self.encoder.encode([wanted[h] for h in hashes]) if hashes else []
         return dict(zip(hashes, encoded))
 
     def _run(self, requests) -> list[RequestOutput]:
-        for _, _, _, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
+        for _, _, _, params, *_ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
         for lora in dict.fromkeys(r[4] for r in requests if r[4] is not None):  # a bad adapter: before any work
             self.engine.load_lora(lora)
         images: dict[str, bytes] = {}
-        for _, _, mm, _, _ in requests:
+        videos: dict[str, tuple[bytes, VideoPlan]] = {}
+        for _, _, mm, _, _, video_mm in requests:
             images.update(mm)
+            videos.update(video_mm)
         embeddings = self._encode_images(images)
+        embeddings.update(self._encode_videos(videos))
 
         outputs: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
-        for token_ids, spans, mm, params, lora in requests:
+        for token_ids, spans, mm, params, lora, _ in requests:
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
             outputs.append(out)
@@ -222,3 +258,12 @@ def _per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
     if len(lora_request) != n:
         raise ValueError(f"{len(lora_request)} lora requests for {n} prompts")
     return list(lora_request)
+
+
+def _video_source(part: dict) -> str:
+    """The URL a video content part points to (OpenAI's `video_url`, transformers' `video`)."""
+    value = part.get("video_url") if part.get("type") == "video_url" else part.get("video")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError("a video part needs a non-empty URL (data: or file://)")
+    return url

@@ -1,8 +1,13 @@
-"""M-RoPE positions for a prompt with images (Qwen3-VL's position rule).
+"""M-RoPE positions for a prompt with images and videos (Qwen3-VL's and
+Qwen2.5-VL's position rule, as transformers 5.x computes them).
 
-Text tokens advance all three rows (t, h, w) together. An image of merged
-grid (t, h', w') placed at running position p gets t-row p + frame, h-row
+Text tokens advance all three rows (t, h, w) together. A span of merged grid
+(t, h', w') placed at running position p gets t-row p + temporal index, h-row
 p + row, w-row p + col; the text after it resumes at p + max(h', w').
+The temporal index is the group index (images have one group; a Qwen3-VL
+video is one span per group, each (1, h, w), with its timestamp as text in
+between), or for a Qwen2.5-VL video `int(group x tokens_per_second x
+second_per_grid_t)`, computed in float32 as transformers does.
 Tokens generated later sit at `index + delta`, with
 `delta = max(prompt positions) + 1 - num_prompt_tokens`.
 """
@@ -11,24 +16,32 @@ from __future__ import annotations
 import torch
 
 
-def mrope_positions(num_tokens: int, spans, spatial_merge_size: int) -> tuple[torch.Tensor, int]:
+def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
+                    tokens_per_second: float = 1.0) -> tuple[torch.Tensor, int]:
     """Positions [3, num_tokens] for a prompt and the delta for later tokens.
 
-    `spans` are the prompt's images in order, each with `.offset`, `.length`
-    and `.grid_thw` (patches, before the spatial merge).
+    `spans` are the prompt's images and videos in order, each with `.offset`,
+    `.length`, `.grid_thw` (patches, before the spatial merge) and
+    `.second_per_grid_t` (0: temporal index = group index). `tokens_per_second`:
+    the vision config's (Qwen2.5-VL).
     """
     pieces = []
     cursor = 0  # prompt index of the next token to place
     pos = 0  # running position
     for span in spans:
-        if span.offset > cursor:  # text before this image
+        if span.offset > cursor:  # text before this span
             n = span.offset - cursor
             pieces.append(torch.arange(pos, pos + n).expand(3, n))
             pos += n
         t, h, w = span.grid_thw
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        assert t * h * w == span.length, f"image span of {span.length} tokens does not match grid {span.grid_thw}"
-        tt = torch.arange(t).view(t, 1, 1).expand(t, h, w).reshape(-1)
+        assert t * h * w == span.length, f"span of {span.length} tokens does not match grid {span.grid_thw}"
+        groups = torch.arange(t)
+        if getattr(span, "second_per_grid_t", 0.0):
+            step = torch.tensor(tokens_per_second, dtype=torch.float32) \
+                * torch.tensor(span.second_per_grid_t, dtype=torch.float32)
+            groups = (groups * step).long()
+        tt = groups.view(t, 1, 1).expand(t, h, w).reshape(-1)
         hh = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)
         ww = torch.arange(w).view(1, 1, w).expand(t, h, w).reshape(-1)
         pieces.append(torch.stack([tt, hh, ww]) + pos)

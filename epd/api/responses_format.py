@@ -122,7 +122,9 @@ class ResponsesFormat:
                             logprobs=part["logprobs"]),
                 self._event("response.content_part.done", **self._where(), part=part),
                 self._event("response.output_item.done", output_index=0, item=message),
-                self._event("response.completed", response=final)]
+                # a request the engine aborted ends as OpenAI ends a failed response
+                self._event("response.failed" if final["status"] == "failed" else "response.completed",
+                            response=final)]
 
     def _where(self) -> dict:
         return {"item_id": self.item_id, "output_index": 0, "content_index": 0}

@@ -19,10 +19,12 @@ def add_model_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_model)
 
-    p = sub.add_parser("chat", help="one user turn (images first, then the text); prints the completion")
+    p = sub.add_parser("chat", help="one user turn (images, videos, then the text); prints the completion")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    p.add_argument("--video", action="append", default=[],
+                   help="video file (repeatable; PyAV: pip install 'epd[video]')")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -56,7 +58,7 @@ def _chat(args) -> int:
     if not (Path(args.model) / "config.json").exists():
         print(f"epd chat: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    if args.image and not (Path(args.model) / PROCESSOR_CONFIG).is_file():
+    if (args.image or args.video) and not (Path(args.model) / PROCESSOR_CONFIG).is_file():
         print(f"epd chat: {NO_IMAGE_PROCESSOR}", file=sys.stderr)
         return 2
     parts = []
@@ -71,9 +73,27 @@ def _chat(args) -> int:
             print(f"epd chat: {path} is not a usable image ({exc})", file=sys.stderr)
             return 2
         parts.append({"type": "image_url", "image_url": {"url": Path(path).resolve().as_uri()}})
+    for path in args.video:
+        if (problem := _video_problem(path)) is not None:
+            print(f"epd chat: {problem}", file=sys.stderr)
+            return 2
+        parts.append({"type": "video_url", "video_url": {"url": Path(path).resolve().as_uri()}})
     parts.append({"type": "text", "text": args.prompt})
     llm = LLM(args.model, EngineConfig(dtype=args.dtype, device=args.device), chat_template=args.chat_template)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     out = llm.chat([[{"role": "user", "content": parts}]], params)[0]
     print(out.outputs[0].text)
     return 0
+
+
+def _video_problem(path: str) -> str | None:
+    """Why the file cannot be a video input (read from its header only), or None."""
+    from epd.encoders.video_io import VideoError, read_video_meta
+
+    try:
+        read_video_meta(Path(path).read_bytes())
+    except OSError as exc:
+        return f"cannot read video {path}: {exc.strerror}"
+    except VideoError as exc:
+        return f"{path} is not a usable video ({exc})"
+    return None

@@ -1,20 +1,34 @@
-"""Chat messages -> prompt token ids and image spans, without decoding pixels.
+"""Chat messages -> prompt token ids and image / video spans, without decoding pixels.
 
 The chat template renders one `<|image_pad|>` per image; each is expanded to
 the number of placeholder tokens the image will take, computed from its width
 and height alone (`ImageGeometry`), exactly as transformers' Qwen3-VL
 processor does after decoding. Image parts are recognised in the OpenAI form
 (`image_url`) and in transformers' (`image`, `image_pil`).
+
+A video part (`video_url`, `video`) renders one `<|video_pad|>`, expanded from
+its `VideoPlan` (made from the header, encoders/video_geometry.py) as
+transformers' processors write it: Qwen3-VL `<{t:.1f} seconds>` +
+`<|vision_start|>` + the group's pads + `<|vision_end|>` per temporal group
+(one span per group), Qwen2.5-VL one run of pads (one span).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from epd.encoders.image_processor import ImageGeometry
+from epd.encoders.video_geometry import VideoPlan
+from epd.encoders.video_keys import entry_hashes
 from epd.transport.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
+VIDEO_PART_TYPES = ("video_url", "video")
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+_PADS = re.compile(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})")
 PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
 BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
 NO_CHAT_TEMPLATE = ("this model has no chat template (no chat_template.json, chat_template.jinja or "
@@ -59,6 +73,28 @@ class ImageRef:
 
 
 @dataclass(frozen=True)
+class VideoRef:
+    """What the prompt needs to know of one video: the plan made from its
+    header and its content key (encoders/video_keys.video_mm_hash)."""
+
+    plan: VideoPlan
+    mm_hash: str
+
+    @property
+    def entry_hashes(self) -> list[str]:
+        """The keys its spans name, in order (one per temporal group for Qwen3-VL)."""
+        return entry_hashes(self.mm_hash, self.plan)
+
+    def placeholder(self) -> str:
+        """The text that replaces its one `<|video_pad|>`, as transformers' processor writes it."""
+        plan = self.plan
+        if plan.group_timestamps_s:  # Qwen3VLProcessor.replace_video_token
+            return "".join(f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * plan.tokens_per_group}{VISION_END}"
+                           for t in plan.group_timestamps_s)
+        return VIDEO_PAD * plan.num_tokens
+
+
+@dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
     mm_spans: list[MMSpan]
@@ -80,6 +116,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                 kind = part.get("type")
                 if kind in IMAGE_PART_TYPES:
                     parts.append({"type": "image"})
+                elif kind in VIDEO_PART_TYPES:
+                    parts.append({"type": "video"})
                 elif kind == "text":
                     parts.append({"type": "text", "text": part.get("text", "")})
                 else:
@@ -95,18 +133,32 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 
 def image_parts(messages: list[dict]) -> list[dict]:
     """The image content parts of `messages`, in prompt order."""
+    return _parts(messages, IMAGE_PART_TYPES)
+
+
+def video_parts(messages: list[dict]) -> list[dict]:
+    """The video content parts of `messages`, in prompt order."""
+    return _parts(messages, VIDEO_PART_TYPES)
+
+
+def _parts(messages: list[dict], kinds: tuple[str, ...]) -> list[dict]:
     return [part for msg in messages if isinstance(msg.get("content"), list)
-            for part in msg["content"] if part.get("type") in IMAGE_PART_TYPES]
+            for part in msg["content"] if part.get("type") in kinds]
 
 
 class PromptBuilder:
     def __init__(self, tokenizer, geometry: ImageGeometry | None, image_token_id: int,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, video_token_id: int | None = None):
         """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
-        (epd/inputs/model_files.py resolves it); None: the tokenizer's own."""
+        (epd/inputs/model_files.py resolves it); None: the tokenizer's own.
+        `video_token_id` (config.json's): None, the tokenizer's `<|video_pad|>` (-1: it has none)."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
+        if video_token_id is None:
+            found = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+            video_token_id = -1 if found is None or found == getattr(tokenizer, "unk_token_id", None) else found
+        self.video_token_id = video_token_id
         self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -129,44 +181,83 @@ class PromptBuilder:
 
     def build(self, messages: list[dict], images: list[ImageRef], add_generation_prompt: bool = True,
               tools: list[dict] | None = None, max_tokens: int | None = None,
-              continue_final_message: bool = False, template_kwargs: dict | None = None) -> Prompt:
-        """`images` in the order their parts appear in `messages`. `max_tokens`: a rendered
-        prompt surely longer is refused (PromptTooLong) before it is tokenized whole."""
+              continue_final_message: bool = False, template_kwargs: dict | None = None,
+              videos: list[VideoRef] = ()) -> Prompt:
+        """`images` and `videos` each in the order their parts appear in `messages`.
+        `max_tokens`: a rendered prompt surely longer is refused (PromptTooLong) before
+        it is tokenized whole."""
         text = self.render(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
-        if max_tokens is not None and exceeds_tokens(self.tokenizer, text, max_tokens):  # image pads only add
+        if max_tokens is not None and exceeds_tokens(self.tokenizer, text, max_tokens):  # pads only add
             raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
-        pieces = text.split(IMAGE_PAD)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(f"the chat template rendered {len(pieces) - 1} images, {len(images)} were given")
+        return self.expand(text, images, videos)
+
+    def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = ()) -> Prompt:
+        """A rendered prompt's one pad per image and video expanded, tokenized, its spans found."""
+        pieces = _PADS.split(text)  # text, pad, text, pad, ..., text
+        pads = pieces[1::2]
+        for name, pad, given in (("images", IMAGE_PAD, images), ("videos", VIDEO_PAD, videos)):
+            if pads.count(pad) != len(given):
+                raise ValueError(f"the chat template rendered {pads.count(pad)} {name}, {len(given)} were given")
+        image_it, video_it = iter(images), iter(videos)
         expanded = [pieces[0]]
-        for img, piece in zip(images, pieces[1:]):
-            expanded.append(IMAGE_PAD * self.geometry.num_image_tokens(img.width, img.height))
+        for pad, piece in zip(pads, pieces[2::2]):
+            if pad == IMAGE_PAD:
+                img = next(image_it)
+                expanded.append(IMAGE_PAD * self.geometry.num_image_tokens(img.width, img.height))
+            else:
+                expanded.append(next(video_it).placeholder())
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
-        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images))
+        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos))
 
-    def spans(self, token_ids: list[int], images: list[ImageRef]) -> list[MMSpan]:
+    def spans(self, token_ids: list[int], images: list[ImageRef], videos: list[VideoRef] = ()) -> list[MMSpan]:
+        """One span per run of image pads (one image) and per run of video pads (a
+        Qwen3-VL temporal group, or a whole Qwen2.5-VL video), in prompt order."""
         spans = []
         i, n = 0, len(token_ids)
-        it = iter(images)
+        image_it, video_runs = iter(images), iter(_video_runs(videos))
         while i < n:
-            if token_ids[i] != self.image_token_id:
+            token = token_ids[i]
+            if token != self.image_token_id and token != self.video_token_id:
                 i += 1
                 continue
             j = i
-            while j < n and token_ids[j] == self.image_token_id:
+            while j < n and token_ids[j] == token:
                 j += 1
-            img = next(it, None)
-            if img is None:
-                raise ValueError("the prompt holds more image placeholders than images")
-            grid = self.geometry.grid_thw(img.width, img.height)
-            spans.append(MMSpan(offset=i, length=j - i, mm_hash=img.mm_hash, grid_thw=grid))
+            if token == self.image_token_id:
+                spans.append(self._image_span(i, j - i, next(image_it, None)))
+            else:
+                run = next(video_runs, None)
+                if run is None:
+                    raise ValueError("the prompt holds more video placeholders than the videos take")
+                mm_hash, grid, num_tokens, second_per_grid_t = run
+                if j - i != num_tokens:
+                    raise ValueError(f"video placeholder run of {j - i} tokens, expected {num_tokens}")
+                spans.append(MMSpan(i, j - i, mm_hash, grid, second_per_grid_t))
             i = j
-        if next(it, None) is not None:
+        if next(image_it, None) is not None:
             raise ValueError("fewer image placeholders in the prompt than images")
-        for span in spans:
-            t, h, w = span.grid_thw
-            expected = t * h * w // self.geometry.merge_size ** 2
-            if span.length != expected:
-                raise ValueError(f"image placeholder run of {span.length} tokens, expected {expected}")
+        if next(video_runs, None) is not None:
+            raise ValueError("fewer video placeholders in the prompt than the videos take")
         return spans
+
+    def _image_span(self, offset: int, length: int, img: ImageRef | None) -> MMSpan:
+        if img is None:
+            raise ValueError("the prompt holds more image placeholders than images")
+        grid = self.geometry.grid_thw(img.width, img.height)
+        t, h, w = grid
+        expected = t * h * w // self.geometry.merge_size ** 2
+        if length != expected:
+            raise ValueError(f"image placeholder run of {length} tokens, expected {expected}")
+        return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash, grid_thw=grid)
+
+
+def _video_runs(videos: list[VideoRef]):
+    """(mm_hash, grid, tokens, second_per_grid_t) of each run of video pads the videos write, in order."""
+    for video in videos:
+        plan, keys = video.plan, video.entry_hashes
+        t, h, w = plan.grid_thw
+        if plan.group_timestamps_s:  # Qwen3-VL: a (1, h, w) span per group
+            yield from ((key, (1, h, w), plan.tokens_per_group, 0.0) for key in keys)
+        else:  # Qwen2.5-VL: the temporal step of its M-RoPE positions rides on the span
+            yield keys[0], plan.grid_thw, plan.num_tokens, plan.second_per_grid_t

@@ -27,7 +27,7 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# Qwen3-VL's chat template, reduced to text, images and tools: string or list
+# Qwen3-VL's chat template, reduced to text, images, videos and tools: string or list
 # content, multi-turn, system messages, an assistant prompt at the end on
 # request; with `tools`, Qwen's tools system block (the first system message
 # merged into it), assistant `tool_calls` as <tool_call> blocks and `tool`
@@ -40,6 +40,8 @@ CHAT_TEMPLATE = (
     "{%- for part in content %}"
     "{%- if part['type'] in ('image', 'image_url', 'image_pil') or 'image' in part %}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] in ('video', 'video_url') or 'video' in part %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'text' %}"
     "{{- part['text'] }}"
     "{%- endif %}"

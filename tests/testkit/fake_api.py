@@ -7,7 +7,8 @@ with real workers).
 10, 11, ... (shifted by the seed), text " w<id>" per token, finishing with
 "stop" after 5 tokens or "length" at max_tokens. Prompt words steer it:
 BAD -> RequestError before any Delta, CRASH -> RuntimeError before any Delta,
-CRASHLATER -> RuntimeError after two tokens, SLOW -> 20 ms per token and 1000
+CRASHLATER -> RuntimeError after two tokens, ABORTLATER -> finish_reason "abort" at the
+third token (a worker aborted the request), SLOW -> 20 ms per token and 1000
 tokens (for disconnects).
 """
 from __future__ import annotations
@@ -93,6 +94,9 @@ class FakeOrchestrator:
                     raise RuntimeError("secret internal detail")
                 tid = 10 + i + (request.sampling.seed or 0)
                 finish = None if i + 1 < min(num_stop, limit) else ("stop" if num_stop <= limit else "length")
+                if "ABORTLATER" in text and i == 2:
+                    yield Delta(text="", token_ids=[], finish_reason="abort", num_prompt_tokens=num_prompt)
+                    return
                 logprobs = None if k is None else [
                     TokenLogprobs(tid, -0.25, 1, [(tid + j, -0.25 * (j + 1)) for j in range(k)])]
                 yield Delta(text=self.decode_token(tid), token_ids=[tid], finish_reason=finish,

@@ -1,7 +1,9 @@
 """transformers' own model of the checkpoint's family (Qwen3-VL, Qwen3-VL-MoE,
 Qwen2.5-VL) as the reference: its image processor decodes the
 pixels, the placeholder expansion follows Qwen3VLProcessor (grid from the
-decoded image), and its model computes the logits."""
+decoded image), and its model computes the logits. Videos come processed by
+transformers' own processor in a child process (tests/testkit/video_reference.py
+hf_video_prompt_inputs: the replacement text and the tensors), in part order."""
 from __future__ import annotations
 
 import inspect
@@ -38,15 +40,23 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     for m in messages:
         c = m["content"]
         if not isinstance(c, str):
-            c = [{"type": "image"} if p["type"] != "text" else p for p in c]
+            c = [p if p["type"] == "text" else {"type": "video"} if p["type"] in ("video", "video_url")
+                 else {"type": "image"} for p in c]
         out.append({"role": m["role"], "content": c})
     return out
 
 
-def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes]) -> dict:
+def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos: list[dict] = ()) -> dict:
     model, tok, ip = _load(model_dir)
     text = tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
     inputs: dict = {}
+    if videos:
+        pieces = text.split("<|video_pad|>")
+        text = pieces[0] + "".join(v["replacement"] + p for v, p in zip(videos, pieces[1:]))
+        inputs.update(pixel_values_videos=torch.cat([v["pixel_values_videos"] for v in videos]),
+                      video_grid_thw=torch.cat([v["video_grid_thw"] for v in videos]))
+        if videos[0]["second_per_grid_ts"] is not None:
+            inputs["second_per_grid_ts"] = torch.cat([v["second_per_grid_ts"] for v in videos])
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         px = ip(images=pil, return_tensors="pt")
@@ -58,8 +68,13 @@ def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes]) -> dict
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     inputs["input_ids"] = ids
     if _takes_mm_token_types(model):
-        inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        inputs["mm_token_type_ids"] = _mm_token_types(model, ids)
     return inputs
+
+
+def _mm_token_types(model, ids: torch.Tensor) -> torch.Tensor:
+    """text 0, image 1, video 2 (what transformers' processor returns)."""
+    return (ids == model.config.image_token_id).int() + 2 * (ids == model.config.video_token_id).int()
 
 
 def _takes_mm_token_types(model) -> bool:
@@ -68,24 +83,26 @@ def _takes_mm_token_types(model) -> bool:
 
 
 @torch.no_grad()
-def hf_prompt_logits(model_dir: str, messages: list[dict], images: list[bytes]) -> tuple[list[int], torch.Tensor]:
+def hf_prompt_logits(model_dir: str, messages: list[dict], images: list[bytes],
+                     videos: list[dict] = ()) -> tuple[list[int], torch.Tensor]:
     """(prompt token ids, logits [num_prompt_tokens, vocab])."""
     model, _, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images)
+    inputs = hf_inputs(model_dir, messages, images, videos)
     return inputs["input_ids"][0].tolist(), model(**inputs).logits[0].float()
 
 
 @torch.no_grad()
-def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tokens: int) -> list[int]:
+def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tokens: int,
+              videos: list[dict] = ()) -> list[int]:
     """Greedy continuation without a KV cache: one full forward per token, EOS ignored."""
     model, _, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images)
+    inputs = hf_inputs(model_dir, messages, images, videos)
     ids = inputs["input_ids"]
     out = []
     for _ in range(num_tokens):
         step = dict(inputs, input_ids=ids)
         if _takes_mm_token_types(model):
-            step["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+            step["mm_token_type_ids"] = _mm_token_types(model, ids)
         nxt = int(model(**step).logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
@@ -93,9 +110,10 @@ def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tok
 
 
 @torch.no_grad()
-def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int) -> str:
+def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int,
+                     videos: list[dict] = ()) -> str:
     """transformers' generate(), greedy, stopping at EOS like a user would run it."""
     model, tok, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images)
+    inputs = hf_inputs(model_dir, messages, images, videos)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)

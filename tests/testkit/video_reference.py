@@ -50,6 +50,52 @@ def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list
     return torch.load(work / "out.pt")
 
 
+def hf_video_prompt_inputs(model_dir: str, videos: list[tuple[np.ndarray, object, dict]],
+                           work: Path) -> list[dict]:
+    """transformers' whole processor (AutoProcessor: Qwen3VLProcessor or
+    Qwen2_5_VLProcessor), in one child process, on each video's frames (all of
+    them) with its header `meta` and its kwargs: the text that replaces the
+    video's `<|video_pad|>` (`replacement`), `pixel_values_videos`,
+    `video_grid_thw` and, for Qwen2.5-VL, `second_per_grid_ts`: what its model takes."""
+    work.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for i, (frames, meta, kwargs) in enumerate(videos):
+        np.save(work / f"frames{i}.npy", frames)
+        jobs.append({"frames": str(work / f"frames{i}.npy"), "calls": [kwargs], "meta": _meta(meta)})
+    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"),
+                                               "videos": jobs, "processor": True}))
+    proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
+                          timeout=240)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference process failed:\n{proc.stderr[-4000:]}")
+    return torch.load(work / "out.pt")
+
+
+def _meta(meta) -> dict:
+    return {"total_num_frames": meta.num_frames, "fps": meta.fps, "width": meta.width,
+            "height": meta.height, "duration": meta.duration_s}
+
+
+def _processor_main(job: dict) -> None:
+    from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    processor = AutoProcessor.from_pretrained(job["model_dir"])
+    results = []
+    for video in job["videos"]:
+        merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
+                                         return_tensors="pt", **video["calls"][0])
+        # the call's own kwargs as given (an explicit fps=None must reach the video processor)
+        kwargs = dict(merged["videos_kwargs"], **video["calls"][0],
+                      video_metadata=[VideoMetadata(**video["meta"])])
+        out, replacements = processor._process_videos([np.load(video["frames"])], **kwargs)
+        spgt = out.get("second_per_grid_ts")
+        results.append({"replacement": replacements[0], "pixel_values_videos": out["pixel_values_videos"],
+                        "video_grid_thw": torch.as_tensor(out["video_grid_thw"]),
+                        "second_per_grid_ts": None if spgt is None else torch.tensor(spgt)})
+    torch.save(results, job["out"])
+
+
 def _main(job_path: str) -> None:
     sys.path.insert(0, str(TORCHVISION_DIR))
     import types
@@ -58,6 +104,8 @@ def _main(job_path: str) -> None:
     from transformers.video_utils import VideoMetadata
 
     job = json.loads(Path(job_path).read_text())
+    if job.get("processor"):
+        return _processor_main(job)
     processor = AutoVideoProcessor.from_pretrained(job["model_dir"])
     results = []
     for video in job["videos"]:

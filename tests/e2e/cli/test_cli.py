@@ -5,8 +5,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from epd.encoders.video_io import decode_frames, read_video_meta
 from testkit.hf_reference import hf_generate_text
 from testkit.media import image_bytes, image_part
+from testkit.video_reference import hf_video_prompt_inputs, reference_available
+from testkit.videos import encode_video, synthetic_frames
 
 
 def run_epd(*args, timeout=300):
@@ -22,7 +27,7 @@ def test_make_model_writes_a_hf_checkpoint(tmp_path):
                  "tokenizer_config.json", "preprocessor_config.json", "video_preprocessor_config.json"):
         assert (out / name).exists(), name
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    assert "<|image_pad|>" in tok_cfg["chat_template"]
+    assert "<|image_pad|>" in tok_cfg["chat_template"] and "<|video_pad|>" in tok_cfg["chat_template"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -49,6 +54,30 @@ def test_chat_on_a_file_that_is_not_an_image(tiny_model, tmp_path):
     proc = run_epd("chat", tiny_model, "--prompt", "hi", "--image", str(bogus))
     assert proc.returncode != 0
     assert "not a usable image" in proc.stderr and "notes.png" in proc.stderr
+
+
+def test_chat_with_a_video_prints_transformers_greedy_text(tiny_model, tmp_path):
+    pytest.importorskip("av")
+    if not reference_available():
+        pytest.skip("scripts/env.sh dev installs the reference")
+    data = encode_video(synthetic_frames(11, 64, 96, seed=4), "mp4", fps=5)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    proc = run_epd("chat", tiny_model, "--prompt", "What happens?", "--video", str(path), "--max-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    meta = read_video_meta(data)
+    [video] = hf_video_prompt_inputs(tiny_model, [(decode_frames(data, range(meta.num_frames)), meta, {})],
+                                     tmp_path / "ref")
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    assert proc.stdout.rstrip("\n") == hf_generate_text(tiny_model, messages, [], max_new_tokens=12, videos=[video])
+
+
+def test_chat_on_a_file_that_is_not_a_video(tiny_model, tmp_path):
+    bogus = tmp_path / "clip.mp4"
+    bogus.write_bytes(b"\x00" * 100)
+    proc = run_epd("chat", tiny_model, "--prompt", "hi", "--video", str(bogus))
+    assert proc.returncode != 0
+    assert "not a usable video" in proc.stderr and "clip.mp4" in proc.stderr
 
 
 def test_chat_on_a_missing_checkpoint(tmp_path):

@@ -89,6 +89,14 @@ def test_an_error_mid_stream_ends_it_with_error_and_response_failed(base_url, cl
     assert client.responses.create(model=MODEL, input="fine").output_text == expected_text()  # still serving
 
 
+def test_an_aborted_request_ends_the_stream_with_response_failed(base_url):
+    body = {"model": MODEL, "input": "ABORTLATER", "stream": True}
+    events = events_of(httpx.post(f"{base_url}/v1/responses", json=body, headers=AUTH).text)
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
+    assert "response.completed" not in [e["type"] for e in events]
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == expected_text(2)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_prompt_errors_name_the_input(base_url, stream):
     """The orchestrator refuses the prompt (param "messages"): the client reads "input"."""

@@ -1,0 +1,107 @@
+"""One video's bytes + the API's plan -> the vision embeddings its spans take.
+
+The encoder executes the plan the API made from the header (epd/inputs/
+video_header.py): it decodes exactly `plan.frame_indices`
+(encoders/video_io.py), resizes and patchifies them as transformers' video
+processor (encoders/video_processor.py) and runs the same vision tower as for
+images with grid (t, h, w), t temporal groups; it never re-plans.
+
+Output: `(mm_hash, MMEntry)` pairs in prompt order, keyed as
+encoders/video_keys.py says: one per temporal group for Qwen3-VL (grid
+(1, h, w), deepstack included), one for the whole video for Qwen2.5-VL
+(grid (t, h, w)). Groups are independent tower inputs, so a long video runs
+through preprocessing and the tower a few groups at a time
+(`max_batch_patches`), which bounds their memory, and gives the same rows
+as one pass (encoders/video_processor.py's steps, applied per chunk of groups:
+the resize is per frame, the last frame fills only the last group).
+
+Usage (the encoder worker, the offline LLM):
+
+    video = VideoEncoder(model_dir, image_encoder.tower, dtype, device)
+    for key, entry in video.encode(data, plan, video_hash):
+        cache.put(key, entry)
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from epd.encoders.video_geometry import VideoGeometry, VideoPlan
+from epd.encoders.video_io import decode_frames
+from epd.encoders.video_keys import entry_hashes
+from epd.encoders.video_processor import normalize_frames, patchify, resize_frames
+from epd.transport.mm_entry import MMEntry
+
+# (frames decoded, decode s, preprocessing s, ViT forward s) of one video
+VideoTimer = Callable[[int, float, float, float], None]
+DEFAULT_MAX_BATCH_PATCHES = 16384
+
+
+class VideoEncoder:
+    def __init__(self, model_dir: str | Path, tower: torch.nn.Module, dtype: torch.dtype, device: str = "cpu",
+                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES):
+        """`tower`: the checkpoint's vision tower, shared with the ImageEncoder
+        (`ImageEncoder.tower`); the video settings come from the checkpoint's
+        video_preprocessor_config.json (else preprocessor_config.json, as transformers)."""
+        self.geometry = VideoGeometry.from_pretrained(model_dir)
+        self.tower = tower
+        self.dtype = dtype
+        self.device = device
+        self.max_batch_patches = max_batch_patches
+
+    def encode(self, data: bytes, plan: VideoPlan, mm_hash: str,
+               on_video: VideoTimer | None = None) -> list[tuple[str, MMEntry]]:
+        """The entries of the video `mm_hash` (its key, encoders/video_keys.video_mm_hash).
+        Raises encoders.video_io.VideoError when the bytes do not decode to the plan."""
+        start = time.perf_counter()
+        frames = decode_frames(data, plan.frame_indices)  # uint8 [num_frames, H, W, 3]
+        decoded = time.perf_counter()
+        on_done = None
+        if on_video is not None:
+            def on_done(preprocess_s: float, forward_s: float) -> None:
+                on_video(len(plan.frame_indices), decoded - start, preprocess_s, forward_s)
+        return self.encode_frames(frames, plan, mm_hash, on_done)
+
+    @torch.inference_mode()
+    def encode_frames(self, frames, plan: VideoPlan, mm_hash: str,
+                      on_done: Callable[[float, float], None] | None = None) -> list[tuple[str, MMEntry]]:
+        """As `encode`, from the plan's frames already decoded (uint8 [T, H, W, 3]).
+        Preprocessing and the tower both go a few temporal groups at a time, so
+        neither holds a long video's float pixels at once."""
+        video = torch.as_tensor(frames)
+        if video.ndim != 4 or video.shape[0] != len(plan.frame_indices) or video.shape[-1] != 3:
+            raise ValueError(f"expected {len(plan.frame_indices)} RGB frames, got shape {tuple(video.shape)}")
+        video = video.permute(0, 3, 1, 2)  # [T, 3, H, W]
+        t, h, w = plan.grid_thw
+        tps = self.geometry.temporal_patch_size
+        groups_per_pass = max(1, self.max_batch_patches // (h * w))
+        embeds, deepstack = [], []
+        preprocess_s = forward_s = 0.0
+        for first in range(0, t, groups_per_pass):
+            n = min(groups_per_pass, t - first)
+            start = time.perf_counter()
+            part = resize_frames(video[first * tps:(first + n) * tps].contiguous(),
+                                 plan.resized_height, plan.resized_width)
+            pixels, grid = patchify(normalize_frames(part, self.geometry), self.geometry)  # [n*h*w, C*tps*p*p]
+            assert grid == (n, h, w), (grid, plan.grid_thw)
+            pixels = pixels.to(self.device, self.dtype)
+            preprocessed = time.perf_counter()
+            # one (1, h, w) grid per group: the same rows as (n, h, w), cut at the groups
+            result = self.tower(pixels, [(1, h, w)] * n)
+            embeds += result.embeds
+            deepstack += result.deepstack
+            if on_done is not None and str(self.device).startswith("cuda"):
+                torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
+            preprocess_s += preprocessed - start
+            forward_s += time.perf_counter() - preprocessed
+        if on_done is not None:
+            on_done(preprocess_s, forward_s)
+        keys = entry_hashes(mm_hash, plan)
+        if len(keys) == t:  # one entry per group; deepstack [num_deepstack, n, hidden] -> views
+            return [(key, MMEntry(e, list(d.unbind(0)), (1, h, w))) for key, e, d in zip(keys, embeds, deepstack)]
+        merged = torch.cat(embeds)
+        stacked = torch.cat(deepstack, dim=1)
+        return [(keys[0], MMEntry(merged, list(stacked.unbind(0)), (t, h, w)))]

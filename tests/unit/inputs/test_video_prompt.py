@@ -1,0 +1,109 @@
+"""A video's placeholders in the prompt (epd/inputs/prompt.py) and its M-RoPE
+positions (engine/models/mrope.py): Qwen3-VL's `<t seconds>` + vision_start +
+pads + vision_end per temporal group, one span per group; Qwen2.5-VL's one run
+with its temporal step on the span; positions equal to transformers'
+get_rope_index on the same token ids and grids."""
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from epd.encoders.image_processor import ImageGeometry
+from epd.encoders.video_geometry import VideoPlan
+from epd.encoders.video_keys import group_mm_hash
+from epd.engine.models.mrope import mrope_positions
+from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
+from epd.transport.mm_span import MMSpan
+
+H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64
+# 4 frames of 64x96 -> 2 temporal groups of 4x6 patches (6 tokens each), timestamps as Qwen3VLProcessor's
+QWEN3_PLAN = VideoPlan(frame_indices=(0, 3, 7, 10), resized_height=64, resized_width=96, grid_thw=(2, 4, 6),
+                       num_tokens=12, tokens_per_group=6, group_timestamps_s=(0.3, 1.7))
+# 7 frames -> 4 groups of 4x6 patches, 2 / 5 fps per group
+QWEN25_PLAN = VideoPlan(frame_indices=tuple(range(7)), resized_height=56, resized_width=84, grid_thw=(4, 4, 6),
+                        num_tokens=24, tokens_per_group=6, second_per_grid_t=0.4)
+VIDEO = {"type": "video_url", "video_url": {"url": "file:///x.mp4"}}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
+
+
+def test_qwen3_placeholder_text_writes_each_group_with_its_time():
+    pads = "<|video_pad|>" * 6
+    assert VideoRef(QWEN3_PLAN, H1).placeholder() == (
+        f"<0.3 seconds><|vision_start|>{pads}<|vision_end|><1.7 seconds><|vision_start|>{pads}<|vision_end|>")
+    assert VideoRef(QWEN25_PLAN, H1).placeholder() == "<|video_pad|>" * 24
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model) -> PromptBuilder:
+    return PromptBuilder(AutoTokenizer.from_pretrained(tiny_model), ImageGeometry.from_pretrained(tiny_model),
+                         AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("<|image_pad|>"))
+
+
+def _messages(*parts) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
+
+
+def test_qwen3_video_is_one_span_per_group_between_image_spans(builder):
+    image = ImageRef(64, 64, H1)
+    prompt = builder.build(_messages(IMAGE, VIDEO, IMAGE), [image, ImageRef(64, 64, H3)],
+                           videos=[VideoRef(QWEN3_PLAN, H2)])
+    spans = prompt.mm_spans
+    assert [s.mm_hash for s in spans] == [H1, group_mm_hash(H2, 0), group_mm_hash(H2, 1), H3]
+    assert [s.grid_thw for s in spans[1:3]] == [(1, 4, 6), (1, 4, 6)] and all(s.length == 6 for s in spans[1:3])
+    assert len({group_mm_hash(H2, 0), group_mm_hash(H2, 1), group_mm_hash(H1, 0)}) == 3
+    between = builder.tokenizer.decode(prompt.token_ids[spans[1].end:spans[2].offset])
+    assert between == "<|vision_end|><1.7 seconds><|vision_start|>"
+    assert {prompt.token_ids[i] for s in spans[1:3] for i in range(s.offset, s.end)} == {builder.video_token_id}
+
+
+def test_qwen25_video_is_one_span_carrying_its_temporal_step(builder):
+    prompt = builder.build(_messages(VIDEO), [], videos=[VideoRef(QWEN25_PLAN, H2)])
+    [span] = prompt.mm_spans
+    assert (span.mm_hash, span.grid_thw, span.length, span.second_per_grid_t) == (H2, (4, 4, 6), 24, 0.4)
+    assert MMSpan.from_list(span.to_list()) == span and len(span.to_list()) == 5
+    image_span = MMSpan(3, 4, H1, (1, 4, 4))
+    assert image_span.to_list() == [3, 4, H1, [1, 4, 4]]  # images travel as before
+    for bad in (float("nan"), float("inf"), -0.5, 0, "0.4", True):
+        with pytest.raises(ValueError, match="bad mm span"):
+            MMSpan.from_list([3, 4, H1, [1, 4, 4], bad])
+
+
+def test_video_count_must_match_the_template(builder):
+    with pytest.raises(ValueError, match="rendered 1 videos, 0 were given"):
+        builder.build(_messages(VIDEO), [])
+
+
+def _hf_rope_index(family: str, tokens_per_second: int = 4):
+    """transformers' get_rope_index (5.x), bound to a stand-in holding only what it reads."""
+    if family == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as cls
+    else:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel as cls
+    vision = types.SimpleNamespace(spatial_merge_size=2, tokens_per_second=tokens_per_second)
+    stub = types.SimpleNamespace(config=types.SimpleNamespace(vision_config=vision))
+    stub.get_vision_position_ids = functools.partial(cls.get_vision_position_ids, stub)
+    return functools.partial(cls.get_rope_index, stub)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_positions_equal_transformers_get_rope_index(builder, family):
+    plan = QWEN3_PLAN if family == "qwen3_vl" else QWEN25_PLAN
+    prompt = builder.build(_messages(IMAGE, VIDEO, IMAGE), [ImageRef(64, 96, H1), ImageRef(96, 64, H3)],
+                           videos=[VideoRef(plan, H2)])
+    ids = torch.tensor([prompt.token_ids])
+    image_id = builder.image_token_id
+    types_ = (ids == image_id).int() + 2 * (ids == builder.video_token_id).int()
+    image_grids = torch.tensor([s.grid_thw for s in prompt.mm_spans if prompt.token_ids[s.offset] == image_id])
+    extra = {} if family == "qwen3_vl" else {"second_per_grid_ts": torch.tensor([plan.second_per_grid_t])}
+    ref, ref_delta = _hf_rope_index(family)(ids, types_, image_grid_thw=image_grids,
+                                            video_grid_thw=torch.tensor([plan.grid_thw]), **extra)
+    positions, delta = mrope_positions(len(prompt.token_ids), prompt.mm_spans, 2, tokens_per_second=4)
+    assert torch.equal(positions, ref[:, 0]) and delta == int(ref_delta)
+    if family == "qwen2_5_vl":  # 0.4 s x 4 tokens/s: groups at 0, 1, 3, 4 past the video's start
+        [video] = [s for s in prompt.mm_spans if s.second_per_grid_t]
+        start = int(positions[1, video.offset])
+        assert positions[0, video.offset:video.end:6].tolist() == [start, start + 1, start + 3, start + 4]
