@@ -7,6 +7,14 @@
            to the prefill worker named in each request (with the tensors when
            it shares no cache dir) -> WorkerStats every `stats_interval_s`
 
+A video (an EncodeRequest with `video`, the plan the API counted) is a batch
+of its own: its planned frames decoded under the decode limits (frame size,
+decoded pixels, a deadline: encoders/video_io.DecodeLimits), then the video
+encoder (encoders/video_encoder.py); each entry its spans name (a Qwen3-VL
+temporal group, or the whole Qwen2.5-VL video) goes to the cache and gets its
+own EncodeDone, as an image's does. A video that fails sends one EncodeDone
+with the error, for its first entry: the request waits for all of them.
+
 The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
 holds (epd/serve/encoder_router.py), and the age of the oldest queued image
@@ -22,15 +30,20 @@ from epd.encoders.encoder_delays import EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
+from epd.encoders.video_geometry import VideoPlan
+from epd.encoders.video_io import DecodeLimits, VideoError, decode_frames
+from epd.encoders.video_keys import entry_hashes
 from epd.transport.frame_limits import encoder_inbox_frame_bytes
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
+from epd.transport.mm_video import VideoFrames
 from epd.transport.roles import Role
 from epd.transport.stamped_inbox import StampedInbox
 from epd.transport.wire_values import EncoderCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
+NO_VIDEO_ENCODER = "this encoder serves no video (its checkpoint has no video processor config)"
 
 @dataclass
 class _Job:
@@ -39,14 +52,24 @@ class _Job:
     num_patches: int
 
 
+def video_plan(frames: VideoFrames) -> VideoPlan:
+    """The API's plan, as the EncodeRequest carried it (transport/mm_video.py)."""
+    return VideoPlan(frames.frame_indices, frames.resized_height, frames.resized_width, frames.grid_thw,
+                     frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t)
+
+
 class EncoderWorker(WorkerIO):
-    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, delays: EncoderDelays = EncoderDelays()):
-        """`delays`: tests only (encoders/encoder_delays.py); none by default."""
+    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, delays: EncoderDelays = EncoderDelays(),
+                 video=None, decode_limits: DecodeLimits | None = None):
+        """`delays`: tests only (encoders/encoder_delays.py); none by default. `video`: the
+        checkpoint's VideoEncoder (None: videos refused); `decode_limits`: what decoding one may cost."""
         if spec.role != Role.ENCODER:
             raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
         super().__init__(spec, encoder.model_fingerprint,
                          max_frame_bytes=encoder_inbox_frame_bytes(spec.max_image_bytes))
         self.encoder = encoder
+        self.video = video
+        self.decode_limits = decode_limits
         self.queue: list[_Job] = []
         self.running = True
         self.counters = EncoderCounters()
@@ -87,6 +110,12 @@ class EncoderWorker(WorkerIO):
                 log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
 
     def _enqueue(self, msg: EncodeRequest, arrived_s: float) -> None:
+        if msg.video is not None:
+            if self.video is None:
+                self._done(msg, self._keys(msg)[0], error=NO_VIDEO_ENCODER)
+            else:
+                self.queue.append(_Job(msg, arrived_s, msg.video.num_patches))
+            return
         if self.encoder.preprocess is None:  # a text-only checkpoint (the API sends it no images)
             self._done(msg, error=NO_IMAGE_PROCESSOR)
             return
@@ -99,10 +128,11 @@ class EncoderWorker(WorkerIO):
         self.queue.append(_Job(msg, arrived_s, t * h * w))
 
     def _encode_batch(self) -> None:
-        """Encodes queued images, oldest first, up to the patch budget."""
+        """Encodes queued images, oldest first, up to the patch budget; a video alone."""
         batch, patches = [], 0
         start = time.perf_counter()
-        while self.queue and (not batch or patches + self.queue[0].num_patches <= self.encoder.max_batch_patches):
+        while self.queue and (not batch or (patches + self.queue[0].num_patches <= self.encoder.max_batch_patches
+                                            and self.queue[0].msg.video is None and batch[0].msg.video is None)):
             job = self.queue.pop(0)
             self.counters.queue_wait.observe(start - job.received_s)
             if self._from_cache(job):
@@ -110,6 +140,9 @@ class EncoderWorker(WorkerIO):
             batch.append(job)
             patches += job.num_patches
         if not batch:
+            return
+        if batch[0].msg.video is not None:
+            self._encode_video(batch[0])
             return
         start = time.perf_counter()
         try:
@@ -124,29 +157,63 @@ class EncoderWorker(WorkerIO):
                 self._done(job.msg, error=result)
                 continue
             self.counters.num_images += 1
-            entry = result
-            # a cache that cannot take it (too large, map full, disk error) is our fault, not the
-            # request's: the tensors then travel inline, as to a prefill worker on another host
-            cached = False
-            if self.cache is not None:
-                put_start = time.perf_counter()
-                cached = self.cache.put(job.msg.mm_hash, entry)
-                self.counters.cache_write_seconds.observe(time.perf_counter() - put_start)
-            self._done(job.msg, entry=entry if (job.msg.with_tensors or not cached) else None)
+            self._store(job.msg, job.msg.mm_hash, result)
+
+    def _store(self, msg: EncodeRequest, key: str, entry: MMEntry) -> None:
+        """An entry encoded: into the cache, then its EncodeDone. A cache that cannot take
+        it (too large, map full, disk error) is our fault, not the request's: the tensors
+        then travel inline, as to a prefill worker on another host."""
+        cached = False
+        if self.cache is not None:
+            put_start = time.perf_counter()
+            cached = self.cache.put(key, entry)
+            self.counters.cache_write_seconds.observe(time.perf_counter() - put_start)
+        self._done(msg, key, entry=entry if (msg.with_tensors or not cached) else None)
+
+    def _encode_video(self, job: _Job) -> None:
+        """One video: its planned frames decoded within the limits, encoded, each entry stored."""
+        msg = job.msg
+        plan = video_plan(msg.video)
+        start = time.perf_counter()
+        try:
+            frames = decode_frames(msg.image, plan.frame_indices, self.decode_limits)
+            entries = self.video.encode_frames(frames, plan, msg.mm_hash, on_done=self._on_video)
+        except VideoError as exc:  # the bytes, not the worker: this request fails, the worker serves on
+            self._done(msg, entry_hashes(msg.mm_hash, plan)[0], error=f"video: {exc}")
+            return
+        except Exception as exc:  # a plan the frames do not fit, a tower error: this video only
+            log.exception("%s: video %s failed", self.spec.worker_id, msg.mm_hash[:12])
+            self._done(msg, entry_hashes(msg.mm_hash, plan)[0], error=f"video: {exc.__class__.__name__}")
+            return
+        finally:
+            self.counters.encode_seconds_sum += time.perf_counter() - start
+        self.counters.num_images += 1
+        for key, entry in entries:
+            self._store(msg, key, entry)
+
+    def _keys(self, msg: EncodeRequest) -> list[str]:
+        """The cache keys an EncodeRequest's item is stored under (a video: its entries')."""
+        return [msg.mm_hash] if msg.video is None else entry_hashes(msg.mm_hash, video_plan(msg.video))
 
     def _from_cache(self, job: _Job) -> bool:
-        """Answers a queued image from the cache when it is there (encoded meanwhile
-        for another request, or earlier on this host): by name when the prefill
-        worker reads the same cache, else with the tensors read back."""
-        if self.cache is None or not self.cache.contains(job.msg.mm_hash):
+        """Answers a queued image (or every entry of a video) from the cache when it is
+        there (encoded meanwhile for another request, or earlier on this host): by name
+        when the prefill worker reads the same cache, else with the tensors read back."""
+        keys = self._keys(job.msg)
+        if self.cache is None or not all(self.cache.contains(key) for key in keys):
             return False
-        entry = self.cache.get(job.msg.mm_hash) if job.msg.with_tensors else None
-        if job.msg.with_tensors and entry is None:  # evicted since `contains`: encode it
+        entries = [self.cache.get(key) for key in keys] if job.msg.with_tensors else [None] * len(keys)
+        if any(entry is None for entry in entries) and job.msg.with_tensors:  # evicted since `contains`
             return False
         self.counters.num_cache_skips += 1
-        self.counters.cache_hit_tokens += job.num_patches // self.encoder.preprocess.geometry.merge_size ** 2
-        self._done(job.msg, entry=entry)
+        merge_size = (self.video.geometry if job.msg.video is not None else self.encoder.preprocess.geometry).merge_size
+        self.counters.cache_hit_tokens += job.num_patches // merge_size ** 2
+        for key, entry in zip(keys, entries):
+            self._done(job.msg, key, entry=entry)
         return True
+
+    def _on_video(self, preprocess_s: float, forward_s: float) -> None:
+        self._on_batch(1, preprocess_s, forward_s)
 
     def _on_batch(self, num_images: int, preprocess_s: float, forward_s: float) -> None:
         self.counters.batch_images.observe(num_images)
@@ -159,18 +226,21 @@ class EncoderWorker(WorkerIO):
         except ImageError as exc:
             return str(exc)
 
-    def _done(self, msg: EncodeRequest, entry: MMEntry | None = None, error: str | None = None) -> None:
+    def _done(self, msg: EncodeRequest, key: str | None = None, entry: MMEntry | None = None,
+              error: str | None = None) -> None:
+        """The EncodeDone of entry `key` (None: the request's mm_hash, an image's)."""
+        key = msg.mm_hash if key is None else key
         if error is not None:
             self.counters.num_errors += 1
-            done = EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=error)
+            done = EncodeDone(msg.request_id, key, ok=False, error=error)
         elif entry is not None:
             self.counters.num_inline += 1
             self.counters.inline_bytes += entry.embeddings.nbytes + sum(t.nbytes for t in entry.deepstack)
-            done = EncodeDone(msg.request_id, msg.mm_hash, ok=True, embeddings=entry.embeddings,
+            done = EncodeDone(msg.request_id, key, ok=True, embeddings=entry.embeddings,
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:
-            done = EncodeDone(msg.request_id, msg.mm_hash, ok=True)
-        if self.delays.slow_image_size is not None and self._is_slow(msg.image):
+            done = EncodeDone(msg.request_id, key, ok=True)
+        if self.delays.slow_image_size is not None and msg.video is None and self._is_slow(msg.image):
             self._held.append((time.monotonic() + self.delays.slow_image_s, msg.reply_to, done))
             return
         start = time.perf_counter()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
-from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImagePreprocessor
+from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_entry import MMEntry
@@ -34,10 +34,11 @@ class ImageEncoder:
                  model_fingerprint: str = "", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES,
                  max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, processor_kwargs: dict | None = None):
-        """`processor_kwargs` (--mm-processor-kwargs): the image processor's settings over the file's."""
+        """`processor_kwargs` (--mm-processor-kwargs): the image processor's settings over the file's
+        (its video keys are the API's: a video comes with its plan)."""
         # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
         has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
-        processor_kwargs = processor_kwargs or {}
+        processor_kwargs = {k: v for k, v in (processor_kwargs or {}).items() if k in PROCESSOR_KWARGS}
         self.preprocess = ImagePreprocessor(model_dir, processor_kwargs) if has_processor else None
         self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
         if self.tower is not None:

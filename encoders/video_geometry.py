@@ -164,15 +164,21 @@ class VideoGeometry:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
-    def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions()) -> VideoPlan:
+    def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions(),
+             loaded: list[int] | None = None) -> VideoPlan:
         """The sampled frames, their resized size and their tokens; VideoPlanError
-        where transformers' processor would raise."""
+        where transformers' processor would raise. `loaded`: the frames a loader
+        took before the processor (vLLM's --media-io-kwargs video.num_frames),
+        which the processor then uses as they are, sampling none."""
         if meta.num_frames < 1:
             raise VideoPlanError("the video has no frames")
         if meta.width < 1 or meta.height < 1:
             raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
         do_sample = self.do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
-        indices = self.sample_frames(meta, options) if do_sample else list(range(meta.num_frames))
+        if loaded is not None:
+            indices = list(loaded)
+        else:
+            indices = self.sample_frames(meta, options) if do_sample else list(range(meta.num_frames))
         height, width = self.resized_size(len(indices), meta.height, meta.width, options)
         t = -(-len(indices) // self.temporal_patch_size)  # the last frame repeats to fill a group
         grid = (t, height // self.patch_size, width // self.patch_size)

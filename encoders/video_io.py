@@ -10,8 +10,29 @@ Every failure is a `VideoError` with a message fit for a client.
 from __future__ import annotations
 
 import io
+import time
+from dataclasses import dataclass
 
 from epd.encoders.video_geometry import VideoMeta
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What decoding one video may cost the encoder (epd serve's video flags): the
+    pixels of one frame, the pixels decoded in all (every frame up to the last
+    sampled one, full size: FFmpeg decodes those it skips), and the seconds."""
+
+    max_frame_pixels: int
+    max_decoded_pixels: int
+    deadline_s: float
+
+    def check_size(self, width: int, height: int, last_index: int) -> None:
+        """VideoError when frames of this size, decoded up to `last_index`, are past the limits."""
+        if width * height > self.max_frame_pixels:
+            raise VideoError(f"video frames of {width}x{height} exceed the limit of {self.max_frame_pixels} pixels")
+        if (last_index + 1) * width * height > self.max_decoded_pixels:
+            raise VideoError(f"decoding {last_index + 1} frames of {width}x{height} exceeds the limit of "
+                             f"{self.max_decoded_pixels} decoded pixels")
 
 
 class VideoError(ValueError):
@@ -60,10 +81,12 @@ def read_video_meta(data: bytes) -> VideoMeta:
     return VideoMeta(num_frames=num_frames, fps=fps, width=width, height=height)
 
 
-def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int]) -> "np.ndarray":  # noqa: F821
+def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int],
+                  limits: DecodeLimits | None = None) -> "np.ndarray":  # noqa: F821
     """The frames at `frame_indices` (ascending, repeats allowed) of the first
     video stream, as uint8 [num_frames, height, width, 3] RGB, decoding no further
-    than the last one. VideoError when the stream ends before it."""
+    than the last one. VideoError when the stream ends before it, or (`limits`)
+    its frames are too large or it takes longer than the deadline."""
     import numpy as np
 
     if not frame_indices:
@@ -72,16 +95,28 @@ def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int]) -> "n
     last = max(wanted)
     picked: dict[int, np.ndarray] = {}
     container = _open(data)
+    start = time.monotonic()
     try:
+        if limits is not None:
+            context = container.streams.video[0].codec_context
+            limits.check_size(int(context.width), int(context.height), last)
         for i, frame in enumerate(container.decode(video=0)):
+            if limits is not None and time.monotonic() - start > limits.deadline_s:
+                raise VideoError(f"decoding the video took more than {limits.deadline_s:g} s")
             if i in wanted:
+                if limits is not None:  # the stream's size may change midway: each kept frame is checked
+                    limits.check_size(frame.width, frame.height, last)
                 picked[i] = frame.to_ndarray(format="rgb24")
             if i >= last:
                 break
+    except VideoError:
+        raise
     except Exception as exc:
         raise VideoError(f"cannot decode video: {exc.__class__.__name__}") from None
     finally:
         container.close()
     if last not in picked:
         raise VideoError(f"the video ends before frame {last} (its header promised more)")
+    if len({picked[i].shape for i in picked}) > 1:
+        raise VideoError("the video's frame size changes midway")
     return np.stack([picked[i] for i in frame_indices])

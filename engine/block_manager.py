@@ -13,7 +13,9 @@ Invariants
   `num_free_blocks` counts the last two kinds: both can be handed out.
 * A block hash is registered only for a FULL block whose KV has been
   computed (`cache_blocks` runs after the model step), so a prefix hit never
-  points at KV that is still being written.
+  points at KV that is still being written. Rejected draft tokens
+  (speculative decoding) never count as computed, so a hash covers accepted
+  tokens only; `shrink` hands back the blocks allocated for them.
 * Once every request is freed, `num_free_blocks == num_blocks`.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ class BlockManager:
       1. first schedule: `block_ids, num_cached_tokens = get_computed_blocks(r)`,
          then `allocate(r, num_new_tokens, block_ids)`;
       2. later chunks / decode steps: `allocate(r, num_new_tokens)`;
-      3. after each model step: `cache_blocks(r)` (registers newly full blocks);
+      3. after each model step: `cache_blocks(r)` (registers newly full blocks),
+         and `shrink(r, r.num_tokens)` after a step that verified a draft;
       4. finish, abort or preemption: `free(r)`.
     `allocate` either succeeds completely or changes nothing.
     """
@@ -246,6 +249,20 @@ class BlockManager:
         self._num_hashed_blocks[request.request_id] = num_full_blocks
 
     # ------------------------------------------------------------------- free
+
+    def shrink(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding's rollback: give back the request's blocks past
+        those that hold its first `num_tokens` positions (allocated for draft
+        tokens the target rejected). They hold no computed token, so they were
+        never hashed: they go back to the plain free list, and the slots of
+        rejected tokens in the blocks kept are overwritten by the next step."""
+        num_kept = self.num_blocks_for(num_tokens)
+        while len(request.block_ids) > num_kept:
+            block_id = request.block_ids.pop()
+            assert self._block_hashes[block_id] is None, "a rejected draft's block was hashed"
+            self._ref_counts[block_id] -= 1
+            assert self._ref_counts[block_id] == 0, f"block {block_id} of a draft is shared"
+            self._free_block_ids.appendleft(block_id)  # reused first: the next draft takes it back
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; idempotent.

@@ -3,6 +3,7 @@
     EngineConfig            memory, precision, device, attention backend, early prefill
       scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len,
                                     prefill priority
+      speculative_config: SpeculativeConfig | None   speculative decoding (engine/spec_config.py)
       lora: LoRAConfig              enable_lora, max_loras, max_lora_rank, max_cpu_loras
 
 `EngineConfig.from_flat(**settings)` takes the flat vLLM names of all three
@@ -16,6 +17,7 @@ from typing import Any
 
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.scheduler_config import SchedulerConfig
+from epd.engine.spec_config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -45,8 +47,11 @@ class EngineConfig:
     # up to the first missing one (engine/image_arrivals.py); off: it waits for all.
     early_prefill: bool = True
     seed: int = 0  # vLLM's --seed: the torch seed of every engine; unseeded requests sample from it
+    # vLLM's --speculative-config: given as its JSON text or a dict, kept typed (None: no speculation)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's half, float), got {self.dtype!r}")

@@ -1,6 +1,6 @@
 """The engine every worker runs: scheduler + model runner, one step at a time.
 
-    step():  schedule() -> SchedulerOutput -> runner.execute() -> scheduler.update()
+    step():  drafts -> schedule() -> SchedulerOutput -> runner.execute() -> scheduler.update()
 
 Works on token ids and image embeddings only: tokenizing, detokenizing, stop
 strings and the vision tower live with the caller (the offline `LLM`, a
@@ -31,7 +31,9 @@ from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
+from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
+from epd.engine.sampler import is_greedy_params
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
 from epd.transport.cpu_linear import pack_linears
@@ -45,8 +47,9 @@ from epd.transport.wire_values import LoRAState
 @torch.inference_mode()
 def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     """The largest forward an engine step runs (a full token budget, logits for
-    max_num_seqs rows) on a throwaway cache, so its peak activation memory is
-    measured before the KV cache takes the rest of the GPU."""
+    max_num_seqs rows, times 1 + k with speculative decoding) on a throwaway
+    cache, so its peak activation memory is measured before the KV cache takes
+    the rest of the GPU."""
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
     from epd.engine.models.qwen3_vl import ForwardBatch
@@ -60,7 +63,9 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
                          backend=get_backend(config.resolved_backend(device)),
                          kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
-    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs):])  # [rows, vocab]
+    spec = config.speculative_config
+    rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too
+    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs * rows_per_seq):])  # [rows, vocab]
 
 
 class StepFailed(RuntimeError):
@@ -76,7 +81,7 @@ class StepFailed(RuntimeError):
 @dataclass
 class StepResult:
     updates: list[RequestUpdate] = field(default_factory=list)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # one per token of its update
     num_batched_tokens: int = 0
     requests: dict[str, Request] = field(default_factory=dict)  # every request run this step
     failed: dict[str, str] = field(default_factory=dict)  # request id -> error (e.g. a grammar that fails to compile)
@@ -119,6 +124,11 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
+        # Speculative decoding (--speculative-config): decode-side engines only; a prefill
+        # worker samples one token a request and has nothing to verify.
+        spec = config.speculative_config
+        self.proposer = None if spec is None or role == "prefill" else \
+            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Requests whose adapter is being read (LoRAManager's loader thread) or grammar
         # (or bad words) prepared (the compiler thread): they enter the scheduler when
         # done, so no step waits for a disk or a compile (their images are in the ledger already).
@@ -290,6 +300,7 @@ class EngineCore:
         raises StepFailed naming them (and the grammars that failed meanwhile)."""
         failed = self._admit_prepared()
         self.images.drop_unused()  # images whose last request left since the last step
+        self._propose_drafts()
         out = self.scheduler.schedule()
         self.images.remove(out.dropped_request_ids)
         try:
@@ -300,9 +311,21 @@ class EngineCore:
             self.abort(request_ids)
             raise StepFailed(request_ids, failed) from exc
         self.images.remove(u.request_id for u in updates if u.is_finished)
-        return StepResult(updates, runner_out.logprobs, out.num_batched_tokens,
+        logprobs = {u.request_id: runner_out.logprobs[u.request_id][:len(u.new_token_ids)]  # none after a stop
+                    for u in updates if u.request_id in runner_out.logprobs}
+        return StepResult(updates, logprobs, out.num_batched_tokens,
                           {s.request_id: s.request for s in out.scheduled}, failed, out.dropped_request_ids,
                           runner_out.prompt_logprobs)
+
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: a draft for each running request whose next step
+        decodes, from its own tokens (n-gram). Greedy requests only: verifying a
+        sampled one needs rejection sampling, not in yet (docs/architecture.md)."""
+        if self.proposer is None:
+            return
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1 and is_greedy_params(request.sampling_params):
+                request.draft_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;
@@ -334,7 +357,8 @@ class EngineCore:
         still uses it, or the step that drops it has not run yet)."""
         return self.images.get(mm_hash)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | list[int]]:
+        """The scheduler's gauges and counters, speculative decoding's among them."""
         return self.scheduler.stats()
 
     def lora_state(self) -> LoRAState | None:

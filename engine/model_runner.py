@@ -15,6 +15,7 @@ engine's `ImageLedger`, which holds them while a request uses them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -26,16 +27,21 @@ from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
-from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, gather_logprobs, make_generator
+from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
+                                make_generator)
 from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
-from epd.engine.scheduler_output import SchedulerOutput
+from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from epd.engine.spec_verify import Draft, verify_drafts
 from epd.transport.mm_entry import MMEntry
 
 @dataclass
 class RunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    """Per request that sampled: its new tokens (one, or a verified draft's accepted
+    prefix and the target's token) and, when asked, one logprobs entry per token."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # a request's prompt logprobs (prompt tokens 1..n-1), with its first sampled token
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
@@ -149,7 +155,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         mm_mask: list[bool] = []
         mm_rows: list[tuple[MMEntry, int, int]] = []
-        q_lens, seq_lens, block_tables, sample_rows, sample_reqs, offsets = [], [], [], [], [], []
+        q_lens, seq_lens, block_tables, sample_rows, sampling, offsets = [], [], [], [], [], []
         for s in out.scheduled:
             req, state = s.request, self._state(s.request)
             offsets.append(len(token_ids))  # the chunk's first row in the batch
@@ -167,9 +173,9 @@ class ModelRunner:
             q_lens.append(s.num_new_tokens)
             seq_lens.append(s.end)
             block_tables.append(req.block_ids)
-            if s.is_last_chunk:
-                sample_rows.append(len(token_ids) - 1)
-                sample_reqs.append(req)
+            if s.is_last_chunk:  # the last token's row, and a draft's rows after it
+                sample_rows += range(len(token_ids) - s.num_sample_rows, len(token_ids))
+                sampling.append(s)
 
         meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device=self.device)
         batch = ForwardBatch(positions=torch.cat(positions, dim=1), attn_meta=meta, backend=self.backend,
@@ -188,8 +194,8 @@ class ModelRunner:
         if not sample_rows:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        result = self._sample(logits, sample_reqs)
-        for req in sample_reqs:
+        result = self._sample(logits, sampling)
+        for req in (s.request for s in sampling):
             state = self._states[req.request_id]
             if state.prompt_logprobs is not None and req.num_output_tokens == 0:
                 result.prompt_logprobs[req.request_id] = state.prompt_logprobs
@@ -245,36 +251,59 @@ class ModelRunner:
             parts.append(torch.arange(first + state.delta, end + state.delta, device=self.device).expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> RunnerOutput:
-        masked = [r for r in reqs if r.request_id in self._grammars]
-        bitmask = allocate_bitmask(len(masked), logits.shape[-1]) if masked else None
-        rows = {}
-        for row, req in enumerate(masked):  # catch up on tokens sampled since (or elsewhere), then mask
-            grammar = self._grammars[req.request_id]
+    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> RunnerOutput:
+        """logits [rows, vocab]: `num_sample_rows` rows per request, in order. A
+        request with a draft has a row per draft prefix, each with what decoding
+        one token at a time would see there (grammar mask, bans, penalties), and
+        keeps the tokens `verify_drafts` accepts."""
+        inputs = [row for s in scheduled for row in self._sampling_inputs(s)]
+        batch = SamplingBatch.from_inputs(inputs, device=self.device)
+        firsts = list(itertools.accumulate((s.num_sample_rows for s in scheduled), initial=0))
+        drafts = [Draft(row, s.draft_token_ids, is_greedy=is_greedy_params(s.request.sampling_params))
+                  for s, row in zip(scheduled, firsts) if s.draft_token_ids]
+        if drafts:
+            processed = self.sampler.process(logits, batch)
+            # random rows: `choose` and a sampled draft's verification each divide their rows in place
+            row_tokens = self.sampler.choose(processed if batch.is_all_greedy else processed.clone(), batch).tolist()
+            verified = iter(verify_drafts(processed, drafts, batch))
+            logprobs = None
+        else:
+            result = self.sampler(logits, batch)
+            row_tokens, logprobs = result.token_ids.tolist(), result.logprobs
+        per_request = [next(verified) if s.draft_token_ids else [row_tokens[row]] for s, row in zip(scheduled, firsts)]
+        if drafts and batch.num_logprobs is not None:  # the target's logprobs of the tokens kept
+            for tokens, row in zip(per_request, firsts):
+                row_tokens[row:row + len(tokens)] = tokens
+            logprobs = gather_logprobs(logits, torch.tensor(row_tokens, device=logits.device), batch.num_logprobs)
+        out = RunnerOutput()
+        for s, row, tokens in zip(scheduled, firsts, per_request):
+            out.sampled_token_ids[s.request_id] = tokens
+            if logprobs is not None and logprobs[row] is not None:
+                out.logprobs[s.request_id] = logprobs[row:row + len(tokens)]
+        return out
+
+    def _sampling_inputs(self, s: ScheduledRequest) -> list[SamplingInput]:
+        """One row per sampled position: the last token's, then one per draft token."""
+        req, params = s.request, s.request.sampling_params
+        num_rows = len(s.draft_token_ids) + 1
+        grammar = self._grammars.get(req.request_id)
+        bitmask = None
+        if grammar is not None:  # catch up on tokens sampled since (or elsewhere), then mask
+            bitmask = allocate_bitmask(num_rows, self.model.cfg.vocab_size)
             grammar.advance(req.output_token_ids)
-            grammar.fill_bitmask(bitmask, row)
-            rows[req.request_id] = row
-        inputs = []
-        for req in reqs:
-            params = req.sampling_params
+            grammar.fill_draft_bitmasks(s.draft_token_ids, bitmask, 0)
+        rows = []
+        for i in range(num_rows):
+            output = req.output_token_ids + list(s.draft_token_ids[:i]) if i else req.output_token_ids
             banned = ()
-            if req.num_output_tokens < params.min_tokens:
+            if len(output) < params.min_tokens:
                 banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else req.eos_token_ids)
             if req.request_id in self._bad_words:
-                banned += _bad_word_ends(self._bad_words[req.request_id], req.output_token_ids)
-            row = rows.get(req.request_id)
-            inputs.append(SamplingInput(params=params, prompt_token_ids=req.prompt_token_ids,
-                                        output_token_ids=req.output_token_ids,
-                                        generator=self._states[req.request_id].generator,
-                                        banned_token_ids=banned,
-                                        token_bitmask=None if row is None else bitmask[row]))
-        result = self.sampler(logits, SamplingBatch.from_inputs(inputs, device=self.device))
-        out = RunnerOutput()
-        for i, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
-            out.sampled_token_ids[req.request_id] = token
-            if result.logprobs is not None and result.logprobs[i] is not None:
-                out.logprobs[req.request_id] = result.logprobs[i]
-        return out
+                banned += _bad_word_ends(self._bad_words[req.request_id], output)
+            rows.append(SamplingInput(params=params, prompt_token_ids=req.prompt_token_ids, output_token_ids=output,
+                                      generator=self._states[req.request_id].generator, banned_token_ids=banned,
+                                      token_bitmask=None if bitmask is None else bitmask[i]))
+        return rows
 
 
 def _bad_word_ends(words: list[list[int]], output_token_ids: list[int]) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from epd.transport.lora_request import LoRARequest
@@ -45,6 +46,9 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding: tokens proposed to follow `all_token_ids`, verified by the
+    # next step that decodes it (never part of its tokens until accepted).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +93,17 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def append_tokens(self, token_ids: Sequence[int], max_model_len: int) -> tuple[RequestStatus | None, list[int]]:
+        """Appends sampled tokens one by one until one ends the request (`stop_status`);
+        returns that status (None: it goes on) and the tokens appended (those after
+        a stop, from a verified draft, are dropped)."""
+        for i, token_id in enumerate(token_ids):
+            self.output_token_ids.append(token_id)
+            status = self.stop_status(max_model_len)
+            if status is not None:
+                return status, list(token_ids[:i + 1])
+        return None, list(token_ids)
 
     @property
     def max_tokens(self) -> int:

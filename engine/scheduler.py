@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
@@ -42,6 +42,7 @@ from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from epd.engine.spec_decode import SpecDecodeStats, add_drafts
 
 @dataclass
 class _Step:
@@ -101,6 +102,7 @@ class Scheduler:
         self._finished_request_ids: list[str] = []  # since the last schedule()
         self._stalled: list[Request] = []  # last schedule(): got no block, cannot be preempted
         self.num_preemptions = 0
+        self.spec_decode = SpecDecodeStats()
 
     # ----------------------------------------------------------------- intake
 
@@ -231,6 +233,9 @@ class Scheduler:
             # (a request preempted for an earlier one in this loop is not RUNNING)
             if request.status is RequestStatus.RUNNING and self._allocate_or_preempt(request, 1, step):
                 step.take(self._scheduled(request, 1))
+        step.token_budget -= add_drafts(step.scheduled, step.token_budget, self.max_model_len, self.block_manager,
+                                        lambda budget: self._blocks_to_go_on(prefills, budget),
+                                        self.waiting[0].num_tokens if self.waiting else 0)
 
         # A decode worker's prompts (local prefills, recomputed preemptions) take at
         # most max_local_prefill_tokens a step: the running decodes wait one bounded chunk.
@@ -372,6 +377,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -380,18 +386,15 @@ class Scheduler:
     # ----------------------------------------------------------------- update
 
     def update(self, output: SchedulerOutput,
-               sampled_token_ids: dict[str, int]) -> list[RequestUpdate]:
-        """Apply a finished model step.
-
-        For every scheduled request: `num_computed_tokens += num_new_tokens`
-        and newly full blocks enter the prefix cache. For every chunk with
-        `is_last_chunk`, `sampled_token_ids[request_id]` is appended and the
-        stop rules run (`Request.stop_status`: EOS or a stop token -> "stop",
-        max_tokens or max_model_len -> "length"; other entries are ignored).
-        Finished requests free their blocks. In the prefill role an unfinished
-        request that sampled becomes prefilled (keeps its blocks). Requests
-        aborted between `schedule` and `update` are skipped.
-        Returns one RequestUpdate per request that sampled, in batch order.
+               sampled_token_ids: Mapping[str, int | Sequence[int]]) -> list[RequestUpdate]:
+        """Apply a finished model step: per scheduled request `num_computed_tokens +=
+        num_new_tokens` (less rejected draft tokens, whose blocks go back) and newly full
+        blocks enter the prefix cache; a last chunk's `sampled_token_ids[request_id]` (a
+        token, or a draft's accepted prefix and the target's token) is appended, the stop
+        rules after each (`Request.append_tokens`; other entries are ignored). Finished
+        requests free their blocks; in the prefill role an unfinished request that sampled
+        becomes prefilled (keeps its blocks). Requests aborted between `schedule` and
+        `update` are skipped. Returns one RequestUpdate per request that sampled, in order.
         """
         updates: list[RequestUpdate] = []
         for scheduled in output.scheduled:
@@ -400,24 +403,21 @@ class Scheduler:
                     or request.status is not RequestStatus.RUNNING:
                 continue
             assert request.num_computed_tokens == scheduled.start, "stale SchedulerOutput"
-            request.num_computed_tokens += scheduled.num_new_tokens
+            token_ids = scheduled.sampled(sampled_token_ids)
+            num_rejected = self.spec_decode.record(scheduled.draft_token_ids, token_ids)
+            request.num_computed_tokens += scheduled.num_new_tokens - num_rejected
             self.block_manager.cache_blocks(request)
             if not scheduled.is_last_chunk:
                 continue
-            if request.request_id not in sampled_token_ids:
-                raise ValueError(f"no sampled token for request {request.request_id}, "
-                                 f"whose chunk ends at its last token")
-            token_id = sampled_token_ids[request.request_id]
-            request.output_token_ids.append(token_id)
-            status = request.stop_status(self.max_model_len)
+            status, new_token_ids = request.append_tokens(token_ids, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
-                updates.append(RequestUpdate(request.request_id, [token_id], status.value))
             elif self.role == "prefill":
                 self._prefilled[request.request_id] = request
-                updates.append(RequestUpdate(request.request_id, [token_id], is_prefilled=True))
             else:
-                updates.append(RequestUpdate(request.request_id, [token_id]))
+                self.block_manager.shrink(request, request.num_tokens)  # the blocks of rejected draft tokens
+            updates.append(RequestUpdate(request.request_id, new_token_ids, None if status is None else status.value,
+                                         is_prefilled=request.request_id in self._prefilled))
         self.running = [r for r in self.running if r.status is RequestStatus.RUNNING
                         and r.request_id not in self._prefilled]
         return updates
@@ -492,9 +492,9 @@ class Scheduler:
     def num_prefilled(self) -> int:
         return len(self._prefilled)
 
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | list[int]]:
         blocks = self.block_manager
         return {"num_running": self.num_running, "num_waiting": self.num_waiting,
                 "num_prefilled": self.num_prefilled, "num_preemptions": self.num_preemptions,
                 "prefix_cache_queries": blocks.prefix_cache_queries, "prefix_cache_hits": blocks.prefix_cache_hits,
-                "kv_usage": blocks.usage, "num_free_blocks": blocks.num_free_blocks}
+                "kv_usage": blocks.usage, "num_free_blocks": blocks.num_free_blocks, **self.spec_decode.as_dict()}

@@ -4,6 +4,7 @@ Pure Python (no torch).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.request import Request
@@ -15,20 +16,27 @@ class ScheduledRequest:
     """One request's share of a step: tokens [start, start + num_new_tokens).
 
     `start` is `request.num_computed_tokens` at schedule time; the runner
-    computes KV for `request.all_token_ids[start:start + num_new_tokens]` at
-    positions start.., writing into `request.block_ids` (block i holds
-    positions [i * block_size, (i + 1) * block_size)).
+    computes KV for `token_ids` (`request.all_token_ids[start:]`, then the
+    draft) at positions start.., writing into `request.block_ids` (block i
+    holds positions [i * block_size, (i + 1) * block_size)).
 
-    `is_last_chunk` is True when the chunk ends at `request.num_tokens`: the
-    runner must sample exactly one token for this request (from the logits
-    of its last new position) and pass it to `Scheduler.update`. A
-    mid-prompt chunk of a chunked prefill samples nothing.
+    `is_last_chunk` is True when the chunk ends at `request.num_tokens` (plus
+    its draft): the runner must sample for this request and pass the tokens
+    to `Scheduler.update`. Without a draft that is exactly one token, from the
+    logits of its last new position. A mid-prompt chunk of a chunked prefill
+    samples nothing.
+
+    `draft_token_ids` (speculative decoding, a decode only): d proposed tokens
+    run after the request's last token, so the step scores d + 1 positions;
+    the runner returns the accepted prefix of the draft plus one token of the
+    target's (1..d + 1 tokens), and `update` counts only those as computed.
     """
 
     request: Request
     start: int
     num_new_tokens: int
     is_last_chunk: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -40,8 +48,25 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """Token ids to run this step, `num_new_tokens` of them."""
+        """Token ids to run this step, `num_new_tokens` of them (the draft last)."""
+        if self.draft_token_ids:
+            return self.request.all_token_ids[self.start:] + list(self.draft_token_ids)
         return self.request.all_token_ids[self.start:self.end]
+
+    def sampled(self, sampled_token_ids: Mapping[str, int | Sequence[int]]) -> list[int]:
+        """This chunk's tokens in the runner's output: [] unless it is a last chunk;
+        ValueError when a last chunk has none."""
+        if not self.is_last_chunk:
+            return []
+        if self.request_id not in sampled_token_ids:
+            raise ValueError(f"no sampled token for request {self.request_id}, whose chunk ends at its last token")
+        token_ids = sampled_token_ids[self.request_id]
+        return [token_ids] if isinstance(token_ids, int) else list(token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Positions whose logits are sampled: the draft's and the last token's, or none."""
+        return len(self.draft_token_ids) + 1 if self.is_last_chunk else 0
 
     def mm_slices(self) -> list[tuple[MMSpan, int, int]]:
         """Image spans overlapping this chunk, as (span, first, last + 1).
@@ -80,7 +105,7 @@ class SchedulerOutput:
 
     @property
     def sampling_request_ids(self) -> list[str]:
-        """Requests the runner must sample one token for, in batch order."""
+        """Requests the runner must sample for, in batch order."""
         return [s.request_id for s in self.scheduled if s.is_last_chunk]
 
 

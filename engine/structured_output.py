@@ -186,6 +186,26 @@ class GrammarState:
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_draft_bitmasks(self, draft_token_ids: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Speculative decoding: rows row .. row + d of `bitmask`, the mask after
+        the tokens fed so far and after each prefix of the draft, as decoding
+        the draft one token at a time would fill them. The matcher is rolled
+        back afterwards: a draft never advances the grammar (its accepted tokens
+        are fed by `advance` at the next step, like any sampled token). A draft
+        token the grammar refuses ends the walk; the rows after it stay
+        all-allowed, and no verification reads them (the masked target cannot
+        have chosen that token)."""
+        self.fill_bitmask(bitmask, row)
+        num_fed = 0
+        for i, token_id in enumerate(draft_token_ids):
+            if not self.matcher.is_terminated():  # ended: as `advance`, feed nothing more
+                if not self.matcher.accept_token(token_id):
+                    break
+                num_fed += 1
+            self.fill_bitmask(bitmask, row + i + 1)
+        if num_fed:
+            self.matcher.rollback(num_fed)
+
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """[num_rows, ceil(vocab / 32)] int32, every token allowed."""

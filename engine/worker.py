@@ -366,7 +366,7 @@ class EngineWorker(WorkerIO):
             out = self._hold(self.requests.get(update.request_id), TokenOutput(
                 update.request_id, list(update.new_token_ids), finished=update.is_finished,
                 finish_reason=update.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens, logprobs=None if lp is None else [lp],
+                num_cached_tokens=request.num_cached_tokens, logprobs=lp,
                 index=request.num_output_tokens - len(update.new_token_ids),
                 prompt_logprobs=result.prompt_logprobs.get(update.request_id)), request.sampling_params.stream_interval)
             if out is not None:
@@ -425,6 +425,10 @@ class EngineWorker(WorkerIO):
         self.counters.num_preemptions = stats["num_preemptions"]
         self.counters.prefix_cache_queries = stats["prefix_cache_queries"]
         self.counters.prefix_cache_hits = stats["prefix_cache_hits"]
+        self.counters.spec_decode_num_drafts = stats["spec_decode_num_drafts"]
+        self.counters.spec_decode_num_draft_tokens = stats["spec_decode_num_draft_tokens"]
+        self.counters.spec_decode_num_accepted_tokens = stats["spec_decode_num_accepted_tokens"]
+        self.counters.spec_decode_num_accepted_tokens_per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=self.core.num_running,
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,

@@ -8,7 +8,8 @@ import json
 from epd.config import field_default
 from epd.inputs.media import MediaConfig
 
-MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys (video: 0 until it is served)
+MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys
+VIDEO_IO_KEYS = ("num_frames",)  # --media-io-kwargs' video keys EPD applies (vLLM's loader)
 
 
 def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
@@ -35,6 +36,26 @@ def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
         if isinstance(num, bool) or not isinstance(num, int) or num < 0:
             raise ValueError(f"--limit-mm-per-prompt: {key} must be a count (>= 0), got {num!r}")
     return {**limits, **given}
+
+
+def media_io_kwargs(value: str | None) -> dict[str, int]:
+    """--media-io-kwargs as vLLM writes it, '{"video": {"num_frames": 32}}' -> {"video_num_frames": 32}
+    (MediaConfig's fields); -1 (the default) takes every frame and lets the processor sample."""
+    given = json_object("--media-io-kwargs", value)
+    unknown = sorted(set(given) - {"video"})
+    if unknown:
+        raise ValueError(f"--media-io-kwargs: EPD applies only video loading arguments, not {', '.join(unknown)}")
+    video = given.get("video", {})
+    if not isinstance(video, dict):
+        raise ValueError(f"--media-io-kwargs: video takes a JSON object, got {video!r}")
+    unknown = sorted(set(video) - set(VIDEO_IO_KEYS))
+    if unknown:
+        raise ValueError(f"--media-io-kwargs: video.{', video.'.join(unknown)} cannot be applied; EPD's video "
+                         f"loader takes {', '.join(VIDEO_IO_KEYS)}")
+    num_frames = video.get("num_frames", -1)
+    if isinstance(num_frames, bool) or not isinstance(num_frames, int) or not (num_frames == -1 or num_frames > 0):
+        raise ValueError(f"--media-io-kwargs: video.num_frames must be -1 (all) or positive, got {num_frames!r}")
+    return {"video_num_frames": num_frames}
 
 
 def json_object(flag: str, value: str | None) -> dict:

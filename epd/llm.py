@@ -231,7 +231,7 @@ class LLM:
                 p = pending[update.request_id]
                 p.detokenizer.push(update.new_token_ids)
                 if p.logprobs is not None and update.request_id in result.logprobs:
-                    p.logprobs.append(result.logprobs[update.request_id])
+                    p.logprobs += result.logprobs[update.request_id]
                 if update.finish_reason is not None:
                     p.finish_reason = update.finish_reason
                 elif p.detokenizer.is_stopped:
@@ -246,8 +246,11 @@ class LLM:
                 if p is None:
                     break
                 p.detokenizer.finish()
-                out.outputs.append(CompletionOutput(index, p.detokenizer.text, list(p.request.output_token_ids),
-                                                    p.finish_reason, p.logprobs))
+                # a stop string: no token after the one it ended in (a step may bring several, speculating)
+                num_tokens = p.detokenizer.num_tokens if p.detokenizer.is_stopped else p.request.num_output_tokens
+                out.outputs.append(CompletionOutput(index, p.detokenizer.text, p.request.output_token_ids[:num_tokens],
+                                                    p.finish_reason,
+                                                    None if p.logprobs is None else p.logprobs[:num_tokens]))
         return outputs
 
 

@@ -65,6 +65,7 @@ class GenerateRequest:
     continue_final_message: bool = False  # chat: the last message rendered open (vLLM's)
     chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
     lora: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
+    mm_processor_kwargs: dict | None = None  # chat: the video processor's settings (vLLM's), checked at the edge
 
 
 @dataclass

@@ -13,6 +13,7 @@ from epd.transport.codec import Fields, WireError
 from epd.transport.lora_request import LoRARequest
 from epd.transport.message import Message, need, read_address, read_api_index
 from epd.transport.mm_span import MMSpan
+from epd.transport.mm_video import VideoFrames
 from epd.transport.sampling import SamplingParams, TokenLogprobs
 from epd.transport.wire_values import logprobs_from_list, logprobs_to_list, sampling_from_map, sampling_to_map
 
@@ -46,20 +47,22 @@ def _lora(f: Fields, name: str) -> LoRARequest | None:
 
 @dataclass
 class EncodeRequest(Message):
-    """API -> encoder: encode one image; send EncodeDone to the address `reply_to`
+    """API -> encoder: encode one image, or one video when `video` is set (the
+    frames and size the API counted); send EncodeDone to the address `reply_to`
     (with the tensors when `with_tensors`: the prefill worker shares no cache dir)."""
 
     TYPE: ClassVar[str] = "encode_request"
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     mm_hash: str
-    image: bytes  # raw encoded file bytes (JPEG/PNG/...), its own frame
+    image: bytes  # raw encoded file bytes (JPEG/PNG/..., or the video's container), its own frame
     reply_to: str
     with_tensors: bool = False
+    video: VideoFrames | None = None  # None: `image` is an image
 
     def _fields(self):
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
-                "with_tensors": self.with_tensors}
+                "with_tensors": self.with_tensors, "video": None if self.video is None else self.video.to_map()}
 
     def _payload(self):
         return [self.image]
@@ -67,8 +70,9 @@ class EncodeRequest(Message):
     @classmethod
     def _build(cls, f, payload):
         need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
+        video = f.opt_map("video")
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], read_address(f, "reply_to"),
-                   f.bool("with_tensors"))
+                   f.bool("with_tensors"), None if video is None else VideoFrames.from_fields(video))
 
 
 @dataclass

@@ -103,12 +103,21 @@ class EngineCounters:
     num_kv_transfers: int = 0  # prefill side: KV sent and acked, timed in kv_transfer_seconds_sum
     kv_transfer_seconds_sum: float = 0.0  # send to ack
     num_aborted: int = 0  # requests an Abort took out of this worker (waiting, running or in transfer)
+    # speculative decoding (engine/spec_decode.py): sequences that verified a draft in a step, their
+    # draft tokens, those accepted, and per draft position how often its token was accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def to_map(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "prefix_cache_queries": self.prefix_cache_queries,
                 "prefix_cache_hits": self.prefix_cache_hits, "kv_transfer_bytes": self.kv_transfer_bytes,
                 "num_kv_transfers": self.num_kv_transfers, "kv_transfer_seconds_sum": self.kv_transfer_seconds_sum,
-                "num_aborted": self.num_aborted}
+                "num_aborted": self.num_aborted, "spec_decode_num_drafts": self.spec_decode_num_drafts,
+                "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos)}
 
     @staticmethod
     def from_map(m: Fields) -> EngineCounters:
@@ -116,7 +125,10 @@ class EngineCounters:
             num_preemptions=m.int("num_preemptions"), prefix_cache_queries=m.int("prefix_cache_queries"),
             prefix_cache_hits=m.int("prefix_cache_hits"), kv_transfer_bytes=m.int("kv_transfer_bytes"),
             num_kv_transfers=m.int("num_kv_transfers"), kv_transfer_seconds_sum=m.float("kv_transfer_seconds_sum"),
-            num_aborted=m.int("num_aborted"))
+            num_aborted=m.int("num_aborted"), spec_decode_num_drafts=m.int("spec_decode_num_drafts"),
+            spec_decode_num_draft_tokens=m.int("spec_decode_num_draft_tokens"),
+            spec_decode_num_accepted_tokens=m.int("spec_decode_num_accepted_tokens"),
+            spec_decode_num_accepted_tokens_per_pos=m.list_of("spec_decode_num_accepted_tokens_per_pos", int))
         m.reject_unknown(out.to_map())
         return out
 

@@ -47,7 +47,7 @@ class WorkerSpec:
     mm_cache_bytes: int
     stats_interval_s: float = 0.25
     keys_dir: str | None = None  # worker-plane keys (`epd keys`): CURVE on tcp sockets; None on one host
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image an EncodeRequest may carry (its inbox's cap)
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image or video an EncodeRequest carries (inbox cap)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too

@@ -3,8 +3,10 @@
 Each sequence's K/V is gathered from its blocks and handed to
 `scaled_dot_product_attention`. GQA folds the q heads of one kv head into the
 query rows ([num_kv_heads, group * q_len, head_dim]) so K/V are never
-repeated. Short decodes (q_len == 1) of similar length are batched into one call with
-a key-padding mask.
+repeated. Decodes of similar length are batched into one call with a
+key-padding mask: one query token each, or (speculative decoding) the last
+token and its draft, a few query tokens behind a cached prefix, batched with
+others of the same count under a causal mask among them.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ _DECODE_BATCH_MIN_FILL = 0.5
 _DECODE_BATCH_MAX_BYTES = 1 << 20
 # Query rows of one SDPA call in a prefill behind a cached prefix (see _prefill_one).
 _PREFIX_QUERY_ROWS = 256
+# Most query tokens of a sequence batched as a decode (a draft's verification) behind a cached prefix.
+_MAX_DECODE_QUERY_LEN = 16
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,13 +54,17 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(query)
     cu = meta.cu_seqlens_q.tolist()
     seq_lens = meta.seq_lens.tolist()
-    decode_ids = [b for b in range(len(seq_lens)) if cu[b + 1] - cu[b] == 1]
-    bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-    for group in _group_decodes(decode_ids, seq_lens, bytes_per_token):
-        _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens)
+    decodes: dict[int, list[int]] = {}  # query tokens -> sequences batched as decodes
     for b in range(len(seq_lens)):
-        if cu[b + 1] - cu[b] > 1:
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 1 or q_len < min(seq_lens[b], _MAX_DECODE_QUERY_LEN + 1):
+            decodes.setdefault(q_len, []).append(b)
+        else:
             _prefill_one(query, k_cache, v_cache, meta, scale, out, b, cu[b], cu[b + 1], seq_lens[b])
+    bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    for q_len, seq_ids in decodes.items():
+        for group in _group_decodes(seq_ids, seq_lens, bytes_per_token):
+            _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens, q_len)
     return out
 
 
@@ -106,30 +114,40 @@ def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, s
         out[q_start + i:q_start + j] = o.reshape(j - i, -1, head_dim)
 
 
-def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens) -> None:
+def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens, q_len) -> None:
+    """Sequences `group`, each with `q_len` query tokens at the end of its context, in one call."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_groups = query.shape[1] // num_kv_heads
     device = query.device
-    rows = torch.tensor([cu[b] for b in group], device=device)
+    rows = torch.tensor([cu[b] + j for b in group for j in range(q_len)], device=device)  # [B * Q]
     lens = [seq_lens[b] for b in group]
     max_len = max(lens)
     num_blocks = -(-max_len // block_size)
     block_ids = meta.block_tables[torch.tensor(group, device=device), :num_blocks].to(torch.long)
     k = _gather_kv(k_cache, block_ids, max_len)  # [B, max_len, Hkv, D], a copy
     v = _gather_kv(v_cache, block_ids, max_len)
-    q = query[rows].view(len(group), num_kv_heads, num_groups, head_dim)  # [B, Hkv, G, D]
+    # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: q head h reads kv head h // G; rows in (g, j) order
+    q = query[rows].view(len(group), q_len, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4) \
+        .reshape(len(group), num_kv_heads, num_groups * q_len, head_dim)
     mask = None
-    if min(lens) != max_len:
+    if min(lens) != max_len or q_len > 1:
         lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]  # [B, max_len]
+        keys = torch.arange(max_len, device=device)
+        padding = keys[None, :] >= lens_t[:, None]  # [B, max_len]
         # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through
         # softmax, so zero them — only them (a full masked_fill cost a third of the call)
-        pad_b, pad_t = (~mask).nonzero(as_tuple=True)
+        pad_b, pad_t = padding.nonzero(as_tuple=True)
         k[pad_b, pad_t] = 0
         v[pad_b, pad_t] = 0
-        mask = mask[:, None, None, :]  # [B, 1, 1, max_len]
+        if q_len == 1:
+            mask = ~padding[:, None, None, :]  # [B, 1, 1, max_len]
+        else:  # query j of sequence b sits at position len_b - Q + j and sees keys up to it
+            last = lens_t[:, None] - q_len + torch.arange(q_len, device=device)[None, :]  # [B, Q]
+            visible = keys[None, None, :] <= last[:, :, None]  # [B, Q, max_len]
+            mask = visible[:, None, None].expand(-1, 1, num_groups, -1, -1).reshape(len(group), 1, -1, max_len)
     o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    out[rows] = o.reshape(len(group), -1, head_dim)
+    o = o.view(len(group), num_kv_heads, num_groups, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]
+    out[rows] = o.reshape(len(group) * q_len, -1, head_dim)
 
 
 def _group_decodes(seq_ids: list[int], seq_lens: list[int], bytes_per_token: int) -> list[list[int]]:

@@ -1,9 +1,12 @@
-"""Triton paged decode attention (one query per sequence, split-K).
+"""Triton paged decode attention (a few queries per sequence, split-K).
 
 Flash-decoding: grid (sequences, kv heads, splits). A program loads the
 query rows of all q heads sharing one kv head (GQA: K/V are read once per
-group), and streams its share of the sequence's keys (1/num_splits of them)
-from the paged cache with an online softmax in float32. With one split it
+group) for each of the sequence's query tokens (one for a decode; the last
+token and its draft when speculative decoding verifies one, causal among
+them: rows (token j, group g), token j sees keys up to seq_len - q_len + j),
+and streams its share of the sequence's keys (1/num_splits of them) from
+the paged cache with an online softmax in float32. With one split it
 writes the output directly; otherwise it writes an unnormalised partial
 (acc, running max, running sum) and a second kernel merges the splits.
 Decode is memory bound: splits keep the GPU busy when
@@ -26,13 +29,14 @@ from epd.engine.attention.triton_prefill import check_kernel_layout, load_kv_til
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.0 / math.log(2.0)
 MAX_SPLITS = 32
+MAX_QUERY_LEN = 16  # query tokens of a sequence (a decode's draft + 1) the decode kernel takes
 MIN_KEYS_PER_SPLIT = 128
 
 
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_seqs, Hq, NUM_SPLITS, D] / [num_seqs, Hq, NUM_SPLITS]
+    part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_tokens, Hq, NUM_SPLITS, D] / [num_tokens, Hq, NUM_SPLITS]
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     scale_log2,  # softmax scale * log2(e): scores live in base 2
     stride_qt, stride_qh,  # query [num_tokens, Hq, D]
@@ -44,7 +48,7 @@ def _decode_kernel(
     NUM_GROUPS: tl.constexpr,  # q heads per kv head
     NUM_SPLITS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # cache block (page) size
-    BLOCK_G: tl.constexpr,  # NUM_GROUPS padded to a tl.dot-able size
+    BLOCK_G: tl.constexpr,  # rows: max query tokens x NUM_GROUPS, padded to a tl.dot-able size
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,  # compute tl.dot in float32 (bf16 under the interpreter)
@@ -53,7 +57,8 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    row = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)  # this sequence's only query row
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
@@ -62,11 +67,14 @@ def _decode_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < NUM_GROUPS
+    token = offs_g // NUM_GROUPS  # [R] row r: query token r // G, q head r % G of this kv head
+    mask_g = token < q_len
     mask_d = offs_d < head_dim
-    heads = kv_head * NUM_GROUPS + offs_g  # [G] q heads of this kv head
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [G, D]
+    heads = kv_head * NUM_GROUPS + offs_g % NUM_GROUPS  # [R]
+    row = (q_start + token).to(tl.int64)  # [R] rows of the batch
+    last_key = seq_len - q_len + token  # [R] causal: the last key each row sees (padding rows: all)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :], other=0.0)  # [R, D]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -80,21 +88,22 @@ def _decode_kernel(
         k, v = load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d, kv_head,
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                             BLOCK_SIZE, UPCAST)  # [N, D] each
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G, N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [R, N]
+        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= last_key[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: p = 0, no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     mask_out = mask_g[:, None] & mask_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        tl.store(out_ptr + row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_out)
     else:
-        part = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split  # [G]
+        part = (row * num_q_heads + heads) * NUM_SPLITS + split  # [R]
         tl.store(part_acc_ptr + part[:, None] * head_dim + offs_d[None, :], acc, mask=mask_out)
         tl.store(part_max_ptr + part, m_i, mask=mask_g)
         tl.store(part_sum_ptr + part, l_i, mask=mask_g)
@@ -102,19 +111,18 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, cu_seqlens_q_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_ot, stride_oh,
     num_q_heads, head_dim,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # a query token of the batch
     head = tl.program_id(1)
-    row = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    part = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + offs_s  # [S]
+    part = (row * num_q_heads + head) * NUM_SPLITS + offs_s  # [S]
     m = tl.load(part_max_ptr + part)  # [S], -inf for empty splits
     l = tl.load(part_sum_ptr + part)  # [S]
     acc = tl.load(part_acc_ptr + part[:, None] * head_dim + offs_d[None, :], mask=mask_d[None, :], other=0.0)
@@ -126,16 +134,18 @@ def _merge_splits_kernel(
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Paged attention for a decode-only batch (every q_len == 1).
+    """Paged attention for a batch of decodes: every sequence has at most
+    MAX_QUERY_LEN query tokens (1, or a draft's verification).
 
-    query [num_seqs, num_q_heads, head_dim] -> out, same shape and dtype.
+    query [num_tokens, num_q_heads, head_dim] -> out, same shape and dtype.
     `num_splits` (a power of two) overrides the split-K heuristic; pass a
     fixed value where the launch must not depend on the batch (CUDA graphs).
     """
     check_attention_inputs(query, k_cache, v_cache, meta)
     check_kernel_layout(query, k_cache, v_cache, meta)
-    if not meta.is_decode_only or query.shape[0] != meta.num_seqs:
-        raise ValueError("paged_decode_attention needs one query token per sequence (meta.is_decode_only)")
+    if meta.max_seqlen_q > MAX_QUERY_LEN:
+        raise ValueError(f"paged_decode_attention takes at most {MAX_QUERY_LEN} query tokens a sequence, "
+                         f"got {meta.max_seqlen_q}")
     out = torch.empty_like(query)
     num_seqs = meta.num_seqs
     if num_seqs == 0:
@@ -149,10 +159,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 32 if query.dtype == torch.float32 and block_d > 64 else 64
+    num_tokens = query.shape[0]
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
-        part_acc = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, **f32)
-        part_max = torch.empty(num_seqs, num_q_heads, num_splits, **f32)
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, **f32)
+        part_max = torch.empty(num_tokens, num_q_heads, num_splits, **f32)
         part_sum = torch.empty_like(part_max)
     else:  # unused by the kernel
         part_acc = part_max = part_sum = out
@@ -170,7 +181,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         NUM_GROUPS=num_groups,
         NUM_SPLITS=num_splits,
         BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(num_groups)),
+        BLOCK_G=max(16, triton.next_power_of_2(num_groups * meta.max_seqlen_q)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
@@ -178,8 +189,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_warps=4,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_q_heads)](
-            out, part_acc, part_max, part_sum, meta.cu_seqlens_q,
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_max, part_sum,
             out.stride(0), out.stride(1),
             num_q_heads, head_dim,
             NUM_SPLITS=num_splits,

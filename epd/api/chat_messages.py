@@ -1,5 +1,5 @@
 """OpenAI chat messages, checked at the edge: roles, content parts, images,
-assistant `tool_calls` and `tool` messages -> the form the chat template reads."""
+videos, assistant `tool_calls` and `tool` messages -> the form the chat template reads."""
 from __future__ import annotations
 
 import json
@@ -10,15 +10,18 @@ from epd.requests import RequestError
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None) -> list[dict]:
+def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None,
+                      max_videos: int | None = None) -> list[dict]:
     """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant/tool
     ("developer" becomes "system") or any other name, which the chat template renders
     (vLLM's custom roles), and content a string or a list of
-    {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} parts; an
-    assistant message keeps its `tool_calls` (arguments parsed, for the template) and
-    a tool message its `tool_call_id`."""
+    {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
+    {"type": "video_url", "video_url": {"url"}} parts; an assistant message keeps its
+    `tool_calls` (arguments parsed, for the template) and a tool message its
+    `tool_call_id`. More than `max_images` images or `max_videos` videos: 400
+    (--limit-mm-per-prompt), before anything is fetched."""
     out = []
-    num_images = 0
+    num_images = num_videos = 0
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = msg.get("role")
@@ -37,6 +40,7 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
         elif isinstance(content, list):
             content = [_content_part(part, role, f"{where}.content[{j}]") for j, part in enumerate(content)]
             num_images += sum(1 for part in content if part["type"] == "image_url")
+            num_videos += sum(1 for part in content if part["type"] == "video_url")
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content: must be a string or a list of content parts",
                                param=f"{where}.content")
@@ -51,6 +55,10 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
     if max_images is not None and num_images > max_images:
         raise RequestError(f"at most {max_images} images per request are allowed, got {num_images}",
                            param="messages")
+    if max_videos is not None and num_videos > max_videos:
+        raise RequestError(f"at most {max_videos} video{'s' if max_videos != 1 else ''} per request "
+                           f"{'are' if max_videos != 1 else 'is'} allowed, got {num_videos} "
+                           "(--limit-mm-per-prompt)", param="messages")
     return out
 
 
@@ -93,6 +101,17 @@ def _image_part(part: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}, **({"uuid": uuid} if uuid is not None else {})}
 
 
+def _video_part(part: dict, where: str) -> dict:
+    """{"type": "video_url", "video_url": {"url"}}: data:video/...;base64, file:// or http(s)://."""
+    video = part.get("video_url")
+    if not isinstance(video, dict):
+        raise RequestError(f"{where}.video_url: must be an object {{\"url\": ...}}", param=f"{where}.video_url")
+    url = video.get("url")
+    if not isinstance(url, str) or not url:
+        raise RequestError(f"{where}.video_url.url: must be a non-empty string", param=f"{where}.video_url.url")
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def _content_part(part: Any, role: str, where: str) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
@@ -103,6 +122,10 @@ def _content_part(part: Any, role: str, where: str) -> dict:
         if role != "user":
             raise RequestError(f"{where}.type: images are only allowed in user messages", param=f"{where}.type")
         return _image_part(part, where)
-    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text' or 'image_url'",
-                       param=f"{where}.type")
+    if kind == "video_url":
+        if role != "user":
+            raise RequestError(f"{where}.type: videos are only allowed in user messages", param=f"{where}.type")
+        return _video_part(part, where)
+    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text', 'image_url' "
+                       "or 'video_url'", param=f"{where}.type")
 

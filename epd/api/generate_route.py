@@ -133,6 +133,7 @@ class GenerateRoute:
                 check_max_tokens(body.max_tokens, "max_tokens", max_model_len)
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                               max_videos_per_prompt=self.settings.max_videos_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             request.lora = lora
             self._checked(request, "top_logprobs")

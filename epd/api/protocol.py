@@ -21,6 +21,7 @@ from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (r
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
 from epd.api.vllm_fields import REFUSED_CHAT, REFUSED_COMPLETION, check_extra_fields
+from epd.encoders.video_geometry import VideoOptions
 from epd.engine.structured_output import check_constraint
 from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
@@ -324,6 +325,7 @@ class ChatCompletionRequest(_GenerationRequest):
     continue_final_message: bool = False  # vLLM: the last message left open (with add_generation_prompt false)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables for the chat template
     echo: bool = False  # vLLM: the answer starts with the last message's content when it has the answer's role
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM: the video processor's settings for this request
 
     @property
     def response_role(self) -> str:
@@ -342,6 +344,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return content if isinstance(content, str) else ""
 
     def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None,
+                            max_videos_per_prompt: int | None = None,
                             defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
         """Raises RequestError for what the schema alone cannot catch. `defaults`:
         the sampling values of the fields the request leaves out."""
@@ -363,7 +366,8 @@ class ChatCompletionRequest(_GenerationRequest):
                                "named tool_choice may constrain the output", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        messages = validate_messages(self.messages, max_images_per_prompt)
+        messages = validate_messages(self.messages, max_images_per_prompt, max_videos_per_prompt)
+        check_mm_processor_kwargs(self.mm_processor_kwargs)
         check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         check_chat_template_kwargs(self.chat_template_kwargs)
         # max_completion_tokens replaces the deprecated max_tokens; None: up to the model length
@@ -375,7 +379,8 @@ class ChatCompletionRequest(_GenerationRequest):
                              messages=messages, prompt=None, add_generation_prompt=self.add_generation_prompt,
                              tools=tools or None, tool_choice=tool_choice,
                              continue_final_message=self.continue_final_message,
-                             chat_template_kwargs=self.chat_template_kwargs or None)
+                             chat_template_kwargs=self.chat_template_kwargs or None,
+                             mm_processor_kwargs=self.mm_processor_kwargs or None)
 
 class CompletionRequest(_GenerationRequest):
     _refused: ClassVar[dict] = REFUSED_COMPLETION
@@ -433,6 +438,16 @@ def check_chat_template_kwargs(kwargs: dict | None) -> None:
     if clash:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}: use the request's own fields",
                            param="chat_template_kwargs")
+
+
+def check_mm_processor_kwargs(kwargs: dict | None) -> None:
+    """vLLM's per-request mm_processor_kwargs, as the Qwen video processor takes them (fps,
+    num_frames, do_sample_frames, min/max_pixels, min/max_frames): a key it cannot apply or
+    a bad value is a 400 naming the field. They apply to the request's videos."""
+    try:
+        VideoOptions.from_kwargs(kwargs)
+    except ValueError as exc:
+        raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
 
 
 def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:

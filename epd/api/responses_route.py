@@ -54,6 +54,7 @@ class ResponsesRoute(GenerateRoute):
         lora = self.settings.adapter(chat.model)  # unknown: 404
         model = chat.model if lora else self.settings.served_model_name
         request = chat.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
+                                           max_videos_per_prompt=self.settings.max_videos_per_prompt,
                                            defaults=self.settings.sampling_defaults)
         request.lora = lora
         self._checked(request, "top_logprobs")

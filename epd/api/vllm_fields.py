@@ -57,7 +57,6 @@ REFUSED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "a per-request chat template is not trusted (vLLM refuses it too without "
                                "--trust-request-chat-template); set --chat-template"),
     "media_io_kwargs": ((None,), "per-request media loading arguments are not supported"),
-    "mm_processor_kwargs": ((None,), "per-request processor arguments are not supported; set --mm-processor-kwargs"),
     "return_prompt_text": ((None, False), "the rendered prompt text is not returned; POST /tokenize gives its tokens"),
 }
 
@@ -82,7 +81,8 @@ SERVED_COMMON = frozenset({
     "return_tokens_as_token_ids",
 })
 SERVED_CHAT = SERVED_COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
-                               "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+                               "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                               "mm_processor_kwargs"}
 SERVED_COMPLETION = SERVED_COMMON | {"prompt", "add_special_tokens"}
 
 

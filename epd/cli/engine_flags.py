@@ -12,7 +12,7 @@ from epd.engine.scheduler_config import PREFILL_PRIORITIES
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
-                "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -69,6 +69,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-local-prefill-tokens", type=int, default=defaults["max_local_prefill_tokens"],
                    help="e-p-d: text-only prompts of at most this many tokens are prefilled on a decode worker "
                         "(no KV transfer), which computes at most this many prompt tokens a step; 0: off")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding on the decode-side workers, vLLM's JSON: "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
+                        "(greedy requests only for now; default: none)")
     _add_lora_args(p, defaults)
 
 

@@ -7,7 +7,7 @@ import sys
 
 from epd.cli.engine_flags import HelpFormatter, add_engine_args, add_input_processing_args, engine_config
 from epd.config import CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, field_default
-from epd.flag_values import json_object, limit_mm_per_prompt, string_list
+from epd.flag_values import json_object, limit_mm_per_prompt, media_io_kwargs, string_list
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.lora_modules import check_lora_modules, parse_lora_modules
@@ -155,9 +155,10 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-pixels", type=int, default=media["max_image_pixels"],
                    help="refuse larger images (from the header)")
     p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON|image=N",
-                   help="items of each modality a request may hold, as vLLM's '{\"image\": 4, \"video\": 0}' or "
+                   help="items of each modality a request may hold, as vLLM's '{\"image\": 4, \"video\": 1}' or "
                         f"image=N (default: image {field_default(MediaConfig, 'limit_images_per_prompt')}, "
-                        "video 0; video above 0 is refused until EPD serves video)")
+                        f"video {field_default(MediaConfig, 'limit_videos_per_prompt')})")
+    _add_video_flags(p)
     add_input_processing_args(p)
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
                    help="pixels of all of a request's images together (from their headers)")
@@ -173,6 +174,25 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
                    help="generation-config values on top of --generation-config's, e.g. "
                         "'{\"temperature\": 0.5, \"max_new_tokens\": 512}' (a max_new_tokens here also caps "
                         "every request's max_tokens)")
+
+
+def _add_video_flags(p: argparse.ArgumentParser) -> None:
+    """What a video may be (size, frames, decoded pixels, decode time) and how its frames are taken."""
+    video = {name: field_default(MediaConfig, name) for name in (
+        "max_video_bytes", "max_video_frames", "max_request_video_pixels", "video_decode_timeout_s")}
+    p.add_argument("--max-video-mb", type=float, default=video["max_video_bytes"] / (1 << 20),
+                   help="refuse larger encoded videos")
+    p.add_argument("--max-video-frames", type=int, default=video["max_video_frames"],
+                   help="refuse a video whose container holds more frames (from its header)")
+    p.add_argument("--max-request-video-pixels", type=int, default=video["max_request_video_pixels"],
+                   help="pixels the encoder may decode for one request's videos (every frame up to the last "
+                        "sampled one, full size; from the headers)")
+    p.add_argument("--video-decode-timeout", type=float, default=video["video_decode_timeout_s"],
+                   help="seconds an encoder may take to decode one video; then its request fails")
+    p.add_argument("--media-io-kwargs", default=None, metavar="JSON",
+                   help="vLLM's media loading arguments: '{\"video\": {\"num_frames\": N}}' takes N frames "
+                        "evenly from each video before the processor sees them (-1, the default: every frame, "
+                        "the processor samples)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -241,7 +261,11 @@ def serve_config(args) -> ServeConfig:
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=limits["image"], limit_videos_per_prompt=limits["video"],
-                          max_request_pixels=args.max_request_pixels),
+                          max_request_pixels=args.max_request_pixels,
+                          max_video_bytes=int(args.max_video_mb * (1 << 20)), max_video_frames=args.max_video_frames,
+                          max_request_video_pixels=args.max_request_video_pixels,
+                          video_decode_timeout_s=args.video_decode_timeout,
+                          **media_io_kwargs(args.media_io_kwargs)),
         files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
                                override_generation_config=tuple(
                                    json_object("--override-generation-config",

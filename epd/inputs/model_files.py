@@ -10,6 +10,8 @@ weights, opened once at start-up: `ModelFiles.open(model_dir, ModelFilesConfig)`
                                .json first when both exist), then the tokenizer's own
     generation_config.json   the sampling defaults (epd/inputs/sampling_defaults.py)
     preprocessor_config.json optional: without it the checkpoint serves text only
+    video_preprocessor_config.json  optional: a video's sampling and size rules (else
+                             preprocessor_config.json's, as transformers reads them; neither: no video)
 
 A checkpoint that cannot be served raises `CheckpointError` (a ValueError: the
 CLI prints its one line and exits 2); one that serves less (no chat template,
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, ImageGeometry, check_processor_kwargs
+from epd.encoders.image_processor import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImageGeometry,
+                                          check_processor_kwargs)
+from epd.encoders.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
 from epd.engine.models.registry import check_family
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
@@ -32,6 +36,27 @@ from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaul
 PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a fast tokenizer's, or a BPE vocabulary's
 JINJA_CHARS = "{}\n"  # vLLM: a --chat-template holding none of these is a path
+NO_VIDEO_PROCESSOR = f"this checkpoint has no {VIDEO_CONFIG} (nor {IMAGE_CONFIG}): it serves no video"
+VIDEO_KWARGS = tuple(k for k in REQUEST_KEYS if k not in PROCESSOR_KWARGS)  # every video's defaults
+
+
+def split_processor_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    """--mm-processor-kwargs -> (the image processor's settings: min_pixels / max_pixels;
+    every video's defaults: fps, num_frames, do_sample_frames, min_frames, max_frames, which a
+    request's own mm_processor_kwargs override). ValueError for a key neither takes or a bad value."""
+    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS) - set(VIDEO_KWARGS))
+    if unknown:
+        raise ValueError(f"--mm-processor-kwargs: {', '.join(unknown)} cannot be applied here; the image "
+                         f"processor takes {', '.join(PROCESSOR_KWARGS)}, the video processor "
+                         f"{', '.join(VIDEO_KWARGS)}")
+    image = {k: v for k, v in kwargs.items() if k in PROCESSOR_KWARGS}
+    video = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
+    check_processor_kwargs(image)
+    try:
+        VideoOptions.from_kwargs(video)
+    except ValueError as exc:
+        raise ValueError(f"--mm-processor-kwargs: {exc}") from None
+    return image, video
 
 
 class CheckpointError(ValueError):
@@ -58,7 +83,7 @@ class ModelFilesConfig:
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"--tokenizer takes a directory holding a tokenizer, got {self.tokenizer!r}")
         kwargs = dict(self.mm_processor_kwargs)
-        check_processor_kwargs(kwargs)
+        split_processor_kwargs(kwargs)
         object.__setattr__(self, "mm_processor_kwargs", tuple(sorted(kwargs.items())))
 
 
@@ -77,6 +102,8 @@ class ModelFiles:
     sampling_defaults: SamplingDefaults
     processor_config: dict | None  # preprocessor_config.json; None: text only
     geometry: ImageGeometry | None = field(default=None)  # None: text only
+    video_geometry: VideoGeometry | None = field(default=None)  # None: no video
+    video_processor_config: dict | None = field(default=None)  # the file the video rules came from: in mm_hash
 
     @classmethod
     def open(cls, model_dir: str | Path, config: ModelFilesConfig | None = None) -> ModelFiles:
@@ -100,12 +127,14 @@ class ModelFiles:
                 processor_config = read_json_object(directory / PROCESSOR_CONFIG)
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
-            kwargs = dict(config.mm_processor_kwargs)
+            kwargs, _ = split_processor_kwargs(dict(config.mm_processor_kwargs))
             processor_config = {**processor_config, **kwargs}  # what the encoder runs with: part of mm_hash
             geometry = ImageGeometry.from_pretrained(directory, kwargs)
+        video_geometry, video_config = _video_rules(directory)
         return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
                    chat_template=resolve_chat_template(tokenizer_dir, tokenizer, config.chat_template),
-                   sampling_defaults=defaults, processor_config=processor_config, geometry=geometry)
+                   sampling_defaults=defaults, processor_config=processor_config, geometry=geometry,
+                   video_geometry=video_geometry, video_processor_config=video_config)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -116,6 +145,11 @@ class ModelFiles:
     def no_images_reason(self) -> str | None:
         """Why image inputs are refused (None: they are served)."""
         return None if self.geometry is not None else NO_IMAGE_PROCESSOR
+
+    @property
+    def no_video_reason(self) -> str | None:
+        """Why video inputs are refused (None: they are served)."""
+        return None if self.video_geometry is not None else NO_VIDEO_PROCESSOR
 
     @property
     def no_chat_reason(self) -> str | None:
@@ -129,6 +163,19 @@ class ModelFiles:
             out.append(f"chat template from {self.chat_template.source}")
         out.append(self.sampling_defaults.describe())
         return out
+
+
+def _video_rules(directory: Path) -> tuple[VideoGeometry | None, dict | None]:
+    """The checkpoint's video processor rules and the config they came from (None, None: no video)."""
+    for name in (VIDEO_CONFIG, IMAGE_CONFIG):
+        if (directory / name).is_file():
+            try:
+                config = read_json_object(directory / name)
+                return VideoGeometry.from_config(config), config
+            except (ValueError, TypeError, KeyError) as exc:
+                raise CheckpointError(f"{directory / name}: not a video processor config we can read ({exc})") \
+                    from None
+    return None, None
 
 
 def resolve_chat_template(model_dir: Path, tokenizer, chat_template: str | None) -> ChatTemplate | None:

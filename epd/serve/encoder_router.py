@@ -1,11 +1,13 @@
-"""Choosing the encoder for each image of a request (`--encoder-router`).
+"""Choosing the encoder for each image or video of a request (`--encoder-router`).
 
 round_robin  images to the encoders in turn.
 cost         (default) by predicted finish time, from the work each encoder
              holds, the image's own cost and where it was encoded before.
 
 The cost model, in vision patches (an image's patch count comes from its
-header size through ImageGeometry, in the orchestrator's prepare step):
+header size through ImageGeometry, in the orchestrator's prepare step; a
+video's is its plan's t x h x w, every temporal group's patches: frames x
+patches, each patch covering `temporal_patch_size` frames):
 
     backlog(e) = patches queued in e at its last WorkerStats
                + patches sent to e that it had not yet received then

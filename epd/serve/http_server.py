@@ -14,6 +14,7 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
     checkpoint's sampling defaults (the orchestrator's `ModelFiles`; None: neutral)."""
     return ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                        max_images_per_prompt=config.media.limit_images_per_prompt,
+                       max_videos_per_prompt=config.media.limit_videos_per_prompt,
                        max_request_body_bytes=config.limits.max_request_body_bytes,
                        metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name,
                        sampling_defaults=sampling_defaults or SamplingDefaults(),

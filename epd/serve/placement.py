@@ -4,9 +4,10 @@
     local prefill     e-p-d: a short text-only prompt to a decode worker alone, which prefills it
                       (or, when no decode worker has room, to an idle prefill worker)
     cache lookup      an image the prefill worker can read from the cache needs no encoder
-    encoders          every missing image to the encoder where it finishes first   epd/serve/encoder_router.py
+    encoders          every missing image or video to the encoder where it finishes first (a video's
+                      cost: its patches over every temporal group)   epd/serve/encoder_router.py
     send              PrefillRequest at once (the worker waits for its images), then one
-                      EncodeRequest per missing image
+                      EncodeRequest per missing image or video (a video's with its VideoFrames)
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that
@@ -103,6 +104,10 @@ class Placement:
         prefill and decode worker, the images no cache they read holds, and each one's encoder."""
         prefill, decode = await self._route(prep, emitted, deadline, lora_name)
         misses = self._cache_misses(prep, prefill, count=attempt_no == 0)
+        if prefill.role == Role.AGGREGATED and any(key in prep.video_frames for key, _ in misses):
+            # its in-process encoder is handed the bytes alone (engine/worker.py), not a video's frames
+            raise RequestError("video needs encoder workers in this build: serve with --mode e-pd or e-p-d",
+                               param="messages")
         if prefill.role == Role.AGGREGATED:
             encoders = [prefill] * len(misses)
         elif misses:
@@ -147,7 +152,8 @@ class Placement:
         for key, data in prep.images.items():
             if count:
                 self.metrics.mm_cache_queries += 1
-            if self._cache_reaches(prefill) and self.cache.contains(key):
+            # a video is there when every entry its spans name is (Qwen3-VL: one per temporal group)
+            if self._cache_reaches(prefill) and all(self.cache.contains(k) for k in prep.video_entries.get(key, [key])):
                 if count:  # the prefill worker reads it: no encoder work
                     self.metrics.mm_cache_hits += 1
                     self.metrics.mm_cache_hit_tokens += prep.num_patches[key] // self.merge_size ** 2
@@ -200,6 +206,7 @@ class Placement:
             attempt.encoders.append(enc)
             await outbox.send(enc.inbox, EncodeRequest(
                 attempt.attempt_id, key, data, reply_to=prefill.inbox,
-                with_tensors=enc is not prefill and not enc.shares_cache_with(prefill)))
+                with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
+                video=prep.video_frames.get(key)))
             if enc is not prefill:
                 self.encoder_router.on_sent(enc, key, prep.num_patches[key])

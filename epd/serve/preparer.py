@@ -1,21 +1,22 @@
 """A request's media and prompt made ready for the workers: `Preparer`.
 
-    load media        image parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
+    load media        image and video parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
       images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
+      videos          header -> plan (frames, size, tokens), mm_hash       epd/serve/video_inputs.py
       prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
                       (a prompt past max_model_len refused after tokenizing one piece past it)
     check length      the max_tokens to use within max_model_len
 
-Each kind of media is one step of `_prepare` (`_image_refs` today): video
-will be a step of its own beside it, adding its frames' spans and hashes to
-the same `Prepared`.
+Each kind of media is one step of `_prepare` (`_image_refs`, `VideoInputs.plan`),
+adding its spans, bytes and hashes to the same `Prepared`; a video's also its
+`VideoFrames`, which its EncodeRequest carries.
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from epd.config import ServeConfig
 from epd.encoders.image_io import ImageError, read_image_size
@@ -23,11 +24,13 @@ from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, VideoRef, exceeds_tokens, image_parts, video_parts
 from epd.requests import GenerateRequest, RequestError
+from epd.serve.video_inputs import PlannedVideo, VideoInputs
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.mm_cache import mm_hash
 from epd.transport.mm_span import MMSpan
+from epd.transport.mm_video import VideoFrames
 
 
 @dataclass
@@ -36,10 +39,12 @@ class Prepared:
 
     token_ids: list[int]
     mm_spans: list[MMSpan]
-    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images
+    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images and videos
     num_patches: dict[str, int]  # mm_hash -> vision patches (the encoder's work)
     max_tokens: int = 0  # tokens to generate, over all attempts
     held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
+    video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
+    video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
 
 
 class Preparer:
@@ -57,23 +62,25 @@ class Preparer:
         self.metrics = metrics
         self.geometry = files.geometry  # None: text only (no preprocessor_config.json)
         self.prompts = PromptBuilder(self.tokenizer, self.geometry, info.image_token_id,
-                                     files.chat_template and files.chat_template.text)
+                                     files.chat_template and files.chat_template.text,
+                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
         self.processor_config = files.processor_config or {}
         self.media = MediaFetcher(config.media)
         self.images_by_uuid = ImagesByUuid()  # vLLM's media uuid: the latest image sent under each
+        self.videos = VideoInputs(files, config.media, dict(config.files.mm_processor_kwargs), info.fingerprint)
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
         """Everything a request's attempts send; RequestError for bad input (400) or
         too many image bytes waiting (503). Holds the request's image bytes until
         `release` (the caller's, once prefilled or done)."""
-        raw_images = await self._load_images(req)
-        held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
+        raw_images, raw_videos = await self._load_media(req)
+        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images)) + sum(map(len, raw_videos)))
         try:
             if req.messages is None and not isinstance(req.prompt, str):
                 prep = self._prepare(req, raw_images)  # token ids: nothing to tokenize, no thread hop
             else:
-                prep = await asyncio.to_thread(self._prepare, req, raw_images)
+                prep = await asyncio.to_thread(self._prepare, req, raw_images, raw_videos)
             prep.max_tokens = self._check_length(req, len(prep.token_ids))
         except BaseException:
             self._release_image_bytes(held_image_bytes)
@@ -85,10 +92,10 @@ class Preparer:
         """The prompt `prepare(req)` would build (its images fetched for their sizes and hashes,
         each one's placeholders counted), without holding its images or sizing max_tokens:
         what /tokenize answers. `add_special_tokens`: a text prompt's, as the tokenizer adds them."""
-        raw_images = await self._load_images(req)
-        held_image_bytes = self._admit_image_bytes(sum(len(b) for b in raw_images))
+        raw_images, raw_videos = await self._load_media(req)
+        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images)) + sum(map(len, raw_videos)))
         try:
-            return (await asyncio.to_thread(self._prepare, req, raw_images, add_special_tokens)).token_ids
+            return (await asyncio.to_thread(self._prepare, req, raw_images, raw_videos, add_special_tokens)).token_ids
         finally:
             self._release_image_bytes(held_image_bytes)
 
@@ -102,18 +109,23 @@ class Preparer:
 
     # ------------------------------------------------------------- media
 
-    async def _load_images(self, req: GenerateRequest) -> list[bytes]:
-        """Raw bytes of every image part, in order, fetched concurrently; RequestError
-        for a refused one (the others are cancelled). The per-prompt image limit was
-        checked by the API layer (protocol.validate_messages) before any fetch."""
+    async def _load_media(self, req: GenerateRequest) -> tuple[list[bytes], list[bytes]]:
+        """Raw bytes of every image part and every video part, in order, fetched
+        concurrently; RequestError for a refused one (the others are cancelled). The
+        per-prompt limits were checked by the API layer (protocol.validate_messages)
+        before any fetch."""
         if req.messages is None:
-            return []
-        parts = image_parts(req.messages)
+            return [], []
+        parts, videos = image_parts(req.messages), video_parts(req.messages)
         if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
             raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
+        if videos and self.files.no_video_reason:
+            raise RequestError(status=400, message=self.files.no_video_reason, param="messages")
         loads = [asyncio.ensure_future(self._load_image(part)) for part in parts]
+        loads += [asyncio.ensure_future(self.media.load(image_part_source(part), "video")) for part in videos]
         try:
-            return list(await asyncio.gather(*loads))
+            loaded = list(await asyncio.gather(*loads))
+            return loaded[:len(parts)], loaded[len(parts):]
         except MediaError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         finally:
@@ -149,8 +161,9 @@ class Preparer:
 
     # ------------------------------------------------------------ prompt
 
-    def _prepare(self, req: GenerateRequest, raw_images: list[bytes], add_special_tokens: bool = False) -> Prepared:
-        """Tokens, image spans and distinct images; RequestError for bad input."""
+    def _prepare(self, req: GenerateRequest, raw_images: list[bytes], raw_videos: list[bytes] = (),
+                 add_special_tokens: bool = False) -> Prepared:
+        """Tokens, image and video spans and distinct media; RequestError for bad input."""
         # one token at least is left to generate; a prompt to be truncated is tokenized whole
         max_prompt_tokens = self.max_model_len - 1 if req.truncate_prompt_tokens is None else None
         if req.messages is None:
@@ -166,15 +179,27 @@ class Preparer:
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
             return self._truncated(req, Prepared(ids, [], {}, {}))
         images, num_patches, refs = self._image_refs(raw_images)
+        videos = self.videos.plan(list(raw_videos), req.mm_processor_kwargs)
         try:
-            prompt = self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
-                                        max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
-                                        template_kwargs=req.chat_template_kwargs)
+            prompt = self._build_prompt(req, refs, videos, max_prompt_tokens)
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
-        return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches))
+        for video, data in zip(videos, raw_videos):
+            images[video.mm_hash] = data
+            num_patches[video.mm_hash] = video.num_patches
+        return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
+                                             video_frames={v.mm_hash: v.frames for v in videos},
+                                             video_entries={v.mm_hash: v.entry_hashes for v in videos}))
+
+    def _build_prompt(self, req: GenerateRequest, refs: list[ImageRef], videos: list[PlannedVideo],
+                      max_prompt_tokens: int | None):
+        """The chat template with every image's and video's placeholders (epd/inputs/prompt.py)."""
+        return self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
+                                  max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
+                                  template_kwargs=req.chat_template_kwargs,
+                                  videos=[VideoRef(v.plan, v.mm_hash) for v in videos])
 
     def _truncated(self, req: GenerateRequest, prep: Prepared) -> Prepared:
         """vLLM's truncate_prompt_tokens: keep k tokens (-1: as many as the model takes
@@ -194,7 +219,7 @@ class Preparer:
             raise RequestError(status=400, message="truncate_prompt_tokens: 0 leaves an empty prompt",
                                param="truncate_prompt_tokens")
         spans = [replace(span, offset=span.offset - start) for span in prep.mm_spans]
-        return Prepared(ids[start:start + k], spans, prep.images, prep.num_patches)
+        return replace(prep, token_ids=ids[start:start + k], mm_spans=spans)
 
     def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
         return RequestError(status=400, message=f"This model's maximum context length is {self.max_model_len} "

@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from epd.encoders.video_io import DecodeLimits
 from epd.engine.config import EngineConfig
 from epd.serve.heap import freeze_startup_heap
 from epd.transport.worker_io import WorkerSpec
@@ -31,6 +32,7 @@ class WorkerLaunch:
     nice: int = 0  # added to the process's niceness before any work
     mm_processor_kwargs: tuple = ()  # --mm-processor-kwargs as (key, value) pairs: the encoder's processor
     tokenizer: str | None = None  # --tokenizer: the grammar compiler's (None: the checkpoint's)
+    decode_limits: DecodeLimits | None = None  # an encoder's: what decoding one video may cost (None: no bound)
 
 
 def _die_with_parent() -> None:
@@ -84,9 +86,23 @@ def _encoder_worker(launch: WorkerLaunch, hf_config, info):
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
-    encoder = _image_encoder(launch, hf_config, info, resolve_dtype(launch.engine.dtype, info.checkpoint_dtype),
-                             device)
-    return EncoderWorker(launch.spec, encoder, EncoderDelays.from_env(os.environ))  # tests may slow it down
+    dtype = resolve_dtype(launch.engine.dtype, info.checkpoint_dtype)
+    encoder = _image_encoder(launch, hf_config, info, dtype, device)
+    return EncoderWorker(launch.spec, encoder, EncoderDelays.from_env(os.environ),  # tests may slow it down
+                         video=_video_encoder(launch, encoder, dtype, device), decode_limits=launch.decode_limits)
+
+
+def _video_encoder(launch: WorkerLaunch, encoder, dtype, device):
+    """The checkpoint's video encoder, sharing the image encoder's tower; None without a
+    tower or a video processor config (videos are then refused, as the API refuses them)."""
+    from epd.encoders.video_encoder import VideoEncoder
+
+    if encoder.tower is None:
+        return None
+    try:
+        return VideoEncoder(launch.model, encoder.tower, dtype, device)
+    except FileNotFoundError:
+        return None
 
 
 def _engine_worker(launch: WorkerLaunch, hf_config, info):

@@ -25,13 +25,13 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
     launches = []
     for (role, index), engine in zip(config.worker_roles(), engines):
         spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
-                          mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_image_bytes)
+                          mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_blob_bytes)
         if engine.device.startswith("cuda"):
             print(f"EPD: {spec.worker_id} on {engine.device}"
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"
                      if role.holds_kv else ""), flush=True)
         launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
                                      mm_processor_kwargs=config.files.mm_processor_kwargs,
-                                     tokenizer=config.files.tokenizer,
+                                     tokenizer=config.files.tokenizer, decode_limits=config.media.decode_limits(),
                                      num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
     return launches

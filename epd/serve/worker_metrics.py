@@ -34,6 +34,11 @@ ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
     ("epd:kv_transfer_bytes", "KV cache bytes moved from prefill to decode workers.", lambda c: c.kv_transfer_bytes),
     ("epd:requests_aborted", "Requests an Abort took out of a worker (client gone, stop string, retried elsewhere).",
      lambda c: c.num_aborted),
+    # speculative decoding, vLLM's vllm:spec_decode_* (the per-position counts: _SpecDecodePositions)
+    ("epd:spec_decode_num_drafts", "Drafts verified: one per sequence and step that verified draft tokens.",
+     lambda c: c.spec_decode_num_drafts),
+    ("epd:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda c: c.spec_decode_num_draft_tokens),
+    ("epd:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda c: c.spec_decode_num_accepted_tokens),
 ]
 ENGINE_SUMMARIES: list[tuple[str, str, Callable[[EngineCounters], tuple[int, float]]]] = [
     ("epd:kv_transfer_seconds", "Prefill-to-decode KV transfer time, send to ack.",
@@ -150,6 +155,23 @@ class _EncoderExtras:
         yield self.transfer
 
 
+class _SpecDecodePositions:
+    """vLLM's vllm:spec_decode_num_accepted_tokens_per_pos: accepted draft tokens by
+    their position in the draft (0: the first), labelled `position`."""
+
+    def __init__(self):
+        self.family = CounterMetricFamily("epd:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by their position in the draft.",
+                                          labels=LABELS + ["position"])
+
+    def add(self, labels: list[str], c: EngineCounters) -> None:
+        for position, count in enumerate(c.spec_decode_num_accepted_tokens_per_pos):
+            self.family.add_metric(labels + [str(position)], count)
+
+    def __iter__(self):
+        yield self.family
+
+
 def _add_buckets(family: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
     family.add_metric(labels, buckets=[(floatToGoString(bound), n) for bound, n in buckets.cumulative()],
                       sum_value=buckets.sum)
@@ -207,6 +229,7 @@ class WorkerMetrics:
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
         usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
+        positions = _SpecDecodePositions()
         encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
         encoder_extras = _EncoderExtras()
         cache = _Families(CACHE_COUNTERS, (), gauges=CACHE_GAUGES)
@@ -222,6 +245,7 @@ class WorkerMetrics:
                 usage.add_metric(labels, 1.0 - s.num_free_blocks / s.num_total_blocks)
             if s.engine is not None:
                 engine.add(labels, s.engine)
+                positions.add(labels, s.engine)
             if s.encoder is not None:  # encoders, and the aggregated worker's in-process encoder
                 encoder.add(labels, s.encoder)
                 encoder_extras.add(labels, s.encoder)
@@ -234,6 +258,7 @@ class WorkerMetrics:
         yield waiting
         yield usage
         yield from engine
+        yield from positions
         yield from encoder
         yield from encoder_extras
         yield from cache

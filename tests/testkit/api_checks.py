@@ -18,6 +18,8 @@ MAX_IMAGE_BYTES = 1_000_000
 MAX_IMAGE_PIXELS = 4_000_000
 MAX_REQUEST_PIXELS = 200_000  # two 256x256 images pass, two 400x300 do not
 MAX_TOKENS = 4
+MAX_VIDEO_MB = 0.1  # tests/e2e/hardening/test_video_media.py
+MAX_VIDEO_FRAMES = 40
 IMG = image_bytes(64, 48, seed=3)
 TEXT_MESSAGES = [{"role": "user", "content": "Say something about boats."}]
 IMAGE_MESSAGES = [{"role": "user", "content": [image_part(IMG), {"type": "text", "text": "Describe it."}]}]

@@ -1,6 +1,7 @@
 """Builders and a fake model for fast scheduler / block-manager tests."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -10,6 +11,7 @@ from epd.transport.sampling import SamplingParams
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
+from epd.engine.spec_decode import accept_greedy
 
 ENTRY = object()  # an image's encoder output: opaque to the scheduler and the image ledger
 IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it
@@ -78,9 +80,20 @@ def fake_token(request: Request) -> int:
 
 
 def fake_run(output: SchedulerOutput,
-             model: Callable[[Request], int] = fake_token) -> dict[str, int]:
-    """Sample one token for every chunk that ends at its request's last token."""
-    return {s.request_id: model(s.request) for s in output.scheduled if s.is_last_chunk}
+             model: Callable[[Request], int] = fake_token) -> dict[str, int | list[int]]:
+    """Sample one token for every chunk that ends at its request's last token; a
+    chunk with a draft gets what greedy verification keeps: the draft's prefix
+    that `model` would have produced one token at a time, and the next token."""
+    out: dict[str, int | list[int]] = {}
+    for s in output.scheduled:
+        if s.is_last_chunk and s.draft_token_ids:
+            draft = list(s.draft_token_ids)
+            targets = [model(dataclasses.replace(s.request, output_token_ids=s.request.output_token_ids + draft[:i]))
+                       for i in range(len(draft) + 1)]
+            out[s.request_id] = accept_greedy(targets, draft)
+        elif s.is_last_chunk:
+            out[s.request_id] = model(s.request)
+    return out
 
 
 def run_until_done(scheduler: Scheduler, max_steps: int = 1000,

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 
 import numpy as np
 
@@ -38,3 +40,39 @@ def encode_video(frames: np.ndarray, kind: str = "mp4", fps: int = 5) -> bytes:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     return buf.getvalue()
+
+
+def audio_only(seconds: float = 0.25, rate: int = 8000) -> bytes:
+    """A WAV file: a container with an audio stream and no video stream."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=rate)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, int(rate * seconds)), np.int16), format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in (*stream.encode(frame), *stream.encode()):
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def cut_after_header(frames: np.ndarray, fps: int = 5, keep: float = 2 / 3) -> bytes:
+    """An mp4 with its index first (faststart) cut short: the header promises every
+    frame, the data holds the first `keep` of the file, so only decoding finds out."""
+    import av
+
+    fd, path = tempfile.mkstemp(suffix=".mp4")  # faststart rewrites the file: it needs a path
+    os.close(fd)
+    try:
+        with av.open(path, "w", format="mp4", options={"movflags": "faststart"}) as container:
+            stream = container.add_stream("mpeg4", rate=fps)
+            stream.height, stream.width = frames.shape[1:3]
+            stream.pix_fmt = "yuv420p"
+            for frame in frames:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        with open(path, "rb") as f:
+            data = f.read()
+    finally:
+        os.unlink(path)
+    return data[: int(len(data) * keep)]

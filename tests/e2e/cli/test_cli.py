@@ -83,3 +83,4 @@ def test_chat_on_a_file_that_is_not_a_video(tiny_model, tmp_path):
 def test_chat_on_a_missing_checkpoint(tmp_path):
     proc = run_epd("chat", str(tmp_path / "nowhere"), "--prompt", "hi")
     assert proc.returncode != 0 and "not a checkpoint directory" in proc.stderr
+

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from testkit.api_checks import (COMMON, HUGE_BODY_BYTES, IMAGE_MESSAGES, IMG, MAX_BODY_MB, MAX_IMAGE_BYTES,
-                        MAX_IMAGE_PIXELS, MAX_MODEL_LEN, MAX_REQUEST_PIXELS, MAX_TOKENS, MODEL, TEXT_MESSAGES)
+                        MAX_IMAGE_PIXELS, MAX_MODEL_LEN, MAX_REQUEST_PIXELS, MAX_TOKENS, MAX_VIDEO_FRAMES, MAX_VIDEO_MB,
+                        MODEL, TEXT_MESSAGES)
 from testkit.hf_reference import hf_generate_text
 from testkit.server import ServerProcess, free_port
 
@@ -31,6 +32,12 @@ class _MediaHandler(BaseHTTPRequestHandler):
                 self._send(200, "image/png", IMG)
             elif self.path == "/text":
                 self._send(200, "image/png", b"<html>this is not an image, whatever the header says</html>")
+            elif self.path in host.videos:  # tests/e2e/hardening/test_video_media.py
+                self._send(200, "video/mp4", host.videos[self.path])
+            elif self.path == "/redirect-clip":
+                self._redirect("/clip.mp4")
+            elif self.path == "/redirect-away-clip":
+                self._redirect(f"http://localhost:{host.server_address[1]}/clip.mp4")
             elif self.path == "/missing.png":
                 self._send(404, "text/plain", b"no such image")
             elif self.path == "/redirect-ok":
@@ -74,6 +81,7 @@ def media_host():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _MediaHandler)
     httpd.daemon_threads = True
     httpd.huge_sent = 0
+    httpd.videos = {}  # path -> bytes, filled by the video tests
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd
@@ -98,7 +106,8 @@ def server(tiny_model, tmp_path_factory, media_dir, media_host):
             "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
             "--limit-mm-per-prompt", "image=2", "--max-model-len", str(MAX_MODEL_LEN),
             "--max-request-pixels", str(MAX_REQUEST_PIXELS), "--max-request-body-mb", str(MAX_BODY_MB),
-            "--allowed-local-media-path", str(media_dir / "allowed")]
+            "--allowed-local-media-path", str(media_dir / "allowed"),
+            "--max-video-mb", str(MAX_VIDEO_MB), "--max-video-frames", str(MAX_VIDEO_FRAMES)]
     srv = ServerProcess(args, port, str(tmp_path_factory.mktemp("logs") / "server.log")).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()

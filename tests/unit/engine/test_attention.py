@@ -88,6 +88,9 @@ CASES = {
     "long_prefill_prefix": ([600, 3], [100, 40]),  # 600 query rows: several calls of rows
     "decode": ([1, 1, 1, 1, 1], [0, 15, 40, 7, 41]),
     "mixed": ([1, 9, 1, 4, 20], [30, 0, 2, 21, 17]),
+    # speculative decoding: a decode's last token and its draft, behind its context (several query
+    # tokens, causal among them), batched by count; beside one-token decodes and a prefill
+    "verify": ([4, 4, 1, 3, 4, 17, 2], [30, 3, 12, 50, 1, 40, 0]),
 }
 
 
@@ -170,11 +173,16 @@ TRITON_CASES = [
     ("prefill_mha_bs8_d24", [9, 1, 17], [30, 2, 0], (2, 2, 24), 8),
     ("decode_gqa_bs16", [1] * 4, [0, 15, 299, 64], (8, 2, 32), 16),
     ("decode_g5_bs8", [1] * 3, [130, 6, 33], (5, 1, 32), 8),
+    # speculative decoding's verification, in the decode kernel: drafts beside a decode and a short prefill;
+    # a split whose keys the first draft rows cannot see yet (126 + 4 keys, splits of 128)
+    ("verify_gqa_bs8", [4, 1, 3, 9], [21, 40, 2, 0], (4, 2, 32), 8),
+    ("verify_split_edge_g4_bs16", [4, 4], [126, 60], (4, 1, 32), 16),
 ]
 
 
 def check_triton_case(name, q_lens, prefix_lens, heads, block_size, dtype, device):
     from epd.engine.attention import triton_decode, triton_prefill, triton_store
+    from epd.engine.attention.triton_decode import MAX_QUERY_LEN
 
     num_q_heads, num_kv_heads, head_dim = heads
     batch = make_batch(q_lens, prefix_lens, num_q_heads, num_kv_heads, head_dim, block_size,
@@ -204,7 +212,7 @@ def check_triton_case(name, q_lens, prefix_lens, heads, block_size, dtype, devic
     dispatched = get_backend("triton").attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
     torch.testing.assert_close(dispatched.float(), ref, atol=tol, rtol=tol)
 
-    if batch.meta.is_decode_only:
+    if batch.meta.max_seqlen_q <= MAX_QUERY_LEN:  # decodes, and decodes verifying a draft
         for num_splits in (1, 2, 4):
             out = triton_decode.paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
                                                        SCALE, num_splits=num_splits)
@@ -226,6 +234,7 @@ def test_triton_kernels_under_interpreter():
 GPU_CASES = TRITON_CASES + [  # plus Qwen3-VL-4B layer shapes
     ("qwen3vl_4b_mixed", [1, 1, 300, 1], [700, 2000, 90, 5], (32, 8, 128), 16),
     ("qwen3vl_4b_decode", [1] * 8, [4000, 1, 17, 900, 64, 3000, 2, 511], (32, 8, 128), 16),
+    ("qwen3vl_4b_verify", [4, 4, 1, 3, 4], [700, 2000, 90, 5, 3000], (32, 8, 128), 16),
 ]
 
 

@@ -85,7 +85,8 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
         "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
         "prefill_priority", "prefill_aging", "max_num_image_waits", "max_local_prefill_tokens",
         "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
-        "early_prefill", "seed", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"}
+        "early_prefill", "seed", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
+        "max_cpu_loras"}
     args = build_parser().parse_args(["serve", tiny_model, "--no-early-prefill", "--prefill-priority", "fcfs"])
     engine = serve_config(args).engine
     assert (engine.early_prefill, engine.scheduler.prefill_priority) == (False, "fcfs")
@@ -248,7 +249,7 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
                                  "--limit-mm-per-prompt", "image=2", "--dtype", "float"]))
     assert (config.engine.scheduler.enable_prefix_caching, config.api_servers, config.engine.dtype) == \
         (False, 3, "float32")
-    assert (config.media.limit_images_per_prompt, config.media.limit_videos_per_prompt) == (2, 0)
+    assert (config.media.limit_images_per_prompt, config.media.limit_videos_per_prompt) == (2, 1)  # video: default
     assert EngineConfig(dtype="bf16").dtype == "bfloat16"  # LLM(dtype="bf16") as before
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
         EngineConfig(dtype="int8")
@@ -260,7 +261,7 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--limit-mm-per-prompt", '{"image": 2, "video": 1}'], "EPD serves no video yet, so video must be 0, got 1"),
+    (["--limit-mm-per-prompt", '{"image": 2, "video": -1}'], "video must be a count"),
     (["--limit-mm-per-prompt", '{"audio": 1}'], "EPD serves image, video, not audio"),
     (["--limit-mm-per-prompt", '{"image": -1}'], "image must be a count"),
     (["--limit-mm-per-prompt", "images=2"], None),
@@ -268,7 +269,9 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
     (["--no-enable-chunked-prefill"], "EPD always prefills in chunks"),
     (["--max-logprobs", "21"], "--max-logprobs must be in 0..20"),
-    (["--mm-processor-kwargs", '{"fps": 2}'], "fps cannot be applied here; the image processor takes min_pixels"),
+    (["--mm-processor-kwargs", '{"size_divisor": 2}'],
+     "size_divisor cannot be applied here; the image processor takes min_pixels"),
+    (["--mm-processor-kwargs", '{"fps": 0}'], "--mm-processor-kwargs: fps must be a positive number"),
     (["--mm-processor-kwargs", '{"min_pixels": 9000, "max_pixels": 100}'], "min_pixels 9000 is more than"),
     (["--mm-processor-kwargs", "[1]"], "--mm-processor-kwargs takes a JSON object"),
     (["--tokenizer", "/no/such/dir"], "--tokenizer takes a directory"),

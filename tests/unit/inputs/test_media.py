@@ -69,6 +69,14 @@ def test_serve_flags_build_the_media_config(tiny_model, tmp_path, monkeypatch):
                                        max_image_pixels=500, fetch_timeout_s=2.5, limit_images_per_prompt=3)
     assert config.host == "127.0.0.1" and config.api_key is None
     assert serve_config(serve_args(tiny_model)).media == MediaConfig()  # http(s) and file:// off
+    video = serve_config(serve_args(tiny_model, "--limit-mm-per-prompt", '{"image": 2, "video": 3}',
+                                    "--max-video-mb", "2", "--max-video-frames", "90", "--video-decode-timeout", "7",
+                                    "--max-request-video-pixels", "1000000",
+                                    "--media-io-kwargs", '{"video": {"num_frames": 8}}')).media
+    assert (video.limit_images_per_prompt, video.limit_videos_per_prompt, video.max_video_bytes,
+            video.max_video_frames, video.video_decode_timeout_s, video.max_request_video_pixels,
+            video.video_num_frames) == (2, 3, 2 << 20, 90, 7.0, 1000000, 8)
+    assert video.max_blob_bytes == MediaConfig().max_image_bytes  # an encoder's inbox takes the larger of the two
     monkeypatch.setenv("EPD_API_KEY", "from-env")
     assert serve_config(serve_args(tiny_model)).api_key == "from-env"
     assert serve_config(serve_args(tiny_model, "--api-key", "from-flag")).api_key == "from-flag"
@@ -80,7 +88,14 @@ def test_serve_flags_build_the_media_config(tiny_model, tmp_path, monkeypatch):
     (["--allowed-media-domains", "http://images.example"], "--allowed-media-domains takes"),
     (["--allowed-media-domains", "images.example:8080"], "--allowed-media-domains takes"),
     (["--allowed-local-media-path", "/no/such/dir"], "is not a directory"),
-    (["--limit-mm-per-prompt", "video=2"], "no video yet, so video must be 0"),
+    (["--limit-mm-per-prompt", '{"video": -1}'], "video must be a count"),
+    (["--max-video-mb", "0"], "--max-video-bytes must be at least 1"),
+    (["--max-video-frames", "0"], "--max-video-frames must be at least 1"),
+    (["--video-decode-timeout", "0"], "--video-decode-timeout must be positive"),
+    (["--media-io-kwargs", '{"video": {"num_frames": 0}}'], "num_frames must be -1 \\(all\\) or positive"),
+    (["--media-io-kwargs", '{"video": {"fps": 2}}'], "video.fps cannot be applied"),
+    (["--media-io-kwargs", '{"image": {"size": 2}}'], "only video loading arguments, not image"),
+    (["--media-io-kwargs", '[1]'], "--media-io-kwargs takes a JSON object"),
     (["--limit-mm-per-prompt", "pictures=2"], "EPD serves image, video"),
 ])
 def test_bad_media_flags_are_clear_errors(tiny_model, flags, message):

@@ -12,7 +12,9 @@ from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounte
 
 # distinct values, so each exported sample names the one counter it came from
 ENGINE = EngineCounters(num_preemptions=2, prefix_cache_queries=3, prefix_cache_hits=5, kv_transfer_bytes=7,
-                        num_kv_transfers=11, kv_transfer_seconds_sum=13.5)
+                        num_kv_transfers=11, kv_transfer_seconds_sum=13.5, spec_decode_num_drafts=83,
+                        spec_decode_num_draft_tokens=89, spec_decode_num_accepted_tokens=97,
+                        spec_decode_num_accepted_tokens_per_pos=[101, 103])
 ENCODER = EncoderCounters(num_images=17, num_errors=19, num_cache_skips=23, encode_seconds_sum=29.5,
                           num_aborted=41, num_requests_received=43, num_queued_patches=47, cache_hit_tokens=53,
                           cache_evictions=59, cache_entries=61, cache_bytes=67,
@@ -45,10 +47,12 @@ def test_every_counter_is_exported_with_its_worker_labels():
                       WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=ENCODER),
                       WorkerStats("aggregated-0", "aggregated", 1, 0, 8, 8, 0, engine=ENGINE, encoder=ENCODER))
     decode, encoder, aggregated = samples["decode-0"], samples["encoder-0"], samples["aggregated-0"]
-    assert [f.name for f, v in zip(fields(ENGINE), astuple(ENGINE)) if v not in decode.values()] == []
+    assert [f.name for f, v in zip(fields(ENGINE), astuple(ENGINE))
+            if not isinstance(v, list) and v not in decode.values()] == []  # the list: per position, below
     assert [f.name for f, v in zip(fields(ENCODER), astuple(ENCODER))
             if not isinstance(v, tuple) and v not in encoder.values()] == []
-    assert {v for v in astuple(ENGINE) + astuple(ENCODER) if not isinstance(v, tuple)} <= set(aggregated.values())
+    assert {v for v in astuple(ENGINE) + astuple(ENCODER) if not isinstance(v, (tuple, list))} \
+        <= set(aggregated.values())
     assert decode["epd:num_preemptions_total"] == 2
     assert decode["epd:prefix_cache_queries_total"] == 3 and decode["epd:prefix_cache_hits_total"] == 5
     assert decode["epd:kv_transfer_bytes_total"] == 7
@@ -78,6 +82,15 @@ def _samples(*stats: WorkerStats) -> list:
 def _value(samples, name: str, **labels: str) -> float:
     [value] = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
     return value
+
+
+def test_spec_decode_counters_have_vllm_names_and_positions():
+    samples = _samples(WorkerStats("decode-0", "decode", 3, 1, 24, 32, 0, engine=ENGINE))
+    assert _value(samples, "epd:spec_decode_num_drafts_total") == 83
+    assert _value(samples, "epd:spec_decode_num_draft_tokens_total") == 89
+    assert _value(samples, "epd:spec_decode_num_accepted_tokens_total") == 97
+    per_pos = "epd:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_value(samples, per_pos, worker="decode-0", position=p) for p in ("0", "1")] == [101, 103]
 
 
 def test_encoder_histograms_keep_their_buckets():

@@ -12,6 +12,7 @@ from epd.transport.messages import (
     decode_message,
 )
 from epd.transport.lora_request import LoRARequest
+from epd.transport.mm_video import VideoFrames
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
 
@@ -53,6 +54,8 @@ def make_messages() -> list[Message]:
     return [
         EncodeRequest("req-1", HASH_A, bytes(range(256)) * 4, reply_to="ipc:///tmp/epd-x/prefill-0.sock"),
         EncodeRequest("req-2", HASH_B, b"", reply_to="tcp://hostb:27101"),  # empty blob frame
+        EncodeRequest("req-3", HASH_B, b"video", reply_to="tcp://hostb:27101",
+                      video=VideoFrames((0, 2, 4, 4), 32, 64, (2, 2, 4), 4, 2, (0.5, 1.5))),
         EncodeDone("req-1", HASH_A, ok=True),
         EncodeDone("req-1", HASH_A, ok=False, error="decode failed"),
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(16, 32),

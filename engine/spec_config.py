@@ -1,0 +1,87 @@
+"""`--speculative-config` / `LLM(speculative_config=...)`: vLLM's JSON, typed.
+
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+Keys and defaults are vLLM's (`vllm/config/speculative.py`): `method` may be
+left out when `model` is "ngram" or "[ngram]"; an n-gram config without
+`prompt_lookup_min` and `prompt_lookup_max` takes 5 for both, one without the
+other takes the other's value, and min must not exceed max. Methods EPD does
+not run yet (eagle3, draft_model, ...) and keys it does not read are refused
+with a ValueError that names them: a flag that would silently not speculate
+is worse than one that stops start-up.
+
+Pure Python (no torch): the CLI and the scheduler's tests read it.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("ngram",)  # served now
+VLLM_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a decode-side engine speculates: `num_speculative_tokens` (k) draft
+    tokens a step per greedy sequence, verified in one forward of the target.
+    n-gram: the draft is what followed the longest earlier match (length in
+    [prompt_lookup_min, prompt_lookup_max]) of the sequence's own suffix."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            known = "one of vLLM's methods, not served by EPD yet" if self.method in VLLM_METHODS \
+                else "not a speculative method"
+            raise ValueError(f"--speculative-config: method {self.method!r} is {known}; "
+                             f"EPD speculates with {', '.join(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"--speculative-config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the flag's JSON text, a dict (`LLM`), or itself; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"--speculative-config takes a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(KEYS))
+        if unknown:
+            raise ValueError(f"--speculative-config: EPD does not read {', '.join(unknown)} "
+                             f"(it takes {', '.join(KEYS)})")
+        fields = dict(value)
+        method = fields.pop("method", None)
+        if method is None:  # vLLM infers it from the model name
+            method = "ngram" if fields.get("model") in ("ngram", "[ngram]") else "draft_model"
+        if method == "[ngram]":
+            method = "ngram"
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("--speculative-config: num_speculative_tokens is required")
+        low, high = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        return cls(method=method, prompt_lookup_min=low, prompt_lookup_max=high, **fields)
+
+    def to_json(self) -> str:
+        """vLLM's JSON for this config (what `parse` reads back)."""
+        return json.dumps(asdict(self))

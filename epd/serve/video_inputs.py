@@ -1,0 +1,104 @@
+"""A request's videos made ready for the workers from their container headers
+alone (the API process decodes no pixel): `VideoInputs`.
+
+    settings      the checkpoint's video rules, --mm-processor-kwargs' video keys, then the
+                  request's own mm_processor_kwargs (vLLM's), as `VideoOptions`
+    plan          header -> sampled frames (--media-io-kwargs video.num_frames first), resized
+                  size, tokens                                   epd/inputs/video_header.plan_video
+    limits        --max-video-frames (container), --max-image-pixels (a frame),
+                  --max-request-video-pixels (what the encoder will decode, all videos together)
+    keys          the video's mm_hash over its bytes, the video processor config and the plan's
+                  frames and size (the same video sampled otherwise is another entry), and the
+                  keys of the entries its spans name: one per temporal group for Qwen3-VL
+                                                                  encoders/video_keys.py
+
+Each video's `VideoFrames` (transport/mm_video.py) go to its encoder in the
+EncodeRequest, so the encoder decodes what was counted here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epd.encoders.video_geometry import VideoOptions, VideoPlan
+from epd.encoders.video_keys import entry_hashes, video_mm_hash
+from epd.inputs.media import MediaConfig
+from epd.inputs.model_files import ModelFiles, split_processor_kwargs
+from epd.inputs.video_header import VideoError, plan_video
+from epd.requests import RequestError
+from epd.transport.mm_video import VideoFrames
+
+
+def wire_plan(plan: VideoPlan) -> VideoFrames:
+    """The plan as an EncodeRequest carries it (transport/mm_video.py)."""
+    return VideoFrames(plan.frame_indices, plan.resized_height, plan.resized_width, plan.grid_thw, plan.num_tokens,
+                       plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t)
+
+
+@dataclass(frozen=True)
+class PlannedVideo:
+    """One video part: its content key, the processor's plan and the keys of its entries."""
+
+    mm_hash: str
+    plan: VideoPlan
+
+    @property
+    def frames(self) -> VideoFrames:
+        return wire_plan(self.plan)
+
+    @property
+    def entry_hashes(self) -> list[str]:
+        """The keys its spans name (and the encoder writes), in order."""
+        return entry_hashes(self.mm_hash, self.plan)
+
+    @property
+    def num_patches(self) -> int:
+        """The encoder's work (its router's cost): patches over every temporal group."""
+        t, h, w = self.plan.grid_thw
+        return t * h * w
+
+
+class VideoInputs:
+    def __init__(self, files: ModelFiles, media: MediaConfig, server_kwargs: dict, fingerprint: str):
+        """`server_kwargs`: --mm-processor-kwargs (its video keys are every video's defaults)."""
+        self.files = files
+        self.media = media
+        self.defaults = split_processor_kwargs(server_kwargs)[1]
+        self.fingerprint = fingerprint
+
+    def options(self, request_kwargs: dict | None) -> VideoOptions:
+        """The server's video settings under the request's: a request's fps drops the
+        server's num_frames and the other way round (they exclude each other)."""
+        request_kwargs = request_kwargs or {}
+        merged = {**self.defaults, **request_kwargs}
+        for key, other in (("fps", "num_frames"), ("num_frames", "fps")):
+            if key in request_kwargs and other not in request_kwargs:
+                merged.pop(other, None)
+        try:
+            return VideoOptions.from_kwargs(merged)
+        except ValueError as exc:
+            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+
+    def plan(self, raw_videos: list[bytes], request_kwargs: dict | None) -> list[PlannedVideo]:
+        """Every video part's plan and key, in order; RequestError (400) for a video
+        refused: not a video, settings its processor refuses, past a limit."""
+        if not raw_videos:
+            return []
+        geometry = self.files.video_geometry
+        if geometry is None:
+            raise RequestError(self.files.no_video_reason, param="messages")
+        options = self.options(request_kwargs)
+        out, num_decoded = [], 0
+        for data in raw_videos:
+            try:
+                meta, plan = plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
+                                        max_frame_pixels=self.media.max_image_pixels,
+                                        loader_num_frames=self.media.video_num_frames)
+            except VideoError as exc:
+                raise RequestError(f"video: {exc}", param="messages") from None
+            num_decoded += (max(plan.frame_indices) + 1) * meta.width * meta.height  # FFmpeg decodes those skipped
+            if num_decoded > self.media.max_request_video_pixels:
+                raise RequestError(f"the request's videos decode to more than {self.media.max_request_video_pixels} "
+                                   "pixels in all (--max-request-video-pixels)", param="messages")
+            out.append(PlannedVideo(video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {},
+                                                  plan), plan))
+        return out

@@ -1,0 +1,120 @@
+"""Video through `epd serve` (issue 26), in every mode's shared server: a chat
+with a tiny video answers what the offline `LLM.chat` answers (greedy text and
+prompt tokens), a repeat costs the encoders nothing, and every bad video input
+is a 400 with an OpenAI error body while the server goes on serving."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from testkit.api_checks import assert_error
+from testkit.media import data_url
+from testkit.mode_servers import SERVED_MODEL
+from testkit.videos import audio_only, cut_after_header, encode_video, synthetic_frames
+
+pytest.importorskip("av")
+MAX_TOKENS = 6
+CLIP = encode_video(synthetic_frames(9, 48, 64, seed=4), "mp4", fps=4)
+OTHER_CLIP = encode_video(synthetic_frames(7, 40, 56, seed=5), "mp4", fps=3)
+QUESTION = {"type": "text", "text": "What happens in the video?"}
+AGGREGATED_WAITS = ("aggregated: engine/worker.py hands its in-process encoder the bytes alone, "
+                    "not a video's plan (video there is a 400 until it passes the EncodeRequests)")
+
+
+def video_part(data: bytes, mime: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(data, mime)}}
+
+
+def chat(server, content: list[dict], **fields) -> httpx.Response:
+    body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, **fields}
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+
+
+# (name, clip, mm_processor_kwargs): the checkpoint's sampling (2 fps), another clip, and the request's own
+CASES = [("clip", CLIP, None), ("other", OTHER_CLIP, None), ("clip_at_4_fps", CLIP, {"fps": 4})]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    """(text, prompt tokens) of the offline LLM's greedy answer for each clip."""
+    from epd.llm import LLM
+    from epd.transport.sampling import SamplingParams
+
+    llm = LLM(tiny_model)
+    out = {}
+    for name, clip, kwargs in CASES:
+        [result] = llm.chat([{"role": "user", "content": [video_part(clip), QUESTION]}],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), mm_processor_kwargs=kwargs)
+        out[name] = (result.outputs[0].text, len(result.prompt_token_ids))
+    return out
+
+
+def test_a_video_chat_answers_as_offline(mode_server, offline):
+    if mode_server.mode == "aggregated":
+        assert_error(chat(mode_server, [video_part(CLIP), QUESTION]), 400, "video needs encoder workers")
+        pytest.skip(AGGREGATED_WAITS)
+    for name, clip, kwargs in CASES:
+        fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
+        response = chat(mode_server, [video_part(clip), QUESTION], **fields)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]) == offline[name]
+    assert offline["clip_at_4_fps"][1] > offline["clip"][1]  # more frames sampled: more placeholders
+
+
+def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
+    if mode_server.mode == "aggregated":
+        pytest.skip(AGGREGATED_WAITS)
+    clip = encode_video(synthetic_frames(9, 48, 64, seed=11), "mp4", fps=4)  # this test's own
+    first = chat(mode_server, [video_part(clip), QUESTION])
+    assert first.status_code == 200, first.text
+    encoded = mode_server.settled_sum("epd:encoder_images_total")
+    again = chat(mode_server, [video_part(clip), QUESTION])
+    assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert mode_server.settled_sum("epd:encoder_images_total") == encoded
+
+
+BAD = {  # name -> (content, mm_processor_kwargs, message, param)
+    "bad_scheme": ([{"type": "video_url", "video_url": {"url": "ftp://127.0.0.1/v.mp4"}}, QUESTION], None,
+                   "unsupported video url scheme", "messages"),
+    "http_not_allowed": ([{"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}}, QUESTION], None,
+                         "http(s) video urls are not allowed", "messages"),
+    "not_base64": ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,@@"}}, QUESTION], None,
+                   "invalid base64", "messages"),
+    "url_not_an_object": ([{"type": "video_url", "video_url": "data:video/mp4;base64,AAAA"}, QUESTION], None,
+                          "must be an object", "messages[0].content[0].video_url"),
+    "over_the_limit": ([video_part(CLIP), video_part(OTHER_CLIP), QUESTION], None,
+                       "at most 1 video per request", "messages"),
+    "bad_kwargs_key": ([video_part(CLIP), QUESTION], {"max_frame_count": 8}, "max_frame_count cannot be applied",
+                       "mm_processor_kwargs"),
+    "fps_and_num_frames": ([video_part(CLIP), QUESTION], {"fps": 1, "num_frames": 4}, "exclude each other",
+                           "mm_processor_kwargs"),
+    "not_a_video": ([video_part(b"just text, no frames at all" * 10), QUESTION], None, "cannot open video",
+                    "messages"),
+    "audio_only": ([video_part(audio_only(), "audio/wav"), QUESTION], None, "the file has no video stream",
+                   "messages"),
+    "one_frame": ([video_part(encode_video(synthetic_frames(1, 48, 64), "mp4", fps=4)), QUESTION],
+                  {"do_sample_frames": False}, "the model needs at least 2", "messages"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_video_input_is_a_400_and_the_server_serves_on(mode_server, name):
+    content, kwargs, message, param = BAD[name]
+    fields = {} if kwargs is None else {"mm_processor_kwargs": kwargs}
+    assert_error(chat(mode_server, content, **fields), 400, message, param)
+    ok = chat(mode_server, [{"type": "text", "text": "Still there?"}])
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_video_only_the_encoder_finds_broken_is_a_400(mode_server):
+    """Its header is whole, its frames are not: the encoder's EncodeDone(ok=False) fails
+    the request (a 400 through the prefill worker's TokenOutput), and nothing else."""
+    if mode_server.mode == "aggregated":
+        pytest.skip(AGGREGATED_WAITS)
+    broken = cut_after_header(synthetic_frames(12, 48, 64, seed=7), fps=4)
+    encoded = mode_server.settled_sum("epd:encoder_errors_total")
+    assert_error(chat(mode_server, [video_part(broken), QUESTION]), 400, "the video ends before frame 11", "messages")
+    assert mode_server.settled_sum("epd:encoder_errors_total") == encoded + 1
+    ok = chat(mode_server, [video_part(CLIP), QUESTION])
+    assert ok.status_code == 200, ok.text

@@ -1,0 +1,116 @@
+"""An encoder worker's video path (encoders/encoder_worker.py): an EncodeRequest
+with the API's plan -> the planned frames decoded within the decode limits,
+encoded, each entry its spans name in the cache with its own EncodeDone (over
+real ZeroMQ, a real LMDB cache and the tiny checkpoint's tower); a repeat is a
+cache skip; a bad video fails its request with one EncodeDone and the worker
+goes on."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from epd.encoders.encoder_worker import EncoderWorker, video_plan
+from epd.encoders.image_encoder import ImageEncoder
+from epd.encoders.video_encoder import VideoEncoder
+from epd.encoders.video_geometry import load_video_config
+from epd.encoders.video_io import DecodeLimits
+from epd.encoders.video_keys import entry_hashes, video_mm_hash
+from epd.inputs.video_header import plan_video
+from epd.serve.video_inputs import wire_plan
+from epd.transport.addresses import Addresses
+from epd.transport.channels import Receiver
+from epd.transport.messages import EncodeDone, EncodeRequest
+from epd.transport.worker_io import WorkerSpec
+from testkit.videos import encode_video, synthetic_frames
+
+pytest.importorskip("av")
+LIMITS = DecodeLimits(max_frame_pixels=1 << 20, max_decoded_pixels=1 << 24, deadline_s=60.0)
+
+
+@pytest.fixture
+def plane(tiny_model, tmp_path):
+    from transformers import AutoConfig
+
+    addresses = Addresses.ipc(tmp_path)
+    collector, prefill = Receiver(addresses.collector(0)), Receiver(addresses.worker("prefill", 0))
+    images = ImageEncoder(tiny_model, AutoConfig.from_pretrained(tiny_model), torch.float32, model_fingerprint="fp")
+    video = VideoEncoder(tiny_model, images.tower, torch.float32)
+    made = []
+
+    def make(limits: DecodeLimits = LIMITS) -> EncoderWorker:
+        spec = WorkerSpec("encoder-0", "encoder", addresses.worker("encoder", 0), (collector.address,),
+                          str(tmp_path / "cache"), 64 << 20)
+        worker = EncoderWorker(spec, images, video=video, decode_limits=limits)
+        made.append(worker)
+        return worker
+
+    def request(data: bytes, request_id: str = "r") -> EncodeRequest:
+        _, plan = plan_video(data, video.geometry)
+        key = video_mm_hash(data, "fp", load_video_config(tiny_model), plan)
+        return EncodeRequest(request_id, key, data, reply_to=prefill.address, video=wire_plan(plan))
+
+    def run(worker: EncoderWorker, msg: EncodeRequest) -> list[EncodeDone]:
+        worker._enqueue(msg, time.perf_counter())
+        while worker.queue:
+            worker._encode_batch()
+        out = []
+        while (done := prefill.recv(timeout_s=0.5)) is not None:
+            out.append(done)
+        return out
+
+    yield SimpleNamespace(make=make, request=request, run=run, video=video)
+    for worker in made:
+        worker.close()
+    collector.close()
+    prefill.close()
+
+
+def test_a_video_is_cached_entry_by_entry_and_a_repeat_is_a_skip(plane):
+    worker = plane.make()
+    data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)
+    msg = plane.request(data)
+    done = plane.run(worker, msg)
+    keys = entry_hashes(msg.mm_hash, video_plan(msg.video))
+    assert len(keys) > 1  # Qwen3-VL: one entry per temporal group
+    assert [(d.request_id, d.mm_hash, d.ok, d.embeddings) for d in done] == [("r", k, True, None) for k in keys]
+    reference = dict(plane.video.encode(data, video_plan(msg.video), msg.mm_hash))
+    for key in keys:
+        torch.testing.assert_close(worker.cache.get(key).embeddings, reference[key].embeddings, atol=1e-6, rtol=0)
+    assert (worker.counters.num_images, worker.counters.num_cache_skips) == (1, 0)
+
+    again = plane.run(worker, plane.request(data, "r2"))
+    assert [(d.request_id, d.mm_hash, d.ok) for d in again] == [("r2", k, True) for k in keys]
+    assert (worker.counters.num_images, worker.counters.num_cache_skips) == (1, 1)
+
+
+@pytest.mark.parametrize("limits, message", [
+    (DecodeLimits(max_frame_pixels=64 * 95, max_decoded_pixels=1 << 24, deadline_s=60.0),
+     "video frames of 96x64 exceed the limit of 6080 pixels"),
+    (DecodeLimits(max_frame_pixels=1 << 20, max_decoded_pixels=64 * 96 * 10, deadline_s=60.0),
+     "decoding 11 frames of 96x64 exceeds the limit of 61440 decoded pixels"),
+    (DecodeLimits(max_frame_pixels=1 << 20, max_decoded_pixels=1 << 24, deadline_s=1e-9),
+     "decoding the video took more than 1e-09 s"),
+])
+def test_decode_limits_fail_the_request_not_the_worker(plane, limits, message):
+    worker = plane.make(limits)
+    data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)
+    msg = plane.request(data)
+    [done] = plane.run(worker, msg)
+    assert not done.ok and message in done.error
+    assert done.mm_hash == entry_hashes(msg.mm_hash, video_plan(msg.video))[0]  # the request waits for it
+    worker.decode_limits = LIMITS  # the same worker serves the next video
+    assert all(d.ok for d in plane.run(worker, plane.request(data, "r2")))
+
+
+def test_undecodable_bytes_fail_the_request(plane):
+    worker = plane.make()
+    data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)
+    msg = plane.request(data)
+    broken = EncodeRequest("r", msg.mm_hash, data[: len(data) // 3], reply_to=msg.reply_to, video=msg.video)
+    [done] = plane.run(worker, broken)
+    assert not done.ok and done.error.startswith("video: ")
+    assert worker.counters.num_errors == 1
+

@@ -1,0 +1,49 @@
+"""A video's plan on the wire (transport/mm_video.py VideoFrames inside an
+EncodeRequest): every field crosses, and a plan an encoder could not decode
+or lay out as counted is a WireError at decode, naming the field."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from epd.transport.messages import EncodeRequest, WireError, decode_message
+from epd.transport.mm_video import VideoFrames
+
+HASH = "ab" * 32
+QWEN3 = VideoFrames((0, 3, 6, 9, 10), 64, 96, (3, 4, 6), 18, 6, (0.3, 1.5, 2.0))  # last frame repeats into group 3
+QWEN25 = VideoFrames((0, 1, 2, 3), 56, 84, (2, 4, 6), 12, 6, (), 0.4)
+
+
+@pytest.mark.parametrize("video", [QWEN3, QWEN25, None], ids=["qwen3", "qwen2.5", "image"])
+def test_encode_request_carries_the_plan(video):
+    msg = EncodeRequest("r-1", HASH, b"\x00\x01video", reply_to="ipc:///tmp/epd-x/prefill-0.sock", video=video)
+    out = decode_message([bytes(f) for f in msg.to_wire()])
+    assert isinstance(out, EncodeRequest)
+    assert (out.image, out.mm_hash, out.video) == (msg.image, HASH, video)
+    if video is not None:
+        assert out.video.num_patches == video.grid_thw[0] * video.grid_thw[1] * video.grid_thw[2]
+
+
+def _with_video(**changes) -> list[bytes]:
+    frames = [bytes(f) for f in EncodeRequest("r", HASH, b"x", reply_to="tcp://h:1", video=QWEN3).to_wire()]
+    header = msgpack.unpackb(frames[0], raw=False)
+    header["video"] = {**header["video"], **changes}
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"frame_indices": []}, r"frame_indices: 1 to"),
+    ({"frame_indices": [3, 2, 6, 9, 10]}, r"non-decreasing"),
+    ({"frame_indices": [-1, 3, 6, 9, 10]}, r"non-decreasing frame numbers >= 0"),
+    ({"frame_indices": [0, 1.5]}, r"frame_indices: expected list\[int\]"),
+    ({"grid_thw": [9, 4, 6]}, r"is not a video's"),  # more temporal groups than frames
+    ({"grid_thw": [3, 4, 5]}, r"does not tile"),
+    ({"resized_height": 0}, r"is not a video's"),
+    ({"num_tokens": 17}, r"17 tokens are not 3 groups of 6"),
+    ({"group_timestamps_s": [0.3, 1.5]}, r"one finite time >= 0 per temporal group"),
+    ({"second_per_grid_t": float("nan")}, r"second_per_grid_t: a finite number"),
+    ({"fps": 2.0}, r"unknown fields \['fps'\]"),
+])
+def test_a_plan_the_encoder_cannot_follow_is_refused(changes, match):
+    with pytest.raises(WireError, match=match):
+        decode_message(_with_video(**changes))
