@@ -39,7 +39,7 @@ from typing import Callable
 from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gave_up_error
 from epd.engine.request import Request
-from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
+from epd.transport.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
@@ -135,10 +135,22 @@ class EngineWorker(WorkerIO):
             self._on_kv_ack(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids + self._requests_of(msg.api_index))
+        elif isinstance(msg, LoRAUpdate):
+            self._on_lora_update(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
             log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
+
+    def _on_lora_update(self, msg: LoRAUpdate) -> None:
+        """A runtime adapter load (read it ahead, off the step loop) or unload (forget it)."""
+        try:
+            if msg.is_load:
+                self.core.prefetch_lora(msg.lora)  # a bad one fails its requests, as it would unannounced
+            else:
+                self.core.unload_lora(msg.lora)
+        except ValueError as exc:
+            log.warning("%s: %s", self.spec.worker_id, exc)
 
     # ---------------------------------------------------------- admission
 
@@ -422,4 +434,5 @@ class EngineWorker(WorkerIO):
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
             queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
-            session=self.session, cache=None if self.cache is None else self.cache.faults()))
+            session=self.session, cache=None if self.cache is None else self.cache.faults(),
+            lora=self.core.lora_state()))

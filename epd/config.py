@@ -123,6 +123,7 @@ class ServeConfig:
     allow_credentials: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: the adapters served by name (with --enable-lora)
+    allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: POST /v1/(un)load_lora_adapter
     media: MediaConfig = field(default_factory=MediaConfig)
     files: ModelFilesConfig = field(default_factory=ModelFilesConfig)  # what is read from the checkpoint
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -178,6 +179,8 @@ class ServeConfig:
         _check_checkpoint(self.model)
         if self.lora_modules and not self.engine.lora.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.allow_runtime_lora_updating and not self.engine.lora.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
 
     @property
     def model_name(self) -> str:

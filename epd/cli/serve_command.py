@@ -110,6 +110,9 @@ def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="name=path|JSON",
                    help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; vLLM "
+                        "reads VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, EPD this flag)")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
@@ -252,6 +255,7 @@ def serve_config(args) -> ServeConfig:
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
         engine=engine_config(args), lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
