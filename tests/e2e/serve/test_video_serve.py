@@ -1,8 +1,8 @@
 """Video through `epd serve` (issue 26), in every mode's shared server: a chat
 with a tiny video answers what the offline `LLM.chat` answers (greedy text and
-prompt tokens), a repeat costs the encoders nothing, and every bad video input
-is a 400 with an OpenAI error body while the server goes on serving. Aggregated
-encodes the video in its engine worker."""
+prompt tokens), a repeat costs the encoders nothing, /tokenize counts what the
+chat costs, and every bad video input is a 400 with an OpenAI error body while
+the server goes on serving. Aggregated encodes the video in its engine worker."""
 from __future__ import annotations
 
 import httpx
@@ -66,6 +66,25 @@ def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
     again = chat(mode_server, [video_part(clip), QUESTION])
     assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert mode_server.settled_sum("epd:encoder_images_total") == encoded
+
+
+def test_tokenize_counts_a_video_as_its_chat_costs(mode_server):
+    """/tokenize's count of a chat with a video (and its mm_processor_kwargs) is the chat's
+    usage.prompt_tokens: the same preparer counts both, so one mode tells."""
+    if mode_server.mode != "e-pd":
+        pytest.skip("the API process counts; its preparer is the same in every mode")
+    counts = []
+    for kwargs in (None, {"fps": 4}, {"num_frames": 6}):
+        fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
+        content = [video_part(CLIP), QUESTION]
+        tokenized = httpx.post(mode_server.base_url + "/tokenize", timeout=60, json={
+            "model": SERVED_MODEL, "messages": [{"role": "user", "content": content}], **fields})
+        assert tokenized.status_code == 200, tokenized.text
+        response = chat(mode_server, content, **fields)
+        assert response.status_code == 200, response.text
+        assert tokenized.json()["count"] == response.json()["usage"]["prompt_tokens"], kwargs
+        counts.append(tokenized.json()["count"])
+    assert counts[1] > counts[0] and counts[2] != counts[0]  # the kwargs were applied, not ignored
 
 
 BAD = {  # name -> (content, mm_processor_kwargs, message, param)
