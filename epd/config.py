@@ -261,6 +261,11 @@ class WorkerConfig:
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
     max_image_bytes: int = field_default(MediaConfig, "max_image_bytes")  # as the API's --max-image-bytes
+    # as the API's video flags: the largest video its inbox takes, what decoding one may cost an encoder
+    max_video_bytes: int = field_default(MediaConfig, "max_video_bytes")
+    max_video_frames: int = field_default(MediaConfig, "max_video_frames")  # checked by the API (header)
+    max_request_video_pixels: int = field_default(MediaConfig, "max_request_video_pixels")
+    video_decode_timeout_s: float = field_default(MediaConfig, "video_decode_timeout_s")
     num_threads: int | None = None  # --threads-per-worker; None: `num_worker_threads`'s rule
     cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
@@ -284,6 +289,14 @@ class WorkerConfig:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"--tokenizer {self.tokenizer}: not a directory")
         _check_keys(self.worker_keys, WORKER, "epd worker")
+        self.media()  # a bad image or video limit: MediaConfig's message, naming the flag
+
+    def media(self) -> MediaConfig:
+        """The media limits this worker applies: its inbox's largest item, an encoder's decode limits."""
+        return MediaConfig(max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
+                           max_video_bytes=self.max_video_bytes, max_video_frames=self.max_video_frames,
+                           max_request_video_pixels=self.max_request_video_pixels,
+                           video_decode_timeout_s=self.video_decode_timeout_s)
 
     @property
     def mm_cache_bytes(self) -> int:

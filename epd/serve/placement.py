@@ -104,10 +104,6 @@ class Placement:
         prefill and decode worker, the images no cache they read holds, and each one's encoder."""
         prefill, decode = await self._route(prep, emitted, deadline, lora_name)
         misses = self._cache_misses(prep, prefill, count=attempt_no == 0)
-        if prefill.role == Role.AGGREGATED and any(key in prep.video_frames for key, _ in misses):
-            # its in-process encoder is handed the bytes alone (engine/worker.py), not a video's frames
-            raise RequestError("video needs encoder workers in this build: serve with --mode e-pd or e-p-d",
-                               param="messages")
         if prefill.role == Role.AGGREGATED:
             encoders = [prefill] * len(misses)
         elif misses:
