@@ -13,6 +13,19 @@ MESSAGES = [{"role": "system", "content": "you are a helpful assistant"}, {"role
 NO_EOS = {"ignore_eos": True}  # the random checkpoint may end early; vLLM's tests count on `length`
 
 
+@pytest.fixture(scope="module")
+def client(mode_server) -> openai.OpenAI:
+    """The official client on the module's server (a fixture both conformance modules import)."""
+    return openai_client(mode_server)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
 def openai_client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 

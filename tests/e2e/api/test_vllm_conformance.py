@@ -19,21 +19,9 @@ import httpx
 import openai
 import pytest
 from testkit.mode_servers import MODES
-from testkit.vllm_conformance import MESSAGES, MODEL, PROMPT, chat, complete, openai_client, refused
+from testkit.vllm_conformance import MESSAGES, MODEL, PROMPT, chat, client, complete, refused, tokenizer  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.parametrize("mode_server", MODES, indirect=True)
-
-
-@pytest.fixture(scope="module")
-def client(mode_server) -> openai.OpenAI:
-    return openai_client(mode_server)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,11 @@ the completions half, and what the two share, are in test_vllm_conformance.py.""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from testkit.mode_servers import MODES
-from testkit.vllm_conformance import MESSAGES, MODEL, chat, chat_prompt_ids, openai_client, refused
+from testkit.vllm_conformance import MESSAGES, MODEL, chat, chat_prompt_ids, client, refused, tokenizer  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.parametrize("mode_server", MODES, indirect=True)
-
-
-@pytest.fixture(scope="module")
-def client(mode_server) -> openai.OpenAI:
-    return openai_client(mode_server)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")
