@@ -37,6 +37,7 @@ ALLOWED = {
 BENCH_IN_PROCESS = {
     "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
     "epd.bench.kernels": "times the attention kernels directly",
+    "epd.bench.offline_cpu_time": "runs the offline LLM (or vLLM's, in vLLM's environment) for its CPU time",
     "epd.bench.cpu_linear": "times the CPU GEMM the engine runs (transport.cpu_linear) against torch's F.linear",
     "epd.bench.vs_vllm_offline": "runs the offline LLM against vLLM's LLM on the same token ids (issue 32)",
     "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
