@@ -30,32 +30,23 @@ from epd.encoders.encoder_delays import EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
-from epd.encoders.video_geometry import VideoPlan
-from epd.encoders.video_io import DecodeLimits, VideoError, decode_frames
-from epd.encoders.video_keys import entry_hashes
+from epd.encoders.video_io import DecodeLimits
+from epd.encoders.video_request import NO_VIDEO_ENCODER, encode_video_request, video_keys
 from epd.transport.frame_limits import encoder_inbox_frame_bytes
 from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
 from epd.transport.mm_entry import MMEntry
-from epd.transport.mm_video import VideoFrames
 from epd.transport.roles import Role
 from epd.transport.stamped_inbox import StampedInbox
 from epd.transport.wire_values import EncoderCounters
 from epd.transport.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
-NO_VIDEO_ENCODER = "this encoder serves no video (its checkpoint has no video processor config)"
 
 @dataclass
 class _Job:
     msg: EncodeRequest
     received_s: float
     num_patches: int
-
-
-def video_plan(frames: VideoFrames) -> VideoPlan:
-    """The API's plan, as the EncodeRequest carried it (transport/mm_video.py)."""
-    return VideoPlan(frames.frame_indices, frames.resized_height, frames.resized_width, frames.grid_thw,
-                     frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t)
 
 
 class EncoderWorker(WorkerIO):
@@ -171,29 +162,22 @@ class EncoderWorker(WorkerIO):
         self._done(msg, key, entry=entry if (msg.with_tensors or not cached) else None)
 
     def _encode_video(self, job: _Job) -> None:
-        """One video: its planned frames decoded within the limits, encoded, each entry stored."""
-        msg = job.msg
-        plan = video_plan(msg.video)
+        """One video: its planned frames decoded within the limits, encoded, each entry
+        stored (encoders/video_request.py); a failure answers its first entry."""
         start = time.perf_counter()
-        try:
-            frames = decode_frames(msg.image, plan.frame_indices, self.decode_limits)
-            entries = self.video.encode_frames(frames, plan, msg.mm_hash, on_done=self._on_video)
-        except VideoError as exc:  # the bytes, not the worker: this request fails, the worker serves on
-            self._done(msg, entry_hashes(msg.mm_hash, plan)[0], error=f"video: {exc}")
-            return
-        except Exception as exc:  # a plan the frames do not fit, a tower error: this video only
-            log.exception("%s: video %s failed", self.spec.worker_id, msg.mm_hash[:12])
-            self._done(msg, entry_hashes(msg.mm_hash, plan)[0], error=f"video: {exc.__class__.__name__}")
-            return
-        finally:
-            self.counters.encode_seconds_sum += time.perf_counter() - start
+        results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
+        self.counters.encode_seconds_sum += time.perf_counter() - start
+        for key, result in results:
+            if isinstance(result, str):
+                self._done(job.msg, key, error=result)
+                return
         self.counters.num_images += 1
-        for key, entry in entries:
-            self._store(msg, key, entry)
+        for key, entry in results:
+            self._store(job.msg, key, entry)
 
     def _keys(self, msg: EncodeRequest) -> list[str]:
         """The cache keys an EncodeRequest's item is stored under (a video: its entries')."""
-        return [msg.mm_hash] if msg.video is None else entry_hashes(msg.mm_hash, video_plan(msg.video))
+        return [msg.mm_hash] if msg.video is None else video_keys(msg)
 
     def _from_cache(self, job: _Job) -> bool:
         """Answers a queued image (or every entry of a video) from the cache when it is

@@ -13,7 +13,7 @@ may be prefilled, the runner reads the embeddings from it.
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
 `add_prefilled`, `export_kv`, `release`, `abort`, `step`, `get_embedding`,
-`load_lora`, the counts), never its scheduler or runner.
+`load_lora`, `prefetch_lora`, `unload_lora`, the counts), never its scheduler or runner.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.mm_entry import MMEntry
+from epd.transport.wire_values import LoRAState
 
 
 @torch.inference_mode()
@@ -127,10 +128,10 @@ class EngineCore:
         spec = config.speculative_config
         self.proposer = None if spec is None or role == "prefill" else \
             NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        # Requests whose grammar (or bad words) are being prepared in the compiler
-        # thread: they enter the scheduler when done, so no step waits for a compile
-        # (their images are in the ledger already).
-        self._preparing: dict[str, tuple[Request, Future]] = {}
+        # Requests whose adapter is being read (LoRAManager's loader thread) or grammar
+        # (or bad words) prepared (the compiler thread): they enter the scheduler when
+        # done, so no step waits for a disk or a compile (their images are in the ledger already).
+        self._preparing: dict[str, tuple[Request, list[Future]]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -156,25 +157,53 @@ class EngineCore:
             request.max_model_len = self.max_model_len
         if request.request_id in self._preparing:
             raise ValueError(f"request {request.request_id} is already queued")
-        self._check_lora(request)
-        if GrammarCompilerPool.needs(request.sampling_params):
+        futures = self._preparations(request)
+        if futures:
             self.scheduler.check(request)  # refuse what the scheduler would refuse, now
-            self._preparing[request.request_id] = (request, self.grammars.prepare(request.sampling_params))
+            self._preparing[request.request_id] = (request, futures)
         else:
             self.scheduler.add_request(request)
         self.images.add(request, mm_embeddings, pending_mm_hashes)
 
+    def _preparations(self, request: Request) -> list[Future]:
+        """What must be ready before the request may be scheduled, read or compiled in a
+        background thread meanwhile: its adapter in host memory, then its grammar (the
+        last future's result is the grammar's `Prepared`). [] when nothing is pending."""
+        futures = []
+        lora = self._lora_read(request)
+        if lora is not None and not (lora.done() and lora.exception() is None):
+            futures.append(lora)
+        if GrammarCompilerPool.needs(request.sampling_params):
+            futures.append(self.grammars.prepare(request.sampling_params))
+        return futures
+
     def load_lora(self, lora: LoRARequest) -> None:
-        """Reads and checks an adapter into host memory. ValueError unless it can run
-        here: LoRA enabled, and the adapter reads and fits the model (its message names
-        the field: r above --max-lora-rank, a target the model lacks, another base's shapes)."""
-        if self.lora is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled (--enable-lora)")
+        """Reads and checks an adapter into host memory, waiting for it. ValueError unless
+        it can run here: LoRA enabled, and the adapter reads and fits the model (its message
+        names the field: r above --max-lora-rank, a target the model lacks, another base's shapes)."""
+        self._check_lora_enabled(lora)
         self.lora.load(lora)
 
-    def _check_lora(self, request: Request) -> None:
-        if request.lora_request is not None:
-            self.load_lora(request.lora_request)
+    def prefetch_lora(self, lora: LoRARequest) -> None:
+        """Starts reading an adapter into host memory in the loader thread (a runtime load:
+        ready before its first request). ValueError when LoRA is not enabled."""
+        self._check_lora_enabled(lora)
+        self.lora.prefetch(lora)
+
+    def unload_lora(self, lora: LoRARequest) -> bool:
+        """Forgets an adapter (runtime unloading); False when this engine did not hold it."""
+        return self.lora is not None and self.lora.unload(lora.key)
+
+    def _check_lora_enabled(self, lora: LoRARequest) -> None:
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled (--enable-lora)")
+
+    def _lora_read(self, request: Request) -> Future | None:
+        """The read of the request's adapter (LoRAManager.prefetch), None for the base model."""
+        if request.lora_request is None:
+            return None
+        self._check_lora_enabled(request.lora_request)
+        return self.lora.prefetch(request.lora_request)
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
@@ -206,7 +235,11 @@ class EngineCore:
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
-        self._check_lora(request)
+        lora = self._lora_read(request)
+        if lora is not None:
+            if not lora.done():
+                return False  # the caller retries; the adapter is read meanwhile
+            lora.result()  # LoRAAdapterError (a ValueError): it cannot run here
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len
         prepared = None
@@ -295,25 +328,26 @@ class EngineCore:
                 request.draft_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _admit_prepared(self) -> dict[str, str]:
-        """Moves requests whose grammar is compiled into the scheduler; returns those
-        that failed to compile. Waits a little only when nothing else could run."""
+        """Moves requests whose adapter is read and grammar compiled into the scheduler;
+        returns those that failed. Waits a little only when nothing else could run."""
         if not self._preparing:
             return {}
         if not self.scheduler.has_unfinished():
-            wait([f for *_, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            wait([f for _, fs in self._preparing.values() for f in fs], timeout=0.01, return_when=FIRST_COMPLETED)
         failed = {}
-        for rid, (request, future) in list(self._preparing.items()):
-            if not future.done():
+        for rid, (request, futures) in list(self._preparing.items()):
+            if not all(f.done() for f in futures):
                 continue
             del self._preparing[rid]
             try:
-                prepared = future.result()
+                results = [f.result() for f in futures]
                 self.scheduler.add_request(request)
             except ValueError as exc:
                 failed[rid] = str(exc)
                 self.images.remove([rid])
                 continue
-            self.runner.add_constraints(request, prepared)
+            if GrammarCompilerPool.needs(request.sampling_params):
+                self.runner.add_constraints(request, results[-1])
         return failed
 
     # -- state -----------------------------------------------------------------------
@@ -326,6 +360,19 @@ class EngineCore:
     def stats(self) -> dict[str, int | float | list[int]]:
         """The scheduler's gauges and counters, speculative decoding's among them."""
         return self.scheduler.stats()
+
+    def lora_state(self) -> LoRAState | None:
+        """The adapters of its running and waiting requests and those resident in its slots,
+        by name (its stats: metrics and routing); None without --enable-lora."""
+        if self.lora is None:
+            return None
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
+
+        waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
+        return LoRAState(names(self.scheduler.running), names(waiting),
+                         tuple(name for name, _ in self.lora.resident), self.config.lora.max_loras)
 
     @property
     def num_running(self) -> int:

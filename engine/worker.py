@@ -39,7 +39,7 @@ from typing import Callable
 from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gave_up_error
 from epd.engine.request import Request
-from epd.transport.messages import (Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
+from epd.transport.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
@@ -52,8 +52,10 @@ log = logging.getLogger("epd.worker")
 # (--request-timeout) aborts it sooner; this bound holds when nobody will.
 MAX_IMAGE_WAIT_S = 600.0
 
-# An in-process encoder (aggregated role): raw images -> embeddings, or an error string per image.
-EncodeFn = Callable[[list[bytes]], list[MMEntry | str]]
+# An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
+# pairs its spans wait for: an image's one under its mm_hash, a video's one per entry (a Qwen3-VL
+# temporal group), or one error for a video's first entry (epd/serve/worker_entry.py).
+EncodeFn = Callable[[list[EncodeRequest]], list[list[tuple[str, MMEntry | str]]]]
 
 
 def inbox_frame_bytes(core: EngineCore) -> int:
@@ -135,10 +137,22 @@ class EngineWorker(WorkerIO):
             self._on_kv_ack(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids + self._requests_of(msg.api_index))
+        elif isinstance(msg, LoRAUpdate):
+            self._on_lora_update(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
         else:
             log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
+
+    def _on_lora_update(self, msg: LoRAUpdate) -> None:
+        """A runtime adapter load (read it ahead, off the step loop) or unload (forget it)."""
+        try:
+            if msg.is_load:
+                self.core.prefetch_lora(msg.lora)  # a bad one fails its requests, as it would unannounced
+            else:
+                self.core.unload_lora(msg.lora)
+        except ValueError as exc:
+            log.warning("%s: %s", self.spec.worker_id, exc)
 
     # ---------------------------------------------------------- admission
 
@@ -173,19 +187,22 @@ class EngineWorker(WorkerIO):
         self._image_arrived(msg.mm_hash, entry)
 
     def _on_encode_request(self, msgs: list[EncodeRequest]) -> None:
-        """Aggregated role: encode in-process, then proceed as if EncodeDone arrived."""
+        """Aggregated role: encode in-process, then proceed as if each entry's EncodeDone arrived."""
         start = time.perf_counter()
-        results = self.encode_fn([m.image for m in msgs])
+        results = self.encode_fn(msgs)
         self.encoder_counters.encode_seconds_sum += time.perf_counter() - start
-        for msg, result in zip(msgs, results):
-            if isinstance(result, str):
+        for msg, pairs in zip(msgs, results):
+            if any(isinstance(result, str) for _, result in pairs):
                 self.encoder_counters.num_errors += 1
-                self._on_encode_done(EncodeDone(msg.request_id, msg.mm_hash, ok=False, error=result))
-                continue
-            self.encoder_counters.num_images += 1
-            if self.cache is not None:
-                self.cache.put(msg.mm_hash, result)
-            self._image_arrived(msg.mm_hash, result)
+            else:
+                self.encoder_counters.num_images += 1  # a video counts one, as on an encoder worker
+            for key, result in pairs:
+                if isinstance(result, str):
+                    self._on_encode_done(EncodeDone(msg.request_id, key, ok=False, error=result))
+                    continue
+                if self.cache is not None:
+                    self.cache.put(key, result)
+                self._image_arrived(key, result)
 
     def _image_arrived(self, mm_hash: str, entry: MMEntry) -> None:
         """An image is here: the engine takes it if requests in it wait for it
@@ -422,4 +439,5 @@ class EngineWorker(WorkerIO):
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
             queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
-            session=self.session, cache=None if self.cache is None else self.cache.faults()))
+            session=self.session, cache=None if self.cache is None else self.cache.faults(),
+            lora=self.core.lora_state()))

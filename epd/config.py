@@ -123,6 +123,7 @@ class ServeConfig:
     allow_credentials: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: the adapters served by name (with --enable-lora)
+    allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: POST /v1/(un)load_lora_adapter
     media: MediaConfig = field(default_factory=MediaConfig)
     files: ModelFilesConfig = field(default_factory=ModelFilesConfig)  # what is read from the checkpoint
     limits: ServingLimits = field(default_factory=ServingLimits)
@@ -178,6 +179,8 @@ class ServeConfig:
         _check_checkpoint(self.model)
         if self.lora_modules and not self.engine.lora.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.allow_runtime_lora_updating and not self.engine.lora.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
 
     @property
     def model_name(self) -> str:
@@ -258,6 +261,11 @@ class WorkerConfig:
     mm_cache_gb: float = DEFAULT_MM_CACHE_GB
     max_image_pixels: int = field_default(MediaConfig, "max_image_pixels")
     max_image_bytes: int = field_default(MediaConfig, "max_image_bytes")  # as the API's --max-image-bytes
+    # as the API's video flags: the largest video its inbox takes, what decoding one may cost an encoder
+    max_video_bytes: int = field_default(MediaConfig, "max_video_bytes")
+    max_video_frames: int = field_default(MediaConfig, "max_video_frames")  # checked by the API (header)
+    max_request_video_pixels: int = field_default(MediaConfig, "max_request_video_pixels")
+    video_decode_timeout_s: float = field_default(MediaConfig, "video_decode_timeout_s")
     num_threads: int | None = None  # --threads-per-worker; None: `num_worker_threads`'s rule
     cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
@@ -281,6 +289,14 @@ class WorkerConfig:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"--tokenizer {self.tokenizer}: not a directory")
         _check_keys(self.worker_keys, WORKER, "epd worker")
+        self.media()  # a bad image or video limit: MediaConfig's message, naming the flag
+
+    def media(self) -> MediaConfig:
+        """The media limits this worker applies: its inbox's largest item, an encoder's decode limits."""
+        return MediaConfig(max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
+                           max_video_bytes=self.max_video_bytes, max_video_frames=self.max_video_frames,
+                           max_request_video_pixels=self.max_request_video_pixels,
+                           video_decode_timeout_s=self.video_decode_timeout_s)
 
     @property
     def mm_cache_bytes(self) -> int:

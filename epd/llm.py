@@ -95,8 +95,8 @@ class LLM:
         self.prompts = PromptBuilder(self.tokenizer, self.files.geometry, info.image_token_id,
                                      self.files.chat_template and self.files.chat_template.text,
                                      video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
-        self.media = MediaConfig(allowed_local_media_path="/")  # offline: the caller's own files
-        self.video_media = MediaConfig(allowed_local_media_path="/", max_image_bytes=MAX_VIDEO_BYTES)
+        # offline: the caller's own files; videos under their own cap, errors naming "video"
+        self.media = MediaConfig(allowed_local_media_path="/", max_video_bytes=MAX_VIDEO_BYTES)
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -173,7 +173,7 @@ class LLM:
         """A video part's bytes and what the prompt needs of it: the plan from its header and its key."""
         if self.video is None:
             raise ValueError(self.files.no_images_reason)
-        data = load_image_bytes(_video_source(part), self.video_media)
+        data = load_image_bytes(_video_source(part), self.media, modality="video")
         _, plan = plan_video(data, self.video.geometry, options)
         return VideoRef(plan, video_mm_hash(data, self.engine.info.fingerprint, self.video_config, plan)), data
 

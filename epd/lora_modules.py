@@ -68,3 +68,42 @@ def check_lora_modules(modules: tuple[LoRAModule, ...], served_model_name: str, 
         if module.name == served_model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the served model's own name")
         read_adapter(module.name, module.path, shapes, max_lora_rank)
+
+
+class LoRARegistry:
+    """The adapters a request's `model` may name: --lora-modules at start, then those
+    loaded and unloaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter,
+    with --allow-runtime-lora-updating). Ids count on from the flag's (vLLM's rule:
+    an id is never reused, so a reloaded adapter is a new one to every cache)."""
+
+    def __init__(self, modules: tuple[LoRAModule, ...] = ()):
+        self._modules = {m.name: m for m in modules}
+        self._requests = lora_requests(modules)
+        self._next_id = len(modules) + 1
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._requests.get(name)
+
+    def module(self, name: str) -> LoRAModule | None:
+        return self._modules.get(name)
+
+    @property
+    def names(self) -> list[str]:
+        """Every adapter's name, in the order they came."""
+        return list(self._modules)
+
+    def make(self, name: str, path: str) -> LoRARequest:
+        """The LoRARequest an adapter loaded now would carry (not registered yet)."""
+        return LoRARequest(name, self._next_id, os.path.abspath(path))
+
+    def add(self, module: LoRAModule, lora: LoRARequest) -> None:
+        """Registers `make`'s LoRARequest under `module.name`; ValueError if the name is taken."""
+        if module.name in self._modules:
+            raise ValueError(f"The lora adapter '{module.name}' has already been loaded.")
+        self._modules[module.name], self._requests[module.name] = module, lora
+        self._next_id = max(self._next_id, lora.lora_int_id + 1)
+
+    def remove(self, name: str) -> LoRARequest:
+        """Unregisters an adapter; KeyError when there is none of that name."""
+        del self._modules[name]
+        return self._requests.pop(name)

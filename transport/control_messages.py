@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from epd.transport.codec import Fields
+from epd.transport.codec import Fields, WireError
+from epd.transport.lora_request import LoRARequest
 from epd.transport.message import Message, need, read_address, read_api_index
 from epd.transport.roles import Role
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState
 
 
 SESSION_HEX_CHARS = 32  # a worker process's session token (WorkerIO): 128 random bits
@@ -30,7 +31,7 @@ class WorkerStats(Message):
     """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
 
     TYPE: ClassVar[str] = "worker_stats"
-    VERSION: ClassVar[int] = 3  # 2: session, 3: cache
+    VERSION: ClassVar[int] = 4  # 2: session, 3: cache, 4: lora
     worker_id: str
     role: str
     num_running: int
@@ -42,6 +43,7 @@ class WorkerStats(Message):
     encoder: EncoderCounters | None = None  # encoders, and the aggregated worker's in-process one
     session: str = ""  # the sender's session token (its Ready's): the registry takes stats only from it
     cache: CacheFaults | None = None  # its embedding cache's faults; None: it has no cache
+    lora: LoRAState | None = None  # its adapters (engine roles with --enable-lora); None: LoRA off
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "num_running": self.num_running,
@@ -49,18 +51,20 @@ class WorkerStats(Message):
                 "num_total_blocks": self.num_total_blocks, "queue_depth": self.queue_depth,
                 "engine": None if self.engine is None else self.engine.to_map(),
                 "encoder": None if self.encoder is None else self.encoder.to_map(), "session": self.session,
-                "cache": None if self.cache is None else self.cache.to_map()}
+                "cache": None if self.cache is None else self.cache.to_map(),
+                "lora": None if self.lora is None else self.lora.to_map()}
 
     @classmethod
     def _build(cls, f, payload):
-        engine, encoder, cache = f.opt_map("engine"), f.opt_map("encoder"), f.opt_map("cache")
+        engine, encoder, cache, lora = f.opt_map("engine"), f.opt_map("encoder"), f.opt_map("cache"), f.opt_map("lora")
         counts = [f.int(name) for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
                                             "queue_depth")]
         need(all(0 <= n < 2 ** 40 for n in counts), cls.TYPE, f"counts must be in [0, 2^40), got {counts}")
         return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), *counts,
                    None if engine is None else EngineCounters.from_map(engine),
                    None if encoder is None else EncoderCounters.from_map(encoder), _session(f),
-                   None if cache is None else CacheFaults.from_map(cache))
+                   None if cache is None else CacheFaults.from_map(cache),
+                   None if lora is None else LoRAState.from_map(lora))
 
 
 @dataclass
@@ -145,6 +149,28 @@ class Abort(Message):
     @classmethod
     def _build(cls, f, payload):
         return cls(f.list_of("request_ids", str), None if f.opt_int("api_index") is None else read_api_index(f))
+
+
+@dataclass
+class LoRAUpdate(Message):
+    """API -> prefill/decode workers: an adapter loaded at run time (POST
+    /v1/load_lora_adapter: read it into host memory before its first request
+    comes) or unloaded (/v1/unload_lora_adapter: forget it)."""
+
+    TYPE: ClassVar[str] = "lora_update"
+    lora: LoRARequest
+    is_load: bool
+
+    def _fields(self):
+        return {"lora": self.lora.to_list(), "is_load": self.is_load}
+
+    @classmethod
+    def _build(cls, f, payload):
+        try:
+            lora = LoRARequest.from_list(f.opt_list("lora"))
+        except ValueError as e:
+            raise WireError(f"{f.tag}.lora: {e}") from None
+        return cls(lora, f.bool("is_load"))
 
 
 @dataclass

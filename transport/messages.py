@@ -4,7 +4,7 @@ of tag -> class, and `decode_message`.
 The classes live by plane: transport/request_messages.py (EncodeRequest,
 EncodeDone, PrefillRequest, KVTransfer, KVAck, TokenOutput, TokenOutputs: a
 request's way through the workers) and transport/control_messages.py
-(WorkerStats, Ready, Alive, WorkerExited, Abort, Shutdown: the worker plane's
+(WorkerStats, Ready, Alive, WorkerExited, Abort, LoRAUpdate, Shutdown: the worker plane's
 control); transport/message.py holds their base `Message` and the wire
 layout. Import them all from here.
 
@@ -22,7 +22,7 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Sequence
 
 from epd.transport.codec import WireError
-from epd.transport.control_messages import Abort, Alive, Ready, Shutdown, WorkerExited, WorkerStats
+from epd.transport.control_messages import Abort, Alive, LoRAUpdate, Ready, Shutdown, WorkerExited, WorkerStats
 from epd.transport.message import RESERVED, Message, decode_as, header_of
 from epd.transport.mm_span import MMSpan
 from epd.transport.request_messages import (EncodeDone, EncodeRequest, KVAck, KVTransfer, PrefillRequest,
@@ -31,7 +31,7 @@ from epd.transport.request_messages import (EncodeDone, EncodeRequest, KVAck, KV
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
     "KVTransfer", "KVAck", "TokenOutput", "TokenOutputs", "WorkerStats", "Ready", "Abort", "Shutdown",
-    "WorkerExited", "Alive",
+    "WorkerExited", "Alive", "LoRAUpdate",
     "MESSAGE_TYPES", "decode_message",
 ]
 
@@ -50,6 +50,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "shutdown": Shutdown,
     "worker_exited": WorkerExited,
     "alive": Alive,
+    "lora_update": LoRAUpdate,
 }
 assert all(cls.TYPE == tag for tag, cls in MESSAGE_TYPES.items())
 assert not any(f.name in RESERVED for cls in MESSAGE_TYPES.values() for f in dataclass_fields(cls))

@@ -208,3 +208,28 @@ class CacheFaults:
         out = CacheFaults(**{name: m.int(name) for name in CacheFaults._INTS})
         m.reject_unknown(out.to_map())
         return out
+
+
+@dataclass(frozen=True)
+class LoRAState:
+    """A worker's adapters (--enable-lora), in its stats: the names of those its
+    running and waiting requests use (vLLM's `lora_requests_info` labels, exported
+    by epd/serve/worker_metrics.py), those resident in its slots (the routers prefer
+    a worker that has a request's adapter resident: epd/serve/router.py), and
+    --max-loras."""
+
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    resident: tuple[str, ...] = ()
+    max_lora: int = 1
+
+    def to_map(self) -> dict[str, Any]:
+        return {"running": list(self.running), "waiting": list(self.waiting), "resident": list(self.resident),
+                "max_lora": self.max_lora}
+
+    @staticmethod
+    def from_map(m: Fields) -> LoRAState:
+        out = LoRAState(*(tuple(m.list_of(name, str)) for name in ("running", "waiting", "resident")),
+                        m.int("max_lora"))
+        m.reject_unknown(out.to_map())
+        return out

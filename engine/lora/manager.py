@@ -3,10 +3,14 @@
     requests' LoRARequest --load--> host cache (at most --max-cpu-loras, LRU)
                           --activate (each step)--> device slots (--max-loras, LRU)
 
-`load` reads and checks an adapter the first time a request names it (a bad
-one fails that request with the adapter's message) and keeps its tensors in
-host memory. `activate` gives every adapter of a step a slot, writing the
-weights of one that is not resident over the least recently used slot no
+`prefetch` reads and checks an adapter in the loader thread the first time a
+request names it (a bad one fails that request with the adapter's message) and
+keeps its tensors in host memory: the engine admits the request when the read
+is done, so a slow read never stalls the step loop and the requests it runs
+(`load` waits for it: the offline `LLM`, which checks adapters before any
+work). An adapter evicted from host memory before its request runs (more
+adapters in flight than --max-cpu-loras) is read again, in the step.
+`activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
 the step's per-token adapters into the groups `LoRALinear` adds deltas to.
@@ -14,14 +18,16 @@ the step's per-token adapters into the groups `LoRALinear` adds deltas to.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, ProjectionShapes, read_adapter
+from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError, ProjectionShapes, read_adapter
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.lora.layers import LoRAStep, SlotRows, wrap_model
 from epd.transport.lora_request import LoRARequest
@@ -43,28 +49,73 @@ class LoRAManager:
         self._wrappers = wrap_model(model, config.max_loras, config.max_lora_rank, self.step)
         self._host: OrderedDict[AdapterKey, _HostAdapter] = OrderedDict()  # LRU first
         self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # resident adapters, LRU first
+        self._lock = threading.Lock()  # `_host` and `_reading`: the loader thread adds, the step thread reads
+        self._reading: dict[AdapterKey, Future] = {}  # adapters being read, by the loader thread
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = 0  # adapters read from disk (a host-cache miss)
         self.num_slot_loads = 0  # adapters written into a device slot (a slot miss)
 
     # -- host memory ---------------------------------------------------------------
 
-    def load(self, lora: LoRARequest) -> AdapterSpec:
-        """The adapter read and checked, from the host cache or its directory.
-        LoRAAdapterError (a ValueError) naming what is wrong."""
-        entry = self._host.get(lora.key)
-        if entry is not None:
-            self._host.move_to_end(lora.key)
-            return entry.spec
-        spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank)
-        from safetensors.torch import load_file
+    def prefetch(self, lora: LoRARequest) -> Future:
+        """Future[_HostAdapter]: done at once when the adapter is in host memory, else
+        read and checked in the loader thread (one read per adapter however many ask);
+        its exception is a LoRAAdapterError (a ValueError) naming what is wrong."""
+        with self._lock:
+            entry = self._host.get(lora.key)
+            if entry is not None:
+                self._host.move_to_end(lora.key)
+                done: Future = Future()
+                done.set_result(entry)
+                return done
+            future = self._reading.get(lora.key)
+            if future is None:
+                future = self._reading[lora.key] = self._loader.submit(self._read, lora)
+            return future
 
-        tensors = load_file(f"{lora.lora_path}/{WEIGHTS_FILE}")
-        weights = {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()}
-        self._host[lora.key] = _HostAdapter(spec, weights)
-        self.num_loads += 1
-        while len(self._host) > self.config.num_cpu_loras:
-            self._host.popitem(last=False)  # a resident one keeps its slot; it is read again if needed there
-        return spec
+    def load(self, lora: LoRARequest) -> AdapterSpec:
+        """The adapter read and checked, waiting for the read. LoRAAdapterError naming what is wrong."""
+        return self.prefetch(lora).result().spec
+
+    def is_loaded(self, key: AdapterKey) -> bool:
+        """Whether the adapter is in host memory."""
+        with self._lock:
+            return key in self._host
+
+    def unload(self, key: AdapterKey) -> bool:
+        """Forgets an adapter (runtime unloading): out of host memory and its slot, so a
+        request naming it again reads it again. False when it was neither."""
+        with self._lock:
+            in_host = self._host.pop(key, None) is not None
+        slot = self._slots.pop(key, None)
+        return in_host or slot is not None
+
+    @property
+    def resident(self) -> list[AdapterKey]:
+        """The adapters in device slots, least recently used first."""
+        return list(self._slots)
+
+    def _read(self, lora: LoRARequest) -> _HostAdapter:
+        """The loader thread: the adapter from its directory into host memory."""
+        try:
+            spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank)
+            from safetensors.torch import load_file
+
+            try:
+                tensors = load_file(f"{lora.lora_path}/{WEIGHTS_FILE}")
+            except Exception as exc:  # a torn or truncated file: the request's error, not the worker's
+                raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): "
+                                       f"{WEIGHTS_FILE} is unreadable ({exc})") from None
+            entry = _HostAdapter(spec, {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()})
+            with self._lock:
+                self._host[lora.key] = entry
+                self.num_loads += 1
+                while len(self._host) > self.config.num_cpu_loras:
+                    self._host.popitem(last=False)  # a resident one keeps its slot; it is read again if needed
+            return entry
+        finally:
+            with self._lock:
+                self._reading.pop(lora.key, None)
 
     # -- device slots ------------------------------------------------------------------
 
@@ -90,8 +141,7 @@ class LoRAManager:
         return self._slots.pop(victim)
 
     def _write_slot(self, lora: LoRARequest, slot: int) -> None:
-        self.load(lora)
-        entry = self._host[lora.key]
+        entry = self.prefetch(lora).result()  # in host memory already, unless evicted since its request came
         by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), pair in entry.weights.items():
             by_layer.setdefault(layer, {})[module] = pair

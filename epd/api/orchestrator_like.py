@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from epd.requests import Delta, GenerateRequest
+from epd.transport.lora_request import LoRARequest
 
 
 class OrchestratorLike(Protocol):
@@ -37,4 +38,9 @@ class OrchestratorLike(Protocol):
     def generate(self, request: GenerateRequest) -> AsyncIterator[Delta]:
         """One sequence; raises RequestError before the first Delta for bad input;
         the last Delta has finish_reason set; aclose() aborts it."""
+        ...
+
+    async def update_lora(self, lora: LoRARequest, is_load: bool) -> None:
+        """A runtime adapter load (checked against the model first: ValueError naming what
+        is wrong) or unload, announced to every worker that runs adapters."""
         ...

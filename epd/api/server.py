@@ -4,6 +4,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions (both served by
 `epd.api.generate_route.GenerateRoute`, taken before FastAPI's machinery by
 `epd.api.fast_path.FastPathApp`),
 GET /v1/models[/{id}], POST /tokenize and /detokenize (epd.api.tokenizer_routes), GET /version,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (epd.api.lora_routes, with
+--allow-runtime-lora-updating),
 POST /v1/responses (epd.api.responses_route, on the chat path),
 GET /health, GET /metrics. The app knows the
 orchestrator only through `OrchestratorLike`; one HTTP request with `n`
@@ -34,6 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from epd.api.body_limit import call_within_limit
 from epd.api.errors import error_body, error_response, install_error_handlers, internal_error
 from epd.api.fast_path import FastPathApp
+from epd.api.lora_routes import add_lora_routes
 from epd.api.generate_route import (ARRIVAL_KEY, BODY_MODELS, CHAT_PATH, COMPLETIONS_PATH, REQUEST_ID_GENERATED_KEY,
                                     REQUEST_ID_KEY, GenerateRoute, ServedResponse)
 from epd.api.metrics import ApiMetrics
@@ -67,6 +70,8 @@ def build_app(orchestrator: OrchestratorLike, settings: ApiSettings, *, lean_rou
     _add_model_routes(app, orchestrator, settings)
     add_tokenizer_routes(app, orchestrator, settings)
     add_responses_route(app, generate)
+    if settings.allow_runtime_lora_updating:
+        add_lora_routes(app, orchestrator, settings)
 
     # Declared here for the OpenAPI schema, the 405 of other methods and a mounted app;
     # a POST to either path is taken by `FastPathApp` before FastAPI sees it.
@@ -107,8 +112,8 @@ def _add_health_routes(app: FastAPI, orchestrator: OrchestratorLike, metrics: Ap
 
 
 def _add_model_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiSettings) -> None:
-    """GET /v1/models (the model, then each --lora-modules adapter with its `parent`,
-    as vLLM lists them), /v1/models/{id} and /version."""
+    """GET /v1/models (the model, then each adapter with its `parent`, as vLLM lists
+    them: --lora-modules, then runtime loads), /v1/models/{id} and /version."""
     model = settings.served_model_name
     started = int(time.time())
 
@@ -119,14 +124,14 @@ def _add_model_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: Ap
                 "default_sampling_params": settings.sampling_defaults.overridden()}
 
     def adapter_card(name: str) -> dict:
-        module = next(m for m in settings.lora_modules if m.name == name)
+        module = settings.loras.module(name)
         return {"id": name, "object": "model", "created": started, "owned_by": "epd",
-                "root": settings.adapter(name).lora_path, "parent": module.base_model_name or model,
+                "root": settings.loras.get(name).lora_path, "parent": module.base_model_name or model,
                 "max_model_len": None}
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(), *(adapter_card(m.name) for m in settings.lora_modules)]}
+        return {"object": "list", "data": [model_card(), *(adapter_card(name) for name in settings.loras.names)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:

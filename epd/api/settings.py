@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from epd.inputs.sampling_defaults import SamplingDefaults
-from epd.lora_modules import LoRAModule, lora_requests
+from epd.lora_modules import LoRAModule, LoRARegistry
 from epd.transport.lora_request import LoRARequest
 from epd.version import __version__
 
@@ -30,17 +30,21 @@ class ApiSettings:
     allow_credentials: bool = False
     version: str = __version__  # what /version answers
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: adapters a request's `model` may name
+    # --allow-runtime-lora-updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, an explicit flag here)
+    allow_runtime_lora_updating: bool = False
 
     @cached_property
-    def _lora_requests(self) -> dict[str, LoRARequest]:
-        return lora_requests(self.lora_modules)
+    def loras(self) -> LoRARegistry:
+        """The adapters served by name now: --lora-modules, then runtime loads and unloads."""
+        return LoRARegistry(self.lora_modules)
 
     def adapter(self, requested: str) -> LoRARequest | None:
         """The adapter a request's `model` names: None for the served model itself,
         a 404 model_not_found (vLLM's body) for a name served by neither."""
         if requested == self.served_model_name:
             return None
-        lora = self._lora_requests.get(requested)
+        lora = self.loras.get(requested)
         if lora is None:
             from epd.api.protocol import check_model
 

@@ -1,13 +1,15 @@
 """vLLM's tokenizer endpoints: POST /tokenize and POST /detokenize.
 
     /tokenize    {"model"?, "prompt", "add_special_tokens"?: true, "return_token_strs"?}
-                 {"model"?, "messages", "add_generation_prompt"?: true, "tools"?, "return_token_strs"?}
+                 {"model"?, "messages", "add_generation_prompt"?: true, "tools"?, "mm_processor_kwargs"?,
+                  "return_token_strs"?}
                  -> {"count", "max_model_len", "tokens", "token_strs"}
     /detokenize  {"model"?, "tokens"} -> {"prompt"}
 
 A chat's tokens are the orchestrator's own (`OrchestratorLike.tokenize`: the
-same preparer that builds a chat's prompt), so an image costs here exactly the
-placeholder tokens it costs in `usage.prompt_tokens`. Bodies are bounded as the
+same preparer that builds a chat's prompt), so an image or a video (sampled as
+the request's `mm_processor_kwargs` say) costs here exactly the placeholder
+tokens it costs in `usage.prompt_tokens`. Bodies are bounded as the
 generation endpoints' are (`generate_route.check_json_items`); every refusal is
 a 400 (413 for a body past the bound) with an OpenAI error body.
 """
@@ -22,7 +24,7 @@ from epd.api.chat_messages import validate_messages
 from epd.api.generate_route import max_json_items, read_json_object
 from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_continue_final_message,
-                              validate_body)
+                              check_mm_processor_kwargs, validate_body)
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
 from epd.requests import GenerateRequest, RequestError
@@ -49,15 +51,15 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # a video's sampling, as the chat request's
     # vLLM's, which EPD's chat endpoint does not take either: refused when set (`UNSUPPORTED_CHAT_FIELDS`)
     add_special_tokens: bool = False
-    continue_final_message: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
 
 
-UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "chat_template", "mm_processor_kwargs")
+UNSUPPORTED_CHAT_FIELDS = ("add_special_tokens", "chat_template")
 
 
 class DetokenizeRequest(BaseModel):
@@ -115,10 +117,12 @@ def _chat_request(chat: TokenizeChatRequest, settings: ApiSettings) -> GenerateR
     messages = validate_messages(chat.messages, settings.max_images_per_prompt, settings.max_videos_per_prompt)
     check_continue_final_message(chat.continue_final_message, chat.add_generation_prompt)
     check_chat_template_kwargs(chat.chat_template_kwargs)
+    check_mm_processor_kwargs(chat.mm_processor_kwargs)
     return GenerateRequest(request_id="tokenize", messages=messages, prompt=None, sampling=SamplingParams(),
                            add_generation_prompt=chat.add_generation_prompt, tools=tools or None,
                            continue_final_message=chat.continue_final_message,
-                           chat_template_kwargs=chat.chat_template_kwargs or None)
+                           chat_template_kwargs=chat.chat_template_kwargs or None,
+                           mm_processor_kwargs=chat.mm_processor_kwargs or None)
 
 
 def _check_model(model: str | None, settings: ApiSettings) -> None:

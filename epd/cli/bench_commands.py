@@ -11,6 +11,8 @@ BENCHMARKS = {
     "compare": ("compare", "aggregated vs e-pd vs e-p-d on one machine, one request trace"),
     "plan": ("plan", "predict the goodput of every E:P:D split of N workers from measured "
                      "service times, then run the best for real"),
+    "lora": ("lora", "multi-LoRA: tokens/s and TPOT with 1, 4, 16 adapters mixed vs the base alone; "
+                     "an adapter load's cost on the request path"),
     "cache-hit": ("cache_hit", "TTFT of a cached-image request vs a text-only one of equal length"),
     "overhead": ("overhead", "served vs offline tokens/s on the same requests; API CPU per token"),
     "fault": ("fault", "kill one worker mid-trace: requests completed, recovered, failed, "

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from epd.cli.engine_flags import HelpFormatter, add_engine_args, add_input_processing_args, engine_config
+from epd.cli.video_flags import add_video_limit_args, video_limits
 from epd.config import CPU_SHARING, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS, ServeConfig, ServingLimits, field_default
 from epd.flag_values import json_object, limit_mm_per_prompt, media_io_kwargs, string_list
 from epd.inputs.media import MediaConfig
@@ -110,6 +111,9 @@ def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="name=path|JSON",
                    help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
                         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's model picks one")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; vLLM "
+                        "reads VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, EPD this flag)")
 
 
 def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
@@ -175,17 +179,7 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_video_flags(p: argparse.ArgumentParser) -> None:
     """What a video may be (size, frames, decoded pixels, decode time) and how its frames are taken."""
-    video = {name: field_default(MediaConfig, name) for name in (
-        "max_video_bytes", "max_video_frames", "max_request_video_pixels", "video_decode_timeout_s")}
-    p.add_argument("--max-video-mb", type=float, default=video["max_video_bytes"] / (1 << 20),
-                   help="refuse larger encoded videos")
-    p.add_argument("--max-video-frames", type=int, default=video["max_video_frames"],
-                   help="refuse a video whose container holds more frames (from its header)")
-    p.add_argument("--max-request-video-pixels", type=int, default=video["max_request_video_pixels"],
-                   help="pixels the encoder may decode for one request's videos (every frame up to the last "
-                        "sampled one, full size; from the headers)")
-    p.add_argument("--video-decode-timeout", type=float, default=video["video_decode_timeout_s"],
-                   help="seconds an encoder may take to decode one video; then its request fails")
+    add_video_limit_args(p)  # `epd worker`'s too
     p.add_argument("--media-io-kwargs", default=None, metavar="JSON",
                    help="vLLM's media loading arguments: '{\"video\": {\"num_frames\": N}}' takes N frames "
                         "evenly from each video before the processor sees them (-1, the default: every frame, "
@@ -252,16 +246,14 @@ def serve_config(args) -> ServeConfig:
         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
         engine=engine_config(args), lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=limits["image"], limit_videos_per_prompt=limits["video"],
                           max_request_pixels=args.max_request_pixels,
-                          max_video_bytes=int(args.max_video_mb * (1 << 20)), max_video_frames=args.max_video_frames,
-                          max_request_video_pixels=args.max_request_video_pixels,
-                          video_decode_timeout_s=args.video_decode_timeout,
-                          **media_io_kwargs(args.media_io_kwargs)),
+                          **video_limits(args), **media_io_kwargs(args.media_io_kwargs)),
         files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
                                override_generation_config=tuple(
                                    json_object("--override-generation-config",

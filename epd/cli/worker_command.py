@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from epd.cli.engine_flags import add_engine_args, add_input_processing_args, engine_config
+from epd.cli.video_flags import add_video_limit_args, video_limits
 from epd.config import CPU_SHARING, WorkerConfig, field_default
 from epd.flag_values import json_object
 from epd.transport.roles import Role
@@ -27,6 +28,7 @@ def add_worker_parsers(sub) -> None:
     p.add_argument("--max-image-bytes", type=int, default=worker["max_image_bytes"],
                    help="the largest image this worker takes (as the API's --max-image-bytes; a larger frame "
                         "disconnects its sender)")
+    add_video_limit_args(p)  # as the API's: the largest video this worker takes, an encoder's decode limits
     p.add_argument("--threads-per-worker", "--threads", dest="threads", type=int, default=worker["num_threads"],
                    help="torch threads (default: as `epd serve` gives a worker of this role alone on its host: "
                         "every core but one)")
@@ -50,7 +52,7 @@ def worker_config(args) -> WorkerConfig:
     return WorkerConfig(model=args.model, role=args.role, api=args.api, host=args.host, port=args.port,
                         mm_cache_dir=args.mm_cache_dir, mm_cache_gb=args.mm_cache_gb,
                         max_image_pixels=args.max_image_pixels, max_image_bytes=args.max_image_bytes,
-                        num_threads=args.threads,
+                        **video_limits(args), num_threads=args.threads,
                         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=engine_config(args),
                         tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
                             json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items()))

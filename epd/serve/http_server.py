@@ -21,4 +21,5 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        max_logprobs=config.max_logprobs, log_requests=config.enable_log_requests,
                        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
                        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
-                       lora_modules=config.lora_modules)
+                       lora_modules=config.lora_modules,
+                       allow_runtime_lora_updating=config.allow_runtime_lora_updating)

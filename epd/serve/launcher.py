@@ -13,7 +13,6 @@ import socket
 import sys
 
 from epd.config import ServeConfig, WorkerConfig
-from epd.inputs.media import MediaConfig
 from epd.serve.api_servers import serve_many
 from epd.serve.deployment import Deployment, build_api, http_server
 from epd.serve.heap import freeze_startup_heap
@@ -106,13 +105,13 @@ def run_external_worker(config: WorkerConfig) -> int:
             s.bind((config.host, 0))
             port = s.getsockname()[1]
     apis = tuple(config.api.split(","))  # --api: one collector per API process, joined by ","
-    video = MediaConfig(max_image_pixels=config.max_image_pixels)  # `epd worker` takes serve's default video limits
+    media = config.media()  # the image and video limits of `epd worker`'s flags, as `epd serve`'s
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
                       apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys,
-                      max_image_bytes=max(config.max_image_bytes, video.max_video_bytes))
+                      max_image_bytes=media.max_blob_bytes)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
                           num_threads=config.num_worker_threads(), tokenizer=config.tokenizer,
-                          mm_processor_kwargs=config.mm_processor_kwargs, decode_limits=video.decode_limits())
+                          mm_processor_kwargs=config.mm_processor_kwargs, decode_limits=media.decode_limits())
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)
     try:
         run_worker(launch, spawned=False)

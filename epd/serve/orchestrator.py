@@ -28,6 +28,7 @@ from typing import AsyncIterator
 from epd.engine.model_info import ModelInfo
 from epd.config import ServeConfig
 from epd.inputs.model_files import ModelFiles
+from epd.lora_modules import LoRAModule, check_lora_modules
 from epd.requests import Delta, GenerateRequest, RequestError
 from epd.serve.attempt_stream import AttemptStream
 from epd.serve.placement import PREFILL_ROLES, Placement
@@ -39,7 +40,8 @@ from epd.serve.supervisor import Unsupervised, WorkerWatch
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.channels import AsyncOutbox, AsyncReceiver
-from epd.transport.messages import (Abort, Alive, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
+from epd.transport.lora_request import LoRARequest
+from epd.transport.messages import (Abort, Alive, LoRAUpdate, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
                                     WorkerExited, WorkerStats)
 from epd.transport.roles import Role
 
@@ -227,6 +229,21 @@ class Orchestrator:
             except Exception:
                 log.warning("could not send Abort to %s", w.worker_id)
 
+    async def update_lora(self, lora: LoRARequest, is_load: bool) -> None:
+        """A runtime adapter load (read and checked against the checkpoint here, torch-free:
+        ValueError naming the field) or unload, announced to every live prefill and decode
+        worker (`LoRAUpdate`). One that starts later learns of it from its first request."""
+        if is_load:
+            if not self.config.engine.lora.enable_lora:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
+            check_lora_modules((LoRAModule(lora.lora_name, lora.lora_path),), self.model_name,
+                               self.files.hf_config, self.config.engine.lora.max_lora_rank)
+        for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
+            try:
+                await self._outbox.send(w.inbox, LoRAUpdate(lora, is_load))
+            except Exception:
+                log.warning("could not send LoRAUpdate to %s", w.worker_id)
+
     def missing_roles(self) -> list[str]:
         """The roles this mode needs that have no live worker now."""
         return self.registry.missing_roles(self.required_roles)
@@ -329,7 +346,8 @@ class Orchestrator:
             self.metrics.requests_failed["shutdown"] += 1
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
                                retry_after_s=5)
-        placed = await self.placement.place(prep, emitted, attempt_no, deadline)
+        placed = await self.placement.place(prep, emitted, attempt_no, deadline,
+                                            None if req.lora is None else req.lora.lora_name)
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
         attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted))
         self.attempts[attempt_id] = attempt

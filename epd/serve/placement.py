@@ -10,8 +10,8 @@
                       EncodeRequest per missing image or video (a video's with its VideoFrames)
 
 A request's placement is decided per attempt: a retry is placed again, on
-live workers. Routing by LoRA adapter will be a rule here, beside the text /
-image / local-prefill choice of `_route`.
+live workers. With a LoRA adapter, each router chooses among the workers that
+have it resident when their load is equal-ish (router.prefer_adapter).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from epd.serve.attempt import Attempt
 from epd.serve.encoder_router import EncoderRouter
 from epd.serve.preparer import Prepared
 from epd.serve.registry import WorkerInfo, WorkerRegistry
-from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router
+from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router, prefer_adapter
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.channels import AsyncOutbox
 from epd.transport.messages import EncodeRequest, PrefillRequest
@@ -98,15 +98,12 @@ class Placement:
 
     # -------------------------------------------------------------- place
 
-    async def place(self, prep: Prepared, emitted: list[int], attempt_no: int, deadline: float) -> Placed:
-        """Live workers for one try of a request (prompt + `emitted`): prefill and decode
-        worker, the images no cache they read holds, and each one's encoder."""
-        prefill, decode = await self._route(prep, emitted, deadline)
+    async def place(self, prep: Prepared, emitted: list[int], attempt_no: int, deadline: float,
+                    lora_name: str | None = None) -> Placed:
+        """Live workers for one try of a request (prompt + `emitted`, adapter `lora_name`):
+        prefill and decode worker, the images no cache they read holds, and each one's encoder."""
+        prefill, decode = await self._route(prep, emitted, deadline, lora_name)
         misses = self._cache_misses(prep, prefill, count=attempt_no == 0)
-        if prefill.role == Role.AGGREGATED and any(key in prep.video_frames for key, _ in misses):
-            # its in-process encoder is handed the bytes alone (engine/worker.py), not a video's frames
-            raise RequestError("video needs encoder workers in this build: serve with --mode e-pd or e-p-d",
-                               param="messages")
         if prefill.role == Role.AGGREGATED:
             encoders = [prefill] * len(misses)
         elif misses:
@@ -116,26 +113,30 @@ class Placement:
             encoders = []
         return Placed(prefill, decode, misses, encoders)
 
-    async def _route(self, prep: Prepared, emitted: list[int],
-                     deadline: float) -> tuple[WorkerInfo, WorkerInfo | None]:
+    async def _route(self, prep: Prepared, emitted: list[int], deadline: float,
+                     lora_name: str | None) -> tuple[WorkerInfo, WorkerInfo | None]:
         """(prefill worker, decode worker or None) of one try."""
         decode = None
+
+        def choose(router, workers: list[WorkerInfo]) -> WorkerInfo:
+            return router.choose(prefer_adapter(workers, lora_name), prep.token_ids)
+
         if self._prefills_locally(prep, emitted):
             decoders = await self._live((Role.DECODE,), deadline)
             idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._pending_prefill_tokens(),
                                         len(prep.token_ids) + len(emitted), self.max_local_prefill_tokens)
             if idle:  # no decode worker can start it in its next step: an idle prefill worker starts it now
-                prefill = self.text_prefill_router.choose(idle, prep.token_ids)
-                decode = self.decode_router.choose(decoders, prep.token_ids)
+                prefill = choose(self.text_prefill_router, idle)
+                decode = choose(self.decode_router, decoders)
                 self.metrics.local_prefills_redirected += 1
             else:  # the decode worker prefills it itself: no KV moves
-                prefill = self.local_prefill_router.choose(decoders, prep.token_ids)
+                prefill = choose(self.local_prefill_router, decoders)
                 self.metrics.local_prefills += 1
         else:
             router = self.prefill_router if prep.images else self.text_prefill_router
-            prefill = router.choose(await self._live(PREFILL_ROLES, deadline), prep.token_ids)
+            prefill = choose(router, await self._live(PREFILL_ROLES, deadline))
             if prefill.role == Role.PREFILL:
-                decode = self.decode_router.choose(await self._live((Role.DECODE,), deadline), prep.token_ids)
+                decode = choose(self.decode_router, await self._live((Role.DECODE,), deadline))
         return prefill, decode
 
     def _cache_misses(self, prep: Prepared, prefill: WorkerInfo, count: bool) -> list[tuple[str, bytes]]:

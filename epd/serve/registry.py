@@ -69,6 +69,11 @@ class WorkerInfo:
         s = self.stats
         return 0 if s is None else s.num_running + s.num_waiting + s.queue_depth
 
+    def has_adapter(self, lora_name: str) -> bool:
+        """Whether its latest stats show the adapter resident in a slot (the routers' preference)."""
+        s = self.stats
+        return s is not None and s.lora is not None and lora_name in s.lora.resident
+
     def shares_cache_with(self, other: WorkerInfo) -> bool:
         return bool(self.mm_cache_dir) and self.host == other.host and self.mm_cache_dir == other.mm_cache_dir
 

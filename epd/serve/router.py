@@ -9,6 +9,11 @@ prefix_hash   consistent hashing of the prompt's first block-aligned tokens,
 Under `least_loaded` (the default), text-only requests go to the worker with
 the fewest requests (`LeastRequestsRouter`): they wait for no encoder, so the
 least busy prefill worker is the one that starts them first.
+
+With LoRA, every router chooses among `prefer_adapter`'s workers: those that
+have the request's adapter resident in a slot, when their load is equal-ish
+to the least loaded worker's (at most max(2, a quarter of it) requests more);
+else among all.
 """
 from __future__ import annotations
 
@@ -35,6 +40,22 @@ def idle_prefill_workers(decoders: list, prefills: list, pending_tokens: Mapping
     if any(pending_tokens.get(d.worker_id, 0) + num_tokens <= step_tokens for d in decoders):
         return []
     return [w for w in prefills if not pending_tokens.get(w.worker_id)]
+
+
+LORA_LOAD_SLACK = 2  # requests more than the least loaded worker a warm one may carry and still be preferred
+
+
+def prefer_adapter(workers: list, lora_name: str | None) -> list:
+    """The workers a request with adapter `lora_name` chooses among: those whose latest
+    stats show it resident (no slot write, no read from host memory or disk), when each
+    carries at most max(LORA_LOAD_SLACK, a quarter of it) requests more than the least
+    loaded of `workers`; all of `workers` when none does (or for the base model):
+    waiting behind others costs more than writing a slot."""
+    if lora_name is None or len(workers) < 2:
+        return workers
+    least = min(w.load for w in workers)
+    warm = [w for w in workers if w.has_adapter(lora_name) and w.load <= least + max(LORA_LOAD_SLACK, least // 4)]
+    return warm or workers
 
 
 class RoundRobinRouter:

@@ -114,20 +114,39 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
                       tokenizer_dir=launch.tokenizer)
     encode_fn = None
     if role.encodes:  # aggregated: the vision encoder in-process
-        from epd.encoders.image_io import ImageError
-
-        encoder = _image_encoder(launch, hf_config, info, core.dtype, core.device)
-
-        def encode_fn(images: list[bytes]):
-            try:
-                return encoder.encode(images)
-            except ImageError:
-                out = []
-                for image in images:
-                    try:
-                        out.append(encoder.encode([image])[0])
-                    except ImageError as exc:
-                        out.append(str(exc))
-                return out
-
+        encode_fn = _in_process_encode_fn(launch, hf_config, info, core.dtype, core.device)
     return EngineWorker(launch.spec, core, encode_fn)
+
+
+def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):
+    """The aggregated worker's encoder (engine/worker.py's EncodeFn): images batched, each
+    video decoded and encoded as an encoder worker does it (encoders/video_request.py),
+    under the launch's decode limits."""
+    from epd.encoders.video_request import encode_video_request
+
+    encoder = _image_encoder(launch, hf_config, info, dtype, device)
+    video = _video_encoder(launch, encoder, dtype, device)
+
+    def encode_fn(msgs):
+        images = [m.image for m in msgs if m.video is None]
+        image_results = iter(_encode_images(encoder, images) if images else [])
+        return [encode_video_request(video, m, launch.decode_limits) if m.video is not None
+                else [(m.mm_hash, next(image_results))] for m in msgs]
+
+    return encode_fn
+
+
+def _encode_images(encoder, images: list[bytes]) -> list:
+    """An MMEntry per image, or its error: a batch with a bad image is retried one by one."""
+    from epd.encoders.image_io import ImageError
+
+    try:
+        return encoder.encode(images)
+    except ImageError:
+        out = []
+        for image in images:
+            try:
+                out.append(encoder.encode([image])[0])
+            except ImageError as exc:
+                out.append(str(exc))
+        return out

@@ -13,6 +13,7 @@ while every process holds the same view of the workers and renders it alone.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -232,6 +233,7 @@ class WorkerMetrics:
         encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
         encoder_extras = _EncoderExtras()
         cache = _Families(CACHE_COUNTERS, (), gauges=CACHE_GAUGES)
+        lora = GaugeMetricFamily(*LORA_INFO, labels=[*LABELS, *LORA_INFO_LABELS])
         for w in self.registry.workers.values():
             s = w.stats
             if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
@@ -249,6 +251,9 @@ class WorkerMetrics:
                 encoder_extras.add(labels, s.encoder)
             if s.cache is not None:
                 cache.add(labels, s.cache)
+            if s.lora is not None:
+                lora.add_metric([*labels, ",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_lora)],
+                                time.time() - (time.monotonic() - w.last_seen_s))
         yield running
         yield waiting
         yield usage
@@ -257,11 +262,17 @@ class WorkerMetrics:
         yield from encoder
         yield from encoder_extras
         yield from cache
+        yield lora
         restarts = self.worker_restarts()
         if restarts is not None:
             yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", restarts)
 
 
+# vLLM's `lora_requests_info`: one sample per engine worker with --enable-lora, the names of the
+# adapters its running and waiting requests use (comma-joined) and --max-loras as labels, the
+# time of the report (seconds since the epoch) as the value, as vLLM sets it
+LORA_INFO = ("epd:lora_requests_info", "Running stats on LoRA requests (adapters in labels).")
+LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ import uvicorn
 from epd.api.fast_path import http_protocol
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.api.server import ApiSettings, build_app
+from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
 
 MODEL = "qwen3-vl-test"
@@ -42,6 +44,13 @@ class FakeOrchestrator:
         self.healthy = True
         self.requests: list[GenerateRequest] = []
         self.closed: set[str] = set()  # request ids whose generator ran its finally
+        self.lora_updates: list[tuple[LoRARequest, bool]] = []  # (adapter, is_load) as announced to workers
+
+    async def update_lora(self, lora: LoRARequest, is_load: bool) -> None:
+        """A directory named "bad*" fails the check, as the orchestrator's check_lora_modules would."""
+        if is_load and os.path.basename(lora.lora_path).startswith("bad"):
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): r = 64 is above --max-lora-rank 16")
+        self.lora_updates.append((lora, is_load))
 
     def missing_roles(self) -> list[str]:
         return [] if self.healthy else ["decode"]

@@ -3,7 +3,8 @@ through the official openai client: the request's `model` picks the adapter,
 three adapters and the base run at once and each answer is transformers +
 peft's, the base after an adapter on the same prompt gets the base's answer
 (no KV shared across adapters), /v1/models lists the adapters with their
-parent, an unknown name is a 404. In e-p-d the prompt is longer than
+parent, an unknown name is a 404; an adapter loaded at run time (POST
+/v1/load_lora_adapter) is served by every worker, and a 404 again once unloaded. In e-p-d the prompt is longer than
 --max-local-prefill-tokens, so it is prefilled on the prefill worker and the
 adapter travels with its KV to the decode worker."""
 from __future__ import annotations
@@ -48,7 +49,7 @@ def server(request, tiny_model, adapters, tmp_path_factory):
     extra = ["--served-model-name", SERVED, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
              "--lora-modules", f"attn={adapters['attn']}",
              json.dumps({"name": "mlp", "path": adapters["mlp"], "base_model_name": "qwen-tiny"}),
-             f"all={adapters['all']}"]
+             f"all={adapters['all']}", "--allow-runtime-lora-updating"]
     if mode == "e-p-d":
         extra += ["--max-local-prefill-tokens", str(LOCAL_PREFILL)]
     srv = start_server(tiny_model, tmp_path_factory.mktemp(mode), mode, *extra)
@@ -82,3 +83,31 @@ def test_adapters_by_name_mixed_and_kept_apart(server, expected):
 
     with pytest.raises(openai.NotFoundError, match="The model `sql` does not exist"):
         _complete(client, "sql", PROMPTS["cache"])
+
+    import httpx  # vLLM's lora_requests_info, one sample per engine worker, from its stats
+    info = [line for line in httpx.get(server.base_url + "/metrics").text.splitlines()
+            if line.startswith("epd:lora_requests_info{")]
+    assert info and all('max_lora="2"' in line for line in info)
+
+
+@pytest.fixture(scope="module")
+def late(tiny_model, tmp_path_factory) -> tuple[str, list[int]]:
+    """An adapter loaded at run time, and transformers + peft's answer with it."""
+    path = make_adapter(tiny_model, tmp_path_factory.mktemp("late") / "late", ("q_proj", "down_proj"), r=8, seed=14)
+    return path, peft_greedy(tiny_model, {"late": path}, [PROMPTS["shared"]], ["late"], NUM_TOKENS)[0]
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time(server, late):
+    import httpx
+
+    path, tokens = late
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    r = httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": path})
+    assert r.status_code == 200, r.text
+    assert [m.id for m in client.models.list().data] == NAMES + ["late"]
+    assert _complete(client, "late", PROMPTS["shared"]) == tokens
+    assert httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "late", PROMPTS["shared"])
+    r = httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]

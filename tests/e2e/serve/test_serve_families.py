@@ -1,8 +1,8 @@
 """`epd serve` of Qwen3-VL-MoE and Qwen2.5-VL in every mode: one text and one
 two-image chat give transformers' greedy text (the engine, the encoder
 worker, the KV transfer and the embedding cache are the same for every
-family), and a video chat the offline `LLM.chat`'s (with encoder workers:
-aggregated refuses video, docs/architecture.md "Video: serving")."""
+family), and a video chat the offline `LLM.chat`'s (aggregated: the video
+encoded in-process, docs/architecture.md "Video: serving")."""
 from __future__ import annotations
 
 import pytest
@@ -38,15 +38,14 @@ def test_served_text_equals_transformers(family, mode, tmp_path):
     model_dir = family_checkpoint(family)
     expected = {n: hf_generate_text(model_dir, CHATS[n][0], CHATS[n][1], max_new_tokens=MAX_TOKENS)
                 for n in CHAT_NAMES}
-    video = video_chat() if mode != "aggregated" else None
-    expected_video = offline_text(model_dir, video) if video else None
+    video = video_chat()
+    expected_video = offline_text(model_dir, video)
     srv = start_server(model_dir, tmp_path, mode)
     try:
         for name in CHAT_NAMES:
             assert chat_text(srv, CHATS[name][0], MAX_TOKENS) == expected[name], name
             assert chat_text(srv, CHATS[name][0], MAX_TOKENS, stream=True) == expected[name], name
-        if video:
-            assert chat_text(srv, video, MAX_TOKENS) == expected_video
+        assert chat_text(srv, video, MAX_TOKENS) == expected_video
     finally:
         assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"

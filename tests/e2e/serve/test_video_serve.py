@@ -1,7 +1,8 @@
 """Video through `epd serve` (issue 26), in every mode's shared server: a chat
 with a tiny video answers what the offline `LLM.chat` answers (greedy text and
-prompt tokens), a repeat costs the encoders nothing, and every bad video input
-is a 400 with an OpenAI error body while the server goes on serving."""
+prompt tokens), a repeat costs the encoders nothing, /tokenize counts what the
+chat costs, and every bad video input is a 400 with an OpenAI error body while
+the server goes on serving. Aggregated encodes the video in its engine worker."""
 from __future__ import annotations
 
 import httpx
@@ -16,8 +17,6 @@ MAX_TOKENS = 6
 CLIP = encode_video(synthetic_frames(9, 48, 64, seed=4), "mp4", fps=4)
 OTHER_CLIP = encode_video(synthetic_frames(7, 40, 56, seed=5), "mp4", fps=3)
 QUESTION = {"type": "text", "text": "What happens in the video?"}
-AGGREGATED_WAITS = ("aggregated: engine/worker.py hands its in-process encoder the bytes alone, "
-                    "not a video's plan (video there is a 400 until it passes the EncodeRequests)")
 
 
 def video_part(data: bytes, mime: str = "video/mp4") -> dict:
@@ -50,9 +49,6 @@ def offline(tiny_model):
 
 
 def test_a_video_chat_answers_as_offline(mode_server, offline):
-    if mode_server.mode == "aggregated":
-        assert_error(chat(mode_server, [video_part(CLIP), QUESTION]), 400, "video needs encoder workers")
-        pytest.skip(AGGREGATED_WAITS)
     for name, clip, kwargs in CASES:
         fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
         response = chat(mode_server, [video_part(clip), QUESTION], **fields)
@@ -63,8 +59,6 @@ def test_a_video_chat_answers_as_offline(mode_server, offline):
 
 
 def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
-    if mode_server.mode == "aggregated":
-        pytest.skip(AGGREGATED_WAITS)
     clip = encode_video(synthetic_frames(9, 48, 64, seed=11), "mp4", fps=4)  # this test's own
     first = chat(mode_server, [video_part(clip), QUESTION])
     assert first.status_code == 200, first.text
@@ -72,6 +66,25 @@ def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
     again = chat(mode_server, [video_part(clip), QUESTION])
     assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
     assert mode_server.settled_sum("epd:encoder_images_total") == encoded
+
+
+def test_tokenize_counts_a_video_as_its_chat_costs(mode_server):
+    """/tokenize's count of a chat with a video (and its mm_processor_kwargs) is the chat's
+    usage.prompt_tokens: the same preparer counts both, so one mode tells."""
+    if mode_server.mode != "e-pd":
+        pytest.skip("the API process counts; its preparer is the same in every mode")
+    counts = []
+    for kwargs in (None, {"fps": 4}, {"num_frames": 6}):
+        fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
+        content = [video_part(CLIP), QUESTION]
+        tokenized = httpx.post(mode_server.base_url + "/tokenize", timeout=60, json={
+            "model": SERVED_MODEL, "messages": [{"role": "user", "content": content}], **fields})
+        assert tokenized.status_code == 200, tokenized.text
+        response = chat(mode_server, content, **fields)
+        assert response.status_code == 200, response.text
+        assert tokenized.json()["count"] == response.json()["usage"]["prompt_tokens"], kwargs
+        counts.append(tokenized.json()["count"])
+    assert counts[1] > counts[0] and counts[2] != counts[0]  # the kwargs were applied, not ignored
 
 
 BAD = {  # name -> (content, mm_processor_kwargs, message, param)
@@ -110,8 +123,6 @@ def test_bad_video_input_is_a_400_and_the_server_serves_on(mode_server, name):
 def test_a_video_only_the_encoder_finds_broken_is_a_400(mode_server):
     """Its header is whole, its frames are not: the encoder's EncodeDone(ok=False) fails
     the request (a 400 through the prefill worker's TokenOutput), and nothing else."""
-    if mode_server.mode == "aggregated":
-        pytest.skip(AGGREGATED_WAITS)
     broken = cut_after_header(synthetic_frames(12, 48, 64, seed=7), fps=4)
     encoded = mode_server.settled_sum("epd:encoder_errors_total")
     assert_error(chat(mode_server, [video_part(broken), QUESTION]), 400, "the video ends before frame 11", "messages")

@@ -31,6 +31,10 @@ def test_tokenize_a_chat_counts_what_the_chat_costs(client, base_url, fake):
     assert r.json()["count"] == usage.prompt_tokens == len(r.json()["tokens"])
     r = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, headers=AUTH)
     assert r.status_code == 200 and fake.requests[-1].add_generation_prompt is False
+    # a video's sampling, as the chat request's (tests/e2e/serve/test_video_serve.py counts real videos)
+    r = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "mm_processor_kwargs": {"fps": 4}},
+                   headers=AUTH)
+    assert r.status_code == 200 and fake.requests[-1].mm_processor_kwargs == {"fps": 4}
 
 
 @pytest.mark.parametrize("body, status, param", [
@@ -43,6 +47,9 @@ def test_tokenize_a_chat_counts_what_the_chat_costs(client, base_url, fake):
      "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web"}]}, 400, "tools[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "mm_processor_kwargs": {"max_frame_count": 8}}, 400,
+     "mm_processor_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, 400, "chat_template"),
 ])
 def test_tokenize_refuses_bad_input_with_an_openai_error(base_url, body, status, param):
     r = httpx.post(f"{base_url}/tokenize", json=body, headers=AUTH)

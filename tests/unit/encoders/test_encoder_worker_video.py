@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from epd.encoders.encoder_worker import EncoderWorker, video_plan
+from epd.encoders.encoder_worker import EncoderWorker
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.video_encoder import VideoEncoder
 from epd.encoders.video_geometry import load_video_config
 from epd.encoders.video_io import DecodeLimits
 from epd.encoders.video_keys import entry_hashes, video_mm_hash
+from epd.encoders.video_request import video_plan
 from epd.inputs.video_header import plan_video
 from epd.serve.video_inputs import wire_plan
 from epd.transport.addresses import Addresses

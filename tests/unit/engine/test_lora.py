@@ -199,3 +199,58 @@ def _keys(path: str):
 
     with safe_open(f"{path}/adapter_model.safetensors", framework="pt") as f:
         return list(f.keys())
+
+
+# -- adapters read off the step loop ----------------------------------------------------------
+
+def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expected):
+    import threading
+
+    from epd.engine.request import Request
+    from epd.transport.wire_values import LoRAState
+
+    core = _llm(tiny_model, enable_lora=True).engine
+    gate = threading.Event()
+    core.lora._loader.submit(gate.wait)  # the loader thread busy: the adapter's read waits behind it (a slow disk)
+    base = Request("base", list(PROMPTS[0]), GREEDY)
+    tuned = Request("tuned", list(PROMPTS[1]), GREEDY, lora_request=loras["attn"])
+    core.add_request(base)
+    core.add_request(tuned)  # returns at once: the read is queued, not done here
+    for _ in range(20):
+        if base.is_finished:
+            break
+        core.step()
+    try:
+        # the base request ran to the end while the adapter was in flight; the tuned one waited outside
+        assert base.output_token_ids == expected[0, None]
+        assert tuned.output_token_ids == [] and core.num_waiting == 0 and core.has_unfinished()
+        assert core.lora.num_loads == 0 and not core.lora.is_loaded(loras["attn"].key)
+        assert core.lora_state() == LoRAState((), ("attn",), (), 1)  # its stats: lora_requests_info
+    finally:
+        gate.set()
+    for _ in range(200):
+        if tuned.is_finished:
+            break
+        core.step()
+    assert tuned.output_token_ids == expected[1, "attn"] and core.lora.num_loads == 1
+    assert core.lora_state() == LoRAState((), (), ("attn",), 1)  # resident: what the routers prefer
+
+
+def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, adapters, expected, tmp_path):
+    from epd.engine.request import Request
+    from epd.transport.lora_request import LoRARequest
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["attn"], bad)
+    (bad / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # torn file
+    core = _llm(tiny_model, enable_lora=True).engine
+    base = Request("base", list(PROMPTS[0]), GREEDY)
+    core.add_request(base)
+    core.add_request(Request("bad", list(PROMPTS[1]), GREEDY, lora_request=LoRARequest("bad", 9, str(bad))))
+    failed: dict[str, str] = {}
+    for _ in range(200):
+        if base.is_finished and not core.has_unfinished():
+            break
+        failed.update(core.step().failed)
+    assert list(failed) == ["bad"] and "holds no LoRA weight" in failed["bad"]
+    assert base.output_token_ids == expected[0, None]

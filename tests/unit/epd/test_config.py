@@ -57,6 +57,23 @@ def test_flag_defaults_are_the_config_defaults(tiny_model, keys, monkeypatch):
                                          gpu_memory_utilization=0.9, dtype="auto", device="auto")
     worker = WorkerConfig(tiny_model, "encoder", "tcp://h:1", worker_keys=keys)
     assert (worker.port, worker.mm_cache_gb, worker.max_image_pixels) == (0, 4.0, 64_000_000)
+    assert worker.media().decode_limits() == config.media.decode_limits()  # serve's default video limits
+
+
+def test_epd_worker_takes_the_video_limits_epd_serve_takes(tiny_model, keys):
+    video = ["--max-video-mb", "2", "--max-video-frames", "300", "--max-request-video-pixels", "5000000",
+             "--video-decode-timeout", "7.5", "--max-image-pixels", "40000"]
+    parse = build_parser().parse_args
+    served = serve_config(parse(["serve", tiny_model, *video])).media
+    worker = worker_config(parse(["worker", tiny_model, "--role", "encoder", "--api", "tcp://10.0.0.1:8001",
+                                  "--worker-keys", keys, *video]))
+    assert (worker.max_video_bytes, worker.max_video_frames, worker.max_request_video_pixels,
+            worker.video_decode_timeout_s) == (2 << 20, 300, 5_000_000, 7.5)
+    assert worker.media().decode_limits() == served.decode_limits()
+    assert worker.media().max_blob_bytes == served.max_blob_bytes == max(2 << 20, served.max_image_bytes)
+    with pytest.raises(ValueError, match="--video-decode-timeout must be positive"):
+        worker_config(parse(["worker", tiny_model, "--role", "encoder", "--api", "tcp://10.0.0.1:8001",
+                             "--worker-keys", keys, "--video-decode-timeout", "0"]))
 
 
 def test_checkpoint_file_flags_fill_the_model_files_config(tiny_model, tmp_path):

@@ -18,6 +18,9 @@ def test_the_lora_flags_fill_the_engine_config(tiny_model, monkeypatch):
                                  '{"name": "b", "path": "/x/b", "base_model_name": "base"}']))
     assert config.engine.lora == LoRAConfig(True, 4, 64, 8)
     assert config.lora_modules == (LoRAModule("a", "/x/a"), LoRAModule("b", "/x/b", "base"))
+    assert not config.allow_runtime_lora_updating  # vLLM's default (its env var unset)
+    assert serve_config(parse(["serve", tiny_model, "--enable-lora", "--allow-runtime-lora-updating"])
+                        ).allow_runtime_lora_updating
 
 
 def test_serve_refuses_bad_lora_settings_before_any_process_starts(tiny_model, tmp_path, capsys):
@@ -25,6 +28,7 @@ def test_serve_refuses_bad_lora_settings_before_any_process_starts(tiny_model, t
     cases = [(["--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"big={adapter}"],
               "r = 16 is above --max-lora-rank 8"),
              (["--lora-modules", f"big={adapter}"], "--lora-modules needs --enable-lora"),
+             (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
              (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
               "max_cpu_loras (1) must be at least max_loras (2)"),
              (["--enable-lora", "--lora-modules", f"big={tmp_path}"], "no adapter_config.json")]

@@ -36,6 +36,7 @@ ALLOWED = {
 # bench modules that run our code in-process, and why
 BENCH_IN_PROCESS = {
     "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
+    "epd.bench.lora": "runs the offline LLM with and without adapters, and writes adapters the engine checks",
     "epd.bench.kernels": "times the attention kernels directly",
     "epd.bench.offline_cpu_time": "runs the offline LLM (or vLLM's, in vLLM's environment) for its CPU time",
     "epd.bench.cpu_linear": "times the CPU GEMM the engine runs (transport.cpu_linear) against torch's F.linear",

@@ -82,3 +82,25 @@ def test_a_short_text_prompt_goes_to_an_idle_prefill_worker_only_when_no_decode_
     assert target({"decode-0": 400, "decode-1": 400, "prefill-0": 900}) == ["prefill-1"]
     assert target({"decode-0": 400, "decode-1": 400, "prefill-0": 900, "prefill-1": 1}) == []  # none idle
     assert idle_prefill_workers(decoders, [], {"decode-0": 400, "decode-1": 400}, 300, 512) == []  # none live
+
+
+def test_a_worker_with_the_adapter_resident_is_preferred_when_loads_are_equal_ish():
+    from epd.serve.router import prefer_adapter
+    from epd.transport.wire_values import LoRAState
+
+    workers = _workers([4, 5, 6, 20])
+    for w, resident in zip(workers, [(), ("sql",), ("chat", "sql"), ("sql",)]):
+        w.stats.lora = LoRAState(resident=resident, max_lora=2)
+    ids = lambda ws: [w.worker_id for w in ws]  # noqa: E731
+    # within max(2, 4 // 4) requests of the least loaded (4): the two warm ones; the busy warm one is not
+    assert ids(prefer_adapter(workers, "sql")) == ["prefill-1", "prefill-2"]
+    assert ids(prefer_adapter(workers, "chat")) == ["prefill-2"]
+    assert prefer_adapter(workers, "math") == workers  # resident nowhere: every worker
+    assert prefer_adapter(workers, None) == workers  # the base model
+    workers[2].stats.num_running = 7  # three more than the least loaded: too busy to be preferred
+    assert prefer_adapter(workers, "chat") == workers
+    # every router then chooses among them: the least loaded of the warm, not the least loaded of all
+    assert LeastRequestsRouter().choose(prefer_adapter(workers, "sql"), [1]).worker_id == "prefill-1"
+    big = _workers([40, 49, 51])
+    big[1].stats.lora = big[2].stats.lora = LoRAState(resident=("sql",))
+    assert ids(prefer_adapter(big, "sql")) == ["prefill-1"]  # a quarter of 40 is the slack past 2

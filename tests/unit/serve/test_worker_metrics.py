@@ -157,3 +157,22 @@ def test_cache_faults_are_exported_once_per_worker_of_any_role():
     assert not [s for s in samples if s.name.startswith("epd:mm_cache_s") and s.labels.get("worker") == "prefill-0"]
     rendered = [s for s in samples if s.labels.get("worker") == "decode-0"]
     assert len({(s.name, tuple(sorted(s.labels.items()))) for s in rendered}) == len(rendered)  # no duplicates
+
+
+def test_lora_requests_info_as_vllms_per_engine_worker():
+    import time
+
+    from epd.transport.wire_values import LoRAState
+
+    before = time.time()
+    samples = _samples(WorkerStats("decode-0", "decode", 2, 1, 8, 8, 0, engine=ENGINE,
+                                   lora=LoRAState(("chat", "sql"), ("math",), ("sql", "chat"), 2)),
+                       WorkerStats("prefill-0", "prefill", 0, 0, 8, 8, 0, engine=ENGINE,
+                                   lora=LoRAState(max_lora=2)),
+                       WorkerStats("pd-0", "pd", 0, 0, 8, 8, 0, engine=ENGINE))  # LoRA off: no sample
+    info = {s.labels["worker"]: s for s in samples if s.name == "epd:lora_requests_info"}
+    assert sorted(info) == ["decode-0", "prefill-0"]
+    assert {k: v for k, v in info["decode-0"].labels.items() if k not in ("role", "worker")} == \
+        {"running_lora_adapters": "chat,sql", "waiting_lora_adapters": "math", "max_lora": "2"}
+    assert info["prefill-0"].labels["running_lora_adapters"] == "" and info["prefill-0"].labels["max_lora"] == "2"
+    assert before - 1 <= info["decode-0"].value <= time.time() + 1  # the report's time, as vLLM's gauge

@@ -8,13 +8,13 @@ from hypothesis import strategies as st
 
 from epd.transport.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    Alive, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
+    Alive, LoRAUpdate, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
 from epd.transport.lora_request import LoRARequest
 from epd.transport.mm_video import VideoFrames
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, sampling_to_map
+from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
 
 
 HASH_A = "ab" * 32
@@ -92,6 +92,8 @@ def make_messages() -> list[Message]:
                       TokenOutput("req-4", [2], num_prompt_tokens=2, prompt_logprobs=[TokenLogprobs(3, -2.0, 4, [])])]),
         TokenOutputs([]),
         WorkerStats("decode-0", "decode", 3, 1, 100, 512, 4, engine=EngineCounters(1, 2, 3, 4, 5, 6.5)),
+        WorkerStats("prefill-0", "prefill", 3, 1, 100, 512, 4, engine=EngineCounters(),
+                    lora=LoRAState(("sql",), ("chat", "sql"), ("sql", "math"), 2)),
         WorkerStats("aggregated-0", "aggregated", 0, 0, 8, 8, 0, engine=EngineCounters(),
                     encoder=_busy_encoder()),
         WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters(),
@@ -102,6 +104,8 @@ def make_messages() -> list[Message]:
         Abort(["req-1", "req-2"]),
         Abort([]),
         Abort([], api_index=1),  # the launcher: API process 1 exited
+        LoRAUpdate(LoRARequest("sql", 3, "/adapters/sql"), is_load=True),
+        LoRAUpdate(LoRARequest("sql", 3, "/adapters/sql"), is_load=False),
         Shutdown(),
         WorkerExited("decode-0", -9),
         WorkerExited("prefill-1", None),
@@ -385,6 +389,9 @@ def test_a_bad_adapter_on_the_wire_is_refused_naming_the_field(lora):
     frames = [bytes(f) for f in PrefillRequest("r", [1], [], SAMPLING, [], None).to_wire()]
     with pytest.raises(WireError, match="prefill_request.lora"):
         decode_message(_with(frames, lora=lora))
+    update = [bytes(f) for f in LoRAUpdate(LoRARequest("sql", 1, "/a"), True).to_wire()]
+    with pytest.raises(WireError, match="lora_update.lora"):
+        decode_message(_with(update, lora=lora))
 
 
 def test_every_counter_crosses_the_wire():
