@@ -107,5 +107,13 @@ def format_table(result: dict, percentiles: Sequence[float]) -> str:
             for q in percentiles:
                 p = percentile_key(q)
                 row(f"{p.upper()} TTFT (ms):", result[f"{prefix}_{p}_ttft_ms"], ".2f")
+    if "spec_decode_num_drafts" in result:  # the server reported speculative decoding's counters
+        lines.append("Speculative Decoding".center(_WIDTH, "-"))
+        rate, length = result["spec_decode_acceptance_rate"], result["spec_decode_mean_acceptance_length"]
+        row("Acceptance rate (%):", "n/a" if rate is None else 100 * rate, "" if rate is None else ".2f")
+        row("Acceptance length:", "n/a" if length is None else length, "" if length is None else ".2f")
+        row("Drafts:", result["spec_decode_num_drafts"])
+        row("Draft tokens:", result["spec_decode_num_draft_tokens"])
+        row("Accepted tokens:", result["spec_decode_num_accepted_tokens"])
     lines.append("=" * _WIDTH)
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_
 from epd.bench.load import run_load
 from epd.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles
 from epd.bench.report import detailed_fields, format_table, write_result
+from epd.bench.spec_metrics import acceptance_fields, read_counters
 from epd.bench import vllm_names
 
 DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
@@ -99,11 +100,12 @@ def main(args: argparse.Namespace) -> dict:
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
     requests = build_requests(args)
-    model, results, duration_s = asyncio.run(_run(args, requests))
+    model, results, duration_s, spec_fields = asyncio.run(_run(args, requests))
     _warn_on_output_lengths(requests, results)
     result = _header(args, model, len(requests), duration_s, slos_ms)
     metrics = compute_metrics(results, duration_s, args.percentiles, slos_ms or None)
     result.update({k: v for k, v in metrics.items() if _reported(k, args.percentile_metrics)})
+    result.update(spec_fields)  # the server's speculative decoding over the run, if it reports it
     result.update(detailed_fields(results))
     print(format_table(result, args.percentiles))
     if args.save_result:
@@ -190,7 +192,8 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     return requests
 
 
-async def _run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float]:
+async def _run(args: argparse.Namespace,
+               requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float, dict]:
     url = args.url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # httpx caps at 100 otherwise
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -207,9 +210,11 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[
         for warmup in requests[:getattr(args, "num_warmups", 0)]:  # vLLM's --num-warmups: first, unmeasured
             await send(warmup)
         times_s = arrival_times_s(len(requests), args.request_rate, args.burstiness, seed=args.seed)
+        before = await read_counters(http, args.server_root, headers, settle=True)  # warm-ups settled
         results, duration_s = await run_load(requests, times_s, send, max_concurrency=args.max_concurrency,
                                              progress=not args.no_progress)
-    return model, results, duration_s
+        after = await read_counters(http, args.server_root, headers, settle=True) if before is not None else None
+    return model, results, duration_s, acceptance_fields(before, after)
 
 
 async def _check_ready(send, url: str, timeout_s: float) -> None:

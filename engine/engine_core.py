@@ -33,7 +33,6 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
-from epd.engine.sampler import is_greedy_params
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
 from epd.transport.cpu_linear import pack_linears
@@ -319,12 +318,13 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: a draft for each running request whose next step
-        decodes, from its own tokens (n-gram). Greedy requests only: verifying a
-        sampled one needs rejection sampling, not in yet (docs/architecture.md)."""
+        decodes, from its own tokens (n-gram). Greedy and sampled requests alike:
+        the runner verifies a sampled one by rejection sampling (spec_verify.py),
+        which keeps the target's distribution."""
         if self.proposer is None:
             return
         for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens == 1 and is_greedy_params(request.sampling_params):
+            if request.num_tokens - request.num_computed_tokens == 1:
                 request.draft_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _admit_prepared(self) -> dict[str, str]:

@@ -12,7 +12,7 @@ Invariants
 * `running` is sorted by arrival (decodes, and preemption victims, go by
   arrival); `waiting` is FCFS except that preempted requests go back to its
   front. Under `prefill_priority="cost"` the prefills (waiting and running)
-  are *taken* in priority order (`_priority`), the queues stay as they are.
+  are *taken* in priority order (`PrefillOrder.priority`), the queues stay as they are.
 * Images are the `ImageLedger`'s: a request is never scheduled past the
   first placeholder of an image still pending there (`prefill_bound`);
   blocked there it holds only the blocks it has filled and yields its
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from epd.engine.block_manager import BlockManager
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.config import fits_adapter_limit
+from epd.engine.prefill_order import PrefillOrder
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
@@ -95,9 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._prefilled: dict[str, Request] = {}  # prefill role: held until release
         self._requests: dict[str, Request] = {}  # every request not yet finished or released
-        self._arrival_keys: dict[str, tuple[float, int]] = {}
-        self._arrival_work: dict[str, int] = {}  # request id -> tokens scheduled before it arrived
-        self._num_added = 0
+        self.order = PrefillOrder(config)  # arrival keys and "cost" priorities
         self.num_scheduled_tokens = 0  # every token scheduled so far: the clock of aging
         self._finished_request_ids: list[str] = []  # since the last schedule()
         self._stalled: list[Request] = []  # last schedule(): got no block, cannot be preempted
@@ -178,30 +177,10 @@ class Scheduler:
         if request.max_model_len is None:
             request.max_model_len = self.max_model_len  # lets max_tokens=None mean "to the end"
         self._requests[request.request_id] = request
-        self._arrival_keys[request.request_id] = (request.arrival_time, self._num_added)
-        self._arrival_work[request.request_id] = self.num_scheduled_tokens
-        self._num_added += 1
+        self.order.add(request, self.num_scheduled_tokens)
 
     def _arrival_key(self, request: Request) -> tuple[float, int]:
-        return self._arrival_keys[request.request_id]
-
-    def _priority(self, request: Request) -> tuple[float, tuple[float, int]]:
-        """Prefill order under "cost", lowest first: tokens left to prefill
-        plus `prefill_aging` x the tokens scheduled before it arrived, i.e.
-
-            priority = (num_tokens - num_computed_tokens) + aging * W_arrival
-
-        A request that arrives W tokens of work after X overtakes X only
-        while its own cost is below X's by more than aging x W: X is passed
-        only by requests arriving within cost(X) / aging scheduled tokens
-        after it (with aging 0.1, a 2,000-token prompt by those arriving
-        within the next 20,000 tokens of work), so no prefill starves. Ties
-        go by arrival. Under "fcfs" arrival alone."""
-        if self.config.prefill_priority == "fcfs":
-            return 0.0, self._arrival_key(request)
-        cost = request.num_tokens - request.num_computed_tokens
-        return (cost + self.config.prefill_aging * self._arrival_work[request.request_id],
-                self._arrival_key(request))
+        return self.order.arrival_key(request)
 
     # --------------------------------------------------------------- schedule
 
@@ -210,7 +189,7 @@ class Scheduler:
 
         Order: running requests with one token left (decodes, by arrival),
         then prefills: under "fcfs" running ones by arrival, then the waiting
-        queue; under "cost" running and waiting together by `_priority`,
+        queue; under "cost" running and waiting together by `PrefillOrder.priority`,
         and a request admitted ahead of a running prefill must leave the
         blocks that prefill's next chunk needs. A prompt longer than the
         remaining budget is chunked at any token, also inside an image span,
@@ -250,7 +229,7 @@ class Scheduler:
         if self.config.prefill_priority == "fcfs":
             order = prefills + list(self.waiting)
         else:
-            order = sorted(prefills + list(self.waiting), key=self._priority)
+            order = sorted(prefills + list(self.waiting), key=self.order.priority)
         for i, request in enumerate(order):
             if step.token_budget == 0:
                 break
@@ -430,8 +409,7 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         del self._requests[request.request_id]
-        del self._arrival_keys[request.request_id]
-        del self._arrival_work[request.request_id]
+        self.order.forget(request.request_id)
         self._finished_request_ids.append(request.request_id)
 
     # ---------------------------------------------------------- abort/release

@@ -25,7 +25,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     # Which prefill gets the token budget first: "fcfs" (arrival) or "cost"
-    # (fewest tokens left to prefill, aged; see `Scheduler._priority`).
+    # (fewest tokens left to prefill, aged; see `PrefillOrder.priority`).
     prefill_priority: str = "cost"
     # Aging of "cost": a request gains `prefill_aging` tokens of priority per
     # token the engine schedules after it arrived.

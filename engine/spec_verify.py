@@ -9,10 +9,8 @@ tokens. `verify_drafts` is the one place that turns those rows into tokens:
             accepted (the target's correction, or the bonus token when all d
             were). Exactly the tokens sequential greedy decoding gives.
     sampled (temperature > 0): rejection sampling, which keeps the target's
-            distribution (engine/spec_sampling.py `verify`, on the same flat rows).
-            The engine does not give sampled requests a draft yet
-            (`EngineCore._propose_drafts`): enabling them is that one filter,
-            once serving tests hold them to the target's distribution.
+            distribution (engine/spec_sampling.py `verify`, on the same flat rows;
+            tests/unit/engine/test_spec_sampled_engine.py end to end).
 
 The rows must be what the sampler itself would read (`Sampler.process`):
 logits with the grammar mask, banned ids, bias and penalties of row i's own

@@ -1,10 +1,12 @@
 """`epd serve --speculative-config` (n-gram) in aggregated and e-p-d mode: greedy
 completions, streamed or not, with logprobs, and an image chat handed from the
 prefill worker to the decode worker, give the tokens the offline engine gives
-without speculation; /metrics shows drafts accepted under vLLM's names, and in
+without speculation; /metrics shows drafts accepted under vLLM's names (and
+`epd bench serve` reports the run's acceptance from them), and in
 e-p-d only the decode worker speculates."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import openai
@@ -55,9 +57,34 @@ def test_served_speculation_gives_the_tokens_without_it(mode, tiny_model, expect
         assert 0 < accepted <= srv.metric_sum("epd:spec_decode_num_draft_tokens_total")
         assert srv.metric_sum("epd:spec_decode_num_drafts_total") > 0
         assert srv.metric_sum("epd:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        if mode == "aggregated":
+            _bench_reports_the_runs_acceptance(srv, tmp_path)
         if mode == "e-p-d":  # the prefill worker samples one token a request: nothing to verify
             assert srv.metric_sum("epd:spec_decode_num_draft_tokens_total", role="prefill") == 0
             assert srv.metric_sum("epd:spec_decode_num_accepted_tokens_total", role="decode") == accepted
     finally:
         assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"
+
+
+def _bench_reports_the_runs_acceptance(srv, tmp_path) -> None:
+    """`epd bench serve` reads the server's counters before and after its run."""
+    from epd.bench.serve import add_arguments, main
+
+    data = tmp_path / "repeat.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "one two three four " * 6, "output_len": 24}) + "\n"
+                            for _ in range(4)))
+    before = {name: srv.settled_sum(f"epd:spec_decode_num_{name}_total")
+              for name in ("drafts", "draft_tokens", "accepted_tokens")}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    result = main(parser.parse_args(["--base-url", srv.base_url, "--dataset", "jsonl", "--dataset-path", str(data),
+                                     "--temperature", "0", "--ignore-eos", "--no-progress"]))
+    assert result["completed"] == 4
+    delta = {name: srv.settled_sum(f"epd:spec_decode_num_{name}_total") - before[name] for name in before}
+    assert result["spec_decode_num_drafts"] == delta["drafts"] > 0
+    assert result["spec_decode_num_draft_tokens"] == delta["draft_tokens"]
+    assert result["spec_decode_num_accepted_tokens"] == delta["accepted_tokens"]
+    assert result["spec_decode_acceptance_rate"] == pytest.approx(delta["accepted_tokens"] / delta["draft_tokens"])
+    assert result["spec_decode_mean_acceptance_length"] == \
+        pytest.approx(1 + delta["accepted_tokens"] / delta["drafts"])

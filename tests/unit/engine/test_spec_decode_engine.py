@@ -3,7 +3,9 @@ output without speculation, token for token, while drafts are accepted (the
 engine's counters say how many): with images and M-RoPE, preemption and
 chunked prefill (against transformers), stop strings, max_tokens, logprobs
 (the target's), n > 1, penalties and min_tokens, bad words, structured
-output; sampled requests are not speculated on (no rejection sampler yet)."""
+output. Sampled requests are verified by rejection sampling: drafts are
+accepted, a seeded one's output is its own (test_spec_sampled_engine.py
+holds its distribution to the one without speculation)."""
 from __future__ import annotations
 
 import pytest
@@ -133,9 +135,22 @@ def test_structured_output_is_not_advanced_by_a_rejected_draft(plain, spec):
     assert spec.stats()["spec_decode_num_draft_tokens"] > drafts_before
 
 
-def test_sampled_requests_are_not_speculated_on(plain, spec):
-    params = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    drafts_before = spec.stats()["spec_decode_num_drafts"]
-    without, with_spec, _ = _both(plain, spec, params, PROMPTS[:2])
-    assert [o[0].token_ids for o in with_spec] == [o[0].token_ids for o in without]
-    assert spec.stats()["spec_decode_num_drafts"] == drafts_before
+def test_sampled_drafts_are_accepted_at_low_temperature(plain, spec):
+    """Sampled requests get drafts and rejection sampling keeps some: near greedy,
+    the target mostly agrees with the n-gram proposer."""
+    params = SamplingParams(temperature=0.05, seed=7, max_tokens=24, ignore_eos=True)
+    before = spec.stats()["spec_decode_num_drafts"]
+    _, with_spec, accepted = _both(plain, spec, params)
+    assert accepted > 0 and spec.stats()["spec_decode_num_drafts"] > before
+    assert all(len(o[0].token_ids) == 24 for o in with_spec)
+    assert spec.engine.num_free_blocks() == spec.engine.num_blocks
+
+
+def test_a_seeded_sampled_request_does_not_depend_on_the_batch(spec):
+    """Its draft, acceptance and bonus draws come from its own generator."""
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+    others = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    alone = spec.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    batch = spec.generate(PROMPTS, [params] + [others] * (len(PROMPTS) - 1))
+    assert batch[0].outputs[0].token_ids == alone
+    assert spec.generate([PROMPTS[0]], params)[0].outputs[0].token_ids == alone
