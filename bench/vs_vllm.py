@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", default=None, help="CPU list every server is pinned to, e.g. 0-1 (default: all)")
     p.add_argument("--server-args", default="", help="extra `epd serve` flags")
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, e.g. '--max-num-seqs 128'")
-    p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (vLLM's KV cache, GiB)")
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=4, help="KV cache of both servers, GiB: vLLM's VLLM_CPU_KVCACHE_SPACE and EPD's --kv-cache-gb "
+                        "(unless --server-args sets EPD's)")
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="start-up limit per server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results/vs-vllm")
@@ -191,7 +192,12 @@ def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess:
     if label == BASE:
         return VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path,
                            args.vllm_kv_cache_gib)
-    return ServeProcess(args.model_dir, label, cpus, args.server_args.split(), log_path)
+    extra = args.server_args.split()
+    if not {"--kv-cache-gb", "--num-kv-blocks"} & {a.split("=")[0] for a in extra}:
+        # the same KV budget as vLLM's: EPD's CPU default (1 GiB) held a third of what vLLM's 4 did,
+        # so prompts vLLM found in its prefix cache had been evicted from EPD's
+        extra += ["--kv-cache-gb", str(args.vllm_kv_cache_gib)]
+    return ServeProcess(args.model_dir, label, cpus, extra, log_path)
 
 
 def modes(args) -> list[str]:
