@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from epd.bench.report import write_result
+
 
 def write_adapter(out_dir: str | Path, shapes, rank: int, seed: int) -> str:
     """A random LoRA adapter on every projection of the language model (MoE layers: attention only)."""
@@ -149,7 +151,7 @@ def main(args) -> dict:
               "rank": args.rank, "rounds": args.rounds, "rows": rows, "load": load}
     _print_table(result)
     if args.save_result:
-        Path(args.save_result).write_text(json.dumps(result, indent=2))
+        write_result(args.save_result, result)
     return result
 
 
