@@ -12,7 +12,7 @@ may be prefilled, the runner reads the embeddings from it.
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
-`add_prefilled`, `export_kv`, `release`, `abort`, `step`, `get_embedding`,
+`add_prefilled`, `export_kv`, `export_draft_state`, `release`, `abort`, `step`, `get_embedding`,
 `load_lora`, `prefetch_lora`, `unload_lora`, the counts), never its scheduler or runner.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
+from epd.engine.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.model_runner import ModelRunner
 from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
@@ -110,6 +111,11 @@ class EngineCore:
         pack_linears(model)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
+        spec = config.speculative_config
+        head = None  # EAGLE-3: its KV shares the target's blocks, so it counts in each block's bytes
+        if spec is not None and spec.method == "eagle3":
+            head = load_head(spec.model, model.cfg, self.dtype, self.device)
+            block_bytes += Eagle3Proposer.bytes_per_block(head[0], config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = dataclasses.replace(config.scheduler,
@@ -117,16 +123,22 @@ class EngineCore:
         self.images = ImageLedger()  # the images of the requests in the engine
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0)
+        eagle3 = None
+        if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
+            pack_linears(head[1])
+            embed = model.model.embed_tokens if head[1].embed_tokens is None else head[1].embed_tokens
+            eagle3 = Eagle3Proposer(*head, embed, num_blocks, config.scheduler.block_size,
+                                    spec.num_speculative_tokens, torch.device(self.device), self.dtype)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second)
+                                  self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second,
+                                  eagle3=eagle3)
         self.num_blocks = num_blocks
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
         # Speculative decoding (--speculative-config): decode-side engines only; a prefill
         # worker samples one token a request and has nothing to verify.
-        spec = config.speculative_config
-        self.proposer = None if spec is None or role == "prefill" else \
+        self.proposer = None if spec is None or role == "prefill" else eagle3 or \
             NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         # Requests whose adapter is being read (LoRAManager's loader thread) or grammar
         # (or bad words) prepared (the compiler thread): they enter the scheduler when
@@ -227,14 +239,19 @@ class EngineCore:
         late = self.images.overdue(now_s, max_wait_s)  # asked between every two steps: [] fast
         return self.abort(late) if late else []
 
-    def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> bool:
+    def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                      draft_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV
         (k/v each [num_layers, num_blocks, block_size, num_kv_heads, head_dim],
-        blocks in token order) and `output_token_ids` holding its first token.
+        blocks in token order) and `output_token_ids` holding its first token;
+        `draft_state`: the EAGLE-3 head's blocks and features (`export_draft_state`).
         False, changing nothing, when there is no room now: retry later.
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        eagle3 = self.runner.eagle3
+        if eagle3 is not None and draft_state is not None:
+            eagle3.check_import(*draft_state, num_blocks)
         lora = self._lora_read(request)
         if lora is not None:
             if not lora.done():
@@ -252,6 +269,8 @@ class EngineCore:
         if block_ids is None:
             return False
         self.runner.write_blocks(block_ids, k_blocks, v_blocks)
+        if eagle3 is not None and draft_state is not None:  # without it: no drafts until it catches up
+            eagle3.import_state(request, block_ids, *draft_state)
         if prepared is not None:  # its matcher catches up on the first token at the next sample
             self.runner.add_constraints(request, prepared)
         return True
@@ -268,6 +287,19 @@ class EngineCore:
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         k, v = self.runner.read_blocks(request.block_ids[:num_blocks])
         return k.cpu(), v.cpu()
+
+    def export_draft_state(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Prefill role, with an EAGLE-3 head: what its decode worker needs to draft at
+        once, beside the KV (`export_kv`): the head's blocks (k, v each [head layers,
+        num_blocks, block_size, kv heads, head_dim]) and its fused features of the last
+        prompt position ([hidden]), on the CPU. None without a head."""
+        request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not held")
+        if self.runner.eagle3 is None:
+            return None
+        num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
+        return self.runner.eagle3.export(request_id, request.block_ids[:num_blocks], request.num_prompt_tokens)
 
     def release(self, request_id: str) -> bool:
         """Prefill role: frees a prefilled request's blocks once the decode
@@ -318,14 +350,14 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: a draft for each running request whose next step
-        decodes, from its own tokens (n-gram). Greedy and sampled requests alike:
+        decodes. Greedy and sampled requests alike:
         the runner verifies a sampled one by rejection sampling (spec_verify.py),
         which keeps the target's distribution."""
         if self.proposer is None:
             return
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens == 1:
-                request.draft_token_ids = self.proposer.propose(request.all_token_ids)
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request, draft in zip(decodes, self.proposer.propose_requests(decodes)):
+            request.draft_token_ids = draft
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;

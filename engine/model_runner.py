@@ -23,6 +23,7 @@ import torch
 
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions
@@ -62,9 +63,12 @@ class ModelRunner:
     def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
                  spatial_merge_size: int, image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
-                 lora: LoRAManager | None = None, tokens_per_second: float = 1.0):
-        """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py)."""
+                 lora: LoRAManager | None = None, tokens_per_second: float = 1.0,
+                 eagle3: Eagle3Proposer | None = None):
+        """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py);
+        `eagle3`: an EAGLE-3 head to feed after every forward (engine/eagle3_proposer.py)."""
         self.model = model
+        self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
         self.tokens_per_second = tokens_per_second
         self.images = images  # the engine's: embeddings of the images its requests use
@@ -131,6 +135,8 @@ class ModelRunner:
         return state
 
     def drop(self, request_ids) -> None:
+        if self.eagle3 is not None:
+            self.eagle3.drop(request_ids)
         for rid in request_ids:
             self._states.pop(rid, None)
             self._grammars.pop(rid, None)
@@ -157,28 +163,32 @@ class ModelRunner:
         mm_mask: list[bool] = []
         mm_rows: list[tuple[MMEntry, int, int]] = []
         q_lens, seq_lens, block_tables, sample_rows, sampling, offsets = [], [], [], [], [], []
-        for s in out.scheduled:
+        chunks = [self._forward_chunk(s) for s in out.scheduled]  # an EAGLE-3 lookbehind row first, maybe
+        for s, f in zip(out.scheduled, chunks):
             req, state = s.request, self._state(s.request)
-            offsets.append(len(token_ids))  # the chunk's first row in the batch
-            token_ids += s.token_ids
-            positions.append(self._positions(req, state, s.start, s.end))
-            chunk_mask = [False] * s.num_new_tokens
-            for span, first, last in s.mm_slices():
+            offsets.append(len(token_ids) + s.start - f.start)  # the chunk's first row in the batch
+            token_ids += f.token_ids
+            positions.append(self._positions(req, state, f.start, f.end))
+            chunk_mask = [False] * f.num_new_tokens
+            for span, first, last in f.mm_slices():
                 emb = self.images.get(span.mm_hash)
                 if emb is None:
                     raise RuntimeError(f"request {req.request_id}: no embedding for image {span.mm_hash}")
                 mm_rows.append((emb, first, last))
-                begin = span.offset + first - s.start
+                begin = span.offset + first - f.start
                 chunk_mask[begin:begin + last - first] = [True] * (last - first)
             mm_mask += chunk_mask
-            q_lens.append(s.num_new_tokens)
-            seq_lens.append(s.end)
+            q_lens.append(f.num_new_tokens)
+            seq_lens.append(f.end)
             block_tables.append(req.block_ids)
             if s.is_last_chunk:  # the last token's row, and a draft's rows after it
                 sample_rows += range(len(token_ids) - s.num_sample_rows, len(token_ids))
                 sampling.append(s)
 
         meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device=self.device)
+        for s, f, offset in zip(out.scheduled, chunks, offsets):
+            if f.start < s.start:  # a lookbehind row: its K/V is in the cache already (maybe a shared block)
+                meta.slot_mapping[offset - 1] = -1
         batch = ForwardBatch(positions=torch.cat(positions, dim=1), attn_meta=meta, backend=self.backend,
                              kv_caches=self.kv_caches)
         if mm_rows:
@@ -189,19 +199,36 @@ class ModelRunner:
                 batch.mm_deepstack = torch.stack([torch.cat([e.deepstack[i][a:b] for e, a, b in mm_rows])
                                                   for i in range(num_deepstack)]).to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        with self._adapters(out.scheduled, len(token_ids)):
-            hidden = self.model(input_ids, batch)  # [num_tokens, hidden]
+        with self._adapters(chunks, len(token_ids)):
+            if self.eagle3 is None:
+                hidden, aux = self.model(input_ids, batch), []  # [num_tokens, hidden]
+            else:
+                hidden, aux = self.model.forward_with_aux(input_ids, batch, self.eagle3.aux_layer_ids)
         self._score_prompt(out.scheduled, offsets, hidden)
-        if not sample_rows:
-            return RunnerOutput()
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        result = self._sample(logits, sampling)
-        for req in (s.request for s in sampling):
-            state = self._states[req.request_id]
-            if state.prompt_logprobs is not None and req.num_output_tokens == 0:
-                result.prompt_logprobs[req.request_id] = state.prompt_logprobs
-                state.prompt_logprobs = None
+        result = RunnerOutput()
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            result = self._sample(logits, sampling)
+            for req in (s.request for s in sampling):
+                state = self._states[req.request_id]
+                if state.prompt_logprobs is not None and req.num_output_tokens == 0:
+                    result.prompt_logprobs[req.request_id] = state.prompt_logprobs
+                    state.prompt_logprobs = None
+        if self.eagle3 is not None:
+            self.eagle3.catch_up([_catch_up(s, f, offset, result.sampled_token_ids.get(s.request_id, []))
+                                  for s, f, offset in zip(out.scheduled, chunks, offsets)], aux)
         return result
+
+    def _forward_chunk(self, s: ScheduledRequest) -> ScheduledRequest:
+        """The chunk the forward runs for `s`: `s` itself, or with position start - 1 before it when
+        the EAGLE-3 head needs that position's features (`Eagle3Proposer.needs_lookbehind`) and its
+        token's input is here (an image placeholder's embedding may not be: the head then skips a slot)."""
+        if self.eagle3 is None or not self.eagle3.needs_lookbehind(s.request_id, s.start):
+            return s
+        f = dataclasses.replace(s, start=s.start - 1, num_new_tokens=s.num_new_tokens + 1)
+        if any(self.images.get(span.mm_hash) is None for span, _, _ in f.mm_slices()):
+            return s
+        return f
 
     def _adapters(self, scheduled, num_tokens: int):
         """The step's adapters in their slots and each token's slot, around the forward pass."""
@@ -310,6 +337,13 @@ class ModelRunner:
                                       generator=self._states[req.request_id].generator, banned_token_ids=banned,
                                       token_bitmask=None if bitmask is None else bitmask[i]))
         return rows
+
+
+def _catch_up(s: ScheduledRequest, f: ScheduledRequest, offset: int, sampled: list[int]) -> CatchUp:
+    """What the EAGLE-3 head reads of one request's rows (`offset`: the row of position s.start)."""
+    num_rejected = len(s.draft_token_ids) + 1 - len(sampled) if s.draft_token_ids else 0
+    return CatchUp(s.request_id, s.request.block_ids, s.start, f.start, offset - (s.start - f.start),
+                   s.end - num_rejected, s.request.all_token_ids + list(sampled))
 
 
 def _bad_word_ends(words: list[list[int]], output_token_ids: list[int]) -> tuple[int, ...]:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from epd.engine.request import Request
+
 _PAD = -1  # never a token id
 
 
@@ -30,6 +32,10 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = min_n
         self.max_n = max_n
+
+    def propose_requests(self, requests: Sequence[Request]) -> list[list[int]]:
+        """The proposers' interface (engine_core): a draft per request, from its tokens."""
+        return [self.propose(r.all_token_ids) for r in requests]
 
     def propose(self, token_ids: Sequence[int], max_num_tokens: int | None = None) -> list[int]:
         """Up to min(k, `max_num_tokens`) draft tokens to follow `token_ids`; [] when

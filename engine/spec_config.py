@@ -1,12 +1,13 @@
 """`--speculative-config` / `LLM(speculative_config=...)`: vLLM's JSON, typed.
 
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"method": "eagle3", "model": "/path/to/head", "num_speculative_tokens": 3}
 
 Keys and defaults are vLLM's (`vllm/config/speculative.py`): `method` may be
 left out when `model` is "ngram" or "[ngram]"; an n-gram config without
 `prompt_lookup_min` and `prompt_lookup_max` takes 5 for both, one without the
 other takes the other's value, and min must not exceed max. Methods EPD does
-not run yet (eagle3, draft_model, ...) and keys it does not read are refused
+not run yet (draft_model, ...) and keys it does not read are refused
 with a ValueError that names them: a flag that would silently not speculate
 is worse than one that stops start-up.
 
@@ -19,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # served now
+METHODS = ("ngram", "eagle3")  # served now
+MODEL_METHODS = ("eagle3",)  # need `model`: the draft's directory
 VLLM_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
@@ -30,7 +32,9 @@ class SpeculativeConfig:
     """How a decode-side engine speculates: `num_speculative_tokens` (k) draft
     tokens a step per greedy sequence, verified in one forward of the target.
     n-gram: the draft is what followed the longest earlier match (length in
-    [prompt_lookup_min, prompt_lookup_max]) of the sequence's own suffix."""
+    [prompt_lookup_min, prompt_lookup_max]) of the sequence's own suffix.
+    eagle3: `model` is an EAGLE-3 head in Speculators' format (engine/eagle3.py),
+    drafting from the target's hidden states (engine/eagle3_proposer.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -48,6 +52,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {value!r}")
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"--speculative-config: method {self.method!r} needs \"model\": the draft's directory")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"--speculative-config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

@@ -312,7 +312,7 @@ class EngineWorker(WorkerIO):
                               lora_request=msg.lora)
             request.output_token_ids.append(msg.first_token_id)
             try:
-                admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks)
+                admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks, msg.draft_state)
             except ValueError as exc:
                 self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=False, error=str(exc)))
                 self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error",
@@ -322,7 +322,7 @@ class EngineWorker(WorkerIO):
                 continue  # no room yet; prefill keeps its copy meanwhile
             state.transfer = None
             self._num_incoming -= 1
-            self.counters.kv_transfer_bytes += msg.k_blocks.nbytes + msg.v_blocks.nbytes
+            self.counters.kv_transfer_bytes += msg.num_bytes
             self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=True))
 
     def _send_kv(self, request: Request) -> None:
@@ -336,7 +336,8 @@ class EngineWorker(WorkerIO):
         self.outbox.send(target, KVTransfer(
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0, lora=request.lora_request))
+            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0, lora=request.lora_request,
+            draft_state=self.core.export_draft_state(request.request_id)))  # EAGLE-3's head, or None
 
     def _on_kv_ack(self, msg: KVAck) -> None:
         """Prefill role: the decode worker has the KV; the request leaves this worker."""

@@ -154,6 +154,10 @@ class KVTransfer(Message):
     Two frames for all layers at once (one gather + one copy on the sender):
     k_blocks and v_blocks, each [num_layers, num_blocks, block_size,
     num_kv_heads, head_dim], blocks in token order, covering every prompt token.
+    With an EAGLE-3 head (speculative decoding), three more: `draft_state`, the
+    head's k and v blocks ([head_layers, num_blocks, block_size, head_kv_heads,
+    head_dim], the same blocks) and its fused features of the last prompt
+    position ([hidden]), so the decode worker drafts at once (engine/eagle3_proposer.py).
     """
 
     TYPE: ClassVar[str] = "kv_transfer"
@@ -169,6 +173,7 @@ class KVTransfer(Message):
     reply_to: str = ""  # address of the prefill worker, for the KVAck
     api_index: int = 0  # the PrefillRequest's: where the decode worker sends the TokenOutputs
     lora: LoRARequest | None = None  # the PrefillRequest's adapter: decode goes on with it
+    draft_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # EAGLE-3: head k, v, features
 
     @property
     def num_layers(self) -> int:
@@ -178,6 +183,11 @@ class KVTransfer(Message):
     def num_blocks(self) -> int:
         return self.k_blocks.shape[1]
 
+    @property
+    def num_bytes(self) -> int:
+        """The tensors' bytes on the wire (the KV, and an EAGLE-3 head's state)."""
+        return sum(t.nbytes for t in self._payload())
+
     def _fields(self):
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "first_token_id": self.first_token_id, "sampling": sampling_to_map(self.sampling),
@@ -186,13 +196,19 @@ class KVTransfer(Message):
                 "api_index": self.api_index, "lora": _lora_to_wire(self.lora)}
 
     def _payload(self):
-        return [self.k_blocks, self.v_blocks]
+        return [self.k_blocks, self.v_blocks, *(self.draft_state or ())]
 
     @classmethod
     def _build(cls, f, payload):
-        need(len(payload) == 2 and all(isinstance(p, torch.Tensor) for p in payload),
-             cls.TYPE, "needs k and v tensor frames")
-        k, v = payload
+        need(len(payload) in (2, 5) and all(isinstance(p, torch.Tensor) for p in payload),
+             cls.TYPE, "needs k and v tensor frames (and an EAGLE-3 head's k, v and features)")
+        k, v = payload[:2]
+        draft_state = tuple(payload[2:]) or None
+        if draft_state is not None:
+            hk, hv, features = draft_state
+            need(hk.ndim == 5 and hk.shape == hv.shape and hk.shape[1] == k.shape[1] and features.ndim == 1,
+                 cls.TYPE, "the head's k/v must be equal [layers, blocks, block_size, kv_heads, head_dim] "
+                 "over the KV's blocks, its features [hidden]")
         need(k.ndim == 5 and k.shape == v.shape and k.dtype == v.dtype, cls.TYPE,
              "k/v must be equal [layers, blocks, block_size, kv_heads, head_dim]")
         prompt = f.token_ids("prompt_token_ids")
@@ -202,7 +218,7 @@ class KVTransfer(Message):
         return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
                    f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v,
                    read_address(f, "reply_to", optional=True) or "", read_api_index(f),
-                   _lora(f, "lora"))
+                   _lora(f, "lora"), draft_state)
 
 
 @dataclass

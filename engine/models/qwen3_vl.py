@@ -206,18 +206,24 @@ class Qwen3VLTextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg, device=self.embed_tokens.weight.device)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden]."""
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [num_tokens] -> (final hidden states [num_tokens, hidden], the residual
+        stream entering each layer of `aux_layer_ids` (id 0: the embeddings), [num_tokens, hidden]
+        each, in that order: what an EAGLE-3 head reads)."""
         x = self.embed_tokens(input_ids)
         if batch.mm_mask is not None:
             x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the ViT output
         cos, sin = self.rotary(batch.positions)
         num_deepstack = 0 if batch.mm_deepstack is None else batch.mm_deepstack.shape[0]
+        aux = {}
         for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                aux[i] = x.clone()  # deepstack adds into x in place
             x = layer(x, cos, sin, batch)
             if i < num_deepstack:
                 x[batch.mm_mask] += batch.mm_deepstack[i].to(x.dtype)
-        return self.norm(x)
+        return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 
 class Qwen3VLForCausalLM(nn.Module):
@@ -230,7 +236,12 @@ class Qwen3VLForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, batch)
+        return self.model(input_ids, batch)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward, plus the residual stream entering the layers `aux_layer_ids` (see the text model)."""
+        return self.model(input_ids, batch, aux_layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""

@@ -24,7 +24,8 @@ def test_ngram_configs_take_vllm_defaults(given, expected):
 
 
 @pytest.mark.parametrize("given, message", [
-    ('{"method": "eagle3", "model": "/heads/x", "num_speculative_tokens": 3}', "eagle3.*not served by EPD yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "eagle3.*needs \"model\""),
+    ('{"method": "eagle", "model": "/heads/x", "num_speculative_tokens": 3}', "eagle.*not served by EPD yet"),
     ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}', "draft_model.*not served"),
     ('{"model": "/some/dir", "num_speculative_tokens": 3}', "draft_model"),  # vLLM's inference: a draft model
     ('{"method": "lookahead", "num_speculative_tokens": 3}', "not a speculative method"),

@@ -73,6 +73,9 @@ def make_messages() -> list[Message]:
                    make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
         KVTransfer("req-3", [5], 1, GREEDY, [], [], make_kv(), make_kv(), reply_to="tcp://[::1]:27101", api_index=1),
         KVTransfer("req-4", [5], 1, GREEDY, [], [], make_kv(), make_kv(), lora=LoRARequest("sql", 2, "/adapters/sql")),
+        KVTransfer("req-5", [5], 1, GREEDY, [], [], make_kv(), make_kv(),  # with an EAGLE-3 head's state
+                   draft_state=(make_kv(num_layers=1, head_dim=4), make_kv(num_layers=1, head_dim=4),
+                                torch.randn(16).to(torch.bfloat16))),
         KVAck("req-1", ok=True),
         KVAck("req-1", ok=False, error="out of blocks"),
         TokenOutput("req-1", [5, 6], finished=True, finish_reason="stop", num_prompt_tokens=40,
@@ -120,7 +123,7 @@ def assert_same(a, b) -> None:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), f.name
-        elif isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+        elif isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
             assert len(x) == len(y), f.name
             for u, v in zip(x, y):
                 assert u.dtype == v.dtype and torch.equal(u, v), f.name
@@ -161,6 +164,19 @@ def test_kv_transfer_counts():
                                     make_kv(num_layers=5, num_blocks=3),
                                     make_kv(num_layers=5, num_blocks=3)).to_wire())
     assert (msg.num_layers, msg.num_blocks) == (5, 3)
+
+
+def test_kv_transfer_refuses_a_head_state_that_does_not_fit():
+    kv = make_kv(num_blocks=3)
+    for state in [(make_kv(num_blocks=2), make_kv(num_blocks=2), torch.randn(8)),  # fewer blocks than the KV
+                  (make_kv(), make_kv(head_dim=4), torch.randn(8)),  # k and v differ
+                  (make_kv(), make_kv(), torch.randn(2, 8))]:  # features not [hidden]
+        frames = KVTransfer("r", [1], 2, GREEDY, [], [], kv, kv.clone(), draft_state=state).to_wire()
+        with pytest.raises(WireError, match="head's k/v"):
+            decode_message(frames)
+    frames = KVTransfer("r", [1], 2, GREEDY, [], [], kv, kv.clone(), draft_state=(kv.clone(),)).to_wire()
+    with pytest.raises(WireError, match="needs k and v"):
+        decode_message(frames)  # three tensor frames: neither form
 
 
 def test_from_wire_rejects_other_type():

@@ -1,0 +1,135 @@
+"""EAGLE-3 speculation in the engine (engine/eagle3_proposer.py), offline `LLM`, on the
+tiny checkpoint with a head fitted to its greedy continuations (testkit/eagle3_fit.py):
+greedy output is the output without speculation, token for token, while drafts are
+accepted; with images (and transformers), preemption and chunked prefill; a prefix-cache
+hit drafts exactly as the first run did (the head's entries live in the shared blocks);
+sampled requests go on. A random head's drafts are refused, its output still exact."""
+from __future__ import annotations
+
+import pytest
+from testkit.eagle3_fit import fit_eagle3
+from testkit.hf_reference import hf_greedy
+from testkit.media import MIXED_BATCH, images_of
+
+from epd.transport.sampling import SamplingParams
+
+PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540)),
+           [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def _llm(tiny_model, **settings):
+    from epd import LLM
+
+    return LLM(tiny_model, dtype="float32", device="cpu", **{"num_kv_blocks": 128, **settings})
+
+
+def _spec(head: str, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    return _llm(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def head(tiny_model, plain, tmp_path_factory) -> str:
+    """A head fitted to the greedy continuations of PROMPTS (and of the image batch's text)."""
+    from epd.tools.make_eagle3 import make_eagle3
+
+    outs = plain.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    sequences = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)]
+    path = make_eagle3(tmp_path_factory.mktemp("eagle3") / "head", "tiny-eagle3")
+    return str(fit_eagle3(path, tiny_model, sequences))
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model, head):
+    return _llm(tiny_model, speculative_config=_spec(head))
+
+
+def _counters(llm) -> dict[str, int]:
+    stats = llm.stats()
+    return {name: stats[name] for name in SPEC_COUNTERS}
+
+
+def _delta(llm, run) -> tuple[object, dict[str, int]]:
+    before = _counters(llm)
+    result = run()
+    return result, {name: value - before[name] for name, value in _counters(llm).items()}
+
+
+def test_greedy_tokens_are_the_same_and_drafts_are_accepted(plain, spec):
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    outs, delta = _delta(spec, lambda: spec.generate(PROMPTS, GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert delta["spec_decode_num_accepted_tokens"] > delta["spec_decode_num_drafts"] > 0  # > 1 a draft
+    stats = spec.stats()
+    assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
+    assert spec.engine.num_free_blocks() == spec.engine.num_blocks
+
+
+def test_a_prefix_cache_hit_drafts_as_the_first_run(tiny_model, head, plain):
+    """The second run finds every full prompt block cached, the head's entries with them:
+    it must draft (and accept) exactly as the first run, which computed them."""
+    llm = _llm(tiny_model, speculative_config=_spec(head))
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    first, first_delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
+    hits = llm.stats()["prefix_cache_hits"]
+    second, second_delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
+    assert llm.stats()["prefix_cache_hits"] > hits
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second] == expected
+    assert second_delta == first_delta and first_delta["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, head, plain):
+    """A tiny KV budget preempts requests with drafts in flight (their recompute rebuilds the
+    head's entries); a small token budget chunks prompts beside them."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = _llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8,
+               speculative_config=_spec(head))
+    outs = [o.outputs[0].token_ids for o in llm.chat(MIXED_BATCH, params)]
+    assert outs == [o.outputs[0].token_ids for o in plain.chat(MIXED_BATCH, params)]
+    assert outs[1] == hf_greedy(tiny_model, MIXED_BATCH[1], images_of(MIXED_BATCH[1]), num_tokens=20)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_drafts"] > 0
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+
+
+def test_chunked_prompts_draft_as_whole_ones(tiny_model, head, spec):
+    """Chunks of 7 tokens: each chunk's head entries wait for the next chunk's first token's
+    features no longer than one step, so the drafts, and the acceptance, are the same."""
+    llm = _llm(tiny_model, max_num_batched_tokens=7, max_num_seqs=1, speculative_config=_spec(head))
+    one_by_one = _llm(tiny_model, max_num_seqs=1, speculative_config=_spec(head))
+    outs, delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
+    ref, ref_delta = _delta(one_by_one, lambda: one_by_one.generate(PROMPTS, GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert delta == ref_delta and delta["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_random_head_is_refused_and_exact(tiny_model, plain, tmp_path):
+    from epd.tools.make_eagle3 import make_eagle3
+
+    llm = _llm(tiny_model, speculative_config=_spec(str(make_eagle3(tmp_path / "random", "tiny-eagle3")), k=2))
+    outs, delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert delta["spec_decode_num_draft_tokens"] == 2 * delta["spec_decode_num_drafts"] > 0
+
+
+def test_sampled_requests_speculate_and_finish(spec):
+    params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=7)
+    outs, delta = _delta(spec, lambda: spec.generate(PROMPTS, params))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert delta["spec_decode_num_drafts"] > 0
+    assert spec.engine.num_free_blocks() == spec.engine.num_blocks
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle3", "num_speculative_tokens": 3}, 'needs "model"'),
+    ({"method": "eagle3", "model": "/nonexistent/head", "num_speculative_tokens": 3}, "EAGLE-3 head"),
+])
+def test_bad_heads_are_refused_at_start(tiny_model, config, message):
+    with pytest.raises(ValueError, match=message):
+        _llm(tiny_model, speculative_config=config)
