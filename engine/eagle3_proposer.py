@@ -222,19 +222,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
 
 class _CatchUpAttention:
     """The head's attention for a catch-up: each request's new entries see its slots
-    [1, start) in the paged cache and, causally, each other; then they are stored."""
+    [1, start) in the paged cache and, causally, each other; then they are stored.
+    The catch-up's output is not used, only each layer's K/V: the last layer's
+    attention is not computed (zeros)."""
 
     def __init__(self, proposer: Eagle3Proposer, entries: list[tuple[CatchUp, list[int]]]):
         self.proposer, self.entries = proposer, entries
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+        is_last = layer == self.proposer.cfg.num_layers - 1
+        out = torch.zeros_like(q) if is_last else torch.empty_like(q)
         row = 0
         for c, todo in self.entries:
             if not todo:
                 continue
             m, lo = len(todo), todo[0]
             qs, ks, vs = q[row:row + m], k[row:row + m], v[row:row + m]
+            if is_last:
+                self.proposer.store(layer, c.block_ids, todo, ks, vs)
+                row += m
+                continue
             pk, pv = self.proposer.gather(layer, c.block_ids, lo)  # slots [1, lo)
             keys, values = torch.cat([pk, ks]), torch.cat([pv, vs])  # [lo - 1 + m, Hkv, D]
             visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= \
