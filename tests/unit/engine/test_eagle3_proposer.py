@@ -91,7 +91,9 @@ def test_the_hand_over_drafts_as_the_prefill_side_would(parts):
     prefill, decode = _proposer(head, embed), _proposer(head, embed)
     _feed(prefill, "r", [1, 2, 3], tokens, aux, 0, 10)  # the prompt: 10 tokens, then token 10 sampled
     k, v, features = prefill.export("r", [1, 2, 3], 10)
-    request = _request("r", tokens, 10, [20, 14, 8])
+    request = Request("r", list(tokens[:10]))  # as the KVTransfer brings it: the prompt, then token 10
+    request.output_token_ids.append(tokens[10])
+    request.num_computed_tokens, request.block_ids = 10, [20, 14, 8]
     decode.check_import(k, v, features, 3)
     decode.import_state(request, [20, 14, 8], k, v, features)
     want = _reference(head, embed, tokens, aux, 10)
