@@ -87,21 +87,25 @@ def test_a_prefix_cache_hit_drafts_as_the_first_run(tiny_model, head, plain):
 def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, head, plain):
     """A tiny KV budget preempts requests with drafts in flight (their recompute rebuilds the
     head's entries); a small token budget chunks prompts beside them."""
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = _llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8,
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    chats = MIXED_BATCH[:4]  # text, one image, two images, text
+    llm = _llm(tiny_model, num_kv_blocks=10, max_num_batched_tokens=24, max_num_seqs=8,
                speculative_config=_spec(head))
-    outs = [o.outputs[0].token_ids for o in llm.chat(MIXED_BATCH, params)]
-    assert outs == [o.outputs[0].token_ids for o in plain.chat(MIXED_BATCH, params)]
-    assert outs[1] == hf_greedy(tiny_model, MIXED_BATCH[1], images_of(MIXED_BATCH[1]), num_tokens=20)
+    outs = [o.outputs[0].token_ids for o in llm.chat(chats, params)]
+    assert outs == [o.outputs[0].token_ids for o in plain.chat(chats, params)]
+    assert outs[1] == hf_greedy(tiny_model, chats[1], images_of(chats[1]), num_tokens=16)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_decode_num_drafts"] > 0
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks
 
 
 def test_chunked_prompts_draft_as_whole_ones(tiny_model, head, spec):
-    """Chunks of 7 tokens: each chunk's head entries wait for the next chunk's first token's
-    features no longer than one step, so the drafts, and the acceptance, are the same."""
-    llm = _llm(tiny_model, max_num_batched_tokens=7, max_num_seqs=1, speculative_config=_spec(head))
+    """Chunks of 9 tokens (2 to 5 a prompt): a chunk ending at e writes the head's entries up to
+    e - 1 and keeps the features of e - 1 for the next chunk, so the drafts, and the acceptance,
+    are the same. (No prompt leaves a last chunk of one token: that one would be scheduled as a
+    decode and draft, which the whole prompt's prefill does not.)"""
+    assert all(len(p) % 9 > 1 for p in PROMPTS)
+    llm = _llm(tiny_model, max_num_batched_tokens=9, max_num_seqs=1, speculative_config=_spec(head))
     one_by_one = _llm(tiny_model, max_num_seqs=1, speculative_config=_spec(head))
     outs, delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
     ref, ref_delta = _delta(one_by_one, lambda: one_by_one.generate(PROMPTS, GREEDY))
