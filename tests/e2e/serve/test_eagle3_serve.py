@@ -42,6 +42,7 @@ def expected_and_head(tiny_model, tmp_path_factory):
 def _serve(tiny_model, tmp_path, mode: str, head: str) -> tuple[list[list[int]], list[int], dict[str, float]]:
     """A server's tokens for PROMPTS and the image chat, and its speculation counters after them."""
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    (tmp_path / mode).mkdir()
     srv = start_server(tiny_model, tmp_path / mode, mode, "--speculative-config", json.dumps(spec),
                        "--served-model-name", "m", "--max-local-prefill-tokens", "0")
     try:
