@@ -35,13 +35,16 @@ class FakeCore:
     def add_request(self, request, embeddings=None, pending=frozenset()):
         self.added.append(request.request_id)
 
-    def add_prefilled(self, request, k_blocks, v_blocks) -> bool:
+    def add_prefilled(self, request, k_blocks, v_blocks, draft_state=None) -> bool:
         if self.room:
             self.added.append(request.request_id)
         return self.room
 
     def export_kv(self, request_id):
         return torch.zeros(1, 1, 4, 1, 4), torch.zeros(1, 1, 4, 1, 4)
+
+    def export_draft_state(self, request_id):
+        return None  # no EAGLE-3 head
 
     def release(self, request_id) -> bool:
         self.released.append(request_id)
