@@ -28,6 +28,7 @@ from epd.engine.config import EngineConfig
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
+from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
@@ -237,6 +238,8 @@ class EngineCore:
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        if not fits_adapter_limit(self.scheduler.running, request.lora_key, self.scheduler.max_loras):
+            return False  # --max-loras adapters run already: no read for it yet (it would be trimmed)
         lora = self._lora_read(request)
         if lora is not None:
             if not lora.done():

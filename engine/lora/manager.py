@@ -16,7 +16,8 @@ admits its request once it is read (`is_loaded`): no step reads a disk.
 `activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
-the step's per-token adapters into the groups `LoRALinear` adds deltas to.
+the step's per-token adapters into the rows `LoRALinear` adds deltas to
+(groups for torch, tiles for the Triton kernels when `use_triton`).
 """
 from __future__ import annotations
 
