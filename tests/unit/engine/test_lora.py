@@ -270,7 +270,8 @@ def test_an_evicted_adapter_is_read_again_off_the_step_loop(tiny_model, loras, e
     mlp = Request("mlp", list(PROMPTS[2]), GREEDY, lora_request=loras["mlp"])
     for request in (base, attn, mlp):
         core.add_request(request)
-    core.step()  # base and attn run; mlp waits (--max-loras 1) and its adapter leaves host memory
+    # base and attn run; mlp's adapter leaves host memory (room for one: attn's came first) and mlp waits
+    core.step()
     assert not core.lora.is_loaded(loras["mlp"].key) and core.lora.is_loaded(loras["attn"].key)
     gate = threading.Event()
     deadline = threading.Timer(60, gate.set)  # a read done in the step would hold it until then
