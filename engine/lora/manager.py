@@ -33,7 +33,8 @@ from torch import nn
 
 from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError, ProjectionShapes, read_adapter
 from epd.engine.lora.config import LoRAConfig
-from epd.engine.lora.layers import LoRAStep, StepRows, step_rows, wrap_model
+from epd.engine.lora.layers import LoRAStep, wrap_model
+from epd.engine.lora.step_rows import StepRows, step_rows
 from epd.transport.lora_request import LoRARequest
 
 AdapterKey = tuple[str, str]  # (lora_name, lora_path): LoRARequest.key

@@ -1,7 +1,7 @@
 """The gathered low-rank matmul of Multi-LoRA in Triton (GPU): vLLM's punica idea.
 
 The step's adapter rows come sorted by slot, each slot's run padded to whole
-tiles of BLOCK_M rows (`SlotTiles`, built once a step by `layers.step_rows`
+tiles of BLOCK_M rows (`SlotTiles`, built once a step by `step_rows.step_rows`
 and shared by every projection), so every tile belongs to one slot. Two
 grouped GEMMs then run over the tiles:
   1. shrink: t[tile row] = x[row] @ A[slot]^T       ([BLOCK_M, R]: R = pieces x max_rank)
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epd.engine.lora.layers import BLOCK_M, SlotTiles
+from epd.engine.lora.step_rows import BLOCK_M, SlotTiles
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

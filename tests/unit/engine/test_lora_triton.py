@@ -12,7 +12,7 @@ import pytest
 import torch
 from testkit.triton_interpreter import INTERPRETING, run_interpreted
 
-from epd.engine.lora.layers import BLOCK_M, step_rows
+from epd.engine.lora.step_rows import BLOCK_M, step_rows
 
 HAS_CUDA = torch.cuda.is_available()
 NUM_SLOTS = 4
