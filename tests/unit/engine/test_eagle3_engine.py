@@ -138,3 +138,46 @@ def test_sampled_requests_speculate_and_finish(spec):
 def test_bad_heads_are_refused_at_start(tiny_model, config, message):
     with pytest.raises(ValueError, match=message):
         _llm(tiny_model, speculative_config=config)
+
+
+def _core(tiny_model, head: str, role: str):
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import EngineCore
+
+    config = EngineConfig.from_flat(num_kv_blocks=64, dtype="float32", device="cpu", speculative_config=_spec(head))
+    return EngineCore(tiny_model, config, role=role)
+
+
+def _decode_all(core) -> list[int]:
+    tokens = []
+    while core.has_unfinished():
+        tokens += [t for u in core.step().updates for t in u.new_token_ids]
+    return tokens
+
+
+def test_the_hand_over_carries_the_heads_state(tiny_model, head):
+    """Engines of the three roles: the decode engine given the prefill engine's head state
+    (KVTransfer.draft_state) accepts what the combined engine accepts; one given none (a
+    prefill worker without the head) decodes the same tokens, drafting without the prompt."""
+    from epd.engine.request import Request
+
+    prompt = PROMPTS[0]
+    combined = _core(tiny_model, head, "pd")
+    combined.add_request(Request("c", list(prompt), GREEDY))
+    expected = _decode_all(combined)
+    assert combined.stats()["spec_decode_num_accepted_tokens"] > 0
+    prefill = _core(tiny_model, head, "prefill")
+    prefill.add_request(Request("r", list(prompt), GREEDY))
+    first = _decode_all(prefill)
+    assert first == expected[:1] and prefill.stats()["spec_decode_num_drafts"] == 0
+    k, v = prefill.export_kv("r")
+    state = prefill.export_draft_state("r")
+    assert state is not None and state[2].shape == (combined.runner.eagle3.cfg.hidden_size,)
+    for draft_state in (state, None):
+        decode = _core(tiny_model, head, "decode")
+        request = Request("r", list(prompt), GREEDY, eos_token_ids=decode.info.eos_token_ids)
+        request.output_token_ids.append(first[0])
+        assert decode.add_prefilled(request, k, v, draft_state)
+        assert first + _decode_all(decode) == expected
+        if draft_state is not None:
+            assert {n: decode.stats()[n] for n in SPEC_COUNTERS} == {n: combined.stats()[n] for n in SPEC_COUNTERS}
