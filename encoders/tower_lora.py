@@ -5,10 +5,10 @@
                                       --> the tower's forward with every row adapted
 
 Every linear projection of the tower (encoders/tower_adapter.py lists them)
-is wrapped in a `LoRALinear` (transport/lora_linear.py) before the CPU weight
-packing (transport/cpu_linear.pack_linears), as the engine wraps its
-language model. A tower forward runs one adapter (or none) for all its rows:
-the encoder batches images by adapter (a block's rows are patches, a
+is wrapped in a `TowerLoRALinear` (encoders/tower_lora_layer.py) before the
+CPU weight packing (transport/cpu_linear.pack_linears), as the engine wraps
+its language model. A tower forward runs one adapter (or none) for all its
+rows: the encoder batches images by adapter (a block's rows are patches, a
 merger's merged tokens, so one row map could not serve both), which keeps
 the forward free of gathers. Reads happen in the encoder's own loop (it runs
 one forward at a time anyway); a bad adapter fails the images that name it.
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from epd.encoders.tower_adapter import TowerAdapterSpec, TowerShapes, read_tower_adapter
+from epd.encoders.tower_lora_layer import TowerStep, wrap_tower
 from epd.transport.lora_files import WEIGHTS_FILE, LoRAAdapterError
-from epd.transport.lora_linear import LoRALinear, LoRAStep, SlotRows
 from epd.transport.lora_request import LoRARequest
 
 AdapterKey = tuple[str, str]  # LoRARequest.key
@@ -57,8 +57,8 @@ class TowerLoRA:
     def __init__(self, tower: nn.Module, settings: TowerLoRASettings):
         self.settings = settings
         self.shapes = TowerShapes.of(tower)
-        self.step = LoRAStep(settings.max_loras)
-        self._wrappers = _wrap_tower(tower, settings.max_loras, settings.max_lora_rank, self.step)
+        self.step = TowerStep(settings.max_loras)
+        self._wrappers = wrap_tower(tower, settings.max_loras, settings.max_lora_rank, self.step)
         self._host: OrderedDict[AdapterKey, _HostAdapter] = OrderedDict()  # LRU first
         self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # resident adapters, LRU first
         self.num_loads = 0  # adapters read from disk (a host-memory miss)
@@ -72,7 +72,7 @@ class TowerLoRA:
             yield
             return
         slot = self._activate(lora)
-        with self.step.applied([SlotRows(slot, None)]):
+        with self.step.applied(slot):
             yield
 
     def load(self, lora: LoRARequest) -> TowerAdapterSpec:
@@ -114,22 +114,9 @@ class TowerLoRA:
         if slot is None:
             slot = self._slots.pop(next(iter(self._slots)))  # the least recently used
         for path, wrapper in self._wrappers.items():
-            wrapper.set_slot(slot, {path: entry.weights[path]} if path in entry.weights else {})
+            wrapper.set_slot(slot, entry.weights.get(path))
         self.step.scaling[slot] = entry.spec.scaling
         self._slots[lora.key] = slot
         self.num_slot_loads += 1
         return slot
 
-
-def _wrap_tower(tower: nn.Module, num_slots: int, max_rank: int, step: LoRAStep) -> dict[str, LoRALinear]:
-    """Every `nn.Linear` of the tower replaced in place by a `LoRALinear`, by its path."""
-    wrapped: dict[str, LoRALinear] = {}
-    for path, module in list(tower.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        parent_path, _, attr = path.rpartition(".")
-        parent = tower.get_submodule(parent_path) if parent_path else tower
-        wrapper = LoRALinear(module, (path,), [module.out_features], num_slots, max_rank, step)
-        setattr(parent, attr, wrapper)  # an nn.Sequential's "0" too (Qwen2.5-VL's merger.mlp)
-        wrapped[path] = wrapper
-    return wrapped
