@@ -6,7 +6,8 @@ with B matrices drawn at random (peft starts them at zero, which would change
 nothing), and saves it in PEFT's format (adapter_config.json +
 adapter_model.safetensors). `peft_greedy` loads the base model once with
 every adapter and decodes greedily, one full forward per token, the adapter
-(or none) chosen per prompt.
+(or none) chosen per prompt. `peft_image_greedy` does the same for a chat with
+images (tower adapters: `TOWER_MODULES`), with each token's logprob.
 """
 from __future__ import annotations
 
