@@ -43,7 +43,7 @@ def expected(tiny_model, adapters) -> dict[tuple[str, str], list[int]]:
     return dict(zip(cases, tokens))
 
 
-@pytest.fixture(scope="module", params=["aggregated", "e-p-d"])
+@pytest.fixture(scope="module", params=["aggregated", "e-pd", "e-p-d"])
 def server(request, tiny_model, adapters, tmp_path_factory):
     mode = request.param
     extra = ["--served-model-name", SERVED, "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2",
