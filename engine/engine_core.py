@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd.engine.config import EngineConfig
+from epd.engine.draft_model_proposer import DraftModelProposer, load_draft_model
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
@@ -108,8 +109,14 @@ class EngineCore:
         # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
         pack_linears(model)
+        spec = config.speculative_config
+        # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
+        draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
+            if spec is not None and spec.method == "draft_model" and role != "prefill" else None
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
+        if draft is not None:
+            block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = dataclasses.replace(config.scheduler,
@@ -125,9 +132,15 @@ class EngineCore:
                                             self.info.eos_token_ids)
         # Speculative decoding (--speculative-config): decode-side engines only; a prefill
         # worker samples one token a request and has nothing to verify.
-        spec = config.speculative_config
-        self.proposer = None if spec is None or role == "prefill" else \
-            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.proposer = None
+        if draft is not None:
+            self.proposer = DraftModelProposer(
+                draft, spec.num_speculative_tokens, num_blocks, config.scheduler.block_size,
+                config.resolved_backend(self.device), self.device, self.info.vocab_size, sched_cfg.max_num_seqs,
+                sched_cfg.max_num_batched_tokens, self.info.spatial_merge_size, self.info.tokens_per_second)
+        elif spec is not None and role != "prefill":
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max)
         # Requests whose adapter is being read (LoRAManager's loader thread) or grammar
         # (or bad words) prepared (the compiler thread): they enter the scheduler when
         # done, so no step waits for a disk or a compile (their images are in the ledger already).
@@ -318,14 +331,16 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: a draft for each running request whose next step
-        decodes, from its own tokens (n-gram). Greedy and sampled requests alike:
+        decodes, from its own tokens (n-gram) or a draft model's continuation of
+        them (one batch for all). Greedy and sampled requests alike:
         the runner verifies a sampled one by rejection sampling (spec_verify.py),
         which keeps the target's distribution."""
         if self.proposer is None:
             return
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens == 1:
-                request.draft_token_ids = self.proposer.propose(request.all_token_ids)
+        running = self.scheduler.running
+        ready = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        for request, draft in zip(ready, self.proposer.propose_batch(ready, running)):
+            request.draft_token_ids = draft
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;

@@ -71,8 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(no KV transfer), which computes at most this many prompt tokens a step; 0: off")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding on the decode-side workers, vLLM's JSON: "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' "
-                        "(greedy requests only for now; default: none)")
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' or "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}' "
+                        "(a small model with the target's tokenizer; default: none)")
     _add_lora_args(p, defaults)
 
 
