@@ -90,10 +90,10 @@ class _Timed:
     def __init__(self, proposer):
         self.proposer, self.seconds = proposer, 0.0
 
-    def propose_batch(self, ready, running=()):
+    def propose_requests(self, requests):
         start = time.perf_counter()
         try:
-            return self.proposer.propose_batch(ready, running)
+            return self.proposer.propose_requests(requests)
         finally:
             self.seconds += time.perf_counter() - start
 

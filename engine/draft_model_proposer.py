@@ -53,6 +53,7 @@ from epd.engine.request import Request
 
 @dataclass
 class _DraftState:
+    request: Request
     num_preemptions: int  # the request's when this state began
     prompt_positions: torch.Tensor  # [3, num_prompt_tokens] the target's M-RoPE positions
     delta: int  # position of token i >= num_prompt_tokens is i + delta
@@ -64,7 +65,7 @@ class _DraftState:
 
 class DraftModelProposer:
     """Drafts for a step's decodes in one batch: one forward over what each has not
-    seen yet, then one forward a draft token (`propose_batch`, NgramProposer's interface)."""
+    seen yet, then one forward a draft token (`propose_requests`, the proposers' interface)."""
 
     def __init__(self, model: Qwen3VLForCausalLM, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  attention_backend: str, device: str | torch.device, target_vocab_size: int, max_num_seqs: int,
@@ -99,12 +100,11 @@ class DraftModelProposer:
                                model.model.embed_tokens.weight.dtype)
 
     @torch.inference_mode()
-    def propose_batch(self, ready: Sequence[Request], running: Sequence[Request] = ()) -> list[list[int]]:
+    def propose_requests(self, ready: Sequence[Request]) -> list[list[int]]:
         """A draft for each request in `ready` (decodes of the coming step; [] where it
         gets none: no room left under max_tokens / max_model_len, or a catch-up that
-        does not fit this step). `running`: every running request (others' state is dropped)."""
-        live = {r.request_id for r in running} | {r.request_id for r in ready}
-        for rid in [rid for rid in self._states if rid not in live]:
+        does not fit this step). The state of finished requests is dropped."""
+        for rid in [rid for rid, state in self._states.items() if state.request.is_finished]:
             del self._states[rid]
         plans, budget = [], self.max_num_tokens
         for request in ready[:self.max_num_seqs]:
@@ -134,7 +134,7 @@ class DraftModelProposer:
         if state is None or state.num_preemptions != request.num_preemptions:
             positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
                                                self.spatial_merge_size, self.tokens_per_second)
-            state = _DraftState(request.num_preemptions, positions.to(self.device), delta)
+            state = _DraftState(request, request.num_preemptions, positions.to(self.device), delta)
             self._states[request.request_id] = state
         elif state.draft:
             held = _tokens(request, state.num_tokens, state.num_tokens + len(state.draft))

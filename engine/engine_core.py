@@ -337,9 +337,8 @@ class EngineCore:
         which keeps the target's distribution."""
         if self.proposer is None:
             return
-        running = self.scheduler.running
-        ready = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        for request, draft in zip(ready, self.proposer.propose_batch(ready, running)):
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request, draft in zip(decodes, self.proposer.propose_requests(decodes)):
             request.draft_token_ids = draft
 
     def _admit_prepared(self) -> dict[str, str]:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from epd.engine.request import Request
+
 _PAD = -1  # never a token id
 
 
@@ -31,10 +33,9 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose_batch(self, ready: Sequence, running: Sequence = ()) -> list[list[int]]:
-        """The engine's interface (draft_model_proposer.py has the same): a draft for each
-        request in `ready`, the step's decodes; `running` (state to keep) is unused here."""
-        return [self.propose(r.all_token_ids) for r in ready]
+    def propose_requests(self, requests: Sequence[Request]) -> list[list[int]]:
+        """The proposers' interface (engine_core): a draft per request, from its tokens."""
+        return [self.propose(r.all_token_ids) for r in requests]
 
     def propose(self, token_ids: Sequence[int], max_num_tokens: int | None = None) -> list[int]:
         """Up to min(k, `max_num_tokens`) draft tokens to follow `token_ids`; [] when

@@ -61,7 +61,8 @@ def test_greedy_tokens_are_the_same_and_drafts_are_accepted(plain, spec):
     stats = spec.stats()
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert spec.engine.num_free_blocks() == spec.engine.num_blocks
-    assert not spec.engine.proposer._states  # finished requests leave no draft state
+    spec.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(spec.engine.proposer._states) == 1  # finished requests' draft state is dropped
 
 
 def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, tiny_draft, plain):
@@ -162,4 +163,4 @@ def test_make_model_draft_of_checks_the_layer_count(tiny_model, tmp_path, capsys
     assert args.func(args) == 0
     from transformers import AutoConfig
 
-    assert AutoConfig.from_pretrained(tmp_path / "d").text_config.num_hidden_layers == 1
+    assert AutoConfig.from_pretrained(str(tmp_path / "d")).text_config.num_hidden_layers == 1
