@@ -15,6 +15,7 @@ engine's `ImageLedger`, which holds them while a request uses them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
