@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: a shared machine's other load does not stall a step's thread sync)")
     p.add_argument("--seed", type=int, default=0, help="seeds the workload")
     p.add_argument("--save-result", default=None, metavar="FILE", help="the rows as JSON")
 
@@ -166,16 +168,20 @@ def _line(row: dict) -> str:
 
 
 def main(args) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
     from epd.bench.report import write_result
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
 
     prompts = workload(AutoTokenizer.from_pretrained(args.model), max(args.streams), args.seed)
     print("| method | streams | decode tok/s | median TPOT (ms) | draft ms/step | acceptance rate | "
           "acceptance length |\n|---|---|---|---|---|---|---|", flush=True)
     rows = [row for name, spec in methods(args).items() for row in bench_method(args, name, spec, prompts)]
     result = {"model": args.model, "output_len": args.output_len, "k": args.num_speculative_tokens,
-              "repeats": args.repeats, "rows": rows}
+              "repeats": args.repeats, "threads": args.threads, "rows": rows}
     if args.save_result:
         write_result(args.save_result, result)
     return result
