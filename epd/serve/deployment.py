@@ -64,7 +64,7 @@ class Deployment:
                 os.environ[MULTIPROC_DIR_ENV] = os.path.join(run_dir, "metrics")
             mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
             os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
-            share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
+            share_cores(config.cpu_sharing)  # the workers' OpenMP wait (GOMP_SPINCOUNT), inherited through spawn
             collectors, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
