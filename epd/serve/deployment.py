@@ -106,17 +106,18 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str
 
 
 def build_api(config: ServeConfig, collector: str, mm_cache_dir: str, supervisor: WorkerWatch,
-              keys_dir: str | None = None, api_index: int = 0, lifespan=None):
+              keys_dir: str | None = None, api_index: int = 0, lifespan=None, lora_registry_path: str | None = None):
     """(Orchestrator, FastAPI app) of API process `api_index`, the supervisor given at construction;
-    `lifespan(orchestrator)`: the app's lifespan (the workers started before the first request)."""
+    `lifespan(orchestrator)`: the app's lifespan (the workers started before the first request);
+    `lora_registry_path`: the adapters' registry file the API processes share (None: its own)."""
     from epd.api.server import build_app
     from epd.serve.http_server import api_settings
     from epd.serve.orchestrator import Orchestrator
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir, api_index=api_index,
                                 supervisor=supervisor)
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults),
-                    lifespan=None if lifespan is None else lifespan(orchestrator))
+    settings = api_settings(config, orchestrator.files.sampling_defaults, lora_registry_path)
+    app = build_app(orchestrator, settings, lifespan=None if lifespan is None else lifespan(orchestrator))
     return orchestrator, app
 
 
