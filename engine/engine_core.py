@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd.engine.config import EngineConfig
+from epd.engine.draft_model_proposer import DraftModelProposer, load_draft_model
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
@@ -111,13 +112,18 @@ class EngineCore:
         # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
         pack_linears(model)
+        spec = config.speculative_config
+        # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
+        draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
+            if spec is not None and spec.method == "draft_model" and role != "prefill" else None
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
-        spec = config.speculative_config
         head = None  # EAGLE-3: its KV shares the target's blocks, so it counts in each block's bytes
         if spec is not None and spec.method == "eagle3":
             head = load_head(spec.model, model.cfg, self.dtype, self.device)
             block_bytes += Eagle3Proposer.bytes_per_block(head[0], config.scheduler.block_size, self.dtype)
+        if draft is not None:
+            block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = dataclasses.replace(config.scheduler,
@@ -141,8 +147,15 @@ class EngineCore:
                                             self.info.eos_token_ids)
         # Speculative decoding (--speculative-config): decode-side engines only; a prefill
         # worker samples one token a request and has nothing to verify.
-        self.proposer = None if spec is None or role == "prefill" else eagle3 or \
-            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.proposer = None
+        if draft is not None:
+            self.proposer = DraftModelProposer(
+                draft, spec.num_speculative_tokens, num_blocks, config.scheduler.block_size,
+                config.resolved_backend(self.device), self.device, self.info.vocab_size, sched_cfg.max_num_seqs,
+                sched_cfg.max_num_batched_tokens, self.info.spatial_merge_size, self.info.tokens_per_second)
+        elif spec is not None and role != "prefill":
+            self.proposer = eagle3 or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max)
         # Requests whose adapter is being read (LoRAManager's loader thread) or grammar
         # (or bad words) prepared (the compiler thread): they enter the scheduler when
         # done, so no step waits for a disk or a compile (their images are in the ledger already).
@@ -358,7 +371,8 @@ class EngineCore:
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: a draft for each running request whose next step
-        decodes. Greedy and sampled requests alike:
+        decodes, from its own tokens (n-gram), a draft model's continuation of
+        them (one batch for all) or an EAGLE-3 head's. Greedy and sampled requests alike:
         the runner verifies a sampled one by rejection sampling (spec_verify.py),
         which keeps the target's distribution."""
         if self.proposer is None:

@@ -291,13 +291,15 @@ class ModelRunner:
                   for s, row in zip(scheduled, firsts) if s.draft_token_ids]
         if drafts:
             processed = self.sampler.process(logits, batch)
-            # random rows: `choose` and a sampled draft's verification each divide their rows in place;
-            # a drafted row's token comes from the verifier, so `choose` must not draw from its own
-            # generator there (the verifier does): a seeded request's stream is its own
-            choose_batch = batch if batch.is_all_greedy else dataclasses.replace(
-                batch, generators=_without_rows(batch.generators, scheduled, firsts))
-            row_tokens = self.sampler.choose(processed if batch.is_all_greedy else processed.clone(),
-                                             choose_batch).tolist()
+            # `choose` takes the rows without a draft only (a copy: it divides random rows in place);
+            # a drafted request's tokens, and its generator's draws, are the verifier's
+            plain = [row for s, row in zip(scheduled, firsts) if not s.draft_token_ids]
+            row_tokens = [0] * len(inputs)  # a drafted row's token is set below from what it kept
+            if plain:
+                chosen = self.sampler.choose(processed[torch.tensor(plain, device=processed.device)],
+                                             batch.choice_rows(plain)).tolist()
+                for row, token in zip(plain, chosen):
+                    row_tokens[row] = token
             verified = iter(verify_drafts(processed, drafts, batch))
             logprobs = None
         else:
@@ -354,13 +356,3 @@ def _bad_word_ends(words: list[list[int]], output_token_ids: list[int]) -> tuple
         if not prefix or output_token_ids[len(output_token_ids) - len(prefix):] == prefix:
             out.append(ids[-1])
     return tuple(out)
-
-
-def _without_rows(generators: list[torch.Generator | None], scheduled: list[ScheduledRequest],
-                  firsts: list[int]) -> list[torch.Generator | None]:
-    """`generators` with None on the rows of requests that verify a draft."""
-    out = list(generators)
-    for s, row in zip(scheduled, firsts):
-        if s.draft_token_ids:
-            out[row:row + len(s.draft_token_ids) + 1] = [None] * (len(s.draft_token_ids) + 1)
-    return out

@@ -180,6 +180,20 @@ class SamplingBatch:
             self.bias_ids = torch.tensor([t for _, t, _ in pairs], dtype=torch.int64, device=device)
             self.bias_values = torch.tensor([b for _, _, b in pairs], dtype=torch.float32, device=device)
 
+    def choice_rows(self, rows: Sequence[int]) -> SamplingBatch:
+        """The batch of `rows` only, as `Sampler.choose` reads it (greedy flags, temperature,
+        filters, generators) for logits already `process`ed: speculative decoding chooses
+        the rows without a draft and leaves the drafted ones to the verifier."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.temperature.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        is_greedy = self.is_greedy[index]
+        return SamplingBatch(num_seqs=len(rows), is_all_greedy=bool(is_greedy.all()), is_greedy=is_greedy,
+                             temperature=self.temperature[index], generators=[self.generators[r] for r in rows],
+                             top_k=pick(self.top_k), top_p=pick(self.top_p), min_p=pick(self.min_p))
+
     @property
     def has_penalties(self) -> bool:
         return self.penalty_rows is not None

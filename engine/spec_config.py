@@ -3,11 +3,13 @@
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     {"method": "eagle3", "model": "/path/to/head", "num_speculative_tokens": 3}
 
+    {"method": "draft_model", "model": "/ckpt/small", "num_speculative_tokens": 3}
+
 Keys and defaults are vLLM's (`vllm/config/speculative.py`): `method` may be
-left out when `model` is "ngram" or "[ngram]"; an n-gram config without
+left out when `model` is "ngram" or "[ngram]" (any other `model`: a draft model); an n-gram config without
 `prompt_lookup_min` and `prompt_lookup_max` takes 5 for both, one without the
 other takes the other's value, and min must not exceed max. Methods EPD does
-not run yet (draft_model, ...) and keys it does not read are refused
+not run yet (medusa, ...) and keys it does not read are refused
 with a ValueError that names them: a flag that would silently not speculate
 is worse than one that stops start-up.
 
@@ -18,10 +20,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "eagle3")  # served now
-MODEL_METHODS = ("eagle3",)  # need `model`: the draft's directory
+METHODS = ("ngram", "eagle3", "draft_model")  # served now
+MODEL_METHODS = ("eagle3", "draft_model")  # need `model`: the head's or the draft's directory
 VLLM_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
@@ -34,7 +37,9 @@ class SpeculativeConfig:
     n-gram: the draft is what followed the longest earlier match (length in
     [prompt_lookup_min, prompt_lookup_max]) of the sequence's own suffix.
     eagle3: `model` is an EAGLE-3 head in Speculators' format (engine/eagle3.py),
-    drafting from the target's hidden states (engine/eagle3_proposer.py)."""
+    drafting from the target's hidden states (engine/eagle3_proposer.py).
+    draft_model: the greedy continuation of `model`, a checkpoint directory with
+    the target's tokenizer (engine/draft_model_proposer.py)."""
 
     method: str
     num_speculative_tokens: int
@@ -53,7 +58,10 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {value!r}")
         if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
-            raise ValueError(f"--speculative-config: method {self.method!r} needs \"model\": the draft's directory")
+            raise ValueError(f'--speculative-config: method "{self.method}" needs "model", the draft\'s directory')
+        if self.method == "draft_model" and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--speculative-config: the draft model {self.model!r} is not a checkpoint "
+                             "directory (no config.json)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"--speculative-config: prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")

@@ -13,6 +13,8 @@ BENCHMARKS = {
                      "service times, then run the best for real"),
     "lora": ("lora", "multi-LoRA: tokens/s and TPOT with 1, 4, 16 adapters mixed vs the base alone; "
                      "an adapter load's cost on the request path"),
+    "spec": ("spec_decode", "speculative decoding: decode tokens/s, TPOT and acceptance at 1, 8, 32 streams "
+                            "with and without each method (offline engine)"),
     "cache-hit": ("cache_hit", "TTFT of a cached-image request vs a text-only one of equal length"),
     "overhead": ("overhead", "served vs offline tokens/s on the same requests; API CPU per token"),
     "fault": ("fault", "kill one worker mid-trace: requests completed, recovered, failed, "

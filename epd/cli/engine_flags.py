@@ -74,7 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding on the decode-side workers, vLLM's JSON: "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' or "
                         "'{\"method\": \"eagle3\", \"model\": HEAD_DIR, \"num_speculative_tokens\": 3}' "
-                        "(an EAGLE-3 head in Speculators' format; default: none)")
+                        "(an EAGLE-3 head in Speculators' format) or "
+                        "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}' "
+                        "(a small model with the target's tokenizer); default: none")
     _add_lora_args(p, defaults)
 
 

@@ -17,6 +17,12 @@ def add_model_parsers(sub) -> None:
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=list(PRESETS) + list(EAGLE3_PRESETS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-of", default=None, metavar="TARGET",
+                   help="instead of a preset: a draft model for --speculative-config's draft_model, the TARGET "
+                        "checkpoint cut to its first --num-layers decoder layers (same tokenizer)")
+    p.add_argument("--num-layers", type=int, default=1, help="--draft-of: decoder layers kept")
+    p.add_argument("--disagree", action="store_true",
+                   help="--draft-of: roll the draft's output head by one id, so the target rejects its drafts")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("chat", help="one user turn (images, videos, then the text); prints the completion")
@@ -40,6 +46,16 @@ def _make_model(args) -> int:
     from epd.tools.make_eagle3 import EAGLE3_PRESETS, make_eagle3
     from epd.tools.make_model import make_model
 
+    if args.draft_of is not None:
+        from epd.tools.make_draft import make_draft
+
+        try:
+            out = make_draft(args.draft_of, args.dir, args.num_layers, disagree=args.disagree)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"epd make-model: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote a {args.num_layers}-layer draft of {args.draft_of} to {out}")
+        return 0
     if args.preset in EAGLE3_PRESETS:
         out = make_eagle3(args.dir, preset=args.preset, seed=args.seed)
     else:

@@ -1,4 +1,4 @@
-"""`epd serve --speculative-config` (n-gram) in aggregated and e-p-d mode: greedy
+"""`epd serve --speculative-config` (n-gram, and a draft model) in aggregated and e-p-d mode: greedy
 completions, streamed or not, with logprobs, and an image chat handed from the
 prefill worker to the decode worker, give the tokens the offline engine gives
 without speculation; /metrics shows drafts accepted under vLLM's names (and
@@ -34,10 +34,13 @@ def expected(tiny_model):
     return outs, chat.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("mode", ["aggregated", "e-p-d"])
-def test_served_speculation_gives_the_tokens_without_it(mode, tiny_model, expected, tmp_path):
+def test_served_speculation_gives_the_tokens_without_it(mode, method, tiny_model, tiny_draft, expected, tmp_path):
+    """draft_model: in e-p-d the decode worker runs the draft's prefill over the prompt it receives."""
     outs, chat_tokens = expected
-    srv = start_server(tiny_model, tmp_path, mode, "--speculative-config", json.dumps(SPEC),
+    spec = SPEC if method == "ngram" else {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 3}
+    srv = start_server(tiny_model, tmp_path, mode, "--speculative-config", json.dumps(spec),
                        "--served-model-name", "m")
     try:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
@@ -57,7 +60,7 @@ def test_served_speculation_gives_the_tokens_without_it(mode, tiny_model, expect
         assert 0 < accepted <= srv.metric_sum("epd:spec_decode_num_draft_tokens_total")
         assert srv.metric_sum("epd:spec_decode_num_drafts_total") > 0
         assert srv.metric_sum("epd:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
-        if mode == "aggregated":
+        if mode == "aggregated" and method == "ngram":
             _bench_reports_the_runs_acceptance(srv, tmp_path)
         if mode == "e-p-d":  # the prefill worker samples one token a request: nothing to verify
             assert srv.metric_sum("epd:spec_decode_num_draft_tokens_total", role="prefill") == 0

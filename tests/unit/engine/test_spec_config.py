@@ -26,8 +26,9 @@ def test_ngram_configs_take_vllm_defaults(given, expected):
 @pytest.mark.parametrize("given, message", [
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "eagle3.*needs \"model\""),
     ('{"method": "eagle", "model": "/heads/x", "num_speculative_tokens": 3}', "eagle.*not served by EPD yet"),
-    ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}', "draft_model.*not served"),
-    ('{"model": "/some/dir", "num_speculative_tokens": 3}', "draft_model"),  # vLLM's inference: a draft model
+    ('{"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}', "'/m' is not a checkpoint directory"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', 'draft_model" needs "model"'),
+    ('{"model": "/some/dir", "num_speculative_tokens": 3}', "draft model"),  # vLLM's inference: a draft model
     ('{"method": "lookahead", "num_speculative_tokens": 3}', "not a speculative method"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
@@ -42,6 +43,12 @@ def test_ngram_configs_take_vllm_defaults(given, expected):
 def test_refusals_name_the_problem(given, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(given)
+
+
+def test_a_draft_model_config_names_a_checkpoint(tiny_model):
+    config = SpeculativeConfig.parse({"model": tiny_model, "num_speculative_tokens": 2})  # method inferred
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", tiny_model, 2)
+    assert SpeculativeConfig.parse(config.to_json()) == config
 
 
 def test_the_flag_and_llm_settings_reach_the_engine_config(tiny_model):
