@@ -13,6 +13,8 @@ BENCHMARKS = {
                      "service times, then run the best for real"),
     "lora": ("lora", "multi-LoRA: tokens/s and TPOT with 1, 4, 16 adapters mixed vs the base alone; "
                      "an adapter load's cost on the request path"),
+    "video-chunks": ("video_chunks", "TTFT of one long video encoded whole vs in chunks over 1, 2 and 4 encoders "
+                                     "(--video-chunk-frames)"),
     "cache-hit": ("cache_hit", "TTFT of a cached-image request vs a text-only one of equal length"),
     "overhead": ("overhead", "served vs offline tokens/s on the same requests; API CPU per token"),
     "fault": ("fault", "kill one worker mid-trace: requests completed, recovered, failed, "

@@ -4,7 +4,7 @@
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
       images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
-      videos          header -> plan (frames, size, tokens), mm_hash       epd/serve/video_inputs.py
+      videos          header -> plan (frames, size, tokens), mm_hash, chunks   epd/serve/video_inputs.py
       prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
                       (a prompt past max_model_len refused after tokenizing one piece past it)
     check length      the max_tokens to use within max_model_len
@@ -24,7 +24,7 @@ from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, VideoRef, exceeds_tokens, image_parts, video_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts, video_parts
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.video_inputs import PlannedVideo, VideoInputs
 from epd.serve.worker_metrics import WorkerMetrics
@@ -45,6 +45,9 @@ class Prepared:
     held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
     video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
     video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
+    # a video chunk's key -> the video's mm_hash, which its EncodeRequest carries (the encoder keys its
+    # entries from it); a video encoded whole is keyed by its own mm_hash and is not here
+    video_hashes: dict[str, str] = field(default_factory=dict)
 
 
 class Preparer:
@@ -186,12 +189,16 @@ class Preparer:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
+        prep = Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches)
         for video, data in zip(videos, raw_videos):
-            images[video.mm_hash] = data
-            num_patches[video.mm_hash] = video.num_patches
-        return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
-                                             video_frames={v.mm_hash: v.frames for v in videos},
-                                             video_entries={v.mm_hash: v.entry_hashes for v in videos}))
+            for piece in video.pieces():  # the whole video, or each chunk (--video-chunk-frames)
+                images[piece.key] = data
+                num_patches[piece.key] = piece.num_patches
+                prep.video_frames[piece.key] = piece.frames
+                prep.video_entries[piece.key] = video.piece_entries(piece)
+                if piece.key != video.mm_hash:
+                    prep.video_hashes[piece.key] = video.mm_hash
+        return self._truncated(req, prep)
 
     def _build_prompt(self, req: GenerateRequest, refs: list[ImageRef], videos: list[PlannedVideo],
                       max_prompt_tokens: int | None):
@@ -199,7 +206,7 @@ class Preparer:
         return self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
                                   max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
                                   template_kwargs=req.chat_template_kwargs,
-                                  videos=[VideoRef(v.plan, v.mm_hash) for v in videos])
+                                  videos=[v.ref for v in videos])
 
     def _truncated(self, req: GenerateRequest, prep: Prepared) -> Prepared:
         """vLLM's truncate_prompt_tokens: keep k tokens (-1: as many as the model takes
