@@ -166,6 +166,8 @@ class EncoderWorker(WorkerIO):
         stored (encoders/video_request.py); a failure answers its first entry."""
         start = time.perf_counter()
         results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
+        if self.delays.batch_delay_s:  # tests: a video (or a chunk) takes long enough to kill its encoder
+            time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for key, result in results:
             if isinstance(result, str):

@@ -4,8 +4,16 @@ greedy tokens and the top-5 logprobs of each are those of the same video encoded
 whole on one encoder (e-pd) and of the offline `LLM.chat`; both encoders did
 part of it; a repeat costs no encoder work; and a video whose later frames are
 cut fails at the chunk that needs them: a 400 for that request only, with no
-KV block, running or waiting request left behind, and the server serves on."""
+KV block, running or waiting request left behind, and the server serves on.
+An encoder killed while it encodes a chunk: the request is sent again (its
+chunks already cached are not encoded again) and answers the same."""
 from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -13,7 +21,7 @@ import torch
 from testkit.api_checks import assert_error
 from testkit.family_checkpoints import family_checkpoint
 from testkit.media import data_url
-from testkit.server import start_server
+from testkit.server import ServerProcess, free_port, start_server
 from testkit.videos import cut_after_header, encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -96,5 +104,35 @@ def test_a_video_split_over_two_encoders_answers_as_one_encoder_and_offline(fami
         assert srv.settled_sum("epd:encoder_errors_total") >= errors + 1
         settled_idle(srv)
         assert_same(answer(served(srv)), expected)  # the server serves on
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.slow
+def test_an_encoder_killed_mid_chunk_and_the_request_answers_the_same(tiny_model, tmp_path):
+    from epd.encoders.encoder_delays import ENV_BATCH_DELAY
+
+    expected = offline(tiny_model)
+    port = free_port()
+    args = ["serve", tiny_model, "--mode", "e-p-d", "--port", str(port), "--num-kv-blocks", "256", "--dtype",
+            "float32", "--device", "cpu", "--threads-per-worker", "1", "--encoders", "2",
+            "--mm-cache-dir", str(tmp_path / "cache"), *CHUNKED]
+    env = {**os.environ, ENV_BATCH_DELAY: "1.5"}  # each chunk takes 1.5 s more: time to kill its encoder
+    srv = ServerProcess(args, port, str(tmp_path / "server.log"), env=env).wait_ready()
+    try:
+        got = {}
+        sender = threading.Thread(target=lambda: got.update(response=served(srv)))
+        sender.start()
+        deadline = time.monotonic() + 60
+        while srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1") < 1:
+            assert time.monotonic() < deadline, "encoder-1 never got a chunk"
+            time.sleep(0.1)
+        pids = {name: int(pid) for name, pid in re.findall(r"EPD: worker (\S+) pid (\d+)", srv.log())}
+        os.kill(pids["encoder-1"], signal.SIGKILL)  # mid-chunk: each takes 1.5 s at least
+        sender.join(timeout=120)
+        assert not sender.is_alive(), "the request hung after its encoder died"
+        assert_same(answer(got["response"]), expected)
+        assert srv.metric_sum("epd:requests_recovered_total") >= 1
+        settled_idle(srv)
     finally:
         assert srv.stop() == 0, srv.log()
