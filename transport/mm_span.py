@@ -48,7 +48,8 @@ class MMSpan:
         """The inverse of `to_list`; ValueError for anything else."""
         if not (isinstance(item, list) and len(item) in (4, 5, 6) and type(item[0]) is int
                 and type(item[1]) is int and type(item[2]) is str and _is_grid(item[3])
-                and (len(item) == 4 or _is_seconds(item[4]))
+                and (len(item) == 4 or _is_seconds(item[4]) or (len(item) == 6 and item[4] == 0
+                                                                  and type(item[4]) in (int, float)))
                 and (len(item) < 6 or (type(item[5]) is int and 0 < item[5] < 1 << 20))):
             raise ValueError(f"bad mm span {item!r:.80}")
         return MMSpan(item[0], item[1], item[2], tuple(item[3]), float(item[4]) if len(item) >= 5 else 0.0,
