@@ -73,7 +73,7 @@ def test_a_failed_chunk_fails_its_request_only_and_frees_everything(llm, tmp_pat
         for k, entry in pieces[0]:  # the first chunk is here, the others still encode
             worker._handle(done("cut", k, entry))
         run_until_idle(worker, core)
-        [request] = [r for r in core.scheduler.waiting + core.scheduler.running if r.request_id == "cut"]
+        [request] = [r for r in [*core.scheduler.waiting, *core.scheduler.running] if r.request_id == "cut"]
         first_pending = prompt.mm_spans[len(pieces[0])]
         assert request.num_computed_tokens == first_pending.offset > prompt.mm_spans[0].end  # past chunk 1
         assert core.num_waiting_for_images == 2 and core.num_free_blocks() < core.num_blocks
