@@ -1,12 +1,15 @@
 """One video cut into temporal chunks (`--video-chunk-frames`) and encoded on two
-encoders at once, e-p-d, for Qwen3-VL and Qwen2.5-VL: the prompt tokens, the
-greedy tokens and the top-5 logprobs of each are those of the same video encoded
-whole on one encoder (e-pd) and of the offline `LLM.chat`; both encoders did
-part of it; a repeat costs no encoder work; and a video whose later frames are
-cut fails at the chunk that needs them: a 400 for that request only, with no
-KV block, running or waiting request left behind, and the server serves on.
-An encoder killed while it encodes a chunk: the request is sent again (its
-chunks already cached are not encoded again) and answers the same."""
+encoders at once, e-p-d, for Qwen3-VL and Qwen2.5-VL, one server each: the
+prompt tokens, the greedy tokens and the top-5 logprobs of each are the offline
+`LLM.chat`'s (which encodes the video whole, in one pass, as one encoder does:
+tests/e2e/serve/test_video_serve.py and test_serve_families.py serve it whole
+and answer as `LLM.chat`); both encoders did part of it; a repeat costs no
+encoder work; a video whose later frames are cut fails at the chunk that needs
+them: a 400 for that request only, with no KV block, running or waiting request
+left behind, and the server serves on; an encoder killed while it encodes a
+chunk: the request is sent again (the chunks already cached are not encoded
+again) and answers the same. Each chunk takes a second more in the encoders
+(the tests' ENV_BATCH_DELAY), so the kill lands mid-chunk."""
 from __future__ import annotations
 
 import os
@@ -21,7 +24,7 @@ import torch
 from testkit.api_checks import assert_error
 from testkit.family_checkpoints import family_checkpoint
 from testkit.media import data_url
-from testkit.server import ServerProcess, free_port, start_server
+from testkit.server import ServerProcess, free_port
 from testkit.videos import cut_after_header, encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -56,14 +59,15 @@ def answer(response: httpx.Response) -> tuple[list[int], list[int], list[list[tu
     return body["prompt_token_ids"], choice["token_ids"], tops
 
 
-def offline(model_dir: str):
+def offline(model_dir: str, clips: list[bytes]) -> list:
+    """(prompt ids, greedy ids, top-5 logprobs) of each clip's chat by the offline LLM."""
     from epd.llm import LLM
     from epd.transport.sampling import SamplingParams
 
-    [out] = LLM(model_dir, dtype="float32").chat(
-        messages(CLIP), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP),
-        mm_processor_kwargs=KWARGS)
-    return out.prompt_token_ids, out.outputs[0].token_ids, [lp.top for lp in out.outputs[0].logprobs]
+    llm = LLM(model_dir, dtype="float32")
+    outs = [llm.chat(messages(clip), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                    logprobs=TOP), mm_processor_kwargs=KWARGS)[0] for clip in clips]
+    return [(o.prompt_token_ids, o.outputs[0].token_ids, [lp.top for lp in o.outputs[0].logprobs]) for o in outs]
 
 
 def assert_same(got, expected) -> None:
@@ -79,18 +83,40 @@ def settled_idle(server) -> None:
         assert server.settled_sum(name) == 0, name
 
 
+def start_chunked_server(model_dir: str, tmp_path) -> ServerProcess:
+    """e-p-d, two encoders, a chunk per temporal group, each chunk a second longer to encode."""
+    from epd.encoders.encoder_delays import ENV_BATCH_DELAY
+
+    port = free_port()
+    args = ["serve", model_dir, "--mode", "e-p-d", "--port", str(port), "--num-kv-blocks", "256", "--dtype",
+            "float32", "--device", "cpu", "--threads-per-worker", "1", "--encoders", "2",
+            "--mm-cache-dir", str(tmp_path / "cache"), *CHUNKED]
+    return ServerProcess(args, port, str(tmp_path / "server.log"), env={**os.environ, ENV_BATCH_DELAY: "1"}).wait_ready()
+
+
+def kill_mid_chunk(srv: ServerProcess, clip: bytes) -> httpx.Response:
+    """`clip`'s answer, with encoder-1 killed (SIGKILL) once it has taken a chunk."""
+    got = {}
+    sender = threading.Thread(target=lambda: got.update(response=served(srv, clip)))
+    sender.start()
+    deadline = time.monotonic() + 60
+    while srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1") < 1:
+        assert time.monotonic() < deadline, "encoder-1 never got a chunk"
+        time.sleep(0.1)
+    pids = {name: int(pid) for name, pid in re.findall(r"EPD: worker (\S+) pid (\d+)", srv.log())}
+    os.kill(pids["encoder-1"], signal.SIGKILL)  # mid-chunk: each takes a second at least
+    sender.join(timeout=120)
+    assert not sender.is_alive(), "the request hung after its encoder died"
+    return got["response"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_a_video_split_over_two_encoders_answers_as_one_encoder_and_offline(family, tiny_model, tmp_path):
+def test_a_video_split_over_two_encoders_answers_as_offline_and_fails_alone(family, tiny_model, tmp_path):
     model_dir = tiny_model if family == "qwen3_vl" else family_checkpoint("qwen2_5_vl")
-    expected = offline(model_dir)
-    whole = start_server(model_dir, tmp_path, "e-pd")  # one encoder, the video whole
-    try:
-        assert_same(answer(served(whole)), expected)
-    finally:
-        assert whole.stop() == 0, whole.log()
-    srv = start_server(model_dir, tmp_path, "e-p-d", "--encoders", "2", "--mm-cache-dir", str(tmp_path / "cache"),
-                       *CHUNKED)
+    killed_clip = encode_video(synthetic_frames(9, 48, 64, seed=19), "mp4", fps=4)
+    expected, expected_killed = offline(model_dir, [CLIP, killed_clip])
+    srv = start_chunked_server(model_dir, tmp_path)
     try:
         assert_same(answer(served(srv)), expected)
         per_encoder = [srv.settled_sum("epd:encoder_images_total", worker=f"encoder-{i}") for i in range(2)]
@@ -103,36 +129,10 @@ def test_a_video_split_over_two_encoders_answers_as_one_encoder_and_offline(fami
         assert_error(served(srv, broken), 400, "the video ends before frame", "messages")
         assert srv.settled_sum("epd:encoder_errors_total") >= errors + 1
         settled_idle(srv)
-        assert_same(answer(served(srv)), expected)  # the server serves on
-    finally:
-        assert srv.stop() == 0, srv.log()
 
-
-@pytest.mark.slow
-def test_an_encoder_killed_mid_chunk_and_the_request_answers_the_same(tiny_model, tmp_path):
-    from epd.encoders.encoder_delays import ENV_BATCH_DELAY
-
-    expected = offline(tiny_model)
-    port = free_port()
-    args = ["serve", tiny_model, "--mode", "e-p-d", "--port", str(port), "--num-kv-blocks", "256", "--dtype",
-            "float32", "--device", "cpu", "--threads-per-worker", "1", "--encoders", "2",
-            "--mm-cache-dir", str(tmp_path / "cache"), *CHUNKED]
-    env = {**os.environ, ENV_BATCH_DELAY: "1.5"}  # each chunk takes 1.5 s more: time to kill its encoder
-    srv = ServerProcess(args, port, str(tmp_path / "server.log"), env=env).wait_ready()
-    try:
-        got = {}
-        sender = threading.Thread(target=lambda: got.update(response=served(srv)))
-        sender.start()
-        deadline = time.monotonic() + 60
-        while srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1") < 1:
-            assert time.monotonic() < deadline, "encoder-1 never got a chunk"
-            time.sleep(0.1)
-        pids = {name: int(pid) for name, pid in re.findall(r"EPD: worker (\S+) pid (\d+)", srv.log())}
-        os.kill(pids["encoder-1"], signal.SIGKILL)  # mid-chunk: each takes 1.5 s at least
-        sender.join(timeout=120)
-        assert not sender.is_alive(), "the request hung after its encoder died"
-        assert_same(answer(got["response"]), expected)
-        assert srv.metric_sum("epd:requests_recovered_total") >= 1
+        recovered = srv.metric_sum("epd:requests_recovered_total")
+        assert_same(answer(kill_mid_chunk(srv, killed_clip)), expected_killed)
+        assert srv.metric_sum("epd:requests_recovered_total") >= recovered + 1
         settled_idle(srv)
     finally:
         assert srv.stop() == 0, srv.log()
