@@ -1,9 +1,10 @@
 """Delays an encoder worker can be told to add, for tests that need an encoder
 slower than the machine makes it: `EncoderWorker(spec, encoder, delays)`.
 
-    batch_delay_s     every batch takes at least this many seconds more, so a
-                      burst backs the queue up whatever the machine's speed
-                      (the autoscaling and heartbeat tests)
+    batch_delay_s     every batch (a video or video chunk too) takes at least this
+                      many seconds more, so a burst backs the queue up whatever the
+                      machine's speed (the autoscaling and heartbeat tests), or an
+                      encoder can be killed mid-video (the video chunk tests)
     slow_image_size   (width, height): the EncodeDone of every image of that
     slow_image_s      size is held back that long, without blocking the worker,
                       so an image arrives late, after the request's later

@@ -187,6 +187,8 @@ class EncoderWorker(WorkerIO):
                 results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
         except ValueError as exc:  # the tower adapter
             results = [(self._keys(job.msg)[0], str(exc))]
+        if self.delays.batch_delay_s:  # tests: a video (or a chunk) takes long enough to kill its encoder
+            time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for key, result in results:
             if isinstance(result, str):

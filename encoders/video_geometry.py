@@ -111,6 +111,14 @@ class VideoPlan:
     group_timestamps_s: tuple[float, ...] = field(default=())
     # Qwen2.5-VL: seconds one temporal group spans (its temporal M-RoPE step)
     second_per_grid_t: float = 0.0
+    # a chunk of a longer video's plan (encoders/video_chunks.py): its first temporal group in the
+    # video and the video's groups; 0 and 0: the plan is the whole video
+    first_group: int = 0
+    total_groups: int = 0
+
+    @property
+    def is_chunk(self) -> bool:
+        return self.total_groups > 0
 
 
 @dataclass(frozen=True)

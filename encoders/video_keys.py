@@ -10,7 +10,8 @@ A plan with timestamps (Qwen3-VL) has text between its temporal groups
 own placeholder run, span and entry, keyed by `group_mm_hash`; its M-RoPE
 positions are those of a one-frame grid (1, h, w), as transformers splits the
 video's grid. A plan without (Qwen2.5-VL) is one run, one span, one entry of
-grid (t, h, w). Groups are independent tower inputs (attention stays within a
+grid (t, h, w); cut into chunks (encoders/video_chunks.py), one span and one
+entry per chunk, keyed by `chunk_mm_hash` (its group range). Groups are independent tower inputs (attention stays within a
 group), so a group's entry is the same whether it was encoded alone or with
 the rest of its video. Torch-free at import (epd/inputs/prompt.py imports it).
 """
@@ -37,9 +38,18 @@ def group_mm_hash(video_hash: str, group: int) -> str:
     return hashlib.blake2b(f"epd-video-group-v1:{video_hash}:{group}".encode(), digest_size=32).hexdigest()
 
 
+def chunk_mm_hash(video_hash: str, first_group: int, end_group: int) -> str:
+    """Key of the one entry of temporal groups [first_group, end_group) of a video
+    without timestamps (Qwen2.5-VL), cut into chunks (encoders/video_chunks.py)."""
+    return hashlib.blake2b(f"epd-video-chunk-v1:{video_hash}:{first_group}:{end_group}".encode(),
+                           digest_size=32).hexdigest()
+
+
 def entry_hashes(video_hash: str, plan: VideoPlan) -> list[str]:
     """The keys of the entries the video's spans name, in prompt order: one
-    per temporal group where the plan writes timestamps, else the video's own."""
+    per temporal group where the plan writes timestamps, else the video's own
+    (a chunk's: its group range's). `plan` may be a chunk of the video's plan."""
+    first, t = plan.first_group, plan.grid_thw[0]
     if plan.group_timestamps_s:
-        return [group_mm_hash(video_hash, g) for g in range(plan.grid_thw[0])]
-    return [video_hash]
+        return [group_mm_hash(video_hash, g) for g in range(first, first + t)]
+    return [chunk_mm_hash(video_hash, first, first + t) if plan.is_chunk else video_hash]

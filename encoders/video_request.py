@@ -29,7 +29,8 @@ NO_VIDEO_ENCODER = "this encoder serves no video (its checkpoint has no video pr
 def video_plan(frames: VideoFrames) -> VideoPlan:
     """The API's plan, as the EncodeRequest carried it (transport/mm_video.py)."""
     return VideoPlan(frames.frame_indices, frames.resized_height, frames.resized_width, frames.grid_thw,
-                     frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t)
+                     frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t,
+                     frames.first_group, frames.total_groups)
 
 
 def video_keys(msg: EncodeRequest) -> list[str]:

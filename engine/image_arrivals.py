@@ -83,6 +83,11 @@ class ImageArrivals:
         """Requests held here, not yet admitted to the engine."""
         return len(self._pending)
 
+    @property
+    def num_early(self) -> int:
+        """Images and failures kept for requests still to come."""
+        return len(self._early) + len(self._early_failures)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._pending
 
@@ -110,13 +115,15 @@ class ImageArrivals:
             return []
         return [self._admit(request, missing)]  # early: the engine waits for the missing ones
 
-    def arrived(self, mm_hash: str, entry: MMEntry, is_taken: bool = False) -> list[Admit]:
+    def arrived(self, mm_hash: str, entry: MMEntry, is_taken: bool = False, keep: bool = True) -> list[Admit]:
         """An image is here. `is_taken`: the engine took it (requests in it
         waited for it: `EngineCore.add_embedding`). Kept for a request still
-        to come when no held request waits for it and the engine did not take it."""
+        to come when no held request waits for it and the engine did not take it,
+        unless not `keep` (its request ended here: none will come for it)."""
         waiting = self._waiting_for(mm_hash)
         if not waiting and not is_taken:
-            self._remember(self._early, mm_hash, entry)
+            if keep:
+                self._remember(self._early, mm_hash, entry)
             return []
         self._early.pop(mm_hash, None)
         outcomes = []

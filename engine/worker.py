@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +52,7 @@ log = logging.getLogger("epd.worker")
 # A request waits at most this long for an image. The API's own deadline
 # (--request-timeout) aborts it sooner; this bound holds when nobody will.
 MAX_IMAGE_WAIT_S = 600.0
+MAX_ENDED = 4096  # ids of requests failed or aborted here, kept so their late EncodeDones keep nothing
 
 # An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
 # pairs its spans wait for: an image's one under its mm_hash, a video's one per entry (a Qwen3-VL
@@ -97,6 +99,7 @@ class EngineWorker(WorkerIO):
         self.counters = EngineCounters()  # the scheduler's own counters are copied in at each WorkerStats
         self.encoder_counters = EncoderCounters() if encode_fn is not None else None
         self._last_stats = 0.0
+        self._ended: OrderedDict[str, None] = OrderedDict()  # failed or aborted here, newest last
 
     # ------------------------------------------------------------------ loop
 
@@ -172,22 +175,30 @@ class EngineWorker(WorkerIO):
         return entry
 
     def _on_encode_done(self, msg: EncodeDone) -> None:
+        # its request failed or was aborted here (a video's other chunk failed): serve whoever else
+        # waits for the entry, keep nothing for a request to come
+        ended = msg.request_id in self._ended
         if not msg.ok:
-            self._image_failed(msg.mm_hash, f"image could not be encoded: {msg.error}", msg.request_id)
+            if not ended:
+                self._image_failed(msg.mm_hash, f"image could not be encoded: {msg.error}", msg.request_id)
             return
         if msg.embeddings is None:  # written to the cache we share with the encoder
             entry = self.arrivals.find(msg.mm_hash)
             if entry is None:
-                self._image_failed(msg.mm_hash, "image embedding missing from the cache (evicted before use?)")
+                if not ended:
+                    self._image_failed(msg.mm_hash, "image embedding missing from the cache (evicted before use?)")
                 return
         else:
             entry = MMEntry(msg.embeddings, list(msg.deepstack), msg.grid_thw or (1, 1, 1))
             if self.cache is not None:  # no shared cache dir: keep a copy in ours
                 self.cache.put(msg.mm_hash, entry)
-        self._image_arrived(msg.mm_hash, entry)
+        self._image_arrived(msg.mm_hash, entry, keep=not ended)
 
     def _on_encode_request(self, msgs: list[EncodeRequest]) -> None:
         """Aggregated role: encode in-process, then proceed as if each entry's EncodeDone arrived."""
+        msgs = [m for m in msgs if m.request_id not in self._ended]  # e.g. a video's chunk after one failed
+        if not msgs:
+            return
         start = time.perf_counter()
         results = self.encode_fn(msgs)
         self.encoder_counters.encode_seconds_sum += time.perf_counter() - start
@@ -204,11 +215,19 @@ class EngineWorker(WorkerIO):
                     self.cache.put(key, result)
                 self._image_arrived(key, result)
 
-    def _image_arrived(self, mm_hash: str, entry: MMEntry) -> None:
+    def _image_arrived(self, mm_hash: str, entry: MMEntry, keep: bool = True) -> None:
         """An image is here: the engine takes it if requests in it wait for it
-        (early prefill), the requests held here that it completes enter the engine."""
+        (early prefill), the requests held here that it completes enter the engine;
+        `keep`: else kept for a request still to come."""
         is_taken = self.core.add_embedding(mm_hash, entry)
-        self._settle(self.arrivals.arrived(mm_hash, entry, is_taken))
+        self._settle(self.arrivals.arrived(mm_hash, entry, is_taken, keep=keep))
+
+    def _ended_here(self, request_ids) -> None:
+        """Remembers requests failed or aborted here (bounded), whose late EncodeDones keep nothing."""
+        for request_id in request_ids:
+            self._ended[request_id] = None
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
 
     def _image_failed(self, mm_hash: str, error: str, request_id: str | None = None) -> None:
         """An image will not come: the requests waiting for it fail, in the engine
@@ -248,6 +267,7 @@ class EngineWorker(WorkerIO):
     def _fail(self, request_id: str, error: str, is_internal: bool = False) -> None:
         """Answers the request with `error` and frees whatever it holds here
         (early prefill: blocks filled before an image failed)."""
+        self._ended_here([request_id])
         self.arrivals.remove(request_id)
         self.core.abort([request_id])
         self._send_output(TokenOutput(request_id, [], finished=True, finish_reason="error", error=error,
@@ -283,6 +303,7 @@ class EngineWorker(WorkerIO):
         return [rid for rid, state in self.requests.items() if state.api_index == api_index]
 
     def _abort(self, request_ids: list[str]) -> None:
+        self._ended_here(request_ids)
         ids = set(request_ids)
         aborted = {rid for rid in ids if self.arrivals.remove(rid)}  # still waiting for images
         for rid in ids:

@@ -20,6 +20,10 @@ class MMSpan:
     `second_per_grid_t`: a Qwen2.5-VL video's seconds per temporal group, which
     spaces its M-RoPE temporal positions (x tokens_per_second); 0 for images
     and Qwen3-VL video groups (temporal position = group index). Sent only when set.
+    `first_group`: a chunk of a Qwen2.5-VL video cut into several spans
+    (`--video-chunk-frames`) that continues the span before it: its temporal
+    groups are the video's from `first_group` on, placed as in one span
+    (engine/models/mrope.py). 0 for any other span; a 6th wire item only when set.
     """
 
     offset: int
@@ -27,6 +31,7 @@ class MMSpan:
     mm_hash: str
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float = 0.0
+    first_group: int = 0
 
     @property
     def end(self) -> int:
@@ -34,16 +39,21 @@ class MMSpan:
 
     def to_list(self) -> list:
         out = [self.offset, self.length, self.mm_hash, list(self.grid_thw)]
+        if self.first_group:
+            return out + [self.second_per_grid_t, self.first_group]
         return out + [self.second_per_grid_t] if self.second_per_grid_t else out
 
     @staticmethod
     def from_list(item: Any) -> MMSpan:
         """The inverse of `to_list`; ValueError for anything else."""
-        if not (isinstance(item, list) and len(item) in (4, 5) and type(item[0]) is int
+        if not (isinstance(item, list) and len(item) in (4, 5, 6) and type(item[0]) is int
                 and type(item[1]) is int and type(item[2]) is str and _is_grid(item[3])
-                and (len(item) == 4 or _is_seconds(item[4]))):
+                and (len(item) == 4 or _is_seconds(item[4]) or (len(item) == 6 and item[4] == 0
+                                                                  and type(item[4]) in (int, float)))
+                and (len(item) < 6 or (type(item[5]) is int and 0 < item[5] < 1 << 20))):
             raise ValueError(f"bad mm span {item!r:.80}")
-        return MMSpan(item[0], item[1], item[2], tuple(item[3]), float(item[4]) if len(item) == 5 else 0.0)
+        return MMSpan(item[0], item[1], item[2], tuple(item[3]), float(item[4]) if len(item) >= 5 else 0.0,
+                      item[5] if len(item) == 6 else 0)
 
 
 def _is_grid(v: Any) -> bool:

@@ -13,7 +13,7 @@ from epd.transport.codec import Fields, WireError
 
 MAX_WIRE_FRAMES = 1 << 16  # frames one EncodeRequest may name
 _KEYS = ("frame_indices", "resized_height", "resized_width", "grid_thw", "num_tokens", "tokens_per_group",
-         "group_timestamps_s", "second_per_grid_t")
+         "group_timestamps_s", "second_per_grid_t", "first_group", "total_groups")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class VideoFrames:
     repeat), each resized to `resized_height` x `resized_width`, giving the vision
     grid `grid_thw` in patches (t: temporal groups) and `num_tokens` placeholders,
     `tokens_per_group` a group; Qwen3-VL's `group_timestamps_s` (one per group)
-    or Qwen2.5-VL's `second_per_grid_t`."""
+    or Qwen2.5-VL's `second_per_grid_t`. A chunk of a longer video
+    (`--video-chunk-frames`) names its first temporal group in the video and the
+    video's groups (`total_groups`; 0: the whole video), sent only when set."""
 
     frame_indices: tuple[int, ...]
     resized_height: int
@@ -32,6 +34,8 @@ class VideoFrames:
     tokens_per_group: int
     group_timestamps_s: tuple[float, ...] = ()
     second_per_grid_t: float = 0.0
+    first_group: int = 0
+    total_groups: int = 0
 
     @property
     def num_patches(self) -> int:
@@ -43,7 +47,8 @@ class VideoFrames:
         return {"frame_indices": list(self.frame_indices), "resized_height": self.resized_height,
                 "resized_width": self.resized_width, "grid_thw": list(self.grid_thw), "num_tokens": self.num_tokens,
                 "tokens_per_group": self.tokens_per_group, "group_timestamps_s": list(self.group_timestamps_s),
-                "second_per_grid_t": self.second_per_grid_t}
+                "second_per_grid_t": self.second_per_grid_t,
+                **({"first_group": self.first_group, "total_groups": self.total_groups} if self.total_groups else {})}
 
     @staticmethod
     def from_fields(f: Fields) -> VideoFrames:
@@ -54,6 +59,8 @@ class VideoFrames:
         num_tokens, per_group = f.int("num_tokens"), f.int("tokens_per_group")
         stamps = f.list_of("group_timestamps_s", float) if f.header.get("group_timestamps_s") else []
         second = f.float("second_per_grid_t")
+        is_chunk = "first_group" in f.header or "total_groups" in f.header  # both or neither
+        first, total = (f.int("first_group"), f.int("total_groups")) if is_chunk else (0, 0)
         if not 1 <= len(indices) <= MAX_WIRE_FRAMES or indices[0] < 0 \
                 or any(b < a for a, b in zip(indices, indices[1:])):
             raise WireError(f"{f.tag}.frame_indices: 1 to {MAX_WIRE_FRAMES} non-decreasing frame numbers >= 0")
@@ -67,4 +74,7 @@ class VideoFrames:
             raise WireError(f"{f.tag}.group_timestamps_s: one finite time >= 0 per temporal group")
         if not (math.isfinite(second) and second >= 0):
             raise WireError(f"{f.tag}.second_per_grid_t: a finite number >= 0")
-        return VideoFrames(tuple(indices), height, width, grid, num_tokens, per_group, tuple(stamps), second)
+        if is_chunk and not (0 <= first and first + grid[0] <= total and grid[0] < total):
+            raise WireError(f"{f.tag}: groups {first}..{first + grid[0]} are not a chunk of {total} groups")
+        return VideoFrames(tuple(indices), height, width, grid, num_tokens, per_group, tuple(stamps), second,
+                           first, total)

@@ -7,7 +7,11 @@ p + row, w-row p + col; the text after it resumes at p + max(h', w').
 The temporal index is the group index (images have one group; a Qwen3-VL
 video is one span per group, each (1, h, w), with its timestamp as text in
 between), or for a Qwen2.5-VL video `int(group x tokens_per_second x
-second_per_grid_t)`, computed in float32 as transformers does.
+second_per_grid_t)`, computed in float32 as transformers does. A Qwen2.5-VL
+video cut into chunks (`--video-chunk-frames`) is one span per chunk; a span
+with `first_group` > 0 continues the span before it (no text between): its
+groups g are the video's first_group + g, placed at that span's running
+position, so the positions are those of the whole video in one span.
 Tokens generated later sit at `index + delta`, with
 `delta = max(prompt positions) + 1 - num_prompt_tokens`.
 """
@@ -28,15 +32,20 @@ def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
     pieces = []
     cursor = 0  # prompt index of the next token to place
     pos = 0  # running position
+    start = 0  # running position the last span was placed at
     for span in spans:
-        if span.offset > cursor:  # text before this span
+        first_group = getattr(span, "first_group", 0)
+        if first_group:  # the next chunk of the video just placed: the same start, its later groups
+            assert span.offset == cursor, "a video chunk's span must follow the span before it"
+            pos = start
+        elif span.offset > cursor:  # text before this span
             n = span.offset - cursor
             pieces.append(torch.arange(pos, pos + n).expand(3, n))
             pos += n
         t, h, w = span.grid_thw
         h, w = h // spatial_merge_size, w // spatial_merge_size
         assert t * h * w == span.length, f"span of {span.length} tokens does not match grid {span.grid_thw}"
-        groups = torch.arange(t)
+        groups = torch.arange(first_group, first_group + t)
         if getattr(span, "second_per_grid_t", 0.0):
             step = torch.tensor(tokens_per_second, dtype=torch.float32) \
                 * torch.tensor(span.second_per_grid_t, dtype=torch.float32)
@@ -45,6 +54,7 @@ def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
         hh = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)
         ww = torch.arange(w).view(1, 1, w).expand(t, h, w).reshape(-1)
         pieces.append(torch.stack([tt, hh, ww]) + pos)
+        start = pos
         pos += max(h, w)
         cursor = span.end
     if num_tokens > cursor:

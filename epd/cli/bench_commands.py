@@ -15,6 +15,8 @@ BENCHMARKS = {
                      "an adapter load's cost on the request path"),
     "spec": ("spec_decode", "speculative decoding: decode tokens/s, TPOT and acceptance at 1, 8, 32 streams "
                             "with and without each method (offline engine)"),
+    "video-chunks": ("video_chunks", "TTFT of one long video encoded whole vs in chunks over 1, 2 and 4 encoders "
+                                     "(--video-chunk-frames)"),
     "cache-hit": ("cache_hit", "TTFT of a cached-image request vs a text-only one of equal length"),
     "overhead": ("overhead", "served vs offline tokens/s on the same requests; API CPU per token"),
     "fault": ("fault", "kill one worker mid-trace: requests completed, recovered, failed, "

@@ -184,6 +184,11 @@ def _add_video_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's media loading arguments: '{\"video\": {\"num_frames\": N}}' takes N frames "
                         "evenly from each video before the processor sees them (-1, the default: every frame, "
                         "the processor samples)")
+    p.add_argument("--video-chunk-frames", type=int, default=field_default(MediaConfig, "video_chunk_frames"),
+                   metavar="N",
+                   help="encode a video of more than N sampled frames in chunks of N (whole temporal groups), "
+                        "each its own encode request, spread over the encoders; prefill starts on the first "
+                        "chunk while the others encode (0, the default: one request per video)")
 
 
 def _add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -253,6 +258,7 @@ def serve_config(args) -> ServeConfig:
                           fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=limits["image"], limit_videos_per_prompt=limits["video"],
                           max_request_pixels=args.max_request_pixels,
+                          video_chunk_frames=args.video_chunk_frames,
                           **video_limits(args), **media_io_kwargs(args.media_io_kwargs)),
         files=ModelFilesConfig(chat_template=args.chat_template, generation_config=args.generation_config,
                                override_generation_config=tuple(

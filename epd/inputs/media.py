@@ -60,7 +60,9 @@ class MediaConfig:
     encoder decodes). `video_num_frames` (--media-io-kwargs' video.num_frames,
     vLLM's loader): the frames taken evenly from the container before the
     processor sees them (-1: all, the processor samples). The encoder gives up
-    decoding one video after `video_decode_timeout_s`."""
+    decoding one video after `video_decode_timeout_s`. `video_chunk_frames`
+    (the API's): a video sampling more frames is encoded in chunks of that many
+    (encoders/video_chunks.py), each its own EncodeRequest; 0: whole."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()
@@ -75,6 +77,7 @@ class MediaConfig:
     max_request_video_pixels: int = DEFAULT_MAX_REQUEST_VIDEO_PIXELS
     video_num_frames: int = -1
     video_decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S  # the encoder's, per video
+    video_chunk_frames: int = 0  # a longer video is encoded in chunks of this many sampled frames (0: whole)
 
     def __post_init__(self) -> None:
         for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels", "max_video_bytes",
@@ -84,6 +87,8 @@ class MediaConfig:
         if self.video_num_frames == 0 or self.video_num_frames < -1:
             raise ValueError(f"--media-io-kwargs video.num_frames must be -1 (all) or positive, "
                              f"got {self.video_num_frames}")
+        if self.video_chunk_frames < 0:
+            raise ValueError(f"--video-chunk-frames must be 0 (no chunks) or positive, got {self.video_chunk_frames}")
         if not self.video_decode_timeout_s > 0:
             raise ValueError(f"--video-decode-timeout must be positive, got {self.video_decode_timeout_s}")
         if not self.fetch_timeout_s > 0:

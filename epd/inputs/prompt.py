@@ -10,12 +10,13 @@ A video part (`video_url`, `video`) renders one `<|video_pad|>`, expanded from
 its `VideoPlan` (made from the header, encoders/video_geometry.py) as
 transformers' processors write it: Qwen3-VL `<{t:.1f} seconds>` +
 `<|vision_start|>` + the group's pads + `<|vision_end|>` per temporal group
-(one span per group), Qwen2.5-VL one run of pads (one span).
+(one span per group), Qwen2.5-VL one run of pads (one span; cut into chunks,
+`VideoRef.chunks`, one span per chunk).
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from epd.encoders.image_processor import ImageGeometry
 from epd.encoders.video_geometry import VideoPlan
@@ -75,15 +76,23 @@ class ImageRef:
 @dataclass(frozen=True)
 class VideoRef:
     """What the prompt needs to know of one video: the plan made from its
-    header and its content key (encoders/video_keys.video_mm_hash)."""
+    header and its content key (encoders/video_keys.video_mm_hash), and the
+    chunks it is encoded in (encoders/video_chunks.py; none: one piece)."""
 
     plan: VideoPlan
     mm_hash: str
+    chunks: tuple[VideoPlan, ...] = field(default=())
+
+    @property
+    def pieces(self) -> tuple[VideoPlan, ...]:
+        """The plans it is encoded in: its chunks, or the whole plan."""
+        return self.chunks or (self.plan,)
 
     @property
     def entry_hashes(self) -> list[str]:
-        """The keys its spans name, in order (one per temporal group for Qwen3-VL)."""
-        return entry_hashes(self.mm_hash, self.plan)
+        """The keys its spans name, in order (one per temporal group for Qwen3-VL,
+        one per chunk for a Qwen2.5-VL video cut into chunks)."""
+        return [key for piece in self.pieces for key in entry_hashes(self.mm_hash, piece)]
 
     def placeholder(self) -> str:
         """The text that replaces its one `<|video_pad|>`, as transformers' processor writes it."""
@@ -227,13 +236,7 @@ class PromptBuilder:
             if token == self.image_token_id:
                 spans.append(self._image_span(i, j - i, next(image_it, None)))
             else:
-                run = next(video_runs, None)
-                if run is None:
-                    raise ValueError("the prompt holds more video placeholders than the videos take")
-                mm_hash, grid, num_tokens, second_per_grid_t = run
-                if j - i != num_tokens:
-                    raise ValueError(f"video placeholder run of {j - i} tokens, expected {num_tokens}")
-                spans.append(MMSpan(i, j - i, mm_hash, grid, second_per_grid_t))
+                spans += _video_spans(i, j - i, video_runs)
             i = j
         if next(image_it, None) is not None:
             raise ValueError("fewer image placeholders in the prompt than images")
@@ -252,12 +255,45 @@ class PromptBuilder:
         return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash, grid_thw=grid)
 
 
+def _video_spans(offset: int, length: int, video_runs) -> list[MMSpan]:
+    """The spans of one run of video pads: a Qwen3-VL group's, a Qwen2.5-VL video's, or
+    the consecutive spans of a Qwen2.5-VL video's chunks, which fill the run together."""
+    spans, end = [], offset + length
+    while offset < end:
+        span = next(video_runs, None)
+        if span is None:
+            raise ValueError("the prompt holds more video placeholders than the videos take")
+        if span.length > end - offset or (span.length < end - offset and not span.continues):
+            raise ValueError(f"video placeholder run of {length} tokens does not fit the video's")
+        spans.append(MMSpan(offset, span.length, span.mm_hash, span.grid_thw, span.second_per_grid_t,
+                            span.first_group))
+        offset += span.length
+    if span.continues:
+        raise ValueError(f"video placeholder run of {length} tokens is shorter than the video's")
+    return spans
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One video span to place: its key, grid, tokens, Qwen2.5-VL time step and first group."""
+
+    mm_hash: str
+    grid_thw: tuple[int, int, int]
+    length: int
+    second_per_grid_t: float = 0.0
+    first_group: int = 0
+    continues: bool = False  # another chunk's span of the same run of pads follows
+
+
 def _video_runs(videos: list[VideoRef]):
-    """(mm_hash, grid, tokens, second_per_grid_t) of each run of video pads the videos write, in order."""
+    """Each video span the videos write (a `_Run`), in order."""
     for video in videos:
-        plan, keys = video.plan, video.entry_hashes
+        plan = video.plan
         t, h, w = plan.grid_thw
         if plan.group_timestamps_s:  # Qwen3-VL: a (1, h, w) span per group
-            yield from ((key, (1, h, w), plan.tokens_per_group, 0.0) for key in keys)
-        else:  # Qwen2.5-VL: the temporal step of its M-RoPE positions rides on the span
-            yield keys[0], plan.grid_thw, plan.num_tokens, plan.second_per_grid_t
+            yield from (_Run(key, (1, h, w), plan.tokens_per_group) for key in video.entry_hashes)
+            continue
+        pieces = video.pieces  # Qwen2.5-VL: the temporal step of its M-RoPE positions rides on each span
+        for k, (piece, key) in enumerate(zip(pieces, video.entry_hashes)):
+            yield _Run(key, piece.grid_thw, piece.num_tokens, plan.second_per_grid_t, piece.first_group,
+                       continues=k + 1 < len(pieces))

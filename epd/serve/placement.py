@@ -4,10 +4,11 @@
     local prefill     e-p-d: a short text-only prompt to a decode worker alone, which prefills it
                       (or, when no decode worker has room, to an idle prefill worker)
     cache lookup      an image the prefill worker can read from the cache needs no encoder
-    encoders          every missing image or video to the encoder where it finishes first (a video's
-                      cost: its patches over every temporal group)   epd/serve/encoder_router.py
+    encoders          every missing image, video or video chunk to the encoder where it finishes first
+                      (a video's cost: frames x patches, its patches over every temporal group;
+                      a long video's chunks spread over the encoders)   epd/serve/encoder_router.py
     send              PrefillRequest at once (the worker waits for its images), then one
-                      EncodeRequest per missing image or video (a video's with its VideoFrames)
+                      EncodeRequest per missing image, video or chunk (a video's with its VideoFrames)
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that
@@ -200,8 +201,8 @@ class Placement:
             list(self.info.eos_token_ids), decode.inbox if decode else None, self.api_index, lora=req.lora))
         for (key, data), enc in zip(placed.misses, placed.encoders):
             attempt.encoders.append(enc)
-            await outbox.send(enc.inbox, EncodeRequest(
-                attempt.attempt_id, key, data, reply_to=prefill.inbox,
+            await outbox.send(enc.inbox, EncodeRequest(  # a video chunk carries its video's mm_hash
+                attempt.attempt_id, prep.video_hashes.get(key, key), data, reply_to=prefill.inbox,
                 with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
                 video=prep.video_frames.get(key), lora=prep.tower_lora))
             if enc is not prefill:

@@ -4,7 +4,7 @@
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
       images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
-      videos          header -> plan (frames, size, tokens), mm_hash       epd/serve/video_inputs.py
+      videos          header -> plan (frames, size, tokens), mm_hash, chunks   epd/serve/video_inputs.py
       tower adapter   --enable-tower-lora and the request's adapter has tower weights: every key
                       adapted to it (its images never share the base's embeddings)   epd/lora_modules.TowerAdapters
       prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
@@ -26,7 +26,7 @@ from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, VideoRef, exceeds_tokens, image_parts, video_parts
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.video_inputs import PlannedVideo, VideoInputs
@@ -50,6 +50,9 @@ class Prepared:
     video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
     video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
     tower_lora: LoRARequest | None = None  # the adapter the encoders run (--enable-tower-lora); keys are its
+    # a video chunk's key -> the video's mm_hash, which its EncodeRequest carries (the encoder keys its
+    # entries from it); a video encoded whole is keyed by its own mm_hash and is not here
+    video_hashes: dict[str, str] = field(default_factory=dict)
 
 
 class Preparer:
@@ -193,13 +196,17 @@ class Preparer:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
+        prep = Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
+                        tower_lora=req.lora if tower_digest else None)
         for video, data in zip(videos, raw_videos):
-            images[video.mm_hash] = data
-            num_patches[video.mm_hash] = video.num_patches
-        return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
-                                             video_frames={v.mm_hash: v.frames for v in videos},
-                                             video_entries={v.mm_hash: v.entry_hashes for v in videos},
-                                             tower_lora=req.lora if tower_digest else None))
+            for piece in video.pieces():  # the whole video, or each chunk (--video-chunk-frames)
+                images[piece.key] = data
+                num_patches[piece.key] = piece.num_patches
+                prep.video_frames[piece.key] = piece.frames
+                prep.video_entries[piece.key] = video.piece_entries(piece)
+                if piece.key != video.mm_hash:
+                    prep.video_hashes[piece.key] = video.mm_hash
+        return self._truncated(req, prep)
 
     def _tower_digest(self, req: GenerateRequest) -> str | None:
         """The digest of the request's tower adapter (None: the base tower runs its images)."""
@@ -214,7 +221,7 @@ class Preparer:
         return self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
                                   max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
                                   template_kwargs=req.chat_template_kwargs,
-                                  videos=[VideoRef(v.plan, v.mm_hash) for v in videos])
+                                  videos=[v.ref for v in videos])
 
     def _truncated(self, req: GenerateRequest, prep: Prepared) -> Prepared:
         """vLLM's truncate_prompt_tokens: keep k tokens (-1: as many as the model takes

@@ -11,6 +11,8 @@ alone (the API process decodes no pixel): `VideoInputs`.
                   frames and size (the same video sampled otherwise is another entry), and the
                   keys of the entries its spans name: one per temporal group for Qwen3-VL
                                                                   encoders/video_keys.py
+    chunks        --video-chunk-frames: a longer video cut into chunks of whole temporal groups,
+                  each its own EncodeRequest (its own encoder)    encoders/video_chunks.py
 
 Each video's `VideoFrames` (transport/mm_video.py) go to its encoder in the
 EncodeRequest, so the encoder decodes what was counted here.
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epd.encoders.video_chunks import split_plan
 from epd.encoders.video_geometry import VideoOptions, VideoPlan
 from epd.encoders.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
+from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import VideoError, plan_video
 from epd.requests import RequestError
 from epd.transport.mm_cache import adapted_mm_hash
@@ -32,30 +36,56 @@ from epd.transport.mm_video import VideoFrames
 def wire_plan(plan: VideoPlan) -> VideoFrames:
     """The plan as an EncodeRequest carries it (transport/mm_video.py)."""
     return VideoFrames(plan.frame_indices, plan.resized_height, plan.resized_width, plan.grid_thw, plan.num_tokens,
-                       plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t)
+                       plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t, plan.first_group,
+                       plan.total_groups)
 
 
 @dataclass(frozen=True)
-class PlannedVideo:
-    """One video part: its content key, the processor's plan and the keys of its entries."""
+class VideoPiece:
+    """What one EncodeRequest of a video encodes: the whole video, or one chunk of it."""
 
-    mm_hash: str
-    plan: VideoPlan
+    key: str  # the item's key at the API (cache lookup, router): the video's, or its chunk's first entry's
+    plan: VideoPlan  # the whole plan, or the chunk's
 
     @property
     def frames(self) -> VideoFrames:
         return wire_plan(self.plan)
 
     @property
-    def entry_hashes(self) -> list[str]:
-        """The keys its spans name (and the encoder writes), in order."""
-        return entry_hashes(self.mm_hash, self.plan)
-
-    @property
     def num_patches(self) -> int:
-        """The encoder's work (its router's cost): patches over every temporal group."""
+        """The encoder's work (its router's cost): frames x patches, t x h x w over its temporal groups."""
         t, h, w = self.plan.grid_thw
         return t * h * w
+
+
+@dataclass(frozen=True)
+class PlannedVideo:
+    """One video part: its content key, the processor's plan and the chunks it is encoded in."""
+
+    mm_hash: str
+    plan: VideoPlan
+    chunks: tuple[VideoPlan, ...] = ()  # () : encoded whole
+
+    @property
+    def ref(self) -> VideoRef:
+        """What the prompt needs of it (epd/inputs/prompt.py)."""
+        return VideoRef(self.plan, self.mm_hash, self.chunks)
+
+    @property
+    def entry_hashes(self) -> list[str]:
+        """The keys its spans name (and the encoders write), in order."""
+        return self.ref.entry_hashes
+
+    def pieces(self) -> list[VideoPiece]:
+        """One per EncodeRequest: the whole video under its own key, or each chunk
+        under its first entry's key (distinct per chunk)."""
+        if not self.chunks:
+            return [VideoPiece(self.mm_hash, self.plan)]
+        return [VideoPiece(entry_hashes(self.mm_hash, chunk)[0], chunk) for chunk in self.chunks]
+
+    def piece_entries(self, piece: VideoPiece) -> list[str]:
+        """The keys of the entries `piece`'s EncodeRequest writes."""
+        return entry_hashes(self.mm_hash, piece.plan)
 
 
 class VideoInputs:
@@ -103,5 +133,7 @@ class VideoInputs:
                 raise RequestError(f"the request's videos decode to more than {self.media.max_request_video_pixels} "
                                    "pixels in all (--max-request-video-pixels)", param="messages")
             key = video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {}, plan)
-            out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan))
+            chunks = split_plan(plan, geometry.temporal_patch_size, self.media.video_chunk_frames)
+            out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan,
+                                    tuple(chunks) if len(chunks) > 1 else ()))
         return out

@@ -115,3 +115,38 @@ def test_undecodable_bytes_fail_the_request(plane):
     assert not done.ok and done.error.startswith("video: ")
     assert worker.counters.num_errors == 1
 
+
+
+def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_own(plane):
+    """--video-chunk-frames: each chunk an EncodeRequest of its own (its plan through the
+    wire), answering its groups' entries; a video whose later frames are cut fails the
+    chunk that needs them (one EncodeDone, its first entry) and the first chunk still encodes."""
+    from epd.encoders.video_chunks import split_plan
+    from epd.transport.mm_video import VideoFrames
+    from epd.transport.codec import Fields
+    from testkit.videos import cut_after_header
+
+    worker = plane.make()
+    frames = synthetic_frames(12, 64, 96, seed=9)
+    data = encode_video(frames, "mp4", fps=4)
+    whole = plane.request(data)
+    chunks = split_plan(video_plan(whole.video), plane.video.geometry.temporal_patch_size, chunk_frames=2)
+    assert len(chunks) > 1
+    keys = []
+    for i, chunk in enumerate(chunks):
+        wire = VideoFrames.from_fields(Fields(wire_plan(chunk).to_map(), "video"))
+        assert wire == wire_plan(chunk) and wire.first_group == chunk.first_group
+        done = plane.run(worker, EncodeRequest(f"c{i}", whole.mm_hash, data, reply_to=whole.reply_to, video=wire))
+        assert [(d.request_id, d.ok) for d in done] == [(f"c{i}", True)] * chunk.grid_thw[0]
+        keys += [d.mm_hash for d in done]
+    assert keys == entry_hashes(whole.mm_hash, video_plan(whole.video))  # the whole video's group keys
+    assert worker.counters.num_images == len(chunks)
+
+    broken = cut_after_header(frames, fps=4, keep=0.8)  # frames 0 to 5 decode
+    other = "e" * 64  # its own key: not the whole clip's, cached above
+    outcomes = [plane.run(worker, EncodeRequest("b", other, broken, reply_to=whole.reply_to, video=wire_plan(chunk)))
+                for chunk in (chunks[0], chunks[-1])]
+    assert all(d.ok for d in outcomes[0])
+    [failed] = outcomes[1]
+    assert not failed.ok and "the video ends before frame" in failed.error
+    assert failed.mm_hash == entry_hashes(other, chunks[-1])[0]

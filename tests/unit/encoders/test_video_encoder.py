@@ -64,3 +64,36 @@ def test_video_key_covers_the_plan_and_bytes(tiny_model):
     assert len(keys) == 4
     with pytest.raises(VideoError):
         video.encode(data[: len(data) // 3], plan, "0" * 64)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-vl-tiny"])
+def test_chunks_encode_to_the_rows_of_the_whole_video(preset, tiny_model, tmp_path):
+    """--video-chunk-frames (encoders/video_chunks.py): each chunk encoded on its own gives
+    the rows its groups have in the whole video; Qwen3-VL's under the same group keys,
+    Qwen2.5-VL's one entry per chunk under its range's key."""
+    from epd.encoders.video_chunks import split_plan
+    from epd.encoders.video_keys import chunk_mm_hash
+
+    model_dir = tiny_model if preset == "tiny" else str(make_model(tmp_path / "m", preset=preset, seed=1))
+    video = _encoders(model_dir)
+    data = encode_video(synthetic_frames(13, 64, 96), "mp4", fps=5)
+    _, plan = plan_video(data, video.geometry, VideoOptions(fps=5) if preset == "tiny" else VideoOptions())
+    key = video_mm_hash(data, "fp", load_video_config(model_dir), plan)
+    whole = video.encode(data, plan, key)
+    chunks = split_plan(plan, video.geometry.temporal_patch_size, chunk_frames=4)  # 2 groups a chunk
+    t, h, w = plan.grid_thw
+    assert len(chunks) == -(-t // 2) >= 3 and len(plan.frame_indices) % 2  # the last chunk fills its last group
+    pieces = [video.encode(data, chunk, key) for chunk in chunks]
+    if preset == "tiny":
+        assert [k for piece in pieces for k, _ in piece] == [k for k, _ in whole]
+        rows = [e for piece in pieces for _, e in piece]
+        for a, (_, b) in zip(rows, whole):
+            torch.testing.assert_close(a.embeddings, b.embeddings, atol=1e-6, rtol=0)
+            for da, db in zip(a.deepstack, b.deepstack):
+                torch.testing.assert_close(da, db, atol=1e-6, rtol=0)
+        return
+    assert [k for [(k, _)] in pieces] == [chunk_mm_hash(key, c.first_group, c.first_group + c.grid_thw[0])
+                                          for c in chunks]
+    assert [e.grid_thw for [(_, e)] in pieces] == [c.grid_thw for c in chunks]
+    [(_, entry)] = whole
+    torch.testing.assert_close(torch.cat([e.embeddings for [(_, e)] in pieces]), entry.embeddings, atol=1e-6, rtol=0)

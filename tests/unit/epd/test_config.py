@@ -74,6 +74,11 @@ def test_epd_worker_takes_the_video_limits_epd_serve_takes(tiny_model, keys):
     with pytest.raises(ValueError, match="--video-decode-timeout must be positive"):
         worker_config(parse(["worker", tiny_model, "--role", "encoder", "--api", "tcp://10.0.0.1:8001",
                              "--worker-keys", keys, "--video-decode-timeout", "0"]))
+    # --video-chunk-frames: the API's alone (it cuts the plan); 0, the default, keeps a video whole
+    assert served.video_chunk_frames == 0
+    assert serve_config(parse(["serve", tiny_model, "--video-chunk-frames", "16"])).media.video_chunk_frames == 16
+    with pytest.raises(ValueError, match="--video-chunk-frames must be 0"):
+        serve_config(parse(["serve", tiny_model, "--video-chunk-frames", "-2"]))
 
 
 def test_checkpoint_file_flags_fill_the_model_files_config(tiny_model, tmp_path):

@@ -107,3 +107,47 @@ def test_positions_equal_transformers_get_rope_index(builder, family):
         [video] = [s for s in prompt.mm_spans if s.second_per_grid_t]
         start = int(positions[1, video.offset])
         assert positions[0, video.offset:video.end:6].tolist() == [start, start + 1, start + 3, start + 4]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_video_cut_into_chunks_keeps_its_tokens_and_positions(builder, family):
+    """--video-chunk-frames: the same prompt tokens and M-RoPE positions (so transformers'),
+    Qwen3-VL's spans unchanged, Qwen2.5-VL's one run cut into one span per chunk, each
+    continuing the video's temporal positions (`first_group`), each keyed by its range."""
+    from epd.encoders.video_chunks import split_plan
+    from epd.encoders.video_keys import chunk_mm_hash
+
+    plan = QWEN3_PLAN if family == "qwen3_vl" else QWEN25_PLAN
+    chunks = tuple(split_plan(plan, temporal_patch_size=2, chunk_frames=2))  # one group a chunk
+    assert len(chunks) == plan.grid_thw[0]
+    whole, cut = (builder.build(_messages(IMAGE, VIDEO, IMAGE), [ImageRef(64, 96, H1), ImageRef(96, 64, H3)],
+                                videos=[VideoRef(plan, H2, c)]) for c in ((), chunks))
+    assert cut.token_ids == whole.token_ids
+    assert torch.equal(mrope_positions(len(cut.token_ids), cut.mm_spans, 2, tokens_per_second=4)[0],
+                       mrope_positions(len(whole.token_ids), whole.mm_spans, 2, tokens_per_second=4)[0])
+    assert mrope_positions(len(cut.token_ids), cut.mm_spans, 2, 4)[1] == \
+        mrope_positions(len(whole.token_ids), whole.mm_spans, 2, 4)[1]
+    if family == "qwen3_vl":
+        assert cut.mm_spans == whole.mm_spans
+        return
+    video = cut.mm_spans[1:-1]
+    assert [(s.mm_hash, s.grid_thw, s.first_group) for s in video] == \
+        [(chunk_mm_hash(H2, g, g + 1), (1, 4, 6), g) for g in range(4)]
+    assert video[0].offset == whole.mm_spans[1].offset and video[-1].end == whole.mm_spans[1].end
+    assert all(a.end == b.offset for a, b in zip(video, video[1:]))
+    assert [MMSpan.from_list(s.to_list()) for s in video] == video and len(video[1].to_list()) == 6
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match="bad mm span"):
+            MMSpan.from_list([3, 6, H1, [1, 4, 6], 0.4, bad])
+
+
+def test_split_plan_cuts_whole_groups():
+    from epd.encoders.video_chunks import split_plan
+
+    assert split_plan(QWEN25_PLAN, 2, 0) == [QWEN25_PLAN] == split_plan(QWEN25_PLAN, 2, 8)  # off; fits in one
+    chunks = split_plan(QWEN25_PLAN, 2, 5)  # 5 frames: 2 groups a chunk
+    assert [c.frame_indices for c in chunks] == [(0, 1, 2, 3), (4, 5, 6)]  # the last group: one frame, repeated
+    assert [(c.grid_thw, c.num_tokens, c.first_group, c.total_groups) for c in chunks] == \
+        [((2, 4, 6), 12, 0, 4), ((2, 4, 6), 12, 2, 4)]
+    three = split_plan(QWEN3_PLAN, 2, 1)  # fewer frames than a group: a group a chunk
+    assert [c.group_timestamps_s for c in three] == [(0.3,), (1.7,)]

@@ -12,9 +12,10 @@ from epd.transport.mm_video import VideoFrames
 HASH = "ab" * 32
 QWEN3 = VideoFrames((0, 3, 6, 9, 10), 64, 96, (3, 4, 6), 18, 6, (0.3, 1.5, 2.0))  # last frame repeats into group 3
 QWEN25 = VideoFrames((0, 1, 2, 3), 56, 84, (2, 4, 6), 12, 6, (), 0.4)
+CHUNK = VideoFrames((4, 5, 6), 56, 84, (2, 4, 6), 12, 6, (), 0.4, first_group=2, total_groups=4)  # --video-chunk-frames
 
 
-@pytest.mark.parametrize("video", [QWEN3, QWEN25, None], ids=["qwen3", "qwen2.5", "image"])
+@pytest.mark.parametrize("video", [QWEN3, QWEN25, CHUNK, None], ids=["qwen3", "qwen2.5", "chunk", "image"])
 def test_encode_request_carries_the_plan(video):
     msg = EncodeRequest("r-1", HASH, b"\x00\x01video", reply_to="ipc:///tmp/epd-x/prefill-0.sock", video=video)
     out = decode_message([bytes(f) for f in msg.to_wire()])
@@ -43,6 +44,10 @@ def _with_video(**changes) -> list[bytes]:
     ({"group_timestamps_s": [0.3, 1.5]}, r"one finite time >= 0 per temporal group"),
     ({"second_per_grid_t": float("nan")}, r"second_per_grid_t: a finite number"),
     ({"fps": 2.0}, r"unknown fields \['fps'\]"),
+    ({"first_group": 1}, r"missing field 'total_groups'"),  # a chunk names both
+    ({"first_group": 2, "total_groups": 4}, r"groups 2..5 are not a chunk of 4 groups"),
+    ({"first_group": 0, "total_groups": 3}, r"groups 0..3 are not a chunk of 3 groups"),  # the whole: no chunk
+    ({"first_group": -1, "total_groups": 4}, r"are not a chunk"),
 ])
 def test_a_plan_the_encoder_cannot_follow_is_refused(changes, match):
     with pytest.raises(WireError, match=match):
