@@ -127,26 +127,26 @@ def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):
     encoder = _image_encoder(launch, hf_config, info, dtype, device)
     video = _video_encoder(launch, encoder, dtype, device)
 
-    def encode_fn(msgs):
+    def encode_fn(msgs, counters):
         images = [m.image for m in msgs if m.video is None]
-        image_results = iter(_encode_images(encoder, images) if images else [])
-        return [encode_video_request(video, m, launch.decode_limits) if m.video is not None
-                else [(m.mm_hash, next(image_results))] for m in msgs]
+        image_results = iter(_encode_images(encoder, images, counters.image.observe_decode) if images else [])
+        return [encode_video_request(video, m, launch.decode_limits, on_decode=counters.video.observe_decode)
+                if m.video is not None else [(m.mm_hash, next(image_results))] for m in msgs]
 
     return encode_fn
 
 
-def _encode_images(encoder, images: list[bytes]) -> list:
+def _encode_images(encoder, images: list[bytes], on_decode) -> list:
     """An MMEntry per image, or its error: a batch with a bad image is retried one by one."""
     from epd.encoders.image_io import ImageError
 
     try:
-        return encoder.encode(images)
+        return encoder.encode(images, on_decode=on_decode)
     except ImageError:
         out = []
         for image in images:
             try:
-                out.append(encoder.encode([image])[0])
+                out.append(encoder.encode([image], on_decode=on_decode)[0])
             except ImageError as exc:
                 out.append(str(exc))
         return out
