@@ -194,7 +194,8 @@ def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess:
     if label == BASE:
         return VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path,
                            args.vllm_kv_cache_gib)
-    return ServeProcess(args.model_dir, *epd_server_args(args, label), cpus=cpus, log_path=log_path)
+    mode, extra = epd_server_args(args, label)
+    return ServeProcess(args.model_dir, mode, cpus, extra, log_path)
 
 
 def epd_server_args(args, label: str) -> tuple[str, list[str]]:

@@ -93,8 +93,11 @@ class LoRARegistry:
         return list(self._modules)
 
     def make(self, name: str, path: str) -> LoRARequest:
-        """The LoRARequest an adapter loaded now would carry (not registered yet)."""
-        return LoRARequest(name, self._next_id, os.path.abspath(path))
+        """The LoRARequest an adapter loaded now would carry (not registered yet); its id is
+        taken, even if the load fails (as vLLM's counter)."""
+        lora = LoRARequest(name, self._next_id, os.path.abspath(path))
+        self._next_id += 1
+        return lora
 
     def add(self, module: LoRAModule, lora: LoRARequest) -> None:
         """Registers `make`'s LoRARequest under `module.name`; ValueError if the name is taken."""
