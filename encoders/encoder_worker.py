@@ -15,6 +15,11 @@ temporal group, or the whole Qwen2.5-VL video) goes to the cache and gets its
 own EncodeDone, as an image's does. A video that fails sends one EncodeDone
 with the error, for its first entry: the request waits for all of them.
 
+With a tower adapter (EncodeRequest.lora, --enable-tower-lora) the tower runs
+its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
+are encoded in one forward per adapter; the request's mm_hash is already the
+adapter's key, so the cache never hands base embeddings to it, nor its to the base.
+
 The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
 holds (epd/serve/encoder_router.py), and the age of the oldest queued image
@@ -135,12 +140,24 @@ class EncoderWorker(WorkerIO):
         if batch[0].msg.video is not None:
             self._encode_video(batch[0])
             return
+        by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
+        for job in batch:
+            by_adapter.setdefault(job.msg.lora, []).append(job)
+        for lora, jobs in by_adapter.items():
+            self._encode_images(jobs, lora)
+
+    def _encode_images(self, batch: list[_Job], lora) -> None:
+        """Images of one tower adapter (None: the base tower), encoded and stored."""
         start = time.perf_counter()
         try:
-            results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
-                                          on_decode=self.counters.image.observe_decode)
-        except ImageError:
-            results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+            with self.encoder.adapted(lora):
+                try:
+                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
+                                                  on_decode=self.counters.image.observe_decode)
+                except ImageError:
+                    results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
+            results = [str(exc)] * len(batch)
         if self.delays.batch_delay_s:
             time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
@@ -171,8 +188,12 @@ class EncoderWorker(WorkerIO):
             log.warning("%s: %s %s for %g s more", self.spec.worker_id, VIDEO_DELAY_LOG, job.msg.mm_hash[:12],
                         self.delays.video_delay_s)
             time.sleep(self.delays.video_delay_s)
-        results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video,
-                                       on_decode=self.counters.video.observe_decode)
+        try:
+            with self.encoder.adapted(job.msg.lora):
+                results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video,
+                                               on_decode=self.counters.video.observe_decode)
+        except ValueError as exc:  # the tower adapter
+            results = [(self._keys(job.msg)[0], str(exc))]
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for key, result in results:
             if isinstance(result, str):

@@ -122,7 +122,8 @@ class LoRAManager:
     def _read(self, lora: LoRARequest) -> _HostAdapter:
         """The loader thread: the adapter from its directory into host memory."""
         try:
-            spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank)
+            spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank,
+                                tower=self.config.enable_tower_lora)
             from safetensors.torch import load_file
 
             try:
