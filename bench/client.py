@@ -70,7 +70,8 @@ def build_payload(model: str, request: BenchRequest, sampling: dict | None = Non
 def _content(request: BenchRequest) -> str | list[dict]:
     if not request.image_urls:
         return request.prompt
-    images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
+    images = [{"type": "video_url", "video_url": {"url": url}} if url.startswith("data:video/")
+              else {"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
     text = [{"type": "text", "text": request.prompt}]
     return text + images if request.text_first else images + text
 

@@ -221,6 +221,8 @@ def make_summary(args, labels: list[str], rates: list[float], cpus: set[int], tt
             "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
             "images_per_request": args.images_per_request,
             "image_size": [f"{w}x{h}" for w, h in args.image_size],
+            "random_mm_bucket_config": None if getattr(args, "random_mm_bucket_config", None) is None
+            else {str(key): p for key, p in args.random_mm_bucket_config.items()},
             "repeat_image_ratio": args.repeat_image_ratio, "text_only_ratio": args.text_only_ratio,
             "text_first": args.text_first,
             "ci": {"confidence": CONFIDENCE, "resamples": BOOTSTRAP_RESAMPLES,

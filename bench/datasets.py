@@ -1,4 +1,6 @@
-"""Request datasets for `epd bench serve`: random text, random text + images, jsonl.
+"""Request datasets for `epd bench serve`: random text, random text + images
+(and videos: a (width, height, frames) bucket, vLLM's random-mm `(H, W, T)` with
+T > 1, is a real mp4 sent as a `video_url` data URL), jsonl.
 
 Every dataset yields `BenchRequest`s, built before the run starts (images
 are encoded up front so the load generator spends no CPU on them while it
@@ -50,8 +52,9 @@ _SUFFIX_MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One chat request: a user turn with `image_urls` (data URLs) and `prompt`,
-    the images first unless `text_first` (vLLM's bench sends the text first)."""
+    """One chat request: a user turn with `image_urls` (data URLs; a `data:video/...`
+    one is sent as a video_url part) and `prompt`, the media first unless `text_first`
+    (vLLM's bench sends the text first)."""
 
     prompt: str
     output_len: int
@@ -123,6 +126,43 @@ def make_image_bytes(width: int, height: int, seed: int | list[int], fmt: str = 
     return out.getvalue()
 
 
+def make_video_bytes(width: int, height: int, num_frames: int, seed: int | list[int], fps: int = 30) -> bytes:
+    """A real mp4 (MPEG-4 part 2, as vLLM's random-mm writes with OpenCV's mp4v) of
+    `num_frames` frames of `width` x `height` at `fps`, seeded: a random colour
+    field that drifts frame to frame plus a little noise, so frames differ."""
+    try:
+        import av
+    except ImportError:
+        raise ValueError("video buckets need PyAV: pip install 'epd[video]'") from None
+    if width < 2 or height < 2 or num_frames < 1:
+        raise ValueError(f"a video needs a size of at least 2x2 and a frame, got {width}x{height}x{num_frames}")
+    rng = np.random.default_rng(seed)
+    grid = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)  # [4, 4, rgb]
+    field = np.asarray(Image.fromarray(grid).resize((width + num_frames, height), Image.BILINEAR), dtype=np.int16)
+    tile = rng.integers(-12, 13, size=(num_frames, 32, 32, 1), dtype=np.int16)  # cheap noise, tiled
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width - width % 2, height - height % 2, "yuv420p"
+        for i in range(num_frames):
+            noise = np.tile(tile[i], (height // 32 + 1, width // 32 + 1, 3))[:height, :width]
+            pixels = np.clip(field[:, i:i + width] + noise, 0, 255).astype(np.uint8)
+            frame = av.VideoFrame.from_ndarray(pixels[:stream.height, :stream.width], format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def is_video(item: tuple[int, ...]) -> bool:
+    """Whether a random-mm size is a video's (width, height, frames) rather than an image's (width, height)."""
+    return len(item) == 3
+
+
+def size_label(item: tuple[int, ...]) -> str:
+    """'WxH' for an image, 'WxHxT' for a video of T frames."""
+    return "x".join(str(v) for v in item)
+
+
 def data_url(data: bytes, mime: str) -> str:
     """`data:<mime>;base64,<payload>` for an `image_url` content part."""
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
@@ -153,11 +193,12 @@ def sample_random(num_prompts: int, input_len: int, output_len: int, seed: int =
 
 @dataclass(frozen=True)
 class RandomMMDraw:
-    """One request of `sample_random_mm` before its images are made: the prompt's
-    words and, per image, a pool index (a repeat) or a size (an image of its own)."""
+    """One request of `sample_random_mm` before its media are made: the prompt's
+    words and, per item, a pool index (a repeated image) or a size (an image of
+    its own, (width, height), or a video, (width, height, frames))."""
 
     words: str
-    images: tuple[int | tuple[int, int], ...]
+    images: tuple[int | tuple[int, ...], ...]
 
     @property
     def is_text_only(self) -> bool:
@@ -165,24 +206,27 @@ class RandomMMDraw:
 
 
 def draw_random_mm(num_prompts: int, input_len: int, *, images_per_request: int = 1,
-                   images_range_ratio: float = 0.0, image_sizes: list[tuple[int, int]] | None = None,
+                   images_range_ratio: float = 0.0, image_sizes: list[tuple[int, ...]] | None = None,
                    repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
                    seed: int = 0, input_lens: Sequence[int] | None = None, max_images: int | None = None,
-                   image_weights: Sequence[float] | None = None) -> list[RandomMMDraw]:
+                   image_weights: Sequence[float] | None = None, max_videos: int | None = None) -> list[RandomMMDraw]:
     """Every random choice of `sample_random_mm` (same arguments, same order), without
     making an image: cheap, so the planner's simulation (bench/plan_sim.py) draws the
     same text-only requests as the real run for a seed.
 
-    * K is drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
-      (r = `images_range_ratio`).
-      at most `max_images` (vLLM's --random-mm-limit-mm-per-prompt).
-    * Each image's size is drawn from `image_sizes` (width, height), with
-      `image_weights` when given (vLLM's --random-mm-bucket-config).
+    * K items are drawn uniformly from [K(1-r), K(1+r)], rounded, at least 0
+      (r = `images_range_ratio`), at most the sum of the per-modality caps
+      `max_images` / `max_videos` of the modalities drawn from (vLLM's
+      --random-mm-limit-mm-per-prompt; no cap when one of them has none).
+    * Each item's size is drawn from `image_sizes`, with `image_weights` when
+      given (vLLM's --random-mm-bucket-config): (width, height) an image,
+      (width, height, frames) a video. A modality at its cap in a request is
+      drawn no more there, the others' weights renormalised (vLLM's rule).
     * `input_lens`: each request's text length (default `input_len` for all).
     * With probability `repeat_image_ratio` an image comes from a fixed pool
-      of `IMAGE_POOL_SIZE` images (embedding-cache hits); otherwise it is
-      unique to the whole run.
-    * With probability `text_only_ratio` a request has no images at all.
+      of `IMAGE_POOL_SIZE` images of the image sizes (embedding-cache hits);
+      otherwise it is unique to the whole run.
+    * With probability `text_only_ratio` a request has no items at all.
     """
     if not 0.0 <= images_range_ratio <= 1.0:
         raise ValueError(f"--images-range-ratio must be in [0, 1], got {images_range_ratio}")
@@ -192,42 +236,77 @@ def draw_random_mm(num_prompts: int, input_len: int, *, images_per_request: int 
     if images_per_request < 0:
         raise ValueError(f"--images-per-request must be >= 0, got {images_per_request}")
     sizes = image_sizes or [(1024, 1024)]
+    if repeat_image_ratio and not any(not is_video(item) for item in sizes):
+        raise ValueError("--repeat-image-ratio draws from a pool of images: give an image size too")
     rng = random.Random(seed)
     low = max(0, round(images_per_request * (1 - images_range_ratio)))
     high = max(low, round(images_per_request * (1 + images_range_ratio)))
-    if max_images is not None:
-        low, high = min(low, max_images), min(high, max_images)
+    cap = _item_cap(sizes, max_images, max_videos)
+    if cap is not None:
+        low, high = min(low, cap), min(high, cap)
     lens = input_lens or [input_len] * num_prompts
-
-    def size() -> tuple[int, int]:
-        return rng.choice(sizes) if image_weights is None else rng.choices(sizes, image_weights)[0]
+    weights = list(image_weights) if image_weights is not None else None
+    has_videos = any(is_video(item) for item in sizes)
     draws = []
     for i in range(num_prompts):
         words = _random_words(rng, lens[i])
-        num_images = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
-        images = [rng.randrange(IMAGE_POOL_SIZE) if rng.random() < repeat_image_ratio else size()
-                  for _ in range(num_images)]
-        draws.append(RandomMMDraw(words, tuple(images)))
+        num_items = 0 if rng.random() < text_only_ratio else rng.randint(low, high)
+        if has_videos:
+            items = _draw_mixed(rng, num_items, sizes, weights, repeat_image_ratio, max_images, max_videos)
+        else:  # images only: the draws every earlier run made for its seed
+            items = [rng.randrange(IMAGE_POOL_SIZE) if rng.random() < repeat_image_ratio
+                     else (rng.choice(sizes) if weights is None else rng.choices(sizes, weights)[0])
+                     for _ in range(num_items)]
+        draws.append(RandomMMDraw(words, tuple(items)))
     return draws
+
+
+def _item_cap(sizes: list[tuple[int, ...]], max_images: int | None, max_videos: int | None) -> int | None:
+    caps = [max_images if not video else max_videos for video in {is_video(item) for item in sizes}]
+    return None if any(c is None for c in caps) else sum(caps)
+
+
+def _draw_mixed(rng: random.Random, num_items: int, sizes, weights, repeat_image_ratio: float,
+                max_images: int | None, max_videos: int | None) -> list:
+    """Images and videos: a modality at its cap in this request is no longer drawn."""
+    caps = {False: max_images, True: max_videos}
+    counts = {False: 0, True: 0}
+    items: list = []
+    while len(items) < num_items:
+        open_ = [k for k, item in enumerate(sizes) if caps[is_video(item)] is None
+                 or counts[is_video(item)] < caps[is_video(item)]]
+        if not open_:
+            break
+        image_open = caps[False] is None or counts[False] < caps[False]
+        if image_open and rng.random() < repeat_image_ratio:
+            items.append(rng.randrange(IMAGE_POOL_SIZE))
+            counts[False] += 1
+            continue
+        k = rng.choices(open_, None if weights is None else [weights[j] for j in open_])[0]
+        items.append(sizes[k])
+        counts[is_video(sizes[k])] += 1
+    return items
 
 
 def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
                      images_per_request: int = 1, images_range_ratio: float = 0.0,
-                     image_sizes: list[tuple[int, int]] | None = None,
+                     image_sizes: list[tuple[int, ...]] | None = None,
                      repeat_image_ratio: float = 0.0, text_only_ratio: float = 0.0,
                      image_format: str = "jpeg", seed: int = 0, tokenizer=None,
                      input_lens: Sequence[int] | None = None, max_images: int | None = None,
-                     image_weights: Sequence[float] | None = None) -> list[BenchRequest]:
-    """Random text (as `sample_random`) plus K images per request, as `draw_random_mm` draws them."""
+                     image_weights: Sequence[float] | None = None, max_videos: int | None = None) -> list[BenchRequest]:
+    """Random text (as `sample_random`) plus K items per request, as `draw_random_mm`
+    draws them: images in `image_format`, videos as mp4 (`make_video_bytes`)."""
     mime = _MIME.get(image_format)
     draws = draw_random_mm(num_prompts, input_len, images_per_request=images_per_request,
                            images_range_ratio=images_range_ratio, image_sizes=image_sizes,
                            repeat_image_ratio=repeat_image_ratio, text_only_ratio=text_only_ratio, seed=seed,
-                           input_lens=input_lens, max_images=max_images, image_weights=image_weights)
+                           input_lens=input_lens, max_images=max_images, image_weights=image_weights,
+                           max_videos=max_videos)
     lens = input_lens or [input_len] * num_prompts
     if mime is None:
         raise ValueError(f"image format must be one of {sorted(_MIME)}, got {image_format!r}")
-    sizes = image_sizes or [(1024, 1024)]
+    pool_sizes = [item for item in image_sizes or [(1024, 1024)] if not is_video(item)]
     pool: dict[int, str] = {}  # pool index -> data URL, made on first use
     num_unique = 0
     requests = []
@@ -236,10 +315,15 @@ def sample_random_mm(num_prompts: int, input_len: int, output_len: int, *,
         for image in draw.images:
             if isinstance(image, int):  # a pool index
                 if image not in pool:
-                    w, h = sizes[image % len(sizes)]
+                    w, h = pool_sizes[image % len(pool_sizes)]
                     data = make_image_bytes(w, h, seed=_image_seed(seed, "pool", image), fmt=image_format)
                     pool[image] = data_url(data, mime)
                 urls.append(pool[image])
+            elif is_video(image):
+                w, h, frames = image
+                urls.append(data_url(make_video_bytes(w, h, frames, seed=_image_seed(seed, "unique", num_unique)),
+                                     "video/mp4"))
+                num_unique += 1
             else:
                 w, h = image
                 data = make_image_bytes(w, h, seed=_image_seed(seed, "unique", num_unique), fmt=image_format)

@@ -23,7 +23,7 @@ import httpx
 from epd.bench.arrivals import arrival_times_s, parse_rate
 from epd.bench.client import RequestResult, send_chat_request
 from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, random_prompt,
-                                sample_random, sample_random_mm)
+                                sample_random, sample_random_mm, size_label)
 from epd.bench.load import run_load
 from epd.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles
 from epd.bench.report import detailed_fields, format_table, write_result
@@ -137,7 +137,7 @@ def _header(args: argparse.Namespace, model: str, num_prompts: int, duration_s: 
         result.update(input_len=args.input_len, output_len=args.output_len)
     if args.dataset == "random-mm":
         result.update(images_per_request=args.images_per_request, images_range_ratio=args.images_range_ratio,
-                      image_sizes=[f"{w}x{h}" for w, h in args.image_size], image_format=args.image_format,
+                      image_sizes=[size_label(item) for item in args.image_size], image_format=args.image_format,
                       repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio)
     return result
 
@@ -181,7 +181,8 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
             images_range_ratio=args.images_range_ratio, image_sizes=args.image_size,
             repeat_image_ratio=args.repeat_image_ratio, text_only_ratio=args.text_only_ratio,
             image_format=args.image_format, seed=args.seed, tokenizer=tokenizer, input_lens=input_lens,
-            max_images=getattr(args, "max_images", None), image_weights=getattr(args, "image_weights", None))
+            max_images=getattr(args, "max_images", None), image_weights=getattr(args, "image_weights", None),
+            max_videos=getattr(args, "max_videos", None))
         requests = [replace(r, text_first=True) for r in requests] if args.text_first else requests
     prefix_len = getattr(args, "prefix_len", 0)
     if prefix_len:  # one fixed random prefix for all (vLLM's --random-prefix-len), from a stream of its own

@@ -23,9 +23,15 @@ kinds of vLLM flag:
 * **Anything else** vLLM has (`--profile`, other datasets, ...) is refused by
   argparse with a message naming the flag: never silently ignored.
 
-Refused with a clear message: a video bucket with a non-zero probability
-(video is not served yet), an endpoint other than chat or completions, an
-image dataset on the completions endpoint.
+`--random-mm-bucket-config` keys are vLLM's `(H, W, T)`: T = 1 an image of
+W x H, T > 1 a video of T frames of W x H (a real mp4, as vLLM's: bench/datasets.py
+make_video_bytes), sent as a `video_url` part; `--random-mm-limit-mm-per-prompt`
+caps each modality per request, vLLM's way (a modality at its cap is drawn no
+more in that request).
+
+Refused with a clear message: an audio bucket (H = 0) or one of no frames, an
+endpoint other than chat or completions, an image dataset on the completions
+endpoint.
 """
 from __future__ import annotations
 
@@ -61,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-mm-limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
                    help='per-modality cap on items per request, e.g. \'{"image": 3, "video": 0}\'')
     g.add_argument("--random-mm-bucket-config", type=_buckets, default=None, metavar="DICT",
-                   help="{(height, width, num_frames): probability}: image sizes by probability "
-                        "(num_frames 1; video buckets need probability 0 until video is served)")
+                   help="{(height, width, num_frames): probability}: item sizes by probability "
+                        "(num_frames 1: an image; more: an mp4 video of that many frames)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="accepted: EPD's bench always asks for exact output lengths")
     for name, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int), ("--min-p", float)):
@@ -88,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of `args` with the vLLM names folded into what bench/serve.py reads:
     `server_root`, `endpoint_path`, `url`, `sampling`, `image_weights`, `max_images`,
-    `prefix_len`, `percentile_metrics`, `save_result` (a path or None)."""
+    `max_videos`, `prefix_len`, `percentile_metrics`, `save_result` (a path or None)."""
     out = copy.copy(args)
     opt = _Options(args)
     out.server_root, out.endpoint_path = opt.base_url().rstrip("/"), opt.endpoint_path()
@@ -99,7 +105,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                                                     ("top_p", opt.get("top_p")), ("top_k", opt.get("top_k")),
                                                     ("min_p", opt.get("min_p"))) if value is not None}
     out.image_size, out.image_weights = _image_sizes(args, opt.get("random_mm_bucket_config"))
-    out.max_images = _max_images(opt.get("random_mm_limit_mm_per_prompt"))
+    out.max_images, out.max_videos = _max_items(opt.get("random_mm_limit_mm_per_prompt"))
     ratio = opt.get("random_range_ratio", 0.0)
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
@@ -169,29 +175,31 @@ def _buckets(text: str) -> dict[tuple[int, int, int], float]:
     return out
 
 
-def _image_sizes(args, buckets: dict | None) -> tuple[list[tuple[int, int]], list[float] | None]:
+def _image_sizes(args, buckets: dict | None) -> tuple[list[tuple[int, ...]], list[float] | None]:
+    """(sizes, weights): (width, height) an image, (width, height, frames) a video."""
     if buckets is None:
         return args.image_size, None
-    videos = [key for key, p in buckets.items() if key[2] != 1 and p > 0]
-    if videos:
-        raise ValueError(f"--random-mm-bucket-config: video buckets {videos} are not served yet; "
-                         "give them probability 0")
-    images = {(w, h): p for (h, w, frames), p in buckets.items() if frames == 1 and p > 0}
-    if not images or any(w < 1 or h < 1 for w, h in images):
-        raise ValueError("--random-mm-bucket-config: needs an image bucket (height, width, 1) of positive size "
-                         "with a probability above 0")
-    return list(images), list(images.values())  # normalised by random.choices
+    live = {key: p for key, p in buckets.items() if p > 0}
+    bad = [key for key in live if key[0] < 1 or key[1] < 1 or key[2] < 1]
+    if bad:
+        raise ValueError(f"--random-mm-bucket-config: buckets {bad} are not an image (H, W, 1) or a video (H, W, T) "
+                         "of positive size (audio is not served)")
+    if not live:
+        raise ValueError("--random-mm-bucket-config: needs a bucket with a probability above 0")
+    sizes = [(w, h) if frames == 1 else (w, h, frames) for h, w, frames in live]
+    return sizes, list(live.values())  # normalised by random.choices
 
 
-def _max_images(limits: dict | None) -> int | None:
+def _max_items(limits: dict | None) -> tuple[int | None, int | None]:
+    """(images, videos) per request from --random-mm-limit-mm-per-prompt (None: no cap)."""
     if limits is None:
-        return None
+        return None, None
     unknown = sorted(set(limits) - {"image", "video"})
     bad = [k for k, v in limits.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0]
     if unknown or bad:
         raise ValueError(f"--random-mm-limit-mm-per-prompt: want non-negative counts of image and video, "
                          f"got {limits}")
-    return limits.get("image", 0) if "image" in limits else None
+    return limits.get("image"), limits.get("video")
 
 
 def draw_lengths(args, n: int) -> tuple[list[int] | None, list[int] | None]:

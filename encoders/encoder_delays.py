@@ -9,9 +9,12 @@ slower than the machine makes it: `EncoderWorker(spec, encoder, delays)`.
     slow_image_s      size is held back that long, without blocking the worker,
                       so an image arrives late, after the request's later
                       images, whichever encoder it was routed to (early prefill)
+    video_delay_s     every video's encode takes this many seconds more (the worker
+                      is busy in it), announced by a warning in the log, so a
+                      test can kill the encoder in the middle of a video's encode
 
 A test that starts a server sets them through the environment of the
-process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS"):
+process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`):
 the worker entry (epd/serve/worker_entry.py) reads them once, with
 `from_env`, and the encoder worker itself reads no environment. Unset, no
 delay: production never sets them.
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 ENV_BATCH_DELAY = "EPD_TEST_ENCODER_BATCH_DELAY_S"
 ENV_SLOW_IMAGE = "EPD_TEST_SLOW_IMAGE"
+ENV_VIDEO_DELAY = "EPD_TEST_VIDEO_DELAY_S"
+VIDEO_DELAY_LOG = "test delay: encoding video"  # the warning a delayed video's encode starts with
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class EncoderDelays:
     batch_delay_s: float = 0.0
     slow_image_size: tuple[int, int] | None = None  # (width, height)
     slow_image_s: float = 0.0
+    video_delay_s: float = 0.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> EncoderDelays:
@@ -39,4 +45,5 @@ class EncoderDelays:
             dims, _, held = value.partition(":")
             width, _, height = dims.partition("x")
             size, seconds = (int(width), int(height)), float(held)
-        return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds)
+        return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds,
+                   float(environ.get(ENV_VIDEO_DELAY) or 0.0))

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from epd.encoders.encoder_delays import EncoderDelays
+from epd.encoders.encoder_delays import VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
@@ -152,7 +152,8 @@ class EncoderWorker(WorkerIO):
         try:
             with self.encoder.adapted(lora):
                 try:
-                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
+                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
+                                                  on_decode=self.counters.image.observe_decode)
                 except ImageError:
                     results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
         except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
@@ -165,6 +166,7 @@ class EncoderWorker(WorkerIO):
                 self._done(job.msg, error=result)
                 continue
             self.counters.num_images += 1
+            self.counters.image.num_items += 1
             self._store(job.msg, job.msg.mm_hash, result)
 
     def _store(self, msg: EncodeRequest, key: str, entry: MMEntry) -> None:
@@ -182,9 +184,14 @@ class EncoderWorker(WorkerIO):
         """One video: its planned frames decoded within the limits, encoded, each entry
         stored (encoders/video_request.py); a failure answers its first entry."""
         start = time.perf_counter()
+        if self.delays.video_delay_s:  # tests only: the worker busy inside this video's encode
+            log.warning("%s: %s %s for %g s more", self.spec.worker_id, VIDEO_DELAY_LOG, job.msg.mm_hash[:12],
+                        self.delays.video_delay_s)
+            time.sleep(self.delays.video_delay_s)
         try:
             with self.encoder.adapted(job.msg.lora):
-                results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
+                results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video,
+                                               on_decode=self.counters.video.observe_decode)
         except ValueError as exc:  # the tower adapter
             results = [(self._keys(job.msg)[0], str(exc))]
         if self.delays.batch_delay_s:  # tests: a video (or a chunk) takes long enough to kill its encoder
@@ -195,6 +202,7 @@ class EncoderWorker(WorkerIO):
                 self._done(job.msg, key, error=result)
                 return
         self.counters.num_images += 1
+        self.counters.video.num_items += 1
         for key, entry in results:
             self._store(job.msg, key, entry)
 
@@ -229,7 +237,8 @@ class EncoderWorker(WorkerIO):
 
     def _encode_one(self, image: bytes):
         try:
-            return self.encoder.encode([image], on_batch=self._on_batch)[0]
+            return self.encoder.encode([image], on_batch=self._on_batch,
+                                       on_decode=self.counters.image.observe_decode)[0]
         except ImageError as exc:
             return str(exc)
 

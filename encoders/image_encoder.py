@@ -29,6 +29,8 @@ from epd.transport.cpu_linear import pack_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
 BatchTimer = Callable[[int, float, float], None]
+# (frames decoded, decode seconds) of one item: an image is one frame (a video: encoders/video_request.py)
+DecodeTimer = Callable[[int, float], None]
 DEFAULT_MAX_BATCH_PATCHES = 16384
 # Full-resolution pixels decoded at once: a batch closes before it would pass this
 # (one image larger than it is decoded alone). Headers give sizes without decoding.
@@ -84,20 +86,22 @@ class ImageEncoder:
 
     @torch.inference_mode()
     def encode(self, images: list[bytes], on_batch: BatchTimer | None = None,
-               lora: LoRARequest | None = None) -> list[MMEntry]:
+               lora: LoRARequest | None = None, on_decode: DecodeTimer | None = None) -> list[MMEntry]:
         """Encodes raw images (raises encoders.image_io.ImageError on bad bytes).
 
         Batches are bounded by patches (the tower's work) and by decoded pixels
         (memory): an image is decoded only when its batch runs, so a request of
         several huge images never holds them all decoded at once. `on_batch`
         gets each tower batch's (images, preprocessing s, forward s). `lora`: the tower
-        adapter every image runs with (`adapted`)."""
+        adapter every image runs with (`adapted`). `on_decode`: each image's
+        (1, decode s) (its preprocessing time includes that)."""
         if self.preprocess is None:
             raise ImageError(NO_IMAGE_PROCESSOR)
         with self.adapted(lora):
-            return self._encode(images, on_batch)
+            return self._encode(images, on_batch, on_decode)
 
-    def _encode(self, images: list[bytes], on_batch: BatchTimer | None) -> list[MMEntry]:
+    def _encode(self, images: list[bytes], on_batch: BatchTimer | None,
+                on_decode: DecodeTimer | None) -> list[MMEntry]:
         geometry = self.preprocess.geometry
         out: list[MMEntry] = []
         batch: list[bytes] = []
@@ -107,18 +111,18 @@ class ImageEncoder:
             t, h, w = geometry.grid_thw(width, height)
             if batch and (batch_patches + t * h * w > self.max_batch_patches
                           or batch_pixels + width * height > self.max_decoded_pixels):
-                out += self._run(batch, on_batch)
+                out += self._run(batch, on_batch, on_decode)
                 batch, batch_patches, batch_pixels = [], 0, 0
             batch.append(data)
             batch_patches += t * h * w
             batch_pixels += width * height
         if batch:
-            out += self._run(batch, on_batch)
+            out += self._run(batch, on_batch, on_decode)
         return out
 
-    def _run(self, images: list[bytes], on_batch: BatchTimer | None) -> list[MMEntry]:
+    def _run(self, images: list[bytes], on_batch: BatchTimer | None, on_decode: DecodeTimer | None) -> list[MMEntry]:
         start = time.perf_counter()
-        pixel_values, grids = self.preprocess([load_image(data, self.max_image_pixels) for data in images])
+        pixel_values, grids = self.preprocess([self._load(data, on_decode) for data in images])
         pixel_values = pixel_values.to(self.device, self.dtype)
         preprocessed = time.perf_counter()
         result = self.tower(pixel_values, grids)
@@ -128,3 +132,10 @@ class ImageEncoder:
             on_batch(len(images), preprocessed - start, time.perf_counter() - preprocessed)
         # deepstack [num_deepstack, num_tokens, out_hidden] -> views, each [num_tokens, out_hidden]
         return [MMEntry(e, list(d.unbind(0)), g) for e, d, g in zip(result.embeds, result.deepstack, grids)]
+
+    def _load(self, data: bytes, on_decode: DecodeTimer | None):
+        start = time.perf_counter()
+        image = load_image(data, self.max_image_pixels)
+        if on_decode is not None:
+            on_decode(1, time.perf_counter() - start)
+        return image

@@ -59,11 +59,17 @@ def _open(data: bytes):
     return container
 
 
-def read_video_meta(data: bytes) -> VideoMeta:
+class TooManyFrames(VideoError):
+    """The container holds more frames than the caller's limit (counted without decoding)."""
+
+
+def read_video_meta(data: bytes, max_frames: int | None = None) -> VideoMeta:
     """The first video stream's frame count, average rate and size, as
     transformers' PyAV reader takes them; no frame is decoded. A header that
     counts no frames (Matroska/WebM keep no count) is counted by demuxing the
-    stream's packets, which reads the file but decodes nothing."""
+    stream's packets, which reads the file but decodes nothing, and stops with
+    TooManyFrames past `max_frames` (tiny frames pack millions into a few
+    megabytes)."""
     container = _open(data)
     try:
         stream = container.streams.video[0]
@@ -71,7 +77,7 @@ def read_video_meta(data: bytes) -> VideoMeta:
         fps = float(stream.average_rate) if stream.average_rate else 0.0
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
         if num_frames == 0:
-            num_frames = sum(1 for packet in container.demux(stream) if packet.size > 0)
+            num_frames = _count_packets(container, stream, max_frames)
     except VideoError:
         raise
     except Exception as exc:
@@ -79,6 +85,15 @@ def read_video_meta(data: bytes) -> VideoMeta:
     finally:
         container.close()
     return VideoMeta(num_frames=num_frames, fps=fps, width=width, height=height)
+
+
+def _count_packets(container, stream, max_frames: int | None) -> int:
+    count = 0
+    for packet in container.demux(stream):
+        count += packet.size > 0
+        if max_frames is not None and count > max_frames:
+            raise TooManyFrames(f"the video has more than {max_frames} frames")
+    return count
 
 
 def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int],

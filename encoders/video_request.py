@@ -12,6 +12,7 @@ way whichever process encodes it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from epd.encoders.video_encoder import VideoEncoder
@@ -40,16 +41,22 @@ def video_keys(msg: EncodeRequest) -> list[str]:
 
 
 def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits: DecodeLimits | None,
-                         on_done: Callable[[float, float], None] | None = None) -> list[tuple[str, MMEntry | str]]:
+                         on_done: Callable[[float, float], None] | None = None,
+                         on_decode: Callable[[int, float], None] | None = None) -> list[tuple[str, MMEntry | str]]:
     """The entries of the video `msg` carries, each under its own key; on failure one
     pair (its first key, an error fit for the client). `video` None: the checkpoint
-    serves no video. `on_done(preprocess_s, forward_s)` as VideoEncoder.encode_frames'."""
+    serves no video. `on_done(preprocess_s, forward_s)` as VideoEncoder.encode_frames';
+    `on_decode(frames decoded, decode s)` once its frames are decoded: every frame up to
+    the last planned one (FFmpeg decodes those it skips), as the decode limits count them."""
     first_key = video_keys(msg)[0]
     if video is None:
         return [(first_key, NO_VIDEO_ENCODER)]
     plan = video_plan(msg.video)
     try:
+        start = time.perf_counter()
         frames = decode_frames(msg.image, plan.frame_indices, limits)
+        if on_decode is not None:
+            on_decode(max(plan.frame_indices) + 1, time.perf_counter() - start)
         return list(video.encode_frames(frames, plan, msg.mm_hash, on_done=on_done))
     except VideoError as exc:  # the bytes, not the worker: this request fails, the worker serves on
         return [(first_key, f"video: {exc}")]

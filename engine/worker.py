@@ -56,8 +56,9 @@ MAX_ENDED = 4096  # ids of requests failed or aborted here, kept so their late E
 
 # An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
 # pairs its spans wait for: an image's one under its mm_hash, a video's one per entry (a Qwen3-VL
-# temporal group), or one error for a video's first entry (epd/serve/worker_entry.py).
-EncodeFn = Callable[[list[EncodeRequest]], list[list[tuple[str, MMEntry | str]]]]
+# temporal group), or one error for a video's first entry (epd/serve/worker_entry.py). It counts
+# its decoding in the EncoderCounters it is given (frames and seconds, by modality).
+EncodeFn = Callable[[list[EncodeRequest], EncoderCounters], list[list[tuple[str, MMEntry | str]]]]
 
 
 def inbox_frame_bytes(core: EngineCore) -> int:
@@ -200,13 +201,14 @@ class EngineWorker(WorkerIO):
         if not msgs:
             return
         start = time.perf_counter()
-        results = self.encode_fn(msgs)
+        results = self.encode_fn(msgs, self.encoder_counters)
         self.encoder_counters.encode_seconds_sum += time.perf_counter() - start
         for msg, pairs in zip(msgs, results):
             if any(isinstance(result, str) for _, result in pairs):
                 self.encoder_counters.num_errors += 1
             else:
                 self.encoder_counters.num_images += 1  # a video counts one, as on an encoder worker
+                self.encoder_counters.modality("image" if msg.video is None else "video").num_items += 1
             for key, result in pairs:
                 if isinstance(result, str):
                     self._on_encode_done(EncodeDone(msg.request_id, key, ok=False, error=result))

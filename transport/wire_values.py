@@ -17,8 +17,9 @@ from epd.transport.codec import Fields, WireError
 from epd.transport.histogram import ENCODER_SECONDS_BOUNDS, IMAGE_COUNT_BOUNDS, Buckets
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 
-__all__ = ["CacheFaults", "EncoderCounters", "EngineCounters", "logprobs_from_list", "logprobs_to_list",
-           "sampling_from_map", "sampling_to_map"]
+__all__ = ["MODALITIES", "CacheFaults", "EncoderCounters", "EngineCounters", "ModalityCounters",
+           "logprobs_from_list", "logprobs_to_list", "sampling_from_map", "sampling_to_map"]
+MODALITIES = ("image", "video")  # the `modality` label of the encoder's per-modality metrics
 
 
 def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
@@ -134,6 +135,32 @@ class EngineCounters:
 
 
 @dataclass
+class ModalityCounters:
+    """An encoder's work on one modality since it started (epd:encoder_items_total{modality},
+    epd:encoder_frames_decoded_total{modality}, epd:encoder_decode_seconds{modality})."""
+
+    num_items: int = 0  # encoded by the vision tower (a video counts one)
+    num_frames_decoded: int = 0  # an image: one; a video: every frame decoded, up to its last sampled one
+    decode_seconds: Buckets = field(default_factory=lambda: Buckets(ENCODER_SECONDS_BOUNDS))  # per item
+
+    def observe_decode(self, num_frames: int, seconds: float) -> None:
+        self.num_frames_decoded += num_frames
+        self.decode_seconds.observe(seconds)
+
+    def to_map(self) -> dict[str, Any]:
+        return {"num_items": self.num_items, "num_frames_decoded": self.num_frames_decoded,
+                "decode_seconds": self.decode_seconds.to_list()}
+
+    @staticmethod
+    def from_map(m: Fields) -> ModalityCounters:
+        out = ModalityCounters(m.int("num_items"), m.int("num_frames_decoded"),
+                               Buckets.from_list(m.opt_list("decode_seconds"), ENCODER_SECONDS_BOUNDS,
+                                                 f"{m.tag}.decode_seconds"))
+        m.reject_unknown(out.to_map())
+        return out
+
+
+@dataclass
 class EncoderCounters:
     """Totals since an encoder (or the aggregated worker's in-process encoder) started;
     each one is exported by epd/serve/worker_metrics.py."""
@@ -162,6 +189,14 @@ class EncoderCounters:
     # not a total but a gauge: how long the oldest image still queued has waited (0 when none);
     # the encoder autoscaler's signal (epd/serve/autoscale.py)
     oldest_queued_s: float = 0.0
+    # per modality (MODALITIES): items encoded, frames decoded, decode seconds
+    image: ModalityCounters = field(default_factory=ModalityCounters)
+    video: ModalityCounters = field(default_factory=ModalityCounters)
+
+    def modality(self, name: str) -> ModalityCounters:
+        """The counters of `name`, one of MODALITIES."""
+        assert name in MODALITIES, name
+        return getattr(self, name)
 
     _HISTOGRAMS = {"queue_wait": ENCODER_SECONDS_BOUNDS, "preprocess_seconds": ENCODER_SECONDS_BOUNDS,
                    "forward_seconds": ENCODER_SECONDS_BOUNDS, "cache_write_seconds": ENCODER_SECONDS_BOUNDS,
@@ -173,7 +208,8 @@ class EncoderCounters:
     def to_map(self) -> dict[str, Any]:
         return {**{name: getattr(self, name) for name in self._INTS},
                 "encode_seconds_sum": self.encode_seconds_sum, "oldest_queued_s": self.oldest_queued_s,
-                **{name: getattr(self, name).to_list() for name in self._HISTOGRAMS}}
+                **{name: getattr(self, name).to_list() for name in self._HISTOGRAMS},
+                **{name: self.modality(name).to_map() for name in MODALITIES}}
 
     @staticmethod
     def from_map(m: Fields) -> EncoderCounters:
@@ -181,7 +217,8 @@ class EncoderCounters:
                               encode_seconds_sum=m.float("encode_seconds_sum"),
                               oldest_queued_s=m.float("oldest_queued_s"),
                               **{name: Buckets.from_list(m.opt_list(name), bounds, f"{m.tag}.{name}")
-                                 for name, bounds in EncoderCounters._HISTOGRAMS.items()})
+                                 for name, bounds in EncoderCounters._HISTOGRAMS.items()},
+                              **{name: ModalityCounters.from_map(m.map(name)) for name in MODALITIES})
         m.reject_unknown(out.to_map())
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from epd.encoders.video_geometry import VideoGeometry, VideoMeta, VideoOptions, VideoPlan, VideoPlanError
-from epd.encoders.video_io import VideoError, read_video_meta
+from epd.encoders.video_io import TooManyFrames, VideoError, read_video_meta
 
 __all__ = ["VideoError", "VideoMeta", "VideoOptions", "VideoPlan", "loader_frames", "plan_video"]
 
@@ -24,7 +24,10 @@ def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = Vid
     told (not a video, no frames, settings the processor refuses, more than
     `max_frames` frames in the container, frames of more than `max_frame_pixels`).
     `loader_num_frames` (--media-io-kwargs video.num_frames): see `loader_frames`."""
-    meta = read_video_meta(data)
+    try:
+        meta = read_video_meta(data, max_frames)  # a container that keeps no count: counted up to the limit
+    except TooManyFrames as exc:
+        raise VideoError(f"{exc}; the limit is {max_frames} (--max-video-frames)") from None
     if max_frames is not None and meta.num_frames > max_frames:
         raise VideoError(f"the video has {meta.num_frames} frames; the limit is {max_frames} (--max-video-frames)")
     if max_frame_pixels is not None and meta.width * meta.height > max_frame_pixels:

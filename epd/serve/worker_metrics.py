@@ -23,7 +23,7 @@ from prometheus_client.utils import floatToGoString
 from epd.multiprocess_metrics import is_multiprocess
 from epd.serve.registry import WorkerRegistry
 from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
+from epd.transport.wire_values import MODALITIES, CacheFaults, EncoderCounters, EngineCounters
 
 # Every counter a worker sends is exported (tests/unit/serve/test_worker_metrics.py checks that none is left out).
 # Counters: (metric name without _total, help, the value). Summaries: (name, help, (count, sum)).
@@ -134,9 +134,17 @@ class _Families:
 
 
 class _EncoderExtras:
-    """The encoder families with a label of their own: outcome, transfer destination."""
+    """The encoder families with a label of their own: outcome, transfer destination, modality."""
 
     def __init__(self):
+        self.items = CounterMetricFamily("epd:encoder_items", "Items encoded by the vision tower, by modality "
+                                         "(a video counts one).", labels=LABELS + ["modality"])
+        self.frames = CounterMetricFamily("epd:encoder_frames_decoded", "Frames decoded, by modality: one per "
+                                          "image; a video's every frame up to its last sampled one.",
+                                          labels=LABELS + ["modality"])
+        self.decode = HistogramMetricFamily("epd:encoder_decode_seconds", "Time to decode one item's pixels "
+                                            "(an image, or a video's frames), by modality.",
+                                            labels=LABELS + ["modality"])
         self.outcomes = CounterMetricFamily("epd:encoder_requests", "EncodeRequests by how they ended: encoded, "
                                             "answered from the cache, failed, or aborted while queued.",
                                             labels=LABELS + ["outcome"])
@@ -149,10 +157,14 @@ class _EncoderExtras:
             self.outcomes.add_metric(labels + [outcome], value(c))
         _add_buckets(self.transfer, labels + ["cache"], c.cache_write_seconds)
         _add_buckets(self.transfer, labels + ["inline"], c.inline_send_seconds)
+        for modality in MODALITIES:
+            counts = c.modality(modality)
+            self.items.add_metric(labels + [modality], counts.num_items)
+            self.frames.add_metric(labels + [modality], counts.num_frames_decoded)
+            _add_buckets(self.decode, labels + [modality], counts.decode_seconds)
 
     def __iter__(self):
-        yield self.outcomes
-        yield self.transfer
+        yield from (self.outcomes, self.transfer, self.items, self.frames, self.decode)
 
 
 class _SpecDecodePositions:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 from testkit.api_checks import assert_error
-from testkit.media import data_url
+from testkit.media import data_url, image_bytes, image_part
 from testkit.mode_servers import SERVED_MODEL
-from testkit.videos import audio_only, cut_after_header, encode_video, synthetic_frames
+from testkit.videos import (audio_only, claims_hours, claims_size, cut_after_header, encode_video, gif_frames,
+                            synthetic_frames)
 
 pytest.importorskip("av")
 MAX_TOKENS = 6
@@ -68,6 +69,37 @@ def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
     assert mode_server.settled_sum("epd:encoder_images_total") == encoded
 
 
+def _modality_work(server) -> dict[str, tuple[float, float, float]]:
+    """modality -> (items encoded, frames decoded, decodes timed), over every encoder, settled."""
+    server.settled_sum("epd:encoder_items_total")
+    return {m: (server.metric_sum("epd:encoder_items_total", modality=m),
+                server.metric_sum("epd:encoder_frames_decoded_total", modality=m),
+                server.metric_sum("epd:encoder_decode_seconds_count", modality=m)) for m in ("image", "video")}
+
+
+def test_encoder_metrics_count_by_modality(mode_server, tiny_model):
+    """An image request moves the image series by one item, one frame, one decode; a video
+    request the video series by one item, one decode and the frames its plan decodes (every
+    frame up to the last sampled one), whichever process encodes (aggregated: its engine worker)."""
+    from epd.encoders.video_geometry import VideoGeometry
+    from epd.inputs.video_header import plan_video
+
+    clip = encode_video(synthetic_frames(12, 48, 64, seed=21), "mp4", fps=8)  # this test's own: no cache hit
+    _, plan = plan_video(clip, VideoGeometry.from_pretrained(tiny_model))
+    before = _modality_work(mode_server)
+    response = chat(mode_server, [image_part(image_bytes(70, 50, seed=21)), QUESTION])
+    assert response.status_code == 200, response.text
+    after_image = _modality_work(mode_server)
+    assert after_image == {"image": tuple(v + d for v, d in zip(before["image"], (1, 1, 1))),
+                           "video": before["video"]}
+    response = chat(mode_server, [video_part(clip), QUESTION])
+    assert response.status_code == 200, response.text
+    frames = max(plan.frame_indices) + 1
+    assert _modality_work(mode_server) == {"image": after_image["image"],
+                                           "video": tuple(v + d for v, d in zip(before["video"], (1, frames, 1)))}
+    assert mode_server.metric_sum("epd:encoder_decode_seconds_sum", modality="video") > 0
+
+
 def test_tokenize_counts_a_video_as_its_chat_costs(mode_server):
     """/tokenize's count of a chat with a video (and its mm_processor_kwargs) is the chat's
     usage.prompt_tokens: the same preparer counts both, so one mode tells."""
@@ -108,7 +140,15 @@ BAD = {  # name -> (content, mm_processor_kwargs, message, param)
                    "messages"),
     "one_frame": ([video_part(encode_video(synthetic_frames(1, 48, 64), "mp4", fps=4)), QUESTION],
                   {"do_sample_frames": False}, "the model needs at least 2", "messages"),
+    # headers that claim too much, each refused from the header (the server's default limits)
+    "ten_hours": ([video_part(claims_hours(10, fps=30)), QUESTION], None,
+                  "the video has 1080000 frames; the limit is 4096", "messages"),
+    "10000x10000": ([video_part(claims_size(10000, 10000), "video/x-matroska"), QUESTION], None,
+                    "video frames of 10000x10000 exceed the limit of 64000000 pixels", "messages"),
+    "gif_of_5000_frames": ([video_part(gif_frames(5000), "image/gif"), QUESTION], None,
+                           "the video has 5000 frames; the limit is 4096", "messages"),
 }
+HEADER_CLAIMS = ("ten_hours", "10000x10000", "gif_of_5000_frames")
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -118,6 +158,22 @@ def test_bad_video_input_is_a_400_and_the_server_serves_on(mode_server, name):
     assert_error(chat(mode_server, content, **fields), 400, message, param)
     ok = chat(mode_server, [{"type": "text", "text": "Still there?"}])
     assert ok.status_code == 200, ok.text
+
+
+def test_headers_that_claim_too_much_cost_the_workers_nothing(mode_server):
+    """Ten hours, 10000x10000, 5,000 frames: refused by the API from the header, so no
+    worker sees an EncodeRequest, none restarts, and nothing is left running or queued."""
+    received = mode_server.settled_sum("epd:encoder_requests_received_total")
+    restarts = mode_server.metric_sum("epd:worker_restarts_total")
+    for name in HEADER_CLAIMS:
+        content, _, message, param = BAD[name]
+        assert_error(chat(mode_server, content), 400, message, param)
+    ok = chat(mode_server, [video_part(CLIP), QUESTION])  # a video still serves
+    assert ok.status_code == 200, ok.text
+    assert mode_server.settled_sum("epd:encoder_requests_received_total") <= received + 1  # CLIP's, if not cached
+    assert mode_server.metric_sum("epd:worker_restarts_total") == restarts
+    assert mode_server.settled_sum("epd:num_requests_running") == 0
+    assert mode_server.metric_sum("epd:num_requests_waiting") == mode_server.metric_sum("epd:encoder_queued_patches") == 0
 
 
 def test_a_video_only_the_encoder_finds_broken_is_a_400(mode_server):

@@ -100,6 +100,23 @@ def test_with_a_tokenizer_a_prompt_is_input_len_tokens(tiny_model):
         load_tokenizer(str(Path(tiny_model) / "no-such-dir"))
 
 
+def test_videos_and_images_keep_their_own_caps_per_request():
+    """vLLM's random-mm limits: K = 3 items a request from an image and a video bucket,
+    at most 2 images and 1 video each; a modality at its cap is drawn no more, so every
+    request holds exactly 3 items; and a repeat pool needs an image size."""
+    from epd.bench.datasets import draw_random_mm
+
+    draws = draw_random_mm(200, 4, images_per_request=3, image_sizes=[(32, 32), (64, 48, 8)],
+                           image_weights=[0.2, 0.8], max_images=2, max_videos=1, seed=5)
+    kinds = [Counter(len(item) for item in draw.images) for draw in draws]
+    assert all(k[2] + k[3] == 3 and k[3] <= 1 and k[2] <= 2 for k in kinds)
+    assert all(k == Counter({2: 2, 3: 1}) for k in kinds)  # the caps force it: 2 images + 1 video
+    capped = draw_random_mm(50, 4, images_per_request=5, image_sizes=[(64, 48, 8)], max_videos=2, seed=5)
+    assert {len(d.images) for d in capped} == {2}  # K capped at the video limit
+    with pytest.raises(ValueError, match="pool of images"):
+        draw_random_mm(2, 4, image_sizes=[(64, 48, 8)], repeat_image_ratio=0.5)
+
+
 def test_bad_dataset_options_raise():
     with pytest.raises(ValueError, match="WxH"):
         parse_image_sizes("64by64")

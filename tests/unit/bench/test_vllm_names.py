@@ -65,6 +65,39 @@ def test_a_vllm_random_mm_command_line_runs_unchanged(fake_server, tmp_path):
     assert not any(key.endswith(("_itl_ms", "_e2el_ms")) for key in saved)  # not among --percentile-metrics
 
 
+def _videos(payload: dict) -> list[tuple[int, int, int]]:
+    """(width, height, frames) of each video_url part, read back with PyAV."""
+    import av
+
+    out = []
+    for part in payload["messages"][0]["content"]:
+        if part["type"] == "video_url":
+            url = part["video_url"]["url"]
+            assert url.startswith("data:video/mp4;base64,")
+            with av.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))) as container:
+                frames = list(container.decode(video=0))
+            out.append((frames[0].width, frames[0].height, len(frames)))
+    return out
+
+
+def test_video_buckets_send_real_mp4s_as_video_url_parts(fake_server):
+    """vLLM's (H, W, T) buckets with T > 1 are videos: T frames of W x H in an mp4, one
+    video_url part each, capped per request by the video limit (vLLM's rule: a
+    modality at its cap is drawn no more), beside images of the T = 1 buckets."""
+    pytest.importorskip("av")
+    main(parse(
+        f"--base-url {fake_server.base_url} --model {MODEL_NAME} --dataset-name random-mm --num-prompts 12 "
+        "--random-input-len 8 --random-output-len 2 --random-mm-base-items-per-request 2 "
+        "--random-mm-limit-mm-per-prompt '{\"image\": 2, \"video\": 1}' "
+        "--random-mm-bucket-config '{(48, 64, 8): 0.5, (32, 32, 1): 0.5}' --disable-tqdm --seed 3"))
+    measured = fake_server.payloads[1:]
+    videos = [_videos(p) for p in measured]
+    assert {v for vs in videos for v in vs} == {(64, 48, 8)}
+    assert max(len(vs) for vs in videos) == 1 and any(videos)  # at most one video a request
+    assert all(len(_image_sizes(p)) + len(vs) == 2 for p, vs in zip(measured, videos))
+    assert {size for p in measured for size in _image_sizes(p)} == {(32, 32)}
+
+
 def test_the_completions_backend_sends_prompts_and_reads_text_chunks(fake_server, tmp_path):
     result = main(parse(
         f"--backend openai --base-url {fake_server.base_url} --model {MODEL_NAME} --dataset-name random "
@@ -85,7 +118,8 @@ def test_append_result_adds_a_json_line(fake_server, tmp_path):
 
 
 @pytest.mark.parametrize("command, message", [
-    ("--random-mm-bucket-config '{(64, 64, 8): 0.5, (32, 32, 1): 0.5}'", "video buckets"),
+    ("--random-mm-bucket-config '{(0, 64, 8): 0.5, (32, 32, 1): 0.5}'", "audio is not served"),
+    ("--random-mm-bucket-config '{(32, 32, 1): 0.0}'", "a probability above 0"),
     ("--backend openai --dataset-name random-mm", "needs the chat endpoint"),
     ("--backend openai --endpoint /v1/chat/completions", "speaks /v1/completions"),
     ("--percentile-metrics ttft,goodness", "goodness"),

@@ -150,3 +150,24 @@ def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_o
     [failed] = outcomes[1]
     assert not failed.ok and "the video ends before frame" in failed.error
     assert failed.mm_hash == entry_hashes(other, chunks[-1])[0]
+
+
+def test_plans_from_headers_that_claim_too_much_fail_at_the_encoder(plane):
+    """Plans made without the API's header limits (a peer that skipped them): under the
+    server's default decode limits the 10000x10000 stream is refused before a frame is
+    decoded, and the header claiming ten hours fails when its 9 real frames run out."""
+    from epd.inputs.media import MediaConfig
+    from testkit.videos import claims_hours, claims_size
+
+    worker = plane.make(MediaConfig().decode_limits())
+    [done] = plane.run(worker, plane.request(claims_size(10000, 10000)))
+    assert not done.ok and "video frames of 10000x10000 exceed the limit of 64000000 pixels" in done.error
+    msg = plane.request(claims_hours(10, fps=30), "r2")
+    [done] = plane.run(worker, msg)
+    assert not done.ok and f"the video ends before frame {max(msg.video.frame_indices)}" in done.error
+    assert (worker.counters.num_errors, worker.counters.video.num_items, worker.counters.video.num_frames_decoded) \
+        == (2, 0, 0)
+    data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)  # and the worker serves on
+    assert all(d.ok for d in plane.run(worker, plane.request(data, "r3")))
+    assert (worker.counters.video.num_items, worker.counters.video.num_frames_decoded) == (1, 11)
+    assert worker.counters.video.decode_seconds.count == 1

@@ -14,7 +14,7 @@ from epd.encoders.video_io import decode_frames
 from epd.inputs.video_header import VideoError, plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs
 from testkit.video_reference import hf_video_outputs, reference_available
-from testkit.videos import encode_video, synthetic_frames
+from testkit.videos import claims_hours, claims_size, encode_video, gif_frames, synthetic_frames
 
 pytest.importorskip("av")
 needs_reference = pytest.mark.skipif(not reference_available(), reason="scripts/env.sh dev installs the reference")
@@ -123,6 +123,28 @@ def test_bad_videos_are_refused_with_a_reason(tmp_path):
         plan_video(data[: len(data) // 3], geometry)
     with pytest.raises(VideoError, match="no video stream"):
         plan_video(_audio_only_wav(), geometry)
+
+
+def test_a_container_without_a_count_is_counted_only_up_to_the_limit():
+    """Matroska keeps no frame count: the header read demuxes packets, and stops past
+    max_frames instead of reading a file of millions of tiny frames to the end."""
+    geometry = VideoGeometry.from_config({"video_processor_type": "Qwen3VLVideoProcessor"})
+    data = encode_video(synthetic_frames(12), "mkv")
+    with pytest.raises(VideoError, match=r"more than 10 frames; the limit is 10 \(--max-video-frames\)"):
+        plan_video(data, geometry, max_frames=10)
+    assert plan_video(data, geometry, max_frames=12)[0].num_frames == 12
+
+
+def test_headers_that_claim_too_much_are_refused_from_the_header():
+    """Ten hours in a 5 kB mp4, a 10000x10000 stream, a GIF of 5,000 frames: each refused
+    by the API's limits before any frame is decoded."""
+    geometry = VideoGeometry.from_config({"video_processor_type": "Qwen3VLVideoProcessor"})
+    with pytest.raises(VideoError, match="1080000 frames; the limit is 4096"):
+        plan_video(claims_hours(10, fps=30), geometry, max_frames=4096)
+    with pytest.raises(VideoError, match="frames of 10000x10000 exceed the limit of 64000000 pixels"):
+        plan_video(claims_size(10000, 10000), geometry, max_frames=4096, max_frame_pixels=64_000_000)
+    with pytest.raises(VideoError, match="5000 frames; the limit is 4096"):
+        plan_video(gif_frames(5000), geometry, max_frames=4096)
 
 
 def _audio_only_wav() -> bytes:

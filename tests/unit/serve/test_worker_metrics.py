@@ -120,6 +120,31 @@ def test_encoder_requests_by_outcome():
     assert outcomes == {"encoded": 17, "cache_hit": 23, "error": 19, "aborted": 41}
 
 
+def test_encoder_work_by_modality():
+    """Items, frames decoded and decode seconds, each labelled image or video, from the
+    counters' per-modality part (transport/wire_values.ModalityCounters), sent over the wire."""
+    from epd.transport.codec import Fields
+
+    counters = EncoderCounters(num_images=5)
+    counters.image.num_items, counters.video.num_items = 3, 2
+    for _ in range(3):
+        counters.image.observe_decode(1, 0.002)
+    counters.video.observe_decode(40, 0.3)
+    counters.video.observe_decode(9, 0.04)
+    sent = EncoderCounters.from_map(Fields(counters.to_map(), "encoder"))
+    samples = _samples(WorkerStats("encoder-0", "encoder", 0, 0, 0, 0, 0, encoder=sent))
+    by_modality = {m: (_value(samples, "epd:encoder_items_total", modality=m),
+                       _value(samples, "epd:encoder_frames_decoded_total", modality=m),
+                       _value(samples, "epd:encoder_decode_seconds_count", modality=m))
+                   for m in ("image", "video")}
+    assert by_modality == {"image": (3, 3, 3), "video": (2, 49, 2)}
+    decode = "epd:encoder_decode_seconds"
+    assert _value(samples, decode + "_bucket", modality="image", le="0.0025") == 3
+    assert [_value(samples, decode + "_bucket", modality="video", le=le) for le in ("0.025", "0.05", "0.5")] \
+        == [0, 1, 2]
+    assert abs(_value(samples, decode + "_sum", modality="video") - 0.34) < 1e-9
+
+
 def test_api_side_image_metrics():
     registry = WorkerRegistry()
     metrics = WorkerMetrics(registry)

@@ -45,6 +45,9 @@ def _busy_encoder() -> EncoderCounters:
     for i, name in enumerate(["queue_wait", "preprocess_seconds", "forward_seconds", "cache_write_seconds",
                               "inline_send_seconds", "batch_images"]):
         getattr(c, name).observe(0.003 * (i + 1), times=i + 1)
+    c.image.num_items, c.video.num_items = 21, 22
+    c.image.observe_decode(1, 0.004)
+    c.video.observe_decode(23, 0.5)
     return c
 
 
