@@ -31,11 +31,11 @@ from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
+from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
-from epd.transport.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
@@ -107,7 +107,7 @@ class EngineCore:
         self.lora = LoRAManager(model, config.lora) if config.lora.enable_lora else None
         # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
-        pack_linears(model)
+        pack_cpu_linears(model)
         block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
