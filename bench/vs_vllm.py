@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     peer = p.add_mutually_exclusive_group(required=True)
     peer.add_argument("--vllm-bin", help="vLLM's `vllm` command (e.g. /work/vllm-venv/bin/vllm)")
     peer.add_argument("--vllm-python", help="vLLM's Python; its `vllm` is the one beside it")
-    p.add_argument("--modes", default="aggregated", help="comma-separated `epd serve --mode`s")
+    p.add_argument("--modes", default="aggregated",
+                   help="comma-separated `epd serve --mode`s; a mode may carry its own flags in brackets, "
+                        "e.g. 'aggregated,aggregated[--threads-per-worker 2]' (both measured, each its own label)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each row on every server)")
     p.add_argument("--streams", default="1,8,32,128", help="text rows: concurrent streams, comma-separated")
     p.add_argument("--image-rows", default="1@0.5,4@0.25",
@@ -177,7 +179,7 @@ def start_servers(args, cpus: set[int], out_dir: Path) -> tuple[dict, dict, dict
     models, startup = {}, {}
     try:
         for label in [BASE, *modes(args)]:
-            servers[label] = server = _launch(args, label, cpus, out_dir / f"server-{label}.log")
+            servers[label] = server = _launch(args, label, cpus, out_dir / f"server-{_slug(label)}.log")
             models[label] = server.wait_ready(args.ready_timeout_s)
             startup[label] = time.monotonic() - server.started_s
             print(f"{label}: ready after {startup[label]:.0f} s", flush=True)
@@ -192,12 +194,25 @@ def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess:
     if label == BASE:
         return VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path,
                            args.vllm_kv_cache_gib)
-    extra = args.server_args.split()
+    mode, extra = epd_server_args(args, label)
+    return ServeProcess(args.model_dir, mode, cpus, extra, log_path)
+
+
+def epd_server_args(args, label: str) -> tuple[str, list[str]]:
+    """An EPD label's `--mode` and flags: 'e-p-d[--threads-per-worker 2]' -> ('e-p-d', [--server-args...,
+    '--threads-per-worker', '2', KV budget])."""
+    mode, _, own = label.partition("[")
+    extra = args.server_args.split() + own.rstrip("]").split()
     if not {"--kv-cache-gb", "--num-kv-blocks"} & {a.split("=")[0] for a in extra}:
         # the same KV budget as vLLM's: EPD's CPU default (1 GiB) held a third of what vLLM's 4 did,
         # so prompts vLLM found in its prefix cache had been evicted from EPD's
         extra += ["--kv-cache-gb", str(args.vllm_kv_cache_gib)]
-    return ServeProcess(args.model_dir, label, cpus, extra, log_path)
+    return mode, extra
+
+
+def _slug(text: str) -> str:
+    """A label as a file name's part: 'aggregated[--threads-per-worker 2]' -> 'aggregated_--threads-per-worker_2_'."""
+    return "".join(c if c.isalnum() or c in "-.=@" else "_" for c in text)
 
 
 def modes(args) -> list[str]:
@@ -215,11 +230,11 @@ def offline_rows(args, cpus: set[int], out_dir: Path) -> list[dict]:
                                    args.input_len, args.output_len, 0.0, args.seed, args.vllm_kv_cache_gib)
     python = args.vllm_python or str(Path(args.vllm_bin).parent / "python")
     engines = [(BASE, python, vs_vllm_offline.vllm_command()),
-               (modes(args)[0], sys.executable,
+               (modes(args)[0].partition("[")[0], sys.executable,
                 vs_vllm_offline.epd_command())]
     for r in range(args.offline_rounds or args.rounds):
         for label, exe, script in engines:
-            tok_s = vs_vllm_offline.run_engine(exe, script, workload, cpus, out_dir / f"offline-{label}-r{r}.log",
+            tok_s = vs_vllm_offline.run_engine(exe, script, workload, cpus, out_dir / f"offline-{_slug(label)}-r{r}.log",
                                                args.ready_timeout_s)
             add_value(row, label, tok_s)
             print(f"round {r} offline {label}: {tok_s} tok/s", flush=True)
@@ -231,7 +246,7 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path) -> list[dict]:
     client = vllm_client if args.client == "vllm" else epd_client
     rows: list[dict] = []
     for label, server in servers.items():  # first-use costs (compiles, allocations) out of the rounds
-        warm_up(_warmup_args(args, models[label]), server.base_url, out_dir / f"warmup-{label}.json")
+        warm_up(_warmup_args(args, models[label]), server.base_url, out_dir / f"warmup-{_slug(label)}.json")
     for r in range(args.rounds):
         results: dict[tuple[str, str], dict] = {}  # one run per (run key, server): TTFT and TPOT share it
         for i, workload in enumerate(workloads(args)):
@@ -240,7 +255,7 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path) -> list[dict]:
             key = workload.get("shares_run_with", workload["name"])
             for label, server in servers.items():
                 if (key, label) not in results:
-                    out = out_dir / f"r{r}-{label}-{key.replace(' ', '_').replace('/', '_')}.json"
+                    out = out_dir / f"r{r}-{_slug(label)}-{_slug(key)}.json"
                     seed = args.seed + 7919 * (r + 1) + i  # a fresh trace each round: no cache hits across rounds
                     try:
                         results[key, label] = client(args, workload, server.base_url, models[label], seed, out)

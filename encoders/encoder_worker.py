@@ -15,6 +15,11 @@ temporal group, or the whole Qwen2.5-VL video) goes to the cache and gets its
 own EncodeDone, as an image's does. A video that fails sends one EncodeDone
 with the error, for its first entry: the request waits for all of them.
 
+With a tower adapter (EncodeRequest.lora, --enable-tower-lora) the tower runs
+its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
+are encoded in one forward per adapter; the request's mm_hash is already the
+adapter's key, so the cache never hands base embeddings to it, nor its to the base.
+
 The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
 holds (epd/serve/encoder_router.py), and the age of the oldest queued image
@@ -135,11 +140,23 @@ class EncoderWorker(WorkerIO):
         if batch[0].msg.video is not None:
             self._encode_video(batch[0])
             return
+        by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
+        for job in batch:
+            by_adapter.setdefault(job.msg.lora, []).append(job)
+        for lora, jobs in by_adapter.items():
+            self._encode_images(jobs, lora)
+
+    def _encode_images(self, batch: list[_Job], lora) -> None:
+        """Images of one tower adapter (None: the base tower), encoded and stored."""
         start = time.perf_counter()
         try:
-            results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
-        except ImageError:
-            results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+            with self.encoder.adapted(lora):
+                try:
+                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch)
+                except ImageError:
+                    results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
+            results = [str(exc)] * len(batch)
         if self.delays.batch_delay_s:
             time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
@@ -165,7 +182,11 @@ class EncoderWorker(WorkerIO):
         """One video: its planned frames decoded within the limits, encoded, each entry
         stored (encoders/video_request.py); a failure answers its first entry."""
         start = time.perf_counter()
-        results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
+        try:
+            with self.encoder.adapted(job.msg.lora):
+                results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video)
+        except ValueError as exc:  # the tower adapter
+            results = [(self._keys(job.msg)[0], str(exc))]
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for key, result in results:
             if isinstance(result, str):

@@ -2,14 +2,18 @@
 
 Used in-process by the aggregated worker and the offline `LLM`, and by the
 encoder worker. Images are batched through the tower up to a patch budget.
+With tower LoRA (`tower_lora`, --enable-tower-lora) the tower's projections
+are wrapped (encoders/tower_lora.py) and `encode(images, lora=...)` runs the
+adapter's tower weights; its images are keyed apart (`mm_hash(..., adapter_digest)`).
 Each image's output is an `MMEntry` (transport/mm_entry.py): the one type
 the cache stores, EncodeDone carries and the engine consumes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -17,7 +21,9 @@ import torch
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
-from epd.transport.mm_cache import mm_hash
+from epd.encoders.tower_lora import TowerLoRA, TowerLoRASettings
+from epd.transport.lora_request import LoRARequest
+from epd.transport.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.mm_entry import MMEntry
 from epd.transport.cpu_linear import pack_linears
 
@@ -33,14 +39,18 @@ class ImageEncoder:
     def __init__(self, model_dir: str | Path, hf_config, dtype: torch.dtype, device: str = "cpu",
                  model_fingerprint: str = "", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES,
-                 max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, processor_kwargs: dict | None = None):
+                 max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, processor_kwargs: dict | None = None,
+                 tower_lora: TowerLoRASettings | None = None):
         """`processor_kwargs` (--mm-processor-kwargs): the image processor's settings over the file's
-        (its video keys are the API's: a video comes with its plan)."""
+        (its video keys are the API's: a video comes with its plan). `tower_lora`
+        (--enable-tower-lora): the tower's adapter slots; None: adapters never reach the tower."""
         # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
         has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
         processor_kwargs = {k: v for k, v in (processor_kwargs or {}).items() if k in PROCESSOR_KWARGS}
         self.preprocess = ImagePreprocessor(model_dir, processor_kwargs) if has_processor else None
         self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
+        # the projections wrapped before the packing, which then reaches the base inside each wrapper
+        self.lora = TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora else None
         if self.tower is not None:
             pack_linears(self.tower)  # CPU float32: oneDNN with packed weights (transport/cpu_linear.py)
         self.device = device
@@ -53,20 +63,41 @@ class ImageEncoder:
         self.max_batch_patches = max_batch_patches
         self.max_decoded_pixels = max_decoded_pixels
 
-    def mm_hash(self, image_bytes: bytes) -> str:
-        """Content key of an image for this model and image processor."""
-        return mm_hash(image_bytes, self.model_fingerprint, self.processor_config)
+    def mm_hash(self, image_bytes: bytes, adapter_digest: str | None = None) -> str:
+        """Content key of an image for this model and image processor (and the tower
+        adapter whose files hash to `adapter_digest`, if any)."""
+        key = mm_hash(image_bytes, self.model_fingerprint, self.processor_config)
+        return key if adapter_digest is None else adapted_mm_hash(key, adapter_digest)
+
+    @contextlib.contextmanager
+    def adapted(self, lora: LoRARequest | None) -> Iterator[None]:
+        """The tower (images and videos alike) runs with `lora`'s tower weights inside
+        (None: the base tower). ValueError when tower LoRA is off, or the adapter is bad."""
+        if lora is None:
+            yield
+            return
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: tower LoRA is not enabled on this encoder "
+                             f"(--enable-tower-lora)")
+        with self.lora.applied(lora):
+            yield
 
     @torch.inference_mode()
-    def encode(self, images: list[bytes], on_batch: BatchTimer | None = None) -> list[MMEntry]:
+    def encode(self, images: list[bytes], on_batch: BatchTimer | None = None,
+               lora: LoRARequest | None = None) -> list[MMEntry]:
         """Encodes raw images (raises encoders.image_io.ImageError on bad bytes).
 
         Batches are bounded by patches (the tower's work) and by decoded pixels
         (memory): an image is decoded only when its batch runs, so a request of
         several huge images never holds them all decoded at once. `on_batch`
-        gets each tower batch's (images, preprocessing s, forward s)."""
+        gets each tower batch's (images, preprocessing s, forward s). `lora`: the tower
+        adapter every image runs with (`adapted`)."""
         if self.preprocess is None:
             raise ImageError(NO_IMAGE_PROCESSOR)
+        with self.adapted(lora):
+            return self._encode(images, on_batch)
+
+    def _encode(self, images: list[bytes], on_batch: BatchTimer | None) -> list[MMEntry]:
         geometry = self.preprocess.geometry
         out: list[MMEntry] = []
         batch: list[bytes] = []

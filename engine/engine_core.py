@@ -28,6 +28,7 @@ from epd.engine.config import EngineConfig
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
+from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
@@ -104,7 +105,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
-        self.lora = LoRAManager(model, config.lora) if config.lora.enable_lora else None
+        self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
+            if config.lora.enable_lora else None
         # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
         pack_cpu_linears(model)
@@ -116,7 +118,8 @@ class EngineCore:
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.images = ImageLedger()  # the images of the requests in the engine
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
-                                   max_loras=config.lora.max_loras if self.lora else 0)
+                                   max_loras=config.lora.max_loras if self.lora else 0,
+                                   adapter_ready=self.lora.is_loaded if self.lora else None)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
                                   self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second)
@@ -235,6 +238,8 @@ class EngineCore:
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        if not fits_adapter_limit(self.scheduler.running, request.lora_key, self.scheduler.max_loras):
+            return False  # --max-loras adapters run already: no read for it yet (it would be trimmed)
         lora = self._lora_read(request)
         if lora is not None:
             if not lora.done():
@@ -300,8 +305,11 @@ class EngineCore:
         failed = self._admit_prepared()
         self.images.drop_unused()  # images whose last request left since the last step
         self._propose_drafts()
+        reads = self._keep_adapters_read()
         out = self.scheduler.schedule()
         self.images.remove(out.dropped_request_ids)
+        if reads and not out.scheduled:  # nothing to run until an adapter is read: no busy loop
+            wait(reads, timeout=0.01, return_when=FIRST_COMPLETED)
         try:
             runner_out = self.runner.execute(out)
             updates = self.scheduler.update(out, runner_out.sampled_token_ids)
@@ -326,6 +334,24 @@ class EngineCore:
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 request.draft_token_ids = self.proposer.propose(request.all_token_ids)
+
+    def _keep_adapters_read(self) -> list[Future]:
+        """--max-cpu-loras between steps (LoRAManager.keep_read): the running requests' adapters
+        stay in host memory; those of the waiting requests next in line (as many as there is
+        room for, and that --max-loras would let run) are read again if they were evicted, in
+        the loader thread, and the scheduler admits a request once its adapter is read."""
+        if self.lora is None:
+            return []
+        running = {r.lora_key for r in self.scheduler.running if r.lora_key is not None}
+        room, is_full = self.config.lora.num_cpu_loras - len(running), len(running) >= self.config.lora.max_loras
+        wanted: dict[tuple[str, str], LoRARequest] = {}
+        for request in self.scheduler.waiting:
+            if len(wanted) >= room:
+                break
+            key = request.lora_key
+            if key is not None and key not in running and not is_full:
+                wanted.setdefault(key, request.lora_request)
+        return self.lora.keep_read(running, list(wanted.values()))
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
@@ -76,12 +76,15 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
-                 images: ImageLedger | None = None, max_loras: int = 0) -> None:
+                 images: ImageLedger | None = None, max_loras: int = 0,
+                 adapter_ready: Callable[[tuple[str, str]], bool] | None = None) -> None:
         """`images`: the engine's image ledger (None: a ledger of its own);
-        `max_loras`: distinct adapters among the running requests at most (0: no limit)."""
+        `max_loras`: distinct adapters among the running requests at most (0: no limit);
+        `adapter_ready(lora_key)`: whether an adapter is read (None: always), else its
+        request waits and the next may start."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config, self.max_loras = config, max_loras
+        self.config, self.max_loras, self.adapter_ready = config, max_loras, adapter_ready
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -255,8 +258,11 @@ class Scheduler:
         prefix-cache hit up to its `prefill_bound`) if its blocks are free
         beside those the running prefills in `later` need next. One whose
         first image is pending, or that may not wait for images now, stays
-        and the next may start (one past `max_loras` adapters too); one that does not fit stops admission."""
-        if not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
+        and the next may start (one past `max_loras` adapters, or whose adapter is not read, too);
+        one that does not fit stops admission."""
+        if not fits_adapter_limit(self.running, request.lora_key, self.max_loras) or (
+                request.lora_key is not None and self.adapter_ready is not None
+                and not self.adapter_ready(request.lora_key)):
             return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)

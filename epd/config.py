@@ -29,7 +29,7 @@ from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
-from epd.serve.threads import CPU_SHARING, available_cores, worker_threads
+from epd.serve.threads import CPU_SHARING, available_cores, serve_api_cores, worker_threads
 from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
@@ -207,13 +207,16 @@ class ServeConfig:
     def threads_for_each_worker(self, role: Role | str | None = None) -> int:
         """Torch threads of a worker of `role` (None: of an engine worker):
         `--threads-per-worker`, else the rule of epd/serve/threads.py, which
-        leaves a core to the API process and, "split", divides the rest over
-        the workers, "shared", over the engine workers (an encoder may use
-        them all; the kernel shares cores by priority, `worker_nice`)."""
+        leaves a core to the API process (not on a host of 2 cores or fewer)
+        and, "split", divides the rest over the workers, "shared", over the
+        engine workers (an encoder may use them all; the kernel shares cores
+        by priority, `worker_nice`)."""
         if self.threads_per_worker:
             return self.threads_per_worker
         roles = [r for r, _ in self.worker_roles()]
-        return worker_threads(None if role is None else Role.parse(role), roles, available_cores(), self.cpu_sharing)
+        cores = available_cores()
+        return worker_threads(None if role is None else Role.parse(role), roles, cores, self.cpu_sharing,
+                              serve_api_cores(cores))
 
     def worker_nice(self, role: Role | str) -> int:
         """The niceness a worker of `role` runs at: 0 unless the cores are
@@ -267,7 +270,7 @@ class WorkerConfig:
     max_request_video_pixels: int = field_default(MediaConfig, "max_request_video_pixels")
     video_decode_timeout_s: float = field_default(MediaConfig, "video_decode_timeout_s")
     num_threads: int | None = None  # --threads-per-worker; None: `num_worker_threads`'s rule
-    cpu_sharing: str = "shared"  # as `epd serve`'s: "shared" also sets OMP_WAIT_POLICY=PASSIVE
+    cpu_sharing: str = "shared"  # as `epd serve`'s; "shared" also sets OMP_WAIT_POLICY=PASSIVE here
     worker_keys: str | None = None  # `epd keys` directory (the worker's secret and both public keys)
     engine: EngineConfig = field(default_factory=EngineConfig)
     # as the API's `epd serve --tokenizer / --mm-processor-kwargs`: the worker must count and encode alike

@@ -5,6 +5,9 @@ each distinct image and video once, the engine schedules all requests together
 with continuous batching, and each request's text is detokenized incrementally
 with stop strings applied. A video is planned from its header as the API does
 (epd/inputs/video_header.py), then decoded and encoded (encoders/video_encoder.py).
+With `enable_tower_lora=True` an adapter's vision tower weights run on its
+requests' images and videos (keyed apart, as the server keys them:
+epd/lora_modules.TowerAdapters).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
+from epd.encoders.tower_lora import TowerLoRASettings
 from epd.encoders.video_encoder import VideoEncoder
 from epd.encoders.video_geometry import VideoOptions, VideoPlan, load_video_config
 from epd.encoders.video_keys import video_mm_hash
@@ -29,6 +33,8 @@ from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef, image_parts, video_parts
 from epd.inputs.video_header import plan_video
+from epd.lora_modules import TowerAdapters
+from epd.transport.mm_cache import adapted_mm_hash
 from epd.transport.mm_entry import MMEntry
 
 log = logging.getLogger("epd.llm")
@@ -89,7 +95,8 @@ class LLM:
         info = self.engine.info
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
-            processor_kwargs=mm_processor_kwargs)
+            processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
+        self.tower_adapters = TowerAdapters(self.config.lora.enable_tower_lora)
         self.video = None if self.encoder is None else VideoEncoder(
             model, self.encoder.tower, self.engine.dtype, self.engine.device)
         self.video_config = {} if self.encoder is None else load_video_config(model)
@@ -132,14 +139,17 @@ class LLM:
             parts = image_parts(messages)
             if parts and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
+            digest = self.tower_adapters.digest(lora) if parts or video_parts(messages) else None
+            tower_lora = lora if digest else None  # the tower runs the adapter's weights; keys are its
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
-            refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b))
+            refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b, digest))
                     for b in image_bytes]
-            videos = [self._video(part, options) for part in video_parts(messages)]
+            videos = [self._video(part, options, digest) for part in video_parts(messages)]
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
                                         template_kwargs=chat_template_kwargs, videos=[v for v, _ in videos])
-            requests.append((prompt.token_ids, prompt.mm_spans, dict(zip((r.mm_hash for r in refs), image_bytes)),
-                             p, lora, {v.mm_hash: (data, v.plan) for v, data in videos}))
+            requests.append((prompt.token_ids, prompt.mm_spans,
+                             {r.mm_hash: (b, tower_lora) for r, b in zip(refs, image_bytes)},
+                             p, lora, {v.mm_hash: (data, v.plan, tower_lora) for v, data in videos}))
         return self._run(requests)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -192,25 +202,33 @@ class LLM:
                              f"got {str(prompt)[:80]}")
         return ids
 
-    def _video(self, part: dict, options: VideoOptions) -> tuple[VideoRef, bytes]:
-        """A video part's bytes and what the prompt needs of it: the plan from its header and its key."""
+    def _video(self, part: dict, options: VideoOptions, tower_digest: str | None) -> tuple[VideoRef, bytes]:
+        """A video part's bytes and what the prompt needs of it: the plan from its header and its key
+        (adapted to the tower adapter of `tower_digest`, if any)."""
         if self.video is None:
             raise ValueError(self.files.no_images_reason)
         data = load_image_bytes(_video_source(part), self.media, modality="video")
         _, plan = plan_video(data, self.video.geometry, options)
-        return VideoRef(plan, video_mm_hash(data, self.engine.info.fingerprint, self.video_config, plan)), data
+        key = video_mm_hash(data, self.engine.info.fingerprint, self.video_config, plan)
+        return VideoRef(plan, key if tower_digest is None else adapted_mm_hash(key, tower_digest)), data
 
-    def _encode_videos(self, wanted: dict[str, tuple[bytes, VideoPlan]]) -> dict[str, MMEntry]:
+    def _encode_videos(self, wanted: dict[str, tuple[bytes, VideoPlan, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
         out: dict[str, MMEntry] = {}
-        for key, (data, plan) in wanted.items():
-            out.update(self.video.encode(data, plan, key))
+        for key, (data, plan, tower_lora) in wanted.items():
+            with self.encoder.adapted(tower_lora):
+                out.update(self.video.encode(data, plan, key))
         return out
 
-    def _encode_images(self, wanted: dict[str, bytes]) -> dict[str, MMEntry]:
-        hashes = list(wanted)
-        encoded = self.encoder.encode([wanted[h] for h in hashes]) if hashes else []
-        return dict(zip(hashes, encoded))
+    def _encode_images(self, wanted: dict[str, tuple[bytes, LoRARequest | None]]) -> dict[str, MMEntry]:
+        """Each image's entry by its key: one tower pass per tower adapter (None: the base tower)."""
+        by_adapter: dict[LoRARequest | None, list[str]] = {}
+        for key, (_, tower_lora) in wanted.items():
+            by_adapter.setdefault(tower_lora, []).append(key)
+        out: dict[str, MMEntry] = {}
+        for tower_lora, keys in by_adapter.items():
+            out.update(zip(keys, self.encoder.encode([wanted[k][0] for k in keys], lora=tower_lora)))
+        return out
 
     def _run(self, requests) -> list[RequestOutput]:
         for _, _, _, params, *_ in requests:  # a schema xgrammar refuses: ValueError before any work
@@ -218,8 +236,8 @@ class LLM:
                 check_constraint(params.structured_outputs)
         for lora in dict.fromkeys(r[4] for r in requests if r[4] is not None):  # a bad adapter: before any work
             self.engine.load_lora(lora)
-        images: dict[str, bytes] = {}
-        videos: dict[str, tuple[bytes, VideoPlan]] = {}
+        images: dict[str, tuple[bytes, LoRARequest | None]] = {}
+        videos: dict[str, tuple[bytes, VideoPlan, LoRARequest | None]] = {}
         for _, _, mm, _, _, video_mm in requests:
             images.update(mm)
             videos.update(video_mm)

@@ -58,16 +58,48 @@ def lora_requests(modules: tuple[LoRAModule, ...]) -> dict[str, LoRARequest]:
 
 
 def check_lora_modules(modules: tuple[LoRAModule, ...], served_model_name: str, hf_config,
-                       max_lora_rank: int) -> None:
+                       max_lora_rank: int, enable_tower_lora: bool = False) -> None:
     """Every adapter read and checked against the checkpoint (torch-free); ValueError naming
-    the adapter and the field (r above --max-lora-rank, a target the model lacks, another base)."""
+    the adapter and the field (r above --max-lora-rank, a target the model lacks, another base).
+    `enable_tower_lora`: its vision tower weights are checked against the tower too (else
+    they are ignored, with a warning)."""
+    from epd.encoders.tower_adapter import TowerShapes, read_tower_adapter
     from epd.engine.lora.adapter import ProjectionShapes, read_adapter
 
     shapes = ProjectionShapes.from_hf(hf_config)
     for module in modules:
         if module.name == served_model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the served model's own name")
-        read_adapter(module.name, module.path, shapes, max_lora_rank)
+        read_adapter(module.name, module.path, shapes, max_lora_rank, tower=enable_tower_lora)
+        if enable_tower_lora and getattr(hf_config, "vision_config", None) is not None:
+            read_tower_adapter(module.name, module.path, TowerShapes.from_hf(hf_config), max_lora_rank)
+
+
+class TowerAdapters:
+    """Which adapters run on the vision tower (--enable-tower-lora), and the digest of
+    their files that keys their images' embeddings apart (transport/mm_cache.adapted_mm_hash).
+    An adapter without tower weights (or tower LoRA off) has none: its requests share the
+    base model's embeddings. Each adapter's files are read once (by name, path and id: an
+    adapter loaded again at run time gets a new id, and is read again)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._digests: dict[tuple[str, int, str], str | None] = {}
+
+    def digest(self, lora: LoRARequest | None) -> str | None:
+        """None: the request's images run through the base tower. ValueError naming the
+        adapter when its files cannot be read."""
+        if lora is None or not self.enabled:
+            return None
+        key = (lora.lora_name, lora.lora_int_id, lora.lora_path)
+        if key not in self._digests:
+            from epd.transport.lora_files import adapter_digest, touches_tower
+
+            try:
+                self._digests[key] = adapter_digest(lora.lora_path) if touches_tower(lora.lora_path) else None
+            except OSError as exc:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): unreadable ({exc})") from None
+        return self._digests[key]
 
 
 class LoRARegistry:
@@ -93,8 +125,11 @@ class LoRARegistry:
         return list(self._modules)
 
     def make(self, name: str, path: str) -> LoRARequest:
-        """The LoRARequest an adapter loaded now would carry (not registered yet)."""
-        return LoRARequest(name, self._next_id, os.path.abspath(path))
+        """The LoRARequest an adapter loaded now would carry (not registered yet); its id is
+        taken, even if the load fails (as vLLM's counter)."""
+        lora = LoRARequest(name, self._next_id, os.path.abspath(path))
+        self._next_id += 1
+        return lora
 
     def add(self, module: LoRAModule, lora: LoRARequest) -> None:
         """Registers `make`'s LoRARequest under `module.name`; ValueError if the name is taken."""

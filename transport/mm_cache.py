@@ -73,6 +73,13 @@ def mm_hash(image_bytes: bytes, model_fingerprint: str, processor_config: dict) 
     return digest.hexdigest()
 
 
+def adapted_mm_hash(mm_hash: str, adapter_digest: str) -> str:
+    """Content key of an image (or video) encoded by a tower run with a LoRA adapter
+    (--enable-tower-lora) whose files hash to `adapter_digest` (transport/lora_files.py):
+    never the base tower's key, nor another adapter's, nor an older version's of the same."""
+    return hashlib.blake2b(f"epd-mm-tower-lora-v1:{mm_hash}:{adapter_digest}".encode(), digest_size=32).hexdigest()
+
+
 @dataclass
 class CacheStats:
     """Counters of one MMCache instance (this process only)."""

@@ -59,10 +59,14 @@ class EncodeRequest(Message):
     reply_to: str
     with_tensors: bool = False
     video: VideoFrames | None = None  # None: `image` is an image
+    # --enable-tower-lora: the adapter the tower runs with (None: the base tower, also for an adapter
+    # of the language model only); `mm_hash` is then its key (transport/mm_cache.adapted_mm_hash)
+    lora: LoRARequest | None = None
 
     def _fields(self):
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
-                "with_tensors": self.with_tensors, "video": None if self.video is None else self.video.to_map()}
+                "with_tensors": self.with_tensors, "video": None if self.video is None else self.video.to_map(),
+                "lora": _lora_to_wire(self.lora)}
 
     def _payload(self):
         return [self.image]
@@ -72,7 +76,8 @@ class EncodeRequest(Message):
         need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
         video = f.opt_map("video")
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], read_address(f, "reply_to"),
-                   f.bool("with_tensors"), None if video is None else VideoFrames.from_fields(video))
+                   f.bool("with_tensors"), None if video is None else VideoFrames.from_fields(video),
+                   _lora(f, "lora"))
 
 
 @dataclass

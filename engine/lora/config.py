@@ -15,14 +15,20 @@ class LoRAConfig:
     """`enable_lora` off: requests with an adapter are refused and the model is
     not wrapped. `max_loras` adapters are resident in device slots at once
     (and so at most that many distinct adapters run in one step);
-    `max_cpu_loras` (None: `max_loras`) are kept read in host memory."""
+    `max_cpu_loras` (None: `max_loras`) are kept read in host memory.
+    `enable_tower_lora` (beyond vLLM's default; its `enable_tower_connector_lora`):
+    an adapter's vision tower weights run on the encoders, which keep the same
+    number of slots and host entries of their own (encoders/tower_lora.py)."""
 
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    enable_tower_lora: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_tower_lora and not self.enable_lora:
+            raise ValueError("enable_tower_lora (--enable-tower-lora) needs enable_lora (--enable-lora)")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_lora_rank not in MAX_LORA_RANKS:

@@ -14,25 +14,35 @@ the adapter does not target, or of a rank below `max_rank`, add exact zeros.
 Which rows use which slot comes from the step (`LoRAStep`), entered by the
 model runner around the forward pass: a context manager that refuses
 nesting, read by every wrapper (no global). Outside a step, or for rows of
-no adapter, the wrapper is the plain projection.
+no adapter, the wrapper is the plain projection. Two paths, same sums: in
+torch per slot a gather, two matmuls and an index_add (`add_lora_torch`,
+the CPU path and the reference); on a GPU (the triton attention backend) two
+Triton kernels over tiles of rows of one slot each (engine/lora/triton_lora.py,
+vLLM's punica idea: shrink x @ A[slot]^T, then expand @ B[slot]^T into y).
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from epd.engine.lora.step_rows import SlotRows, StepRows
 
-@dataclass(frozen=True)
-class SlotRows:
-    """The rows of the step's flattened batch that run with adapter `slot`
-    (`rows` None: every row)."""
 
-    slot: int
-    rows: torch.Tensor | None  # [num_rows] int64
+def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   groups: tuple[SlotRows, ...], scaling: list[float]) -> None:
+    """The gathered low-rank matmul in torch (CPU; the Triton kernel's reference):
+    y [num_tokens, out] += (x[rows] @ A[slot]^T) @ B[slot]^T * scaling[slot] per group,
+    with x [num_tokens, in], lora_a [num_slots, R, in], lora_b [num_slots, out, R]."""
+    for group in groups:
+        xs = x if group.rows is None else x[group.rows]
+        delta = (xs @ lora_a[group.slot].t()) @ lora_b[group.slot].t() * scaling[group.slot]  # [num_rows, out]
+        if group.rows is None:
+            y += delta
+        else:
+            y.index_add_(0, group.rows, delta)
 
 
 class LoRAStep:
@@ -40,19 +50,19 @@ class LoRAStep:
 
     def __init__(self, num_slots: int):
         self.scaling = [0.0] * num_slots  # per slot: the resident adapter's scaling
-        self.groups: tuple[SlotRows, ...] = ()
+        self.rows: StepRows | None = None
         self._active = False
 
     @contextlib.contextmanager
-    def applied(self, groups: list[SlotRows]) -> Iterator[None]:
+    def applied(self, rows: StepRows) -> Iterator[None]:
         """Runs the forward pass inside with these rows adapted; refuses nesting."""
         if self._active:
             raise RuntimeError("LoRAStep.applied does not nest: one forward pass at a time")
-        self._active, self.groups = True, tuple(groups)
+        self._active, self.rows = True, rows
         try:
             yield
         finally:
-            self._active, self.groups = False, ()
+            self._active, self.rows = False, None
 
 
 class LoRALinear(nn.Module):
@@ -88,16 +98,16 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [num_tokens, out]
-        for group in self.step.groups:
-            if not self.is_set[group.slot]:
-                continue
-            xs = x if group.rows is None else x[group.rows]
-            delta = (xs @ self.lora_a[group.slot].t()) @ self.lora_b[group.slot].t() \
-                * self.step.scaling[group.slot]  # [num_rows, out]
-            if group.rows is None:
-                y += delta
-            else:
-                y.index_add_(0, group.rows, delta)
+        rows = self.step.rows
+        if rows is None or not any(self.is_set[slot] for slot in rows.slots):
+            return y  # no step, or no adapter of the step targets this projection
+        if rows.tiles is not None:
+            from epd.engine.lora.triton_lora import add_lora
+
+            add_lora(y, x, self.lora_a, self.lora_b, rows.tiles)
+        else:
+            add_lora_torch(y, x, self.lora_a, self.lora_b,
+                           tuple(g for g in rows.groups if self.is_set[g.slot]), self.step.scaling)
         return y
 
 

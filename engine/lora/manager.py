@@ -8,12 +8,16 @@ request names it (a bad one fails that request with the adapter's message) and
 keeps its tensors in host memory: the engine admits the request when the read
 is done, so a slow read never stalls the step loop and the requests it runs
 (`load` waits for it: the offline `LLM`, which checks adapters before any
-work). An adapter evicted from host memory before its request runs (more
-adapters in flight than --max-cpu-loras) is read again, in the step.
+work). Host memory is trimmed back to --max-cpu-loras between steps
+(`keep_read`), never dropping a running request's adapter; an adapter
+evicted before its request runs (more adapters in flight than
+--max-cpu-loras) is read again in the loader thread, and the scheduler
+admits its request once it is read (`is_loaded`): no step reads a disk.
 `activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
-the step's per-token adapters into the groups `LoRALinear` adds deltas to.
+the step's per-token adapters into the rows `LoRALinear` adds deltas to
+(groups for torch, tiles for the Triton kernels when `use_triton`).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from torch import nn
 
 from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError, ProjectionShapes, read_adapter
 from epd.engine.lora.config import LoRAConfig
-from epd.engine.lora.layers import LoRAStep, SlotRows, wrap_model
+from epd.engine.lora.layers import LoRAStep, wrap_model
+from epd.engine.lora.step_rows import StepRows, step_rows
 from epd.transport.lora_request import LoRARequest
 
 AdapterKey = tuple[str, str]  # (lora_name, lora_path): LoRARequest.key
@@ -42,8 +47,9 @@ class _HostAdapter:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig):
-        self.config = config
+    def __init__(self, model: nn.Module, config: LoRAConfig, use_triton: bool = False):
+        """`use_triton`: the gathered matmul in the Triton kernels (a GPU), else in torch."""
+        self.config, self.use_triton = config, use_triton
         self.shapes = ProjectionShapes.of(model.cfg)
         self.step = LoRAStep(config.max_loras)
         self._wrappers = wrap_model(model, config.max_loras, config.max_lora_rank, self.step)
@@ -90,6 +96,24 @@ class LoRAManager:
         slot = self._slots.pop(key, None)
         return in_host or slot is not None
 
+    def keep_read(self, running: set[AdapterKey], wanted: list[LoRARequest]) -> list[Future]:
+        """Between two steps (the step thread): host memory back to --max-cpu-loras, least
+        recently used first, never the adapter of a running request (`running`: at most
+        --max-loras of them) or one in `wanted` (those of the waiting requests next in line,
+        at most --max-cpu-loras less the running ones); then the reads of the `wanted`
+        adapters evicted earlier start in the loader thread. Returns those reads' futures.
+
+        Only this thread evicts, so an adapter the scheduler sees read (`is_loaded`) stays
+        read until the step that admits its request has written it into a slot, and a running
+        request's adapter is always read: a step never waits for a disk."""
+        keep = running | {lora.key for lora in wanted}
+        with self._lock:
+            excess = len(self._host) - self.config.num_cpu_loras
+            for key in [k for k in self._host if k not in keep][:max(0, excess)]:
+                del self._host[key]  # a resident one keeps its slot
+            missing = [lora for lora in wanted if lora.key not in self._host]
+        return [self.prefetch(lora) for lora in missing]
+
     @property
     def resident(self) -> list[AdapterKey]:
         """The adapters in device slots, least recently used first."""
@@ -98,7 +122,8 @@ class LoRAManager:
     def _read(self, lora: LoRARequest) -> _HostAdapter:
         """The loader thread: the adapter from its directory into host memory."""
         try:
-            spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank)
+            spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank,
+                                tower=self.config.enable_tower_lora)
             from safetensors.torch import load_file
 
             try:
@@ -107,11 +132,9 @@ class LoRAManager:
                 raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): "
                                        f"{WEIGHTS_FILE} is unreadable ({exc})") from None
             entry = _HostAdapter(spec, {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()})
-            with self._lock:
+            with self._lock:  # evicted by the step thread (`keep_read`), never here: see there
                 self._host[lora.key] = entry
                 self.num_loads += 1
-                while len(self._host) > self.config.num_cpu_loras:
-                    self._host.popitem(last=False)  # a resident one keeps its slot; it is read again if needed
             return entry
         finally:
             with self._lock:
@@ -141,7 +164,8 @@ class LoRAManager:
         return self._slots.pop(victim)
 
     def _write_slot(self, lora: LoRARequest, slot: int) -> None:
-        entry = self.prefetch(lora).result()  # in host memory already, unless evicted since its request came
+        # in host memory (`keep_read`), unless unloaded at run time while its request ran: then read here
+        entry = self.prefetch(lora).result()
         by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), pair in entry.weights.items():
             by_layer.setdefault(layer, {})[module] = pair
@@ -153,18 +177,11 @@ class LoRAManager:
 
     # -- one step ------------------------------------------------------------------------
 
-    def rows(self, token_slots: list[int], device: torch.device) -> list[SlotRows]:
-        """Per token of the step its slot (-1: no adapter) -> the groups of rows per slot."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(token_slots):
-            if slot >= 0:
-                by_slot.setdefault(slot, []).append(row)
-        if len(by_slot) == 1 and len(next(iter(by_slot.values()))) == len(token_slots):
-            return [SlotRows(next(iter(by_slot)), None)]  # every row, one adapter: no gather
-        return [SlotRows(slot, torch.tensor(rows, dtype=torch.long, device=device))
-                for slot, rows in by_slot.items()]
+    def rows(self, token_slots: list[int], device: torch.device) -> StepRows:
+        """Per token of the step its slot (-1: no adapter) -> the rows `LoRALinear` adds deltas to."""
+        return step_rows(token_slots, self.step.scaling, device, self.use_triton)
 
     @contextlib.contextmanager
-    def applied(self, groups: list[SlotRows]) -> Iterator[None]:
-        with self.step.applied(groups):
+    def applied(self, rows: StepRows) -> Iterator[None]:
+        with self.step.applied(rows):
             yield

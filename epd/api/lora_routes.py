@@ -11,8 +11,9 @@ names the field), 404 NotFoundError for a directory that does not exist or an
 unload of a name not served. A load is checked against the checkpoint in the
 API process and announced to every prefill and decode worker, which read it in
 the background (`LoRAUpdate`); an unload makes them forget it. The registry
-(`ApiSettings.loras`) is this API process's: with --api-servers above 1 each
-process must be told.
+(`ApiSettings.loras`) is the API process's own, or with --api-servers above 1
+a file all of them share (epd/shared_lora_registry.py): a load or unload sent
+to any process holds for every one.
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def add_lora_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiS
             await orchestrator.update_lora(lora, is_load=True)  # checked, then announced to the workers
         except ValueError as exc:
             raise RequestError(str(exc), status=400, type="BadRequestError") from None
-        loras.add(LoRAModule(body.lora_name, lora.lora_path), lora)
+        try:
+            loras.add(LoRAModule(body.lora_name, lora.lora_path), lora)
+        except ValueError as exc:  # loaded meanwhile by a concurrent request (another API process)
+            raise _invalid(str(exc)) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post(UNLOAD_PATH)
@@ -72,6 +76,10 @@ def add_lora_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiS
         if loras.get(name) is None:
             raise RequestError(f"The lora adapter '{body.lora_name or body.lora_int_id}' cannot be found.",
                                status=404, type="NotFoundError")
-        lora = loras.remove(name)  # requests that name it now are 404s; those running finish with it
+        try:
+            lora = loras.remove(name)  # requests that name it now are 404s; those running finish with it
+        except KeyError:  # unloaded meanwhile by a concurrent request (another API process)
+            raise RequestError(f"The lora adapter '{name}' cannot be found.", status=404,
+                               type="NotFoundError") from None
         await orchestrator.update_lora(lora, is_load=False)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -33,10 +33,17 @@ class ApiSettings:
     # --allow-runtime-lora-updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, an explicit flag here)
     allow_runtime_lora_updating: bool = False
+    # --api-servers N > 1: the registry file every API process shares (epd/shared_lora_registry.py)
+    lora_registry_path: str | None = None
 
     @cached_property
     def loras(self) -> LoRARegistry:
-        """The adapters served by name now: --lora-modules, then runtime loads and unloads."""
+        """The adapters served by name now: --lora-modules, then runtime loads and unloads
+        (in the file every API process shares, when there is one)."""
+        if self.lora_registry_path is not None:
+            from epd.shared_lora_registry import SharedLoRARegistry
+
+            return SharedLoRARegistry(self.lora_registry_path, self.lora_modules)
         return LoRARegistry(self.lora_modules)
 
     def adapter(self, requested: str) -> LoRARequest | None:

@@ -12,7 +12,8 @@ from epd.engine.scheduler_config import PREFILL_PRIORITIES
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
-                "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+                "enable_tower_lora")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -87,6 +88,11 @@ def _add_lora_args(p: argparse.ArgumentParser, defaults: dict) -> None:
                    help="the largest adapter rank served (a larger one is refused)")
     g.add_argument("--max-cpu-loras", type=int, default=defaults["max_cpu_loras"],
                    help="adapters kept read in host memory (None: --max-loras; at least --max-loras)")
+    g.add_argument("--enable-tower-lora", "--enable-tower-connector-lora", dest="enable_tower_lora",
+                   action="store_true", default=defaults["enable_tower_lora"],
+                   help="with --enable-lora: an adapter's vision tower weights run on the encoders (their "
+                        "embeddings cached apart); without it they are ignored with a warning, as vLLM "
+                        "does (vLLM's experimental --enable-tower-connector-lora is the same flag)")
 
 
 def engine_config(args) -> EngineConfig:

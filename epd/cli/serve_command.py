@@ -297,7 +297,9 @@ def check_checkpoint(config: ServeConfig) -> None:
 
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)
-    check_lora_modules(config.lora_modules, config.model_name, files.hf_config, config.engine.lora.max_lora_rank)
+    lora = config.engine.lora
+    check_lora_modules(config.lora_modules, config.model_name, files.hf_config, lora.max_lora_rank,
+                       lora.enable_tower_lora)
     for note in files.notes() + accepted_flag_notes(config):
         print(f"EPD: {note}", file=sys.stderr, flush=True)
 

@@ -76,7 +76,7 @@ def _worker(args) -> int:
     from epd.serve.threads import share_cores
 
     config = worker_config(args)
-    share_cores(config.cpu_sharing)  # before the launcher's import loads torch (and libgomp reads it)
+    share_cores(config.cpu_sharing, external=True)  # before the launcher's import loads torch (libgomp reads it)
     from epd.inputs.model_files import ModelFiles
     from epd.serve.launcher import run_external_worker
 

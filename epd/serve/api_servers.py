@@ -21,6 +21,8 @@ all routing to the same workers.
         holds no supervisor, so it reads the launcher's through `LauncherWorkers`
       FastAPI app on the shared socket and on its own unix socket <run dir>/http-k.sock
         (to reach one process on purpose: operators, tests)
+      the adapters served by name in <run dir>/loras.json, shared (epd/shared_lora_registry.py):
+        a runtime LoRA load or unload through any process is seen by every process
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from epd.serve.deployment import Deployment, build_api, http_server
 from epd.serve.heap import freeze_startup_heap
 from epd.serve.local_supervisor import LocalSupervisor
 from epd.serve.supervisor import POLL_S, RestartBudget
+from epd.shared_lora_registry import REGISTRY_FILE
 from epd.transport.channels import Outbox, Sender
 from epd.transport.messages import Abort, Shutdown, WorkerExited
 
@@ -56,6 +59,7 @@ class ApiServerLaunch:
     collector: str
     mm_cache_dir: str
     own_socket_path: str  # this process alone listens here (unix socket)
+    lora_registry_path: str  # the adapters served by name, shared by every API process (runtime loads too)
 
 
 class LauncherWorkers:
@@ -82,8 +86,10 @@ def serve_many(deployment: Deployment) -> int:
     except OSError as exc:
         print(f"epd serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr, flush=True)
         return 1
+    registry = os.path.join(deployment.run_dir, REGISTRY_FILE)
     launches = [ApiServerLaunch(config, k, deployment.collectors[k], deployment.mm_cache_dir,
-                                os.path.join(deployment.run_dir, f"http-{k}.sock")) for k in range(config.api_servers)]
+                                os.path.join(deployment.run_dir, f"http-{k}.sock"), registry)
+                for k in range(config.api_servers)]
     servers = ApiServers(launches, http, multiprocessing.get_context("spawn"))
     try:
         return asyncio.run(_run(config, deployment.supervisor, servers, deployment.collectors))
@@ -261,7 +267,7 @@ def run_api_server(launch: ApiServerLaunch, http: socket.socket, ready) -> None:
 
     orchestrator, app = build_api(config, launch.collector, launch.mm_cache_dir,
                                   LauncherWorkers(config.external_workers), api_index=launch.index,
-                                  lifespan=lambda _orchestrator: lifespan)
+                                  lifespan=lambda _orchestrator: lifespan, lora_registry_path=launch.lora_registry_path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(launch.own_socket_path)  # left by the process this one replaces
     own = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -64,7 +64,7 @@ class Deployment:
                 os.environ[MULTIPROC_DIR_ENV] = os.path.join(run_dir, "metrics")
             mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
             os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
-            share_cores(config.cpu_sharing)  # the workers' OMP_WAIT_POLICY, inherited through spawn
+            share_cores(config.cpu_sharing)  # the workers' OpenMP wait (GOMP_SPINCOUNT), inherited through spawn
             collectors, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -106,17 +106,18 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str
 
 
 def build_api(config: ServeConfig, collector: str, mm_cache_dir: str, supervisor: WorkerWatch,
-              keys_dir: str | None = None, api_index: int = 0, lifespan=None):
+              keys_dir: str | None = None, api_index: int = 0, lifespan=None, lora_registry_path: str | None = None):
     """(Orchestrator, FastAPI app) of API process `api_index`, the supervisor given at construction;
-    `lifespan(orchestrator)`: the app's lifespan (the workers started before the first request)."""
+    `lifespan(orchestrator)`: the app's lifespan (the workers started before the first request);
+    `lora_registry_path`: the adapters' registry file the API processes share (None: its own)."""
     from epd.api.server import build_app
     from epd.serve.http_server import api_settings
     from epd.serve.orchestrator import Orchestrator
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir, api_index=api_index,
                                 supervisor=supervisor)
-    app = build_app(orchestrator, api_settings(config, orchestrator.files.sampling_defaults),
-                    lifespan=None if lifespan is None else lifespan(orchestrator))
+    settings = api_settings(config, orchestrator.files.sampling_defaults, lora_registry_path)
+    app = build_app(orchestrator, settings, lifespan=None if lifespan is None else lifespan(orchestrator))
     return orchestrator, app
 
 

@@ -9,9 +9,11 @@ from epd.config import ServeConfig
 from epd.inputs.sampling_defaults import SamplingDefaults
 
 
-def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None = None) -> ApiSettings:
+def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None = None,
+                 lora_registry_path: str | None = None) -> ApiSettings:
     """What the HTTP app of `epd serve` serves and whom, from its one config and the
-    checkpoint's sampling defaults (the orchestrator's `ModelFiles`; None: neutral)."""
+    checkpoint's sampling defaults (the orchestrator's `ModelFiles`; None: neutral);
+    `lora_registry_path`: the adapters' registry file of --api-servers N (None: the process's own)."""
     return ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                        max_images_per_prompt=config.media.limit_images_per_prompt,
                        max_videos_per_prompt=config.media.limit_videos_per_prompt,
@@ -22,4 +24,5 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
                        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
                        lora_modules=config.lora_modules,
-                       allow_runtime_lora_updating=config.allow_runtime_lora_updating)
+                       allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+                       lora_registry_path=lora_registry_path)

@@ -237,7 +237,8 @@ class Orchestrator:
             if not self.config.engine.lora.enable_lora:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
             check_lora_modules((LoRAModule(lora.lora_name, lora.lora_path),), self.model_name,
-                               self.files.hf_config, self.config.engine.lora.max_lora_rank)
+                               self.files.hf_config, self.config.engine.lora.max_lora_rank,
+                               self.config.engine.lora.enable_tower_lora)
         for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
             try:
                 await self._outbox.send(w.inbox, LoRAUpdate(lora, is_load))

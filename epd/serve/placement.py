@@ -203,6 +203,6 @@ class Placement:
             await outbox.send(enc.inbox, EncodeRequest(
                 attempt.attempt_id, key, data, reply_to=prefill.inbox,
                 with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
-                video=prep.video_frames.get(key)))
+                video=prep.video_frames.get(key), lora=prep.tower_lora))
             if enc is not prefill:
                 self.encoder_router.on_sent(enc, key, prep.num_patches[key])

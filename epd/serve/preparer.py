@@ -5,6 +5,8 @@
     prepare           in a thread unless the prompt is token ids
       images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
       videos          header -> plan (frames, size, tokens), mm_hash       epd/serve/video_inputs.py
+      tower adapter   --enable-tower-lora and the request's adapter has tower weights: every key
+                      adapted to it (its images never share the base's embeddings)   epd/lora_modules.TowerAdapters
       prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
                       (a prompt past max_model_len refused after tokenizing one piece past it)
     check length      the max_tokens to use within max_model_len
@@ -25,10 +27,12 @@ from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, VideoRef, exceeds_tokens, image_parts, video_parts
+from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.video_inputs import PlannedVideo, VideoInputs
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.mm_cache import mm_hash
+from epd.transport.lora_request import LoRARequest
+from epd.transport.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.mm_span import MMSpan
 from epd.transport.mm_video import VideoFrames
 
@@ -45,6 +49,7 @@ class Prepared:
     held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
     video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
     video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
+    tower_lora: LoRARequest | None = None  # the adapter the encoders run (--enable-tower-lora); keys are its
 
 
 class Preparer:
@@ -69,6 +74,7 @@ class Preparer:
         self.images_by_uuid = ImagesByUuid()  # vLLM's media uuid: the latest image sent under each
         self.videos = VideoInputs(files, config.media, dict(config.files.mm_processor_kwargs), info.fingerprint)
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
+        self.tower_adapters = TowerAdapters(config.engine.lora.enable_tower_lora)
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
         """Everything a request's attempts send; RequestError for bad input (400) or
@@ -178,8 +184,9 @@ class Preparer:
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
             return self._truncated(req, Prepared(ids, [], {}, {}))
-        images, num_patches, refs = self._image_refs(raw_images)
-        videos = self.videos.plan(list(raw_videos), req.mm_processor_kwargs)
+        tower_digest = self._tower_digest(req) if raw_images or raw_videos else None
+        images, num_patches, refs = self._image_refs(raw_images, tower_digest)
+        videos = self.videos.plan(list(raw_videos), req.mm_processor_kwargs, tower_digest)
         try:
             prompt = self._build_prompt(req, refs, videos, max_prompt_tokens)
         except PromptTooLong as exc:
@@ -191,7 +198,15 @@ class Preparer:
             num_patches[video.mm_hash] = video.num_patches
         return self._truncated(req, Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
                                              video_frames={v.mm_hash: v.frames for v in videos},
-                                             video_entries={v.mm_hash: v.entry_hashes for v in videos}))
+                                             video_entries={v.mm_hash: v.entry_hashes for v in videos},
+                                             tower_lora=req.lora if tower_digest else None))
+
+    def _tower_digest(self, req: GenerateRequest) -> str | None:
+        """The digest of the request's tower adapter (None: the base tower runs its images)."""
+        try:
+            return self.tower_adapters.digest(req.lora)
+        except ValueError as exc:
+            raise RequestError(status=400, message=str(exc), param="model") from None
 
     def _build_prompt(self, req: GenerateRequest, refs: list[ImageRef], videos: list[PlannedVideo],
                       max_prompt_tokens: int | None):
@@ -225,9 +240,11 @@ class Preparer:
         return RequestError(status=400, message=f"This model's maximum context length is {self.max_model_len} "
                             f"tokens; {exc}, leaving none to generate", param=param)
 
-    def _image_refs(self, raw_images: list[bytes]) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
-        """Distinct images by mm_hash, their patches, and each image part's size and hash,
-        from the headers alone; RequestError for an image refused."""
+    def _image_refs(self, raw_images: list[bytes], tower_digest: str | None = None
+                    ) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
+        """Distinct images by mm_hash (adapted to the tower adapter of `tower_digest`, if any),
+        their patches, and each image part's size and hash, from the headers alone;
+        RequestError for an image refused."""
         images, num_patches, refs, num_pixels = {}, {}, [], 0
         for data in raw_images:
             try:
@@ -241,6 +258,8 @@ class Preparer:
                                    f"{self.config.media.max_request_pixels} pixels in all (--max-request-pixels)",
                                    param="messages")
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
+            if tower_digest is not None:
+                key = adapted_mm_hash(key, tower_digest)
             images[key] = data
             num_patches[key] = t * h * w
             refs.append(ImageRef(width, height, key))

@@ -25,6 +25,7 @@ from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.video_header import VideoError, plan_video
 from epd.requests import RequestError
+from epd.transport.mm_cache import adapted_mm_hash
 from epd.transport.mm_video import VideoFrames
 
 
@@ -78,9 +79,11 @@ class VideoInputs:
         except ValueError as exc:
             raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
 
-    def plan(self, raw_videos: list[bytes], request_kwargs: dict | None) -> list[PlannedVideo]:
-        """Every video part's plan and key, in order; RequestError (400) for a video
-        refused: not a video, settings its processor refuses, past a limit."""
+    def plan(self, raw_videos: list[bytes], request_kwargs: dict | None,
+             tower_digest: str | None = None) -> list[PlannedVideo]:
+        """Every video part's plan and key (adapted to the tower adapter of `tower_digest`,
+        if any), in order; RequestError (400) for a video refused: not a video, settings
+        its processor refuses, past a limit."""
         if not raw_videos:
             return []
         geometry = self.files.video_geometry
@@ -99,6 +102,6 @@ class VideoInputs:
             if num_decoded > self.media.max_request_video_pixels:
                 raise RequestError(f"the request's videos decode to more than {self.media.max_request_video_pixels} "
                                    "pixels in all (--max-request-video-pixels)", param="messages")
-            out.append(PlannedVideo(video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {},
-                                                  plan), plan))
+            key = video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {}, plan)
+            out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan))
         return out

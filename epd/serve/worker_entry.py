@@ -75,9 +75,11 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
 
 def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
     from epd.encoders.image_encoder import ImageEncoder
+    from epd.encoders.tower_lora import TowerLoRASettings
 
     return ImageEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint,
-                        max_image_pixels=launch.max_image_pixels, processor_kwargs=dict(launch.mm_processor_kwargs))
+                        max_image_pixels=launch.max_image_pixels, processor_kwargs=dict(launch.mm_processor_kwargs),
+                        tower_lora=TowerLoRASettings.of(launch.engine.lora))
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
@@ -122,31 +124,49 @@ def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):
     """The aggregated worker's encoder (engine/worker.py's EncodeFn): images batched, each
     video decoded and encoded as an encoder worker does it (encoders/video_request.py),
     under the launch's decode limits."""
-    from epd.encoders.video_request import encode_video_request
-
     encoder = _image_encoder(launch, hf_config, info, dtype, device)
     video = _video_encoder(launch, encoder, dtype, device)
 
     def encode_fn(msgs):
-        images = [m.image for m in msgs if m.video is None]
-        image_results = iter(_encode_images(encoder, images) if images else [])
-        return [encode_video_request(video, m, launch.decode_limits) if m.video is not None
-                else [(m.mm_hash, next(image_results))] for m in msgs]
+        by_adapter: dict = {}  # one tower forward per adapter (--enable-tower-lora; None: the base tower)
+        for m in msgs:
+            if m.video is None:
+                by_adapter.setdefault(m.lora, []).append(m)
+        image_results = {}
+        for lora, group in by_adapter.items():
+            image_results.update(zip(map(id, group), _encode_images(encoder, [m.image for m in group], lora)))
+        return [_encode_video(encoder, video, m, launch.decode_limits) if m.video is not None
+                else [(m.mm_hash, image_results[id(m)])] for m in msgs]
 
     return encode_fn
 
 
-def _encode_images(encoder, images: list[bytes]) -> list:
-    """An MMEntry per image, or its error: a batch with a bad image is retried one by one."""
+def _encode_video(encoder, video, msg, limits) -> list:
+    from epd.encoders.video_request import encode_video_request, video_keys
+
+    try:
+        with encoder.adapted(msg.lora):
+            return encode_video_request(video, msg, limits)
+    except ValueError as exc:  # the tower adapter
+        return [(video_keys(msg)[0], str(exc))]
+
+
+def _encode_images(encoder, images: list[bytes], lora=None) -> list:
+    """An MMEntry per image, or its error: a batch with a bad image is retried one by one;
+    a bad tower adapter (or tower LoRA off) fails them all."""
     from epd.encoders.image_io import ImageError
 
     try:
-        return encoder.encode(images)
-    except ImageError:
-        out = []
-        for image in images:
+        with encoder.adapted(lora):
             try:
-                out.append(encoder.encode([image])[0])
-            except ImageError as exc:
-                out.append(str(exc))
-        return out
+                return encoder.encode(images)
+            except ImageError:
+                out = []
+                for image in images:
+                    try:
+                        out.append(encoder.encode([image])[0])
+                    except ImageError as exc:
+                        out.append(str(exc))
+                return out
+    except ValueError as exc:
+        return [str(exc)] * len(images)

@@ -6,7 +6,8 @@ with B matrices drawn at random (peft starts them at zero, which would change
 nothing), and saves it in PEFT's format (adapter_config.json +
 adapter_model.safetensors). `peft_greedy` loads the base model once with
 every adapter and decodes greedily, one full forward per token, the adapter
-(or none) chosen per prompt.
+(or none) chosen per prompt. `peft_image_greedy` does the same for a chat with
+images (tower adapters: `TOWER_MODULES`), with each token's logprob.
 """
 from __future__ import annotations
 
@@ -85,3 +86,49 @@ def _greedy(model_dir: str, adapters: dict[str, str], prompts: list[list[int]], 
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
         outputs.append(out)
     return outputs
+
+
+# The vision tower's projections as PEFT targets them on transformers' Qwen3-VL (a bare
+# linear_fc1 / linear_fc2 adapts the mergers' too); "attn.proj" leaves the patch embedding alone.
+TOWER_MODULES = ("qkv", "attn.proj", "linear_fc1", "linear_fc2")
+
+
+@torch.no_grad()
+def peft_image_greedy(model_dir: str, adapters: dict[str, str], messages: list[dict], images: list[bytes],
+                      names: list[str | None], num_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """Per adapter name (None: the base model), transformers + peft's greedy tokens for a
+    chat with images, and each token's logprob; one full forward per token, EOS ignored."""
+    from peft import PeftModel
+
+    from testkit.hf_reference import _mm_token_types, hf_inputs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = _base_model(model_dir)
+        first, *rest = adapters.items()
+        model = PeftModel.from_pretrained(base, first[1], adapter_name=first[0]).eval()
+        for name, path in rest:
+            model.load_adapter(path, adapter_name=name)
+        inputs = hf_inputs(model_dir, messages, images)
+        out = []
+        for name in names:
+            ids, tokens, logprobs = inputs["input_ids"], [], []
+            for _ in range(num_tokens):
+                step = dict(inputs, input_ids=ids)
+                if "mm_token_type_ids" in inputs:
+                    step["mm_token_type_ids"] = _mm_token_types(base, ids)
+                if name is None:
+                    with model.disable_adapter():
+                        logits = model(**step).logits[0, -1]
+                else:
+                    model.set_adapter(name)
+                    logits = model(**step).logits[0, -1]
+                nxt = int(logits.argmax())
+                tokens.append(nxt)
+                logprobs.append(float(torch.log_softmax(logits.float(), -1)[nxt]))
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            out.append((tokens, logprobs))
+        return out
+    finally:
+        torch.set_num_threads(threads)

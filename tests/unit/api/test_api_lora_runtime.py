@@ -70,3 +70,44 @@ def test_without_the_flag_the_routes_do_not_exist(tmp_path):
     for base, fake in serve_app(FakeOrchestrator()):
         r = _post(base, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
         assert r.status_code == 404 and fake.lora_updates == []
+
+
+def test_api_processes_sharing_a_registry_file_see_each_others_updates(tmp_path):
+    """--api-servers N: each process's app reads the adapters from one shared file, so a load
+    through one is served by the others, an unload through another is a 404 everywhere, and
+    a process started later (a restart) finds the runtime loads; ids are never handed out twice."""
+    import contextlib
+
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "code").mkdir()
+    shared = dict(lora_modules=(LoRAModule("sql", "/adapters/sql"),), allow_runtime_lora_updating=True,
+                  lora_registry_path=str(tmp_path / "loras.json"))
+    with contextlib.ExitStack() as stack:
+        apps = []
+        for _ in range(2):
+            served = serve_app(FakeOrchestrator(), **shared)
+            stack.callback(next, served, None)  # on past its yield: the server stops
+            apps.append(next(served))
+        (first, fake_first), (second, fake_second) = apps
+        clients = [openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0) for base, _ in apps]
+        for name, base in (("chat", first), ("code", second)):
+            r = _post(base, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(tmp_path / name)})
+            assert r.status_code == 200, r.text
+        r = _post(first, "/v1/load_lora_adapter", {"lora_name": "code", "lora_path": str(tmp_path / "code")})
+        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+        for client, fake in zip(clients, (fake_first, fake_second)):
+            assert [m.id for m in client.models.list().data] == [MODEL, "sql", "chat", "code"]
+            assert client.completions.create(model="chat", prompt="hi", max_tokens=2).model == "chat"
+            assert fake.requests[-1].lora == LoRARequest("chat", 2, str(tmp_path / "chat"))
+        assert fake_second.lora_updates == [(LoRARequest("code", 3, str(tmp_path / "code")), True)]
+
+        later = serve_app(FakeOrchestrator(), **shared)  # a restarted API process
+        stack.callback(next, later, None)
+        third, _ = next(later)
+        assert _post(third, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+        for client in clients:
+            assert [m.id for m in client.models.list().data] == [MODEL, "sql", "code"]
+            with pytest.raises(openai.NotFoundError):
+                client.completions.create(model="chat", prompt="hi", max_tokens=2)
+        r = _post(second, "/v1/unload_lora_adapter", {"lora_name": "chat"})
+        assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]

@@ -79,3 +79,15 @@ def test_epd_client_runs_a_text_row_through_bench_serve(fake_server, tmp_path):
     assert fake_server.peak_in_flight <= 2
     bodies = [b for b in fake_server.payloads if b["max_tokens"] == 4]
     assert len(bodies) == 3 and (tmp_path / "r.json").exists()
+
+
+def test_a_mode_may_carry_its_own_flags_and_every_epd_server_gets_vllms_kv_budget():
+    args = _args("--server-args", "--max-num-seqs 64", "--vllm-kv-cache-gib", "3",
+                 "--modes", "aggregated,aggregated[--threads-per-worker 2]")
+    assert vs_vllm.modes(args) == ["aggregated", "aggregated[--threads-per-worker 2]"]
+    assert vs_vllm.epd_server_args(args, "aggregated") == ("aggregated", ["--max-num-seqs", "64", "--kv-cache-gb", "3"])
+    assert vs_vllm.epd_server_args(args, "aggregated[--threads-per-worker 2]") == (
+        "aggregated", ["--max-num-seqs", "64", "--threads-per-worker", "2", "--kv-cache-gb", "3"])
+    own_kv = vs_vllm.epd_server_args(args, "e-p-d[--kv-cache-gb 1]")
+    assert own_kv == ("e-p-d", ["--max-num-seqs", "64", "--kv-cache-gb", "1"])
+    assert vs_vllm._slug("aggregated[--threads-per-worker 2]") == "aggregated_--threads-per-worker_2_"

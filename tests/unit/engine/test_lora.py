@@ -254,3 +254,44 @@ def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, a
         failed.update(core.step().failed)
     assert list(failed) == ["bad"] and "holds no LoRA weight" in failed["bad"]
     assert base.output_token_ids == expected[0, None]
+
+
+def test_an_evicted_adapter_is_read_again_off_the_step_loop(tiny_model, loras, expected):
+    import threading
+
+    from epd.engine.request import Request
+
+    core = _llm(tiny_model, enable_lora=True, max_loras=1, max_cpu_loras=1).engine
+    core.load_lora(loras["attn"])
+    core.load_lora(loras["mlp"])  # two read, room for one: the first step evicts "mlp"
+    base = Request("base", list(PROMPTS[0]), GREEDY)
+    attn = Request("attn", list(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                   lora_request=loras["attn"])
+    mlp = Request("mlp", list(PROMPTS[2]), GREEDY, lora_request=loras["mlp"])
+    for request in (base, attn, mlp):
+        core.add_request(request)
+    # base and attn run; mlp's adapter leaves host memory (room for one: attn's came first) and mlp waits
+    core.step()
+    assert not core.lora.is_loaded(loras["mlp"].key) and core.lora.is_loaded(loras["attn"].key)
+    gate = threading.Event()
+    deadline = threading.Timer(60, gate.set)  # a read done in the step would hold it until then
+    deadline.start()
+    core.lora._loader.submit(gate.wait)  # the loader thread busy: mlp's second read waits (a slow disk)
+    try:
+        for _ in range(40):
+            if base.is_finished:
+                break
+            core.step()
+        # once attn finished, mlp's adapter was asked for again; base ran on to its end meanwhile
+        assert attn.output_token_ids == expected[1, "attn"][:2] and base.output_token_ids == expected[0, None]
+        assert mlp.output_token_ids == [] and core.num_waiting == 1 and gate.is_set() is False
+        assert core.lora.num_loads == 2 and not core.lora.is_loaded(loras["mlp"].key)
+    finally:
+        gate.set()
+        deadline.cancel()
+    for _ in range(200):
+        if mlp.is_finished:
+            break
+        core.step()
+    assert mlp.output_token_ids == expected[2, "mlp"] and core.lora.num_loads == 3
+    assert not core.lora.is_loaded(loras["attn"].key)  # host memory back to --max-cpu-loras

@@ -13,7 +13,7 @@ from epd.engine.config import EngineConfig
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
-from epd.serve.threads import API_CORES, worker_threads
+from epd.serve.threads import API_CORES, serve_api_cores, worker_threads
 from epd.transport.auth import make_keys
 from epd.transport.roles import Mode, Role
 
@@ -103,7 +103,7 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
         "prefill_priority", "prefill_aging", "max_num_image_waits", "max_local_prefill_tokens",
         "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
         "early_prefill", "seed", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
-        "max_cpu_loras"}
+        "max_cpu_loras", "enable_tower_lora"}
     args = build_parser().parse_args(["serve", tiny_model, "--no-early-prefill", "--prefill-priority", "fcfs"])
     engine = serve_config(args).engine
     assert (engine.early_prefill, engine.scheduler.prefill_priority) == (False, "fcfs")
@@ -157,7 +157,7 @@ def test_bad_worker_flags_are_clear_errors(tiny_model, keys, change, message):
 
 def test_threads_leave_a_core_to_the_api_and_split_the_rest(tiny_model):
     cores = len(os.sched_getaffinity(0))
-    free = max(1, cores - API_CORES)
+    free = max(1, cores - serve_api_cores(cores))
     split = ServeConfig(model=tiny_model, mode="e-p-d", num_encoders=2, cpu_sharing="split")
     assert split.threads_for_each_worker("encoder") == split.threads_for_each_worker("decode") == max(1, free // 4)
     assert {split.worker_nice(role) for role, _ in split.worker_roles()} == {0}
@@ -174,11 +174,13 @@ E_P_D = [Role.ENCODER, Role.PREFILL, Role.DECODE]
 
 
 @pytest.mark.parametrize("roles, cores, sharing, expected", [
-    # the issue's machine: 2 cores, one for the API, one thread a worker whatever the mode
-    ([Role.AGGREGATED], 2, "shared", {Role.AGGREGATED: 1}),
-    (E_P_D, 2, "shared", {Role.ENCODER: 1, Role.PREFILL: 1, Role.DECODE: 1}),
+    # the issue's machine: 2 cores, both for the workers (the API shares them: issue 32)
+    ([Role.AGGREGATED], 2, "shared", {Role.AGGREGATED: 2}),
+    (E_P_D, 2, "shared", {Role.ENCODER: 2, Role.PREFILL: 1, Role.DECODE: 1}),
     (E_P_D, 2, "split", {Role.ENCODER: 1, Role.PREFILL: 1, Role.DECODE: 1}),
     ([Role.AGGREGATED], 1, "shared", {Role.AGGREGATED: 1}),  # never fewer than one thread
+    # 3 cores and up: one kept for the API
+    ([Role.AGGREGATED], 3, "shared", {Role.AGGREGATED: 2}),
     # 16 cores: 15 for workers; shared splits them over the engine workers, encoders may use all
     ([Role.AGGREGATED, Role.AGGREGATED], 16, "shared", {Role.AGGREGATED: 7}),
     (E_P_D, 16, "shared", {Role.ENCODER: 15, Role.PREFILL: 7, Role.DECODE: 7}),
@@ -186,8 +188,15 @@ E_P_D = [Role.ENCODER, Role.PREFILL, Role.DECODE]
     ([Role.ENCODER, Role.PD, Role.PD], 9, "shared", {Role.ENCODER: 8, Role.PD: 4}),
 ])
 def test_thread_rule(roles, cores, sharing, expected):
-    assert {role: worker_threads(role, roles, cores, sharing) for role in roles} == expected
-    assert worker_threads(None, roles, cores, sharing) == min(expected[r] for r in roles if r.holds_kv)
+    api = serve_api_cores(cores)
+    assert {role: worker_threads(role, roles, cores, sharing, api) for role in roles} == expected
+    assert worker_threads(None, roles, cores, sharing, api) == min(expected[r] for r in roles if r.holds_kv)
+
+
+def test_an_epd_worker_keeps_a_core_for_an_api_even_on_a_small_host():
+    # it cannot know its neighbours: counted as the one worker of a host that also runs an API
+    assert worker_threads(Role.DECODE, [Role.DECODE], 2, "shared") == 1
+    assert (serve_api_cores(2), serve_api_cores(3), API_CORES) == (0, 1, 1)
 
 
 def test_bad_sharing_is_refused(tiny_model):

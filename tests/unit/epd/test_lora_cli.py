@@ -35,3 +35,34 @@ def test_serve_refuses_bad_lora_settings_before_any_process_starts(tiny_model, t
     for flags, message in cases:
         assert main(["serve", tiny_model, *flags]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_enable_tower_lora_in_serve_and_worker(tiny_model, tmp_path, monkeypatch, capsys):
+    from epd.cli import worker_config
+    from epd.transport.auth import make_keys
+
+    monkeypatch.delenv("EPD_API_KEY", raising=False)
+    parse = build_parser().parse_args
+    config = serve_config(parse(["serve", tiny_model, "--enable-lora", "--enable-tower-lora"]))
+    assert config.engine.lora == LoRAConfig(True, 1, 16, None, enable_tower_lora=True)
+    # vLLM's experimental name for it is the same flag
+    assert serve_config(parse(["serve", tiny_model, "--enable-lora", "--enable-tower-connector-lora"])
+                        ).engine.lora.enable_tower_lora
+    keys = str(make_keys(tmp_path / "keys"))
+    worker = worker_config(parse(["worker", tiny_model, "--role", "encoder", "--api", "tcp://10.0.0.1:8001",
+                                  "--worker-keys", keys, "--enable-lora", "--enable-tower-lora", "--max-loras", "2"]))
+    assert worker.engine.lora == LoRAConfig(True, 2, 16, None, enable_tower_lora=True)
+    assert main(["serve", tiny_model, "--enable-tower-lora"]) == 2
+    assert "needs enable_lora (--enable-lora)" in capsys.readouterr().err
+
+
+def test_serve_checks_an_adapters_tower_weights_with_enable_tower_lora(tiny_model, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    adapter = make_adapter(tiny_model, tmp_path / "vit", ("qkv", "q_proj"), r=4)
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith("blocks.0.attn.qkv.lora_B.weight"))
+    save_file({**tensors, key: torch.zeros(7, 4)}, f"{adapter}/adapter_model.safetensors")  # another tower
+    assert main(["serve", tiny_model, "--enable-lora", "--enable-tower-lora", "--lora-modules", f"vit={adapter}"]) == 2
+    assert "blocks.0.attn.qkv.lora_B.weight' has shape [7, 4]" in capsys.readouterr().err

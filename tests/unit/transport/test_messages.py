@@ -56,6 +56,8 @@ def make_messages() -> list[Message]:
         EncodeRequest("req-2", HASH_B, b"", reply_to="tcp://hostb:27101"),  # empty blob frame
         EncodeRequest("req-3", HASH_B, b"video", reply_to="tcp://hostb:27101",
                       video=VideoFrames((0, 2, 4, 4), 32, 64, (2, 2, 4), 4, 2, (0.5, 1.5))),
+        EncodeRequest("req-5", HASH_A, b"img", reply_to="tcp://hostb:27101",
+                      lora=LoRARequest("vit", 3, "/adapters/vit")),  # a tower adapter (--enable-tower-lora)
         EncodeDone("req-1", HASH_A, ok=True),
         EncodeDone("req-1", HASH_A, ok=False, error="decode failed"),
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(16, 32),
