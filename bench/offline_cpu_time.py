@@ -10,19 +10,20 @@ hits the prefix cache), greedy, EOS ignored; one warm-up request, then
 (`time.process_time`, every thread of it) and the wall time of each batch,
 and the first output ids (the engines' tokens agree). CPU time is the figure
 to compare on a shared machine: a neighbour's load stretches the wall time,
-hardly the CPU time a single thread needs for the same work. vLLM runs with
-`VLLM_ENABLE_V1_MULTIPROCESSING=0` so that its worker is this process, and
-without its multimodal profile (`limit_mm_per_prompt` 0: text only), which
-would otherwise run one largest video through the tower at start-up. This
-file imports nothing of EPD's at module level: vLLM's environment has none.
+hardly the CPU time a single thread needs for the same work. vLLM is built
+and driven by bench/vllm_offline_peer.py's `make_llm` and `generate` (its
+worker in this process, text only; see there), as for `epd bench vs-vllm`'s
+offline row. This file imports nothing of EPD's at module level: vLLM's
+environment has none.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import random
 import time
+from pathlib import Path
 
 
 def workload(num_prompts: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -40,16 +41,18 @@ def epd_runner(model: str, num_prompts: int, output_len: int):
 
 
 def vllm_runner(model: str, num_prompts: int, output_len: int):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    peer = _vllm_peer()
+    llm = peer.make_llm(model, "float32", num_prompts, kv_cache_gib=4)
+    return lambda prompts: peer.generate(llm, prompts, [output_len] * len(prompts))
 
-    llm = LLM(model, dtype="float32", max_num_seqs=num_prompts, seed=0,
-              limit_mm_per_prompt={"image": 0, "video": 0})
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    return lambda prompts: [list(o.outputs[0].token_ids) for o in llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)]
+
+def _vllm_peer():
+    """bench/vllm_offline_peer.py, loaded by path: under vLLM's Python (-P) this folder is not on sys.path."""
+    path = Path(__file__).with_name("vllm_offline_peer.py")
+    spec = importlib.util.spec_from_file_location("vllm_offline_peer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv=None) -> None:

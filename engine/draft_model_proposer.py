@@ -225,12 +225,12 @@ def load_draft_model(model_dir: str, target_tokenizer_dir: str, dtype: torch.dty
 
     from epd.engine.loader import load_language_model
     from epd.engine.models.registry import check_family
-    from epd.transport.cpu_linear import pack_linears
+    from epd.engine.models.qwen3_vl import pack_cpu_linears
 
     check_family(model_dir)  # UnsupportedModelError (a ValueError) names the families served
     check_same_vocab(target_tokenizer_dir, model_dir)
     model = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), dtype, device)
-    pack_linears(model)
+    pack_cpu_linears(model)  # as the target's: fused SwiGLU, packed linears
     return model
 
 

@@ -34,6 +34,7 @@ from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.model_runner import ModelRunner
+from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
 from epd.transport.lora_request import LoRARequest
@@ -111,7 +112,7 @@ class EngineCore:
             if config.lora.enable_lora else None
         # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
-        pack_linears(model)
+        pack_cpu_linears(model)
         spec = config.speculative_config
         # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from dataclasses import dataclass, field
 
 from epd.encoders.image_encoder import ImageEncoder
@@ -153,16 +154,16 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Plain text prompts (no chat template) or lists of token ids. `lora_request`
-        (vLLM's): one adapter for every prompt, or one per prompt (None: the base model);
-        needs `enable_lora=True`."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Plain text prompts (no chat template) or token ids, in vLLM's forms: a str, a
+        list of ids, `{"prompt": str}` (TextPrompt) or `{"prompt_token_ids": [...]}`
+        (TokensPrompt), one or a list of them. `lora_request` (vLLM's): one adapter for
+        every prompt, or one per prompt (None: the base model); needs `enable_lora=True`."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         requests = []
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
-            requests.append((ids, [], {}, p, lora, {}))
+            requests.append((self._prompt_ids(prompt), [], {}, p, lora, {}))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -178,6 +179,28 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts")
         return list(sampling_params)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """One `generate` prompt's token ids; ValueError naming what is wrong with it."""
+        if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:
+                raise ValueError("generate takes text prompts only; pass images and videos to LLM.chat")
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown or not prompt:
+                raise ValueError(f"a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt, "
+                                 f"TokensPrompt); got keys {sorted(prompt)}")
+            prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab_size = self.engine.info.vocab_size
+        try:  # ints, numpy or torch integers alike; a str inside is the usual mistake
+            ids = [operator.index(t) for t in prompt if not isinstance(t, bool)]
+        except TypeError:
+            ids = None
+        if not ids or len(ids) != len(prompt) or not all(0 <= t < vocab_size for t in ids):
+            raise ValueError(f"a prompt is text or a non-empty list of token ids in [0, {vocab_size}), "
+                             f"got {str(prompt)[:80]}")
+        return ids
 
     def _video(self, part: dict, options: VideoOptions, tower_digest: str | None) -> tuple[VideoRef, bytes]:
         """A video part's bytes and what the prompt needs of it: the plan from its header and its key

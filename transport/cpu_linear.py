@@ -21,6 +21,7 @@ import only transport.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32,)  # bfloat16 packs too, but was not measured faster on AVX2
@@ -46,8 +47,62 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`forward(x) + other` (other: the output's shape), the sum a post-op of the
+        same oneDNN call: no second pass over the output (a residual add)."""
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PackedSwiGLU(nn.Module):
+    """`silu(gate(x)) * up(x)` from a fused gate/up `nn.Linear` (weight [2 * size, in]:
+    gate rows, then up rows), in two oneDNN calls with the activation and the product
+    as their post-ops: no [rows, 2 * size] intermediate, no elementwise passes."""
+
+    def __init__(self, gate_up: nn.Linear, size: int):
+        super().__init__()
+        assert gate_up.out_features == 2 * size and gate_up.bias is None, (gate_up.out_features, size)
+        self.in_features, self.size = gate_up.in_features, size
+        w = gate_up.weight.detach()
+        with torch.no_grad():
+            self.gate = torch.ops.mkldnn._reorder_linear_weight(w[:size].contiguous(), None)
+            self.up = torch.ops.mkldnn._reorder_linear_weight(w[size:].contiguous(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, size]."""
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")  # silu(x W_gate^T)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")  # (x W_up^T) * gate
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, size={self.size}"
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`other + linear(x)`: one oneDNN call where `linear` is packed, else the plain sum."""
+    if type(linear) is PackedLinear:
+        return linear.add(x, other)
+    return other + linear(x)
+
+
+def swiglu(gate_up: nn.Module, x: torch.Tensor, size: int) -> torch.Tensor:
+    """`silu(gate) * up` of a fused gate/up projection: [rows, in] -> [rows, size];
+    the reference computation unless `gate_up` is a `PackedSwiGLU`."""
+    if type(gate_up) is PackedSwiGLU:
+        return gate_up(x)
+    gate, up = gate_up(x).split(size, dim=-1)
+    return F.silu(gate) * up
+
+
+def pack_swiglu(module: nn.Module, name: str, size: int) -> bool:
+    """Replaces `module.<name>`, a fused gate/up `nn.Linear`, by a `PackedSwiGLU` where
+    it can be packed (before `pack_linears`, which would pack it whole); returns whether."""
+    child = getattr(module, name)
+    if type(child) is not nn.Linear or not can_pack(child) or child.bias is not None:
+        return False
+    setattr(module, name, PackedSwiGLU(child, size))
+    return True
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -11,7 +11,7 @@ Paged KV cache, per layer: `k_cache`, `v_cache` of shape
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,10 @@ class AttentionMetadata:
       max_seqlen_q  max query length of the batch (host int: grid sizes).
       max_seqlen_k  max of `seq_lens` (host int).
       is_decode_only  every sequence has exactly one query token.
+      plans         a backend's own per-step work derived from the fields above
+                    (e.g. how the torch backend groups the sequences), made by
+                    the first layer that needs it and reused by the others;
+                    not part of the metadata's value.
     """
 
     slot_mapping: torch.Tensor
@@ -49,6 +53,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode_only: bool
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

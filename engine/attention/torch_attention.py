@@ -10,6 +10,8 @@ others of the same count under a causal mask among them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -51,21 +53,79 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
     """
     check_attention_inputs(query, k_cache, v_cache, meta)
-    out = torch.empty_like(query)
+    plan = _step_plan(meta, k_cache, query.shape[1] // k_cache.shape[2])
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for b, q_start, q_end, seq_len in plan.prefills:
+        _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len)
+    for group in plan.decodes:
+        _decode_group(query, k_cache, v_cache, scale, out, group)
+    return out
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Sequences attended in one SDPA call, each with `q_len` query tokens at the end of its context."""
+
+    num_seqs: int
+    q_len: int
+    max_len: int
+    rows: torch.Tensor  # [B * Q] their query rows, sequence-major
+    block_ids: torch.Tensor  # [B, num_blocks] int64
+    padding: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, key) of the keys past each context
+    mask: torch.Tensor | None  # [B, 1, G * Q, max_len] bool (True: attend), None when nothing is masked
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, end row, context length)
+    decodes: list[_DecodeGroup]
+
+
+def _step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_groups: int) -> _Plan:
+    """How this step's sequences are attended: the same for every layer, so made once (in `meta.plans`)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    key = ("torch", block_size, num_kv_heads * head_dim * k_cache.element_size(), num_groups)
+    plan = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = _make_plan(meta, block_size, key[2], num_groups, k_cache.device)
+    return plan
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int, bytes_per_token: int, num_groups: int,
+               device: torch.device) -> _Plan:
     cu = meta.cu_seqlens_q.tolist()
     seq_lens = meta.seq_lens.tolist()
-    decodes: dict[int, list[int]] = {}  # query tokens -> sequences batched as decodes
+    prefills, decodes = [], {}  # query tokens -> sequences batched as decodes
     for b in range(len(seq_lens)):
         q_len = cu[b + 1] - cu[b]
         if q_len == 1 or q_len < min(seq_lens[b], _MAX_DECODE_QUERY_LEN + 1):
             decodes.setdefault(q_len, []).append(b)
         else:
-            _prefill_one(query, k_cache, v_cache, meta, scale, out, b, cu[b], cu[b + 1], seq_lens[b])
-    bytes_per_token = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
-    for q_len, seq_ids in decodes.items():
-        for group in _group_decodes(seq_ids, seq_lens, bytes_per_token):
-            _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens, q_len)
-    return out
+            prefills.append((b, cu[b], cu[b + 1], seq_lens[b]))
+    groups = [_decode_group_plan(meta, group, cu, seq_lens, q_len, block_size, num_groups, device)
+              for q_len, seq_ids in decodes.items() for group in _group_decodes(seq_ids, seq_lens, bytes_per_token)]
+    return _Plan(prefills, groups)
+
+
+def _decode_group_plan(meta, group, cu, seq_lens, q_len, block_size, num_groups, device) -> _DecodeGroup:
+    rows = torch.tensor([cu[b] + j for b in group for j in range(q_len)], device=device)  # [B * Q]
+    lens = [seq_lens[b] for b in group]
+    max_len = max(lens)
+    num_blocks = -(-max_len // block_size)
+    block_ids = meta.block_tables[torch.tensor(group, device=device), :num_blocks].to(torch.long)
+    padding = mask = None
+    if min(lens) != max_len or q_len > 1:
+        lens_t = torch.tensor(lens, device=device)
+        keys = torch.arange(max_len, device=device)
+        is_pad = keys[None, :] >= lens_t[:, None]  # [B, max_len]
+        padding = is_pad.nonzero(as_tuple=True)
+        if q_len == 1:
+            mask = ~is_pad[:, None, None, :]  # [B, 1, 1, max_len]
+        else:  # query j of sequence b sits at position len_b - Q + j and sees keys up to it
+            last = lens_t[:, None] - q_len + torch.arange(q_len, device=device)[None, :]  # [B, Q]
+            visible = keys[None, None, :] <= last[:, :, None]  # [B, Q, max_len]
+            mask = visible[:, None, None].expand(-1, 1, num_groups, -1, -1).reshape(len(group), 1, -1, max_len)
+    return _DecodeGroup(len(group), q_len, max_len, rows, block_ids, padding, mask)
 
 
 def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -114,40 +174,24 @@ def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, s
         out[q_start + i:q_start + j] = o.reshape(j - i, -1, head_dim)
 
 
-def _decode_group(query, k_cache, v_cache, meta, scale, out, group, cu, seq_lens, q_len) -> None:
-    """Sequences `group`, each with `q_len` query tokens at the end of its context, in one call."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+def _decode_group(query, k_cache, v_cache, scale, out, group: _DecodeGroup) -> None:
+    """The sequences of `group`, each with `q_len` query tokens at the end of its context, in one call."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_groups = query.shape[1] // num_kv_heads
-    device = query.device
-    rows = torch.tensor([cu[b] + j for b in group for j in range(q_len)], device=device)  # [B * Q]
-    lens = [seq_lens[b] for b in group]
-    max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
-    block_ids = meta.block_tables[torch.tensor(group, device=device), :num_blocks].to(torch.long)
-    k = _gather_kv(k_cache, block_ids, max_len)  # [B, max_len, Hkv, D], a copy
-    v = _gather_kv(v_cache, block_ids, max_len)
-    # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: q head h reads kv head h // G; rows in (g, j) order
-    q = query[rows].view(len(group), q_len, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4) \
-        .reshape(len(group), num_kv_heads, num_groups * q_len, head_dim)
-    mask = None
-    if min(lens) != max_len or q_len > 1:
-        lens_t = torch.tensor(lens, device=device)
-        keys = torch.arange(max_len, device=device)
-        padding = keys[None, :] >= lens_t[:, None]  # [B, max_len]
+    num_seqs, q_len = group.num_seqs, group.q_len
+    k = _gather_kv(k_cache, group.block_ids, group.max_len)  # [B, max_len, Hkv, D], a copy
+    v = _gather_kv(v_cache, group.block_ids, group.max_len)
+    if group.padding is not None:
         # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through
         # softmax, so zero them — only them (a full masked_fill cost a third of the call)
-        pad_b, pad_t = padding.nonzero(as_tuple=True)
-        k[pad_b, pad_t] = 0
-        v[pad_b, pad_t] = 0
-        if q_len == 1:
-            mask = ~padding[:, None, None, :]  # [B, 1, 1, max_len]
-        else:  # query j of sequence b sits at position len_b - Q + j and sees keys up to it
-            last = lens_t[:, None] - q_len + torch.arange(q_len, device=device)[None, :]  # [B, Q]
-            visible = keys[None, None, :] <= last[:, :, None]  # [B, Q, max_len]
-            mask = visible[:, None, None].expand(-1, 1, num_groups, -1, -1).reshape(len(group), 1, -1, max_len)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    o = o.view(len(group), num_kv_heads, num_groups, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]
-    out[rows] = o.reshape(len(group) * q_len, -1, head_dim)
+        k[group.padding] = 0
+        v[group.padding] = 0
+    # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: q head h reads kv head h // G; rows in (g, j) order
+    q = query[group.rows].view(num_seqs, q_len, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4) \
+        .reshape(num_seqs, num_kv_heads, num_groups * q_len, head_dim)
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale)
+    o = o.view(num_seqs, num_kv_heads, num_groups, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]
+    out[group.rows] = o.reshape(num_seqs * q_len, -1, head_dim)
 
 
 def _group_decodes(seq_ids: list[int], seq_lens: list[int], bytes_per_token: int) -> list[list[int]]:

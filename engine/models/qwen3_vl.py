@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.engine.models.moe import SparseMoeBlock
+from epd.transport.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused kernel, the same sums
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -122,16 +125,24 @@ class MRotaryEmbedding:
         self.axis = axis.to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [3, num_tokens] -> cos, sin [num_tokens, head_dim] (float32)."""
+        """positions [3, num_tokens] -> cos, sin [num_tokens, 1, head_dim / 2] (float32): one half
+        of transformers' tables, whose two halves are equal; `apply_rotary` takes them."""
         pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1]))  # [half, N]
-        freqs = pos.t().float() * self.inv_freq  # [N, half]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        freqs = (pos.t().float() * self.inv_freq)[:, None, :]  # [N, 1, half]
+        return freqs.cos(), freqs.sin()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated by half-split RoPE with cos, sin [N, 1, D / 2]: transformers'
+    `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`, the same products and sums per
+    element, without the rotated copy of x or the doubled tables."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -150,21 +161,31 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                residual: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] normed -> residual + attention output [N, hidden]."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [N, Hq, D]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side ([N, Hq + Hkv, D], a view): normed and rotated together
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        c, s = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+            qk = self._norm_qk(qk)
+        qk = apply_rotary(qk, cos.to(qk.dtype), sin.to(qk.dtype))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [N, Hq, D], [N, Hkv, D]
         k_cache, v_cache = batch.kv_caches[self.layer_idx]
         batch.backend.store_kv(k, v, k_cache, v_cache, batch.attn_meta.slot_mapping)
         o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale)  # [N, Hq, D]
-        return self.o_proj(o.reshape(n, self.q_size))
+        return linear_add(self.o_proj, o.reshape(n, self.q_size), residual)
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of [N, Hq + Hkv, D], q_norm's weight on the q heads and k_norm's on the k heads."""
+        if qk.dtype != torch.float32:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                            self.k_norm.weight.expand(self.num_kv_heads, -1)))  # [Hq + Hkv, D]
+        return F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps).mul_(weight)
 
 
 class MLP(nn.Module):
@@ -174,9 +195,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] normed -> residual + MLP output [N, hidden]."""
+        return linear_add(self.down_proj, swiglu(self.gate_up_proj, x, self.intermediate_size), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -190,11 +211,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        # the residual adds ride on o_proj's and down_proj's calls where those are packed (cpu_linear.py)
+        x = self.self_attn(self.input_layernorm(x), cos, sin, batch, residual=x)
         h = self.post_attention_layernorm(x)
         if self.is_moe:  # the fused Triton kernel where the attention runs in Triton too (GPU)
             return x + self.mlp(h, use_triton=batch.backend.name == "triton")
-        return x + self.mlp(h)
+        return self.mlp(h, residual=x)
 
 
 class Qwen3VLTextModel(nn.Module):
@@ -246,3 +268,14 @@ class Qwen3VLForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
         return self.lm_head(hidden).float()
+
+
+def pack_cpu_linears(model: nn.Module) -> None:
+    """CPU float32 (else nothing changes): every dense MLP's gate/up projection as a
+    `PackedSwiGLU` (the activation and product inside oneDNN's calls), then every other
+    `nn.Linear` packed whole (transport/cpu_linear.py). After any LoRA wrapping: a wrapped
+    gate/up is packed whole, its adapter added to the plain projection's output."""
+    for module in model.modules():
+        if isinstance(module, MLP):
+            pack_swiglu(module, "gate_up_proj", module.intermediate_size)
+    pack_linears(model)
