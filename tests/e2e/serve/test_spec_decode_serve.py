@@ -1,4 +1,4 @@
-"""`epd serve --speculative-config` (n-gram, and a draft model) in aggregated and e-p-d mode: greedy
+"""`epd serve --speculative-config` (n-gram, and a draft model) in every mode: greedy
 completions, streamed or not, with logprobs, and an image chat handed from the
 prefill worker to the decode worker, give the tokens the offline engine gives
 without speculation; /metrics shows drafts accepted under vLLM's names (and
@@ -35,7 +35,7 @@ def expected(tiny_model):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("mode", ["aggregated", "e-p-d"])
+@pytest.mark.parametrize("mode", ["aggregated", "e-pd", "e-p-d"])
 def test_served_speculation_gives_the_tokens_without_it(mode, method, tiny_model, tiny_draft, expected, tmp_path):
     """draft_model: in e-p-d the decode worker runs the draft's prefill over the prompt it receives."""
     outs, chat_tokens = expected

@@ -1,12 +1,13 @@
 """Video through `epd serve` (issue 26), in every mode's shared server: a chat
-with a tiny video answers what the offline `LLM.chat` answers (greedy text and
-prompt tokens), a repeat costs the encoders nothing, /tokenize counts what the
+with a tiny video answers what the offline `LLM.chat` answers (greedy text,
+prompt and output token ids, each token's top-5 logprobs), a repeat costs the encoders nothing, /tokenize counts what the
 chat costs, and every bad video input is a 400 with an OpenAI error body while
 the server goes on serving. Aggregated encodes the video in its engine worker."""
 from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 from testkit.api_checks import assert_error
 from testkit.media import data_url, image_bytes, image_part
 from testkit.mode_servers import SERVED_MODEL
@@ -15,6 +16,7 @@ from testkit.videos import (audio_only, claims_hours, claims_size, cut_after_hea
 
 pytest.importorskip("av")
 MAX_TOKENS = 6
+TOP = 5  # logprobs compared per token: a wrong frame order or fps changes them even where the text agrees
 CLIP = encode_video(synthetic_frames(9, 48, 64, seed=4), "mp4", fps=4)
 OTHER_CLIP = encode_video(synthetic_frames(7, 40, 56, seed=5), "mp4", fps=3)
 QUESTION = {"type": "text", "text": "What happens in the video?"}
@@ -36,7 +38,8 @@ CASES = [("clip", CLIP, None), ("other", OTHER_CLIP, None), ("clip_at_4_fps", CL
 
 @pytest.fixture(scope="module")
 def offline(tiny_model):
-    """(text, prompt tokens) of the offline LLM's greedy answer for each clip."""
+    """(text, prompt ids, output ids, each token's top-5 (id, logprob)) of the offline LLM's greedy
+    answer for each clip."""
     from epd.llm import LLM
     from epd.transport.sampling import SamplingParams
 
@@ -44,19 +47,31 @@ def offline(tiny_model):
     out = {}
     for name, clip, kwargs in CASES:
         [result] = llm.chat([{"role": "user", "content": [video_part(clip), QUESTION]}],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), mm_processor_kwargs=kwargs)
-        out[name] = (result.outputs[0].text, len(result.prompt_token_ids))
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=TOP),
+                            mm_processor_kwargs=kwargs)
+        o = result.outputs[0]
+        out[name] = (o.text, list(result.prompt_token_ids), list(o.token_ids), [lp.top for lp in o.logprobs])
     return out
 
 
 def test_a_video_chat_answers_as_offline(mode_server, offline):
     for name, clip, kwargs in CASES:
         fields = {"mm_processor_kwargs": kwargs} if kwargs else {}
-        response = chat(mode_server, [video_part(clip), QUESTION], **fields)
+        response = chat(mode_server, [video_part(clip), QUESTION], logprobs=True, top_logprobs=TOP,
+                        return_tokens_as_token_ids=True, return_token_ids=True, **fields)
         assert response.status_code == 200, response.text
         body = response.json()
-        assert (body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]) == offline[name]
-    assert offline["clip_at_4_fps"][1] > offline["clip"][1]  # more frames sampled: more placeholders
+        choice = body["choices"][0]
+        text, prompt_ids, token_ids, tops = offline[name]
+        assert (choice["message"]["content"], body["prompt_token_ids"], choice["token_ids"]) == \
+            (text, prompt_ids, token_ids)
+        assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+        served = [[(int(t["token"].removeprefix("token_id:")), t["logprob"]) for t in c["top_logprobs"]]
+                  for c in choice["logprobs"]["content"]]
+        assert [[t for t, _ in top] for top in served] == [[t for t, _ in top] for top in tops]
+        torch.testing.assert_close([[v for _, v in top] for top in served], [[v for _, v in top] for top in tops],
+                                   atol=1e-4, rtol=0)
+    assert len(offline["clip_at_4_fps"][1]) > len(offline["clip"][1])  # more frames sampled: more placeholders
 
 
 def test_a_repeated_video_costs_the_encoders_nothing(mode_server, offline):
