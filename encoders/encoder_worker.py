@@ -22,7 +22,8 @@ adapter's key, so the cache never hands base embeddings to it, nor its to the ba
 
 The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
-holds (epd/serve/encoder_router.py), and the age of the oldest queued image
+holds (epd/serve/encoder_router.py), the tower adapters resident in its slots
+(with --enable-tower-lora; the router prefers an encoder that holds a request's), and the age of the oldest queued image
 (the autoscaler's signal, epd/serve/autoscale.py).
 """
 from __future__ import annotations
@@ -293,4 +294,5 @@ class EncoderWorker(WorkerIO):
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=0, num_waiting=len(self.queue), num_free_blocks=0,
             num_total_blocks=0, queue_depth=len(self.queue), encoder=self.counters, session=self.session,
-            cache=None if self.cache is None else self.cache.faults()))
+            cache=None if self.cache is None else self.cache.faults(),
+            lora=None if self.encoder.lora is None else self.encoder.lora.state([job.msg.lora for job in self.queue])))

@@ -27,6 +27,7 @@ from epd.encoders.tower_adapter import TowerAdapterSpec, TowerShapes, read_tower
 from epd.encoders.tower_lora_layer import TowerStep, wrap_tower
 from epd.transport.lora_files import WEIGHTS_FILE, LoRAAdapterError
 from epd.transport.lora_request import LoRARequest
+from epd.transport.wire_values import LoRAState
 
 AdapterKey = tuple[str, str]  # LoRARequest.key
 
@@ -82,6 +83,12 @@ class TowerLoRA:
     @property
     def resident(self) -> list[AdapterKey]:
         return list(self._slots)
+
+    def state(self, waiting: list[LoRARequest | None]) -> LoRAState:
+        """For the encoder's WorkerStats: the adapters of its queued images (`waiting`), those in
+        its slots (the encoder router prefers an encoder that holds a request's adapter) and --max-loras."""
+        return LoRAState(waiting=tuple(dict.fromkeys(lora.lora_name for lora in waiting if lora is not None)),
+                         resident=tuple(name for name, _ in self._slots), max_lora=self.settings.max_loras)
 
     def _host_entry(self, lora: LoRARequest) -> _HostAdapter:
         entry = self._host.get(lora.key)

@@ -34,6 +34,13 @@ it is chosen unless its backlog exceeds another's by more than the image's
 own cost. With one shared cache the API finds a hit itself and sends nothing;
 a repeat in flight still goes where its first copy is queued, and the
 encoder skips it once the first is cached.
+
+Tower adapters (--enable-tower-lora): for a request whose images run an
+adapter's tower, either policy chooses among router.prefer_adapter's encoders
+(those whose latest WorkerStats.lora.resident holds it, when their load is
+within the engine routers' slack of the least loaded's; else all), plus the
+encoder that last took each of its images (a repeat there is a cache read,
+cheaper than any slot).
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from epd.serve.router import prefer_adapter
 
 if TYPE_CHECKING:
     from epd.serve.registry import WorkerInfo
@@ -72,12 +81,24 @@ class EncoderRouter:
         self._sent: dict[str, _Sent] = {}
         self._holder: OrderedDict[str, str] = OrderedDict()  # mm_hash -> worker id that took it last
 
-    def assign(self, encoders: list[WorkerInfo], images: list[tuple[str, int]]) -> list[WorkerInfo]:
-        """One encoder per image (`(mm_hash, num_patches)`), in the images' order.
+    def assign(self, encoders: list[WorkerInfo], images: list[tuple[str, int]],
+               lora_name: str | None = None) -> list[WorkerInfo]:
+        """One encoder per image (`(mm_hash, num_patches)`), in the images' order; `lora_name`:
+        the tower adapter they run (None: the base tower).
         The caller reports each EncodeRequest it sends with `on_sent`."""
+        encoders = self._candidates(encoders, images, lora_name)
         if self.policy == "round_robin":
             return [encoders[next(self._turn) % len(encoders)] for _ in images]
         return self._by_cost(encoders, images)
+
+    def _candidates(self, encoders: list[WorkerInfo], images: list[tuple[str, int]],
+                    lora_name: str | None) -> list[WorkerInfo]:
+        """The encoders holding the tower adapter when their load is close, and the images' holders; else all."""
+        warm = {e.worker_id for e in prefer_adapter(encoders, lora_name)}
+        if len(warm) == len(encoders):
+            return encoders
+        holders = {self._holder.get(key) for key, _ in images}
+        return [e for e in encoders if e.worker_id in warm or e.worker_id in holders]
 
     def on_sent(self, encoder: WorkerInfo, mm_hash: str, num_patches: int) -> None:
         """An EncodeRequest left for `encoder`: part of its backlog until it reports receiving it."""

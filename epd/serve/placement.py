@@ -12,7 +12,8 @@
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that
-have it resident when their load is equal-ish (router.prefer_adapter).
+have it resident when their load is equal-ish (router.prefer_adapter); the
+encoder router likewise for a tower adapter (encoder_router.py).
 """
 from __future__ import annotations
 
@@ -108,8 +109,9 @@ class Placement:
         if prefill.role == Role.AGGREGATED:
             encoders = [prefill] * len(misses)
         elif misses:
+            tower_lora = None if prep.tower_lora is None else prep.tower_lora.lora_name
             encoders = self.encoder_router.assign(await self._live((Role.ENCODER,), deadline),
-                                                  [(key, prep.num_patches[key]) for key, _ in misses])
+                                                  [(key, prep.num_patches[key]) for key, _ in misses], tower_lora)
         else:
             encoders = []
         return Placed(prefill, decode, misses, encoders)

@@ -263,7 +263,7 @@ class WorkerMetrics:
                 encoder_extras.add(labels, s.encoder)
             if s.cache is not None:
                 cache.add(labels, s.cache)
-            if s.lora is not None:
+            if s.lora is not None and s.engine is not None:  # encoders report tower adapters for the router only
                 lora.add_metric([*labels, ",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_lora)],
                                 time.time() - (time.monotonic() - w.last_seen_s))
         yield running

@@ -3,7 +3,7 @@ over real ZeroMQ, a real LMDB cache and the tiny checkpoint's tower: one batch m
 the base tower, a tower adapter and a torn adapter runs one forward per adapter, the
 adapter's embeddings are its own (cached under its key), the torn one fails only its
 image; a video runs the adapter too, its entries keyed apart; an encoder without the flag refuses an adapter
-by name and serves on."""
+by name and serves on; its WorkerStats name the tower adapters resident and queued (the encoder router's)."""
 from __future__ import annotations
 
 import shutil
@@ -24,7 +24,8 @@ from epd.transport.addresses import Addresses
 from epd.transport.channels import Receiver
 from epd.transport.lora_files import adapter_digest
 from epd.transport.lora_request import LoRARequest
-from epd.transport.messages import EncodeDone, EncodeRequest
+from epd.transport.messages import EncodeDone, EncodeRequest, WorkerStats
+from epd.transport.wire_values import LoRAState
 from epd.transport.worker_io import WorkerSpec
 
 IMAGE = image_bytes(64, 48, seed=5)
@@ -73,7 +74,16 @@ def plane(tiny_model, tmp_path):
         return EncodeRequest(request_id, worker.encoder.mm_hash(IMAGE, digest), IMAGE, reply_to=prefill.address,
                              lora=lora)
 
-    yield SimpleNamespace(make=make, run=run, request=request, prefill_address=prefill.address)
+    def stats(worker: EncoderWorker) -> WorkerStats:
+        """The stats it publishes now, as the API receives them over ZeroMQ."""
+        worker._last_stats = float("-inf")
+        worker._maybe_send_stats()
+        while (msg := collector.recv(timeout_s=2.0)) is not None:
+            if isinstance(msg, WorkerStats) and msg.worker_id == worker.spec.worker_id:
+                return msg
+        raise AssertionError("no WorkerStats within 2 s")
+
+    yield SimpleNamespace(make=make, run=run, request=request, stats=stats, prefill_address=prefill.address)
     for worker in made:
         worker.close()
     collector.close()
@@ -94,6 +104,15 @@ def test_one_batch_mixes_the_base_a_tower_adapter_and_a_torn_one(plane, loras):
     assert worker.counters.num_images == 2 and worker.counters.num_errors == 1
     again = plane.run(worker, [plane.request(worker, "base-again", None)])  # the worker serves on
     assert again["base-again"].ok and worker.counters.num_cache_skips == 1
+
+
+def test_the_stats_name_the_resident_and_the_queued_tower_adapters(plane, loras):
+    worker = plane.make(TowerLoRASettings(max_loras=1, max_lora_rank=16, max_cpu_loras=2))
+    assert plane.stats(worker).lora == LoRAState(max_lora=1)  # none yet
+    plane.run(worker, [plane.request(worker, "vit", loras["vit"]), plane.request(worker, "base", None)])
+    worker._enqueue(plane.request(worker, "queued", loras["torn"]), time.perf_counter())
+    assert plane.stats(worker).lora == LoRAState(waiting=("torn",), resident=("vit",), max_lora=1)
+    assert plane.stats(plane.make(None)).lora is None  # no --enable-tower-lora: nothing to report
 
 
 def test_an_encoder_without_tower_lora_refuses_an_adapter_by_name(plane, loras):

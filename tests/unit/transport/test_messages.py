@@ -107,6 +107,8 @@ def make_messages() -> list[Message]:
         WorkerStats("encoder-0", "encoder", 0, 2, 0, 0, 2, encoder=EncoderCounters(),
                     cache=CacheFaults(serving=0, set_aside=1, read_errors=2, bad_entries=3, space_failures=4,
                                       skipped_puts=5)),
+        WorkerStats("encoder-1", "encoder", 0, 1, 0, 0, 1, encoder=EncoderCounters(),  # --enable-tower-lora
+                    lora=LoRAState(waiting=("chat",), resident=("sql", "chat"), max_lora=2)),
         Ready("prefill-0", "prefill", "ipc:///tmp/epd-x/prefill-0.sock", "a"),
         Ready("encoder-7", "encoder", "tcp://10.0.0.2:27100", "b", mm_cache_dir="/data/mm-cache"),
         Abort(["req-1", "req-2"]),
