@@ -194,7 +194,9 @@ def test_lora_requests_info_as_vllms_per_engine_worker():
                                    lora=LoRAState(("chat", "sql"), ("math",), ("sql", "chat"), 2)),
                        WorkerStats("prefill-0", "prefill", 0, 0, 8, 8, 0, engine=ENGINE,
                                    lora=LoRAState(max_lora=2)),
-                       WorkerStats("pd-0", "pd", 0, 0, 8, 8, 0, engine=ENGINE))  # LoRA off: no sample
+                       WorkerStats("pd-0", "pd", 0, 0, 8, 8, 0, engine=ENGINE),  # LoRA off: no sample
+                       WorkerStats("encoder-0", "encoder", 0, 1, 0, 0, 1,  # tower adapters: the router's, no sample
+                                   lora=LoRAState(waiting=("sql",), resident=("sql",), max_lora=2)))
     info = {s.labels["worker"]: s for s in samples if s.name == "epd:lora_requests_info"}
     assert sorted(info) == ["decode-0", "prefill-0"]
     assert {k: v for k, v in info["decode-0"].labels.items() if k not in ("role", "worker")} == \
