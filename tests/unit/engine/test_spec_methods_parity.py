@@ -12,6 +12,8 @@ import pytest
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540)), [7, 8] * 12]
+# prompts whose greedy continuations are whole text the 2-layer draft partly agrees with
+TEXT_PROMPTS = [list(range(350, 370)), [760, 761] * 8, [820, 821] * 8]
 METHODS = ["eagle3", "draft_model"]
 
 
@@ -86,15 +88,33 @@ def test_n_greater_than_one(plain, spec):
     assert all(len({tuple(c.token_ids) for c in o}) == 1 for o in with_spec)
 
 
+def _whole_text(tokenizer, token_ids: list[int]) -> str | None:
+    """The text of the longest prefix of `token_ids` (2 tokens at least) that ends on a whole
+    character, or None (the tiny vocabulary has lone-byte tokens)."""
+    texts = [tokenizer.decode(token_ids[:m]) for m in range(2, len(token_ids) + 1)]
+    whole = [t for t in texts if "\ufffd" not in t]
+    return whole[-1] if whole else None
+
+
 def test_structured_output_is_not_advanced_by_a_rejected_draft(plain, spec):
-    """The proposers draft the unconstrained continuation, which the grammars mostly refuse:
-    rejected at their row's mask and the matcher rolled back, so the output is the one
-    without drafts."""
-    so = [SO(regex=r"(ab|cd|[0-9]){4,30}"), SO(choice=["red red red", "blue blue"]),
-          SO(json={"type": "object", "properties": {"k": {"type": "array", "items": {"type": "integer"}}}})]
+    """The proposers draft the unconstrained continuation. Each choice begins with that
+    continuation's text (drafts accepted while the output follows it) and then turns away
+    from it (drafts refused by the row's mask, the matcher rolled back); the other grammars
+    refuse it at once. The output is the one without drafts."""
+    start = plain.generate(PROMPTS + TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    followed = [(p, t) for p, o in zip(PROMPTS + TEXT_PROMPTS, start)
+                if (t := _whole_text(plain.tokenizer, o.outputs[0].token_ids)) is not None]
+    prefixes = [t for _, t in followed]
+    assert len(followed) >= 4
+    so = [SO(choice=[t + " red red red", t + " blue blue"]) for t in prefixes] + [
+        SO(regex=r"(ab|cd|[0-9]){4,30}"), SO(choice=["red red red", "blue blue"]),
+        SO(json={"type": "object", "properties": {"k": {"type": "array", "items": {"type": "integer"}}}})]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in so]
+    prompts = [p for p, _ in followed] + PROMPTS[:3]
     drafts_before = spec.stats()["spec_decode_num_draft_tokens"]
-    without, with_spec, _ = _both(plain, spec, params, PROMPTS[:3])
+    without, with_spec, accepted = _both(plain, spec, params, prompts)
     assert [(o[0].token_ids, o[0].finish_reason) for o in with_spec] == \
         [(o[0].token_ids, o[0].finish_reason) for o in without]
-    assert spec.stats()["spec_decode_num_draft_tokens"] > drafts_before
+    assert all(o[0].text.startswith(t) for o, t in zip(with_spec, prefixes))
+    drafts = spec.stats()["spec_decode_num_draft_tokens"] - drafts_before
+    assert accepted > 0 and drafts > accepted  # some drafts accepted, some refused
