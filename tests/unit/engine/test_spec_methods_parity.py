@@ -1,10 +1,11 @@
-"""The n-gram method's exactness checks (test_spec_decode_engine.py), run for the other
-proposers: an EAGLE-3 head fitted to the target's greedy continuations (testkit/eagle3_fit.py)
-and a draft model (the target's 2-layer truncation, `tiny_draft`). With each, greedy output
-is the output without speculation: stop strings cut in the same place, the logprobs are the
-target's, n > 1 gives n equal completions, and a grammar-constrained output is the one
-without drafts (a rejected draft does not advance the matcher). Each check also asserts that
-drafts were accepted meanwhile, so it is not vacuous."""
+"""The n-gram method's exactness checks (test_spec_decode_engine.py), run for every
+proposer: n-gram, an EAGLE-3 head fitted to the target's greedy continuations
+(testkit/eagle3_fit.py) and a draft model (the target's 2-layer truncation, `tiny_draft`).
+With each, greedy output is the output without speculation: stop strings cut in the same
+place, the logprobs are the target's, n > 1 gives n equal completions, and a
+grammar-constrained output is the one without drafts (a rejected draft does not advance
+the matcher). Each check also asserts that drafts were accepted meanwhile, so it is not
+vacuous."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540)), [7, 8] * 12]
 # prompts whose greedy continuations are whole text the 2-layer draft partly agrees with
 TEXT_PROMPTS = [list(range(350, 370)), [760, 761] * 8, [820, 821] * 8]
-METHODS = ["eagle3", "draft_model"]
+METHODS = ["ngram", "eagle3", "draft_model"]
 
 
 def _llm(tiny_model, **settings):
@@ -42,12 +43,14 @@ def _eagle3_head(tiny_model, plain, tmp_path_factory) -> str:
 @pytest.fixture(scope="module", params=METHODS)
 def spec(request, tiny_model, plain, tmp_path_factory):
     """An engine speculating with each method in turn (one engine a method, for the module)."""
-    if request.param == "eagle3":
-        draft = _eagle3_head(tiny_model, plain, tmp_path_factory)
+    config = {"method": request.param, "num_speculative_tokens": 3}
+    if request.param == "ngram":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    elif request.param == "eagle3":
+        config["model"] = _eagle3_head(tiny_model, plain, tmp_path_factory)
     else:
-        draft = request.getfixturevalue("tiny_draft")
-    return _llm(tiny_model, speculative_config={"method": request.param, "model": draft,
-                                                "num_speculative_tokens": 3})
+        config["model"] = request.getfixturevalue("tiny_draft")
+    return _llm(tiny_model, speculative_config=config)
 
 
 def _both(plain, spec, params, prompts=PROMPTS):
@@ -101,7 +104,8 @@ def test_structured_output_is_not_advanced_by_a_rejected_draft(plain, spec):
     continuation's text (drafts accepted while the output follows it) and then turns away
     from it (drafts refused by the row's mask, the matcher rolled back); the other grammars
     refuse it at once. The output is the one without drafts."""
-    start = plain.generate(PROMPTS + TEXT_PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    start = plain.generate(PROMPTS + TEXT_PROMPTS, greedy)
     followed = [(p, t) for p, o in zip(PROMPTS + TEXT_PROMPTS, start)
                 if (t := _whole_text(plain.tokenizer, o.outputs[0].token_ids)) is not None]
     prefixes = [t for _, t in followed]
