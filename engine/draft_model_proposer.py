@@ -46,7 +46,7 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.kv_cache_sizer import bytes_per_block
-from epd.engine.models.mrope import mrope_positions
+from epd.engine.models.mrope import mrope_positions, positions_between
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 
@@ -190,14 +190,8 @@ class DraftModelProposer:
 
     def _positions(self, request: Request, state: _DraftState, start: int, end: int) -> torch.Tensor:
         """[3, end - start] the target's positions of tokens start..end."""
-        num_prompt = request.num_prompt_tokens
-        parts = []
-        if start < num_prompt:
-            parts.append(state.prompt_positions[:, start:min(end, num_prompt)])
-        if end > num_prompt:
-            first = max(start, num_prompt)
-            parts.append(torch.arange(first + state.delta, end + state.delta, device=self.device).expand(3, -1))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return positions_between(state.prompt_positions, state.delta, request.num_prompt_tokens, start, end,
+                                 self.device)
 
     def _forward(self, token_ids: list[int], positions: torch.Tensor, q_lens: list[int], seq_lens: list[int],
                  tables: list[list[int]]) -> torch.Tensor:

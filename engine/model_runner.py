@@ -26,7 +26,7 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
-from epd.engine.models.mrope import mrope_positions
+from epd.engine.models.mrope import mrope_positions, positions_between
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
@@ -270,14 +270,7 @@ class ModelRunner:
 
     def _positions(self, req: Request, state: _RequestState, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end of the request."""
-        num_prompt = req.num_prompt_tokens
-        parts = []
-        if start < num_prompt:
-            parts.append(state.prompt_positions[:, start:min(end, num_prompt)])
-        if end > num_prompt:
-            first = max(start, num_prompt)
-            parts.append(torch.arange(first + state.delta, end + state.delta, device=self.device).expand(3, -1))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return positions_between(state.prompt_positions, state.delta, req.num_prompt_tokens, start, end, self.device)
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         """logits [rows, vocab]: `num_sample_rows` rows per request, in order. A

@@ -64,3 +64,16 @@ def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
     positions = torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
     delta = (int(positions.max()) + 1 - num_tokens) if num_tokens else 0
     return positions, delta
+
+
+def positions_between(prompt_positions: torch.Tensor, delta: int, num_prompt_tokens: int, start: int, end: int,
+                      device) -> torch.Tensor:
+    """[3, end - start] positions of a request's tokens start..end: the prompt's from
+    `mrope_positions` (`prompt_positions`), then text positions shifted by its `delta`."""
+    parts = []
+    if start < num_prompt_tokens:
+        parts.append(prompt_positions[:, start:min(end, num_prompt_tokens)])
+    if end > num_prompt_tokens:
+        first = max(start, num_prompt_tokens)
+        parts.append(torch.arange(first + delta, end + delta, device=device).expand(3, -1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
