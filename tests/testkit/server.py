@@ -185,15 +185,18 @@ class ServerProcess:
                 total += value
         return total
 
-    def settled_sum(self, name: str, **labels: str) -> float:
-        """`metric_sum` once workers' periodic stats (every 0.25 s) stopped changing it."""
+    def settled_sum(self, name: str, timeout_s: float = 120.0, **labels: str) -> float:
+        """`metric_sum` once workers' periodic stats (every 0.25 s) stopped changing it;
+        an AssertionError if it still changes after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
         value = self.metric_sum(name, **labels)
-        while True:
+        while time.monotonic() < deadline:
             time.sleep(0.6)
             again = self.metric_sum(name, **labels)
             if again == value:
                 return value
             value = again
+        raise AssertionError(f"{name} {labels} still changing after {timeout_s:.0f} s (last {value})")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """Ctrl-C, then wait; returns the exit code."""
