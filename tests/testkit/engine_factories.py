@@ -128,3 +128,11 @@ def step(scheduler: Scheduler):
     """One schedule + fake run + update: (the step's output, what update returned)."""
     output = scheduler.schedule()
     return output, scheduler.update(output, fake_run(output))
+
+
+def cpu_llm(model_dir: str, **settings):
+    """The offline `LLM` on the CPU in float32 with 128 KV blocks (`settings` override),
+    as the speculative-decoding tests build each engine they compare."""
+    from epd import LLM
+
+    return LLM(model_dir, **{"dtype": "float32", "device": "cpu", "num_kv_blocks": 128, **settings})

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from testkit.engine_factories import cpu_llm
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, images_of
 
@@ -28,20 +29,14 @@ def _spec(draft: str, k: int = 3) -> dict:
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
 
 
-def _llm(tiny_model, **settings):
-    from epd import LLM
-
-    return LLM(tiny_model, dtype="float32", device="cpu", **{"num_kv_blocks": 128, **settings})
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    return _llm(tiny_model)
+    return cpu_llm(tiny_model)
 
 
 @pytest.fixture(scope="module")
 def spec(tiny_model, tiny_draft):
-    return _llm(tiny_model, speculative_config=_spec(tiny_draft))
+    return cpu_llm(tiny_model, speculative_config=_spec(tiny_draft))
 
 
 def _counts(llm) -> tuple[int, int, int]:
@@ -70,8 +65,8 @@ def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, ti
     KV budget preempts requests (their draft KV starts again), a small token budget chunks the
     prompts and the draft's own catch-up."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = _llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8,
-               speculative_config=_spec(tiny_draft, k=4))
+    llm = cpu_llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8,
+                  speculative_config=_spec(tiny_draft, k=4))
     outs = [o.outputs[0].token_ids for o in llm.chat(MIXED_BATCH, params)]
     assert outs == [o.outputs[0].token_ids for o in plain.chat(MIXED_BATCH, params)]
     assert outs[1] == hf_greedy(tiny_model, MIXED_BATCH[1], images_of(MIXED_BATCH[1]), num_tokens=20)
@@ -123,7 +118,7 @@ def test_a_draft_that_never_agrees_changes_no_token(tiny_model, tmp_path, plain)
     from epd.tools.make_draft import make_draft
 
     draft = make_draft(tiny_model, tmp_path / "wrong", num_layers=2, disagree=True)
-    llm = _llm(tiny_model, speculative_config=_spec(str(draft)))
+    llm = cpu_llm(tiny_model, speculative_config=_spec(str(draft)))
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == _tokens(plain.generate(PROMPTS, GREEDY))
     _, draft_tokens, accepted = _counts(llm)
     assert draft_tokens > 0 and accepted <= draft_tokens // 10
@@ -149,7 +144,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_model, tmp_path):
 
     other = make_model(tmp_path / "other", dataclasses.replace(PRESETS["tiny"], num_layers=1, tokenizer_vocab=900))
     with pytest.raises(ValueError, match="another vocabulary than the target's"):
-        _llm(tiny_model, speculative_config=_spec(str(other)))
+        cpu_llm(tiny_model, speculative_config=_spec(str(other)))
 
 
 def test_make_model_draft_of_checks_the_layer_count(tiny_model, tmp_path, capsys):

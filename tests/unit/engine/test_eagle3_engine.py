@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from testkit.eagle3_fit import fit_eagle3
+from testkit.engine_factories import cpu_llm
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, images_of
 
@@ -19,19 +20,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
-def _llm(tiny_model, **settings):
-    from epd import LLM
-
-    return LLM(tiny_model, dtype="float32", device="cpu", **{"num_kv_blocks": 128, **settings})
-
-
 def _spec(head: str, k: int = 3) -> dict:
     return {"method": "eagle3", "model": head, "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    return _llm(tiny_model)
+    return cpu_llm(tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +42,7 @@ def head(tiny_model, plain, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def spec(tiny_model, head):
-    return _llm(tiny_model, speculative_config=_spec(head))
+    return cpu_llm(tiny_model, speculative_config=_spec(head))
 
 
 def _counters(llm) -> dict[str, int]:
@@ -74,7 +69,7 @@ def test_greedy_tokens_are_the_same_and_drafts_are_accepted(plain, spec):
 def test_a_prefix_cache_hit_drafts_as_the_first_run(tiny_model, head, plain):
     """The second run finds every full prompt block cached, the head's entries with them:
     it must draft (and accept) exactly as the first run, which computed them."""
-    llm = _llm(tiny_model, speculative_config=_spec(head))
+    llm = cpu_llm(tiny_model, speculative_config=_spec(head))
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     first, first_delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
     hits = llm.stats()["prefix_cache_hits"]
@@ -89,8 +84,8 @@ def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, he
     head's entries); a small token budget chunks prompts beside them."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     chats = MIXED_BATCH[:4]  # text, one image, two images, text
-    llm = _llm(tiny_model, num_kv_blocks=10, max_num_batched_tokens=24, max_num_seqs=8,
-               speculative_config=_spec(head))
+    llm = cpu_llm(tiny_model, num_kv_blocks=10, max_num_batched_tokens=24, max_num_seqs=8,
+                  speculative_config=_spec(head))
     outs = [o.outputs[0].token_ids for o in llm.chat(chats, params)]
     assert outs == [o.outputs[0].token_ids for o in plain.chat(chats, params)]
     assert outs[1] == hf_greedy(tiny_model, chats[1], images_of(chats[1]), num_tokens=16)
@@ -105,8 +100,8 @@ def test_chunked_prompts_draft_as_whole_ones(tiny_model, head, spec):
     are the same. (No prompt leaves a last chunk of one token: that one would be scheduled as a
     decode and draft, which the whole prompt's prefill does not.)"""
     assert all(len(p) % 9 > 1 for p in PROMPTS)
-    llm = _llm(tiny_model, max_num_batched_tokens=9, max_num_seqs=1, speculative_config=_spec(head))
-    one_by_one = _llm(tiny_model, max_num_seqs=1, speculative_config=_spec(head))
+    llm = cpu_llm(tiny_model, max_num_batched_tokens=9, max_num_seqs=1, speculative_config=_spec(head))
+    one_by_one = cpu_llm(tiny_model, max_num_seqs=1, speculative_config=_spec(head))
     outs, delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
     ref, ref_delta = _delta(one_by_one, lambda: one_by_one.generate(PROMPTS, GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
@@ -116,7 +111,7 @@ def test_chunked_prompts_draft_as_whole_ones(tiny_model, head, spec):
 def test_a_random_heads_drafts_leave_the_output_exact(tiny_model, plain, tmp_path):
     from epd.tools.make_eagle3 import make_eagle3
 
-    llm = _llm(tiny_model, speculative_config=_spec(str(make_eagle3(tmp_path / "random", "tiny-eagle3")), k=2))
+    llm = cpu_llm(tiny_model, speculative_config=_spec(str(make_eagle3(tmp_path / "random", "tiny-eagle3")), k=2))
     outs, delta = _delta(llm, lambda: llm.generate(PROMPTS, GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert 0 < delta["spec_decode_num_drafts"] <= delta["spec_decode_num_draft_tokens"] \
@@ -137,7 +132,7 @@ def test_sampled_requests_speculate_and_finish(spec):
 ])
 def test_bad_heads_are_refused_at_start(tiny_model, config, message):
     with pytest.raises(ValueError, match=message):
-        _llm(tiny_model, speculative_config=config)
+        cpu_llm(tiny_model, speculative_config=config)
 
 
 def _core(tiny_model, head: str, role: str):

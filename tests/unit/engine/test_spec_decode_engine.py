@@ -9,6 +9,7 @@ holds its distribution to the one without speculation)."""
 from __future__ import annotations
 
 import pytest
+from testkit.engine_factories import cpu_llm
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, images_of
 
@@ -20,20 +21,14 @@ PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], [7, 8] * 12, l
            [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]]
 
 
-def _llm(tiny_model, **settings):
-    from epd import LLM
-
-    return LLM(tiny_model, dtype="float32", device="cpu", **{"num_kv_blocks": 128, **settings})
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    return _llm(tiny_model)
+    return cpu_llm(tiny_model)
 
 
 @pytest.fixture(scope="module")
 def spec(tiny_model):
-    return _llm(tiny_model, speculative_config=SPEC)
+    return cpu_llm(tiny_model, speculative_config=SPEC)
 
 
 def _accepted(llm) -> int:
@@ -65,7 +60,7 @@ def test_images_preemption_and_chunked_prefill_match_transformers(tiny_model, pl
     The reference: the engine without speculation (test_engine_vs_transformers holds it to
     transformers on this batch), and transformers itself for one image chat."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    llm = _llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8, speculative_config=SPEC)
+    llm = cpu_llm(tiny_model, num_kv_blocks=16, max_num_batched_tokens=24, max_num_seqs=8, speculative_config=SPEC)
     outs = [o.outputs[0].token_ids for o in llm.chat(MIXED_BATCH, params)]
     assert outs == [o.outputs[0].token_ids for o in plain.chat(MIXED_BATCH, params)]
     assert outs[1] == hf_greedy(tiny_model, MIXED_BATCH[1], images_of(MIXED_BATCH[1]), num_tokens=20)

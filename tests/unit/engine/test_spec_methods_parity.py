@@ -9,6 +9,7 @@ vacuous."""
 from __future__ import annotations
 
 import pytest
+from testkit.engine_factories import cpu_llm
 
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
 
@@ -18,15 +19,9 @@ TEXT_PROMPTS = [list(range(350, 370)), [760, 761] * 8, [820, 821] * 8]
 METHODS = ["ngram", "eagle3", "draft_model"]
 
 
-def _llm(tiny_model, **settings):
-    from epd import LLM
-
-    return LLM(tiny_model, dtype="float32", device="cpu", **{"num_kv_blocks": 128, **settings})
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model):
-    return _llm(tiny_model)
+    return cpu_llm(tiny_model)
 
 
 def _eagle3_head(tiny_model, plain, tmp_path_factory) -> str:
@@ -50,7 +45,7 @@ def spec(request, tiny_model, plain, tmp_path_factory):
         config["model"] = _eagle3_head(tiny_model, plain, tmp_path_factory)
     else:
         config["model"] = request.getfixturevalue("tiny_draft")
-    return _llm(tiny_model, speculative_config=config)
+    return cpu_llm(tiny_model, speculative_config=config)
 
 
 def _both(plain, spec, params, prompts=PROMPTS):
