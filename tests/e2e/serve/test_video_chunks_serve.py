@@ -97,10 +97,11 @@ def start_chunked_server(model_dir: str, tmp_path) -> ServerProcess:
 def kill_mid_chunk(srv: ServerProcess, clip: bytes) -> httpx.Response:
     """`clip`'s answer, with encoder-1 killed (SIGKILL) once it has taken a chunk."""
     got = {}
+    taken = srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1")  # earlier requests' chunks
     sender = threading.Thread(target=lambda: got.update(response=served(srv, clip)))
     sender.start()
     deadline = time.monotonic() + 60
-    while srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1") < 1:
+    while srv.metric_sum("epd:encoder_requests_received_total", worker="encoder-1") < taken + 1:
         assert time.monotonic() < deadline, "encoder-1 never got a chunk"
         time.sleep(0.1)
     pids = {name: int(pid) for name, pid in re.findall(r"EPD: worker (\S+) pid (\d+)", srv.log())}
