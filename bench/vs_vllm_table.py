@@ -51,7 +51,8 @@ def _number(value: float | None) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def _ratio_cell(r: dict) -> str:
+def ratio_text(r: dict) -> str:
+    """A `ratio_summary` as 'RATIO (MIN-MAX)', or '-' without a round."""
     if r["ratio"] is None:
         return "-"
     return f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
@@ -69,7 +70,7 @@ def markdown_table(results: dict) -> str:
         cells = [f"{row['name']} ({better} is better)", _number(statistics.fmean(base_values) if base_values else None)]
         for server in others:
             r = row["ratios"][server]
-            cells += [_number(r["mean"]), _ratio_cell(r)]
+            cells += [_number(r["mean"]), ratio_text(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
