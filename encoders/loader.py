@@ -14,7 +14,7 @@ from torch import nn
 
 from epd.encoders.qwen2_5_vision_tower import Qwen2_5VisionConfig, Qwen2_5VisionTower
 from epd.encoders.vision_tower import VisionConfig, VisionTower
-from epd.transport.checkpoint import load_weights
+from epd.transport.checkpoint import load_weights, materialize
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -42,7 +42,7 @@ def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype,
     cfg = config_cls.from_hf(hf_config.vision_config)
     with torch.device("meta"):
         tower = tower_cls(cfg)
-    tower = tower.to_empty(device=device).to(dtype)
+    tower = materialize(tower, device, dtype)
     tower.reset_rotary(device)
     load_weights(tower, model_dir, _vision_rule, describe=lambda p, s: "model.visual." + p)
     return tower.eval()

@@ -128,8 +128,8 @@ class Qwen2_5VisionTower(nn.Module):
     def reset_rotary(self, device) -> None:
         """The 2-D rotary table: float32 whatever the tower's dtype (not a weight)."""
         half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
-        self.inv_freq = 1.0 / (self.cfg.rope_theta
-                               ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/models/qwen3_vl.py MRotaryEmbedding
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.transport.checkpoint import unfilled_embedding
+
 
 @dataclass(frozen=True)
 class VisionTowerShape:
@@ -170,7 +172,7 @@ class VisionTower(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.pos_embed = unfilled_embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.num_grid_per_side = int(cfg.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg, postshuffle_norm=False)
@@ -182,8 +184,8 @@ class VisionTower(nn.Module):
         """The 2-D rotary table: a plain float32 tensor (not a weight, so it keeps
         float32 whatever the tower's dtype)."""
         half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
-        self.inv_freq = 1.0 / (self.cfg.rope_theta
-                               ** (torch.arange(0, half, 2, dtype=torch.float, device=device) / half))
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
+        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/models/qwen3_vl.py MRotaryEmbedding
 
     # -- per-patch geometry, in spatial-merge-block order ----------------------
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.engine.models.qwen3_vl import RMSNorm, _rotate_half
+from epd.transport.checkpoint import unfilled_embedding
 
 # attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], scale) -> [N, Hq, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -212,7 +213,7 @@ class Eagle3Head(nn.Module):
         self.layers = nn.ModuleList(Eagle3Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if has_embed_tokens else None
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size) if has_embed_tokens else None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
 

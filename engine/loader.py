@@ -18,7 +18,7 @@ import torch
 
 from epd.engine.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForCausalLM
 from epd.engine.models.registry import family_of
-from epd.transport.checkpoint import CheckpointError, iter_tensors, load_weights
+from epd.transport.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _VISION_PREFIXES = ("model.visual.", "visual.")
@@ -75,7 +75,7 @@ def load_language_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
     cfg = family_of(hf_config).text_config(hf_config)
     with torch.device("meta"):
         model = Qwen3VLForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     model.model.rotary = MRotaryEmbedding(cfg, device=device)  # float32 tables, not weights
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     fused = {}

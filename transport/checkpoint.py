@@ -24,6 +24,32 @@ class CheckpointError(ValueError):
     """The checkpoint does not match the model (missing, extra or misshaped tensors)."""
 
 
+def unfilled_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An embedding whose table a checkpoint fills: no random init. Built under
+    `torch.device("meta")`, `nn.Embedding`'s own init (normal_) goes through
+    torch's reference ops, whose first use imports torch._dynamo: 2-4 s of
+    every worker's start-up (issue 32)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
+def materialize(module: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """`module`, built on "meta", with uninitialized storage on `device` (floating-point
+    tensors in `dtype`) for a checkpoint to fill: what `to_empty(device).to(dtype)` gives
+    without its second copy of the model, and without `empty_like` on meta tensors, which
+    runs torch's reference ops (their first use imports torch._dynamo: seconds of start-up)."""
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                sub._parameters[name] = nn.Parameter(placed(p), requires_grad=p.requires_grad)
+        for name, b in sub._buffers.items():
+            if b is not None:
+                sub._buffers[name] = placed(b)
+    return module
+
+
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.engine.models.moe import SparseMoeBlock
+from epd.transport.checkpoint import unfilled_embedding
 from epd.transport.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
 
 
@@ -112,9 +113,12 @@ class MRotaryEmbedding:
 
     def __init__(self, cfg: TextConfig, device: str | torch.device = "cpu"):
         dim = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+        # computed on the CPU, then placed: on "meta" (a model being built for loading) an op like
+        # arange runs torch's reference op, whose first use imports torch._dynamo (seconds of start-up)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        self.inv_freq = inv_freq.to(device)
         half = dim // 2
-        axis = torch.zeros(half, dtype=torch.long)  # which position row drives frequency j
+        axis = torch.zeros(half, dtype=torch.long, device="cpu")  # which position row drives frequency j
         sec = cfg.mrope_section
         if cfg.mrope_interleaved:
             axis[1:sec[1] * 3:3] = 1
@@ -223,7 +227,7 @@ class Qwen3VLTextModel(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(cfg, device=self.embed_tokens.weight.device)
