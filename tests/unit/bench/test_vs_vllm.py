@@ -45,6 +45,14 @@ def test_table_has_every_server_and_the_direction_of_each_row():
     assert lines[3] == "| 1 image(s) @ 0.5 req/s median TTFT ms (lower is better) | 200 | - | - |"
 
 
+def test_a_server_is_shown_with_its_mean_where_the_base_has_no_ratio_to_give():
+    goodput = new_row("4 images goodput req/s", "goodput_distserve", True)
+    add_value(goodput, "vllm", 0.0)  # no tested rate reached
+    add_value(goodput, "e-p-d", 0.6)
+    results = summarize({"base": "vllm", "servers": ["vllm", "e-p-d"], "rows": [goodput]})
+    assert markdown_table(results).splitlines()[2] == "| 4 images goodput req/s (higher is better) | 0 | 0.6 | - |"
+
+
 def test_greedy_lines_count_identical_texts_per_server():
     texts = {"vllm": ["a", "b", "c"], "aggregated": ["a", "b", "c"], "e-p-d": ["a", "x", "c"]}
     greedy = {"base": "vllm", "texts": texts}
