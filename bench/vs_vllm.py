@@ -14,7 +14,14 @@ all pinned to the same CPUs and kept up for the whole run, then:
         `--max-concurrency C`, everything sent at once);
       - median TTFT and TPOT with K images per request at a fixed rate
         (`--image-rows K@RATE,...`);
+      - after those rows, goodput with `--goodput-images` (4) images a request
+        over `--goodput-rates` (`vs_vllm_goodput`: `epd bench compare`'s sweep
+        and goodput, SLOs from vLLM's solo latency or given);
   * offline tokens/s (before any server starts): `vs_vllm_offline`.
+With `--vllm-ec`, vLLM's own encoder disaggregation ("vllm-ec": an encoder
+and a prefill-decode `vllm serve` with `ECExampleConnector`, behind our proxy;
+`vllm_servers.VllmEcPeer`) runs too, for the greedy texts and the goodput
+rows only.
 Each row reports the ratio of means against vLLM and the min-max of the
 per-round ratios (`vs_vllm_table`); written as vs_vllm.json and vs_vllm.md in
 `--output-dir`. Not in CI: it needs vLLM's environment and minutes per row.
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -32,24 +38,15 @@ from pathlib import Path
 import httpx
 
 from epd.bench import serve as bench_serve
-from epd.bench import vs_vllm_offline
+from epd.bench import vs_vllm_goodput, vs_vllm_offline
 from epd.bench.client import send_chat_request
 from epd.bench.compare import ServeProcess, cpu_set, warm_up
 from epd.bench.datasets import load_tokenizer, sample_random, sample_random_mm
+from epd.bench.vllm_servers import VllmEcPeer, VllmProcess
 from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, summarize
 
 BASE = "vllm"
-
-
-class VllmProcess(ServeProcess):
-    """`vllm serve MODEL` on a free port, pinned to `cpus` like EPD's servers."""
-
-    name = "vllm serve"
-
-    def __init__(self, vllm_bin: str, model: str, cpus, extra: list[str], log_path: Path, kv_cache_gib: int):
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-        self._launch(lambda port: [vllm_bin, "serve", model, "--host", "127.0.0.1", "--port", str(port),
-                                   "--dtype", "float32", *extra], cpus, log_path, env=env)
+EC = "vllm-ec"  # vLLM's encoder disaggregation: greedy texts and goodput rows only
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     peer = p.add_mutually_exclusive_group(required=True)
     peer.add_argument("--vllm-bin", help="vLLM's `vllm` command (e.g. /work/vllm-venv/bin/vllm)")
     peer.add_argument("--vllm-python", help="vLLM's Python; its `vllm` is the one beside it")
+    p.add_argument("--vllm-ec", action="store_true",
+                   help="also vLLM's own encoder disaggregation (1 encoder + 1 prefill-decode `vllm serve`, "
+                        "ECExampleConnector, our proxy in front): greedy texts and goodput rows")
     p.add_argument("--modes", default="aggregated",
                    help="comma-separated `epd serve --mode`s; a mode may carry its own flags in brackets, "
                         "e.g. 'aggregated,aggregated[--threads-per-worker 2]' (both measured, each its own label)")
@@ -83,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout-s", type=float, default=900.0, help="start-up limit per server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="bench-results/vs-vllm")
+    vs_vllm_goodput.add_arguments(p)
 
 
 def vllm_bin(args) -> str:
@@ -178,7 +179,7 @@ def start_servers(args, cpus: set[int], out_dir: Path) -> tuple[dict, dict, dict
     servers: dict[str, ServeProcess] = {}
     models, startup = {}, {}
     try:
-        for label in [BASE, *modes(args)]:
+        for label in [BASE, *([EC] if args.vllm_ec else []), *modes(args)]:
             servers[label] = server = _launch(args, label, cpus, out_dir / f"server-{_slug(label)}.log")
             models[label] = server.wait_ready(args.ready_timeout_s)
             startup[label] = time.monotonic() - server.started_s
@@ -190,10 +191,13 @@ def start_servers(args, cpus: set[int], out_dir: Path) -> tuple[dict, dict, dict
     return servers, models, startup
 
 
-def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess:
+def _launch(args, label: str, cpus: set[int], log_path: Path) -> ServeProcess | VllmEcPeer:
     if label == BASE:
         return VllmProcess(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path,
                            args.vllm_kv_cache_gib)
+    if label == EC:
+        return VllmEcPeer(vllm_bin(args), args.model_dir, cpus, args.vllm_args.split(), log_path.parent,
+                          args.vllm_kv_cache_gib, log_path.parent / "vllm-ec-cache")
     mode, extra = epd_server_args(args, label)
     return ServeProcess(args.model_dir, mode, cpus, extra, log_path)
 
@@ -242,8 +246,9 @@ def offline_rows(args, cpus: set[int], out_dir: Path) -> list[dict]:
 
 
 def served_rows(args, servers: dict, models: dict, out_dir: Path) -> list[dict]:
-    """Every workload on every server, round after round (A, B, A, B ...)."""
+    """Every workload on every server but vllm-ec, round after round (A, B, A, B ...)."""
     client = vllm_client if args.client == "vllm" else epd_client
+    servers = {label: server for label, server in servers.items() if label != EC}
     rows: list[dict] = []
     for label, server in servers.items():  # first-use costs (compiles, allocations) out of the rounds
         warm_up(_warmup_args(args, models[label]), server.base_url, out_dir / f"warmup-{_slug(label)}.json")
@@ -280,6 +285,7 @@ def main(args) -> dict:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     parse_image_rows(args.image_rows)  # a typo fails now, not after start-up
+    vs_vllm_goodput.rates(args)
     cpus = cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,6 +294,8 @@ def main(args) -> dict:
     try:
         greedy = greedy_texts(args, servers, models)
         rows += served_rows(args, servers, models, out_dir)
+        goodput, goodput_runs = vs_vllm_goodput.goodput_rows(args, servers, models, out_dir, _slug)
+        rows += goodput
     finally:
         for server in servers.values():
             server.stop()
@@ -295,8 +303,10 @@ def main(args) -> dict:
     for label, seconds in startup.items():
         add_value(startup_row, label, seconds)
     results = summarize({"base": BASE, "servers": list(servers), "rows": rows + [startup_row], "greedy": greedy,
-                         "config": {k: v for k, v in vars(args).items() if k != "func"}, "cpus": sorted(cpus)})
-    report = "\n".join([markdown_table(results), "", *greedy_lines(greedy)])
+                         "config": {k: v for k, v in vars(args).items() if k != "func"}, "cpus": sorted(cpus),
+                         "goodput": goodput_runs})
+    report = "\n".join([markdown_table(results), "", *greedy_lines(greedy),
+                        *vs_vllm_goodput.against_lines(goodput, EC)])
     print(report)
     (out_dir / "vs_vllm.json").write_text(json.dumps(results, indent=2))
     (out_dir / "vs_vllm.md").write_text(report + "\n")

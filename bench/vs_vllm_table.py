@@ -51,10 +51,16 @@ def _number(value: float | None) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def _ratio_cell(r: dict) -> str:
+def ratio_text(r: dict) -> str:
+    """A `ratio_summary` as 'RATIO (MIN-MAX)', or '-' without a round."""
     if r["ratio"] is None:
         return "-"
     return f"{r['ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+
+
+def _own_mean(row: dict, server: str) -> float | None:
+    values = [v for v in row["values"].get(server, []) if v is not None]
+    return statistics.fmean(values) if values else None
 
 
 def markdown_table(results: dict) -> str:
@@ -65,11 +71,11 @@ def markdown_table(results: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["rows"]:
         better = "higher" if row["higher_is_better"] else "lower"
-        base_values = [v for v in row["values"].get(base, []) if v is not None]
-        cells = [f"{row['name']} ({better} is better)", _number(statistics.fmean(base_values) if base_values else None)]
+        cells = [f"{row['name']} ({better} is better)", _number(_own_mean(row, base))]
         for server in others:
             r = row["ratios"][server]
-            cells += [_number(r["mean"]), _ratio_cell(r)]
+            # no round to pair (the base failed, or its value is 0: a goodput no rate reached): its own mean
+            cells += [_number(r["mean"] if r["rounds"] else _own_mean(row, server)), ratio_text(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

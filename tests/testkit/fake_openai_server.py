@@ -1,7 +1,7 @@
 """A minimal real OpenAI-style streaming server (starlette + uvicorn on 127.0.0.1) for bench tests
 (tests/unit/bench/conftest.py makes it the `fake_server` fixture).
 
-It serves /v1/chat/completions and /v1/completions (the same, with
+It serves /health (200), /v1/chat/completions and /v1/completions (the same, with
 `text` chunks), streaming one content chunk per requested token with a small sleep, then
 a finish chunk, a usage chunk (`prompt_tokens` = prompt words +
 TOKENS_PER_IMAGE per image) and `[DONE]`. A prompt containing "FAIL" gets an
@@ -49,6 +49,9 @@ def _prompt_of(body: dict) -> tuple[str, int]:
 
 
 def _app(state: FakeServerState) -> Starlette:
+    async def health(_: Request) -> JSONResponse:
+        return JSONResponse({})
+
     async def models(_: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
 
@@ -93,7 +96,7 @@ def _app(state: FakeServerState) -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+    return Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/completions", chat, methods=["POST"])])
 
 

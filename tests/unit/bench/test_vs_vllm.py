@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from epd.bench import vs_vllm
+from epd.bench import vs_vllm, vs_vllm_goodput
 from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, ratio_summary, summarize
 
 
@@ -43,6 +43,14 @@ def test_table_has_every_server_and_the_direction_of_each_row():
     assert lines[0] == "| row | vllm | aggregated | aggregated / vllm (range) |"
     assert lines[2] == "| text C=8 output tok/s (higher is better) | 90 | 120 | 1.33 (1.20-1.50) |"
     assert lines[3] == "| 1 image(s) @ 0.5 req/s median TTFT ms (lower is better) | 200 | - | - |"
+
+
+def test_a_server_is_shown_with_its_mean_where_the_base_has_no_ratio_to_give():
+    goodput = new_row("4 images goodput req/s", "goodput_distserve", True)
+    add_value(goodput, "vllm", 0.0)  # no tested rate reached
+    add_value(goodput, "e-p-d", 0.6)
+    results = summarize({"base": "vllm", "servers": ["vllm", "e-p-d"], "rows": [goodput]})
+    assert markdown_table(results).splitlines()[2] == "| 4 images goodput req/s (higher is better) | 0 | 0.6 | - |"
 
 
 def test_greedy_lines_count_identical_texts_per_server():
@@ -91,3 +99,46 @@ def test_a_mode_may_carry_its_own_flags_and_every_epd_server_gets_vllms_kv_budge
     own_kv = vs_vllm.epd_server_args(args, "e-p-d[--kv-cache-gb 1]")
     assert own_kv == ("e-p-d", ["--max-num-seqs", "64", "--kv-cache-gb", "1"])
     assert vs_vllm._slug("aggregated[--threads-per-worker 2]") == "aggregated_--threads-per-worker_2_"
+
+
+def test_goodput_rows_sweep_every_server_each_round_with_slos_from_vllms_solo_latency(fake_server, tmp_path):
+    args = _args("--rounds", "2", "--goodput-rates", "40,20", "--goodput-images", "4", "--goodput-num-prompts", "3",
+                 "--image-size", "16x16", "--input-len", "5", "--output-len", "3", "--slo-scale", "1000",
+                 "--slo-probe-requests", "1")
+    args.model_dir = None  # the fake server has no tokenizer: prompts counted in words
+    servers = {"vllm": fake_server, "vllm-ec": fake_server, "e-p-d": fake_server}
+    models = dict.fromkeys(servers, "fake-model")
+    rows, kept = vs_vllm_goodput.goodput_rows(args, servers, models, tmp_path, vs_vllm._slug)
+    assert [r["name"].split(" (")[0] for r in rows] == ["4 images goodput req/s", "4 images @ 20 req/s SLO attainment",
+                                                        "4 images @ 40 req/s SLO attainment"]
+    assert "rates 20,40" in rows[0]["name"] and kept["rates"] == [20.0, 40.0]
+    # SLOs 1000x a fake request's solo latency: every request meets them, so goodput is the top rate
+    assert rows[0]["values"] == {label: [40.0, 40.0] for label in servers}
+    assert rows[1]["values"]["e-p-d"] == [1.0, 1.0]
+    assert kept["slo_ttft_ms"] > 0 and len(kept["per_server"]["vllm-ec"]) == 2
+    contents = [b["messages"][0]["content"] for b in fake_server.payloads]
+    four_images = [c for c in contents if isinstance(c, list) and sum(p["type"] == "image_url" for p in c) == 4]
+    # per server and round: a 2-request warm-up and 3 requests at each of 2 rates; plus the solo probe
+    assert len(four_images) == 3 * 2 * (2 + 3 * 2) + 1
+    assert vs_vllm_goodput.against_lines(rows, "vllm-ec") == ["goodput, vllm / vllm-ec (range): 1.00 (1.00-1.00)",
+                                                              "goodput, e-p-d / vllm-ec (range): 1.00 (1.00-1.00)"]
+    results = summarize({"base": "vllm", "servers": list(servers), "rows": rows})
+    assert "| 4 images @ 20 req/s SLO attainment (higher is better) | 1 | 1 | 1.00 (1.00-1.00) |" in \
+        markdown_table(results)
+
+
+def test_goodput_flags_are_checked_before_any_server_starts():
+    assert vs_vllm_goodput.rates(_args()) == []  # no rates: no goodput rows
+    with pytest.raises(ValueError, match="> 0"):
+        vs_vllm_goodput.rates(_args("--goodput-rates", "0.1,0"))
+    with pytest.raises(ValueError, match="--slo-tpot-ms"):
+        vs_vllm_goodput.rates(_args("--goodput-rates", "0.1", "--slo-ttft-ms", "500"))
+
+
+def test_vllm_ec_runs_only_the_greedy_and_goodput_rows(fake_server, tmp_path):
+    args = _args("--rounds", "1", "--streams", "1", "--image-rows", "", "--num-prompts", "1", "--input-len", "5",
+                 "--output-len", "2")
+    args.model_dir = None
+    servers = {"vllm": fake_server, "vllm-ec": fake_server}
+    rows = vs_vllm.served_rows(args, servers, dict.fromkeys(servers, "fake-model"), tmp_path)
+    assert list(rows[0]["values"]) == ["vllm"]
