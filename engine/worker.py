@@ -1,6 +1,7 @@
 """The prefill / decode / pd / aggregated worker loop around an `EngineCore`.
 
-    loop:  drain inbox -> admit requests whose images are ready -> engine.step()
+    loop:  drain inbox -> admit requests whose images are ready -> [threads from the
+           host's core lease, transport/core_lease.py] -> engine.step()
            -> one TokenOutputs per API process with the step's outputs (and
               KVTransfer to decode, prefill role); with a stream interval N a
               request's tokens are held until N are here (the first and the last go at once)
@@ -42,6 +43,7 @@ from epd.engine.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gav
 from epd.engine.request import Request
 from epd.transport.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
+from epd.transport.core_lease import CoreLease
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import EncoderCounters, EngineCounters
 from epd.transport.frame_limits import encoder_inbox_frame_bytes, engine_inbox_frame_bytes
@@ -84,7 +86,8 @@ class _RequestState:
 
 
 class EngineWorker(WorkerIO):
-    def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None):
+    def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None,
+                 cores: CoreLease | None = None):
         if not spec.role.holds_kv:
             raise ValueError(f"an engine worker cannot take the role '{spec.role}'")
         max_frame_bytes = max(inbox_frame_bytes(core), encoder_inbox_frame_bytes(spec.max_image_bytes)
@@ -92,6 +95,7 @@ class EngineWorker(WorkerIO):
         super().__init__(spec, core.info.fingerprint, max_frame_bytes=max_frame_bytes)
         self.core = core
         self.encode_fn = encode_fn
+        self.cores = cores  # threads taken before each step from the host's other engine workers (or None)
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
                                       early=core.config.early_prefill)
         self.requests: dict[str, _RequestState] = {}  # by request id, in arrival order
@@ -113,9 +117,15 @@ class EngineWorker(WorkerIO):
                 self._admit_transfers()
                 self._give_up_waiting()
                 if self.core.has_unfinished():
+                    if self.cores is not None:
+                        self.cores.take()
                     self._step()
+                elif self.cores is not None:
+                    self.cores.release()
                 self._maybe_send_stats()
         finally:
+            if self.cores is not None:
+                self.cores.close()
             self.close()
 
     def _drain(self, timeout_s: float) -> None:

@@ -29,7 +29,7 @@ from epd.serve.autoscale import EncoderScaling
 from epd.serve.ray_config import RayConfig
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
-from epd.serve.threads import CPU_SHARING, available_cores, serve_api_cores, worker_threads
+from epd.serve.threads import CPU_SHARING, available_cores, lease_cores, serve_api_cores, worker_threads
 from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.roles import Mode, Role
@@ -217,6 +217,14 @@ class ServeConfig:
         cores = available_cores()
         return worker_threads(None if role is None else Role.parse(role), roles, cores, self.cpu_sharing,
                               serve_api_cores(cores))
+
+    def leased_cores(self) -> int | None:
+        """The cores the launcher's CPU engine workers lend each other while idle (epd/serve/threads.py,
+        `lease_cores`); None with `--threads-per-worker`, "split", or a single engine worker."""
+        if self.threads_per_worker:
+            return None
+        cores = available_cores()
+        return lease_cores([r for r, _ in self.worker_roles()], cores, self.cpu_sharing, serve_api_cores(cores))
 
     def worker_nice(self, role: Role | str) -> int:
         """The niceness a worker of `role` runs at: 0 unless the cores are

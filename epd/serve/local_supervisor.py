@@ -71,7 +71,8 @@ class LocalSupervisor(Supervisor):
         index = next(i for i in range(len(taken) + 1) if i not in taken)
         worker_id = make_worker_id(role, index)
         spec = replace(template.spec, worker_id=worker_id, inbox=self.addresses.worker(role, index))
-        self.launches[worker_id] = replace(template, spec=spec)
+        # no place in the core lease: its slots are the launched engine workers' (fixed threads instead)
+        self.launches[worker_id] = replace(template, spec=spec, core_share=None)
         self._spawn(worker_id)
         return worker_id
 

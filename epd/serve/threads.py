@@ -33,6 +33,12 @@ idle one soon yields. `epd worker` sets PASSIVE: its neighbours are unknown
 of 200 tokens with the default spin, 3.0 s with PASSIVE; issue 33). An
 operator's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` stands.
 
+The engine workers of one `epd serve` on CPU, "shared", lend each other their
+cores while idle (`lease_cores`; transport/core_lease.py): before each step a
+worker takes every core the busy ones leave it, so e-p-d's decode worker runs
+on both cores of a 2-core host while the prefill worker has nothing to do, and
+on its even share while both work. `--threads-per-worker` fixes the count.
+
 `epd serve`'s workers and `epd worker` take both from here: `worker_threads`
 for the count and `share_cores` for the policy. An `epd worker` is counted as
 the one worker of its host (`roles=[role]`) that keeps a core for an API: it
@@ -90,3 +96,11 @@ def worker_threads(role: Role | None, roles: Sequence[Role], num_cores: int, cpu
     if role is not None and not role.holds_kv:
         return free
     return max(1, free // max(1, sum(r.holds_kv for r in roles)))
+
+
+def lease_cores(roles: Sequence[Role], num_cores: int, cpu_sharing: str, api_cores: int = API_CORES) -> int | None:
+    """The cores the engine workers among `roles` lend each other (transport/core_lease.py):
+    those left by the API, when "shared" and there are two engine workers or more; else None."""
+    if cpu_sharing != "shared" or sum(r.holds_kv for r in roles) < 2:
+        return None
+    return max(1, num_cores - api_cores)

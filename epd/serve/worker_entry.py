@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from epd.encoders.video_io import DecodeLimits
 from epd.engine.config import EngineConfig
 from epd.serve.heap import freeze_startup_heap
+from epd.transport.core_lease import CoreShare
 from epd.transport.worker_io import WorkerSpec
 
 
@@ -33,6 +34,7 @@ class WorkerLaunch:
     mm_processor_kwargs: tuple = ()  # --mm-processor-kwargs as (key, value) pairs: the encoder's processor
     tokenizer: str | None = None  # --tokenizer: the grammar compiler's (None: the checkpoint's)
     decode_limits: DecodeLimits | None = None  # an encoder's: what decoding one video may cost (None: no bound)
+    core_share: CoreShare | None = None  # an engine worker's place in its host's core lease (None: fixed threads)
 
 
 def _die_with_parent() -> None:
@@ -117,7 +119,12 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
     encode_fn = None
     if role.encodes:  # aggregated: the vision encoder in-process
         encode_fn = _in_process_encode_fn(launch, hf_config, info, core.dtype, core.device)
-    return EngineWorker(launch.spec, core, encode_fn)
+    cores = None
+    if launch.core_share is not None:
+        import torch
+
+        cores = launch.core_share.open(torch.set_num_threads)
+    return EngineWorker(launch.spec, core, encode_fn, cores=cores)
 
 
 def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from epd.config import ServeConfig
 from epd.serve.worker_entry import WorkerLaunch
 from epd.transport.addresses import Addresses, worker_id
+from epd.transport.core_lease import CoreShare, create_lease_file, lease_path
 from epd.transport.worker_io import WorkerSpec
 
 
@@ -22,8 +23,11 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
                     ) -> list[WorkerLaunch]:
     """`collectors`: every API process's collector address, by API index."""
     engines = config.worker_engines(visible_gpus(config.engine.device))
+    roles = config.worker_roles()
+    shares = _core_shares(config, addresses, [role.holds_kv and not engine.device.startswith("cuda")
+                                              for (role, _), engine in zip(roles, engines)])
     launches = []
-    for (role, index), engine in zip(config.worker_roles(), engines):
+    for (role, index), engine, share in zip(roles, engines, shares):
         spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
                           mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_blob_bytes)
         if engine.device.startswith("cuda"):
@@ -33,5 +37,18 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
         launches.append(WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
                                      mm_processor_kwargs=config.files.mm_processor_kwargs,
                                      tokenizer=config.files.tokenizer, decode_limits=config.media.decode_limits(),
-                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role)))
+                                     num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role),
+                                     core_share=share))
     return launches
+
+
+def _core_shares(config: ServeConfig, addresses: Addresses, leases: list[bool]) -> list[CoreShare | None]:
+    """Each worker's place in the run's core lease (transport/core_lease.py), by `leases` (a CPU
+    engine worker); all None when fewer than two lease or the threads are fixed (`leased_cores`)."""
+    num_cores = config.leased_cores()
+    if num_cores is None or sum(leases) < 2 or addresses.scheme != "ipc":
+        return [None] * len(leases)
+    path = lease_path(addresses.run_dir)
+    create_lease_file(path, sum(leases))
+    slots = iter(range(sum(leases)))
+    return [CoreShare(path, next(slots), num_cores) if leased else None for leased in leases]

@@ -13,7 +13,7 @@ from epd.engine.config import EngineConfig
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
-from epd.serve.threads import API_CORES, serve_api_cores, worker_threads
+from epd.serve.threads import API_CORES, available_cores, serve_api_cores, worker_threads
 from epd.transport.auth import make_keys
 from epd.transport.roles import Mode, Role
 
@@ -368,3 +368,25 @@ def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
 
     assert sample(3, before=1) == sample(3, before=2)
     assert sample(3, before=1) != sample(4, before=1)
+
+
+@pytest.mark.parametrize("mode, settings, expected", [
+    ("e-p-d", {}, [None, 0, 1]),  # encoder, prefill, decode: the two engine workers lend each other cores
+    ("e-pd", {"num_prefill": 2}, [None, 0, 1]),  # encoder, pd, pd
+    ("e-p-d", {"threads_per_worker": 1}, [None, None, None]),  # --threads-per-worker fixes the count
+    ("e-p-d", {"cpu_sharing": "split"}, [None, None, None]),
+    ("aggregated", {}, [None]),  # one engine worker: nobody to lend to
+])
+def test_the_engine_workers_of_a_cpu_deployment_share_a_core_lease(tiny_model, tmp_path, mode, settings,
+                                                                   expected):
+    from epd.serve.worker_launches import worker_launches
+    from epd.transport.addresses import Addresses
+
+    config = ServeConfig(model=tiny_model, mode=mode, **settings)
+    launches = worker_launches(config, Addresses.ipc(tmp_path), ("ipc://collector",), str(tmp_path / "mm"))
+    shares = [launch.core_share for launch in launches]
+    assert [None if s is None else s.slot for s in shares] == expected
+    leased = [s for s in shares if s is not None]
+    assert len({s.path for s in leased}) <= 1
+    cores = available_cores()
+    assert all(s.num_cores == max(1, cores - serve_api_cores(cores)) for s in leased)

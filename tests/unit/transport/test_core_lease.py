@@ -1,0 +1,79 @@
+"""The core lease (transport/core_lease.py) on a real file: the threads each
+engine worker takes as the others start and stop work, across processes too."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from epd.transport.core_lease import STALE_S, CoreShare, create_lease_file
+
+
+def _leases(tmp_path, num_slots: int, num_cores: int):
+    path = str(tmp_path / "core-lease")
+    create_lease_file(path, num_slots)
+    calls = [[] for _ in range(num_slots)]
+    leases = [CoreShare(path, slot, num_cores).open(calls[slot].append) for slot in range(num_slots)]
+    return path, leases, calls
+
+
+def test_a_worker_alone_takes_every_core_and_shares_them_while_others_work(tmp_path):
+    _, (prefill, decode), calls = _leases(tmp_path, 2, num_cores=2)
+    assert decode.take() == 2  # the prefill worker is idle: both cores
+    assert prefill.take() == 1  # both busy: one each
+    assert decode.take() == 1
+    prefill.release()
+    assert decode.take() == 2  # the prefill worker went idle again
+    assert calls == [[1], [2, 1, 2]]  # torch is told only when the count changes
+
+
+def test_three_workers_share_by_how_many_are_busy(tmp_path):
+    _, (a, b, c), _ = _leases(tmp_path, 3, num_cores=7)
+    assert a.take() == 7
+    assert b.take() == 3
+    assert c.take() == 2
+    assert a.take() == 2
+    b.release()
+    c.release()
+    assert a.take() == 7
+
+
+def test_a_stale_mark_counts_as_idle(tmp_path):
+    # a worker killed mid-step never releases: its mark stops counting after STALE_S
+    _, (dead, alive), _ = _leases(tmp_path, 2, num_cores=2)
+    now = time.monotonic()
+    dead.take(now=now)
+    assert alive.take(now=now + STALE_S / 2) == 1
+    assert alive.take(now=now + STALE_S + 0.1) == 2
+
+
+def test_another_process_sees_the_marks(tmp_path):
+    path, (here,), _ = _leases(tmp_path, 1, num_cores=2)
+    two_slots = str(tmp_path / "two")
+    create_lease_file(two_slots, 2)
+    mine = CoreShare(two_slots, 0, 2).open(lambda n: None)
+    script = ("import sys; from epd.transport.core_lease import CoreShare;"
+              "lease = CoreShare(sys.argv[1], 1, 2).open(lambda n: None); print(lease.take()); "
+              "sys.stdin.readline(); lease.release(); print('released', flush=True); sys.stdin.readline()")
+    other = subprocess.Popen([sys.executable, "-c", script, two_slots], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "2"  # this process was idle
+        assert mine.take() == 1  # the other process's mark is seen here
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "released"
+        assert mine.take() == 2
+    finally:
+        other.kill()
+        other.wait(timeout=10)
+    assert here.take() == 2  # one slot: always every core
+
+
+def test_a_slot_outside_the_file_is_refused(tmp_path):
+    path = str(tmp_path / "core-lease")
+    create_lease_file(path, 2)
+    with pytest.raises(ValueError, match="slot 2 is outside the lease file's 2 slots"):
+        CoreShare(path, 2, 2).open(lambda n: None)
