@@ -7,9 +7,14 @@ on the decode worker, the prefill worker idles and half the machine with it
 (issue 32: the decode worker then ran at its one-thread rate). Giving each
 worker every core instead was 1.19-1.32x the tokens/s for short prompts and
 0.83x for long ones, where both workers are busy and four threads fight for
-two cores (docs/benchmarks.md, "The core lease").
+two cores (docs/benchmarks.md, "e-p-d's start-up, and its decode worker's one thread").
+Measured against one fixed thread: 1.32-1.54x for short prompts and level
+for long ones on a quiet host, but 0.49x in a window where 45% of the 2
+vCPUs' time was stolen by the hypervisor (a parallel region waits for its
+slowest thread, and a stolen thread is the slowest).
 
-So each engine worker marks in a small shared file when it steps, and before
+So, with `epd serve --core-lease` (off by default: it lost where the host's
+vCPUs were stolen, below), each engine worker marks in a small shared file when it steps, and before
 each step takes `num_cores // (the engine workers busy now, itself counted)`
 threads: all of them while it is the only one working, its even share when
 the others work too. A mark is the monotonic time (system-wide on Linux) of

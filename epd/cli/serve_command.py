@@ -26,6 +26,7 @@ def add_serve_parser(sub) -> None:
     serve = {name: field_default(ServeConfig, name) for name in (
         "mode", "num_encoders", "num_prefill", "num_decode", "host", "port", "mm_cache_dir", "mm_cache_gb", "router",
         "encoder_router", "served_model_name", "api_key", "metrics_require_key", "worker_port", "threads_per_worker", "cpu_sharing",
+        "core_lease",
         "api_servers", "stream_interval", "max_logprobs", "uvicorn_log_level")}
     _add_worker_flags(p, serve)
     _add_api_flags(p, serve)
@@ -139,6 +140,9 @@ def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
     p.add_argument("--cpu-sharing", default=serve["cpu_sharing"], choices=list(CPU_SHARING),
                    help="shared (default): every worker may use every core, later stages first (decode, then "
                         "prefill, then encode); split: the cores divided over the workers")
+    p.add_argument("--core-lease", action=argparse.BooleanOptionalAction, default=serve["core_lease"],
+                   help="shared: CPU engine workers lend each other their cores while idle (a lone busy one takes "
+                        "them all); faster on a quiet host, slower where the vCPUs are stolen (docs/architecture.md)")
 
 
 def _add_media_flags(p: argparse.ArgumentParser) -> None:
@@ -248,7 +252,7 @@ def serve_config(args) -> ServeConfig:
         api_key=args.api_key or os.environ.get("EPD_API_KEY") or None, metrics_require_key=args.metrics_require_key,
         external_workers=args.external_workers,
         worker_port=args.worker_port, threads_per_worker=args.threads_per_worker,
-        cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, ray=ray_config(args),
+        cpu_sharing=args.cpu_sharing, core_lease=args.core_lease, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
         engine=engine_config(args), lora_modules=parse_lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,

@@ -371,11 +371,12 @@ def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
 
 
 @pytest.mark.parametrize("mode, settings, expected", [
-    ("e-p-d", {}, [None, 0, 1]),  # encoder, prefill, decode: the two engine workers lend each other cores
-    ("e-pd", {"num_prefill": 2}, [None, 0, 1]),  # encoder, pd, pd
-    ("e-p-d", {"threads_per_worker": 1}, [None, None, None]),  # --threads-per-worker fixes the count
-    ("e-p-d", {"cpu_sharing": "split"}, [None, None, None]),
-    ("aggregated", {}, [None]),  # one engine worker: nobody to lend to
+    ("e-p-d", {}, [None, None, None]),  # off unless asked for (--core-lease)
+    ("e-p-d", {"core_lease": True}, [None, 0, 1]),  # encoder, prefill, decode: the engine workers lend cores
+    ("e-pd", {"num_prefill": 2, "core_lease": True}, [None, 0, 1]),  # encoder, pd, pd
+    ("e-p-d", {"threads_per_worker": 1, "core_lease": True}, [None, None, None]),  # a fixed count wins
+    ("e-p-d", {"cpu_sharing": "split", "core_lease": True}, [None, None, None]),
+    ("aggregated", {"core_lease": True}, [None]),  # one engine worker: nobody to lend to
 ])
 def test_the_engine_workers_of_a_cpu_deployment_share_a_core_lease(tiny_model, tmp_path, mode, settings,
                                                                    expected):
