@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# e-p-d on this host, the core lease (the default) against fixed threads, text only,
+# e-p-d on this host, the core lease (`--core-lease`) against fixed threads, text only,
 # interleaved rounds (these machines are noisy: compare within a round):
 #   bench/core_lease.sh MODEL_DIR OUT_DIR [ROUNDS=2] [FIXED="1"]
 # Each round, for short prompts (256 in, C=32, 32 prompts: prefilled on the decode
 # worker) and long ones (1024 in, C=16, 16 prompts: the prefill worker busy too):
-# a fresh `epd serve --mode e-p-d --kv-cache-gb 4` with the lease, then one with
+# a fresh `epd serve --mode e-p-d --kv-cache-gb 4 --core-lease`, then one with
 # `--threads-per-worker N` for each N in FIXED; 128 output tokens, --ignore-eos.
 # One line each: output tok/s, median TTFT and TPOT, the decode worker's CPU
 # seconds per thread (two busy threads: it ran on both cores), the host's steal time.
@@ -36,7 +36,7 @@ one() {  # name, input len, concurrency, prompts, serve flags...
 for r in $(seq "$rounds"); do
   for shape in "short 256 32 32" "long 1024 16 16"; do
     set -- $shape
-    one "$1-lease-r$r" "$2" "$3" "$4"
+    one "$1-lease-r$r" "$2" "$3" "$4" --core-lease
     for t in $fixed; do one "$1-fixed$t-r$r" "$2" "$3" "$4" --threads-per-worker "$t"; done
   done
 done

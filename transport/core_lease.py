@@ -14,7 +14,7 @@ vCPUs' time was stolen by the hypervisor (a parallel region waits for its
 slowest thread, and a stolen thread is the slowest).
 
 So, with `epd serve --core-lease` (off by default: it lost where the host's
-vCPUs were stolen, below), each engine worker marks in a small shared file when it steps, and before
+vCPUs were stolen, above), each engine worker marks in a small shared file when it steps, and before
 each step takes `num_cores // (the engine workers busy now, itself counted)`
 threads: all of them while it is the only one working, its even share when
 the others work too. A mark is the monotonic time (system-wide on Linux) of

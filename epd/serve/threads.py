@@ -86,12 +86,17 @@ def serve_api_cores(num_cores: int) -> int:
     return 0 if num_cores <= SMALL_HOST_CORES else API_CORES
 
 
+def worker_cores(num_cores: int, api_cores: int = API_CORES) -> int:
+    """The cores of a host of `num_cores` left to its workers, `api_cores` kept for the API (at least one)."""
+    return max(1, num_cores - api_cores)
+
+
 def worker_threads(role: Role | None, roles: Sequence[Role], num_cores: int, cpu_sharing: str,
                    api_cores: int = API_CORES) -> int:
     """Threads of a worker of `role` among `roles` (every worker the launcher
     starts) on `num_cores` cores, `api_cores` of them kept for the API; `role`
     None: those of an engine worker."""
-    free = max(1, num_cores - api_cores)
+    free = worker_cores(num_cores, api_cores)
     if cpu_sharing == "split":
         return max(1, free // max(1, len(roles)))
     if role is not None and not role.holds_kv:
@@ -104,4 +109,4 @@ def lease_cores(roles: Sequence[Role], num_cores: int, cpu_sharing: str, api_cor
     those left by the API, when "shared" and there are two engine workers or more; else None."""
     if cpu_sharing != "shared" or sum(r.holds_kv for r in roles) < 2:
         return None
-    return max(1, num_cores - api_cores)
+    return worker_cores(num_cores, api_cores)

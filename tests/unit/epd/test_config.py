@@ -390,4 +390,4 @@ def test_the_engine_workers_of_a_cpu_deployment_share_a_core_lease(tiny_model, t
     leased = [s for s in shares if s is not None]
     assert len({s.path for s in leased}) <= 1
     cores = available_cores()
-    assert all(s.num_cores == max(1, cores - serve_api_cores(cores)) for s in leased)
+    assert all(s.num_cores == max(1, cores - serve_api_cores(cores)) for s in leased)  # the API's core kept

@@ -50,7 +50,7 @@ def test_a_stale_mark_counts_as_idle(tmp_path):
 
 
 def test_another_process_sees_the_marks(tmp_path):
-    path, (here,), _ = _leases(tmp_path, 1, num_cores=2)
+    _, (here,), _ = _leases(tmp_path, 1, num_cores=2)
     two_slots = str(tmp_path / "two")
     create_lease_file(two_slots, 2)
     mine = CoreShare(two_slots, 0, 2).open(lambda n: None)
