@@ -103,7 +103,7 @@ class ServeConfig:
     worker_port: int | None = None  # collector port for external workers (default: port + 1)
     threads_per_worker: int | None = None  # None: decided by cpu_sharing
     cpu_sharing: str = "shared"  # or "split"; see threads_for_each_worker
-    core_lease: bool = False  # --core-lease: idle CPU engine workers lend their cores (leased_cores)
+    core_lease: bool = True  # --core-lease: idle CPU engine workers lend their cores (leased_cores)
     ready_timeout_s: float = 600.0
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
@@ -221,7 +221,7 @@ class ServeConfig:
 
     def leased_cores(self) -> int | None:
         """The cores the launcher's CPU engine workers lend each other while idle (epd/serve/threads.py,
-        `lease_cores`); None without `--core-lease`, with `--threads-per-worker`, "split", or a single
+        `lease_cores`); None with `--no-core-lease`, with `--threads-per-worker`, "split", or a single
         engine worker."""
         if not self.core_lease or self.threads_per_worker:
             return None

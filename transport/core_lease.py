@@ -13,11 +13,14 @@ for long ones on a quiet host, but 0.49x in a window where 45% of the 2
 vCPUs' time was stolen by the hypervisor (a parallel region waits for its
 slowest thread, and a stolen thread is the slowest).
 
-So, with `epd serve --core-lease` (off by default: it lost where the host's
-vCPUs were stolen, above), each engine worker marks in a small shared file when it steps, and before
-each step takes `num_cores // (the engine workers busy now, itself counted)`
-threads: all of them while it is the only one working, its even share when
-the others work too. A mark is the monotonic time (system-wide on Linux) of
+So each engine worker of `epd serve` (`--core-lease`, the default on CPU)
+marks in a small shared file when it steps, and before each step takes
+`num_cores // (the engine workers busy now, itself counted)` threads: all of
+them while it is the only one working, its even share when the others work
+too. Where the host's hypervisor steals more than `STEAL_LIMIT` of its vCPUs'
+time (`StealMeter`: /proc/stat's steal column, over `STEAL_WINDOW_S`), a
+worker takes its even share only, as with fixed threads, until the steal
+falls again. A mark is the monotonic time (system-wide on Linux) of
 the worker's latest step; an idle worker clears it, and a mark older than
 `STALE_S` counts as idle (a killed worker's mark expires: no release is
 needed for safety). A worker whose mark another has not yet seen may run more
@@ -36,7 +39,45 @@ from dataclasses import dataclass
 from typing import Callable
 
 STALE_S = 10.0  # a mark this old counts as idle: longer than any step, short enough after a crash
+STEAL_LIMIT = 0.10  # past this share of the vCPUs' time stolen, no lending (0.49x at 30-45%)
+STEAL_WINDOW_S = 2.0  # how often the steal is read again
 _MARK = struct.Struct("d")
+
+
+def read_cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
+    """(every vCPU's time, the part the hypervisor stole), in jiffies since boot; None
+    where the file or its steal column is missing (not Linux, an old kernel)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    times = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest is in user)
+    return sum(times), times[7]
+
+
+class StealMeter:
+    """The share of the host's vCPU time stolen by its hypervisor over the latest
+    window of `window_s` (0 until a window has passed, and where it cannot be read)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None] = read_cpu_times,
+                 window_s: float = STEAL_WINDOW_S, now: float | None = None):
+        self._read = read
+        self.window_s = window_s
+        self._since = time.monotonic() if now is None else now
+        self._at_since = read()
+        self.share = 0.0
+
+    def update(self, now: float) -> float:
+        if now - self._since < self.window_s:
+            return self.share
+        times = self._read()
+        if times is not None and self._at_since is not None and times[0] > self._at_since[0]:
+            self.share = (times[1] - self._at_since[1]) / (times[0] - self._at_since[0])
+        self._since, self._at_since = now, times
+        return self.share
 
 
 def create_lease_file(path: str, num_slots: int) -> None:
@@ -53,18 +94,20 @@ class CoreShare:
     slot: int  # this worker's mark
     num_cores: int  # the cores the engine workers share
 
-    def open(self, set_threads: Callable[[int], None]) -> CoreLease:
-        return CoreLease(self, set_threads)
+    def open(self, set_threads: Callable[[int], None], steal: StealMeter | None = None) -> CoreLease:
+        return CoreLease(self, set_threads, steal)
 
 
 class CoreLease:
     """`take()` before a step, `release()` when the worker has nothing to step.
     `set_threads(n)` is called when the worker's thread count changes
-    (torch.set_num_threads in a worker)."""
+    (torch.set_num_threads in a worker). `steal`: past STEAL_LIMIT the worker
+    takes its even share only (None: no such check)."""
 
-    def __init__(self, share: CoreShare, set_threads: Callable[[int], None]):
+    def __init__(self, share: CoreShare, set_threads: Callable[[int], None], steal: StealMeter | None = None):
         self.share = share
         self._set_threads = set_threads
+        self._steal = steal
         with open(share.path, "r+b") as f:
             self._marks = mmap.mmap(f.fileno(), 0)
         self.num_slots = len(self._marks) // _MARK.size
@@ -78,8 +121,11 @@ class CoreLease:
         now = time.monotonic() if now is None else now
         _MARK.pack_into(self._marks, self.share.slot * _MARK.size, now)
         self._marked = True
-        num_busy = 1 + sum(1 for slot in range(self.num_slots)
-                           if slot != self.share.slot and self._is_busy(slot, now))
+        if self._steal is not None and self._steal.update(now) > STEAL_LIMIT:
+            num_busy = self.num_slots  # lend nothing: a stolen vCPU stalls every thread of a step
+        else:
+            num_busy = 1 + sum(1 for slot in range(self.num_slots)
+                               if slot != self.share.slot and self._is_busy(slot, now))
         num_threads = max(1, self.share.num_cores // num_busy)
         if num_threads != self.num_threads:
             self._set_threads(num_threads)

@@ -141,8 +141,9 @@ def _add_placement_flags(p: argparse.ArgumentParser, serve: dict) -> None:
                    help="shared (default): every worker may use every core, later stages first (decode, then "
                         "prefill, then encode); split: the cores divided over the workers")
     p.add_argument("--core-lease", action=argparse.BooleanOptionalAction, default=serve["core_lease"],
-                   help="shared: CPU engine workers lend each other their cores while idle (a lone busy one takes "
-                        "them all); faster on a quiet host, slower where the vCPUs are stolen (docs/architecture.md)")
+                   help="shared (default on): CPU engine workers lend each other their cores while idle (a lone busy "
+                        "one takes them all), not while the hypervisor steals over 10%% of the vCPUs' time "
+                        "(docs/architecture.md, Cores); --no-core-lease: fixed threads")
 
 
 def _add_media_flags(p: argparse.ArgumentParser) -> None:

@@ -33,12 +33,12 @@ idle one soon yields. `epd worker` sets PASSIVE: its neighbours are unknown
 of 200 tokens with the default spin, 3.0 s with PASSIVE; issue 33). An
 operator's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` stands.
 
-With `--core-lease`, the engine workers of one `epd serve` on CPU, "shared", lend
+With `--core-lease` (the default), the engine workers of one `epd serve` on CPU, "shared", lend
 each other their cores while idle (`lease_cores`; transport/core_lease.py): before each step a
 worker takes every core the busy ones leave it, so e-p-d's decode worker runs
 on both cores of a 2-core host while the prefill worker has nothing to do, and
-on its even share while both work. Off by default: it lost where the vCPUs were
-stolen (docs/architecture.md, "Cores"). `--threads-per-worker` fixes the count.
+on its even share while both work or while the hypervisor steals the vCPUs
+(docs/architecture.md, "Cores"). `--threads-per-worker` fixes the count.
 
 `epd serve`'s workers and `epd worker` take both from here: `worker_threads`
 for the count and `share_cores` for the policy. An `epd worker` is counted as

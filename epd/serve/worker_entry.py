@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from epd.encoders.video_io import DecodeLimits
 from epd.engine.config import EngineConfig
 from epd.serve.heap import freeze_startup_heap
-from epd.transport.core_lease import CoreShare
+from epd.transport.core_lease import CoreShare, StealMeter
 from epd.transport.worker_io import WorkerSpec
 
 
@@ -123,7 +123,7 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
     if launch.core_share is not None:
         import torch
 
-        cores = launch.core_share.open(torch.set_num_threads)
+        cores = launch.core_share.open(torch.set_num_threads, StealMeter())
     return EngineWorker(launch.spec, core, encode_fn, cores=cores)
 
 

@@ -371,8 +371,8 @@ def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
 
 
 @pytest.mark.parametrize("mode, settings, expected", [
-    ("e-p-d", {}, [None, None, None]),  # off unless asked for (--core-lease)
-    ("e-p-d", {"core_lease": True}, [None, 0, 1]),  # encoder, prefill, decode: the engine workers lend cores
+    ("e-p-d", {}, [None, 0, 1]),  # encoder, prefill, decode: the engine workers lend cores (the default)
+    ("e-p-d", {"core_lease": False}, [None, None, None]),  # --no-core-lease
     ("e-pd", {"num_prefill": 2, "core_lease": True}, [None, 0, 1]),  # encoder, pd, pd
     ("e-p-d", {"threads_per_worker": 1, "core_lease": True}, [None, None, None]),  # a fixed count wins
     ("e-p-d", {"cpu_sharing": "split", "core_lease": True}, [None, None, None]),

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from epd.transport.core_lease import STALE_S, CoreShare, create_lease_file
+from epd.transport.core_lease import (STALE_S, STEAL_LIMIT, CoreShare, StealMeter, create_lease_file,
+                                      read_cpu_times)
 
 
 def _leases(tmp_path, num_slots: int, num_cores: int):
@@ -77,3 +78,50 @@ def test_a_slot_outside_the_file_is_refused(tmp_path):
     create_lease_file(path, 2)
     with pytest.raises(ValueError, match="slot 2 is outside the lease file's 2 slots"):
         CoreShare(path, 2, 2).open(lambda n: None)
+
+
+def _cpu_times_of(readings):
+    """A source of (total, steal) jiffies: the hypervisor's, which no test here can set."""
+    it = iter(readings)
+    return lambda: next(it)
+
+
+def test_the_steal_is_the_stolen_share_of_each_window():
+    meter = StealMeter(_cpu_times_of([(1000, 0), (1200, 10), (1400, 90), (1500, 90)]), window_s=2.0, now=0.0)
+    assert meter.update(1.0) == 0.0  # no window has passed: nothing read
+    assert meter.update(2.0) == pytest.approx(10 / 200)
+    assert meter.update(4.5) == pytest.approx(80 / 200)
+    assert meter.update(7.0) == 0.0  # a quiet window again
+
+
+def test_a_host_without_a_steal_column_counts_as_unstolen(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 5 100\n")  # a kernel before steal time
+    assert read_cpu_times(str(stat)) is None
+    assert read_cpu_times(str(tmp_path / "missing")) is None
+    meter = StealMeter(lambda: read_cpu_times(str(stat)), window_s=0.0)
+    assert meter.update(time.monotonic()) == 0.0
+
+
+def test_this_hosts_cpu_times_are_read():
+    total, stolen = read_cpu_times()
+    assert total > 0 and 0 <= stolen <= total
+    total_later, _ = read_cpu_times()
+    assert total_later >= total
+
+
+def test_a_stolen_host_lends_no_cores(tmp_path):
+    # 30-45% stolen made the lease 0.49x one fixed thread (docs/benchmarks.md): past the
+    # limit each worker takes its even share, whoever else is busy, and lends again after
+    path = str(tmp_path / "core-lease")
+    create_lease_file(path, 2)
+    steal = STEAL_LIMIT * 3
+    meter = StealMeter(_cpu_times_of([(0, 0), (1000, int(1000 * steal)), (2000, int(1000 * steal))]),
+                       window_s=1.0, now=0.0)
+    calls = []
+    decode = CoreShare(path, 1, 2).open(calls.append, meter)
+    assert decode.take(now=0.5) == 2  # no window yet: the prefill worker is idle, both cores
+    assert decode.take(now=1.0) == 1  # stolen: the even share of 2 cores over 2 workers
+    assert decode.take(now=1.5) == 1
+    assert decode.take(now=2.0) == 2  # the next window was quiet
+    assert calls == [2, 1, 2]
