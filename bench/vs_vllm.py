@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ from epd.bench.client import send_chat_request
 from epd.bench.compare import ServeProcess, cpu_set, warm_up
 from epd.bench.datasets import load_tokenizer, sample_random, sample_random_mm
 from epd.bench.vllm_servers import VllmEcPeer, VllmProcess
+from epd.bench.overhead import steal_s
 from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, summarize
 
 BASE = "vllm"
@@ -245,8 +247,9 @@ def offline_rows(args, cpus: set[int], out_dir: Path) -> list[dict]:
     return [row]
 
 
-def served_rows(args, servers: dict, models: dict, out_dir: Path) -> list[dict]:
-    """Every workload on every server but vllm-ec, round after round (A, B, A, B ...)."""
+def served_rows(args, servers: dict, models: dict, out_dir: Path, steal: dict) -> list[dict]:
+    """Every workload on every server but vllm-ec, round after round (A, B, A, B ...);
+    `steal` gets each run's share of the vCPUs' time the hypervisor stole (None: unknown)."""
     client = vllm_client if args.client == "vllm" else epd_client
     servers = {label: server for label, server in servers.items() if label != EC}
     rows: list[dict] = []
@@ -262,15 +265,27 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path) -> list[dict]:
                 if (key, label) not in results:
                     out = out_dir / f"r{r}-{_slug(label)}-{_slug(key)}.json"
                     seed = args.seed + 7919 * (r + 1) + i  # a fresh trace each round: no cache hits across rounds
+                    before = (time.monotonic(), steal_s())
                     try:
                         results[key, label] = client(args, workload, server.base_url, models[label], seed, out)
                     except Exception as exc:  # one failed run leaves a gap, not the whole bench
                         print(f"round {r} {workload['name']} {label}: failed ({exc})", flush=True)
                         results[key, label] = {}
+                    # the host's noise in this run: stolen vCPU time decides whether threads help
+                    steal[f"r{r} {key} {label}"] = stolen_share(before, (time.monotonic(), steal_s()))
                 value = results[key, label].get(workload["metric"])
                 add_value(rows[i], label, value)
-                print(f"round {r} {workload['name']} {label}: {value}", flush=True)
+                share = steal.get(f"r{r} {key} {label}")
+                stolen = "" if share is None else f" (host steal {share:.1%})"
+                print(f"round {r} {workload['name']} {label}: {value}{stolen}", flush=True)
     return rows
+
+
+def stolen_share(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """The share of the host's vCPU time its hypervisor stole between two (monotonic s,
+    `steal_s()`) readings; None if no time passed."""
+    elapsed = (after[0] - before[0]) * (os.cpu_count() or 1)
+    return (after[1] - before[1]) / elapsed if elapsed > 0 else None
 
 
 def _warmup_args(args, model: str) -> argparse.Namespace:
@@ -291,9 +306,10 @@ def main(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = offline_rows(args, cpus, out_dir)
     servers, models, startup = start_servers(args, cpus, out_dir)
+    steal: dict[str, float | None] = {}
     try:
         greedy = greedy_texts(args, servers, models)
-        rows += served_rows(args, servers, models, out_dir)
+        rows += served_rows(args, servers, models, out_dir, steal)
         goodput, goodput_runs = vs_vllm_goodput.goodput_rows(args, servers, models, out_dir, _slug)
         rows += goodput
     finally:
@@ -304,7 +320,7 @@ def main(args) -> dict:
         add_value(startup_row, label, seconds)
     results = summarize({"base": BASE, "servers": list(servers), "rows": rows + [startup_row], "greedy": greedy,
                          "config": {k: v for k, v in vars(args).items() if k != "func"}, "cpus": sorted(cpus),
-                         "goodput": goodput_runs})
+                         "goodput": goodput_runs, "host_steal": steal})
     report = "\n".join([markdown_table(results), "", *greedy_lines(greedy),
                         *vs_vllm_goodput.against_lines(goodput, EC)])
     print(report)

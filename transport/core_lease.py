@@ -58,6 +58,14 @@ def read_cpu_times(path: str = "/proc/stat") -> tuple[int, int] | None:
     return sum(times), times[7]
 
 
+def stolen_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the vCPUs' time stolen between two `read_cpu_times()`; None if either
+    is missing or no time passed."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
 class StealMeter:
     """The share of the host's vCPU time stolen by its hypervisor over the latest
     window of `window_s` (0 until a window has passed, and where it cannot be read)."""
@@ -74,8 +82,9 @@ class StealMeter:
         if now - self._since < self.window_s:
             return self.share
         times = self._read()
-        if times is not None and self._at_since is not None and times[0] > self._at_since[0]:
-            self.share = (times[1] - self._at_since[1]) / (times[0] - self._at_since[0])
+        share = stolen_share(self._at_since, times)
+        if share is not None:
+            self.share = share
         self._since, self._at_since = now, times
         return self.share
 

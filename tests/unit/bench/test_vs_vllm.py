@@ -140,5 +140,8 @@ def test_vllm_ec_runs_only_the_greedy_and_goodput_rows(fake_server, tmp_path):
                  "--output-len", "2")
     args.model_dir = None
     servers = {"vllm": fake_server, "vllm-ec": fake_server}
-    rows = vs_vllm.served_rows(args, servers, dict.fromkeys(servers, "fake-model"), tmp_path)
+    steal = {}
+    rows = vs_vllm.served_rows(args, servers, dict.fromkeys(servers, "fake-model"), tmp_path, steal)
     assert list(rows[0]["values"]) == ["vllm"]
+    [(run, share)] = steal.items()  # the run's host steal: a share of the vCPUs' time
+    assert run.startswith("r0 ") and run.endswith(" vllm") and 0 <= share <= 1

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from epd.transport.core_lease import (STALE_S, STEAL_LIMIT, CoreShare, StealMeter, create_lease_file,
-                                      read_cpu_times)
+                                      read_cpu_times, stolen_share)
 
 
 def _leases(tmp_path, num_slots: int, num_cores: int):
@@ -92,6 +92,8 @@ def test_the_steal_is_the_stolen_share_of_each_window():
     assert meter.update(2.0) == pytest.approx(10 / 200)
     assert meter.update(4.5) == pytest.approx(80 / 200)
     assert meter.update(7.0) == 0.0  # a quiet window again
+    assert stolen_share((1000, 0), (1200, 50)) == 0.25  # one run's share (epd bench vs-vllm prints it)
+    assert stolen_share(None, (1200, 50)) is None and stolen_share((1200, 50), (1200, 50)) is None
 
 
 def test_a_host_without_a_steal_column_counts_as_unstolen(tmp_path):
