@@ -1,4 +1,4 @@
-"""`epd serve --core-lease` (transport/core_lease.py) in a real e-p-d deployment:
+"""The core lease (transport/core_lease.py), on by default, in a real e-p-d deployment:
 the decode worker marks itself busy in the run's lease file while it steps a
 request, and clears the mark once it has nothing left to step."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def marks(path: str) -> tuple[float, ...]:
 def test_the_decode_worker_holds_its_mark_while_it_steps_and_clears_it_after(tiny_model, tmp_path):
     port = free_port()
     srv = ServerProcess(["serve", tiny_model, "--mode", "e-p-d", "--port", str(port), "--num-kv-blocks", "256",
-                         "--dtype", "float32", "--device", "cpu", "--core-lease"],
+                         "--dtype", "float32", "--device", "cpu"],  # the default: --core-lease
                         port, str(tmp_path / "server.log")).wait_ready()
     try:
         run_dir = re.search(r"api=ipc://(\S+)/api\.sock", srv.log()).group(1)
