@@ -262,6 +262,7 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path, steal: dict) -
                 rows.append(new_row(workload["name"], workload["metric"], workload["higher"]))
             key = workload.get("shares_run_with", workload["name"])
             for label, server in servers.items():
+                run = f"r{r} {key} {label}"
                 if (key, label) not in results:
                     out = out_dir / f"r{r}-{_slug(label)}-{_slug(key)}.json"
                     seed = args.seed + 7919 * (r + 1) + i  # a fresh trace each round: no cache hits across rounds
@@ -272,11 +273,10 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path, steal: dict) -
                         print(f"round {r} {workload['name']} {label}: failed ({exc})", flush=True)
                         results[key, label] = {}
                     # the host's noise in this run: stolen vCPU time decides whether threads help
-                    steal[f"r{r} {key} {label}"] = stolen_share(before, (time.monotonic(), steal_s()))
+                    steal[run] = stolen_share(before, (time.monotonic(), steal_s()))
                 value = results[key, label].get(workload["metric"])
                 add_value(rows[i], label, value)
-                share = steal.get(f"r{r} {key} {label}")
-                stolen = "" if share is None else f" (host steal {share:.1%})"
+                stolen = "" if steal[run] is None else f" (host steal {steal[run]:.1%})"
                 print(f"round {r} {workload['name']} {label}: {value}{stolen}", flush=True)
     return rows
 

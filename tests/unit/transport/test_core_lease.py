@@ -92,7 +92,7 @@ def test_the_steal_is_the_stolen_share_of_each_window():
     assert meter.update(2.0) == pytest.approx(10 / 200)
     assert meter.update(4.5) == pytest.approx(80 / 200)
     assert meter.update(7.0) == 0.0  # a quiet window again
-    assert stolen_share((1000, 0), (1200, 50)) == 0.25  # one run's share (epd bench vs-vllm prints it)
+    assert stolen_share((1000, 0), (1200, 50)) == 0.25  # one window's share, from two readings
     assert stolen_share(None, (1200, 50)) is None and stolen_share((1200, 50), (1200, 50)) is None
 
 
