@@ -53,10 +53,12 @@ def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: 
     return hashlib.sha256(parent_block_hash + payload).digest()
 
 
-def root_block_hash(lora_key: tuple[str, str] | None) -> bytes:
+def root_block_hash(lora_key: tuple[str, str, str | None] | None) -> bytes:
     """The parent hash of a prompt's first block: the fixed root for the base
-    model, one derived from the adapter's name and path otherwise, so no block
-    computed with one adapter (or none) ever matches a request with another."""
+    model, one derived from the adapter's name, path and the digest of the files
+    the worker read (`Request.lora_key`) otherwise, so no block computed with one
+    adapter (or none, or its weights before a retraining in place) ever matches a
+    request with another."""
     if lora_key is None:
         return _ROOT_BLOCK_HASH
     return hashlib.sha256(b"lora" + msgpack.packb(list(lora_key))).digest()

@@ -132,7 +132,7 @@ class EngineCore:
         self.images = ImageLedger()  # the images of the requests in the engine
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0,
-                                   adapter_ready=self.lora.is_loaded if self.lora else None)
+                                   adapter_weights=self.lora.weights_of if self.lora else None)
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             pack_linears(head[1])
@@ -269,8 +269,10 @@ class EngineCore:
         eagle3 = self.runner.eagle3
         if eagle3 is not None and draft_state is not None:
             eagle3.check_import(*draft_state, num_blocks)
-        if not fits_adapter_limit(self.scheduler.running, request.lora_key, self.scheduler.max_loras):
-            return False  # --max-loras adapters run already: no read for it yet (it would be trimmed)
+        if request.lora_request is not None and self.lora is not None \
+                and not self.lora.is_loaded(request.lora_request.key) \
+                and not fits_adapter_limit(self.scheduler.running, request.lora_key, self.scheduler.max_loras):
+            return False  # --max-loras others run already (a running one is read): no read yet, it would be trimmed
         lora = self._lora_read(request)
         if lora is not None:
             if not lora.done():
@@ -389,15 +391,15 @@ class EngineCore:
         the loader thread, and the scheduler admits a request once its adapter is read."""
         if self.lora is None:
             return []
-        running = {r.lora_key for r in self.scheduler.running if r.lora_key is not None}
+        running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
         room, is_full = self.config.lora.num_cpu_loras - len(running), len(running) >= self.config.lora.max_loras
         wanted: dict[tuple[str, str], LoRARequest] = {}
         for request in self.scheduler.waiting:
             if len(wanted) >= room:
                 break
-            key = request.lora_key
-            if key is not None and key not in running and not is_full:
-                wanted.setdefault(key, request.lora_request)
+            lora = request.lora_request
+            if lora is not None and lora.key not in running and not is_full:
+                wanted.setdefault(lora.key, lora)
         return self.lora.keep_read(running, list(wanted.values()))
 
     def _admit_prepared(self) -> dict[str, str]:
@@ -445,7 +447,7 @@ class EngineCore:
 
         waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
         return LoRAState(names(self.scheduler.running), names(waiting),
-                         tuple(name for name, _ in self.lora.resident), self.config.lora.max_loras)
+                         tuple(dict.fromkeys(name for name, *_ in self.lora.resident)), self.config.lora.max_loras)
 
     @property
     def num_running(self) -> int:

@@ -232,10 +232,10 @@ class ModelRunner:
 
     def _adapters(self, scheduled, num_tokens: int):
         """The step's adapters in their slots and each token's slot, around the forward pass."""
-        loras = [s.request.lora_request for s in scheduled if s.request.lora_request is not None]
-        if not loras:
+        adapters = {s.request.lora_key: s.request.lora_request for s in scheduled if s.request.lora_key is not None}
+        if not adapters:
             return contextlib.nullcontext()
-        slots = self.lora.activate(loras)
+        slots = self.lora.activate(adapters)
         token_slots: list[int] = []
         for s in scheduled:
             key = s.request.lora_key

@@ -39,6 +39,9 @@ class Request:
     max_model_len: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # Which weights of that adapter this worker runs it with: the digest of the adapter's files as
+    # the worker read them (LoRAManager.weights_of), set when it is admitted; None until then.
+    lora_weights: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -71,9 +74,10 @@ class Request:
         return self.status.is_finished
 
     @property
-    def lora_key(self) -> tuple[str, str] | None:
-        """Its adapter's identity (name, path), None for the base model."""
-        return None if self.lora_request is None else self.lora_request.key
+    def lora_key(self) -> tuple[str, str, str | None] | None:
+        """Its adapter's identity in slots and the prefix cache: (name, path, lora_weights),
+        so an adapter retrained in place is another one; None for the base model."""
+        return None if self.lora_request is None else (*self.lora_request.key, self.lora_weights)
 
     @property
     def mm_hashes(self) -> list[str]:

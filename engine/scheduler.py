@@ -77,14 +77,15 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
                  images: ImageLedger | None = None, max_loras: int = 0,
-                 adapter_ready: Callable[[tuple[str, str]], bool] | None = None) -> None:
+                 adapter_weights: Callable[[LoRARequest], str | None] | None = None) -> None:
         """`images`: the engine's image ledger (None: a ledger of its own);
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
-        `adapter_ready(lora_key)`: whether an adapter is read (None: always), else its
-        request waits and the next may start."""
+        `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
+        request's `lora_weights`), None when it is not read: its request waits and the next
+        may start (no callable: every adapter is read, by name and path)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config, self.max_loras, self.adapter_ready = config, max_loras, adapter_ready
+        self.config, self.max_loras, self.adapter_weights = config, max_loras, adapter_weights
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -149,6 +150,7 @@ class Scheduler:
         if request.block_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id} already holds KV state")
         if len(self.running) >= self.config.max_num_seqs or any(not r.is_finished for r in self._stalled) \
+                or not self._resolve_adapter(request) \
                 or not fits_adapter_limit(self.running, request.lora_key, self.max_loras):
             return None
         if not self.block_manager.allocate(request, request.num_prompt_tokens):
@@ -260,9 +262,8 @@ class Scheduler:
         first image is pending, or that may not wait for images now, stays
         and the next may start (one past `max_loras` adapters, or whose adapter is not read, too);
         one that does not fit stops admission."""
-        if not fits_adapter_limit(self.running, request.lora_key, self.max_loras) or (
-                request.lora_key is not None and self.adapter_ready is not None
-                and not self.adapter_ready(request.lora_key)):
+        if not self._resolve_adapter(request) or not fits_adapter_limit(self.running, request.lora_key,
+                                                                        self.max_loras):
             return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)
@@ -285,6 +286,20 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._arrival_key)
         step.take(self._scheduled(request, num_new_tokens))
+
+    def _resolve_adapter(self, request: Request) -> bool:
+        """Sets `request.lora_weights` to the weights of its adapter this worker holds now (read
+        again after an eviction, they may be new files: its KV is keyed by them, `lora_key`);
+        False when the adapter is not read. Called as it starts, before its blocks are hashed."""
+        if request.lora_request is None or self.adapter_weights is None:
+            return True
+        weights = self.adapter_weights(request.lora_request)
+        if weights is None:
+            return False
+        if weights != request.lora_weights:
+            request.lora_weights = weights
+            self.block_manager.free(request)  # it holds no block yet: this drops its hashes of the old key
+        return True
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, computed_block_ids: list[int]) -> int:
         """Free blocks admitting `request` takes (prefix hits on cached-free blocks included)."""

@@ -2,7 +2,7 @@
 
 It travels with the request (PrefillRequest, then KVTransfer to the decode
 worker), so every worker loads the adapter from `lora_path` itself and keys
-its prefix cache by it (engine/block_manager.py). Torch-free (the API
+its prefix cache by it and the digest of the files it read (engine/block_manager.py). Torch-free (the API
 process imports it through epd/requests.py); the wire form is read in
 transport/request_messages.py.
 """
@@ -16,7 +16,8 @@ class LoRARequest:
     """vLLM's fields and order: `LoRARequest(lora_name, lora_int_id, lora_path)`.
 
     `lora_int_id` must be positive (vLLM's rule; 0 would mean no adapter). Two
-    requests share an adapter (its slot, its cached KV) when name and path are equal."""
+    requests share an adapter (its slot, its cached KV) when name and path are equal
+    and the worker read the same files (`Request.lora_key`)."""
 
     lora_name: str
     lora_int_id: int
@@ -32,7 +33,7 @@ class LoRARequest:
 
     @property
     def key(self) -> tuple[str, str]:
-        """What tells adapters apart in a worker: name and directory."""
+        """What a worker reads an adapter by: name and directory."""
         return self.lora_name, self.lora_path
 
     def to_list(self) -> list:

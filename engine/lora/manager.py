@@ -12,7 +12,11 @@ work). Host memory is trimmed back to --max-cpu-loras between steps
 (`keep_read`), never dropping a running request's adapter; an adapter
 evicted before its request runs (more adapters in flight than
 --max-cpu-loras) is read again in the loader thread, and the scheduler
-admits its request once it is read (`is_loaded`): no step reads a disk.
+admits its request once it is read (`weights_of`): no step reads a disk.
+Each read hashes the adapter's files (`weights_of`: the request's
+`lora_weights`), and slots and the prefix cache key an adapter by name, path
+and that digest: one retrained in place and read again is another adapter,
+never served the KV or the slot of its old weights.
 `activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
@@ -35,15 +39,18 @@ from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError,
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.lora.layers import LoRAStep, wrap_model
 from epd.engine.lora.step_rows import StepRows, step_rows
+from epd.transport.lora_files import adapter_digest
 from epd.transport.lora_request import LoRARequest
 
-AdapterKey = tuple[str, str]  # (lora_name, lora_path): LoRARequest.key
+AdapterKey = tuple[str, str]  # (lora_name, lora_path): LoRARequest.key, what is read
+WeightsKey = tuple[str, str, str]  # (lora_name, lora_path, digest of the files read): Request.lora_key
 
 
 @dataclass
 class _HostAdapter:
     spec: AdapterSpec
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B) on the CPU
+    digest: str  # of the files read (transport/lora_files.adapter_digest)
 
 
 class LoRAManager:
@@ -54,7 +61,7 @@ class LoRAManager:
         self.step = LoRAStep(config.max_loras)
         self._wrappers = wrap_model(model, config.max_loras, config.max_lora_rank, self.step)
         self._host: OrderedDict[AdapterKey, _HostAdapter] = OrderedDict()  # LRU first
-        self._slots: OrderedDict[AdapterKey, int] = OrderedDict()  # resident adapters, LRU first
+        self._slots: OrderedDict[WeightsKey, int] = OrderedDict()  # resident adapters, LRU first
         self._lock = threading.Lock()  # `_host` and `_reading`: the loader thread adds, the step thread reads
         self._reading: dict[AdapterKey, Future] = {}  # adapters being read, by the loader thread
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
@@ -88,13 +95,20 @@ class LoRAManager:
         with self._lock:
             return key in self._host
 
+    def weights_of(self, lora: LoRARequest) -> str | None:
+        """The digest of the adapter's files as read into host memory (a request's
+        `lora_weights`); None when it is not read."""
+        with self._lock:
+            entry = self._host.get(lora.key)
+        return None if entry is None else entry.digest
+
     def unload(self, key: AdapterKey) -> bool:
         """Forgets an adapter (runtime unloading): out of host memory and its slot, so a
         request naming it again reads it again. False when it was neither."""
         with self._lock:
             in_host = self._host.pop(key, None) is not None
-        slot = self._slots.pop(key, None)
-        return in_host or slot is not None
+        slots = [self._slots.pop(k) for k in [k for k in self._slots if k[:2] == key]]
+        return in_host or bool(slots)
 
     def keep_read(self, running: set[AdapterKey], wanted: list[LoRARequest]) -> list[Future]:
         """Between two steps (the step thread): host memory back to --max-cpu-loras, least
@@ -103,7 +117,7 @@ class LoRAManager:
         at most --max-cpu-loras less the running ones); then the reads of the `wanted`
         adapters evicted earlier start in the loader thread. Returns those reads' futures.
 
-        Only this thread evicts, so an adapter the scheduler sees read (`is_loaded`) stays
+        Only this thread evicts, so an adapter the scheduler sees read (`weights_of`) stays
         read until the step that admits its request has written it into a slot, and a running
         request's adapter is always read: a step never waits for a disk."""
         keep = running | {lora.key for lora in wanted}
@@ -115,13 +129,14 @@ class LoRAManager:
         return [self.prefetch(lora) for lora in missing]
 
     @property
-    def resident(self) -> list[AdapterKey]:
+    def resident(self) -> list[WeightsKey]:
         """The adapters in device slots, least recently used first."""
         return list(self._slots)
 
     def _read(self, lora: LoRARequest) -> _HostAdapter:
         """The loader thread: the adapter from its directory into host memory."""
         try:
+            digest = adapter_digest(lora.lora_path)  # first: files rewritten during this read differ by the next
             spec = read_adapter(lora.lora_name, lora.lora_path, self.shapes, self.config.max_lora_rank,
                                 tower=self.config.enable_tower_lora)
             from safetensors.torch import load_file
@@ -131,7 +146,7 @@ class LoRAManager:
             except Exception as exc:  # a torn or truncated file: the request's error, not the worker's
                 raise LoRAAdapterError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): "
                                        f"{WEIGHTS_FILE} is unreadable ({exc})") from None
-            entry = _HostAdapter(spec, {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()})
+            entry = _HostAdapter(spec, {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()}, digest)
             with self._lock:  # evicted by the step thread (`keep_read`), never here: see there
                 self._host[lora.key] = entry
                 self.num_loads += 1
@@ -142,20 +157,19 @@ class LoRAManager:
 
     # -- device slots ------------------------------------------------------------------
 
-    def activate(self, loras: list[LoRARequest]) -> dict[AdapterKey, int]:
-        """A slot for each distinct adapter of a step (at most `max_loras` of them)."""
-        wanted = list(dict.fromkeys(lora.key for lora in loras))
-        if len(wanted) > self.config.max_loras:
-            raise RuntimeError(f"{len(wanted)} adapters in one step, but --max-loras is {self.config.max_loras}")
-        by_key = {lora.key: lora for lora in loras}
-        for key in wanted:
+    def activate(self, adapters: dict[WeightsKey, LoRARequest]) -> dict[WeightsKey, int]:
+        """A slot for each distinct adapter of a step (at most `max_loras` of them), by the
+        weights its requests run (`Request.lora_key`), each with the LoRARequest it is read from."""
+        if len(adapters) > self.config.max_loras:
+            raise RuntimeError(f"{len(adapters)} adapters in one step, but --max-loras is {self.config.max_loras}")
+        for key, lora in adapters.items():
             if key in self._slots:
                 self._slots.move_to_end(key)
                 continue
-            self._write_slot(by_key[key], self._free_slot(set(wanted)))
-        return {key: self._slots[key] for key in wanted}
+            self._write_slot(lora, key, self._free_slot(set(adapters)))
+        return {key: self._slots[key] for key in adapters}
 
-    def _free_slot(self, keep: set[AdapterKey]) -> int:
+    def _free_slot(self, keep: set[WeightsKey]) -> int:
         used = set(self._slots.values())
         free = next((s for s in range(self.config.max_loras) if s not in used), None)
         if free is not None:
@@ -163,7 +177,7 @@ class LoRAManager:
         victim = next(k for k in self._slots if k not in keep)  # LRU among those this step does not run
         return self._slots.pop(victim)
 
-    def _write_slot(self, lora: LoRARequest, slot: int) -> None:
+    def _write_slot(self, lora: LoRARequest, key: WeightsKey, slot: int) -> None:
         # in host memory (`keep_read`), unless unloaded at run time while its request ran: then read here
         entry = self.prefetch(lora).result()
         by_layer: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -172,7 +186,7 @@ class LoRAManager:
         for layer, wrapper in self._wrappers:
             wrapper.set_slot(slot, by_layer.get(layer, {}))
         self.step.scaling[slot] = entry.spec.scaling
-        self._slots[lora.key] = slot
+        self._slots[key] = slot
         self.num_slot_loads += 1
 
     # -- one step ------------------------------------------------------------------------

@@ -295,3 +295,28 @@ def test_an_evicted_adapter_is_read_again_off_the_step_loop(tiny_model, loras, e
         core.step()
     assert mlp.output_token_ids == expected[2, "mlp"] and core.lora.num_loads == 3
     assert not core.lora.is_loaded(loras["attn"].key)  # host memory back to --max-cpu-loras
+
+
+def test_an_adapter_retrained_in_place_is_not_served_its_old_kv(tiny_model, adapters, expected, tmp_path):
+    # one adapter directory, rewritten between two reads (same name, same path, new weights):
+    # the KV computed with the old weights is no prefix hit for the new ones, and the new ones'
+    # own blocks are (the key is the digest of the files the worker read, not the name and path)
+    path = tmp_path / "retrained"
+    shutil.copytree(adapters["attn"], path)
+    retrained = LoRARequest("retrained", 7, str(path))
+    llm = _llm(tiny_model, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    prompt = PROMPTS[1]  # two full blocks: cached after the first request
+
+    def run(lora):
+        before = llm.stats()["prefix_cache_hits"]
+        tokens = llm.generate([prompt], GREEDY, lora_request=lora)[0].outputs[0].token_ids
+        return tokens, llm.stats()["prefix_cache_hits"] - before
+
+    assert run(retrained) == (expected[1, "attn"], 0)
+    llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("all", 3, adapters["all"]))  # evicts it
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(f"{adapters['mlp']}/{file}", path / file)
+    assert run(retrained) == (expected[1, "mlp"], 0)  # read again: the new weights, none of the old KV
+    tokens, hits = run(retrained)
+    assert tokens == expected[1, "mlp"] and hits > 0
+    assert llm.engine.lora.num_loads == 3

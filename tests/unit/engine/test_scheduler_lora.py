@@ -60,3 +60,27 @@ def test_blocks_are_shared_within_an_adapter_only():
     assert [computed(lora) for lora in (None, SQL, CHAT, None, SQL, CHAT)] == [0, 0, 0, 12, 12, 12]
     # the same name at another path is another adapter
     assert computed(LoRARequest("sql", 1, "/b/sql")) == 0
+
+
+def test_an_adapter_read_again_with_new_files_misses_its_old_blocks():
+    # the scheduler keys a request's KV by the weights the worker read when it starts
+    # (`adapter_weights`, the digest of the files): after a retraining in place, the old blocks miss
+    read = {SQL: "digest-1"}
+    scheduler = Scheduler(SchedulerConfig(block_size=4), num_blocks=64, max_loras=1, adapter_weights=read.get)
+
+    def run(lora) -> int:
+        request = with_lora(make_request(prompt_token_ids=list(range(100, 113)), max_tokens=1), lora)
+        scheduler.add_request(request)
+        run_until_done(scheduler)
+        return request.num_cached_tokens
+
+    assert [run(SQL), run(SQL)] == [0, 12]
+    waiting = with_lora(make_request(8), CHAT)  # not read: it waits, the others run
+    scheduler.add_request(waiting)
+    scheduler.schedule()
+    assert waiting in scheduler.waiting and waiting.lora_weights is None
+    read[CHAT] = "digest-c"
+    read[SQL] = "digest-2"  # read again, other files
+    assert [run(SQL), run(SQL)] == [0, 12]
+    assert waiting.is_finished and waiting.lora_key == ("chat", "/a/chat", "digest-c")
+    assert_all_blocks_free(scheduler)
