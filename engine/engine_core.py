@@ -392,13 +392,14 @@ class EngineCore:
         if self.lora is None:
             return []
         running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
-        room, is_full = self.config.lora.num_cpu_loras - len(running), len(running) >= self.config.lora.max_loras
+        in_slots = {r.lora_key for r in self.scheduler.running if r.lora_key is not None}  # not tower-only ones
+        room, is_full = self.config.lora.num_cpu_loras - len(in_slots), len(in_slots) >= self.config.lora.max_loras
         wanted: dict[tuple[str, str], LoRARequest] = {}
         for request in self.scheduler.waiting:
             if len(wanted) >= room:
                 break
             lora = request.lora_request
-            if lora is not None and lora.key not in running and not is_full:
+            if lora is not None and lora.key not in running and (not is_full or request.lora_weights == ""):
                 wanted.setdefault(lora.key, lora)
         return self.lora.keep_read(running, list(wanted.values()))
 

@@ -40,7 +40,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # Which weights of that adapter this worker runs it with: the digest of the adapter's files as
-    # the worker read them (LoRAManager.weights_of), set when it is admitted; None until then.
+    # the worker read them (LoRAManager.weights_of), set when it is admitted; None until then;
+    # "" when they hold no language-model weight (a tower-only adapter: the base language model).
     lora_weights: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -76,8 +77,12 @@ class Request:
     @property
     def lora_key(self) -> tuple[str, str, str | None] | None:
         """Its adapter's identity in slots and the prefix cache: (name, path, lora_weights),
-        so an adapter retrained in place is another one; None for the base model."""
-        return None if self.lora_request is None else (*self.lora_request.key, self.lora_weights)
+        so an adapter retrained in place is another one; None for the base model and for an
+        adapter without language-model weights (a tower-only one: its effect is in the image
+        embeddings, keyed apart by their `mm_hash`; no slot, the base's KV)."""
+        if self.lora_request is None or self.lora_weights == "":
+            return None
+        return (*self.lora_request.key, self.lora_weights)
 
     @property
     def mm_hashes(self) -> list[str]:

@@ -16,7 +16,9 @@ admits its request once it is read (`weights_of`): no step reads a disk.
 Each read hashes the adapter's files (`weights_of`: the request's
 `lora_weights`), and slots and the prefix cache key an adapter by name, path
 and that digest: one retrained in place and read again is another adapter,
-never served the KV or the slot of its old weights.
+never served the KV or the slot of its old weights. An adapter with no
+language-model weight (a tower-only one, --enable-tower-lora) reads as ""
+and takes no slot: the base language model runs its requests.
 `activate` gives every adapter of a step a slot, writing the weights of one that is not resident over the least recently used slot no
 adapter of this step holds; the scheduler never runs more distinct adapters
 in one step than there are slots (`Scheduler`'s `max_loras`). `rows` turns
@@ -97,10 +99,13 @@ class LoRAManager:
 
     def weights_of(self, lora: LoRARequest) -> str | None:
         """The digest of the adapter's files as read into host memory (a request's
-        `lora_weights`); None when it is not read."""
+        `lora_weights`), "" when they hold no language-model weight (a tower-only
+        adapter: no slot, the base language model); None when it is not read."""
         with self._lock:
             entry = self._host.get(lora.key)
-        return None if entry is None else entry.digest
+        if entry is None:
+            return None
+        return entry.digest if entry.weights else ""
 
     def unload(self, key: AdapterKey) -> bool:
         """Forgets an adapter (runtime unloading): out of host memory and its slot, so a
@@ -113,7 +118,8 @@ class LoRAManager:
     def keep_read(self, running: set[AdapterKey], wanted: list[LoRARequest]) -> list[Future]:
         """Between two steps (the step thread): host memory back to --max-cpu-loras, least
         recently used first, never the adapter of a running request (`running`: at most
-        --max-loras of them) or one in `wanted` (those of the waiting requests next in line,
+        --max-loras of them with language-model weights, and tower-only ones, which hold no
+        tensor) or one in `wanted` (those of the waiting requests next in line,
         at most --max-cpu-loras less the running ones); then the reads of the `wanted`
         adapters evicted earlier start in the loader thread. Returns those reads' futures.
 

@@ -73,6 +73,34 @@ def test_tower_adapters_match_transformers_and_peft(tiny_model, loras, expected,
     assert sorted(name for name, _ in llm.encoder.lora.resident) == ["tower", "vit"]
 
 
+def test_a_tower_only_adapter_takes_no_language_model_slot(tiny_model, loras):
+    # one slot on the engine: "vit" (tower weights only) runs beside "lang" in one step, on the
+    # base language model (a text prompt: the base's answer and the base's KV blocks), and is
+    # never written into the slot, so it evicts nothing and counts against nothing there
+    from epd.engine.request import Request
+    from epd.transport.wire_values import LoRAState
+
+    core = _llm(tiny_model, enable_tower_lora=True, max_loras=1, max_cpu_loras=2).engine
+    prompt, params = list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.load_lora(loras["vit"])
+    core.load_lora(loras["lang"])
+    base = Request("base", list(prompt), params)
+    core.add_request(base)
+    while core.has_unfinished():
+        core.step()
+    lang = Request("lang", list(range(300, 321)), params, lora_request=loras["lang"])
+    vit = Request("vit", list(prompt), params, lora_request=loras["vit"])
+    core.add_request(lang)
+    core.add_request(vit)
+    core.step()
+    assert core.num_running == 2 and core.num_waiting == 0  # the one slot is lang's alone
+    assert core.lora_state() == LoRAState(("lang", "vit"), (), ("lang",), 1)
+    while core.has_unfinished():
+        core.step()
+    assert vit.output_token_ids == base.output_token_ids and vit.num_cached_tokens == 32
+    assert core.lora.num_slot_loads == 1 and vit.lora_key is None
+
+
 def test_the_tower_adapters_images_are_keyed_apart(tiny_model, loras):
     llm = _llm(tiny_model, enable_tower_lora=True)
     image = IMAGES[0]

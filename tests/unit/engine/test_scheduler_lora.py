@@ -84,3 +84,20 @@ def test_an_adapter_read_again_with_new_files_misses_its_old_blocks():
     assert [run(SQL), run(SQL)] == [0, 12]
     assert waiting.is_finished and waiting.lora_key == ("chat", "/a/chat", "digest-c")
     assert_all_blocks_free(scheduler)
+
+
+def test_an_adapter_without_language_model_weights_runs_on_the_base_beside_another():
+    # a tower-only adapter reads as "" (LoRAManager.weights_of): no slot among max_loras, the base's KV
+    vit = LoRARequest("vit", 3, "/a/vit")
+    scheduler = Scheduler(SchedulerConfig(block_size=4), num_blocks=64, max_loras=1,
+                          adapter_weights={SQL: "digest-s", vit: ""}.get)
+    base = make_request(prompt_token_ids=list(range(100, 113)), max_tokens=1)
+    scheduler.add_request(base)
+    run_until_done(scheduler)
+    requests = [with_lora(make_request(8, max_tokens=3), SQL),
+                with_lora(make_request(prompt_token_ids=list(range(100, 113)), max_tokens=3), vit)]
+    for request in requests:
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert {s.request_id for s in first.scheduled} == {r.request_id for r in requests}
+    assert requests[1].lora_key is None and requests[1].num_cached_tokens == 12  # the base's blocks
