@@ -18,6 +18,12 @@ import os
 
 from testkit.server import ServerProcess, free_port
 
+# The modules that use them: one group for the test processes (tests/conftest.py, share_group).
+SHARING_MODULES = frozenset(f"tests/e2e/{name}.py" for name in (
+    "api/test_openai_conformance", "api/test_prompt_logprobs_serve", "api/test_readme_examples",
+    "api/test_responses_api", "api/test_structured_serve", "api/test_vllm_conformance",
+    "api/test_vllm_conformance_chat", "api/test_vllm_fields", "serve/test_early_prefill_serve",
+    "serve/test_serve", "serve/test_video_serve"))
 SERVED_MODEL = "epd-test"
 MODES = ["aggregated", "e-pd", "e-p-d"]
 STREAM_INTERVALS = {"aggregated": 1, "e-pd": 3, "e-p-d": 4}

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from epd.bench.netns import Host, Network
@@ -44,6 +45,9 @@ class RayCluster:
         self.head = head
         self.address = f"{head.ip}:{port}"
         self.port = port
+        # Ray's session files hold unix sockets (107 bytes at most): a short path, not the workdir
+        # (pytest-xdist's tmp paths are longer); removed by whoever made the cluster
+        self.ray_tmp = tempfile.mkdtemp(prefix="epdt-ray-")
         token = self.workdir / "ray-token"
         token.write_text(os.urandom(16).hex())
         token.chmod(0o600)
@@ -67,7 +71,7 @@ class RayCluster:
 
     def start_head(self) -> None:
         self._start([(self.head, ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
-                                  f"--temp-dir={self.workdir / 'ray'}"])])
+                                  f"--temp-dir={self.ray_tmp}"])])
 
     def _start(self, nodes: list[tuple[Host, list[str]]]) -> None:
         procs = []

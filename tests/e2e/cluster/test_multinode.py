@@ -193,7 +193,8 @@ def ray_cluster(net, tmp_path_factory):
     cluster.start_head()
     cluster.add_nodes([(hosts["e"], 1, {"epd_encoder_node": 1}), (hosts["p"], 1, {"epd_prefill_node": 1}),
                        (hosts["d"], 1, {"epd_decode_node": 1})])
-    return cluster
+    yield cluster
+    shutil.rmtree(cluster.ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
