@@ -65,6 +65,6 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} uses mode_server: add its module to "
                                     f"testkit.mode_servers.SHARING_MODULES")
         for defs in item._fixtureinfo.name2fixturedefs.values():
-            if defs[-1].scope == "package" and not group.startswith(defs[-1].baseid):
+            if defs[-1].scope == "package" and group != defs[-1].baseid + "/":  # the package, not its module
                 raise pytest.UsageError(f"{item.nodeid} uses the package fixture {defs[-1].argname}: "
                                         f"add {defs[-1].baseid}/ to PACKAGE_GROUPS (tests/conftest.py)")
