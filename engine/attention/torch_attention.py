@@ -6,10 +6,13 @@ query rows ([num_kv_heads, group * q_len, head_dim]) so K/V are never
 repeated. Decodes of similar length are batched into one call with a
 key-padding mask: one query token each, or (speculative decoding) the last
 token and its draft, a few query tokens behind a cached prefix, batched with
-others of the same count under a causal mask among them.
+others of the same count under a causal mask among them. Decode gathers copy
+into buffers each thread keeps: a fresh multi-MiB tensor a call costs page
+faults every time.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +23,14 @@ from epd.engine.attention.metadata import AttentionMetadata, check_attention_inp
 # A decode batch pads every sequence to its longest one; start a new batch
 # when a sequence is shorter than this fraction of that longest one.
 _DECODE_BATCH_MIN_FILL = 0.5
-# ... or when the batch's gathered K would pass this size. Batching only pays
-# for short contexts (per-call overhead); on CPU, big gather buffers cost more
-# in page faults than they save (measured: 16 decodes of 1k tokens take ~6x
-# longer as one batch than one at a time).
-_DECODE_BATCH_MAX_BYTES = 1 << 20
+# ... or when the batch's gathered K would pass this size: K and V of a batch
+# stay in the cache for its SDPA call. Measured on a 2-core Xeon (L2 2 MiB a
+# core; 14 layers, 4 kv heads of 64, batches of 32-128 decodes of 20-2,000
+# tokens): 4 MiB 0.79-0.97x the time of 1 MiB batches on 2 threads, 16 MiB
+# up to 1.4x slower on one; one call a sequence 1.1-1.3x slower on 2 threads.
+_DECODE_BATCH_MAX_BYTES = 4 << 20
+# Decode gather buffers larger than this are not kept between calls.
+_MAX_KEPT_BUFFER_BYTES = 64 << 20
 # Query rows of one SDPA call in a prefill behind a cached prefix (see _prefill_one).
 _PREFIX_QUERY_ROWS = 256
 # Most query tokens of a sequence batched as a decode (a draft's verification) behind a cached prefix.
@@ -71,7 +77,7 @@ class _DecodeGroup:
     max_len: int
     rows: torch.Tensor  # [B * Q] their query rows, sequence-major
     block_ids: torch.Tensor  # [B, num_blocks] int64
-    padding: tuple[torch.Tensor, torch.Tensor] | None  # (sequence, key) of the keys past each context
+    padding: torch.Tensor | None  # rows of the gathered [B * num_blocks * block_size] keys past each context
     mask: torch.Tensor | None  # [B, 1, G * Q, max_len] bool (True: attend), None when nothing is masked
 
 
@@ -118,7 +124,8 @@ def _decode_group_plan(meta, group, cu, seq_lens, q_len, block_size, num_groups,
         lens_t = torch.tensor(lens, device=device)
         keys = torch.arange(max_len, device=device)
         is_pad = keys[None, :] >= lens_t[:, None]  # [B, max_len]
-        padding = is_pad.nonzero(as_tuple=True)
+        seq, key = is_pad.nonzero(as_tuple=True)
+        padding = seq * (num_blocks * block_size) + key
         if q_len == 1:
             mask = ~is_pad[:, None, None, :]  # [B, 1, 1, max_len]
         else:  # query j of sequence b sits at position len_b - Q + j and sees keys up to it
@@ -135,6 +142,28 @@ def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) ->
     rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids.reshape(-1))
     blocks = rows.view(*block_ids.shape, *cache.shape[1:])  # [..., num_blocks, block_size, Hkv, D]
     return blocks.flatten(-4, -3)[..., :num_tokens, :, :]
+
+
+_buffers = threading.local()
+
+
+def _gather_rows(cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
+    """`block_ids`' blocks of `cache` as [num_ids, block_size * Hkv * D] rows, in a
+    buffer this thread keeps for `slot` (0: K, 1: V) and overwrites at its next call."""
+    flat = cache.view(cache.shape[0], -1)
+    num_ids, row = block_ids.numel(), flat.shape[1]
+    if num_ids * row * flat.element_size() > _MAX_KEPT_BUFFER_BYTES:
+        return torch.index_select(flat, 0, block_ids.reshape(-1))
+    kept = getattr(_buffers, "by_key", None)
+    if kept is None:
+        kept = _buffers.by_key = {}
+    key = (slot, flat.dtype, flat.device, row)
+    buffer = kept.get(key)
+    if buffer is None or buffer.shape[0] < num_ids:
+        size = num_ids if buffer is None else max(num_ids, 2 * buffer.shape[0])
+        size = min(size, max(num_ids, _MAX_KEPT_BUFFER_BYTES // (row * flat.element_size())))
+        buffer = kept[key] = torch.empty(size, row, dtype=flat.dtype, device=flat.device)
+    return torch.index_select(flat, 0, block_ids.reshape(-1), out=buffer[:num_ids])
 
 
 def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len) -> None:
@@ -179,13 +208,15 @@ def _decode_group(query, k_cache, v_cache, scale, out, group: _DecodeGroup) -> N
     num_kv_heads, head_dim = k_cache.shape[2:]
     num_groups = query.shape[1] // num_kv_heads
     num_seqs, q_len = group.num_seqs, group.q_len
-    k = _gather_kv(k_cache, group.block_ids, group.max_len)  # [B, max_len, Hkv, D], a copy
-    v = _gather_kv(v_cache, group.block_ids, group.max_len)
+    k_rows = _gather_rows(k_cache, group.block_ids, 0)  # [B * num_blocks, block_size * Hkv * D], a copy
+    v_rows = _gather_rows(v_cache, group.block_ids, 1)
     if group.padding is not None:
         # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through
         # softmax, so zero them — only them (a full masked_fill cost a third of the call)
-        k[group.padding] = 0
-        v[group.padding] = 0
+        k_rows.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+        v_rows.view(-1, num_kv_heads * head_dim).index_fill_(0, group.padding, 0)
+    k = k_rows.view(num_seqs, -1, num_kv_heads, head_dim)[:, :group.max_len]  # [B, max_len, Hkv, D]
+    v = v_rows.view(num_seqs, -1, num_kv_heads, head_dim)[:, :group.max_len]
     # [B, Q, Hkv, G, D] -> [B, Hkv, G * Q, D]: q head h reads kv head h // G; rows in (g, j) order
     q = query[group.rows].view(num_seqs, q_len, num_kv_heads, num_groups, head_dim).permute(0, 2, 3, 1, 4) \
         .reshape(num_seqs, num_kv_heads, num_groups * q_len, head_dim)

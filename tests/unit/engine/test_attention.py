@@ -88,6 +88,9 @@ CASES = {
     "long_prefill_prefix": ([600, 3], [100, 40]),  # 600 query rows: several calls of rows
     "decode": ([1, 1, 1, 1, 1], [0, 15, 40, 7, 41]),
     "mixed": ([1, 9, 1, 4, 20], [30, 0, 2, 21, 17]),
+    # long contexts: one-token decodes of at least _DECODE_ALONE_BYTES of K attended alone, beside
+    # short ones batched and a prefill (the gather buffers are reused across sequences and calls)
+    "long_decode": ([1, 1, 1, 1, 1, 7], [300, 700, 5, 600, 290, 12]),
     # speculative decoding: a decode's last token and its draft, behind its context (several query
     # tokens, causal among them), batched by count; beside one-token decodes and a prefill
     "verify": ([4, 4, 1, 3, 4, 17, 2], [30, 3, 12, 50, 1, 40, 0]),
