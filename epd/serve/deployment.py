@@ -4,9 +4,10 @@
       the run dir (0700: the ipc sockets' only protection); with --api-servers N
         its metrics dir, named in PROMETHEUS_MULTIPROC_DIR before prometheus_client loads
       the embedding cache dir, and the workers' CPU discipline (share_cores: inherited
-        through spawn)
+        through the workers' forkserver, started after it)
       the worker plane, one of
-        local      LocalSupervisor over worker_launches; a collector per API process
+        local      LocalSupervisor over worker_launches, the workers forked from a
+                   forkserver that imported torch once; a collector per API process
                    on ipc in the run dir
         external   LocalSupervisor with no launches (each `epd worker` registers
                    itself); collectors on tcp from --worker-port up
@@ -25,7 +26,6 @@ holds it and each API process reads a view of it (`LauncherWorkers`).
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from epd.config import ServeConfig
 from epd.multiprocess_metrics import MULTIPROC_DIR_ENV  # read by prometheus_client when imported (not yet, here)
-from epd.serve.local_supervisor import LocalSupervisor
+from epd.serve.local_supervisor import LocalSupervisor, worker_context
 from epd.serve.supervisor import Supervisor, WorkerWatch
 from epd.serve.threads import share_cores
 from epd.serve.worker_launches import worker_launches
@@ -64,7 +64,7 @@ class Deployment:
                 os.environ[MULTIPROC_DIR_ENV] = os.path.join(run_dir, "metrics")
             mm_cache_dir = os.path.abspath(config.mm_cache_dir or os.path.join(run_dir, "mm-cache"))
             os.makedirs(mm_cache_dir, mode=0o700, exist_ok=True)
-            share_cores(config.cpu_sharing)  # the workers' OpenMP wait (GOMP_SPINCOUNT), inherited through spawn
+            share_cores(config.cpu_sharing)  # the workers' OpenMP wait (GOMP_SPINCOUNT), inherited through the forkserver
             collectors, keys_dir, supervisor = _worker_plane(config, run_dir, mm_cache_dir)
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -99,7 +99,7 @@ def _worker_plane(config: ServeConfig, run_dir: str, mm_cache_dir: str
     collectors = api_collectors(config, addresses)
     launches = [] if addresses is None else worker_launches(config, addresses, tuple(collectors), mm_cache_dir)
     limits = config.limits
-    supervisor = LocalSupervisor(launches, multiprocessing.get_context("spawn"), max_restarts=limits.max_restarts,
+    supervisor = LocalSupervisor(launches, worker_context(), max_restarts=limits.max_restarts,
                                  restart_window_s=limits.restart_window_s, down_retry_s=limits.down_retry_s,
                                  addresses=addresses)
     return collectors, config.worker_keys, supervisor

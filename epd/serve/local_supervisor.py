@@ -1,6 +1,6 @@
 """`LocalSupervisor`: the workers as child processes of the launcher
-(multiprocessing spawn), kept up as every `Supervisor` does
-(epd/serve/supervisor.py: the interface, the backoff, the down retry).
+(multiprocessing forkserver, `worker_context`), kept up as every `Supervisor`
+does (epd/serve/supervisor.py: the interface, the backoff, the down retry).
 
 An exited worker is logged with its exit code and started again after the
 backoff, or given up on and tried again every `down_retry_s`. The new
@@ -11,6 +11,7 @@ stops routing to it meanwhile and recovers its requests.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from dataclasses import replace
 
@@ -22,6 +23,24 @@ from epd.transport.roles import Role
 # A removed worker is idle (drained first): it may take its time to exit on a busy machine
 # (a niced encoder took 4 s on 2 shared cores) before SIGKILL.
 REMOVE_GRACE_S = 30.0
+
+# What every worker imports before it builds its model: ~6.5 CPU-seconds a process on this
+# project's 2-core hosts (torch alone 3.4 s). The forkserver imports them once; each worker (and
+# each restart) forks from it with them loaded, sharing their pages copy-on-write.
+WORKER_PRELOAD = ("torch", "transformers", "transformers.models.auto.configuration_auto",
+                  "epd.serve.worker_entry", "epd.engine.engine_core", "epd.engine.worker", "epd.engine.model_info",
+                  "epd.encoders.image_encoder", "epd.encoders.encoder_worker", "epd.encoders.video_encoder")
+
+
+def worker_context():
+    """The multiprocessing context local workers start from: a forkserver, started by the
+    first worker from this process's environment at that moment (so the launcher sets the
+    workers' environment, e.g. epd/serve/threads.share_cores, before it starts any), that has
+    imported `WORKER_PRELOAD`. It imports nothing else, starts no thread and touches no GPU,
+    so forking it is safe where forking the launcher (threads, sockets) is not."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    return context
 
 
 class LocalSupervisor(Supervisor):

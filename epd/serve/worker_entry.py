@@ -1,16 +1,22 @@
 """One entry function per worker process: `run_worker(WorkerLaunch)`.
 
 Builds what the role needs (engine, vision encoder or both), then runs its
-loop until Shutdown. The process dies with its parent (PR_SET_PDEATHSIG), so
-a killed launcher leaves no orphans.
+loop until Shutdown. The process dies with the launcher that started it
+(a thread waits on multiprocessing's parent sentinel, which the launcher's end
+of a pipe keeps unready while it lives: its parent process is the forkserver,
+so PR_SET_PDEATHSIG alone would not see the launcher go), so a killed launcher
+leaves no orphans.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 from epd.encoders.video_io import DecodeLimits
@@ -43,6 +49,15 @@ def _die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
+    launcher = multiprocessing.parent_process()  # who called Process.start(), wherever we forked from
+    if launcher is not None:
+        threading.Thread(target=_exit_when_gone, args=(launcher.sentinel,), name="epd-launcher-watch",
+                         daemon=True).start()
+
+
+def _exit_when_gone(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # ready once the launcher's end is closed: it exited
+    os.kill(os.getpid(), signal.SIGTERM)  # the handler below: sys.exit(0) in the main thread
 
 
 def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:

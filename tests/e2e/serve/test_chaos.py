@@ -81,6 +81,9 @@ def test_killing_each_role_loses_no_request(tiny_model, tmp_path):
             role = victim.split("-")[0]
             with _traffic(server.base_url, model) as traffic:
                 _wait_until(lambda: len(traffic.results) >= NUM_CLIENTS, 60, "traffic")
+                if role == "decode":  # one at least dies under a request (a tiny model's decode is short)
+                    _wait_until(lambda: server.metric_sum("epd:num_requests_running", role="decode") >= 1, 60,
+                                "a request in the decode worker")
                 old_pid = _worker_pids(server.log())[victim]
                 os.kill(old_pid, signal.SIGKILL)
                 killed_at = len(traffic.results)

@@ -83,6 +83,28 @@ def test_sigterm_lets_requests_in_flight_finish_then_exits_cleanly(epd_server):
 
 
 @pytest.mark.slow
+def test_a_killed_launcher_leaves_no_process_behind(tiny_model, tmp_path):
+    """SIGKILL to `epd serve` (no drain, no Shutdown): the workers, forked from the launcher's
+    forkserver (their parent process), see the launcher go and exit, and the forkserver with them."""
+    server = start_server(tiny_model, tmp_path, "e-p-d")
+    workers = [int(pid) for pid in re.findall(r"EPD: worker \S+ pid (\d+)", server.log())]
+    assert len(workers) == 3
+    assert all(_parent(pid) != server.proc.pid for pid in workers)  # the forkserver's children
+    server.proc.kill()
+    server.proc.wait(30)
+    assert not server.group_alive(grace_s=30), [_parent(pid) for pid in workers]
+
+
+def _parent(pid: int) -> int | None:
+    """`pid`'s parent process id; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.slow
 def test_a_request_past_its_deadline_gets_an_error_and_frees_its_worker(tiny_model, tmp_path):
     server = start_server(tiny_model, tmp_path, "aggregated", "--request-timeout", "2")
     try:
