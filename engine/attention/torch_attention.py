@@ -7,8 +7,8 @@ repeated. Decodes of similar length are batched into one call with a
 key-padding mask: one query token each, or (speculative decoding) the last
 token and its draft, a few query tokens behind a cached prefix, batched with
 others of the same count under a causal mask among them. Decode gathers copy
-into buffers each thread keeps: a fresh multi-MiB tensor a call costs page
-faults every time.
+into buffers each thread keeps rather than a new tensor a call (no faster by
+themselves in the bench below; they bound what a step allocates).
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ from epd.engine.attention.metadata import AttentionMetadata, check_attention_inp
 # A decode batch pads every sequence to its longest one; start a new batch
 # when a sequence is shorter than this fraction of that longest one.
 _DECODE_BATCH_MIN_FILL = 0.5
-# ... or when the batch's gathered K would pass this size: K and V of a batch
-# stay in the cache for its SDPA call. Measured on a 2-core Xeon (L2 2 MiB a
-# core; 14 layers, 4 kv heads of 64, batches of 32-128 decodes of 20-2,000
-# tokens): 4 MiB 0.79-0.97x the time of 1 MiB batches on 2 threads, 16 MiB
-# up to 1.4x slower on one; one call a sequence 1.1-1.3x slower on 2 threads.
+# ... or when the batch's gathered K would pass this size (fewer, larger calls
+# parallelize better; past a few MiB K and V no longer stay in the cache for
+# the SDPA call). `python -m epd.bench.cpu_decode_attention` on a 2-core Xeon
+# (L2 2 MiB a core), batches of 8-128 decodes of 20-2,000 tokens: 4 MiB
+# 0.83-0.92x the time of 1 MiB on 2 threads, 0.91-1.12x on one; 16 MiB up to
+# 1.6x slower on one.
 _DECODE_BATCH_MAX_BYTES = 4 << 20
 # Decode gather buffers larger than this are not kept between calls.
 _MAX_KEPT_BUFFER_BYTES = 64 << 20
