@@ -158,7 +158,8 @@ def _gather_rows(cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> tor
     kept = getattr(_buffers, "by_key", None)
     if kept is None:
         kept = _buffers.by_key = {}
-    key = (slot, flat.dtype, flat.device, row)
+    # a buffer made under inference mode cannot be written outside it: one buffer per mode
+    key = (slot, flat.dtype, flat.device, row, torch.is_inference_mode_enabled())
     buffer = kept.get(key)
     if buffer is None or buffer.shape[0] < num_ids:
         size = num_ids if buffer is None else max(num_ids, 2 * buffer.shape[0])

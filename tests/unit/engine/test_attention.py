@@ -9,6 +9,7 @@ machine `test_triton_gpu` also runs them natively.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -106,6 +107,29 @@ def test_torch_attention_matches_naive(case, heads, block_size):
     out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
     assert out.shape == batch.query.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=2e-6, rtol=2e-6)
+
+
+def test_torch_attention_in_and_out_of_inference_mode():
+    """The gather buffers a thread keeps: one made under inference mode (the engine's) is not
+    written outside it (an offline caller's), and the other way round."""
+    batch = make_batch(*CASES["long_decode"])
+    expected, outs, errors = naive_attention(batch), [], []
+
+    def calls():  # a new thread: no buffer kept yet, the first one made under inference mode
+        try:
+            for inference in (True, False, True):
+                with torch.inference_mode(inference):
+                    outs.append(torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                                                          SCALE))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join(60)
+    assert not errors and len(outs) == 3, errors
+    for out in outs:
+        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
