@@ -19,8 +19,10 @@ from testkit.server import start_server
 pytestmark = pytest.mark.slow
 
 SERVED = "tiny-base"
-NUM_TOKENS = 24
-# eight distinct prompts of 40 tokens: up to 4 KV blocks each with the answer, 12 blocks in all
+NUM_TOKENS = 88
+# eight distinct prompts of 40 tokens: 8 KV blocks of 16 each with the answer, so any two whose decodes
+# overlap need more than the 12 blocks there are (with 24-token answers it took four at once: one CI run
+# whose requests arrived spread out saw no preemption)
 PROMPTS = [list(range(40 + 50 * i, 80 + 50 * i)) for i in range(8)]
 MODELS = [SERVED, "attn", "mlp", "all"] * 2
 API_SERVERS = (0, 1)
