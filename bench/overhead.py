@@ -127,6 +127,29 @@ def children_cpu_s(pid: int, excluded: set[int] = frozenset()) -> float:
     return total
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and all its live descendants (a server and every worker it started)."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU s)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        except (OSError, IndexError, ValueError):
+            continue
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats.get(current, (0, 0.0))[1]
+        todo += children.get(current, [])
+    return total
+
+
 def steal_s() -> float:
     """CPU seconds the hypervisor gave to others while this machine's CPUs wanted
     to run (/proc/stat's steal, all CPUs): the noise a VM adds to every rate here."""

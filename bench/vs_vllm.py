@@ -11,7 +11,9 @@ all pinned to the same CPUs and kept up for the whole run, then:
     client for all (`--client epd`: `epd bench serve`'s code in this process;
     `--client vllm`: `vllm bench serve` from vLLM's environment):
       - served output tokens/s, text, at each `--streams` count (closed loop:
-        `--max-concurrency C`, everything sent at once);
+        `--max-concurrency C`, everything sent at once), and the same run's
+        CPU milliseconds per output token of the server's processes (steal-free:
+        the hypervisor's noise lowers tokens/s, not this);
       - median TTFT and TPOT with K images per request at a fixed rate
         (`--image-rows K@RATE,...`);
       - after those rows, goodput with `--goodput-images` (4) images a request
@@ -44,11 +46,12 @@ from epd.bench.client import send_chat_request
 from epd.bench.compare import ServeProcess, cpu_set, warm_up
 from epd.bench.datasets import load_tokenizer, sample_random, sample_random_mm
 from epd.bench.vllm_servers import VllmEcPeer, VllmProcess
-from epd.bench.overhead import steal_s
+from epd.bench.overhead import steal_s, tree_cpu_s
 from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, summarize
 
 BASE = "vllm"
 EC = "vllm-ec"  # vLLM's encoder disaggregation: greedy texts and goodput rows only
+CPU_PER_TOKEN = "server_cpu_ms_per_token"  # not a field of the client's result: added from /proc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,9 +110,12 @@ def workloads(args) -> list[dict]:
     """Every served row: its name, the client's flags (epd bench serve's names) and what it measures."""
     rows = []
     for c in (int(x) for x in args.streams.split(",") if x):
-        rows.append({"name": f"text C={c} output tok/s", "metric": "output_throughput", "higher": True,
-                     "dataset": "random", "num_prompts": max(args.num_prompts, c), "max_concurrency": c,
-                     "rate": "inf", "images": 0})
+        text = {"name": f"text C={c} output tok/s", "metric": "output_throughput", "higher": True,
+                "dataset": "random", "num_prompts": max(args.num_prompts, c), "max_concurrency": c,
+                "rate": "inf", "images": 0}
+        # the same run's CPU cost: time the hypervisor steals slows a server's tokens/s, not this
+        rows += [text, {**text, "name": f"text C={c} server CPU ms per output token", "metric": CPU_PER_TOKEN,
+                        "higher": False, "shares_run_with": text["name"]}]
     for images, rate in parse_image_rows(args.image_rows):
         for metric, label in (("median_ttft_ms", "median TTFT ms"), ("median_tpot_ms", "median TPOT ms")):
             rows.append({"name": f"{images} image(s) @ {rate:g} req/s {label}", "metric": metric, "higher": False,
@@ -267,8 +273,11 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path, steal: dict) -
                     out = out_dir / f"r{r}-{_slug(label)}-{_slug(key)}.json"
                     seed = args.seed + 7919 * (r + 1) + i  # a fresh trace each round: no cache hits across rounds
                     before = (time.monotonic(), steal_s())
+                    cpu_before = tree_cpu_s(server.proc.pid)
                     try:
                         results[key, label] = client(args, workload, server.base_url, models[label], seed, out)
+                        results[key, label][CPU_PER_TOKEN] = cpu_ms_per_token(
+                            tree_cpu_s(server.proc.pid) - cpu_before, results[key, label].get("total_output_tokens"))
                     except Exception as exc:  # one failed run leaves a gap, not the whole bench
                         print(f"round {r} {workload['name']} {label}: failed ({exc})", flush=True)
                         results[key, label] = {}
@@ -279,6 +288,11 @@ def served_rows(args, servers: dict, models: dict, out_dir: Path, steal: dict) -
                 stolen = "" if steal[run] is None else f" (host steal {steal[run]:.1%})"
                 print(f"round {r} {workload['name']} {label}: {value}{stolen}", flush=True)
     return rows
+
+
+def cpu_ms_per_token(cpu_s: float, output_tokens: int | None) -> float | None:
+    """A server's CPU milliseconds (all its processes) per output token of one run."""
+    return 1000 * cpu_s / output_tokens if output_tokens else None
 
 
 def stolen_share(before: tuple[float, float], after: tuple[float, float]) -> float | None:

@@ -3,10 +3,16 @@ client against the fake OpenAI server; vLLM itself is not started (not in CI: is
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from epd.bench import vs_vllm, vs_vllm_goodput
+from epd.bench.overhead import process_cpu_s, tree_cpu_s
 from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, ratio_summary, summarize
 
 
@@ -62,11 +68,13 @@ def test_greedy_lines_count_identical_texts_per_server():
 
 def test_workloads_one_text_row_per_stream_count_and_ttft_tpot_rows_sharing_one_run():
     rows = vs_vllm.workloads(_args("--streams", "1,8", "--image-rows", "4@0.25", "--num-prompts", "4"))
-    assert [r["name"] for r in rows] == ["text C=1 output tok/s", "text C=8 output tok/s",
+    assert [r["name"] for r in rows] == ["text C=1 output tok/s", "text C=1 server CPU ms per output token",
+                                         "text C=8 output tok/s", "text C=8 server CPU ms per output token",
                                          "4 image(s) @ 0.25 req/s median TTFT ms",
                                          "4 image(s) @ 0.25 req/s median TPOT ms"]
-    assert [r["num_prompts"] for r in rows[:2]] == [4, 8]  # never fewer requests than streams
-    assert rows[2]["shares_run_with"] == rows[3]["shares_run_with"]
+    assert [r["num_prompts"] for r in rows[:4]] == [4, 4, 8, 8]  # never fewer requests than streams
+    assert rows[1]["shares_run_with"] == rows[0]["name"] and not rows[1]["higher"]
+    assert rows[4]["shares_run_with"] == rows[5]["shares_run_with"]
     with pytest.raises(ValueError, match="IMAGES@RATE"):
         vs_vllm.parse_image_rows("4")
 
@@ -139,9 +147,25 @@ def test_vllm_ec_runs_only_the_greedy_and_goodput_rows(fake_server, tmp_path):
     args = _args("--rounds", "1", "--streams", "1", "--image-rows", "", "--num-prompts", "1", "--input-len", "5",
                  "--output-len", "2")
     args.model_dir = None
+    fake_server.proc = SimpleNamespace(pid=os.getpid())  # the fake server's process: this one
     servers = {"vllm": fake_server, "vllm-ec": fake_server}
     steal = {}
     rows = vs_vllm.served_rows(args, servers, dict.fromkeys(servers, "fake-model"), tmp_path, steal)
     assert list(rows[0]["values"]) == ["vllm"]
+    # the same run's CPU per output token, from /proc: this process served and sent it
+    assert rows[1]["name"] == "text C=1 server CPU ms per output token" and rows[1]["values"]["vllm"][0] > 0
     [(run, share)] = steal.items()  # the run's host steal: a share of the vCPUs' time
     assert run.startswith("r0 ") and run.endswith(" vllm") and 0 <= share <= 1
+
+
+def test_tree_cpu_counts_the_cpu_of_a_grandchild():
+    # a child that starts a grandchild burning 0.5 CPU s; the grandchild then waits to be read
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nprint(1, flush=True)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "1"  # the grandchild burnt its CPU and lives
+        assert tree_cpu_s(child.pid) - process_cpu_s(child.pid) >= 0.45  # the grandchild's, not the child's own
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
