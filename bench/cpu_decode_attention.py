@@ -1,15 +1,15 @@
-"""CPU time of the torch backend's paged decode attention, batch settings side by side (issue 32).
+"""CPU time of the torch backend's paged decode attention: the CPU kernel against gather + SDPA (issue 32).
 
-    python -m epd.bench.cpu_decode_attention [--threads 1,2] [--rounds 7] [--batch-mb 1,4,16]
+    python -m epd.bench.cpu_decode_attention [--threads 1,2] [--rounds 7] [--batch-mb 4]
 
 One decode step's attention over every layer of the `small` preset (14 layers, 12 q / 4 kv
 heads of 64, float32, blocks of 16 shuffled over a 4,500-block cache) for decode batches of
-32-128 sequences of 20-2,000 tokens. Each setting is a batch size cap
-(`_DECODE_BATCH_MAX_BYTES`) with the gather buffers kept between calls (what
-engine/attention/torch_attention.py does), and the first with fresh buffers each call
-(`_MAX_KEPT_BUFFER_BYTES` 0: the code before the buffers). Rounds run every setting in turn;
-each line gives the first setting's median ms a step and every other's median ratio to it in
-the same round (these machines are noisy: compare within a round).
+8-128 sequences of 20-2,000 tokens. The first setting is the gather + SDPA path with the
+first batch cap (`_DECODE_BATCH_MAX_BYTES`) and its kept gather buffers; then the same cap
+with a new tensor each gather (`_MAX_KEPT_BUFFER_BYTES` 0), any other caps, and the CPU
+kernel (engine/attention/paged_attention_cpu.c, K and V read in place). Rounds run every
+setting in turn; each line gives the first setting's median ms a step and every other's
+median ratio to it in the same round (these machines are noisy: compare within a round).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from epd.engine.attention import torch_attention
+from epd.engine.attention import cpu_kernel, torch_attention
 from epd.engine.attention.metadata import AttentionMetadata
 
 LAYERS, CACHE_BLOCKS, BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 14, 4500, 16, 4, 12, 64
@@ -39,9 +39,10 @@ def decode_batch(num_seqs: int, shortest: int, longest: int, rng: random.Random)
     return torch.randn(num_seqs, Q_HEADS, HEAD_DIM), meta
 
 
-def step_seconds(query, meta, caches, batch_bytes: int, keep_bytes: int) -> float:
+def step_seconds(query, meta, caches, batch_bytes: int, keep_bytes: int, kernel: bool) -> float:
     torch_attention._DECODE_BATCH_MAX_BYTES = batch_bytes
     torch_attention._MAX_KEPT_BUFFER_BYTES = keep_bytes
+    torch_attention.use_cpu_kernel = kernel
     meta.plans.clear()
     torch_attention.attention(query, *caches[0], meta, 0.125)  # the plan, and the buffers grown
     start = time.perf_counter()
@@ -55,12 +56,15 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default="1,2", help="torch threads, comma-separated")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--batch-mb", default="1,4,16", help="batch caps (MiB of K) with kept buffers")
+    parser.add_argument("--batch-mb", default="4", help="gather + SDPA batch caps (MiB of K), comma-separated")
     args = parser.parse_args(argv)
+    if cpu_kernel.load() is None:
+        parser.error("the CPU kernel did not build (see the warning above)")
     kept = torch_attention._MAX_KEPT_BUFFER_BYTES
-    first_cap = int(args.batch_mb.split(",")[0]) << 20
-    settings = {f"{first_cap >> 20} MiB, fresh buffers": (first_cap, 0)}
-    settings.update({f"{mb} MiB, kept buffers": (int(mb) << 20, kept) for mb in args.batch_mb.split(",")})
+    caps = [int(mb) << 20 for mb in args.batch_mb.split(",")]
+    settings = {f"{cap >> 20} MiB, kept buffers": (cap, kept, False) for cap in caps}
+    settings[f"{caps[0] >> 20} MiB, fresh buffers"] = (caps[0], 0, False)
+    settings["CPU kernel"] = (caps[0], kept, True)
     torch.manual_seed(0)
     caches = [(torch.randn(CACHE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM), torch.randn(CACHE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM))
               for _ in range(LAYERS)]

@@ -84,6 +84,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
+        self.backend.prepare(self.device, dtype)
         self._states: dict[str, _RequestState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
         self._bad_words: dict[str, list[list[int]]] = {}  # request id -> each bad word's token ids

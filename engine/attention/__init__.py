@@ -1,6 +1,8 @@
 """Paged attention backends.
 
-Both backends expose the same two calls, made by the model runner per layer:
+Both backends expose the same calls, made by the model runner: once, before its first step,
+  prepare(device, dtype)
+and per layer:
   store_kv(key, value, k_cache, v_cache, slot_mapping)
   attention(query, k_cache, v_cache, meta, scale) -> out
 `torch` is the reference and the CPU path; `triton` the GPU path (imported
@@ -23,6 +25,7 @@ BACKEND_NAMES = ("torch", "triton")
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
+    prepare: Callable[[torch.device, torch.dtype], None]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
@@ -35,4 +38,4 @@ def get_backend(name: str) -> AttentionBackend:
         from epd.engine.attention import triton_attention as impl
     else:
         raise ValueError(f"unknown attention backend {name!r}; expected one of {BACKEND_NAMES}")
-    return AttentionBackend(name=name, store_kv=impl.store_kv, attention=impl.attention)
+    return AttentionBackend(name=name, prepare=impl.prepare, store_kv=impl.store_kv, attention=impl.attention)

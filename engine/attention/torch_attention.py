@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from epd.engine.attention import cpu_kernel
 from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
 
 # A decode batch pads every sequence to its longest one; start a new batch
@@ -60,13 +61,37 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
     """
     check_attention_inputs(query, k_cache, v_cache, meta)
-    plan = _step_plan(meta, k_cache, query.shape[1] // k_cache.shape[2])
+    kernel = _cpu_kernel(query, k_cache, v_cache)
+    plan = _step_plan(meta, k_cache, query.shape[1] // k_cache.shape[2], kernel is not None)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for b, q_start, q_end, seq_len in plan.prefills:
         _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len)
+    if plan.kernel_seqs is not None:
+        cpu_kernel.decode_attention(kernel, query.contiguous(), k_cache, v_cache, meta.block_tables.contiguous(),
+                                    meta.seq_lens.contiguous(), meta.cu_seqlens_q.contiguous(), plan.kernel_seqs,
+                                    scale, out)
     for group in plan.decodes:
         _decode_group(query, k_cache, v_cache, scale, out, group)
     return out
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Builds (or loads) the CPU kernel before the first step where it will serve: a first
+    request does not wait for the compiler, and a missing one is reported at start-up."""
+    if use_cpu_kernel and torch.device(device).type == "cpu" and dtype == torch.float32:
+        cpu_kernel.load()
+
+
+# False: decodes gather K/V for SDPA on CPU too (the bench's side-by-side and the tests of both paths)
+use_cpu_kernel = True
+
+
+def _cpu_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """engine/attention/cpu_kernel.py's function where it applies (float32 on CPU, built), else None."""
+    if not (use_cpu_kernel and query.device.type == "cpu" and query.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return cpu_kernel.load()
 
 
 @dataclass(frozen=True)
@@ -85,21 +110,24 @@ class _DecodeGroup:
 @dataclass(frozen=True)
 class _Plan:
     prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, end row, context length)
-    decodes: list[_DecodeGroup]
+    decodes: list[_DecodeGroup]  # batched for SDPA
+    kernel_seqs: torch.Tensor | None = None  # [n] int64, longest first: decodes for the CPU kernel instead
 
 
-def _step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_groups: int) -> _Plan:
+def _step_plan(meta: AttentionMetadata, k_cache: torch.Tensor, num_groups: int, kernel: bool) -> _Plan:
     """How this step's sequences are attended: the same for every layer, so made once (in `meta.plans`)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    key = ("torch", block_size, num_kv_heads * head_dim * k_cache.element_size(), num_groups)
+    key = ("torch", block_size, num_kv_heads * head_dim * k_cache.element_size(), num_groups, kernel)
     plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans[key] = _make_plan(meta, block_size, key[2], num_groups, k_cache.device)
+        plan = meta.plans[key] = _make_plan(meta, block_size, key[2], num_groups, k_cache.device,
+                                            k_cache.shape[0] if kernel else None)
     return plan
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, bytes_per_token: int, num_groups: int,
-               device: torch.device) -> _Plan:
+               device: torch.device, kernel_cache_blocks: int | None = None) -> _Plan:
+    """`kernel_cache_blocks`: the cache's block count when the CPU kernel attends the decodes."""
     cu = meta.cu_seqlens_q.tolist()
     seq_lens = meta.seq_lens.tolist()
     prefills, decodes = [], {}  # query tokens -> sequences batched as decodes
@@ -109,6 +137,13 @@ def _make_plan(meta: AttentionMetadata, block_size: int, bytes_per_token: int, n
             decodes.setdefault(q_len, []).append(b)
         else:
             prefills.append((b, cu[b], cu[b + 1], seq_lens[b]))
+    if kernel_cache_blocks is not None:
+        seq_ids = sorted((b for ids in decodes.values() for b in ids), key=lambda b: -seq_lens[b])
+        if seq_ids:  # the kernel reads blocks by these ids unchecked: one out of range would read outside the cache
+            used = meta.block_tables[seq_ids]
+            if int(used.min()) < 0 or int(used.max()) >= kernel_cache_blocks:
+                raise ValueError(f"block table holds ids outside the cache's {kernel_cache_blocks} blocks")
+        return _Plan(prefills, [], torch.tensor(seq_ids, dtype=torch.int64))
     groups = [_decode_group_plan(meta, group, cu, seq_lens, q_len, block_size, num_groups, device)
               for q_len, seq_ids in decodes.items() for group in _group_decodes(seq_ids, seq_lens, bytes_per_token)]
     return _Plan(prefills, groups)

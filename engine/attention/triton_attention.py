@@ -22,6 +22,10 @@ MAX_DECODE_ROWS = 64  # query tokens x q heads of one kv head in one decode prog
 __all__ = ["attention", "store_kv"]
 
 
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Nothing to do before the first step (the kernels compile on first use)."""
+
+
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see `AttentionMetadata`.

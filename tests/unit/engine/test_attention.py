@@ -17,7 +17,7 @@ import torch
 from testkit.triton_interpreter import INTERPRETING, run_interpreted
 
 from epd.engine.attention import AttentionMetadata, get_backend
-from epd.engine.attention import torch_attention
+from epd.engine.attention import cpu_kernel, torch_attention
 
 HAS_CUDA = torch.cuda.is_available()
 SCALE = 0.3
@@ -98,15 +98,71 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["kernel", "gather"])
+def decode_path(request, monkeypatch) -> str:
+    """The torch backend's CPU decodes: the C kernel (engine/attention/paged_attention_cpu.c), or
+    the gather + SDPA path it replaces where it cannot be built."""
+    if request.param == "kernel":
+        if cpu_kernel.load() is None:
+            pytest.skip("no C compiler here: the CPU kernel is not built")  # the gather path still runs
+    monkeypatch.setattr(torch_attention, "use_cpu_kernel", request.param == "kernel")
+    return request.param
+
+
+def _kernel_used(meta: AttentionMetadata) -> bool:
+    return any(plan.kernel_seqs is not None for plan in meta.plans.values())
+
+
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_torch_attention_matches_naive(case, heads, block_size):
+def test_torch_attention_matches_naive(case, heads, block_size, decode_path):
     q_lens, prefix_lens = CASES[case]
     batch = make_batch(q_lens, prefix_lens, *heads, block_size=block_size, seed=list(CASES).index(case))
     out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
     assert out.shape == batch.query.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=2e-6, rtol=2e-6)
+    assert _kernel_used(batch.meta) == (decode_path == "kernel")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_cpu_kernel_head_sizes_threads_and_both_work_splits(head_dim, threads, decode_path):
+    """The kernel's specialised head sizes (64, 128) and any other; a work item per sequence (16
+    decodes: at least 4 a thread) and per (sequence, kv head) (3 decodes), on 1 and 2 threads;
+    one-token decodes beside drafts' verifications (3 query tokens) and a prefill."""
+    if decode_path != "kernel":
+        pytest.skip("the gather path's head sizes: test_torch_attention_matches_naive")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for q_lens, prefix_lens in (([1] * 12 + [3] * 4 + [9], [5 * i + 3 for i in range(16)] + [0]),
+                                    ([1, 3, 1], [77, 18, 130])):
+            batch = make_batch(q_lens, prefix_lens, 12, 4, head_dim=head_dim, block_size=16, seed=head_dim)
+            out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
+            # float32 sums of up to 128 products in another order than the float64 reference's
+            torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+            assert _kernel_used(batch.meta)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_kernel_refuses_a_block_id_outside_the_cache(decode_path):
+    """It reads blocks by id unchecked: the plan checks them once a step."""
+    batch = make_batch(*CASES["decode"])
+    batch.meta.block_tables[2, 0] = batch.k_cache.shape[0]
+    with pytest.raises(ValueError if decode_path == "kernel" else IndexError):
+        torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
+
+
+def test_without_a_compiler_the_kernel_is_not_built_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EPD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+    assert cpu_kernel._load() is None
+    assert "CPU attention kernel not built" in caplog.text and not list(tmp_path.glob("*.so"))
+    monkeypatch.setenv("EPD_CPU_ATTENTION_KERNEL", "0")  # switched off: not even tried
+    caplog.clear()
+    assert cpu_kernel._load() is None and not caplog.text
 
 
 def test_torch_attention_in_and_out_of_inference_mode():
