@@ -29,7 +29,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# Compiled with -ffast-math (vectorised sums and expf), linked without it: linked with it, GCC adds
+# crtfastmath, whose loading flushes subnormals to zero in the whole process (torch's sums too).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: list = []  # [the function or None] once load() has run
 
@@ -45,7 +48,8 @@ def _cpu_features() -> str:
 
 def library_path(compiler: str) -> Path:
     cache = Path(os.environ.get("EPD_KERNEL_CACHE") or Path.home() / ".cache" / "epd" / "kernels")
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()
+    parts = [SOURCE.read_text(), compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     return cache / f"paged_attention_cpu-{digest[:16]}.so"
 
 
@@ -54,13 +58,15 @@ def _build(compiler: str, target: Path) -> None:
     # built beside the target and renamed: processes starting at once never load half a file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        for argv in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def load():

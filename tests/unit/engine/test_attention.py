@@ -155,6 +155,15 @@ def test_cpu_kernel_refuses_a_block_id_outside_the_cache(decode_path):
         torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE)
 
 
+def test_loading_the_kernel_leaves_the_process_floating_point_alone():
+    """Linked with -ffast-math, the library would flush subnormals to zero in the whole process
+    when loaded (GCC's crtfastmath): torch's sums, and every other number, would change."""
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU kernel is not built")
+    assert 2.2250738585072014e-308 / 2 > 0
+    assert float(torch.tensor([1e-38], dtype=torch.float32) / 100) > 0
+
+
 def test_without_a_compiler_the_kernel_is_not_built_and_says_why(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("EPD_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails
