@@ -104,48 +104,45 @@ def offline_rate(model: str, prompts: list[list[int]], output_len: int, concurre
 
 # -- served ------------------------------------------------------------------------------------
 
+def _parent_and_cpu_s(pid: int) -> tuple[int, float]:
+    """Process `pid`'s parent pid and user + system CPU seconds (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _live_processes() -> dict[int, tuple[int, float]]:
+    """Every live process: pid -> (parent pid, CPU seconds); one that exits while read is left out."""
+    processes = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                processes[int(entry)] = _parent_and_cpu_s(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return processes
+
+
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return _parent_and_cpu_s(pid)[1]
 
 
 def children_cpu_s(pid: int, excluded: set[int] = frozenset()) -> float:
     """CPU seconds of the live direct children of `pid` but `excluded` (the server's workers)."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in excluded:
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    return sum(cpu_s for child, (parent, cpu_s) in _live_processes().items() if parent == pid and child not in excluded)
 
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of `pid` and all its live descendants (a server and every worker it started)."""
-    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent pid, CPU s)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-        except (OSError, IndexError, ValueError):
-            continue
+    processes = _live_processes()
     children: dict[int, list[int]] = {}
-    for child, (parent, _) in stats.items():
+    for child, (parent, _) in processes.items():
         children.setdefault(parent, []).append(child)
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
-        total += stats.get(current, (0, 0.0))[1]
+        total += processes.get(current, (0, 0.0))[1]
         todo += children.get(current, [])
     return total
 

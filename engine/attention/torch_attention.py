@@ -7,8 +7,11 @@ repeated. Decodes of similar length are batched into one call with a
 key-padding mask: one query token each, or (speculative decoding) the last
 token and its draft, a few query tokens behind a cached prefix, batched with
 others of the same count under a causal mask among them. Decode gathers copy
-into buffers each thread keeps rather than a new tensor a call (no faster by
-themselves in the bench below; they bound what a step allocates).
+into buffers each thread keeps rather than a new tensor a call (a new 4 MiB
+tensor a call was up to 2-5x slower in `python -m epd.bench.cpu_decode_attention`).
+On CPU in float32 the decodes skip all of that: engine/attention/cpu_kernel.py's
+C kernel reads their K/V in place through the block table (the gather path
+stays for half precision, and where no C compiler built the kernel).
 """
 from __future__ import annotations
 
