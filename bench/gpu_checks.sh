@@ -8,7 +8,11 @@
 #   4. serving: aggregated against e-p-d on the one GPU, four images a request;
 #   5. the same with half the requests text-only (issue 14: text-only P99 TTFT under image load);
 #   6. --api-servers 1, 2, 4 on the machine's spare cores, the tiny checkpoint on the CPU
-#      (issue 18: the API's token rate against the process count; needs no GPU, only cores).
+#      (issue 18: the API's token rate against the process count; needs no GPU, only cores);
+#   7. CUDA graphs for decode steps against eager steps: offline tokens/s (graphs);
+#   8. first-use stalls: the largest gap between two tokens of a fresh server's first 20
+#      requests against the rest, without the kernel warm-up, eager, and with graphs (stall).
+# `epd` must be installed (pip install -e . --no-deps beside its dependencies).
 #
 #     bash bench/gpu_checks.sh [OUT_DIR]
 #     GPU_STEPS="pytest_gpu serving" bash bench/gpu_checks.sh   # some steps only
@@ -34,11 +38,11 @@ step() {  # step NAME CMD... : run CMD, tee its output to $out/NAME.txt, remembe
 step versions bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; \
     $python -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'"
 step pytest_gpu "$python" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/unit/engine/test_attention.py tests/unit/engine/test_engine_vs_transformers.py \
+    tests/unit/engine/test_attention.py tests/unit/engine/test_engine_vs_transformers.py tests/unit/engine/test_cuda_graphs.py \
     tests/unit/engine/test_moe.py tests/unit/engine/test_families_vs_transformers.py tests/e2e/serve/test_serve_gpu.py
 step kernels "$python" -m epd.bench.kernels
 model=${EPD_GPU_MODEL:-/tmp/epd-gpu-small}
-case " ${GPU_STEPS:-offline_bf16} " in *" offline_bf16 "* | *" serving "*)  # the steps that need a checkpoint
+case " ${GPU_STEPS:-offline_bf16} " in *" offline_bf16 "* | *" serving "* | *" text_only_mix "* | *" graphs "* | *" stall "*)
     [ -d "$model" ] || "$python" -m epd.cli make-model "$model" --preset small >/dev/null ;;
 esac
 step offline_bf16 "$python" -m epd.cli bench offline "$model" --device cuda --dtype bfloat16 \
@@ -50,6 +54,10 @@ step text_only_mix timeout 420 "$python" -m epd.cli bench compare "$model" --mod
     --rates 4,8,16 --num-prompts 48 --slo-scale 3 --images-per-request 4 --image-size 448x448 \
     --input-len 400 --output-len 64 --text-only-ratio 0.5 --server-args "--dtype bfloat16" \
     --output-dir "$out/text_only_mix" --no-progress
+step graphs "$python" -m epd.bench.cuda_graphs throughput "$model" --dtype bfloat16 --concurrency 1,8,32,128 \
+    --save-result "$out/graphs.json"
+step stall bash -c "for flags in '--enforce-eager --no-warm-up' '--enforce-eager' ''; do \
+    $python -m epd.bench.cuda_graphs stall $model \$flags || exit 1; done"
 tiny=${EPD_TINY_MODEL:-/tmp/epd-gpu-tiny}
 case " ${GPU_STEPS:-api_servers} " in *" api_servers "*)
     [ -d "$tiny" ] || "$python" -m epd.cli make-model "$tiny" --preset tiny >/dev/null ;;

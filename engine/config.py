@@ -49,6 +49,10 @@ class EngineConfig:
     seed: int = 0  # vLLM's --seed: the torch seed of every engine; unseeded requests sample from it
     # vLLM's --speculative-config: given as its JSON text or a dict, kept typed (None: no speculation)
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's: CUDA graphs replay decode steps on a GPU (engine/cuda_graphs.py) unless enforce_eager;
+    # graphs for batches of up to max_cudagraph_capture_size sequences (None: min(2 x max_num_seqs, 512))
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -63,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 0:
+            raise ValueError(f"max_cudagraph_capture_size must be non-negative, got {self.max_cudagraph_capture_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

@@ -18,6 +18,7 @@ It is the only door into the engine: callers use the verbs below
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from epd.engine.config import EngineConfig
+from epd.engine.cuda_graphs import capture_sizes
 from epd.engine.draft_model_proposer import DraftModelProposer, load_draft_model
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
@@ -45,6 +47,8 @@ from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import LoRAState
+
+log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -144,6 +148,7 @@ class EngineCore:
                                   self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second,
                                   eagle3=eagle3)
         self.num_blocks = num_blocks
+        self.graph_capture_s = self._capture_decode_graphs(role, sched_cfg, eagle3)
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
         # Speculative decoding (--speculative-config): decode-side engines only; a prefill
@@ -161,6 +166,32 @@ class EngineCore:
         # (or bad words) prepared (the compiler thread): they enter the scheduler when
         # done, so no step waits for a disk or a compile (their images are in the ledger already).
         self._preparing: dict[str, tuple[Request, list[Future]]] = {}
+
+    def _capture_decode_graphs(self, role: str, sched_cfg, eagle3) -> float | None:
+        """CUDA graphs for decode steps (engine/cuda_graphs.py) on a GPU with the Triton kernels,
+        unless --enforce-eager; the seconds capture took, None when there are none. Not on a
+        prefill worker (it never decodes), nor with LoRA or an EAGLE-3 head (their forwards
+        take per-step inputs a graph does not hold yet): those run eagerly, said in the log."""
+        config = self.config
+        if not self.device.startswith("cuda") or config.enforce_eager or role == "prefill" \
+                or config.resolved_backend(self.device) != "triton":
+            return None
+        if self.lora is not None or eagle3 is not None:
+            log.info("decode steps run eagerly: CUDA graphs do not take %s yet",
+                     "LoRA adapters" if self.lora is not None else "an EAGLE-3 head")
+            return None
+        sizes = capture_sizes(sched_cfg.max_num_seqs, config.max_cudagraph_capture_size)
+        if not sizes:
+            return None
+        try:
+            seconds = self.runner.capture_graphs(sizes, sched_cfg.max_model_len)
+        except RuntimeError as exc:  # an op of the forward that cannot be captured: run eagerly
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+            self.runner.graphs = None
+            return None
+        log.info("captured CUDA graphs for decode steps of %d sizes (1..%d sequences) in %.1f s",
+                 len(sizes), sizes[-1], seconds)
+        return seconds
 
     @property
     def max_model_len(self) -> int:

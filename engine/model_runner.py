@@ -23,6 +23,7 @@ import torch
 
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
+from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
@@ -84,7 +85,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
-        self.backend.prepare(self.device, dtype)
+        self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (`capture_graphs`)
         self._states: dict[str, _RequestState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
         self._bad_words: dict[str, list[list[int]]] = {}  # request id -> each bad word's token ids
@@ -121,6 +123,21 @@ class ModelRunner:
                     or (t.shape[0], *t.shape[2:]) != (num_layers, block_size, num_kv_heads, head_dim):
                 raise ValueError(f"{name} {list(t.shape)} do not fit this KV cache: want "
                                  f"[{num_layers}, >={num_blocks}, {block_size}, {num_kv_heads}, {head_dim}]")
+
+    @torch.inference_mode()
+    def capture_graphs(self, sizes: list[int], max_model_len: int) -> float:
+        """CUDA graphs of the decode forward for `sizes` sequences (engine/cuda_graphs.py);
+        the seconds it took. Decode-only steps without images or adapters replay them."""
+        graphs = DecodeGraphs(self._decode_forward, -(-max_model_len // self.block_size), self.block_size,
+                              self.device)
+        seconds = graphs.capture(sizes)
+        self.graphs = graphs
+        return seconds
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        batch = ForwardBatch(positions=positions, attn_meta=meta, backend=self.backend, kv_caches=self.kv_caches)
+        return self.model(input_ids, batch)
 
     # -- per-request state -----------------------------------------------------
 
@@ -201,7 +218,10 @@ class ModelRunner:
                                                   for i in range(num_deepstack)]).to(self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         with self._adapters(chunks, len(token_ids)):
-            if self.eagle3 is None:
+            if self.graphs is not None and not mm_rows and self.graphs.fits(meta) \
+                    and all(s.request.lora_key is None for s in chunks):
+                hidden, aux = self.graphs.run(input_ids, batch.positions, meta), []
+            elif self.eagle3 is None:
                 hidden, aux = self.model(input_ids, batch), []  # [num_tokens, hidden]
             else:
                 hidden, aux = self.model.forward_with_aux(input_ids, batch, self.eagle3.aux_layer_ids)

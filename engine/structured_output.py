@@ -19,6 +19,7 @@ tokenizer (milliseconds) so a schema the engine cannot compile is a 400.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -26,7 +27,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import xgrammar as xgr
+
+# xgrammar's FFI layer (tvm_ffi) would otherwise, at import, JIT-build and load a torch extension
+# for its DLPack exchange (we hand it no tensors through DLPack): with CUDA torch that build runs
+# nvcc, and it touched CUDA in the workers' forkserver, whose children then could not use the GPU
+os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+import xgrammar as xgr  # noqa: E402
 
 from epd.transport.sampling import SamplingParams, StructuredOutputsParams
 

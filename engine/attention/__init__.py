@@ -1,7 +1,7 @@
 """Paged attention backends.
 
 Both backends expose the same calls, made by the model runner: once, before its first step,
-  prepare(device, dtype)
+  prepare(k_cache, num_q_heads)   (one layer's cache: its device, dtype and layout)
 and per layer:
   store_kv(key, value, k_cache, v_cache, slot_mapping)
   attention(query, k_cache, v_cache, meta, scale) -> out
@@ -25,7 +25,7 @@ BACKEND_NAMES = ("torch", "triton")
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    prepare: Callable[[torch.device, torch.dtype], None]
+    prepare: Callable[[torch.Tensor, int], None]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 

@@ -78,10 +78,10 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-def prepare(device: torch.device, dtype: torch.dtype) -> None:
+def prepare(k_cache: torch.Tensor, num_q_heads: int) -> None:
     """Builds (or loads) the CPU kernel before the first step where it will serve: a first
     request does not wait for the compiler, and a missing one is reported at start-up."""
-    if use_cpu_kernel and torch.device(device).type == "cpu" and dtype == torch.float32:
+    if use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32:
         cpu_kernel.load()
 
 

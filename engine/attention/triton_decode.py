@@ -33,7 +33,8 @@ MAX_QUERY_LEN = 16  # query tokens of a sequence (a decode's draft + 1) the deco
 MIN_KEYS_PER_SPLIT = 128
 
 
-@triton.jit
+# the block tables' width changes step to step: one compiled variant for every width
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_tokens, Hq, NUM_SPLITS, D] / [num_tokens, Hq, NUM_SPLITS]
@@ -181,7 +182,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         NUM_GROUPS=num_groups,
         NUM_SPLITS=num_splits,
         BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(num_groups * meta.max_seqlen_q)),
+        BLOCK_G=block_g(num_groups, meta.max_seqlen_q),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
@@ -198,6 +199,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             num_warps=4,
         )
     return out
+
+
+def block_g(num_groups: int, max_query_len: int) -> int:
+    """Rows of a decode program's tile: query tokens x q heads of one kv head, padded to a
+    power of two tl.dot takes (a compile-time size: each value is a compiled variant)."""
+    return max(16, triton.next_power_of_2(num_groups * max_query_len))
 
 
 def choose_num_splits(num_programs: int, max_seqlen_k: int, device: torch.device) -> int:

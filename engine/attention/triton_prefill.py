@@ -43,7 +43,8 @@ def load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d
     return k, v
 
 
-@triton.jit
+# the block tables' width changes step to step: one compiled variant for every width
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,

@@ -13,7 +13,7 @@ ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_n
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
                 "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "enable_tower_lora")
+                "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,6 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda or cuda:N")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"],
                    help="paged attention kernels (auto: torch on CPU, triton on GPU)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=defaults["enforce_eager"],
+                   help="GPU: run every step eagerly (no CUDA graphs for decode steps)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=defaults["max_cudagraph_capture_size"],
+                   help="GPU: decode steps of up to this many sequences replay a CUDA graph "
+                        "(None: min(2 x --max-num-seqs, 512), at most --max-num-seqs; 0: none)")
     g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=defaults["early_prefill"],
                    help="prefill a request up to its first image not yet encoded")
     g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),

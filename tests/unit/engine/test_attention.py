@@ -344,3 +344,17 @@ def test_bench_kernels_without_cuda_exits_with_message(capsys):
 
     assert kernels.main([]) == 1
     assert "CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 4, 7, 8, 32])
+def test_the_triton_warm_up_covers_every_decode_tile(num_groups):
+    """`triton_attention.prepare` compiles the decode kernel at `decode_query_lens`: every
+    query length the decode kernel can be launched with maps to one of their tile heights
+    (a length left out would compile, and stall its step, on first use)."""
+    from epd.engine.attention.triton_attention import MAX_QUERY_LEN, decode_query_lens, uses_decode_kernel
+    from epd.engine.attention.triton_decode import block_g
+
+    warmed = {block_g(num_groups, q) for q in decode_query_lens(num_groups)}
+    launched = {block_g(num_groups, q) for q in range(1, MAX_QUERY_LEN + 1) if q == 1 or uses_decode_kernel(q, num_groups)}
+    assert warmed == launched
+    assert len(decode_query_lens(num_groups)) == len(launched)  # one compile per tile height

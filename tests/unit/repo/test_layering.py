@@ -38,6 +38,7 @@ BENCH_IN_PROCESS = {
     "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
     "epd.bench.lora": "runs the offline LLM with and without adapters, and writes adapters the engine checks",
     "epd.bench.kernels": "times the attention kernels directly",
+    "epd.bench.cuda_graphs": "runs the offline LLM with and without CUDA graphs, and without the kernel warm-up",
     "epd.bench.cpu_decode_attention": "times the torch attention backend's decode batches at several caps",
     "epd.bench.spec_decode": "times the offline engine's steps with and without each speculative method",
     "epd.bench.offline_cpu_time": "runs the offline LLM (or vLLM's, in vLLM's environment) for its CPU time",
