@@ -19,7 +19,7 @@ from testkit.hf_reference import hf_generate_text
 from testkit.media import CHATS
 from testkit.server import Traffic, start_server
 
-MAX_TOKENS = 24  # long enough that a decode worker dies mid-stream
+MAX_TOKENS = 96  # long enough that a decode worker dies mid-stream (24: one CI run killed it just after its requests ended)
 REQUEST_TIMEOUT_S = 90  # the server's --request-timeout; the client waits a little longer
 NUM_CLIENTS = 3
 RECOVERY_BOUND_S = 120  # a restart loads torch and the model again: seconds on a busy 2-core machine
