@@ -97,7 +97,7 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.cores = cores  # threads taken before each step from the host's other engine workers (or None)
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
-                                      early=core.config.early_prefill)
+                                      early=core.config.early_prefill is not False)
         self.requests: dict[str, _RequestState] = {}  # by request id, in arrival order
         self._num_incoming = 0  # requests whose `transfer` waits for free blocks
         self.running = True

@@ -234,6 +234,16 @@ class ServeConfig:
         an encode), so work already under way finishes before new work starts."""
         return SHARED_CPU_NICE[Role.parse(role)] if self.cpu_sharing == "shared" else 0
 
+    def _cpu_engine(self) -> EngineConfig:
+        """`self.engine` for workers on this host's CPUs: early prefill off by default where
+        cores are shared, since an encoder then runs on every core the prefill worker would
+        use: a prefill started early only took turns with the encoder's forward (a 4-image
+        request on 2 cores: the forward 1.65 -> 1.9-2.1 s, TTFT 2.61-2.70 -> 2.71-2.86 s;
+        docs/benchmarks.md, issue 32). `--early-prefill` turns it on."""
+        if self.engine.early_prefill is None and self.cpu_sharing == "shared" and self.mode is not Mode.AGGREGATED:
+            return replace(self.engine, early_prefill=False)
+        return self.engine
+
     def worker_engines(self, num_gpus: int) -> list[EngineConfig]:
         """The engine settings of each worker, in `worker_roles()` order.
 
@@ -248,7 +258,7 @@ class ServeConfig:
         roles = [role for role, _ in self.worker_roles()]
         device = self.engine.device
         if device == "cpu" or (device == "auto" and num_gpus == 0):
-            return [self.engine] * len(roles)
+            return [self._cpu_engine()] * len(roles)
         gpus = [device] if device.startswith("cuda:") else [f"cuda:{i}" for i in range(max(1, num_gpus))]
         order = sorted(range(len(roles)), key=lambda i: not roles[i].holds_kv)  # stable
         placed = {worker: gpus[slot % len(gpus)] for slot, worker in enumerate(order)}

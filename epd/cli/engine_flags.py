@@ -69,7 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="GPU: decode steps of up to this many sequences replay a CUDA graph "
                         "(None: min(2 x --max-num-seqs, 512), at most --max-num-seqs; 0: none)")
     g.add_argument("--early-prefill", action=argparse.BooleanOptionalAction, default=defaults["early_prefill"],
-                   help="prefill a request up to its first image not yet encoded")
+                   help="prefill a request up to its first image not yet encoded (default: on, except in an "
+                        "epd serve on CPU with --cpu-sharing shared, where the encoders take every core "
+                        "such a prefill would use)")
     g.add_argument("--prefill-priority", default=defaults["prefill_priority"], choices=list(PREFILL_PRIORITIES),
                    help="which prefill gets the token budget: fcfs, or cost (fewest tokens first, aged)")
     g.add_argument("--max-local-prefill-tokens", type=int, default=defaults["max_local_prefill_tokens"],

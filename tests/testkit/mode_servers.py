@@ -42,7 +42,7 @@ def start_mode_server(model: str, mode: str, tmp) -> ServerProcess:
             "--threads-per-worker", "1", "--stream-interval", str(STREAM_INTERVALS[mode])]
     env = dict(os.environ)
     if mode == "e-p-d":  # shared cores (the default); e-pd splits them: the same outputs either way
-        args += ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"),
+        args += ["--encoders", "2", "--mm-cache-dir", str(tmp / "cache"), "--early-prefill",
                  "--max-local-prefill-tokens", str(MAX_LOCAL_PREFILL_TOKENS)]
         env[ENV_SLOW_IMAGE] = f"{SLOW_W}x{SLOW_H}:{HOLD_S}"
     if mode == "e-pd":

@@ -233,9 +233,9 @@ def test_workers_spread_over_gpus_kv_workers_first(tiny_model):
 
 
 def test_cpu_or_a_pinned_gpu_keeps_the_placement(tiny_model):
-    on_cpu = ServeConfig(model=tiny_model, mode="e-p-d", engine=EngineConfig(device="cpu"))
+    on_cpu = ServeConfig(model=tiny_model, mode="e-p-d", engine=EngineConfig(device="cpu", early_prefill=True))
     assert on_cpu.worker_engines(4) == [on_cpu.engine] * 3
-    auto_without_gpu = ServeConfig(model=tiny_model, mode="e-p-d")
+    auto_without_gpu = ServeConfig(model=tiny_model, mode="e-p-d", engine=EngineConfig(early_prefill=True))
     assert auto_without_gpu.worker_engines(0) == [auto_without_gpu.engine] * 3
     pinned = ServeConfig(model=tiny_model, mode="e-p-d", engine=EngineConfig(device="cuda:3"))
     assert _placement(pinned, 8) == [("encoder-0", "cuda:3", 0.9), ("prefill-0", "cuda:3", 0.45),
@@ -391,3 +391,19 @@ def test_the_engine_workers_of_a_cpu_deployment_share_a_core_lease(tiny_model, t
     assert len({s.path for s in leased}) <= 1
     cores = available_cores()
     assert all(s.num_cores == max(1, cores - serve_api_cores(cores)) for s in leased)  # the API's core kept
+
+
+def test_early_prefill_is_off_by_default_where_an_encoder_shares_the_cpus(tiny_model):
+    """On CPU with shared cores an encoder runs on every core a prefill started early would use
+    (issue 32: it only slowed the encoder's forward); the flag, split cores, a GPU or aggregated
+    mode (no encoder) leave it on."""
+    def early(argv, num_gpus=0):
+        config = serve_config(build_parser().parse_args(["serve", tiny_model, *argv]))
+        return {e.early_prefill is not False for e in config.worker_engines(num_gpus)}
+
+    assert early(["--mode", "e-p-d", "--device", "cpu"]) == {False}
+    assert early(["--mode", "e-pd", "--device", "cpu"]) == {False}
+    assert early(["--mode", "e-p-d", "--device", "cpu", "--early-prefill"]) == {True}
+    assert early(["--mode", "e-p-d", "--device", "cpu", "--cpu-sharing", "split"]) == {True}
+    assert early(["--mode", "e-p-d", "--device", "auto"], num_gpus=1) == {True}
+    assert early(["--mode", "aggregated", "--device", "cpu"]) == {True}
