@@ -56,3 +56,81 @@ def test_graphs_give_eager_tokens(tiny_model, num_prompts):
         assert llm.engine.num_free_blocks() == llm.engine.num_blocks
         del llm
     assert outputs[False] == outputs[True]
+
+
+class _ReplayOnCPU:
+    """A stand-in for a CUDA graph where there is no GPU: capture records the forward
+    call, replay runs it again on the same static buffers and writes into the captured
+    output, as a replayed graph does. What it checks is ours: the static buffers, the
+    padding rows, the choice of size; the graph itself is checked on a GPU."""
+
+    capturing = None
+
+    def __init__(self):
+        self.forward, self.out = None, None
+
+    def pool(self):
+        return None
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    import contextlib
+
+    from epd.engine import cuda_graphs
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        _ReplayOnCPU.capturing = g
+        yield
+        _ReplayOnCPU.capturing = None
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayOnCPU)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    capture = cuda_graphs.DecodeGraphs.capture
+
+    def recording_capture(self, sizes):
+        forward = self._forward
+
+        def record(input_ids, positions, meta):
+            out = forward(input_ids, positions, meta)
+            g = _ReplayOnCPU.capturing
+            if g is not None:
+                g.forward, g.out = (lambda: forward(input_ids, positions, meta)), out
+            return out
+
+        self._forward = record
+        return capture(self, sizes)
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "capture", recording_capture)
+
+
+def test_the_static_buffers_and_padding_give_eager_tokens(tiny_model, graphs_on_cpu):
+    """On the CPU (the torch backend): decode steps through DecodeGraphs' buffers (3 and 5
+    sequences padded to 4 and 8; 9, more than the largest size, eagerly) give the eager tokens."""
+    from epd import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = PROMPTS + ["One more line to read", "And the last one here", "Nine, in all", "Ten"]
+    tokens = {}
+    for graphs in (False, True):
+        llm = LLM(tiny_model, num_kv_blocks=96, max_num_seqs=16, dtype="float32", device="cpu")
+        if graphs:
+            llm.engine.runner.capture_graphs([1, 2, 4, 8], llm.engine.max_model_len)
+        tokens[graphs] = [[o.outputs[0].token_ids for o in llm.generate(prompts[:n], params)] for n in (3, 5, 9)]
+        if graphs:
+            assert llm.engine.runner.graphs.num_replays == 2 * 11  # 11 decode steps each for 3 and 5
+    assert tokens[True] == tokens[False]
