@@ -17,18 +17,15 @@ table's width, never on the step), so the launch never changes.
 Steps a graph does not take run eagerly: prefill chunks, speculative
 verifications (several query tokens), image rows, LoRA adapters, and more
 sequences than the largest size. Greedy output equals eager's token for
-token (tests/e2e/serve/test_serve_gpu.py, `pytest -m gpu`).
+token in float32 (tests/unit/engine/test_cuda_graphs.py, `pytest -m gpu`).
 """
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from epd.engine.attention.metadata import AttentionMetadata
-
-log = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512  # vLLM's default cap on the sizes captured
 
