@@ -86,11 +86,25 @@ def eight_k_clip(num_frames: int = 8, width: int = 7680, height: int = 4320, fps
 def _encoder_pid(server: ServeProcess, timeout_s: float = 30) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = re.search(r"EPD: worker encoder-0 pid (\d+)", server.log_path.read_text())
+        found = re.findall(r"EPD: worker encoder-0 pid (\d+)", server.log_path.read_text())
         if found:
-            return int(found.group(1))
+            return int(found[-1])  # the latest, after any restart
         time.sleep(0.2)
     raise TimeoutError("no encoder pid in the server log")
+
+
+def _long_context_copy(model_dir: str, dest: Path, max_len: int = 32768) -> Path:
+    """The checkpoint with room for the clip's ~12,100 tokens (a tiny preset allows 4,096):
+    config.json rewritten, every other file linked."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.name != "config.json" and not (dest / f.name).exists():
+            (dest / f.name).symlink_to(f.resolve())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["max_position_embeddings"] = max(int(text.get("max_position_embeddings", 0)), max_len)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
 
 
 def probe_tower_attention(p: "Probe", model_dir: str, out: Path) -> None:  # noqa: F821 - bench/reliability_probe.py's
@@ -104,7 +118,8 @@ def probe_tower_attention(p: "Probe", model_dir: str, out: Path) -> None:  # noq
 
     clip = eight_k_clip()
     url = "data:video/mp4;base64," + base64.b64encode(clip).decode()
-    server = ServeProcess(model_dir, "e-pd", cpu_set(None), [], out / "server-tower.log")
+    server = ServeProcess(str(_long_context_copy(model_dir, out / "tower-checkpoint")), "e-pd", cpu_set(None), [],
+                          out / "server-tower.log")
     try:
         model = server.wait_ready(300)
         pid = _encoder_pid(server)
@@ -120,7 +135,8 @@ def probe_tower_attention(p: "Probe", model_dir: str, out: Path) -> None:  # noq
         p.check("1s", f"an 8-frame 7680x4320 H.264 clip ({len(clip) / 1e3:.0f} KB): status, seconds, "
                       f"encoder peak RSS growth MiB", answer.status_code == 200 and peak_mib < scores_bytes / 4 / 2**20,
                 {"status": answer.status_code, "seconds": round(seconds, 1), "encoder_peak_mib": round(peak_mib),
-                 "encoder_pid_same": _encoder_pid(server) == pid})
+                 "encoder_pid_same": _encoder_pid(server) == pid,
+                 **({} if answer.status_code == 200 else {"body": answer.text[:300]})})
         text = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
                           json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         p.check("1s", "a text request after", text.status_code == 200, text.status_code)

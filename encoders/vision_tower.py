@@ -105,8 +105,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len
     """
     heads, dim = q.shape[1:]
     outs = []
-    splits = [n * count for n, count in _equal_runs(seq_lens)]
-    for (n, count), qi, ki, vi in zip(_equal_runs(seq_lens), q.split(splits), k.split(splits), v.split(splits)):
+    runs = _equal_runs(seq_lens)
+    splits = [n * count for n, count in runs]
+    for (n, count), qi, ki, vi in zip(runs, q.split(splits), k.split(splits), v.split(splits)):
         qi, ki, vi = (x.view(count, n, heads, dim).transpose(1, 2) for x in (qi, ki, vi))  # [B, H, len, D]
         o = F.scaled_dot_product_attention(qi, ki, vi)
         outs.append(o.transpose(1, 2).reshape(n * count, heads, dim))
