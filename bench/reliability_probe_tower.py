@@ -131,8 +131,8 @@ def probe_tower_attention(p: "Probe", model_dir: str, out: Path) -> None:  # noq
         answer = httpx.post(server.base_url + "/v1/chat/completions", timeout=600,
                             json={"model": model, "messages": messages, "max_tokens": 4})
         seconds = time.monotonic() - started
-        # decoding and resizing eight 8K frames costs ~1.7 GB of this (issue 44 item 1's frame bound,
-        # another helper's); the math path's scores alone were two copies of scores_bytes
+        # the tower's share is 1t's (~60 MiB); the rest (~1.6 GiB) is decoding and preprocessing eight
+        # 8K frames (issue 44 item 1's frame bound); the math path's scores alone were 2 x scores_bytes
         peak_mib = (_status_kib(pid, "VmHWM") - before_kib) / 1024
         p.check("1s", f"an 8-frame 7680x4320 H.264 clip ({len(clip) / 1e3:.0f} KB): status, seconds, "
                       f"encoder peak RSS growth MiB", answer.status_code == 200 and peak_mib < scores_bytes / 2**20,
