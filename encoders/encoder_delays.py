@@ -13,13 +13,14 @@ slower than the machine makes it, and one fault: `EncoderWorker(spec, encoder, d
                       is busy in it), announced by a warning in the log, so a
                       test can kill the encoder in the middle of a video's encode
     crash_image_size  (width, height): a batch holding an image of that size kills
-                      its encoder (SIGKILL to itself, after CRASH_GROW_S, as the
-                      kernel's OOM killer ends a process whose memory grew), announced
-                      by a warning in the log: a poison input (the poison-request tests)
+    crash_after_s     its encoder (SIGKILL to itself, that many seconds into the batch,
+                      as the kernel's OOM killer ends a process whose memory grew),
+                      announced by a warning in the log: a poison input (the
+                      poison-request tests)
 
 A test that starts a server sets them through the environment of the
 process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`,
-`ENV_CRASH_IMAGE` = "WxH"):
+`ENV_CRASH_IMAGE` = "WxH:SECONDS"):
 the worker entry (epd/serve/worker_entry.py) reads them once, with
 `from_env`, and the encoder worker itself reads no environment. Unset, no
 delay: production never sets them.
@@ -35,7 +36,6 @@ ENV_VIDEO_DELAY = "EPD_TEST_VIDEO_DELAY_S"
 ENV_CRASH_IMAGE = "EPD_TEST_ENCODER_CRASH_IMAGE"
 VIDEO_DELAY_LOG = "test delay: encoding video"  # the warning a delayed video's encode starts with
 CRASH_LOG = "test fault: this batch kills the encoder"  # the warning before a poison image's crash
-CRASH_GROW_S = 0.5  # from the warning to the SIGKILL: the encoder's Alive(working_on) is out by then
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class EncoderDelays:
     slow_image_s: float = 0.0
     video_delay_s: float = 0.0
     crash_image_size: tuple[int, int] | None = None  # (width, height)
+    crash_after_s: float = 0.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> EncoderDelays:
@@ -53,9 +54,12 @@ class EncoderDelays:
         if value := environ.get(ENV_SLOW_IMAGE):
             dims, _, held = value.partition(":")
             size, seconds = _size(dims), float(held)
-        crash = environ.get(ENV_CRASH_IMAGE)
+        crash, crash_s = None, 0.0
+        if value := environ.get(ENV_CRASH_IMAGE):
+            dims, _, after = value.partition(":")
+            crash, crash_s = _size(dims), float(after)
         return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds,
-                   float(environ.get(ENV_VIDEO_DELAY) or 0.0), _size(crash) if crash else None)
+                   float(environ.get(ENV_VIDEO_DELAY) or 0.0), crash, crash_s)
 
 
 def _size(dims: str) -> tuple[int, int]:

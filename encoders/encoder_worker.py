@@ -40,7 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from epd.encoders.encoder_delays import CRASH_GROW_S, CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
+from epd.encoders.encoder_delays import CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
@@ -173,7 +173,7 @@ class EncoderWorker(WorkerIO):
         if size is None or not any(job.msg.video is None and self._has_size(job.msg.image, size) for job in batch):
             return
         log.warning("%s: %s (%s)", self.spec.worker_id, CRASH_LOG, ", ".join(j.msg.request_id for j in batch))
-        time.sleep(CRASH_GROW_S)
+        time.sleep(self.delays.crash_after_s)  # the batch's Alive(working_on) is out by then
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _encode_images(self, batch: list[_Job], lora) -> None:

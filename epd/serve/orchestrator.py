@@ -35,7 +35,7 @@ from epd.serve.attempt_stream import AttemptStream
 from epd.serve.placement import PREFILL_ROLES, Placement
 from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.serve.attempt import SHUTDOWN, Attempt, Retry, poison_error
+from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry, poison_error
 from epd.serve.registry import WorkerRegistry
 from epd.serve.supervisor import Unsupervised, WorkerWatch
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
@@ -397,7 +397,10 @@ class Orchestrator:
         info = self.registry.mark_dead(worker_id, restarting)
         log.warning("worker %s exited (code %s)%s", worker_id, exit_code, "" if restarting else ", not restarted")
         if info is not None:
-            self._fail_over(worker_id, is_death=True)
+            try:
+                self._fail_over(worker_id, is_death=True)
+            except Exception:  # the supervisor's watch calls this: it must go on restarting workers
+                log.exception("failing over the tries of %s raised", worker_id)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker removed on purpose (autoscaling) after the registry retired it:
