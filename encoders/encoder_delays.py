@@ -1,5 +1,5 @@
 """Delays an encoder worker can be told to add, for tests that need an encoder
-slower than the machine makes it: `EncoderWorker(spec, encoder, delays)`.
+slower than the machine makes it, and one fault: `EncoderWorker(spec, encoder, delays)`.
 
     batch_delay_s     every batch (a video or video chunk too) takes at least this
                       many seconds more, so a burst backs the queue up whatever the
@@ -12,9 +12,15 @@ slower than the machine makes it: `EncoderWorker(spec, encoder, delays)`.
     video_delay_s     every video's encode takes this many seconds more (the worker
                       is busy in it), announced by a warning in the log, so a
                       test can kill the encoder in the middle of a video's encode
+    crash_image_size  (width, height): a batch holding an image of that size kills
+    crash_after_s     its encoder (SIGKILL to itself, that many seconds into the batch,
+                      as the kernel's OOM killer ends a process whose memory grew),
+                      announced by a warning in the log: a poison input (the
+                      poison-request tests)
 
 A test that starts a server sets them through the environment of the
-process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`):
+process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`,
+`ENV_CRASH_IMAGE` = "WxH:SECONDS"):
 the worker entry (epd/serve/worker_entry.py) reads them once, with
 `from_env`, and the encoder worker itself reads no environment. Unset, no
 delay: production never sets them.
@@ -27,7 +33,9 @@ from dataclasses import dataclass
 ENV_BATCH_DELAY = "EPD_TEST_ENCODER_BATCH_DELAY_S"
 ENV_SLOW_IMAGE = "EPD_TEST_SLOW_IMAGE"
 ENV_VIDEO_DELAY = "EPD_TEST_VIDEO_DELAY_S"
+ENV_CRASH_IMAGE = "EPD_TEST_ENCODER_CRASH_IMAGE"
 VIDEO_DELAY_LOG = "test delay: encoding video"  # the warning a delayed video's encode starts with
+CRASH_LOG = "test fault: this batch kills the encoder"  # the warning before a poison image's crash
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,8 @@ class EncoderDelays:
     slow_image_size: tuple[int, int] | None = None  # (width, height)
     slow_image_s: float = 0.0
     video_delay_s: float = 0.0
+    crash_image_size: tuple[int, int] | None = None  # (width, height)
+    crash_after_s: float = 0.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> EncoderDelays:
@@ -43,7 +53,16 @@ class EncoderDelays:
         size, seconds = None, 0.0
         if value := environ.get(ENV_SLOW_IMAGE):
             dims, _, held = value.partition(":")
-            width, _, height = dims.partition("x")
-            size, seconds = (int(width), int(height)), float(held)
+            size, seconds = _size(dims), float(held)
+        crash, crash_s = None, 0.0
+        if value := environ.get(ENV_CRASH_IMAGE):
+            dims, _, after = value.partition(":")
+            crash, crash_s = _size(dims), float(after)
         return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds,
-                   float(environ.get(ENV_VIDEO_DELAY) or 0.0))
+                   float(environ.get(ENV_VIDEO_DELAY) or 0.0), crash, crash_s)
+
+
+def _size(dims: str) -> tuple[int, int]:
+    """"WxH" -> (width, height)."""
+    width, _, height = dims.partition("x")
+    return int(width), int(height)

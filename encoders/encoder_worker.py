@@ -20,6 +20,12 @@ its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
 are encoded in one forward per adapter; the request's mm_hash is already the
 adapter's key, so the cache never hands base embeddings to it, nor its to the base.
 
+Each batch starts and ends with an `Alive` naming the requests it holds
+(`WorkerIO.say_working_on`): if the process dies in it (killed for memory, a
+crash in native code), the API fails those requests instead of sending them
+into the next encoder (docs/architecture.md, "Faults"). An Abort drops the
+queued items of the requests it names, unencoded.
+
 The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
 holds (epd/serve/encoder_router.py), the tower adapters resident in its slots
@@ -29,10 +35,12 @@ holds (epd/serve/encoder_router.py), the tower adapters resident in its slots
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import dataclass
 
-from epd.encoders.encoder_delays import VIDEO_DELAY_LOG, EncoderDelays
+from epd.encoders.encoder_delays import CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
@@ -53,6 +61,11 @@ class _Job:
     msg: EncodeRequest
     received_s: float
     num_patches: int
+
+
+def _is_alone(job: _Job) -> bool:
+    """A video, or an item whose request was a suspect of an encoder's death: a batch of its own."""
+    return job.msg.video is not None or job.msg.alone
 
 
 class EncoderWorker(WorkerIO):
@@ -125,11 +138,13 @@ class EncoderWorker(WorkerIO):
         self.queue.append(_Job(msg, arrived_s, t * h * w))
 
     def _encode_batch(self) -> None:
-        """Encodes queued images, oldest first, up to the patch budget; a video alone."""
+        """Encodes queued images, oldest first, up to the patch budget; a video, or an
+        item sent `alone`, in a batch of its own. The API is told which requests the
+        batch holds while it runs (`say_working_on`): the suspects, should it kill us."""
         batch, patches = [], 0
         start = time.perf_counter()
         while self.queue and (not batch or (patches + self.queue[0].num_patches <= self.encoder.max_batch_patches
-                                            and self.queue[0].msg.video is None and batch[0].msg.video is None)):
+                                            and not _is_alone(self.queue[0]) and not _is_alone(batch[0]))):
             job = self.queue.pop(0)
             self.counters.queue_wait.observe(start - job.received_s)
             if self._from_cache(job):
@@ -138,14 +153,28 @@ class EncoderWorker(WorkerIO):
             patches += job.num_patches
         if not batch:
             return
-        if batch[0].msg.video is not None:
-            self._encode_video(batch[0])
+        self.say_working_on(sorted({job.msg.request_id for job in batch}))
+        try:
+            self._maybe_crash(batch)
+            if batch[0].msg.video is not None:
+                self._encode_video(batch[0])
+                return
+            by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
+            for job in batch:
+                by_adapter.setdefault(job.msg.lora, []).append(job)
+            for lora, jobs in by_adapter.items():
+                self._encode_images(jobs, lora)
+        finally:
+            self.say_working_on([])
+
+    def _maybe_crash(self, batch: list[_Job]) -> None:
+        """Tests only (encoders/encoder_delays.py): a batch holding the poison image size dies."""
+        size = self.delays.crash_image_size
+        if size is None or not any(job.msg.video is None and self._has_size(job.msg.image, size) for job in batch):
             return
-        by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
-        for job in batch:
-            by_adapter.setdefault(job.msg.lora, []).append(job)
-        for lora, jobs in by_adapter.items():
-            self._encode_images(jobs, lora)
+        log.warning("%s: %s (%s)", self.spec.worker_id, CRASH_LOG, ", ".join(j.msg.request_id for j in batch))
+        time.sleep(self.delays.crash_after_s)  # the batch's Alive(working_on) is out by then
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _encode_images(self, batch: list[_Job], lora) -> None:
         """Images of one tower adapter (None: the base tower), encoded and stored."""
@@ -257,7 +286,8 @@ class EncoderWorker(WorkerIO):
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:
             done = EncodeDone(msg.request_id, key, ok=True)
-        if self.delays.slow_image_size is not None and msg.video is None and self._is_slow(msg.image):
+        if self.delays.slow_image_size is not None and msg.video is None and \
+                self._has_size(msg.image, self.delays.slow_image_size):
             self._held.append((time.monotonic() + self.delays.slow_image_s, msg.reply_to, done))
             return
         start = time.perf_counter()
@@ -265,9 +295,9 @@ class EncoderWorker(WorkerIO):
         if done.embeddings is not None:  # inline: the time to frame the tensors and hand them to the socket
             self.counters.inline_send_seconds.observe(time.perf_counter() - start)
 
-    def _is_slow(self, image: bytes) -> bool:
+    def _has_size(self, image: bytes, size: tuple[int, int]) -> bool:
         try:
-            return read_image_size(image, self.encoder.max_image_pixels) == self.delays.slow_image_size
+            return read_image_size(image, self.encoder.max_image_pixels) == size
         except (ImageError, ValueError):
             return False
 

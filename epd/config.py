@@ -71,6 +71,8 @@ class ServingLimits:
     max_restarts: int = 5  # restarts of one worker within restart_window_s; then its role is down
     restart_window_s: float = 60.0
     down_retry_s: float = 30.0  # a worker given up on (its role down) is started again this often
+    # a request among the suspects of this many worker deaths is failed, not sent again (a poison request)
+    max_request_worker_deaths: int = 2
 
     def __post_init__(self) -> None:
         for name in ("request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
@@ -81,6 +83,8 @@ class ServingLimits:
                                  f"got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be non-negative, got {self.max_restarts}")
+        if self.max_request_worker_deaths < 1:
+            raise ValueError(f"--max-request-worker-deaths must be at least 1, got {self.max_request_worker_deaths}")
 
 
 @dataclass(frozen=True)

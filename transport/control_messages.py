@@ -97,22 +97,37 @@ class Ready(Message):
 class Alive(Message):
     """Worker -> API, from the worker's heartbeat thread while its loop is busy
     (a long ViT batch or prefill step sends no WorkerStats): the process is up.
-    `busy_s`: how long its loop has not come back (since its last WorkerStats)."""
+    `busy_s`: how long its loop has not come back (since its last WorkerStats).
+
+    An encoder's loop sends one too as it starts and ends each batch, with
+    `working_on`: the request ids whose items it is encoding now (empty: none).
+    If it dies, those requests are the suspects of its death
+    (docs/architecture.md, "Faults"). None (the heartbeat's): not said."""
 
     TYPE: ClassVar[str] = "alive"
-    VERSION: ClassVar[int] = 2  # 2: session
+    VERSION: ClassVar[int] = 3  # 2: session; 3: working_on
     worker_id: str
     busy_s: float
     session: str = ""  # as in its Ready
+    working_on: list[str] | None = None
 
     def _fields(self):
-        return {"worker_id": self.worker_id, "busy_s": float(self.busy_s), "session": self.session}
+        return {"worker_id": self.worker_id, "busy_s": float(self.busy_s), "session": self.session,
+                "working_on": None if self.working_on is None else list(self.working_on)}
 
     @classmethod
     def _build(cls, f, payload):
         busy_s = f.float("busy_s")
         need(0.0 <= busy_s < 1e9, cls.TYPE, f"busy_s must be finite seconds >= 0, got {busy_s!r}")
-        return cls(f.str("worker_id"), busy_s, _session(f))
+        working_on = None
+        if f.opt_list("working_on") is not None:
+            working_on = f.list_of("working_on", str)
+            need(len(working_on) <= MAX_WORKING_ON, cls.TYPE,
+                 f"working_on names at most {MAX_WORKING_ON} requests, got {len(working_on)}")
+        return cls(f.str("worker_id"), busy_s, _session(f), working_on)
+
+
+MAX_WORKING_ON = 4096  # request ids in one Alive: more than an encoder batch holds
 
 
 @dataclass

@@ -49,9 +49,12 @@ def _lora(f: Fields, name: str) -> LoRARequest | None:
 class EncodeRequest(Message):
     """API -> encoder: encode one image, or one video when `video` is set (the
     frames and size the API counted); send EncodeDone to the address `reply_to`
-    (with the tensors when `with_tensors`: the prefill worker shares no cache dir)."""
+    (with the tensors when `with_tensors`: the prefill worker shares no cache dir).
+    `alone`: encode it in a batch of its own (its request was among several
+    suspects of an encoder's death: alone, a second death names it)."""
 
     TYPE: ClassVar[str] = "encode_request"
+    VERSION: ClassVar[int] = 2  # 2: alone
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     mm_hash: str
@@ -62,11 +65,12 @@ class EncodeRequest(Message):
     # --enable-tower-lora: the adapter the tower runs with (None: the base tower, also for an adapter
     # of the language model only); `mm_hash` is then its key (transport/mm_cache.adapted_mm_hash)
     lora: LoRARequest | None = None
+    alone: bool = False
 
     def _fields(self):
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
                 "with_tensors": self.with_tensors, "video": None if self.video is None else self.video.to_map(),
-                "lora": _lora_to_wire(self.lora)}
+                "lora": _lora_to_wire(self.lora), "alone": self.alone}
 
     def _payload(self):
         return [self.image]
@@ -77,7 +81,7 @@ class EncodeRequest(Message):
         video = f.opt_map("video")
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], read_address(f, "reply_to"),
                    f.bool("with_tensors"), None if video is None else VideoFrames.from_fields(video),
-                   _lora(f, "lora"))
+                   _lora(f, "lora"), f.bool("alone"))
 
 
 @dataclass

@@ -18,7 +18,8 @@ A worker sends nothing from its loop during a long ViT batch or prefill step;
 its `Heartbeat` thread, with its own sockets (ZeroMQ sockets are not
 thread-safe), then says `Alive` to every API process, so that an API which
 judges it by silence (an `epd worker` elsewhere, a Ray actor) does not take
-busy for dead."""
+busy for dead. An encoder's loop also says which requests it is encoding
+(`say_working_on`): the API's suspects if it dies."""
 from __future__ import annotations
 
 import secrets
@@ -139,6 +140,15 @@ class WorkerIO:
         self.heartbeat.published()
         if time.monotonic() - self._announced_s > REANNOUNCE_S:
             self.announce()
+
+    def say_working_on(self, request_ids: list[str]) -> None:
+        """Tells every API process which requests' items the loop works on now (an
+        encoder, as a batch starts; [] as it ends): if the process dies meanwhile,
+        those requests are the suspects of its death. From the loop's own outbox,
+        so the API reads it in order with the loop's stats."""
+        alive = Alive(self.spec.worker_id, 0.0, self.session, list(request_ids))
+        for api in self.apis:
+            self.outbox.send(api, alive)
 
     def close(self) -> None:
         self.heartbeat.stop()

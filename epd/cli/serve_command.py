@@ -200,7 +200,7 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     """What one request and the server may hold, and how long; worker restarts."""
     limits = {name: field_default(ServingLimits, name) for name in (
         "request_timeout_s", "shutdown_grace_s", "max_pending_requests", "max_pending_image_bytes",
-        "max_request_body_bytes", "max_restarts", "down_retry_s")}
+        "max_request_body_bytes", "max_restarts", "down_retry_s", "max_request_worker_deaths")}
     p.add_argument("--request-timeout", type=float, default=limits["request_timeout_s"],
                    help="seconds a request may take in all; then an error (503)")
     p.add_argument("--shutdown-grace", type=float, default=limits["shutdown_grace_s"],
@@ -217,6 +217,10 @@ def _add_limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--down-retry-interval", type=float, default=limits["down_retry_s"], metavar="SECONDS",
                    help="a worker given up on (its role down: requests needing it get 503 at once) is started "
                         "again this often")
+    p.add_argument("--max-request-worker-deaths", type=int, default=limits["max_request_worker_deaths"],
+                   metavar="N", help="a request that was running on N workers as they died is failed with an "
+                   "error instead of being sent again (a request whose item an encoder was encoding as it "
+                   "died is failed at once when it was alone in the batch)")
 
 
 
@@ -275,7 +279,8 @@ def serve_config(args) -> ServeConfig:
                              max_pending_requests=args.max_pending_requests,
                              max_pending_image_bytes=int(args.max_pending_image_mb * (1 << 20)),
                              max_request_body_bytes=int(args.max_request_body_mb * (1 << 20)),
-                             max_restarts=args.max_restarts, down_retry_s=args.down_retry_interval))
+                             max_restarts=args.max_restarts, down_retry_s=args.down_retry_interval,
+                             max_request_worker_deaths=args.max_request_worker_deaths))
 
 
 def ray_config(args) -> RayConfig | None:

@@ -87,7 +87,7 @@ class AttemptStream:
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
                                retry_after_s=5)
         if isinstance(out, Lost):
-            raise Retry(f"worker {out.worker_id} is gone")
+            raise Retry(f"worker {out.worker_id} is gone", lost=out)
         if out.is_internal_error:
             raise Retry(out.error)
         self.metrics.requests_failed["bad_input" if not self.emitted else "worker_error"] += 1

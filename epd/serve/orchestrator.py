@@ -8,7 +8,8 @@
                then an EncodeRequest per missing image               epd/serve/placement.py
         stream: TokenOutputs in order -> detokenize, stop strings,
                 coalesce -> Delta                                     epd/serve/attempt_stream.py
-        a worker lost or a failed step -> Retry: sent again as prompt + tokens streamed
+        a worker lost or a failed step -> Retry: sent again as prompt + tokens streamed,
+        unless the request is a suspect of the death (a poison request): failed   attempt.poison_error
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
@@ -34,7 +35,7 @@ from epd.serve.attempt_stream import AttemptStream
 from epd.serve.placement import PREFILL_ROLES, Placement
 from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry
+from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry, poison_error
 from epd.serve.registry import WorkerRegistry
 from epd.serve.supervisor import Unsupervised, WorkerWatch
 from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
@@ -279,11 +280,11 @@ class Orchestrator:
             prep = await self.preparer.prepare(req)
             stream = AttemptStream(self.tokenizer, prep, req.sampling, self.metrics,
                                    self.config.limits.request_timeout_s, lambda: self.preparer.release(prep))
-            why = ""
+            why, deaths, alone = "", 0, False
             for attempt_no in range(MAX_ATTEMPTS):
                 if attempt_no:
                     self.metrics.requests_recovered["resumed" if stream.emitted else "retried"] += 1
-                attempt = await self._start_attempt(req, prep, stream.emitted, attempt_no, deadline)
+                attempt = await self._start_attempt(req, prep, stream.emitted, attempt_no, deadline, alone)
                 try:
                     async with contextlib.aclosing(stream.run(attempt, deadline)) as deltas:
                         async for delta in deltas:
@@ -291,6 +292,16 @@ class Orchestrator:
                     return
                 except Retry as retry:
                     why = str(retry)
+                    lost = retry.lost
+                    if lost is not None and lost.is_suspect:  # a poison request is failed, not sent again
+                        deaths += 1
+                        error = poison_error(lost, deaths, self.config.limits.max_request_worker_deaths,
+                                             "video" if prep.video_frames else "image", bool(prep.images))
+                        if error is not None:
+                            log.warning("request %s failed as poison: %s", req.request_id, error.message)
+                            self.metrics.requests_failed["poison"] += 1
+                            raise error
+                        alone = alone or lost.role == Role.ENCODER  # its items each in a batch of their own
                     log.warning("request %s: %s; sending it again (%d tokens streamed)", req.request_id, why,
                                 len(stream.emitted))
                 finally:
@@ -340,9 +351,10 @@ class Orchestrator:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def _start_attempt(self, req: GenerateRequest, prep: Prepared, emitted: list[int], attempt_no: int,
-                             deadline: float) -> Attempt:
+                             deadline: float, alone: bool = False) -> Attempt:
         """Places and sends one try of a request: prompt + `emitted`, with the
-        rest of its token budget, to live workers."""
+        rest of its token budget, to live workers; `alone`: each of its items
+        encoded in a batch of its own."""
         if self.ending:
             self.metrics.requests_failed["shutdown"] += 1
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
@@ -350,7 +362,8 @@ class Orchestrator:
         placed = await self.placement.place(prep, emitted, attempt_no, deadline,
                                             None if req.lora is None else req.lora.lora_name)
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
-        attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted))
+        attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted),
+                          alone=alone)
         self.attempts[attempt_id] = attempt
         try:
             await self.placement.send(self._outbox, attempt, placed, req, prep, emitted)
@@ -384,20 +397,36 @@ class Orchestrator:
         info = self.registry.mark_dead(worker_id, restarting)
         log.warning("worker %s exited (code %s)%s", worker_id, exit_code, "" if restarting else ", not restarted")
         if info is not None:
-            self._fail_over(worker_id)
+            try:
+                self._fail_over(worker_id, is_death=True)
+            except Exception:  # the supervisor's watch calls this: it must go on restarting workers
+                log.exception("failing over the tries of %s raised", worker_id)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker removed on purpose (autoscaling) after the registry retired it:
         the tries that still need it are sent again, and it leaves the registry."""
         if worker_id in self.registry.workers:
-            self._fail_over(worker_id)
+            self._fail_over(worker_id, is_death=False)
         self.registry.forget(worker_id)
         self._silent.discard(worker_id)
 
-    def _fail_over(self, worker_id: str) -> None:
-        for attempt in list(self.attempts.values()):
-            if attempt.needs(worker_id):
-                attempt.queue.put_nowait(Lost(worker_id))
+    def _fail_over(self, worker_id: str, is_death: bool) -> None:
+        """Every try that needs `worker_id` is sent again, or failed if its request is a
+        suspect of the death (`is_death`; not a worker removed on purpose): every try on
+        an engine worker (a step runs them all), on an encoder those of the batch it
+        said it was encoding (`Alive.working_on`), not those queued behind it."""
+        info = self.registry.workers.get(worker_id)
+        role = "" if info is None else str(info.role)
+        encoding = set(info.working_on) if info is not None and info.role == Role.ENCODER else None
+        lost = [a for a in self.attempts.values() if a.needs(worker_id)]
+        suspects = {a.attempt_id for a in lost if is_death and (encoding is None or a.attempt_id in encoding)}
+        # an encoder's batch may hold other API processes' requests too: its own count says how many share it
+        num_suspects = len(suspects) if encoding is None else len(encoding)
+        if is_death and encoding:
+            log.warning("encoder %s died while encoding the items of %d requests", worker_id, len(encoding))
+        for attempt in lost:
+            is_suspect = attempt.attempt_id in suspects
+            attempt.queue.put_nowait(Lost(worker_id, role, is_suspect, num_suspects if is_suspect else 0))
 
     async def _watch_heartbeats(self) -> None:
         """Workers nobody supervises here (`epd worker` on other hosts, Ray
@@ -415,5 +444,5 @@ class Orchestrator:
                 else:
                     log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,
                                 self.registry.heartbeat_timeout_s)
-                self._fail_over(w.worker_id)
+                self._fail_over(w.worker_id, is_death=True)
 

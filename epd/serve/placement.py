@@ -206,6 +206,6 @@ class Placement:
             await outbox.send(enc.inbox, EncodeRequest(  # a video chunk carries its video's mm_hash
                 attempt.attempt_id, prep.video_hashes.get(key, key), data, reply_to=prefill.inbox,
                 with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
-                video=prep.video_frames.get(key), lora=prep.tower_lora))
+                video=prep.video_frames.get(key), lora=prep.tower_lora, alone=attempt.alone))
             if enc is not prefill:
                 self.encoder_router.on_sent(enc, key, prep.num_patches[key])

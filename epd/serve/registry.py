@@ -62,6 +62,7 @@ class WorkerInfo:
     is_down: bool = False  # ... and the supervisor gave up restarting it (for now: it probes again later)
     is_retired: bool = False  # being removed (autoscaling): no new work, never live again
     session: str = ""  # the session token of its Ready: only that process may speak for this worker id
+    working_on: tuple[str, ...] = ()  # an encoder's batch in progress (request ids), from its Alive
 
     @property
     def load(self) -> int:
@@ -126,14 +127,18 @@ class WorkerRegistry:
             info.stats = msg
             info.last_seen_s = time.monotonic()
             info.busy_s = 0.0
+            info.working_on = ()  # the loop is between batches
 
     def on_alive(self, msg: Alive) -> WorkerInfo | None:
-        """Its loop is busy but its process is up: not silent (its stats stay the last ones)."""
+        """Its loop is busy but its process is up: not silent (its stats stay the last ones).
+        An encoder's loop says with it which requests its batch holds (`working_on`)."""
         info = self.workers.get(msg.worker_id)
         if info is None or info.is_dead or msg.session != info.session:
             return None
         info.last_seen_s = time.monotonic()
         info.busy_s = msg.busy_s
+        if msg.working_on is not None:
+            info.working_on = tuple(msg.working_on)
         return info
 
     def mark_dead(self, worker_id: str, restarting: bool = True) -> WorkerInfo | None:

@@ -2,8 +2,9 @@
 and not) while the worker of each role in turn is killed with SIGKILL.
 
 Every request either completes with exactly the text of an undisturbed run
-(transformers' greedy text) or gets an OpenAI error (a 503) within the
-deadline; none hangs; after each kill the supervisor restarts the worker and
+(transformers' greedy text) or gets an OpenAI error (a 503; or the 400 of a
+poison request, for the request alone in the batch the encoder was
+encoding as it was killed) within the deadline; none hangs; after each kill the supervisor restarts the worker and
 the server serves every role again."""
 from __future__ import annotations
 
@@ -94,7 +95,10 @@ def test_killing_each_role_loses_no_request(tiny_model, tmp_path):
                 _wait_until(lambda: len(traffic.results) >= killed_at + 2 * NUM_CLIENTS, REQUEST_TIMEOUT_S * 2,
                             "requests after the restart")
             for *_, (name, stream, status, text) in traffic.results:
-                assert status in (200, 503), (victim, name, stream, status, text)
+                # an encoder killed mid-batch: the request alone in that batch is failed as its
+                # poison (a SIGKILL from outside looks like the OOM killer's; docs/architecture.md, "Faults")
+                is_poison = role == "encoder" and status == 400 and "died while encoding" in text
+                assert status in (200, 503) or is_poison, (victim, name, stream, status, text)
                 if status == 200:
                     assert text == expected[name], (victim, name, stream)
             assert sum(r[2] == 200 for *_, r in traffic.results) >= len(traffic.results) // 2, \

@@ -6,9 +6,11 @@ tests/e2e/serve/test_video_serve.py and test_serve_families.py serve it whole
 and answer as `LLM.chat`); both encoders did part of it; a repeat costs no
 encoder work; a video whose later frames are cut fails at the chunk that needs
 them: a 400 for that request only, with no KV block, running or waiting request
-left behind, and the server serves on; an encoder killed while it encodes a
+left behind, and the server serves on; an encoder killed while it holds a
 chunk: the request is sent again (the chunks already cached are not encoded
-again) and answers the same (the faults on Qwen3-VL only). There each chunk takes a second
+again) and answers the same, or, when the chunk was being encoded, fails as
+the poison of that death (issue 44) and answers the same when the client
+sends it again (the faults on Qwen3-VL only). There each chunk takes a second
 more in the encoders (the tests' ENV_BATCH_DELAY), so the kill lands mid-chunk."""
 from __future__ import annotations
 
@@ -148,8 +150,15 @@ def test_a_video_split_over_two_encoders_answers_as_offline_and_fails_alone(tiny
         settled_idle(srv)
 
         recovered = srv.metric_sum("epd:requests_recovered_total")
-        assert_same(answer(kill_mid_chunk(srv, killed_clip)), expected_killed)
-        assert srv.metric_sum("epd:requests_recovered_total") >= recovered + 1
+        response = kill_mid_chunk(srv, killed_clip)
+        if response.status_code == 200:  # the chunk was queued, not encoding: sent again
+            assert_same(answer(response), expected_killed)
+            assert srv.metric_sum("epd:requests_recovered_total") >= recovered + 1
+        else:  # the chunk it was encoding is the suspect of its death (issue 44): failed, not sent again
+            error = assert_error(response, 400, "died while encoding this request's videos", "messages")
+            assert error["code"] == "input_crashed_worker"
+            srv.wait_health(200, 300)
+            assert_same(answer(served(srv, killed_clip)), expected_killed)  # sent again by the client
         settled_idle(srv)
     finally:
         assert srv.stop() == 0, srv.log()

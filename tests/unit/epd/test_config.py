@@ -407,3 +407,13 @@ def test_early_prefill_is_off_by_default_where_an_encoder_shares_the_cpus(tiny_m
     assert early(["--mode", "e-p-d", "--device", "cpu", "--cpu-sharing", "split"]) == {True}
     assert early(["--mode", "e-p-d", "--device", "auto"], num_gpus=1) == {True}
     assert early(["--mode", "aggregated", "--device", "cpu"]) == {True}
+
+
+def test_max_request_worker_deaths_bounds_a_poison_request(tiny_model):
+    """--max-request-worker-deaths (docs/architecture.md, "Faults: a poison request"): 2 by default, at least 1."""
+    parse = build_parser().parse_args
+    assert serve_config(parse(["serve", tiny_model])).limits.max_request_worker_deaths == 2
+    assert serve_config(parse(["serve", tiny_model, "--max-request-worker-deaths", "3"])) \
+        .limits.max_request_worker_deaths == 3
+    with pytest.raises(ValueError, match="--max-request-worker-deaths must be at least 1, got 0"):
+        serve_config(parse(["serve", tiny_model, "--max-request-worker-deaths", "0"]))

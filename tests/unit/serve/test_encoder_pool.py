@@ -119,7 +119,7 @@ def test_an_idle_encoder_is_drained_before_it_is_removed_and_its_work_sent_again
     pool.tick()
     assert supervisor.calls == [("remove", "encoder-1")]
     assert "encoder-1" not in orchestrator.registry.workers
-    assert attempt.queue.get_nowait() == Lost("encoder-1")  # whatever still needed it is sent again
+    assert attempt.queue.get_nowait() == Lost("encoder-1", "encoder")  # sent again: removed on purpose, no suspect
     assert metrics(orchestrator)["epd:encoder_scaling_decisions_totaldown"] == 1
 
 

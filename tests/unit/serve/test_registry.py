@@ -37,6 +37,20 @@ def test_alive_from_a_busy_worker_keeps_it_live_until_it_is_stuck():
     assert registry.live("encoder") == []
 
 
+def test_an_encoder_says_which_requests_its_batch_holds_until_its_stats():
+    registry = WorkerRegistry(heartbeat_timeout_s=10.0)
+    info = registry.on_ready(Ready("encoder-0", "encoder", "ipc:///tmp/e.sock", "h"))
+    registry.on_alive(Alive("encoder-0", 0.0, working_on=["req-1", "req-2"]))  # its loop: a batch starts
+    assert info.working_on == ("req-1", "req-2")
+    registry.on_alive(Alive("encoder-0", 3.0))  # its heartbeat thread says nothing of it
+    assert info.working_on == ("req-1", "req-2") and info.busy_s == 3.0
+    registry.on_alive(Alive("encoder-0", 0.0, working_on=[]))  # the batch ended
+    assert info.working_on == ()
+    registry.on_alive(Alive("encoder-0", 0.0, working_on=["req-3"]))
+    registry.on_stats(WorkerStats("encoder-0", "encoder", 0, 0, 0, 0, 0))  # between batches
+    assert info.working_on == ()
+
+
 def test_the_heartbeat_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("EPD_HEARTBEAT_TIMEOUT_S", "2.5")
     assert WorkerRegistry().heartbeat_timeout_s == 2.5

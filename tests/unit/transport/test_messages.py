@@ -57,6 +57,7 @@ def make_messages() -> list[Message]:
     return [
         EncodeRequest("req-1", HASH_A, bytes(range(256)) * 4, reply_to="ipc:///tmp/epd-x/prefill-0.sock"),
         EncodeRequest("req-2", HASH_B, b"", reply_to="tcp://hostb:27101"),  # empty blob frame
+        EncodeRequest("req-4", HASH_B, b"img", reply_to="tcp://hostb:27101", alone=True),  # a suspect, re-sent
         EncodeRequest("req-3", HASH_B, b"video", reply_to="tcp://hostb:27101",
                       video=VideoFrames((0, 2, 4, 4), 32, 64, (2, 2, 4), 4, 2, (0.5, 1.5))),
         EncodeRequest("req-5", HASH_A, b"img", reply_to="tcp://hostb:27101",
@@ -120,6 +121,8 @@ def make_messages() -> list[Message]:
         WorkerExited("decode-0", -9),
         WorkerExited("prefill-1", None),
         Alive("encoder-0", 12.5),
+        Alive("encoder-0", 0.0, working_on=["req-1", "req-2~retry1"]),  # an encoder's batch starts
+        Alive("encoder-0", 0.0, working_on=[]),  # ... and ends
     ]
 
 
@@ -379,6 +382,8 @@ def _stats(**changes) -> list[bytes]:
     (_frames(Alive("w", 1.0), busy_s=float("nan")), r"alive: busy_s must be finite"),
     (_frames(Alive("w", 1.0), busy_s=float("inf")), r"alive: busy_s must be finite"),
     (_frames(Alive("w", 1.0), busy_s=-1.0), r"alive: busy_s must be finite"),
+    (_frames(Alive("w", 1.0), working_on=["r", 7]), r"alive.working_on: expected list\[str\]"),
+    (_frames(Alive("w", 1.0), working_on=["r"] * 4097), r"working_on names at most 4096"),
     (_stats(num_running=-5), r"worker_stats: counts must be in"),
     (_frames(Ready("w", "decode", "ipc:///x", "h"), mm_cache_dir=3), r"ready\.mm_cache_dir"),
     (_stats(engine={**EngineCounters().to_map(), "generation_tokens": 1}),
