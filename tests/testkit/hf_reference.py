@@ -47,11 +47,14 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos=None) -> dict:
+def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos=None,
+              chat_template: str | None = None) -> dict:
     """The model's inputs for the chat: `videos` a testkit.video_reference.VideoClips
-    (their token ids and tensors from transformers' processor on the whole chat text)."""
+    (their token ids and tensors from transformers' processor on the whole chat text);
+    `chat_template` None: the tokenizer's."""
     model, tok, ip = _load(model_dir)
-    text = tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True,
+                                   chat_template=chat_template)
     inputs: dict = {}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
@@ -101,10 +104,10 @@ def hf_prompt_logits(model_dir: str, messages: list[dict], images: list[bytes],
 
 @torch.no_grad()
 def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tokens: int,
-              videos=None) -> list[int]:
+              videos=None, chat_template: str | None = None) -> list[int]:
     """Greedy continuation without a KV cache: one full forward per token, EOS ignored."""
     model, _, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images, videos)
+    inputs = hf_inputs(model_dir, messages, images, videos, chat_template)
     ids = inputs["input_ids"]
     out = []
     for _ in range(num_tokens):
