@@ -38,12 +38,16 @@ MESSAGES = [
 ]
 VIDEOS = [CLIPS[0], CLIPS[1], CLIPS[0]]  # in part order
 IMAGES = [IMG_A, IMG_B]
-# (checkpoint, model_type, chat_template_kwargs)
+WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
+# (checkpoint, model_type, chat_template_kwargs, template: the release's, or one writing a bare pad)
 CASES = {
-    "qwen3_vl": ("tiny", "qwen3_vl", {}),
-    "qwen3_vl_vision_ids": ("tiny", "qwen3_vl", {"add_vision_id": True}),  # "Video 1: " before the wrapper
-    "qwen3_vl_moe": ("qwen3_vl_moe", "qwen3_vl_moe", {}),
-    "qwen2_5_vl": ("qwen25", "qwen2_5_vl", {"add_vision_id": True}),
+    "qwen3_vl": ("tiny", "qwen3_vl", {}, BY_MODEL_TYPE["qwen3_vl"]),
+    # "Video 1: " before the wrapper
+    "qwen3_vl_vision_ids": ("tiny", "qwen3_vl", {"add_vision_id": True}, BY_MODEL_TYPE["qwen3_vl"]),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "qwen3_vl_moe", {}, BY_MODEL_TYPE["qwen3_vl_moe"]),
+    "qwen2_5_vl": ("qwen25", "qwen2_5_vl", {"add_vision_id": True}, BY_MODEL_TYPE["qwen2_5_vl"]),
+    # a custom template without the wrapper: the processor writes the groups alone, nothing is taken away
+    "qwen3_vl_bare_pad": ("tiny", "qwen3_vl", {}, BY_MODEL_TYPE["qwen3_vl"].replace(WRAPPER, "<|video_pad|>")),
 }
 
 
@@ -54,9 +58,9 @@ def qwen25_model(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_release_template_prompt_equals_transformers_processor(case, tiny_model, qwen25_model, tmp_path):
-    checkpoint, model_type, template_kwargs = CASES[case]
+    checkpoint, model_type, template_kwargs, template = CASES[case]
     model_dir = {"tiny": tiny_model, "qwen25": qwen25_model}.get(checkpoint) or family_checkpoint(checkpoint)
-    template = BY_MODEL_TYPE[model_type]
+    wrapped = WRAPPER in template
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     builder = PromptBuilder(tokenizer, ImageGeometry.from_pretrained(model_dir),
                             tokenizer.convert_tokens_to_ids("<|image_pad|>"), template)
@@ -69,7 +73,7 @@ def test_release_template_prompt_equals_transformers_processor(case, tiny_model,
                            videos=[VideoRef(plan, str(i + 2) * 64) for i, plan in enumerate(plans)])
 
     text = builder.render(MESSAGES, template_kwargs=template_kwargs)
-    assert text.count("<|vision_start|><|video_pad|><|vision_end|>") == 3  # the release's wrapper, each video
+    assert text.count(WRAPPER) == (3 if wrapped else 0)  # the release's wrapper, each video
     metas = [read_video_meta(data) for data in VIDEOS]
     clips = VideoClips([(decode_frames(data, range(meta.num_frames)), meta) for data, meta in zip(VIDEOS, metas)],
                        {}, tmp_path / "ref")
