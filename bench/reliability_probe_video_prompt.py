@@ -74,7 +74,8 @@ def probe_video_prompt(p: Probe, model_dir: str, out: Path) -> None:
                {"type": "video_url", "video_url": {"url": _data_url(clips[1], "video/mp4")}},
                {"type": "text", "text": "What happens?"}]
     out.mkdir(parents=True, exist_ok=True)
-    server = ServeProcess(model_dir, "aggregated", cpu_set(None), [], out / "server-video-prompt.log")
+    server = ServeProcess(model_dir, "aggregated", cpu_set(None),
+                          ["--limit-mm-per-prompt", '{"image": 1, "video": 2}'], out / "server-video-prompt.log")
     try:
         model = server.wait_ready(READY_S)
         began = time.monotonic()
