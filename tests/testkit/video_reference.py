@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,8 +61,8 @@ class VideoClips:
     (mm_processor_kwargs as transformers takes them) and a folder to work in."""
 
     videos: list[tuple[np.ndarray, object]]
-    kwargs: dict = field(default_factory=dict)
-    work: Path = Path("/tmp")
+    kwargs: dict
+    work: Path
 
 
 def hf_processor_inputs(model_dir: str, text: str, clips: VideoClips, images: list[bytes] = ()) -> dict:
