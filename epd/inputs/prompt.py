@@ -6,12 +6,14 @@ and height alone (`ImageGeometry`), exactly as transformers' Qwen3-VL
 processor does after decoding. Image parts are recognised in the OpenAI form
 (`image_url`) and in transformers' (`image`, `image_pil`).
 
-A video part (`video_url`, `video`) renders one `<|video_pad|>`, expanded from
-its `VideoPlan` (made from the header, encoders/video_geometry.py) as
-transformers' processors write it: Qwen3-VL `<{t:.1f} seconds>` +
-`<|vision_start|>` + the group's pads + `<|vision_end|>` per temporal group
-(one span per group), Qwen2.5-VL one run of pads (one span; cut into chunks,
-`VideoRef.chunks`, one span per chunk).
+A video part (`video_url`, `video`) renders one `<|video_pad|>` (the release
+templates: inside `<|vision_start|>...<|vision_end|>`), expanded from its
+`VideoPlan` (made from the header, encoders/video_geometry.py) as transformers'
+processors write it: Qwen3-VL replaces the template's whole wrapper with
+`<{t:.1f} seconds>` + `<|vision_start|>` + the group's pads + `<|vision_end|>`
+per temporal group (one span per group; Qwen3VLProcessor and vLLM drop the
+outer pair), Qwen2.5-VL keeps the wrapper around one run of pads (one span;
+cut into chunks, `VideoRef.chunks`, one span per chunk).
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
-_PADS = re.compile(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})")
+WRAPPED_VIDEO_PAD = VISION_START + VIDEO_PAD + VISION_END  # what the release templates write for a video
+_PADS = re.compile(f"({re.escape(WRAPPED_VIDEO_PAD)}|{re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})")
 PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
 BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
 NO_CHAT_TEMPLATE = ("this model has no chat template (no chat_template.json, chat_template.jinja or "
@@ -94,13 +97,18 @@ class VideoRef:
         one per chunk for a Qwen2.5-VL video cut into chunks)."""
         return [key for piece in self.pieces for key in entry_hashes(self.mm_hash, piece)]
 
-    def placeholder(self) -> str:
-        """The text that replaces its one `<|video_pad|>`, as transformers' processor writes it."""
+    def placeholder(self, wrapped: bool = False) -> str:
+        """The text that replaces its one `<|video_pad|>` (`wrapped`: the template's
+        `<|vision_start|><|video_pad|><|vision_end|>` around it), as transformers'
+        processor writes it: Qwen3-VL's groups each in their own wrapper, in place of
+        the template's (Qwen3VLProcessor.get_text_with_replacements); Qwen2.5-VL's
+        pads inside the template's wrapper."""
         plan = self.plan
         if plan.group_timestamps_s:  # Qwen3VLProcessor.replace_video_token
             return "".join(f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * plan.tokens_per_group}{VISION_END}"
                            for t in plan.group_timestamps_s)
-        return VIDEO_PAD * plan.num_tokens
+        pads = VIDEO_PAD * plan.num_tokens
+        return f"{VISION_START}{pads}{VISION_END}" if wrapped else pads
 
 
 @dataclass(frozen=True)
@@ -202,11 +210,13 @@ class PromptBuilder:
 
     def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = ()) -> Prompt:
         """A rendered prompt's one pad per image and video expanded, tokenized, its spans found."""
-        pieces = _PADS.split(text)  # text, pad, text, pad, ..., text
+        pieces = _PADS.split(text)  # text, pad, text, pad, ..., text (a video's pad with its wrapper, if any)
         pads = pieces[1::2]
-        for name, pad, given in (("images", IMAGE_PAD, images), ("videos", VIDEO_PAD, videos)):
-            if pads.count(pad) != len(given):
-                raise ValueError(f"the chat template rendered {pads.count(pad)} {name}, {len(given)} were given")
+        counts = {"images": (pads.count(IMAGE_PAD), images),
+                  "videos": (pads.count(VIDEO_PAD) + pads.count(WRAPPED_VIDEO_PAD), videos)}
+        for name, (count, given) in counts.items():
+            if count != len(given):
+                raise ValueError(f"the chat template rendered {count} {name}, {len(given)} were given")
         image_it, video_it = iter(images), iter(videos)
         expanded = [pieces[0]]
         for pad, piece in zip(pads, pieces[2::2]):
@@ -214,7 +224,7 @@ class PromptBuilder:
                 img = next(image_it)
                 expanded.append(IMAGE_PAD * self.geometry.num_image_tokens(img.width, img.height))
             else:
-                expanded.append(next(video_it).placeholder())
+                expanded.append(next(video_it).placeholder(wrapped=pad == WRAPPED_VIDEO_PAD))
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
         return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos))

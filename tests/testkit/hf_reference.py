@@ -1,9 +1,10 @@
 """transformers' own model of the checkpoint's family (Qwen3-VL, Qwen3-VL-MoE,
 Qwen2.5-VL) as the reference: its image processor decodes the
 pixels, the placeholder expansion follows Qwen3VLProcessor (grid from the
-decoded image), and its model computes the logits. Videos come processed by
-transformers' own processor in a child process (tests/testkit/video_reference.py
-hf_video_prompt_inputs: the replacement text and the tensors), in part order."""
+decoded image), and its model computes the logits. With videos, the prompt's
+token ids and the video tensors come from transformers' whole processor run on
+the whole chat text in a child process (tests/testkit/video_reference.py
+hf_processor_inputs), images still decoded here by the PIL image processor."""
 from __future__ import annotations
 
 import inspect
@@ -46,26 +47,36 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos: list[dict] = ()) -> dict:
+def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos=None,
+              chat_template: str | None = None) -> dict:
+    """The model's inputs for the chat: `videos` a testkit.video_reference.VideoClips
+    (their token ids and tensors from transformers' processor on the whole chat text);
+    `chat_template` None: the tokenizer's."""
     model, tok, ip = _load(model_dir)
-    text = tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True,
+                                   chat_template=chat_template)
     inputs: dict = {}
-    if videos:
-        pieces = text.split("<|video_pad|>")
-        text = pieces[0] + "".join(v["replacement"] + p for v, p in zip(videos, pieces[1:]))
-        inputs.update(pixel_values_videos=torch.cat([v["pixel_values_videos"] for v in videos]),
-                      video_grid_thw=torch.cat([v["video_grid_thw"] for v in videos]))
-        if videos[0]["second_per_grid_ts"] is not None:
-            inputs["second_per_grid_ts"] = torch.cat([v["second_per_grid_ts"] for v in videos])
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         px = ip(images=pil, return_tensors="pt")
-        merge = ip.merge_size ** 2
-        pieces = text.split("<|image_pad|>")
-        text = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // merge) + p
-                                   for g, p in zip(px["image_grid_thw"], pieces[1:]))
         inputs.update(pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"])
-    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    if videos:
+        from testkit.video_reference import hf_processor_inputs
+
+        out = hf_processor_inputs(model_dir, text, videos, images)
+        inputs.update(pixel_values_videos=out["pixel_values_videos"], video_grid_thw=out["video_grid_thw"])
+        if out["second_per_grid_ts"] is not None:
+            inputs["second_per_grid_ts"] = out["second_per_grid_ts"]
+        if images:  # the child's image processor placed the pads: the same grids as the pixels here
+            assert torch.equal(out["image_grid_thw"], px["image_grid_thw"])
+        ids = out["input_ids"]
+    else:
+        if images:
+            merge = ip.merge_size ** 2
+            pieces = text.split("<|image_pad|>")
+            text = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // merge) + p
+                                       for g, p in zip(px["image_grid_thw"], pieces[1:]))
+        ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     inputs["input_ids"] = ids
     if _takes_mm_token_types(model):
         inputs["mm_token_type_ids"] = _mm_token_types(model, ids)
@@ -84,7 +95,7 @@ def _takes_mm_token_types(model) -> bool:
 
 @torch.no_grad()
 def hf_prompt_logits(model_dir: str, messages: list[dict], images: list[bytes],
-                     videos: list[dict] = ()) -> tuple[list[int], torch.Tensor]:
+                     videos=None) -> tuple[list[int], torch.Tensor]:
     """(prompt token ids, logits [num_prompt_tokens, vocab])."""
     model, _, _ = _load(model_dir)
     inputs = hf_inputs(model_dir, messages, images, videos)
@@ -93,10 +104,10 @@ def hf_prompt_logits(model_dir: str, messages: list[dict], images: list[bytes],
 
 @torch.no_grad()
 def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tokens: int,
-              videos: list[dict] = ()) -> list[int]:
+              videos=None, chat_template: str | None = None) -> list[int]:
     """Greedy continuation without a KV cache: one full forward per token, EOS ignored."""
     model, _, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images, videos)
+    inputs = hf_inputs(model_dir, messages, images, videos, chat_template)
     ids = inputs["input_ids"]
     out = []
     for _ in range(num_tokens):
@@ -111,7 +122,7 @@ def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tok
 
 @torch.no_grad()
 def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int,
-                     videos: list[dict] = ()) -> str:
+                     videos=None) -> str:
     """transformers' generate(), greedy, stopping at EOS like a user would run it."""
     model, tok, _ = _load(model_dir)
     inputs = hf_inputs(model_dir, messages, images, videos)

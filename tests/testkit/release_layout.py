@@ -22,8 +22,10 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
 
 
 def release_checkpoint(tiny_model: str, out: Path, sampling: dict | None = None, *,
-                       tokenizer_template: bool = False, image_processor: bool = True) -> str:
-    """A copy of `tiny_model` in a release's layout: the template only in
+                       tokenizer_template: bool = False, image_processor: bool = True,
+                       template: str | None = None) -> str:
+    """A copy of `tiny_model` in a release's layout: the template (`template`, e.g.
+    testkit.release_templates.QWEN3_VL; None: the tiny model's) only in
     chat_template.json, `sampling` merged into generation_config.json.
     `tokenizer_template`: tokenizer_config.json keeps its template too, and the one
     in chat_template.json differs from it (a system line `PROCESSOR_TEMPLATE_MARK`).
@@ -36,7 +38,7 @@ def release_checkpoint(tiny_model: str, out: Path, sampling: dict | None = None,
         elif path.name != "chat_template.jinja" and (image_processor or path.name not in PROCESSOR_FILES):
             shutil.copy(path, out / path.name)
     tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
-    template = tok_cfg["chat_template"]
+    template = template or tok_cfg["chat_template"]
     if tokenizer_template:
         template = "{{- '<|im_start|>system\\n" + PROCESSOR_TEMPLATE_MARK + "<|im_end|>\\n' }}" + template
     else:

@@ -10,12 +10,16 @@ registrations need a matching torch build and nothing here uses them).
 
 The child gets every decoded frame with the header's metadata and samples,
 resizes and patchifies by itself, as transformers does for a user's video.
+`hf_processor_inputs` runs the whole processor on the whole chat text, so the
+prompt's token ids are transformers' own (Qwen3-VL's processor replaces the
+template's `<|vision_start|><|video_pad|><|vision_end|>` wrapper whole).
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,20 +54,36 @@ def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list
     return torch.load(work / "out.pt")
 
 
-def hf_video_prompt_inputs(model_dir: str, videos: list[tuple[np.ndarray, object, dict]],
-                           work: Path) -> list[dict]:
+@dataclass(frozen=True)
+class VideoClips:
+    """Videos for transformers' whole processor: each one's frames (all of them,
+    uint8 [N, H, W, 3]) with its header `meta` (VideoMeta), the call's kwargs
+    (mm_processor_kwargs as transformers takes them) and a folder to work in."""
+
+    videos: list[tuple[np.ndarray, object]]
+    kwargs: dict
+    work: Path
+
+
+def hf_processor_inputs(model_dir: str, text: str, clips: VideoClips, images: list[bytes] = ()) -> dict:
     """transformers' whole processor (AutoProcessor: Qwen3VLProcessor or
-    Qwen2_5_VLProcessor), in one child process, on each video's frames (all of
-    them) with its header `meta` and its kwargs: the text that replaces the
-    video's `<|video_pad|>` (`replacement`), `pixel_values_videos`,
-    `video_grid_thw` and, for Qwen2.5-VL, `second_per_grid_ts`: what its model takes."""
+    Qwen2_5_VLProcessor), in one child process, on the WHOLE chat text with the
+    videos (and the images, for their placeholders), as a user runs it:
+    `input_ids` [1, L], `pixel_values_videos`, `video_grid_thw`,
+    `second_per_grid_ts` (Qwen2.5-VL; else None) and `image_grid_thw` (or None)."""
+    work = clips.work
     work.mkdir(parents=True, exist_ok=True)
-    jobs = []
-    for i, (frames, meta, kwargs) in enumerate(videos):
+    videos = []
+    for i, (frames, meta) in enumerate(clips.videos):
         np.save(work / f"frames{i}.npy", frames)
-        jobs.append({"frames": str(work / f"frames{i}.npy"), "calls": [kwargs], "meta": _meta(meta)})
-    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"),
-                                               "videos": jobs, "processor": True}))
+        videos.append({"frames": str(work / f"frames{i}.npy"), "meta": _meta(meta)})
+    image_paths = []
+    for i, data in enumerate(images):
+        (work / f"image{i}").write_bytes(data)
+        image_paths.append(str(work / f"image{i}"))
+    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"), "text": text,
+                                               "videos": videos, "kwargs": clips.kwargs, "images": image_paths,
+                                               "processor": True}))
     proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
                           timeout=240)
     if proc.returncode != 0:
@@ -77,23 +97,22 @@ def _meta(meta) -> dict:
 
 
 def _processor_main(job: dict) -> None:
+    from PIL import Image
     from transformers import AutoProcessor
     from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(job["model_dir"])
-    results = []
-    for video in job["videos"]:
-        merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
-                                         return_tensors="pt", **video["calls"][0])
-        # the call's own kwargs as given (an explicit fps=None must reach the video processor)
-        kwargs = dict(merged["videos_kwargs"], **video["calls"][0],
-                      video_metadata=[VideoMetadata(**video["meta"])])
-        out, replacements = processor._process_videos([np.load(video["frames"])], **kwargs)
-        spgt = out.get("second_per_grid_ts")
-        results.append({"replacement": replacements[0], "pixel_values_videos": out["pixel_values_videos"],
-                        "video_grid_thw": torch.as_tensor(out["video_grid_thw"]),
-                        "second_per_grid_ts": None if spgt is None else torch.tensor(spgt)})
-    torch.save(results, job["out"])
+    images = [Image.open(path).convert("RGB") for path in job["images"]] or None
+    videos = [np.load(video["frames"]) for video in job["videos"]] or None
+    metadata = [VideoMetadata(**video["meta"]) for video in job["videos"]] or None
+    out = processor(text=[job["text"]], images=images, videos=videos, video_metadata=metadata,
+                    return_tensors="pt", **job["kwargs"])
+    spgt = out.get("second_per_grid_ts")
+    grids = out.get("image_grid_thw")
+    torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
+                "video_grid_thw": out.get("video_grid_thw"),
+                "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
+                "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, job["out"])
 
 
 def _main(job_path: str) -> None:

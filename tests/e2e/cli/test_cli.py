@@ -10,7 +10,7 @@ import pytest
 from epd.encoders.video_io import decode_frames, read_video_meta
 from testkit.hf_reference import hf_generate_text
 from testkit.media import image_bytes, image_part
-from testkit.video_reference import hf_video_prompt_inputs, reference_available
+from testkit.video_reference import VideoClips, reference_available
 from testkit.videos import encode_video, synthetic_frames
 
 
@@ -66,10 +66,9 @@ def test_chat_with_a_video_prints_transformers_greedy_text(tiny_model, tmp_path)
     proc = run_epd("chat", tiny_model, "--prompt", "What happens?", "--video", str(path), "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     meta = read_video_meta(data)
-    [video] = hf_video_prompt_inputs(tiny_model, [(decode_frames(data, range(meta.num_frames)), meta, {})],
-                                     tmp_path / "ref")
+    clips = VideoClips([(decode_frames(data, range(meta.num_frames)), meta)], {}, tmp_path / "ref")
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
-    assert proc.stdout.rstrip("\n") == hf_generate_text(tiny_model, messages, [], max_new_tokens=12, videos=[video])
+    assert proc.stdout.rstrip("\n") == hf_generate_text(tiny_model, messages, [], max_new_tokens=12, videos=clips)
 
 
 def test_chat_on_a_file_that_is_not_a_video(tiny_model, tmp_path):

@@ -1,6 +1,7 @@
 """`epd serve` and the `epd` command on checkpoints in the releases' layout
 (tests/testkit/release_layout.py): the template from chat_template.json is the one
-rendered, omitted sampling fields take generation_config.json's values, a
+rendered (Qwen3-VL's release template: a video's prompt and greedy tokens are
+transformers' processor's and model's), omitted sampling fields take generation_config.json's values, a
 checkpoint without preprocessor_config.json serves text, and a bad checkpoint
 or a --max-model-len beyond the model is one line and exit code 2.
 
@@ -15,9 +16,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from testkit.media import image_bytes, image_part
+from testkit.hf_reference import hf_greedy, hf_inputs
+from testkit.media import data_url, image_bytes, image_part
 from testkit.release_layout import NEUTRAL_SAMPLING, QWEN3_VL_SAMPLING, processor_template, release_checkpoint
+from testkit.release_templates import QWEN3_VL
 from testkit.server import start_server
+from testkit.video_reference import VideoClips, reference_available
+from testkit.videos import encode_video, synthetic_frames
 
 from epd.cli import main
 
@@ -39,7 +44,8 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def release_model(tiny_model, tmp_path_factory) -> str:
-    return release_checkpoint(tiny_model, tmp_path_factory.mktemp("release") / "ckpt", QWEN3_VL_SAMPLING)
+    return release_checkpoint(tiny_model, tmp_path_factory.mktemp("release") / "ckpt", QWEN3_VL_SAMPLING,
+                              template=QWEN3_VL)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +87,32 @@ def test_the_template_from_chat_template_json_is_rendered(release_server, releas
                                                          temperature=0)
     assert out.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))
     assert f"chat template from {release_model}/chat_template.json" in release_server.log()
+
+
+def test_a_video_prompt_and_greedy_tokens_are_transformers_through_the_release_template(
+        release_server, release_model, tmp_path):
+    """Qwen3-VL's release template wraps a video in <|vision_start|>...<|vision_end|>; its processor
+    replaces the whole wrapper with one per temporal group (issue 44 item 7: EPD kept the outer pair)."""
+    pytest.importorskip("av")
+    from epd.encoders.video_io import decode_frames, read_video_meta
+
+    if not reference_available():
+        pytest.skip("scripts/env.sh dev installs the reference")
+    clip = encode_video(synthetic_frames(5, 32, 48, seed=7), "mp4", fps=5)  # 2 groups: fits MAX_MODEL_LEN
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    meta = read_video_meta(clip)
+    clips = VideoClips([(decode_frames(clip, range(meta.num_frames)), meta)], {}, tmp_path / "ref")
+    num_tokens = 6
+    expected = hf_greedy(release_model, messages, [], num_tokens, videos=clips, chat_template=QWEN3_VL)
+    ref_prompt = hf_inputs(release_model, messages, [], clips, QWEN3_VL)["input_ids"][0].tolist()
+    out = client(release_server).chat.completions.create(
+        model=release_model, messages=messages, max_tokens=num_tokens, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    body = out.model_dump()
+    assert out.usage.prompt_tokens == len(ref_prompt)
+    assert body["prompt_token_ids"] == ref_prompt
+    assert body["choices"][0]["token_ids"] == expected
 
 
 def test_omitted_sampling_fields_take_the_release_values(release_server, release_model):

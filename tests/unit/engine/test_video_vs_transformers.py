@@ -19,7 +19,7 @@ from epd.transport.sampling import SamplingParams
 from testkit.family_checkpoints import family_checkpoint
 from testkit.hf_reference import _load, _mm_token_types, hf_inputs
 from testkit.media import IMG_A, image_part
-from testkit.video_reference import hf_video_prompt_inputs, reference_available
+from testkit.video_reference import VideoClips, reference_available
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -35,8 +35,9 @@ def qwen25_model(tmp_path_factory) -> str:
 
 
 @torch.no_grad()
-def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int], list[int], list[list]]:
-    """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) by transformers, one full forward per token."""
+def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int], list[int], list[list], torch.Tensor]:
+    """(prompt ids, greedy tokens, each step's top-5 (token, logprob), video grids) by transformers,
+    one full forward per token."""
     model, _, _ = _load(model_dir)
     inputs = hf_inputs(model_dir, messages, images, videos)
     ids = inputs["input_ids"]
@@ -48,7 +49,7 @@ def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int],
         top = torch.log_softmax(logits.float(), -1).topk(TOP)
         logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return prompt, tokens, logprobs
+    return prompt, tokens, logprobs, inputs["video_grid_thw"]
 
 
 def _video_part(path) -> dict:
@@ -92,10 +93,10 @@ def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen2
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
 
     metas = [read_video_meta(data) for data in videos]
-    ref_videos = hf_video_prompt_inputs(model_dir, [(decode_frames(data, range(meta.num_frames)), meta, hf_kwargs)
-                                                    for data, meta in zip(videos, metas)], tmp_path / "ref")
-    ref_prompt, ref_tokens, ref_logprobs = _hf_greedy_logprobs(
-        model_dir, messages, [IMG_A] if with_image else [], ref_videos)
+    clips = VideoClips([(decode_frames(data, range(meta.num_frames)), meta) for data, meta in zip(videos, metas)],
+                       hf_kwargs, tmp_path / "ref")
+    ref_prompt, ref_tokens, ref_logprobs, ref_grids = _hf_greedy_logprobs(
+        model_dir, messages, [IMG_A] if with_image else [], clips)
 
     # a token budget that prefills in chunks across the video
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=64, device=device)
@@ -108,4 +109,4 @@ def test_llm_chat_with_video_equals_transformers(case, device, tiny_model, qwen2
     torch.testing.assert_close([[v for _, v in top] for top in tops], [[v for _, v in top] for top in ref_logprobs],
                                atol=1e-4, rtol=0)
     video_pad = llm.engine.info.video_token_id
-    assert ref_prompt.count(video_pad) == sum(int(v["video_grid_thw"].prod()) // 4 for v in ref_videos)
+    assert ref_prompt.count(video_pad) == sum(int(g.prod()) // 4 for g in ref_grids)
