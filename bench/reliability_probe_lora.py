@@ -16,7 +16,7 @@ over HTTP with real adapter directories, and stops it:
   8   a missing directory and one without adapter_config.json: one answer
 
 The adapter writers are torch-free (a PEFT directory written by hand) and
-are shared with tests/e2e/serve/test_lora_faults.py.
+are shared with tests/e2e/serve/test_lora_serve.py.
 """
 from __future__ import annotations
 
@@ -211,8 +211,8 @@ def _probe_unload_mid_stream(p: Probe, server: ServeProcess, base_adapter: Path,
     stream = threading.Thread(target=_stream, args=(base, "brief", 400, chunks, started))
     stream.start()
     started.wait(60)
+    shutil.rmtree(path)  # a re-read fails: the running stream must not need one
     unloaded = _post(base, "/v1/unload_lora_adapter", {"lora_name": "brief"}).status_code
-    shutil.rmtree(path)  # a re-read now fails: the running stream must not need one
     was_running = stream.is_alive()
     stream.join(300)
     tokens = sum(len(c["choices"][0].get("text", "")) > 0 for c in chunks if isinstance(c, dict) and c.get("choices"))

@@ -36,10 +36,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # a tensor of the vision tower: (module path inside the tower, "A" or "B")
 TOWER_KEY = re.compile(r"(?:^|\.)visual\.(.+?)\.lora_([AB])(?:\.default)?\.weight$")
 _TOWER_COMPONENT = re.compile(r"(?:^|\.)visual\.")
-# An adapter's header: ~130 bytes a tensor, so 8 MiB is ~60k tensors, 25x the 2,240 of a rank-r adapter
-# on every projection of an 80-layer model (7 a layer, A and B) and its tower; safetensors itself allows
-# 100 MB, which took 11 s to parse. A larger one is refused before it is parsed.
-MAX_HEADER_BYTES = 8 << 20
+# An adapter's header: ~150 bytes a tensor, so 2 MiB is ~14k tensors, 9x the ~1,500 of an adapter on
+# every projection of an 80-layer model (7 a layer, A and B) and its tower's. safetensors allows 100 MB
+# (78 MB took 11 s); json.loads holds the GIL, so even off the event loop a header stalls the API
+# process while it is parsed: 2 MiB is ~0.15 s. A larger one is refused before it is read.
+MAX_HEADER_BYTES = 2 << 20
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
                 "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 _CHUNK_BYTES = 1 << 20  # adapter_digest reads this much at a time
