@@ -40,16 +40,16 @@ TOWER_KEY = "base_model.model.model.visual.blocks.0.attn.qkv.lora_{}.weight"  # 
 
 def write_adapter(model_dir: str, out: Path, r: int = 8, seed: int = 0) -> Path:
     """A PEFT LoRA adapter on every layer's q_proj and v_proj, random float32 weights."""
-    from transformers import AutoConfig
-
-    from epd.engine.lora.adapter import ProjectionShapes
-
-    shapes = ProjectionShapes.from_hf(AutoConfig.from_pretrained(model_dir))
+    tc = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]  # Qwen-VL's layout
+    hidden, heads = tc["hidden_size"], tc["num_attention_heads"]
+    head_dim = tc.get("head_dim") or hidden // heads
+    sizes = {"q_proj": (hidden, heads * head_dim),
+             "v_proj": (hidden, tc.get("num_key_value_heads", heads) * head_dim)}
     rng = random.Random(seed)
     tensors = {}
-    for layer in range(shapes.num_layers):
+    for layer in range(tc["num_hidden_layers"]):
         for module in ("q_proj", "v_proj"):
-            in_f, out_f = shapes.sizes[module]
+            in_f, out_f = sizes[module]
             name = f"base_model.model.model.language_model.layers.{layer}.self_attn.{module}.lora_{{}}.weight"
             tensors[name.format("A")] = ([r, in_f], [rng.gauss(0, 0.1) for _ in range(r * in_f)])
             tensors[name.format("B")] = ([out_f, r], [rng.gauss(0, 0.1) for _ in range(out_f * r)])
