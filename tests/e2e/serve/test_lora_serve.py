@@ -6,7 +6,12 @@ peft's, the base after an adapter on the same prompt gets the base's answer
 parent, an unknown name is a 404; an adapter loaded at run time (POST
 /v1/load_lora_adapter) is served by every worker, and a 404 again once unloaded. In e-p-d the prompt is longer than
 --max-local-prefill-tokens, so it is prefilled on the prefill worker and the
-adapter travels with its KV to the decode worker."""
+adapter travels with its KV to the decode worker. Issue 44 on the same servers:
+an adapter deleted and pushed out of host memory fails its request (a 400
+naming it), never a worker; one unloaded mid-stream keeps its weights for
+that stream; oversized headers and sparse files are refused at load, a
+missing directory and an empty one answered alike; idle workers hold at most
+--max-cpu-loras adapters after many runtime loads."""
 from __future__ import annotations
 
 import json
