@@ -245,14 +245,21 @@ class EngineCore:
         self.lora.load(lora)
 
     def prefetch_lora(self, lora: LoRARequest) -> None:
-        """Starts reading an adapter into host memory in the loader thread (a runtime load:
-        ready before its first request). ValueError when LoRA is not enabled."""
+        """Starts reading an adapter into host memory in the loader thread (a runtime load: ready
+        before its first request; `trim_loras` when idle). ValueError when LoRA is not enabled."""
         self._check_lora_enabled(lora)
         self.lora.prefetch(lora)
 
     def unload_lora(self, lora: LoRARequest) -> bool:
-        """Forgets an adapter (runtime unloading); False when this engine did not hold it."""
-        return self.lora is not None and self.lora.unload(lora.key)
+        """Forgets an adapter (runtime unloading), its running requests keeping its weights until
+        they end; False when this engine did not hold it."""
+        running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
+        return self.lora is not None and self.lora.unload(lora.key, running)
+
+    def trim_loras(self) -> None:
+        """An idle worker's loop: host memory back to --max-cpu-loras after runtime loads (no step trims it)."""
+        if self.lora is not None and not self.has_unfinished():
+            self._keep_adapters_read()
 
     def _check_lora_enabled(self, lora: LoRARequest) -> None:
         if self.lora is None:
@@ -384,7 +391,8 @@ class EngineCore:
         failed = self._admit_prepared()
         self.images.drop_unused()  # images whose last request left since the last step
         self._propose_drafts()
-        reads = self._keep_adapters_read()
+        reads, unreadable = self._keep_adapters_read()
+        failed.update(unreadable)
         out = self.scheduler.schedule()
         self.images.remove(out.dropped_request_ids)
         if reads and not out.scheduled:  # nothing to run until an adapter is read: no busy loop
@@ -415,24 +423,17 @@ class EngineCore:
         for request, draft in zip(decodes, self.proposer.propose_requests(decodes)):
             request.draft_token_ids = draft
 
-    def _keep_adapters_read(self) -> list[Future]:
-        """--max-cpu-loras between steps (LoRAManager.keep_read): the running requests' adapters
-        stay in host memory; those of the waiting requests next in line (as many as there is
-        room for, and that --max-loras would let run) are read again if they were evicted, in
-        the loader thread, and the scheduler admits a request once its adapter is read."""
+    def _keep_adapters_read(self) -> tuple[list[Future], dict[str, str]]:
+        """--max-cpu-loras between steps (LoRAManager.between_steps): the adapters' reads in
+        flight, and the waiting requests failed because theirs, evicted after they came, could
+        not be read again (its files deleted since): else they would wait for it for ever."""
         if self.lora is None:
-            return []
-        running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
-        in_slots = {r.lora_key for r in self.scheduler.running if r.lora_key is not None}  # not tower-only ones
-        room, is_full = self.config.lora.num_cpu_loras - len(in_slots), len(in_slots) >= self.config.lora.max_loras
-        wanted: dict[tuple[str, str], LoRARequest] = {}
-        for request in self.scheduler.waiting:
-            if len(wanted) >= room:
-                break
-            lora = request.lora_request
-            if lora is not None and lora.key not in running and (not is_full or request.lora_weights == ""):
-                wanted.setdefault(lora.key, lora)
-        return self.lora.keep_read(running, list(wanted.values()))
+            return [], {}
+        gone = self.lora.failed_rereads()
+        failed = {r.request_id: gone[r.lora_request.key] for r in self.scheduler.waiting
+                  if r.lora_request is not None and r.lora_request.key in gone}
+        self.abort(list(failed))
+        return self.lora.between_steps(self.scheduler.running, self.scheduler.waiting), failed
 
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;
@@ -449,7 +450,7 @@ class EngineCore:
             try:
                 results = [f.result() for f in futures]
                 self.scheduler.add_request(request)
-            except ValueError as exc:
+            except Exception as exc:  # an adapter that cannot be read, a grammar: this request's error
                 failed[rid] = str(exc)
                 self.images.remove([rid])
                 continue
@@ -479,7 +480,8 @@ class EngineCore:
 
         waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
         return LoRAState(names(self.scheduler.running), names(waiting),
-                         tuple(dict.fromkeys(name for name, *_ in self.lora.resident)), self.config.lora.max_loras)
+                         tuple(dict.fromkeys(name for name, *_ in self.lora.resident)), self.config.lora.max_loras,
+                         self.lora.num_host)
 
     @property
     def num_running(self) -> int:

@@ -120,8 +120,10 @@ class EngineWorker(WorkerIO):
                     if self.cores is not None:
                         self.cores.take()
                     self._step()
-                elif self.cores is not None:
-                    self.cores.release()
+                else:
+                    self.core.trim_loras()  # runtime loads read ahead: --max-cpu-loras though no step runs
+                    if self.cores is not None:
+                        self.cores.release()
                 self._maybe_send_stats()
         finally:
             if self.cores is not None:

@@ -253,20 +253,22 @@ class LoRAState:
     running and waiting requests use (vLLM's `lora_requests_info` labels, exported
     by epd/serve/worker_metrics.py), those resident in its slots (the routers prefer
     a worker that has a request's adapter resident: epd/serve/router.py), and
-    --max-loras."""
+    --max-loras; and how many adapters it holds in host memory (`num_cpu_loras`:
+    at most --max-cpu-loras, beside those kept for their running requests)."""
 
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
     resident: tuple[str, ...] = ()
     max_lora: int = 1
+    num_cpu_loras: int = 0
 
     def to_map(self) -> dict[str, Any]:
         return {"running": list(self.running), "waiting": list(self.waiting), "resident": list(self.resident),
-                "max_lora": self.max_lora}
+                "max_lora": self.max_lora, "num_cpu_loras": self.num_cpu_loras}
 
     @staticmethod
     def from_map(m: Fields) -> LoRAState:
         out = LoRAState(*(tuple(m.list_of(name, str)) for name in ("running", "waiting", "resident")),
-                        m.int("max_lora"))
+                        m.int("max_lora"), m.int("num_cpu_loras"))
         m.reject_unknown(out.to_map())
         return out

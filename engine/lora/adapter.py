@@ -61,6 +61,13 @@ class ProjectionShapes:
                                     "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)},
                    frozenset(cfg.moe_layer_ids))
 
+    def max_adapter_bytes(self, rank: int) -> int:
+        """The most data an adapter of rank `rank` may hold: lora_A and lora_B of every projection
+        of every layer in the widest dtype (8 bytes), twice over for its vision tower's (smaller
+        than the language model in every family served). A larger file (padded, sparse, or
+        tensors nothing reads) is refused before any worker reads it."""
+        return 2 * 8 * rank * self.num_layers * sum(i + o for i, o in self.sizes.values())
+
     @classmethod
     def from_hf(cls, hf_config) -> ProjectionShapes:
         """From a transformers config without loading model code (the API process has no
@@ -114,6 +121,9 @@ def read_adapter(name: str, path: str | Path, shapes: ProjectionShapes, max_lora
     and it may have no language-model tensor at all; else they are ignored with a warning.
     LoRAAdapterError naming what is wrong."""
     files = read_lora_files(name, path, max_lora_rank)
+    if files.data_bytes > shapes.max_adapter_bytes(files.rank):
+        raise LoRAAdapterError(f"{files.where}: {WEIGHTS_FILE} holds {files.data_bytes} bytes of tensors, more "
+                               f"than a rank-{files.rank} adapter of this model can ({shapes.max_adapter_bytes(files.rank)})")
     _check_target_names(files.target_modules, files.where)
     tensors = _pair_tensors(files.header, shapes, files.rank, files.where, tower)
     return AdapterSpec(name, str(path), files.rank, files.scaling, tensors)

@@ -7,9 +7,12 @@ Bodies and answers are vLLM's: `{"lora_name", "lora_path"}` to load,
 `{"lora_name"}` (or `lora_int_id`) to unload; 200 with a plain-text "Success:
 ..." line; 400 InvalidUserInput for a missing field or a name already loaded,
 400 BadRequestError for an adapter that cannot run on this model (the message
-names the field), 404 NotFoundError for a directory that does not exist or an
-unload of a name not served. A load is checked against the checkpoint in the
-API process and announced to every prefill and decode worker, which read it in
+names the field), 404 NotFoundError "Loading lora <name> failed: No adapter
+found for <path>" for a directory that does not exist or holds no
+adapter_config.json (alike, as vLLM: a key holder cannot tell them apart to map
+the server's directories), and for an unload of a name not served. A load is
+checked against the checkpoint in the API process, off its event loop
+(a thread, with a deadline; the header's size is bounded) and announced to every prefill and decode worker, which read it in
 the background (`LoRAUpdate`); an unload makes them forget it. The registry
 (`ApiSettings.loras`) is the API process's own, or with --api-servers above 1
 a file all of them share (epd/shared_lora_registry.py): a load or unload sent
@@ -17,6 +20,7 @@ to any process holds for every one.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 
 from fastapi import FastAPI
@@ -27,9 +31,11 @@ from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.settings import ApiSettings
 from epd.lora_modules import LoRAModule
 from epd.requests import RequestError
+from epd.transport.lora_files import AdapterNotFoundError
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
+STAT_TIMEOUT_S = 10.0  # whether the path is a directory (a hung network mount must not hang the route)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -55,11 +61,20 @@ def add_lora_routes(app: FastAPI, orchestrator: OrchestratorLike, settings: ApiS
             raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
         if loras.get(body.lora_name) is not None or body.lora_name == settings.served_model_name:
             raise _invalid(f"The lora adapter '{body.lora_name}' has already been loaded.")
-        if not os.path.isdir(body.lora_path):
-            raise RequestError(f"No adapter found at {body.lora_path!r}", status=404, type="NotFoundError")
+        not_found = RequestError(f"Loading lora {body.lora_name} failed: No adapter found for {body.lora_path}",
+                                 status=404, type="NotFoundError")  # no directory and no adapter in it alike
+        try:
+            is_dir = await asyncio.wait_for(asyncio.to_thread(os.path.isdir, body.lora_path), STAT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError(f"{body.lora_path}: no answer from the file system within {STAT_TIMEOUT_S:g} s",
+                               status=503, type="service_unavailable", retry_after_s=5) from None
+        if not is_dir:
+            raise not_found
         lora = loras.make(body.lora_name, body.lora_path)
         try:
-            await orchestrator.update_lora(lora, is_load=True)  # checked, then announced to the workers
+            await orchestrator.update_lora(lora, is_load=True)  # checked off the loop, then announced
+        except AdapterNotFoundError:
+            raise not_found from None
         except ValueError as exc:
             raise RequestError(str(exc), status=400, type="BadRequestError") from None
         try:

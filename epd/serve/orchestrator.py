@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from typing import AsyncIterator
@@ -47,6 +48,7 @@ from epd.transport.messages import (Abort, Alive, LoRAUpdate, Ready, Shutdown, T
 from epd.transport.roles import Role
 
 log = logging.getLogger("epd.api")
+LORA_CHECK_TIMEOUT_S = 30.0  # a runtime load's read of an adapter's config and header (bounded in size)
 
 MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
 HEARTBEAT_CHECK_S = 0.5
@@ -101,6 +103,7 @@ class Orchestrator:
         self._receiver: AsyncReceiver | None = None
         self._outbox: AsyncOutbox | None = None
         self._tasks: list[asyncio.Task] = []
+        self._lora_checks = ThreadPoolExecutor(1, thread_name_prefix="lora-check")  # runtime loads' checks
 
     # ---------------------------------------------------------- lifecycle
 
@@ -237,9 +240,17 @@ class Orchestrator:
         if is_load:
             if not self.config.engine.lora.enable_lora:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: LoRA is not enabled (--enable-lora)")
-            check_lora_modules((LoRAModule(lora.lora_name, lora.lora_path),), self.model_name,
-                               self.files.hf_config, self.config.engine.lora.max_lora_rank,
-                               self.config.engine.lora.enable_tower_lora)
+            # off the event loop (a header takes up to ~1 s to parse), one at a time, with a deadline
+            check = asyncio.get_running_loop().run_in_executor(
+                self._lora_checks, check_lora_modules, (LoRAModule(lora.lora_name, lora.lora_path),),
+                self.model_name, self.files.hf_config, self.config.engine.lora.max_lora_rank,
+                self.config.engine.lora.enable_tower_lora)
+            try:
+                await asyncio.wait_for(check, LORA_CHECK_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise RequestError(f"LoRA adapter {lora.lora_name!r}: its files were not read within "
+                                   f"{LORA_CHECK_TIMEOUT_S:g} s", status=503, type="service_unavailable",
+                                   retry_after_s=5) from None
         for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
             try:
                 await self._outbox.send(w.inbox, LoRAUpdate(lora, is_load))

@@ -246,6 +246,7 @@ class WorkerMetrics:
         encoder_extras = _EncoderExtras()
         cache = _Families(CACHE_COUNTERS, (), gauges=CACHE_GAUGES)
         lora = GaugeMetricFamily(*LORA_INFO, labels=[*LABELS, *LORA_INFO_LABELS])
+        lora_cpu = GaugeMetricFamily(*LORA_CPU, labels=LABELS)
         for w in self.registry.workers.values():
             s = w.stats
             if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
@@ -266,6 +267,7 @@ class WorkerMetrics:
             if s.lora is not None and s.engine is not None:  # encoders report tower adapters for the router only
                 lora.add_metric([*labels, ",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_lora)],
                                 time.time() - (time.monotonic() - w.last_seen_s))
+                lora_cpu.add_metric(labels, s.lora.num_cpu_loras)
         yield running
         yield waiting
         yield usage
@@ -275,6 +277,7 @@ class WorkerMetrics:
         yield from encoder_extras
         yield from cache
         yield lora
+        yield lora_cpu
         restarts = self.worker_restarts()
         if restarts is not None:
             yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", restarts)
@@ -285,6 +288,8 @@ class WorkerMetrics:
 # time of the report (seconds since the epoch) as the value, as vLLM sets it
 LORA_INFO = ("epd:lora_requests_info", "Running stats on LoRA requests (adapters in labels).")
 LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
+LORA_CPU = ("epd:lora_cpu_adapters", "LoRA adapters an engine worker holds in host memory (at most "
+            "--max-cpu-loras, beside those its running requests still use).")
 WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")
 
 

@@ -6,11 +6,17 @@ peft's, the base after an adapter on the same prompt gets the base's answer
 parent, an unknown name is a 404; an adapter loaded at run time (POST
 /v1/load_lora_adapter) is served by every worker, and a 404 again once unloaded. In e-p-d the prompt is longer than
 --max-local-prefill-tokens, so it is prefilled on the prefill worker and the
-adapter travels with its KV to the decode worker."""
+adapter travels with its KV to the decode worker. Issue 44 on the same servers:
+an adapter deleted and pushed out of host memory fails its request (a 400
+naming it), never a worker; one unloaded mid-stream keeps its weights for
+that stream; oversized headers and sparse files are refused at load, a
+missing directory and an empty one answered alike; idle workers hold at most
+--max-cpu-loras adapters after many runtime loads."""
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -111,3 +117,107 @@ def test_an_adapter_loaded_and_unloaded_at_run_time(server, late):
         _complete(client, "late", PROMPTS["shared"])
     r = httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+
+
+# -- issue 44: adapter faults fail the request, never a worker ------------------------------------
+
+def _load(server, name: str, path) -> None:
+    import httpx
+
+    r = httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+
+
+def _unload(server, name: str) -> int:
+    import httpx
+
+    return httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": name}).status_code
+
+
+def test_a_deleted_adapter_fails_its_request_not_the_worker(server, late, tmp_path):
+    """Loaded, its directory deleted, pushed out of host memory (--max-cpu-loras 2) by two
+    others, then requested while a base stream runs: a 400 naming it, no worker restarted."""
+    import shutil
+
+    import httpx
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    gone = shutil.copytree(late[0], tmp_path / "gone")
+    _load(server, "gone", gone)
+    assert _complete(client, "gone", PROMPTS["shared"]) == late[1]
+    shutil.rmtree(gone)
+    _complete(client, "attn", PROMPTS["cache"])
+    _complete(client, "mlp", PROMPTS["cache"])
+    stream = client.completions.create(model=SERVED, prompt=PROMPTS["cache"], max_tokens=32, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # the other user's stream runs while the deleted adapter is asked for
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'gone'"):
+        _complete(client, "gone", PROMPTS["shared"])
+    rest = list(stream)
+    assert [*first.choices, *(c for e in rest for c in e.choices)][-1].finish_reason == "length"
+    assert server.metric_sum("epd:worker_restarts_total") == 0, server.log()[-3000:]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert _unload(server, "gone") == 200
+
+
+def test_an_adapter_unloaded_mid_stream_keeps_its_weights_until_the_stream_ends(server, late, tmp_path):
+    """Its files deleted, then unloaded, while its stream runs: the stream ends with the
+    adapter's tokens (no step reads the deleted files, no other stream fails)."""
+    import shutil
+
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    brief = shutil.copytree(late[0], tmp_path / "brief")
+    _load(server, "brief", brief)
+    body = dict(model="brief", prompt=PROMPTS["shared"], max_tokens=300, temperature=0,
+                extra_body={"ignore_eos": True})
+    expected_text = client.completions.create(**body).choices[0].text
+    stream = iter(client.completions.create(**body, stream=True))
+    events = [next(stream)]
+    shutil.rmtree(brief)
+    assert _unload(server, "brief") == 200
+    assert events[0].choices[0].finish_reason is None  # it runs on after the unload
+    events += list(stream)
+    assert events[-1].choices[0].finish_reason == "length"
+    assert "".join(c.text for e in events for c in e.choices) == expected_text
+    assert server.metric_sum("epd:worker_restarts_total") == 0
+
+
+def test_adapter_files_bounded_before_any_worker_reads_them(server, late, tmp_path):
+    """A header above the bound, a sparse weights file (a 1 GiB hole in a tensor nothing
+    reads) are 400s naming why; a missing directory and one without adapter_config.json get
+    one answer (vLLM's 404), so a key holder cannot map the server's directories."""
+    import httpx
+
+    from epd.bench.reliability_probe_lora import write_big_header, write_sparse
+    from epd.transport.lora_files import MAX_HEADER_BYTES
+
+    def load(name: str, path) -> httpx.Response:
+        return httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                          timeout=60)
+
+    big = write_big_header(Path(late[0]), tmp_path / "big", 20_000)
+    assert (big / "adapter_model.safetensors").stat().st_size > MAX_HEADER_BYTES
+    r = load("big", big)
+    assert r.status_code == 400 and f"above the {MAX_HEADER_BYTES}" in r.json()["error"]["message"]
+    r = load("sparse", write_sparse(Path(late[0]), tmp_path / "sparse", 1 << 30))
+    assert r.status_code == 400 and "more than a rank-8 adapter of this model can" in r.json()["error"]["message"]
+    (tmp_path / "empty").mkdir()
+    answers = []
+    for name, path in (("missing", tmp_path / "no-such-dir"), ("empty", tmp_path / "empty")):
+        r = load(name, path)
+        error = r.json()["error"]
+        answers.append((r.status_code, error["type"], error["message"].replace(str(path), "P").replace(name, "N")))
+    assert answers[0] == answers[1] == (404, "NotFoundError", "Loading lora N failed: No adapter found for P")
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_idle_workers_keep_host_memory_within_max_cpu_loras(server, late):
+    """Runtime loads read each adapter ahead in every engine worker; with no request, no step
+    runs, yet each holds at most --max-cpu-loras (2) of them (epd:lora_cpu_adapters)."""
+    names = [f"many-{i}" for i in range(12)]
+    for name in names:
+        _load(server, name, late[0])
+    server.settled_sum("epd:lora_cpu_adapters")
+    held = {k: v for k, v in server.metrics().items() if k.startswith("epd:lora_cpu_adapters{")}
+    assert held and max(held.values()) <= 2, held
+    assert [_unload(server, name) for name in names] == [200] * len(names)

@@ -94,7 +94,7 @@ def test_a_tower_only_adapter_takes_no_language_model_slot(tiny_model, loras):
     core.add_request(vit)
     core.step()
     assert core.num_running == 2 and core.num_waiting == 0  # the one slot is lang's alone
-    assert core.lora_state() == LoRAState(("lang", "vit"), (), ("lang",), 1)
+    assert core.lora_state() == LoRAState(("lang", "vit"), (), ("lang",), 1, 2)  # both in host memory
     while core.has_unfinished():
         core.step()
     assert vit.output_token_ids == base.output_token_ids and vit.num_cached_tokens == 32

@@ -233,7 +233,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
             break
         core.step()
     assert tuned.output_token_ids == expected[1, "attn"] and core.lora.num_loads == 1
-    assert core.lora_state() == LoRAState((), (), ("attn",), 1)  # resident: what the routers prefer
+    assert core.lora_state() == LoRAState((), (), ("attn",), 1, 1)  # resident (routers) and in host memory
 
 
 def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, adapters, expected, tmp_path):
@@ -252,7 +252,7 @@ def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, a
         if base.is_finished and not core.has_unfinished():
             break
         failed.update(core.step().failed)
-    assert list(failed) == ["bad"] and "holds no LoRA weight" in failed["bad"]
+    assert list(failed) == ["bad"] and "a padded, sparse or truncated file" in failed["bad"]
     assert base.output_token_ids == expected[0, None]
 
 
@@ -320,3 +320,30 @@ def test_an_adapter_retrained_in_place_is_not_served_its_old_kv(tiny_model, adap
     tokens, hits = run(retrained)
     assert tokens == expected[1, "mlp"] and hits > 0
     assert llm.engine.lora.num_loads == 3
+
+
+def test_an_evicted_adapter_whose_files_are_gone_fails_its_request_not_the_step(tiny_model, adapters, loras,
+                                                                              expected, tmp_path):
+    # issue 44: read, evicted (room for one), its directory deleted, then asked for again:
+    # its waiting request fails with the adapter's name; the others run to their end
+    from epd.engine.request import Request
+
+    doomed = LoRARequest("doomed", 8, str(shutil.copytree(adapters["mlp"], tmp_path / "doomed")))
+    core = _llm(tiny_model, enable_lora=True, max_loras=1, max_cpu_loras=1).engine
+    core.load_lora(loras["attn"])
+    core.load_lora(doomed)
+    base = Request("base", list(PROMPTS[0]), GREEDY)
+    attn = Request("attn", list(PROMPTS[1]), GREEDY, lora_request=loras["attn"])
+    late = Request("late", list(PROMPTS[2]), GREEDY, lora_request=doomed)
+    for request in (base, attn, late):
+        core.add_request(request)
+    core.step()  # base and attn run; doomed's adapter leaves host memory and its request waits
+    assert not core.lora.is_loaded(doomed.key)
+    shutil.rmtree(doomed.lora_path)
+    failed: dict[str, str] = {}
+    for _ in range(200):
+        if not core.has_unfinished():
+            break
+        failed.update(core.step().failed)
+    assert list(failed) == ["late"] and "LoRA adapter 'doomed'" in failed["late"]
+    assert base.output_token_ids == expected[0, None] and attn.output_token_ids == expected[1, "attn"]
