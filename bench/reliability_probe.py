@@ -1,4 +1,9 @@
-"""`epd bench reliability-probe MODEL_DIR`: issue 33's probe, re-run as one script.
+"""`epd bench reliability-probe MODEL_DIR`: issues 33's and 44's probes, re-run as one script.
+
+Issue 44's reproductions live one area a module (reliability_probe_poison,
+_tower, _video, _lora, _shutdown, _video_prompt), each starting its own
+server; `ISSUE_44_CASES` lists them and `--issues 44` runs them alone.
+What follows is issue 33's.
 
 One `epd serve` (e-pd: an encoder and an aggregated prefill-decode worker)
 with an API key, `--max-restarts 0` and a one-second `--shutdown-grace`,
@@ -237,14 +242,52 @@ def probe_worker_plane(p: Probe, args, out: Path) -> None:
         server.stop()
 
 
+# issue 44's reproductions, one module each (imported when run: they import this module's Probe):
+# (item, module under epd.bench, function(p, model_dir, out))
+ISSUE_44_CASES = (
+    ("1", "reliability_probe_poison", "probe_poison"),
+    ("1", "reliability_probe_tower", "probe_tower_attention"),
+    ("1, 3", "reliability_probe_video", "probe_video_kwargs"),
+    ("1", "reliability_probe_video", "probe_video_8k"),
+    ("2, 4, 5, 8", "reliability_probe_lora", "probe_lora"),
+    ("6", "reliability_probe_shutdown", "probe_group_sigterm"),
+    ("7", "reliability_probe_video_prompt", "probe_video_prompt"),
+)
+
+
+def probe_issue_44(p: Probe, args, out: Path) -> None:
+    """Each of issue 44's reproductions against its own server; one that breaks is a failed check."""
+    import importlib
+
+    for item, module_name, function in ISSUE_44_CASES:
+        case_out = out / "issue-44" / function
+        case_out.mkdir(parents=True, exist_ok=True)
+        try:
+            probe = getattr(importlib.import_module(f"epd.bench.{module_name}"), function)
+            probe(p, args.model_dir, case_out)
+        except Exception as exc:  # noqa: BLE001 - the probe reports what broke and goes on
+            p.check(item, f"{function} ran to the end", False, f"{type(exc).__name__}: {exc}")
+
+
 def main(args) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    p = Probe(out)
+    if "33" in args.issues:
+        probe_issue_33(p, args, out)
+    if "44" in args.issues:
+        probe_issue_44(p, args, out)
+    (out / "reliability_probe.json").write_text(json.dumps(p.rows, indent=2))
+    failed = sum(not row["ok"] for row in p.rows)
+    print(f"{len(p.rows) - failed} passed, {failed} failed", flush=True)
+    return failed
+
+
+def probe_issue_33(p: Probe, args, out: Path) -> None:
     cache = out / "mm-cache"
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(mode=0o700)
     (cache / "data.mdb").write_bytes(os.urandom(64 << 10))  # a damaged disk: the meta pages garbage
-    p = Probe(out)
     server = ServeProcess(args.model_dir, "e-pd", cpu_set(args.cpus),
                           ["--api-key", KEY, "--mm-cache-dir", str(cache), "--max-restarts", "0",
                            "--down-retry-interval", "3600", "--shutdown-grace", "1"], out / "server.log")
@@ -264,16 +307,13 @@ def main(args) -> int:
         probe_worker_plane(p, args, out)
     except Exception as exc:  # noqa: BLE001
         p.check("-", "the worker-plane probe ran to the end", False, f"{type(exc).__name__}: {exc}")
-    (out / "reliability_probe.json").write_text(json.dumps(p.rows, indent=2))
-    failed = sum(not row["ok"] for row in p.rows)
-    print(f"{len(p.rows) - failed} passed, {failed} failed", flush=True)
-    return failed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory to serve")
     p.add_argument("--cpus", default=None, help="CPU list the servers are pinned to (default: all)")
     p.add_argument("--output-dir", default="bench-results/reliability-probe")
+    p.add_argument("--issues", default="33,44", help="whose reproductions to run: 33, 44 or 33,44 (default)")
 
 
 if __name__ == "__main__":

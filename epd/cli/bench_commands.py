@@ -25,8 +25,8 @@ BENCHMARKS = {
                                    "1, 10, 100 MB"),
     "vs-vllm": ("vs_vllm", "EPD against `vllm serve` (a separate venv: scripts/vllm_env.sh) on one checkpoint "
                            "and one trace, interleaved rounds, each row's ratio with its range"),
-    "reliability-probe": ("reliability_probe", "issue 33's attacks on a live server and a keyed external "
-                                               "deployment; the exit code counts the failed checks"),
+    "reliability-probe": ("reliability_probe", "issues 33's and 44's attacks on live servers and a keyed "
+                                               "external deployment; the exit code counts the failed checks"),
 }
 
 
