@@ -47,6 +47,10 @@ class VideoPlanError(ValueError):
     """The video cannot be processed with these settings (the message is fit for a client)."""
 
 
+class VideoKwargsError(VideoPlanError):
+    """A request's own mm_processor_kwargs would cost more than the server allows."""
+
+
 @dataclass(frozen=True)
 class VideoMeta:
     """What the container's header says of its first video stream."""
@@ -173,7 +177,7 @@ class VideoGeometry:
         return self.patch_size * self.merge_size
 
     def check_request(self, meta: VideoMeta, request: VideoOptions, server: VideoOptions = VideoOptions()) -> None:
-        """VideoPlanError (a 400) naming the first of a request's own keys whose value
+        """VideoKwargsError (a 400) naming the first of a request's own keys whose value
         would cost more than the server's settings allow: `min_pixels` / `max_pixels`
         above the server's pixel budget (--mm-processor-kwargs' max_pixels, else the
         checkpoint's), `num_frames` above the frames the video holds (the checkpoint's
@@ -184,12 +188,12 @@ class VideoGeometry:
         for key in ("min_pixels", "max_pixels"):
             value = getattr(request, key)
             if value is not None and value > budget:
-                raise VideoPlanError(f"mm_processor_kwargs {key}={value} exceeds this server's video pixel budget: "
+                raise VideoKwargsError(f"{key}={value} exceeds this server's video pixel budget: "
                                      f"allowed 1..{budget}")
         if request.num_frames is not None:
             most = min(max(meta.num_frames, self.min_frames), self.max_frames)
             if request.num_frames > most:
-                raise VideoPlanError(f"mm_processor_kwargs num_frames={request.num_frames} exceeds what this video "
+                raise VideoKwargsError(f"num_frames={request.num_frames} exceeds what this video "
                                      f"of {meta.num_frames} frames allows: 1..{most}")
 
     def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions(),

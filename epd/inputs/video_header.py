@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from epd.encoders.video_geometry import VideoGeometry, VideoMeta, VideoOptions, VideoPlan, VideoPlanError
+from epd.encoders.video_geometry import (VideoGeometry, VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
+                                         VideoPlanError)
 from epd.encoders.video_io import TooManyFrames, VideoError, read_video_meta
 
-__all__ = ["VideoError", "VideoMeta", "VideoOptions", "VideoPlan", "loader_frames", "plan_video"]
+__all__ = ["VideoError", "VideoKwargsRefused", "VideoMeta", "VideoOptions", "VideoPlan", "loader_frames", "plan_video"]
+
+
+class VideoKwargsRefused(VideoError):
+    """A request's mm_processor_kwargs past the video or the server's budget (a 400 naming them)."""
 
 
 def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = VideoOptions(),
@@ -48,6 +53,8 @@ def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = Vid
         plan = geometry.plan(meta, options, loaded)
         if request is not None and max_group_pixels is not None:
             _check_group(plan, geometry, meta, server, loaded, max_group_pixels)
+    except VideoKwargsError as exc:
+        raise VideoKwargsRefused(str(exc)) from None
     except VideoPlanError as exc:
         raise VideoError(str(exc)) from None
     except (ArithmeticError, ValueError) as exc:  # settings no rule foresaw: this request's fault, a 400
@@ -62,7 +69,7 @@ def _check_group(plan: VideoPlan, geometry: VideoGeometry, meta: VideoMeta, serv
         return
     own = geometry.plan(meta, server, loaded)  # the server's settings alone: what any request gets
     if pixels > own.resized_height * own.resized_width:
-        raise VideoPlanError(f"mm_processor_kwargs resize the video's frames to {plan.resized_width}x"
+        raise VideoKwargsError(f"they would resize the video's frames to {plan.resized_width}x"
                              f"{plan.resized_height}, past this server's limit of {max_group_pixels} pixels "
                              f"a frame (the image budget)")
 

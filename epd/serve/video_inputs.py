@@ -29,7 +29,7 @@ from epd.encoders.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.prompt import VideoRef
-from epd.inputs.video_header import VideoError, plan_video
+from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.requests import RequestError
 from epd.transport.mm_cache import adapted_mm_hash
 from epd.transport.mm_video import VideoFrames
@@ -140,6 +140,8 @@ class VideoInputs:
                                         max_frame_pixels=self.media.max_image_pixels,
                                         loader_num_frames=self.media.video_num_frames, request=request,
                                         server=self.server, max_group_pixels=image_budget)
+            except VideoKwargsRefused as exc:
+                raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
             except VideoError as exc:
                 raise RequestError(f"video: {exc}", param="messages") from None
             num_decoded += (max(plan.frame_indices) + 1) * meta.width * meta.height  # FFmpeg decodes those skipped

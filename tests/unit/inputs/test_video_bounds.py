@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from epd.encoders.image_processor import ImageGeometry
 from epd.encoders.video_geometry import VideoGeometry, VideoOptions, VideoPlan
 from epd.inputs.prompt import PromptBuilder, PromptTooLong, VideoRef
-from epd.inputs.video_header import VideoError, plan_video
+from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs
 from testkit.videos import encode_video, synthetic_frames
 
@@ -37,7 +37,7 @@ def _plan(geometry, kwargs: dict, server: dict | None = None):
 
 @pytest.mark.parametrize("num_frames", [10, 10**6, 10**30])
 def test_num_frames_past_the_video_is_refused_naming_the_range(geometry, num_frames):
-    with pytest.raises(VideoError, match=rf"num_frames={num_frames} exceeds what this video of 9 frames allows: 1\.\.9"):
+    with pytest.raises(VideoKwargsRefused, match=rf"num_frames={num_frames} exceeds what this video of 9 frames allows: 1\.\.9"):
         _plan(geometry, {"num_frames": num_frames})
 
 
@@ -48,13 +48,13 @@ def test_num_frames_within_the_video_plans_as_before(geometry):
 
 @pytest.mark.parametrize("key, value", [("min_pixels", 10**15), ("max_pixels", 10**15), ("min_pixels", 25165825)])
 def test_pixels_past_the_servers_budget_are_refused(geometry, key, value):
-    with pytest.raises(VideoError, match=rf"{key}={value} exceeds this server's video pixel budget: "
+    with pytest.raises(VideoKwargsRefused, match=rf"{key}={value} exceeds this server's video pixel budget: "
                                          r"allowed 1\.\.25165824"):
         _plan(geometry, {key: value})
 
 
 def test_a_servers_own_budget_bounds_its_requests(geometry):
-    with pytest.raises(VideoError, match=r"max_pixels=20000 exceeds this server's video pixel budget: "
+    with pytest.raises(VideoKwargsRefused, match=r"max_pixels=20000 exceeds this server's video pixel budget: "
                                          r"allowed 1\.\.16384"):
         _plan(geometry, {"max_pixels": 20000}, server={"max_pixels": 16384})
     assert _plan(geometry, {"max_pixels": 16384}, server={"max_pixels": 16384})[1].resized_height == 64
@@ -63,7 +63,7 @@ def test_a_servers_own_budget_bounds_its_requests(geometry):
 def test_upscaling_past_the_image_budget_is_refused(geometry):
     """min_pixels 8294400 upscaled a 64x64 clip to 1440x1440 a frame: within the video
     budget, but each group's frame is then larger than one image may be."""
-    with pytest.raises(VideoError, match=r"resize the video's frames to 1440x1440, past this server's limit "
+    with pytest.raises(VideoKwargsRefused, match=r"resize the video's frames to 1440x1440, past this server's limit "
                                          r"of 65536 pixels a frame"):
         _plan(geometry, {"min_pixels": 8294400})
     assert _plan(geometry, {"min_pixels": 4 * 256 * 256})[1].resized_height == 256  # up to the image budget
