@@ -93,7 +93,7 @@ class VideoOptions:
                     raise ValueError(f"do_sample_frames must be true or false, got {value!r}")
             elif key == "fps":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                    raise ValueError(f"fps must be a positive finite number, got {value!r}")
+                    raise ValueError(f"fps must be a positive number, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
         if "fps" in kwargs and "num_frames" in kwargs:

@@ -85,7 +85,7 @@ def test_huge_fps_takes_every_frame(geometry, fps):
 
 @pytest.mark.parametrize("bad", [{"fps": float("inf")}, {"fps": float("nan")}])
 def test_fps_must_be_finite(bad):
-    with pytest.raises(ValueError, match="fps must be a positive finite number"):
+    with pytest.raises(ValueError, match="fps must be a positive number, got (inf|nan)"):
         VideoOptions.from_kwargs(bad)
 
 
