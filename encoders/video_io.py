@@ -38,6 +38,14 @@ class DecodeLimits:
                              f"{self.max_decoded_pixels} decoded pixels")
 
 
+    def check_resized(self, width: int, height: int, num_frames: int) -> None:
+        """VideoError when a plan's frames at their planned size hold more pixels than may
+        be decoded (a plan forged by a peer: the encoder holds them all at that size)."""
+        if num_frames * width * height > self.max_decoded_pixels:
+            raise VideoError(f"a plan of {num_frames} frames resized to {width}x{height} exceeds the limit of "
+                             f"{self.max_decoded_pixels} decoded pixels")
+
+
 class VideoError(ValueError):
     """The bytes are not a usable video."""
 

@@ -56,6 +56,8 @@ def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits:
     plan = video_plan(msg.video)
     try:
         start = time.perf_counter()
+        if limits is not None:
+            limits.check_resized(plan.resized_width, plan.resized_height, len(plan.frame_indices))
         resize = frame_resizer(plan.resized_height, plan.resized_width)  # held at the planned size
         frames = decode_frames(msg.image, plan.frame_indices, limits, resize)
         if on_decode is not None:
