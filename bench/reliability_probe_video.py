@@ -10,13 +10,19 @@ to the encoder (VmHWM after clear_refs, /proc/<pid>/status):
                           small clip, min_pixels 8294400 on a 64x64 clip and
                           10**15: each a 400 naming the key, before any work
   probe_video_8k      1   an 8-frame 7680x4320 H.264 clip under the release's
-                          video budget: served, or refused, without the encoder
-                          dying (its pid unchanged), and the server answers after
+                          video budget (4 frames of 3328x1856, 12,064 placeholders:
+                          served by a copy of the checkpoint taking 32,768
+                          positions): it ends without the encoder dying (its pid
+                          unchanged), and the server answers after. Run it with
+                          the tower's memory-linear attention: before it, the
+                          encoder's attention on 24,128 patches a group takes
+                          heads x 24,128^2 floats (the issue's OOM kills)
 """
 from __future__ import annotations
 
 import base64
 import io
+import json
 import re
 import time
 from pathlib import Path
@@ -93,6 +99,21 @@ def _answers(server: ServeProcess, model: str) -> int:
     return _send(server, model, clip, None)["status"]
 
 
+def long_context_copy(model_dir: str, out: Path, max_positions: int = 32768) -> str:
+    """`model_dir` with text_config.max_position_embeddings raised (the other files linked):
+    the tiny presets take 4,096 positions, fewer than the 8K clip's 12,064 placeholders."""
+    copy = out / "long-context-model"
+    copy.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.name != "config.json" and not (copy / path.name).exists():
+            (copy / path.name).symlink_to(path.resolve())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["max_position_embeddings"] = max(int(text.get("max_position_embeddings", 0)), max_positions)
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return str(copy)
+
+
 def _serve(model_dir: str, log: Path) -> tuple[ServeProcess, str]:
     server = ServeProcess(model_dir, "e-pd", cpu_set(None), ["--api-key", KEY, "--max-restarts", "0"], log)
     return server, server.wait_ready(300, headers=AUTH)
@@ -121,7 +142,7 @@ def probe_video_8k(p: Probe, model_dir: str, out: Path, height: int = 4320, widt
     """Item 1: the 8-frame 8K H.264 clip under default flags: the encoder survives it
     (its peak RSS recorded), the request ends, the server answers after."""
     clip = h264_clip(8, height, width)
-    server, model = _serve(model_dir, out / "video-8k.log")
+    server, model = _serve(long_context_copy(model_dir, out), out / "video-8k.log")
     try:
         row = _send(server, model, clip, None)
         p.check("44.1", f"8-frame {width}x{height} H.264 ({len(clip)} B): ends, the encoder lives",
