@@ -107,3 +107,20 @@ def test_prompt_length_comes_from_the_plan_before_expansion(tiny_model):
                                              {"type": "text", "text": "What happens?"}]}]
     with pytest.raises(PromptTooLong, match=r"more than 4096 tokens \(its images and videos take 2000000\)"):
         builder.build(messages, [], max_tokens=4096, videos=[VideoRef(plan, "1" * 64)])
+
+
+@pytest.mark.parametrize("kwargs, num_sampled", [
+    ({"do_sample_frames": True, "fps": 1e308, "min_frames": 10**30}, 8),  # whole temporal groups of the 9
+    ({"do_sample_frames": True, "fps": 1, "max_frames": 10**30}, 4),  # 2.25 s at 1 fps, raised to min_frames
+    ({"do_sample_frames": True, "num_frames": 10**30}, None)])
+def test_qwen2_extremes_plan_or_refuse_with_a_reason(tmp_path, kwargs, num_sampled):
+    """Qwen2.5-VL's rules under values no client means: every frame, or a 400, never a crash."""
+    write_processor_configs(tmp_path, PRESETS["qwen2.5-vl-tiny"])
+    geometry = VideoGeometry.from_pretrained(tmp_path)
+    request = VideoOptions.from_kwargs(kwargs)
+    if num_sampled is None:
+        with pytest.raises(VideoKwargsRefused, match="num_frames=10+ exceeds what this video of 9 frames allows"):
+            plan_video(CLIP, geometry, request, request=request, max_group_pixels=IMAGE_BUDGET)
+        return
+    _, plan = plan_video(CLIP, geometry, request, request=request, max_group_pixels=IMAGE_BUDGET)
+    assert len(plan.frame_indices) == num_sampled
