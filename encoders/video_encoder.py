@@ -32,7 +32,7 @@ import torch
 from epd.encoders.video_geometry import VideoGeometry, VideoPlan
 from epd.encoders.video_io import decode_frames
 from epd.encoders.video_keys import entry_hashes
-from epd.encoders.video_processor import normalize_frames, patchify, resize_frames
+from epd.encoders.video_processor import frame_resizer, normalize_frames, patchify, resize_frames
 from epd.transport.mm_entry import MMEntry
 
 # (frames decoded, decode s, preprocessing s, ViT forward s) of one video
@@ -57,7 +57,8 @@ class VideoEncoder:
         """The entries of the video `mm_hash` (its key, encoders/video_keys.video_mm_hash).
         Raises encoders.video_io.VideoError when the bytes do not decode to the plan."""
         start = time.perf_counter()
-        frames = decode_frames(data, plan.frame_indices)  # uint8 [num_frames, H, W, 3]
+        # uint8 [num_frames, h, w, 3]: each frame resized to the plan's size as it is decoded
+        frames = decode_frames(data, plan.frame_indices, resize=frame_resizer(plan.resized_height, plan.resized_width))
         decoded = time.perf_counter()
         on_done = None
         if on_video is not None:

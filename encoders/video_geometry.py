@@ -47,6 +47,10 @@ class VideoPlanError(ValueError):
     """The video cannot be processed with these settings (the message is fit for a client)."""
 
 
+class VideoKwargsError(VideoPlanError):
+    """A request's own mm_processor_kwargs would cost more than the server allows."""
+
+
 @dataclass(frozen=True)
 class VideoMeta:
     """What the container's header says of its first video stream."""
@@ -88,7 +92,7 @@ class VideoOptions:
                 if not isinstance(value, bool):
                     raise ValueError(f"do_sample_frames must be true or false, got {value!r}")
             elif key == "fps":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                     raise ValueError(f"fps must be a positive number, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key} must be a positive integer, got {value!r}")
@@ -172,6 +176,26 @@ class VideoGeometry:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    def check_request(self, meta: VideoMeta, request: VideoOptions, server: VideoOptions = VideoOptions()) -> None:
+        """VideoKwargsError (a 400) naming the first of a request's own keys whose value
+        would cost more than the server's settings allow: `min_pixels` / `max_pixels`
+        above the server's pixel budget (--mm-processor-kwargs' max_pixels, else the
+        checkpoint's), `num_frames` above the frames the video holds (the checkpoint's
+        min_frames at least: a short clip's frames repeat, as transformers') or the
+        checkpoint's max_frames. `fps`, `min_frames` and `max_frames` need no bound:
+        the sampled count never passes the container's frames."""
+        budget = self.max_pixels if server.max_pixels is None else server.max_pixels
+        for key in ("min_pixels", "max_pixels"):
+            value = getattr(request, key)
+            if value is not None and value > budget:
+                raise VideoKwargsError(f"{key}={value} exceeds this server's video pixel budget: "
+                                     f"allowed 1..{budget}")
+        if request.num_frames is not None:
+            most = min(max(meta.num_frames, self.min_frames), self.max_frames)
+            if request.num_frames > most:
+                raise VideoKwargsError(f"num_frames={request.num_frames} exceeds what this video "
+                                     f"of {meta.num_frames} frames allows: 1..{most}")
+
     def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions(),
              loaded: list[int] | None = None) -> VideoPlan:
         """The sampled frames, their resized size and their tokens; VideoPlanError
@@ -215,10 +239,13 @@ class VideoGeometry:
     def _sample_qwen3(self, meta: VideoMeta, fps: float | None, num_frames: int | None) -> list[int]:
         total = meta.num_frames
         if num_frames is None and fps is not None:
-            num_frames = int(total / (meta.fps or 24) * fps)
+            # capped before int(): the same count once clamped to `total` below, and never int(inf)
+            num_frames = int(min(total / (meta.fps or 24) * fps, total + 1))
             num_frames = min(max(num_frames, self.min_frames), self.max_frames, total)
         if num_frames is None:
             num_frames = min(max(total, self.min_frames), self.max_frames)
+        if num_frames > max(total, self.min_frames, self.max_frames):  # linspace never gets an uncapped count
+            raise VideoPlanError(f"cannot sample {num_frames} frames from a video of {total}")
         return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
 
     def _sample_qwen2(self, meta: VideoMeta, fps: float | None, num_frames: int | None,

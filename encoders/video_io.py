@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from epd.encoders.video_geometry import VideoMeta
+
+FrameResize = Callable[["np.ndarray"], "np.ndarray"]  # noqa: F821  uint8 [H, W, 3] -> [h, w, 3]
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,14 @@ class DecodeLimits:
             raise VideoError(f"video frames of {width}x{height} exceed the limit of {self.max_frame_pixels} pixels")
         if (last_index + 1) * width * height > self.max_decoded_pixels:
             raise VideoError(f"decoding {last_index + 1} frames of {width}x{height} exceeds the limit of "
+                             f"{self.max_decoded_pixels} decoded pixels")
+
+
+    def check_resized(self, width: int, height: int, num_frames: int) -> None:
+        """VideoError when a plan's frames at their planned size hold more pixels than may
+        be decoded (a plan forged by a peer: the encoder holds them all at that size)."""
+        if num_frames * width * height > self.max_decoded_pixels:
+            raise VideoError(f"a plan of {num_frames} frames resized to {width}x{height} exceeds the limit of "
                              f"{self.max_decoded_pixels} decoded pixels")
 
 
@@ -97,18 +108,26 @@ def _count_packets(container, stream, max_frames: int | None) -> int:
 
 
 def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int],
-                  limits: DecodeLimits | None = None) -> "np.ndarray":  # noqa: F821
+                  limits: DecodeLimits | None = None, resize: FrameResize | None = None) -> "np.ndarray":  # noqa: F821
     """The frames at `frame_indices` (ascending, repeats allowed) of the first
     video stream, as uint8 [num_frames, height, width, 3] RGB, decoding no further
     than the last one. VideoError when the stream ends before it, or (`limits`)
-    its frames are too large or it takes longer than the deadline."""
+    its frames are too large or it takes longer than the deadline.
+
+    `resize`: applied to each kept frame as it is decoded (uint8 [H, W, 3] ->
+    [h, w, 3]), so what is held is the planned frames at their planned size plus
+    one full-size frame, never every sampled frame at full size (4,096 1080p
+    frames are 25 GB)."""
     import numpy as np
 
     if not frame_indices:
         raise VideoError("no frame to decode")
-    wanted = set(frame_indices)
-    last = max(wanted)
-    picked: dict[int, np.ndarray] = {}
+    slots: dict[int, list[int]] = {}  # stream index -> its positions in the output (repeats)
+    for position, index in enumerate(frame_indices):
+        slots.setdefault(index, []).append(position)
+    last = max(slots)
+    out = None  # [num_frames, h, w, 3], allocated at the first kept frame
+    size = None  # (width, height) of the first kept frame
     container = _open(data)
     start = time.monotonic()
     try:
@@ -118,10 +137,18 @@ def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int],
         for i, frame in enumerate(container.decode(video=0)):
             if limits is not None and time.monotonic() - start > limits.deadline_s:
                 raise VideoError(f"decoding the video took more than {limits.deadline_s:g} s")
-            if i in wanted:
+            if i in slots:
                 if limits is not None:  # the stream's size may change midway: each kept frame is checked
                     limits.check_size(frame.width, frame.height, last)
-                picked[i] = frame.to_ndarray(format="rgb24")
+                if size is not None and size != (frame.width, frame.height):
+                    raise VideoError("the video's frame size changes midway")
+                size = (frame.width, frame.height)
+                pixels = frame.to_ndarray(format="rgb24")
+                if resize is not None:
+                    pixels = resize(pixels)
+                if out is None:
+                    out = np.empty((len(frame_indices), *pixels.shape), np.uint8)
+                out[slots[i]] = pixels
             if i >= last:
                 break
     except VideoError:
@@ -130,8 +157,6 @@ def decode_frames(data: bytes, frame_indices: tuple[int, ...] | list[int],
         raise VideoError(f"cannot decode video: {exc.__class__.__name__}") from None
     finally:
         container.close()
-    if last not in picked:
+    if out is None or i < last:
         raise VideoError(f"the video ends before frame {last} (its header promised more)")
-    if len({picked[i].shape for i in picked}) > 1:
-        raise VideoError("the video's frame size changes midway")
-    return np.stack([picked[i] for i in frame_indices])
+    return out

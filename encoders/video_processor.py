@@ -31,6 +31,16 @@ def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor
     return out.clamp_(0, 255).round_().to(torch.uint8)
 
 
+def frame_resizer(height: int, width: int):
+    """One decoded frame, uint8 numpy [H, W, 3] -> [height, width, 3], as `resize_frames`
+    does it to a batch (the kernel works frame by frame: the same bytes); for
+    encoders/video_io.decode_frames, which then holds frames at the planned size."""
+    def resize(frame):
+        chw = torch.from_numpy(frame).permute(2, 0, 1).unsqueeze(0)  # [1, 3, H, W]
+        return resize_frames(chw, height, width)[0].permute(1, 2, 0).numpy()
+    return resize
+
+
 def normalize_frames(frames: torch.Tensor, geometry: VideoGeometry) -> torch.Tensor:
     """uint8 [T, C, H, W] -> float32, rescale and normalize fused as transformers does."""
     mean = torch.tensor(geometry.image_mean, device=frames.device) * (1.0 / geometry.rescale_factor)

@@ -4,7 +4,8 @@ error its request fails with. Shared by the encoder worker
 (epd/serve/worker_entry.py), so a video is decoded, limited and keyed the same
 way whichever process encodes it.
 
-    plan (the API's VideoFrames) -> decode_frames(bytes, plan.frame_indices, DecodeLimits)
+    plan (the API's VideoFrames) -> decode_frames(bytes, plan.frame_indices, DecodeLimits,
+                                                  each frame resized to the plan's size as decoded)
                                  -> VideoEncoder.encode_frames -> [(key, MMEntry)]
     a failure: [(first entry's key, "video: ...")]: the request waits for every
     entry, so failing the first fails it, and the worker serves on.
@@ -19,6 +20,7 @@ from epd.encoders.video_encoder import VideoEncoder
 from epd.encoders.video_geometry import VideoPlan
 from epd.encoders.video_io import DecodeLimits, VideoError, decode_frames
 from epd.encoders.video_keys import entry_hashes
+from epd.encoders.video_processor import frame_resizer
 from epd.transport.messages import EncodeRequest
 from epd.transport.mm_entry import MMEntry
 from epd.transport.mm_video import VideoFrames
@@ -54,7 +56,10 @@ def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits:
     plan = video_plan(msg.video)
     try:
         start = time.perf_counter()
-        frames = decode_frames(msg.image, plan.frame_indices, limits)
+        if limits is not None:
+            limits.check_resized(plan.resized_width, plan.resized_height, len(plan.frame_indices))
+        resize = frame_resizer(plan.resized_height, plan.resized_width)  # held at the planned size
+        frames = decode_frames(msg.image, plan.frame_indices, limits, resize)
         if on_decode is not None:
             on_decode(max(plan.frame_indices) + 1, time.perf_counter() - start)
         return list(video.encode_frames(frames, plan, msg.mm_hash, on_done=on_done))

@@ -204,9 +204,21 @@ class PromptBuilder:
         `max_tokens`: a rendered prompt surely longer is refused (PromptTooLong) before
         it is tokenized whole."""
         text = self.render(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
-        if max_tokens is not None and exceeds_tokens(self.tokenizer, text, max_tokens):  # pads only add
-            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
+        if max_tokens is not None:
+            self.check_length(text, images, videos, max_tokens)
         return self.expand(text, images, videos)
+
+    def check_length(self, text: str, images: list[ImageRef], videos: list[VideoRef], max_tokens: int) -> None:
+        """PromptTooLong when `text` (one pad per image and video) surely expands past
+        `max_tokens`, counted from the plans' arithmetic, before any expansion: each pad
+        becomes at least its media's placeholder tokens (a video's `plan.num_tokens`)."""
+        num_media = sum(self.geometry.num_image_tokens(img.width, img.height) for img in images) \
+            + sum(video.plan.num_tokens for video in videos)
+        if num_media > max_tokens:
+            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens (its images and videos take "
+                                f"{num_media})")
+        if exceeds_tokens(self.tokenizer, text, max_tokens - num_media + len(images) + len(videos)):
+            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
 
     def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = ()) -> Prompt:
         """A rendered prompt's one pad per image and video expanded, tokenized, its spans found."""

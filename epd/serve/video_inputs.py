@@ -6,7 +6,9 @@ alone (the API process decodes no pixel): `VideoInputs`.
     plan          header -> sampled frames (--media-io-kwargs video.num_frames first), resized
                   size, tokens                                   epd/inputs/video_header.plan_video
     limits        --max-video-frames (container), --max-image-pixels (a frame),
-                  --max-request-video-pixels (what the encoder will decode, all videos together)
+                  --max-request-video-pixels (what the encoder will decode, all videos together);
+                  the request's own kwargs within the video and the server's budget, a temporal
+                  group's frame within the image budget (VideoGeometry.check_request, plan_video)
     keys          the video's mm_hash over its bytes, the video processor config and the plan's
                   frames and size (the same video sampled otherwise is another entry), and the
                   keys of the entries its spans name: one per temporal group for Qwen3-VL
@@ -27,7 +29,7 @@ from epd.encoders.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.prompt import VideoRef
-from epd.inputs.video_header import VideoError, plan_video
+from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.requests import RequestError
 from epd.transport.mm_cache import adapted_mm_hash
 from epd.transport.mm_video import VideoFrames
@@ -94,6 +96,7 @@ class VideoInputs:
         self.files = files
         self.media = media
         self.defaults = split_processor_kwargs(server_kwargs)[1]
+        self.server = VideoOptions.from_kwargs(self.defaults)  # checked at start-up (epd/inputs/model_files.py)
         self.fingerprint = fingerprint
 
     def options(self, request_kwargs: dict | None) -> VideoOptions:
@@ -109,6 +112,14 @@ class VideoInputs:
         except ValueError as exc:
             raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
 
+    @staticmethod
+    def options_of(request_kwargs: dict | None) -> VideoOptions:
+        """The request's own video kwargs, without the server's (what its bounds are checked on)."""
+        try:
+            return VideoOptions.from_kwargs(request_kwargs)
+        except ValueError as exc:
+            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+
     def plan(self, raw_videos: list[bytes], request_kwargs: dict | None,
              tower_digest: str | None = None) -> list[PlannedVideo]:
         """Every video part's plan and key (adapted to the tower adapter of `tower_digest`,
@@ -120,12 +131,17 @@ class VideoInputs:
         if geometry is None:
             raise RequestError(self.files.no_video_reason, param="messages")
         options = self.options(request_kwargs)
+        request = self.options_of(request_kwargs)
+        image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
         out, num_decoded = [], 0
         for data in raw_videos:
             try:
                 meta, plan = plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
                                         max_frame_pixels=self.media.max_image_pixels,
-                                        loader_num_frames=self.media.video_num_frames)
+                                        loader_num_frames=self.media.video_num_frames, request=request,
+                                        server=self.server, max_group_pixels=image_budget)
+            except VideoKwargsRefused as exc:
+                raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
             except VideoError as exc:
                 raise RequestError(f"video: {exc}", param="messages") from None
             num_decoded += (max(plan.frame_indices) + 1) * meta.width * meta.height  # FFmpeg decodes those skipped

@@ -7,6 +7,7 @@ goes on."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -103,6 +104,20 @@ def test_decode_limits_fail_the_request_not_the_worker(plane, limits, message):
     assert not done.ok and message in done.error
     assert done.mm_hash == entry_hashes(msg.mm_hash, video_plan(msg.video))[0]  # the request waits for it
     worker.decode_limits = LIMITS  # the same worker serves the next video
+    assert all(d.ok for d in plane.run(worker, plane.request(data, "r2")))
+
+
+def test_a_forged_plan_upscaling_past_the_decode_limit_fails_before_decoding(plane):
+    """The encoder holds the planned frames at their planned size: a peer's plan that
+    resizes them past --max-request-video-pixels fails its request, the worker serves on."""
+    worker = plane.make()
+    data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)
+    msg = plane.request(data)
+    forged = EncodeRequest("r", msg.mm_hash, data, reply_to=msg.reply_to,
+                           video=replace(msg.video, resized_height=4096, resized_width=4096))
+    [done] = plane.run(worker, forged)
+    assert not done.ok and "resized to 4096x4096 exceeds the limit of 16777216 decoded pixels" in done.error
+    assert worker.counters.video.num_frames_decoded == 0
     assert all(d.ok for d in plane.run(worker, plane.request(data, "r2")))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from epd.encoders.video_geometry import VideoGeometry, VideoOptions
 from epd.encoders.video_io import VideoError, decode_frames
-from epd.encoders.video_processor import VideoPreprocessor
+from epd.encoders.video_processor import VideoPreprocessor, frame_resizer, resize_frames
 from epd.inputs.video_header import plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs
 from testkit.video_reference import hf_video_outputs, reference_available
@@ -25,6 +25,18 @@ def test_lossless_decode_returns_the_planned_frames_in_order():
     assert np.array_equal(decode_frames(data, picked), frames[picked])
     with pytest.raises(VideoError, match="ends before frame 9"):
         decode_frames(data, [3, 9])
+
+
+@pytest.mark.parametrize("height, width", [(64, 96), (32, 32), (96, 160)])
+def test_frames_resized_as_decoded_equal_the_batch_resize(height, width):
+    """The encoder holds each frame at its planned size from the moment it is decoded:
+    the same bytes as resizing the decoded batch, repeats included."""
+    data = encode_video(synthetic_frames(9, 48, 80, seed=6), "mp4")
+    picked = [0, 3, 3, 8]
+    full = torch.from_numpy(decode_frames(data, picked)).permute(0, 3, 1, 2).contiguous()
+    expected = resize_frames(full, height, width).permute(0, 2, 3, 1)
+    held = decode_frames(data, picked, resize=frame_resizer(height, width))
+    assert held.shape == (4, height, width, 3) and torch.equal(torch.from_numpy(held), expected)
 
 
 # (video kind, transformers' call kwargs) per checkpoint preset
