@@ -11,12 +11,14 @@ stops routing to it meanwhile and recovers its requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import os
 import time
 from dataclasses import replace
 
 from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, Supervisor
-from epd.serve.worker_entry import WorkerLaunch, run_worker
+from epd.serve.worker_entry import STOP_NOW, WorkerLaunch, run_worker
 from epd.transport.addresses import Addresses, parse_worker_id, worker_id as make_worker_id
 from epd.transport.roles import Role
 
@@ -96,14 +98,14 @@ class LocalSupervisor(Supervisor):
         return worker_id
 
     def remove_worker(self, worker_id: str) -> None:
-        """SIGTERM (the worker closes its sockets and exits 0), SIGKILL after
+        """STOP_NOW (the worker closes its sockets and exits 0), SIGKILL after
         REMOVE_GRACE_S; `watch` reaps it and never restarts it."""
         if worker_id not in self.launches:
             raise KeyError(f"no worker {worker_id!r}")
         self._removing[worker_id] = time.monotonic()
         proc = self.procs.get(worker_id)
         if proc is not None and proc.exitcode is None:
-            proc.terminate()
+            _stop_now(proc)
 
     def _reap_removed(self) -> None:
         for worker_id, since in list(self._removing.items()):
@@ -150,15 +152,21 @@ class LocalSupervisor(Supervisor):
         self._spawn(worker_id)
 
     def stop(self) -> None:
-        """Joins workers told to stop (Shutdown), then SIGTERM, then SIGKILL."""
+        """Joins workers told to stop (Shutdown), then STOP_NOW, then SIGKILL."""
         self._stopping = True
         procs = [p for p in self.procs.values() if p.pid is not None]
         for p in procs:
             p.join(timeout=SHUTDOWN_GRACE_S)
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                _stop_now(p)
                 p.join(timeout=SHUTDOWN_GRACE_S)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _stop_now(proc) -> None:
+    """The worker's STOP_NOW (epd/serve/worker_entry.py: SIGTERM only lets it serve on until Shutdown)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, STOP_NOW)
