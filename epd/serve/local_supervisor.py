@@ -13,7 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -66,6 +69,8 @@ class LocalSupervisor(Supervisor):
 
     def _spawn(self, worker_id: str) -> None:
         launch = self.launches[worker_id]
+        if self.ctx.get_start_method() == "forkserver":
+            _forkserver_running()
         proc = self.ctx.Process(target=run_worker, args=(launch,), name=f"epd-{worker_id}", daemon=False)
         proc.start()
         self.procs[worker_id] = proc
@@ -164,6 +169,22 @@ class LocalSupervisor(Supervisor):
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _forkserver_running() -> None:
+    """Starts the forkserver, if it is not running, with SIGTERM ignored (kept across its exec):
+    a SIGTERM to the whole group must not end it, for the launcher reads its workers' exits
+    through it (a dead forkserver reads as every worker exiting with code 255, restarted while
+    the old ones serve on). It still exits with the launcher. Ignored here for that moment only,
+    so from the main thread (elsewhere it is started as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop_now(proc) -> None:

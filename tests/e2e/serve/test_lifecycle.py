@@ -136,20 +136,23 @@ def test_requests_still_running_past_the_grace_end_with_an_openai_error(tiny_mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("api_servers", [1, 2])
-def test_sigterm_to_the_whole_group_ends_requests_as_sigterm_to_the_api_does(tiny_model, tmp_path, api_servers):
+@pytest.mark.parametrize("mode,api_servers", [("e-pd", 1), ("aggregated", 2)])
+def test_sigterm_to_the_whole_group_ends_requests_as_sigterm_to_the_api_does(tiny_model, tmp_path, mode,
+                                                                             api_servers):
     """SIGTERM to every process of `epd serve` at once (systemd's KillMode=control-group,
     a terminal's job control; issue 44, item 6): the workers (and the forkserver they
-    fork from) get it too, yet serve on until the API stops them, so the requests still
-    running past the grace end exactly as with SIGTERM to the API alone (they used to lose
-    their worker: a plain-text 500 and a stream with no end)."""
-    server = start_server(tiny_model, tmp_path, "e-pd", "--shutdown-grace", "1", "--api-servers", str(api_servers))
+    fork from) get it too, yet serve on until the launcher stops them, so the requests
+    still running past the grace end exactly as with SIGTERM to the API alone (they used
+    to lose their worker: a plain-text 500 and a stream with no end). With N API
+    processes each gets it twice (the group's, the launcher's): one drain, new requests
+    refused with 503 throughout (a second SIGTERM used to stop uvicorn mid-drain)."""
+    server = start_server(tiny_model, tmp_path, mode, "--shutdown-grace", "6", "--api-servers", str(api_servers))
     _past_the_grace(server, lambda: os.killpg(server.pgid, signal.SIGTERM))
 
 
 def _past_the_grace(server, send_sigterm) -> None:
     """Two long requests (plain, streamed) running when `send_sigterm()` is called:
-    the plain one gets a JSON 503, the stream an error event and [DONE]; the server
+    a new one gets a 503 during the grace, the plain one a JSON 503 past it, the stream an error event and [DONE]; the server
     exits 0 with no traceback and no process left."""
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -176,6 +179,9 @@ def _past_the_grace(server, send_sigterm) -> None:
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
     send_sigterm()
+    time.sleep(0.5)  # the signal handled
+    late = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=10)
+    assert late.status_code == 503 and late.headers["retry-after"], late.text  # draining: refused, not unanswered
     for client in clients:
         client.join(120)
     refused = answers["plain"]
