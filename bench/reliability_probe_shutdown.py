@@ -43,8 +43,8 @@ class _GroupServeProcess(ServeProcess):
 
 def probe_group_sigterm(p: Probe, model_dir: str, out: Path) -> None:
     for api_servers in (1, 2):
-        server = _GroupServeProcess(model_dir, "e-pd", cpu_set(None), ["--api-key", KEY, "--shutdown-grace", str(GRACE_S),
-                                                               "--api-servers", str(api_servers)],
+        flags = ["--api-key", KEY, "--shutdown-grace", str(GRACE_S), "--api-servers", str(api_servers)]
+        server = _GroupServeProcess(model_dir, "e-pd", cpu_set(None), flags,
                                     out / f"server-group-sigterm-{api_servers}.log")
         try:
             _one_case(p, server, api_servers)

@@ -151,9 +151,9 @@ def test_sigterm_to_the_whole_group_ends_requests_as_sigterm_to_the_api_does(tin
 
 
 def _past_the_grace(server, send_sigterm) -> None:
-    """Two long requests (plain, streamed) running when `send_sigterm()` is called:
-    a new one gets a 503 during the grace, the plain one a JSON 503 past it, the stream an error event and [DONE]; the server
-    exits 0 with no traceback and no process left."""
+    """Two long requests (plain, streamed) running when `send_sigterm()` is called: a
+    new one gets a 503 during the grace; past it the plain one gets a JSON 503, the
+    stream an error event and [DONE]; the server exits 0, no traceback, no process left."""
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0}
