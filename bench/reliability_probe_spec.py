@@ -5,8 +5,9 @@ vocabulary, `num_speculative_tokens` 100000, `prompt_lookup_max` 10^6 — must s
 with one line naming the problem and exit code 2 before any worker starts. Recorded
 per case: the exit code, the seconds it took, the error line, tracebacks, workers started.
 
-`probe_speculative_refusals(p, model_dir, out)` makes the head and the draft under
-`out` (epd/tools/make_eagle3.py, make_draft.py) and runs each `epd serve` (bounded)."""
+`probe_speculative_refusals(p, model_dir, out)` makes the head (`epd make-model
+--preset tiny-eagle3`) and the draft (the target with two token ids swapped) under
+`out`, and runs each `epd serve` (bounded)."""
 from __future__ import annotations
 
 import json
@@ -23,17 +24,20 @@ SERVE_TIMEOUT_S = 300
 
 
 def probe_speculative_refusals(p: Probe, model_dir: str, out: Path) -> None:
-    from epd.tools.make_draft import make_draft
-    from epd.tools.make_eagle3 import make_eagle3
-    from epd.tools.make_model import build_tokenizer
-
     shutil.rmtree(out / "spec", ignore_errors=True)
-    head = make_eagle3(out / "spec" / "head-for-2048", "tiny-eagle3")
+    head = out / "spec" / "head-for-2048"
+    subprocess.run([sys.executable, "-m", "epd.cli", "make-model", str(head), "--preset", "tiny-eagle3"],
+                   check=True, capture_output=True, timeout=SERVE_TIMEOUT_S)
     config = json.loads((head / "config.json").read_text())
     config["target_hidden_size"] = 2048  # trained for another target
     (head / "config.json").write_text(json.dumps(config))
-    draft = make_draft(model_dir, out / "spec" / "draft-other-vocab", num_layers=1)
-    build_tokenizer(2048).save_pretrained(str(draft))  # another target's tokenizer
+    draft = out / "spec" / "draft-other-vocab"  # the target itself as a draft, with another tokenizer
+    shutil.copytree(model_dir, draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]  # two ordinary tokens swap ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
     cases = {
         "an EAGLE-3 head for another target": ({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
                                                "is for a target of hidden size 2048"),

@@ -184,7 +184,7 @@ def _forkserver_running() -> None:
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not Python's
 
 
 def _stop_now(proc) -> None:
