@@ -221,26 +221,10 @@ def load_draft_model(model_dir: str, target_tokenizer_dir: str, dtype: torch.dty
     from epd.engine.models.registry import check_family
     from epd.engine.models.qwen3_vl import pack_cpu_linears
 
+    from epd.engine.spec_check import check_same_vocab
+
     check_family(model_dir)  # UnsupportedModelError (a ValueError) names the families served
     check_same_vocab(target_tokenizer_dir, model_dir)
     model = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), dtype, device)
     pack_cpu_linears(model)  # as the target's: fused SwiGLU, packed linears
     return model
-
-
-def check_same_vocab(target_dir: str | Path, draft_dir: str | Path) -> None:
-    """ValueError unless the two tokenizers map the same tokens to the same ids: a
-    draft's token ids are verified as the target's."""
-    from transformers import AutoTokenizer
-
-    try:
-        draft = AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab()
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--speculative-config: the draft model {draft_dir} has no tokenizer to check "
-                         f"against the target's: {exc}") from None
-    target = AutoTokenizer.from_pretrained(str(target_dir)).get_vocab()
-    if draft != target:
-        moved = sum(1 for token, i in target.items() if draft.get(token) != i)
-        raise ValueError(f"--speculative-config: the draft model {draft_dir} has another vocabulary than the "
-                         f"target's ({len(draft)} tokens against {len(target)}; {moved} of the target's tokens "
-                         "missing or with another id): a draft model must use the target's tokenizer")

@@ -289,11 +289,5 @@ def load_head(path: str, target_cfg, dtype: torch.dtype, device: torch.device) -
         cfg, head = load_eagle3(path, target_cfg.num_layers, dtype=dtype, device=device)
     except (OSError, KeyError) as exc:
         raise ValueError(f"--speculative-config: cannot read the EAGLE-3 head at {path}: {exc}") from None
-    if cfg.target_hidden_size != target_cfg.hidden_size or cfg.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"--speculative-config: the EAGLE-3 head at {path} is for a target of hidden size "
-                         f"{cfg.target_hidden_size} and vocabulary {cfg.vocab_size}, this model has "
-                         f"{target_cfg.hidden_size} and {target_cfg.vocab_size}")
-    if max(cfg.aux_layer_ids) >= target_cfg.num_layers:
-        raise ValueError(f"--speculative-config: the EAGLE-3 head at {path} reads layer {max(cfg.aux_layer_ids)} "
-                         f"(the final hidden state of {target_cfg.num_layers} layers), which EPD does not serve")
+    cfg.check_fits(path, target_cfg.hidden_size, target_cfg.vocab_size, target_cfg.num_layers)
     return cfg, head

@@ -8,7 +8,9 @@
 Keys and defaults are vLLM's (`vllm/config/speculative.py`): `method` may be
 left out when `model` is "ngram" or "[ngram]" (any other `model`: a draft model); an n-gram config without
 `prompt_lookup_min` and `prompt_lookup_max` takes 5 for both, one without the
-other takes the other's value, and min must not exceed max. Methods EPD does
+other takes the other's value, and min must not exceed max. EPD bounds
+`num_speculative_tokens` (<= MAX_SPECULATIVE_TOKENS) and the lookups
+(<= MAX_PROMPT_LOOKUP), which vLLM does not. Methods EPD does
 not run yet (medusa, ...) and keys it does not read are refused
 with a ValueError that names them: a flag that would silently not speculate
 is worse than one that stops start-up.
@@ -28,6 +30,11 @@ MODEL_METHODS = ("eagle3", "draft_model")  # need `model`: the head's or the dra
 VLLM_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
+# Upper bounds (vLLM sets none): each draft token is a row of every verify step, sized for at
+# start-up (max_num_seqs x (1 + k) rows), and published heads and n-gram settings use k <= 10 and
+# lookups <= 10; past these a "speculation" costs memory and time and accepts nothing more.
+MAX_SPECULATIVE_TOKENS = 32
+MAX_PROMPT_LOOKUP = 64
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,12 @@ class SpeculativeConfig:
                 else "not a speculative method"
             raise ValueError(f"--speculative-config: method {self.method!r} is {known}; "
                              f"EPD speculates with {', '.join(METHODS)}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):  # max: the one given
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--speculative-config: {name} must be an integer >= 1, got {value!r}")
+            limit = MAX_SPECULATIVE_TOKENS if name == "num_speculative_tokens" else MAX_PROMPT_LOOKUP
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise ValueError(f"--speculative-config: {name} must be an integer from 1 to {limit}, "
+                                 f"got {value!r}")
         if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
             raise ValueError(f'--speculative-config: method "{self.method}" needs "model", the draft\'s directory')
         if self.method == "draft_model" and not (Path(self.model) / "config.json").is_file():

@@ -26,6 +26,7 @@ from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
+from epd.engine.spec_check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs
@@ -90,6 +91,8 @@ class LLM:
             tuple((mm_processor_kwargs or {}).items())))
         for note in self.files.notes():
             log.log(logging.WARNING if note.startswith("warning:") else logging.INFO, note)
+        # an EAGLE-3 head or draft model for another target: refused before the target's weights load
+        check_speculative_model(self.config.speculative_config, model, tokenizer, self.files.hf_config)
         self.tokenizer = self.files.tokenizer
         self.engine = EngineCore(model, self.config, hf_config=self.files.hf_config, tokenizer_dir=tokenizer)
         info = self.engine.info

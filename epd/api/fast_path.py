@@ -228,7 +228,8 @@ class HttpServer(uvicorn.Server):
     requests and lets those in flight finish for `--shutdown-grace`, then ends
     the rest with an OpenAI error; Ctrl-C does the same with no grace. Only
     then does uvicorn stop (open connections get 3 s), so it never has a
-    request left to cut off. A second Ctrl-C stops at once. Neither signal is
+    request left to cut off. A second Ctrl-C stops at once; a second SIGTERM
+    changes nothing (one came to the whole group). Neither signal is
     raised again after the stop (uvicorn's own habit, which for SIGTERM killed
     the process before the launcher could clean up)."""
 
@@ -256,6 +257,8 @@ class HttpServer(uvicorn.Server):
         if self.started and self._draining is None:
             grace_s = self._grace_s if sig == signal.SIGTERM else 0.0
             self._draining = asyncio.get_running_loop().create_task(self._drain_then_exit(grace_s))
+        elif sig == signal.SIGTERM and self._draining is not None:
+            pass  # the group's SIGTERM and the launcher's (--api-servers N): one drain
         elif self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
         else:

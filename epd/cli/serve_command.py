@@ -311,8 +311,11 @@ def check_checkpoint(config: ServeConfig) -> None:
     any process starts; prints what the files say (warnings, sampling defaults)."""
     from epd.inputs.model_files import ModelFiles
 
+    from epd.engine.spec_check import check_speculative_model
+
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)
+    check_speculative_model(config.engine.speculative_config, config.model, config.files.tokenizer, files.hf_config)
     lora = config.engine.lora
     check_lora_modules(config.lora_modules, config.model_name, files.hf_config, lora.max_lora_rank,
                        lora.enable_tower_lora)

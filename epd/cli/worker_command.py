@@ -77,9 +77,11 @@ def _worker(args) -> int:
 
     config = worker_config(args)
     share_cores(config.cpu_sharing, external=True)  # before the launcher's import loads torch (libgomp reads it)
+    from epd.engine.spec_check import check_speculative_model
     from epd.inputs.model_files import ModelFiles
     from epd.serve.launcher import run_external_worker
 
     files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
     config.engine.resolved_max_model_len(files.max_position_embeddings)
+    check_speculative_model(config.engine.speculative_config, config.model, config.tokenizer, files.hf_config)
     return run_external_worker(config)

@@ -11,12 +11,17 @@ stops routing to it meanwhile and recovers its requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import threading
 import time
 from dataclasses import replace
 
 from epd.serve.supervisor import POLL_S, SHUTDOWN_GRACE_S, ExitCallback, Supervisor
-from epd.serve.worker_entry import WorkerLaunch, run_worker
+from epd.serve.worker_entry import STOP_NOW, WorkerLaunch, run_worker
 from epd.transport.addresses import Addresses, parse_worker_id, worker_id as make_worker_id
 from epd.transport.roles import Role
 
@@ -64,6 +69,8 @@ class LocalSupervisor(Supervisor):
 
     def _spawn(self, worker_id: str) -> None:
         launch = self.launches[worker_id]
+        if self.ctx.get_start_method() == "forkserver":
+            _forkserver_running()
         proc = self.ctx.Process(target=run_worker, args=(launch,), name=f"epd-{worker_id}", daemon=False)
         proc.start()
         self.procs[worker_id] = proc
@@ -96,14 +103,14 @@ class LocalSupervisor(Supervisor):
         return worker_id
 
     def remove_worker(self, worker_id: str) -> None:
-        """SIGTERM (the worker closes its sockets and exits 0), SIGKILL after
+        """STOP_NOW (the worker closes its sockets and exits 0), SIGKILL after
         REMOVE_GRACE_S; `watch` reaps it and never restarts it."""
         if worker_id not in self.launches:
             raise KeyError(f"no worker {worker_id!r}")
         self._removing[worker_id] = time.monotonic()
         proc = self.procs.get(worker_id)
         if proc is not None and proc.exitcode is None:
-            proc.terminate()
+            _stop_now(proc)
 
     def _reap_removed(self) -> None:
         for worker_id, since in list(self._removing.items()):
@@ -150,15 +157,37 @@ class LocalSupervisor(Supervisor):
         self._spawn(worker_id)
 
     def stop(self) -> None:
-        """Joins workers told to stop (Shutdown), then SIGTERM, then SIGKILL."""
+        """Joins workers told to stop (Shutdown), then STOP_NOW, then SIGKILL."""
         self._stopping = True
         procs = [p for p in self.procs.values() if p.pid is not None]
         for p in procs:
             p.join(timeout=SHUTDOWN_GRACE_S)
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                _stop_now(p)
                 p.join(timeout=SHUTDOWN_GRACE_S)
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _forkserver_running() -> None:
+    """Starts the forkserver, if it is not running, with SIGTERM ignored (kept across its exec):
+    a SIGTERM to the whole group must not end it, for the launcher reads its workers' exits
+    through it (a dead forkserver reads as every worker exiting with code 255, restarted while
+    the old ones serve on). It still exits with the launcher. Ignored here for that moment only,
+    so from the main thread (elsewhere it is started as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: not Python's
+
+
+def _stop_now(proc) -> None:
+    """The worker's STOP_NOW (epd/serve/worker_entry.py: SIGTERM only lets it serve on until Shutdown)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, STOP_NOW)

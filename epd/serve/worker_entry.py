@@ -6,6 +6,14 @@ loop until Shutdown. The process dies with the launcher that started it
 of a pipe keeps unready while it lives: its parent process is the forkserver,
 so PR_SET_PDEATHSIG alone would not see the launcher go), so a killed launcher
 leaves no orphans.
+
+SIGTERM to a spawned worker is not its stop: the launcher stops its workers
+itself (Shutdown) once the API has ended every request, so a SIGTERM that
+reached the worker too (to the whole process group: systemd's
+KillMode=control-group, a terminal's job control; or the forkserver's death,
+through PR_SET_PDEATHSIG) lets it serve on until then, for at most
+`WorkerLaunch.sigterm_grace_s`. The launcher's own stop of one worker is
+`STOP_NOW` (SIGUSR1), obeyed at once.
 """
 from __future__ import annotations
 
@@ -41,6 +49,11 @@ class WorkerLaunch:
     tokenizer: str | None = None  # --tokenizer: the grammar compiler's (None: the checkpoint's)
     decode_limits: DecodeLimits | None = None  # an encoder's: what decoding one video may cost (None: no bound)
     core_share: CoreShare | None = None  # an engine worker's place in its host's core lease (None: fixed threads)
+    sigterm_grace_s: float = 60.0  # spawned: how long a SIGTERM lets it serve on for the launcher's Shutdown
+
+
+# A spawned worker's stop at once: what the launcher sends one worker (SIGTERM is the group's).
+STOP_NOW = signal.SIGUSR1
 
 
 def _die_with_parent() -> None:
@@ -57,17 +70,33 @@ def _die_with_parent() -> None:
 
 def _exit_when_gone(sentinel: int) -> None:
     multiprocessing.connection.wait([sentinel])  # ready once the launcher's end is closed: it exited
-    os.kill(os.getpid(), signal.SIGTERM)  # the handler below: sys.exit(0) in the main thread
+    os.kill(os.getpid(), STOP_NOW)  # the handler below: sys.exit(0) in the main thread
+
+
+def _serve_on_after_sigterm(grace_s: float) -> None:
+    """SIGTERM: serve on until the launcher's Shutdown (or STOP_NOW), `grace_s` at most."""
+    timer: list[threading.Timer] = []
+
+    def on_sigterm(*_) -> None:
+        if not timer:  # the group's SIGTERM and the forkserver's death: one deadline, from the first
+            timer.append(threading.Timer(grace_s, os.kill, (os.getpid(), STOP_NOW)))
+            timer[0].daemon = True
+            timer[0].start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
     """Process entry: never returns before Shutdown (or a signal). A worker
-    `spawned` by the launcher ignores Ctrl-C (the launcher sends Shutdown) and
-    dies with it; a standalone `epd worker` stops on Ctrl-C."""
+    `spawned` by the launcher ignores Ctrl-C and serves on after SIGTERM (the
+    launcher sends Shutdown), stops on STOP_NOW and dies with the launcher; a
+    standalone `epd worker` stops on Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if spawned:
+        signal.signal(STOP_NOW, lambda *_: sys.exit(0))
+        _serve_on_after_sigterm(launch.sigterm_grace_s)
         _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=os.environ.get("EPD_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s {launch.spec.worker_id} %(levelname)s %(message)s")
     if launch.nice:

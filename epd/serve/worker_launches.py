@@ -9,6 +9,10 @@ from epd.transport.addresses import Addresses, worker_id
 from epd.transport.core_lease import CoreShare, create_lease_file, lease_path
 from epd.transport.worker_io import WorkerSpec
 
+# A worker that got SIGTERM with the launcher serves on this long past --shutdown-grace for its
+# Shutdown: the API's 503s written (2 s), the API stopped, the launcher's Shutdown sent.
+SIGTERM_MARGIN_S = 30.0
+
 
 def visible_gpus(device: str) -> int:
     """CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies); 0 when told to use the CPU."""
@@ -38,7 +42,8 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
                                      mm_processor_kwargs=config.files.mm_processor_kwargs,
                                      tokenizer=config.files.tokenizer, decode_limits=config.media.decode_limits(),
                                      num_threads=config.threads_for_each_worker(role), nice=config.worker_nice(role),
-                                     core_share=share))
+                                     core_share=share,
+                                     sigterm_grace_s=config.limits.shutdown_grace_s + SIGTERM_MARGIN_S))
     return launches
 
 

@@ -1,9 +1,14 @@
 """Running a real `epd serve` (or `epd worker`) in tests: a subprocess in its
 own process group, ready when /health answers 200, stopped with SIGINT like
-Ctrl-C, and checked to leave no process behind. `Traffic`: clients sending
+Ctrl-C, and checked to leave no process behind. A server outlives no test run:
+one the tests did not stop is stopped at the test process's exit (an
+interrupted run skips the fixtures' teardown), and gets SIGINT from the kernel
+if the test process dies without exiting (`died_with_parent`: pytest-xdist's
+workers, SIGKILL). `Traffic`: clients sending
 requests to it from threads until stopped (chaos, autoscaling, a lost node)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -116,6 +121,33 @@ def image_burst(base_url: str, num_clients: int, max_tokens: int, timeout_s: flo
     return Traffic(send, num_clients, join_timeout_s=timeout_s + 30)
 
 
+# Execs argv[2:] after asking the kernel for SIGINT once the process that started it is gone (its
+# parent pid, argv[1]: if it is gone already, SIGINT at once). PR_SET_PDEATHSIG survives the exec.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; "
+                    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGINT); "
+                    "os.getppid() == int(sys.argv[1]) or os.kill(os.getpid(), signal.SIGINT); "
+                    "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def died_with_parent(*argv: str) -> list[str]:
+    """`argv`, to run as a process that gets SIGINT (Ctrl-C: `epd serve` stops cleanly) when
+    this test process dies. Linux's parent-death signal follows the thread that started the
+    process, so from another thread `argv` runs as it is (the exit handler still stops it)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return list(argv)
+    return [sys.executable, "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
+_RUNNING: set[ServerProcess] = set()  # started, not yet stopped
+
+
+@atexit.register
+def _stop_the_running() -> None:
+    """At the test process's exit (an interrupted run skips fixture teardown): every server still running."""
+    for server in list(_RUNNING):
+        server.stop(timeout_s=10.0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,9 +164,11 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "w")
         env = dict(env or os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "epd.cli", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
+        self.proc = subprocess.Popen([*wrap, *died_with_parent(sys.executable, "-m", "epd.cli", *args)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                     cwd=cwd)
         self.pgid = self.proc.pid
+        _RUNNING.add(self)
 
     def wait_ready(self, timeout_s: float = 180.0) -> "ServerProcess":
         deadline = time.monotonic() + timeout_s
@@ -200,6 +234,7 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """Ctrl-C, then wait; returns the exit code."""
+        _RUNNING.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:

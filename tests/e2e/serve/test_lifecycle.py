@@ -127,11 +127,32 @@ def test_a_request_past_its_deadline_gets_an_error_and_frees_its_worker(tiny_mod
 
 @pytest.mark.slow
 def test_requests_still_running_past_the_grace_end_with_an_openai_error(tiny_model, tmp_path):
-    """SIGTERM with --shutdown-grace 1 while two long requests run (issue 33, item 6):
-    the plain one gets a JSON 503, the stream an error event and [DONE]; no
-    traceback in the log, exit 0 (uvicorn used to cut both off after its own 3 s:
-    a plain-text 500 and a stream with no end)."""
+    """SIGTERM to the API alone with --shutdown-grace 1 while two long requests run
+    (issue 33, item 6): the plain one gets a JSON 503, the stream an error event and
+    [DONE]; no traceback in the log, exit 0 (uvicorn used to cut both off after its
+    own 3 s: a plain-text 500 and a stream with no end)."""
     server = start_server(tiny_model, tmp_path, "aggregated", "--shutdown-grace", "1")
+    _past_the_grace(server, lambda: server.proc.send_signal(signal.SIGTERM))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_group_ends_requests_as_sigterm_to_the_api_does(tiny_model, tmp_path):
+    """SIGTERM to every process of `epd serve` at once (systemd's KillMode=control-group,
+    a terminal's job control; issue 44, item 6): the workers (and the forkserver they
+    fork from) get it too, yet serve on until the launcher stops them, so the requests
+    still running past the grace end exactly as with SIGTERM to the API alone (they used
+    to lose their worker: a plain-text 500 and a stream with no end). `--api-servers 2`
+    under the same signal: bench/reliability_probe_shutdown.py."""
+    server = start_server(tiny_model, tmp_path, "e-pd", "--shutdown-grace", "3")
+    _past_the_grace(server, lambda: os.killpg(server.pgid, signal.SIGTERM))
+    # no worker went with the signal (they used to exit at once, and were restarted while the API drained)
+    assert not re.search(r"worker \S+ exited", server.log()), server.log()[-3000:]
+
+
+def _past_the_grace(server, send_sigterm) -> None:
+    """Two long requests (plain, streamed) running when `send_sigterm()` is called: a
+    new one gets a 503 during the grace; past it the plain one gets a JSON 503, the
+    stream an error event and [DONE]; the server exits 0, no traceback, no process left."""
     model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0}
@@ -156,13 +177,19 @@ def test_requests_still_running_past_the_grace_end_with_an_openai_error(tiny_mod
     while server.metric_sum("epd:num_requests_running") < 2:  # both are in the worker
         assert time.monotonic() < deadline, server.log()[-3000:]
         time.sleep(0.1)
-    server.proc.send_signal(signal.SIGTERM)
+    send_sigterm()
+    for _ in range(20):  # one token each, until the signal has been handled
+        late = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=10)
+        if late.status_code != 200:
+            break
+        time.sleep(0.1)
+    assert late.status_code == 503 and late.headers["retry-after"], late.text  # draining: refused, not unanswered
     for client in clients:
         client.join(120)
     refused = answers["plain"]
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
     assert "shutting down" in refused.json()["error"]["message"]
-    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"], events[-3:]
     assert server.proc.wait(60) == 0, server.log()[-3000:]
     assert "Traceback" not in server.log(), server.log()[-3000:]
-    assert not server.group_alive()
+    assert not server.group_alive(grace_s=30)
