@@ -1,7 +1,7 @@
 """`epd bench reliability-probe MODEL_DIR`: issues 33's and 44's probes, re-run as one script.
 
 Issue 44's reproductions live one area a module (reliability_probe_poison,
-_tower, _video, _lora, _shutdown, _video_prompt), each starting its own
+_tower, _video, _lora, _shutdown, _spec, _video_prompt), each starting its own
 server; `ISSUE_44_CASES` lists them and `--issues 44` runs them alone.
 What follows is issue 33's.
 
@@ -251,6 +251,7 @@ ISSUE_44_CASES = (
     ("1", "reliability_probe_video", "probe_video_8k"),
     ("2, 4, 5, 8", "reliability_probe_lora", "probe_lora"),
     ("6", "reliability_probe_shutdown", "probe_group_sigterm"),
+    ("8", "reliability_probe_spec", "probe_speculative_refusals"),
     ("7", "reliability_probe_video_prompt", "probe_video_prompt"),
 )
 
