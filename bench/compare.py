@@ -99,19 +99,21 @@ class ServeProcess:
 
     name = "epd serve"
 
-    def __init__(self, model: str, mode: str, cpus, extra: list[str], log_path: Path):
+    def __init__(self, model: str, mode: str, cpus, extra: list[str], log_path: Path,
+                 new_session: bool = False):
         self._launch(lambda port: [sys.executable, "-m", "epd.cli", "serve", model, "--mode", mode,
-                                   "--port", str(port), *extra], cpus, log_path)
+                                   "--port", str(port), *extra], cpus, log_path, new_session=new_session)
 
-    def _launch(self, command, cpus, log_path: Path, env: dict | None = None) -> None:
-        """`command(port)`: the argv to run; `env`: the environment (default: this one)."""
+    def _launch(self, command, cpus, log_path: Path, env: dict | None = None, new_session: bool = False) -> None:
+        """`command(port)`: the argv to run; `env`: the environment (default: this one);
+        `new_session`: the server leads its own process group (signalled whole with os.killpg)."""
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.started_s = time.monotonic()
         self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus), start_new_session=new_session)
 
     def wait_ready(self, timeout_s: float = 600.0, headers: dict | None = None) -> str:
         """The served model name (`headers`: e.g. the API key's)."""

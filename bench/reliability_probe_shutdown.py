@@ -20,32 +20,18 @@ from pathlib import Path
 
 import httpx
 
-from epd.bench.compare import ServeProcess, _free_port, cpu_set
+from epd.bench.compare import ServeProcess, cpu_set
 from epd.bench.reliability_probe import AUTH, KEY, Probe
 
 GRACE_S = 1
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}  # decoding for longer than the probe waits
 
 
-class _GroupServeProcess(ServeProcess):
-    """`epd serve` as the leader of its own process group (start_new_session), so the
-    whole group can be signalled without signalling the probe."""
-
-    def _launch(self, command, cpus, log_path: Path, env: dict | None = None) -> None:
-        self.port = _free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.started_s = time.monotonic()
-        self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-
-
 def probe_group_sigterm(p: Probe, model_dir: str, out: Path) -> None:
     for api_servers in (1, 2):
         flags = ["--api-key", KEY, "--shutdown-grace", str(GRACE_S), "--api-servers", str(api_servers)]
-        server = _GroupServeProcess(model_dir, "e-pd", cpu_set(None), flags,
-                                    out / f"server-group-sigterm-{api_servers}.log")
+        server = ServeProcess(model_dir, "e-pd", cpu_set(None), flags,
+                              out / f"server-group-sigterm-{api_servers}.log", new_session=True)
         try:
             _one_case(p, server, api_servers)
         finally:
@@ -53,7 +39,7 @@ def probe_group_sigterm(p: Probe, model_dir: str, out: Path) -> None:
             server.stop()
 
 
-def _one_case(p: Probe, server: _GroupServeProcess, api_servers: int) -> None:
+def _one_case(p: Probe, server: ServeProcess, api_servers: int) -> None:
     model = server.wait_ready(300, headers=AUTH)
     results: dict = {}
     body = {"model": model, "messages": [{"role": "user", "content": "go"}], **LONG}

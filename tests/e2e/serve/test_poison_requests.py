@@ -22,7 +22,7 @@ import httpx
 import pytest
 from testkit.api_checks import assert_error
 from testkit.hf_reference import hf_generate_text
-from testkit.media import describe, image_bytes, image_part
+from testkit.media import describe, image_bytes
 from testkit.server import ServerProcess, free_port
 
 POISON = image_bytes(72, 40, seed=44)  # its size is the fault's: every batch holding it kills the encoder
