@@ -24,7 +24,6 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
-from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions, positions_between
@@ -32,10 +31,11 @@ from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
                                 make_generator)
+from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
+from epd.engine.spec.verify import Draft, verify_drafts
 from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from epd.engine.spec_verify import Draft, verify_drafts
 from epd.transport.mm_entry import MMEntry
 
 @dataclass
@@ -67,7 +67,7 @@ class ModelRunner:
                  lora: LoRAManager | None = None, tokens_per_second: float = 1.0,
                  eagle3: Eagle3Proposer | None = None):
         """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py);
-        `eagle3`: an EAGLE-3 head to feed after every forward (engine/eagle3_proposer.py)."""
+        `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
         self.model = model
         self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
