@@ -228,7 +228,7 @@ class EngineCore:
     def _preparations(self, request: Request) -> list[Future]:
         """What must be ready before the request may be scheduled, read or compiled in a
         background thread meanwhile: its adapter in host memory, then its grammar (the
-        last future's result is the grammar's `Prepared`). [] when nothing is pending."""
+        last future's result is the grammar's `CompiledConstraints`). [] when nothing is pending."""
         futures = []
         lora = self._lora_read(request)
         if lora is not None and not (lora.done() and lora.exception() is None):
