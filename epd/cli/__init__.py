@@ -7,6 +7,9 @@ One module per group of sub-commands, each adding its parsers to `build_parser`:
     worker_command.py   worker, keys
     bench_commands.py   bench ...
     engine_flags.py     the engine flags serve and worker share
+    video_flags.py      the video limit flags serve and worker share
+
+`__main__.py` runs `python -m epd.cli` as the `epd` command.
 """
 from __future__ import annotations
 
