@@ -4,6 +4,9 @@ groups them, each with its default and help text.
 
     python -m epd.cli.flags_reference            # rewrite docs/flags.md
     python -m epd.cli.flags_reference --check    # exit 1 when docs/flags.md is stale
+
+It reads the parsers through argparse's own attributes (`_actions`, `_action_groups`,
+the help formatter's `_expand_help`), as `--help` does: public argparse has no walk.
 """
 from __future__ import annotations
 
