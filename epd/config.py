@@ -113,7 +113,7 @@ class ServeConfig:
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
     api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
     stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
-    # vLLM's front-end flags (issue 31): what each does here is in its help and README.md
+    # vLLM's front-end flags (issue 31): what each does here is in its help and docs/usage.md
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs a request may ask; more is a 400
     trust_remote_code: bool = False  # accepted: EPD never runs a checkpoint's code
     enable_auto_tool_choice: bool = False  # accepted: tool_choice "auto" is always served (hermes)

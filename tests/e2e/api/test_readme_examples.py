@@ -1,9 +1,10 @@
-"""Every Python example in README.md runs as written (issue 31, item 7).
+"""Every Python example in README.md and docs/openai_api.md runs as written.
 
-The blocks are read from README.md itself, so the README cannot drift from
+The blocks are read from the two pages themselves, so they cannot drift from
 what works. They run in order in one namespace, as a reader pastes them into
-one session (the structured-output and tool examples use the `client`,
-`model` and `image_url` the OpenAI-client example made), against the shared
+one session (docs/openai_api.md's Responses, structured-output and tool
+examples use the `client`, `model` and `image_url` README's OpenAI-client
+example made), against the shared
 aggregated server of the tiny checkpoint. Three placeholders a reader
 replaces are replaced, nothing else: the server's address (the README says
 127.0.0.1:8000), the checkpoint (`./ckpt`) and the picture
@@ -21,14 +22,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
+PAGES = (README, ROOT / "docs" / "openai_api.md")  # README's examples first: the API page goes on from them
+
 
 def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    return [block for page in PAGES
+            for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)]
 
 
 def test_the_readme_has_its_examples():
     blocks = python_blocks()
-    assert len(blocks) >= 4, "README.md lost its Python examples (or their ```python fences)"
+    assert len(blocks) >= 4, "README.md / docs/openai_api.md lost their Python examples (or their ```python fences)"
     assert any("OpenAI(" in b for b in blocks) and any("LLM(" in b for b in blocks)
 
 
@@ -45,9 +49,9 @@ def test_every_python_example_in_the_readme_runs(mode_server, tiny_model):
                     .replace("file:///path/to/picture.png", picture))
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
-                exec(compile(code, f"README.md python block {i}", "exec", dont_inherit=True), namespace)  # noqa: S102
+                exec(compile(code, f"python block {i}", "exec", dont_inherit=True), namespace)  # noqa: S102
             if "print(" in block:
-                assert printed.getvalue().strip(), f"README.md python block {i} printed nothing"
+                assert printed.getvalue().strip(), f"python block {i} printed nothing"
     finally:
         os.chdir(cwd)
     # what the examples promise
