@@ -3,7 +3,7 @@
     EngineConfig            memory, precision, device, attention backend, early prefill
       scheduler: SchedulerConfig    block size, batch limits, prefix caching, max_model_len,
                                     prefill priority
-      speculative_config: SpeculativeConfig | None   speculative decoding (engine/spec_config.py)
+      speculative_config: SpeculativeConfig | None   speculative decoding (engine/spec/config.py)
       lora: LoRAConfig              enable_lora, max_loras, max_lora_rank, max_cpu_loras
 
 `EngineConfig.from_flat(**settings)` takes the flat vLLM names of all three
@@ -17,7 +17,7 @@ from typing import Any
 
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.scheduler_config import SchedulerConfig
-from epd.engine.spec_config import SpeculativeConfig
+from epd.engine.spec.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -27,23 +27,23 @@ import torch
 
 from epd.engine.config import EngineConfig
 from epd.engine.cuda_graphs import capture_sizes
-from epd.engine.draft_model_proposer import DraftModelProposer, load_draft_model
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
-from epd.engine.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.qwen3_vl import pack_cpu_linears
-from epd.engine.ngram_proposer import NgramProposer
 from epd.engine.request import Request
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import TokenLogprobs
 from epd.transport.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
+from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
+from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
+from epd.engine.spec.ngram import NgramProposer
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.mm_entry import MMEntry
 from epd.transport.wire_values import LoRAState
@@ -228,7 +228,7 @@ class EngineCore:
     def _preparations(self, request: Request) -> list[Future]:
         """What must be ready before the request may be scheduled, read or compiled in a
         background thread meanwhile: its adapter in host memory, then its grammar (the
-        last future's result is the grammar's `Prepared`). [] when nothing is pending."""
+        last future's result is the grammar's `CompiledConstraints`). [] when nothing is pending."""
         futures = []
         lora = self._lora_read(request)
         if lora is not None and not (lora.done() and lora.exception() is None):
@@ -415,7 +415,7 @@ class EngineCore:
         """Speculative decoding: a draft for each running request whose next step
         decodes, from its own tokens (n-gram), a draft model's continuation of
         them (one batch for all) or an EAGLE-3 head's. Greedy and sampled requests alike:
-        the runner verifies a sampled one by rejection sampling (spec_verify.py),
+        the runner verifies a sampled one by rejection sampling (engine/spec/verify.py),
         which keeps the target's distribution."""
         if self.proposer is None:
             return

@@ -24,7 +24,6 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
-from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.mrope import mrope_positions, positions_between
@@ -32,10 +31,11 @@ from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
                                 make_generator)
-from epd.engine.structured_output import GrammarState, Prepared, allocate_bitmask
+from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
+from epd.engine.spec.verify import Draft, verify_drafts
+from epd.engine.structured_output import CompiledConstraints, GrammarState, allocate_bitmask
 from epd.transport.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from epd.engine.spec_verify import Draft, verify_drafts
 from epd.transport.mm_entry import MMEntry
 
 @dataclass
@@ -53,7 +53,9 @@ _PROMPT_LOGITS_ROWS = 256  # prompt rows scored at once: [rows, vocab] float32 l
 
 
 @dataclass
-class _RequestState:
+class _RunnerState:
+    """The runner's own state of one request (the worker's is engine/worker.py _RequestState)."""
+
     prompt_positions: torch.Tensor  # [3, num_prompt_tokens]
     delta: int  # position of token i >= num_prompt_tokens is i + delta
     generator: torch.Generator | None
@@ -67,7 +69,7 @@ class ModelRunner:
                  lora: LoRAManager | None = None, tokens_per_second: float = 1.0,
                  eagle3: Eagle3Proposer | None = None):
         """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py);
-        `eagle3`: an EAGLE-3 head to feed after every forward (engine/eagle3_proposer.py)."""
+        `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
         self.model = model
         self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
@@ -87,7 +89,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
         self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (`capture_graphs`)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, _RunnerState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
         self._bad_words: dict[str, list[list[int]]] = {}  # request id -> each bad word's token ids
 
@@ -141,14 +143,14 @@ class ModelRunner:
 
     # -- per-request state -----------------------------------------------------
 
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request) -> _RunnerState:
         state = self._states.get(request.request_id)
         if state is None:
             positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
                                                self.spatial_merge_size, self.tokens_per_second)
             seed = request.sampling_params.seed
             generator = make_generator(seed, self.device) if seed is not None else None
-            state = _RequestState(positions.to(self.device), delta, generator)
+            state = _RunnerState(positions.to(self.device), delta, generator)
             self._states[request.request_id] = state
         return state
 
@@ -160,7 +162,7 @@ class ModelRunner:
             self._grammars.pop(rid, None)
             self._bad_words.pop(rid, None)
 
-    def add_constraints(self, request: Request, prepared: Prepared) -> None:
+    def add_constraints(self, request: Request, prepared: CompiledConstraints) -> None:
         """A request's compiled grammar and tokenized bad words (engine/structured_output.py);
         kept until it finishes, across preemptions."""
         if prepared.grammar is not None:
@@ -289,7 +291,7 @@ class ModelRunner:
             for (state, _), entry in zip(owners[part], entries):
                 state.prompt_logprobs.append(entry)
 
-    def _positions(self, req: Request, state: _RequestState, start: int, end: int) -> torch.Tensor:
+    def _positions(self, req: Request, state: _RunnerState, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens start..end of the request."""
         return positions_between(state.prompt_positions, state.delta, req.num_prompt_tokens, start, end, self.device)
 

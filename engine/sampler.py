@@ -347,7 +347,7 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[num_rows, vocab] the distribution random rows sample from: temperature,
     min-p, top-k, top-p and softmax over `Sampler.process`'s logits (divided in
     place). Greedy rows get a distribution at temperature 1 that nobody should
-    read. Shared with the speculative verifier (engine/spec_sampling.py)."""
+    read. Shared with the speculative verifier (engine/spec/sampling.py)."""
     logits.div_(batch.temperature.unsqueeze(1))
     if batch.min_p is not None:
         logits = apply_min_p(logits, batch.min_p)
@@ -376,7 +376,7 @@ class Sampler:
         """float32 copy of `logits` with the grammar masks, allowed / banned ids,
         logit_bias and penalties applied: what greedy rows take the argmax of and
         random rows filter and sample from (speculative decoding verifies a
-        draft against these, engine/spec_verify.py)."""
+        draft against these, engine/spec/verify.py)."""
         logits = logits.to(torch.float32, copy=True)  # ours to edit in place
         if batch.has_logit_edits:
             apply_constraints(logits, batch)

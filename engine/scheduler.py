@@ -43,7 +43,7 @@ from epd.engine.prefill_order import PrefillOrder
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
-from epd.engine.spec_decode import SpecDecodeStats, add_drafts
+from epd.engine.spec.decode import SpecDecodeStats, add_drafts
 
 @dataclass
 class _Step:

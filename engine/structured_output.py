@@ -82,7 +82,7 @@ def bad_words_token_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
 
 
 @dataclass
-class Prepared:
+class CompiledConstraints:
     """What a request needs from the compiler pool before it may run."""
 
     grammar: xgr.CompiledGrammar | None = None
@@ -109,7 +109,7 @@ class GrammarCompilerPool:
         return params.structured_outputs is not None or bool(params.bad_words)
 
     def prepare(self, params: SamplingParams) -> Future:
-        """Future[Prepared]; its exception is a ValueError naming the problem."""
+        """Future[CompiledConstraints]; its exception is a ValueError naming the problem."""
         so = params.structured_outputs
         grammar = None
         if so is not None:
@@ -122,7 +122,7 @@ class GrammarCompilerPool:
             if grammar.exception() is not None:
                 done.set_exception(grammar.exception())
             else:
-                done.set_result(Prepared(grammar.result()))
+                done.set_result(CompiledConstraints(grammar.result()))
             return done
         return self._executor.submit(self._prepare, grammar, list(params.bad_words))
 
@@ -131,10 +131,10 @@ class GrammarCompilerPool:
 
     # -- in the compiler thread ---------------------------------------------------------
 
-    def _prepare(self, grammar: Future | None, bad_words: list[str]) -> Prepared:
+    def _prepare(self, grammar: Future | None, bad_words: list[str]) -> CompiledConstraints:
         compiled = grammar.result() if grammar is not None else None  # compiled earlier in this thread
         words = bad_words_token_ids(self.tokenizer, bad_words) if bad_words else []
-        return Prepared(compiled, words)
+        return CompiledConstraints(compiled, words)
 
     @property
     def tokenizer(self):

@@ -26,7 +26,7 @@ from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
-from epd.engine.spec_check import check_speculative_model
+from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.lora_request import LoRARequest
 from epd.transport.sampling import SamplingParams, TokenLogprobs

@@ -9,4 +9,5 @@ addresses.py   the one place zmq addresses are derived from config
 channels.py    typed PUSH/PULL wrappers, sync and asyncio
 mm_entry.py    MMEntry and its LMDB value format
 mm_cache.py    MMCache (LMDB, LRU, multi-process) and mm_hash()
+checkpoint_error.py  CheckpointError, torch-free: the API's file checks and the workers' weight loading raise it
 """

@@ -15,13 +15,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from epd.transport.checkpoint_error import CheckpointError
+
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
 # Shard index: None for a whole parameter, k for the k-th of the fused pieces.
 NameRule = Callable[[str], "tuple[str, int | None] | None"]
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model (missing, extra or misshaped tensors)."""
 
 
 def unfilled_embedding(num_embeddings: int, dim: int) -> nn.Embedding:

@@ -166,7 +166,7 @@ class KVTransfer(Message):
     With an EAGLE-3 head (speculative decoding), three more: `draft_state`, the
     head's k and v blocks ([head_layers, num_blocks, block_size, head_kv_heads,
     head_dim], the same blocks) and its fused features of the last prompt
-    position ([hidden]), so the decode worker drafts at once (engine/eagle3_proposer.py).
+    position ([hidden]), so the decode worker drafts at once (engine/spec/eagle3_proposer.py).
     """
 
     TYPE: ClassVar[str] = "kv_transfer"

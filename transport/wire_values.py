@@ -104,7 +104,7 @@ class EngineCounters:
     num_kv_transfers: int = 0  # prefill side: KV sent and acked, timed in kv_transfer_seconds_sum
     kv_transfer_seconds_sum: float = 0.0  # send to ack
     num_aborted: int = 0  # requests an Abort took out of this worker (waiting, running or in transfer)
-    # speculative decoding (engine/spec_decode.py): sequences that verified a draft in a step, their
+    # speculative decoding (engine/spec/decode.py): sequences that verified a draft in a step, their
     # draft tokens, those accepted, and per draft position how often its token was accepted
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0

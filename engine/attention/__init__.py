@@ -7,6 +7,14 @@ and per layer:
   attention(query, k_cache, v_cache, meta, scale) -> out
 `torch` is the reference and the CPU path; `triton` the GPU path (imported
 lazily, so CPU-only installs and TRITON_INTERPRET set late both work).
+
+    metadata.py          `AttentionMetadata`: where new K/V goes and what each query sees
+    torch_attention.py   plain torch: the reference and the CPU serving path
+    cpu_kernel.py        the CPU paged decode kernel (paged_attention_cpu.c), built once, loaded with ctypes
+    triton_attention.py  the Triton backend: the GPU serving path
+    triton_prefill.py    paged prefill attention (flash-attention style)
+    triton_decode.py     paged decode attention (split-K)
+    triton_store.py      writes new tokens' K/V into the paged cache
 """
 from __future__ import annotations
 

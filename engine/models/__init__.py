@@ -1,0 +1,10 @@
+"""The language models the engine runs, on a paged KV cache.
+
+    registry.py      the families served, told apart by a checkpoint's config.json
+    qwen3_vl.py      Qwen3-VL's language model (and its relatives, by config)
+    qwen2_5_vl.py    Qwen2.5-VL's text config on the same decoder
+    qwen3_vl_moe.py  Qwen3-VL-MoE's text config: sparse MoE MLPs
+    moe.py           the sparse mixture-of-experts MLP, routed experts only
+    triton_moe.py    fused MoE in Triton (GPU)
+    mrope.py         M-RoPE positions for a prompt with images and videos
+"""

@@ -34,13 +34,13 @@ import anyio
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, TypeAdapter
 
+from epd.api.completions_format import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 from epd.api.errors import error_response, internal_error
 from epd.api.fast_path import SSE_HEADERS, header, parse_json_body, read_body
 from epd.api.merged_streams import MergedStreams
 from epd.api.metrics import ApiMetrics, RequestTracker
 from epd.api.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest, RequestError,
                               check_max_logprobs, check_max_tokens, check_token_ids, fan_out)
-from epd.api.responses import SSE_DONE, ChatFormat, CompletionFormat, Extras, SequenceOutput, sse
 
 if TYPE_CHECKING:
     from epd.api.orchestrator_like import OrchestratorLike

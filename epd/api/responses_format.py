@@ -1,6 +1,6 @@
 """The Responses API's answer: one `response` object, or the events of its stream.
 
-`ResponsesFormat` speaks the format interface of epd/api/responses.py's
+`ResponsesFormat` speaks the format interface of epd/api/completions_format.py's
 `ChatFormat` (`opening_chunks`, `delta_event`, `response`), so the chat path's
 `GenerateRoute` moves its Deltas unchanged. The stream is what the official
 client's `responses.stream(...)` folds into its final response, each event
@@ -23,7 +23,7 @@ import json
 import uuid
 from collections.abc import Callable
 
-from epd.api.responses import ChatFormat, SequenceOutput
+from epd.api.completions_format import ChatFormat, SequenceOutput
 from epd.requests import Delta, RequestError
 from epd.transport.sampling import TokenLogprobs
 

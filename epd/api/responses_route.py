@@ -16,10 +16,10 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from epd.api.completions_format import SSE_DONE
 from epd.api.generate_route import (GenerateRoute, ServedResponse, internal_request_id, max_json_items,
                                     read_json_object)
 from epd.api.protocol import GenerateRequest, RequestError, validate_body
-from epd.api.responses import SSE_DONE
 from epd.api.responses_format import ResponsesFormat
 from epd.api.responses_request import ResponsesRequest, renamed
 

@@ -9,6 +9,8 @@ One module per group of sub-commands, each adding its parsers to `build_parser`:
     engine_flags.py     the engine flags serve and worker share
     video_flags.py      the video limit flags serve and worker share
     flags_reference.py  docs/flags.md, written from these parsers (`python -m epd.cli.flags_reference`)
+
+`__main__.py` runs `python -m epd.cli` as the `epd` command.
 """
 from __future__ import annotations
 

@@ -311,7 +311,7 @@ def check_checkpoint(config: ServeConfig) -> None:
     any process starts; prints what the files say (warnings, sampling defaults)."""
     from epd.inputs.model_files import ModelFiles
 
-    from epd.engine.spec_check import check_speculative_model
+    from epd.engine.spec.check import check_speculative_model
 
     files = ModelFiles.open(config.model, config.files)
     config.engine.resolved_max_model_len(files.max_position_embeddings)

@@ -77,7 +77,7 @@ def _worker(args) -> int:
 
     config = worker_config(args)
     share_cores(config.cpu_sharing, external=True)  # before the launcher's import loads torch (libgomp reads it)
-    from epd.engine.spec_check import check_speculative_model
+    from epd.engine.spec.check import check_speculative_model
     from epd.inputs.model_files import ModelFiles
     from epd.serve.launcher import run_external_worker
 

@@ -1,1 +1,9 @@
-"""What enters a request: media fetching and prompt building (chat template + placeholders)."""
+"""What enters a request: media fetching and prompt building (chat template + placeholders).
+
+    media.py              an image or video part's raw bytes: data: URLs, file://, http(s)
+    media_uuids.py        vLLM's media `uuid`: a client-chosen name for an image
+    prompt.py             chat messages -> prompt token ids and image / video spans, no pixels decoded
+    video_header.py       a video's placeholder tokens from its container header
+    model_files.py        what is read from a checkpoint besides the weights (`ModelFiles`)
+    sampling_defaults.py  the sampling values a request gets for the fields it leaves out
+"""

@@ -31,6 +31,7 @@ from epd.encoders.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG
 from epd.engine.models.registry import check_family
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
+from epd.transport.checkpoint_error import CheckpointError
 
 # transformers' processor order: a "chat_template" key in processor_config.json, then the files
 PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
@@ -57,10 +58,6 @@ def split_processor_kwargs(kwargs: dict) -> tuple[dict, dict]:
     except ValueError as exc:
         raise ValueError(f"--mm-processor-kwargs: {exc}") from None
     return image, video
-
-
-class CheckpointError(ValueError):
-    """The checkpoint cannot be served; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 for one of make_model's target presets (its hidden size, vocabulary, layer count, RoPE).
 
 Nothing can be downloaded here, so the speculative-decoding tests draft with
-a head made locally: config.json as Speculators writes it (engine/eagle3.py
+a head made locally: config.json as Speculators writes it (engine/spec/eagle3.py
 `config_dict`), model.safetensors with the published tensor names, a reduced
 draft vocabulary (a seeded subset of the target's ids, through d2t / t2d) and
 no embed_tokens (the head shares the target's, as most published heads do).
@@ -50,7 +50,7 @@ def make_eagle3(out_dir: str | Path, preset: str = "tiny-eagle3", seed: int = 0)
     import torch
     from safetensors.torch import save_file
 
-    from epd.engine.eagle3 import Eagle3Config, Eagle3Head, config_dict
+    from epd.engine.spec.eagle3 import Eagle3Config, Eagle3Head, config_dict
 
     if preset not in EAGLE3_PRESETS:
         raise ValueError(f"unknown EAGLE-3 preset {preset!r}; choose one of {', '.join(EAGLE3_PRESETS)}")

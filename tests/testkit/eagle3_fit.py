@@ -41,7 +41,7 @@ def fit_eagle3(head_dir: str | Path, target_dir: str, sequences: list[list[int]]
     to predict token j + 1 from its entry for token j on each of `sequences`."""
     from transformers import AutoConfig
 
-    from epd.engine.eagle3 import DenseKV, load_eagle3
+    from epd.engine.spec.eagle3 import DenseKV, load_eagle3
     from epd.engine.loader import load_language_model
 
     head_dir = Path(head_dir)

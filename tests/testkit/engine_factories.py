@@ -11,7 +11,7 @@ from epd.transport.sampling import SamplingParams
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput
-from epd.engine.spec_decode import accept_greedy
+from epd.engine.spec.decode import accept_greedy
 
 ENTRY = object()  # an image's encoder output: opaque to the scheduler and the image ledger
 IMAGE_PAD_ID = 151655  # Qwen's <|image_pad|>: every image's placeholders share it

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from epd.api.completions_format import ChatFormat, CompletionFormat, sse
 from epd.api.protocol import Delta
-from epd.api.responses import ChatFormat, CompletionFormat, sse
 from epd.api.tool_calls import ToolChoice
 from epd.transport.sampling import TokenLogprobs
 
@@ -44,7 +44,7 @@ def test_an_empty_delta_sends_nothing():
 
 
 def test_the_chat_role_chunk_carries_the_prompt_ids_and_usage_as_vllms():
-    from epd.api.responses import Extras
+    from epd.api.completions_format import Extras
 
     first = Delta("a", [5], None, 7, 0, prompt_token_ids=[1, 2, 3, 4, 5, 6, 7])
     fmt = ChatFormat("chatcmpl-1", "m", 1, str, False, Extras(return_token_ids=True, continuous_usage=True))
@@ -58,7 +58,7 @@ def test_the_chat_role_chunk_carries_the_prompt_ids_and_usage_as_vllms():
 
 
 def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
-    from epd.api.responses import Extras, SequenceOutput
+    from epd.api.completions_format import Extras, SequenceOutput
 
     fmt = CompletionFormat("cmpl-1", "m", 1, lambda t: f"<{t}>", True, Extras(echo=("Hi there",), echo_only=True,
                                                                         echo_logprobs=True))

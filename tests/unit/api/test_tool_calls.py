@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from epd.api.completions_format import ChatFormat, SequenceOutput
 from epd.api.protocol import Delta, RequestError, parse_chat_request
-from epd.api.responses import ChatFormat, SequenceOutput
 from epd.api.tool_calls import ToolCallParser, ToolChoice, parse_tool_choice, tool_choice_schema, validate_tools
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

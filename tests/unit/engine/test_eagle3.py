@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (engine/eagle3.py): the forward against a reference written from the
+"""EAGLE-3 heads (engine/spec/eagle3.py): the forward against a reference written from the
 published architecture, the d2t vocabulary map, the loader, and `make-model --preset tiny-eagle3`."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epd.cli import build_parser
-from epd.engine.eagle3 import DenseKV, Eagle3Config, Eagle3Head, config_dict, load_eagle3, propose
+from epd.engine.spec.eagle3 import DenseKV, Eagle3Config, Eagle3Head, config_dict, load_eagle3, propose
 from epd.tools.make_eagle3 import make_eagle3
 from testkit.speculators_reference import reference_available, speculators_reference
 

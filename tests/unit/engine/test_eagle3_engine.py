@@ -1,4 +1,4 @@
-"""EAGLE-3 speculation in the engine (engine/eagle3_proposer.py), offline `LLM`, on the
+"""EAGLE-3 speculation in the engine (engine/spec/eagle3_proposer.py), offline `LLM`, on the
 tiny checkpoint with a head fitted to its greedy continuations (testkit/eagle3_fit.py):
 greedy output is the output without speculation, token for token, while drafts are
 accepted; with images (and transformers), preemption and chunked prefill; a prefix-cache

@@ -1,4 +1,4 @@
-"""Eagle3Proposer (engine/eagle3_proposer.py) against engine/eagle3.py's one-sequence
+"""Eagle3Proposer (engine/spec/eagle3_proposer.py) against engine/spec/eagle3.py's one-sequence
 `propose` on a dense cache (itself held to the published architecture in test_eagle3.py):
 the head's entries written into scattered paged blocks chunk by chunk, a verification
 step's accepted positions only, a prefix-cache hit that looks behind once, and the
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epd.engine.eagle3 import DenseKV, Eagle3Config, Eagle3Head, propose
-from epd.engine.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.request import Request
+from epd.engine.spec.eagle3 import DenseKV, Eagle3Config, Eagle3Head, propose
+from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
 
 CFG = Eagle3Config(hidden_size=32, target_hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=100,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from epd.engine.ngram_proposer import NgramProposer
+from epd.engine.spec.ngram import NgramProposer
 
 
 def reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 
 from epd.cli import build_parser, serve_config
 from epd.engine.config import EngineConfig
-from epd.engine.spec_config import SpeculativeConfig
+from epd.engine.spec.config import SpeculativeConfig
 
 
 @pytest.mark.parametrize("given, expected", [

@@ -1,4 +1,4 @@
-"""Speculative verification (engine/spec_sampling.py): the emitted tokens follow the target.
+"""Speculative verification (engine/spec/sampling.py): the emitted tokens follow the target.
 
 The first-token tests compute the distribution exactly from the sampler's own
 acceptance and residual rules; the chain tests sample many sequences with a
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator, sampling_probs
-from epd.engine.spec_sampling import (DraftBatch, SpecSampler, acceptance_probs, draw_noise, greedy_verify,
+from epd.engine.spec.sampling import (DraftBatch, SpecSampler, acceptance_probs, draw_noise, greedy_verify,
                                       one_hot_probs, rejection_sample, residual_probs, verification_inputs)
-from epd.engine.spec_sampling import verify as verify_flat
+from epd.engine.spec.sampling import verify as verify_flat
 from epd.transport.sampling import SamplingParams
 
 V = 6

@@ -1,13 +1,13 @@
 """The one acceptance function: greedy drafts keep their prefix equal to the
 target's argmax and one more argmax; sampled drafts go to the rejection
-sampler (engine/spec_sampling.py) on the same flat rows."""
+sampler (engine/spec/sampling.py) on the same flat rows."""
 from __future__ import annotations
 
 import torch
 
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator
-from epd.engine.spec_sampling import DraftBatch, verify
-from epd.engine.spec_verify import Draft, verify_drafts
+from epd.engine.spec.sampling import DraftBatch, verify
+from epd.engine.spec.verify import Draft, verify_drafts
 from epd.transport.sampling import SamplingParams
 
 

@@ -52,6 +52,17 @@ def rendered_ids(files: ModelFiles, template: str) -> list[int]:
 
 # -- chat templates ------------------------------------------------------------------------------
 
+def test_one_checkpoint_error_for_the_file_checks_and_the_weight_loading(tmp_path):
+    # the API's checks of a checkpoint's files and the workers' loading of its weights raise one
+    # class: an `except CheckpointError` from either module catches what the other raises
+    from epd.transport.checkpoint import CheckpointError as WeightsError, checkpoint_files
+
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files"):
+        checkpoint_files(tmp_path)
+    with pytest.raises(WeightsError, match="not a checkpoint directory"):
+        ModelFiles.open(tmp_path)
+
+
 def test_the_processor_template_is_found_when_the_tokenizer_has_none(qwen3_release):
     files = ModelFiles.open(qwen3_release)
     assert not files.tokenizer.chat_template  # the release layout: nothing in tokenizer_config.json

@@ -1,4 +1,5 @@
-"""OpenAI response objects: chat.completion(.chunk), text_completion, usage, SSE framing.
+"""OpenAI response objects of the completions endpoints (/v1/chat/completions, /v1/completions):
+chat.completion(.chunk), text_completion, usage, SSE framing. (The Responses API: responses_*.py.)
 
 A format object (`ChatFormat`, `CompletionFormat`) knows one HTTP request's
 id, model, whether logprobs were asked and vLLM's extras (`Extras`: token ids,

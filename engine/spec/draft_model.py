@@ -220,7 +220,7 @@ def load_draft_model(model_dir: str, target_tokenizer_dir: str, dtype: torch.dty
     from epd.engine.models.registry import check_family
     from epd.engine.models.qwen3_vl import pack_cpu_linears
 
-    from epd.engine.spec_check import check_same_vocab
+    from epd.engine.spec.check import check_same_vocab
 
     check_family(model_dir)  # UnsupportedModelError (a ValueError) names the families served
     check_same_vocab(target_tokenizer_dir, model_dir)

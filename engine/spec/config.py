@@ -43,10 +43,10 @@ class SpeculativeConfig:
     tokens a step per greedy sequence, verified in one forward of the target.
     n-gram: the draft is what followed the longest earlier match (length in
     [prompt_lookup_min, prompt_lookup_max]) of the sequence's own suffix.
-    eagle3: `model` is an EAGLE-3 head in Speculators' format (engine/eagle3.py),
-    drafting from the target's hidden states (engine/eagle3_proposer.py).
+    eagle3: `model` is an EAGLE-3 head in Speculators' format (engine/spec/eagle3.py),
+    drafting from the target's hidden states (engine/spec/eagle3_proposer.py).
     draft_model: the greedy continuation of `model`, a checkpoint directory with
-    the target's tokenizer (engine/draft_model_proposer.py)."""
+    the target's tokenizer (engine/spec/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from epd.engine.eagle3 import Eagle3Config, Eagle3Head
 from epd.engine.request import Request
+from epd.engine.spec.eagle3 import Eagle3Config, Eagle3Head
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ class _DraftAttention:
 def load_head(path: str, target_cfg, dtype: torch.dtype, device: torch.device) -> tuple[Eagle3Config, Eagle3Head]:
     """The head of `--speculative-config`'s "model", checked against the target (its
     hidden size, vocabulary and layers). ValueError names what does not fit."""
-    from epd.engine.eagle3 import load_eagle3
+    from epd.engine.spec.eagle3 import load_eagle3
 
     try:
         cfg, head = load_eagle3(path, target_cfg.num_layers, dtype=dtype, device=device)

@@ -9,7 +9,7 @@ tokens. `verify_drafts` is the one place that turns those rows into tokens:
             accepted (the target's correction, or the bonus token when all d
             were). Exactly the tokens sequential greedy decoding gives.
     sampled (temperature > 0): rejection sampling, which keeps the target's
-            distribution (engine/spec_sampling.py `verify`, on the same flat rows;
+            distribution (engine/spec/sampling.py `verify`, on the same flat rows;
             tests/unit/engine/test_spec_sampled_engine.py end to end).
 
 The rows must be what the sampler itself would read (`Sampler.process`):
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from epd.engine.sampler import SamplingBatch
-from epd.engine.spec_decode import accept_greedy
-from epd.engine.spec_sampling import DraftBatch, verify
+from epd.engine.spec.decode import accept_greedy
+from epd.engine.spec.sampling import DraftBatch, verify
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """`Eagle3Config`: an EAGLE-3 head's config.json (Speculators' format, or EAGLE's flat
 one), typed, and `check_fits`: whether the head drafts for a given target. Pure Python
 (no torch): the CLI checks a head against the target before any worker starts
-(engine/spec_check.py), the worker checks it again when it loads the weights
-(engine/eagle3_proposer.py load_head). The head itself: engine/eagle3.py."""
+(engine/spec/check.py), the worker checks it again when it loads the weights
+(engine/spec/eagle3_proposer.py load_head). The head itself: engine/spec/eagle3.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,7 +5,7 @@ tokenizer) without loading a weight; a ValueError names what does not fit.
 `epd serve` (epd/cli/serve_command.py check_checkpoint) and the offline `LLM` call it
 before any worker or engine starts: a head or a draft for another target is one line
 and exit code 2, not a traceback from each decode-side worker. The workers check again
-as they load (engine/eagle3_proposer.py load_head, engine/draft_model_proposer.py).
+as they load (engine/spec/eagle3_proposer.py load_head, engine/spec/draft_model.py).
 Pure Python (no torch).
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from epd.engine.eagle3_config import Eagle3Config
-from epd.engine.spec_config import SpeculativeConfig
+from epd.engine.spec.config import SpeculativeConfig
+from epd.engine.spec.eagle3_config import Eagle3Config
 
 
 def check_speculative_model(spec: SpeculativeConfig | None, model_dir: str | Path, tokenizer_dir: str | Path | None,
