@@ -107,18 +107,7 @@ class VideoInputs:
         for key, other in (("fps", "num_frames"), ("num_frames", "fps")):
             if key in request_kwargs and other not in request_kwargs:
                 merged.pop(other, None)
-        try:
-            return VideoOptions.from_kwargs(merged)
-        except ValueError as exc:
-            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
-
-    @staticmethod
-    def options_of(request_kwargs: dict | None) -> VideoOptions:
-        """The request's own video kwargs, without the server's (what its bounds are checked on)."""
-        try:
-            return VideoOptions.from_kwargs(request_kwargs)
-        except ValueError as exc:
-            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+        return _request_options(merged)
 
     def plan(self, raw_videos: list[bytes], request_kwargs: dict | None,
              tower_digest: str | None = None) -> list[PlannedVideo]:
@@ -131,7 +120,7 @@ class VideoInputs:
         if geometry is None:
             raise RequestError(self.files.no_video_reason, param="messages")
         options = self.options(request_kwargs)
-        request = self.options_of(request_kwargs)
+        request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
         image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
         out, num_decoded = [], 0
         for data in raw_videos:
@@ -153,3 +142,11 @@ class VideoInputs:
             out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan,
                                     tuple(chunks) if len(chunks) > 1 else ()))
         return out
+
+
+def _request_options(kwargs: dict | None) -> VideoOptions:
+    """VideoOptions from mm_processor_kwargs; a bad key or value is a 400 naming it."""
+    try:
+        return VideoOptions.from_kwargs(kwargs)
+    except ValueError as exc:
+        raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
