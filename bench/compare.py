@@ -37,7 +37,7 @@ from epd.bench.metrics import (BOOTSTRAP_RESAMPLES, CONFIDENCE, attainment_ci, d
                                p99_max_rate, slo_attainment, tail_latencies_ms)
 from epd.bench.report import results_from_json
 from epd.config import CPU_SHARING, ServeConfig, field_default
-from epd.transport.roles import Mode
+from epd.transport.wire.roles import Mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

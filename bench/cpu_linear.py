@@ -1,5 +1,5 @@
 """The CPU GEMM behind every projection: torch's `F.linear` (MKL in the x86
-wheels) against oneDNN with a packed weight (`transport/cpu_linear.PackedLinear`,
+wheels) against oneDNN with a packed weight (`transport/weights/cpu_linear.PackedLinear`,
 what the engine and the vision tower run on CPU in float32), issue 32.
 
     python -m epd.bench.cpu_linear [--threads 1] [--rows 1,8,32,128] [--hidden 768 --intermediate 2304 --vocab 8192]
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.transport.cpu_linear import PackedLinear
+from epd.transport.weights.cpu_linear import PackedLinear
 
 
 def layer_shapes(hidden: int, intermediate: int, vocab: int, q: int, kv: int) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ One torch thread, random tensors of the `small` preset's shapes (hidden 768, int
 (`time.process_time`): RMSNorm (the formula, `F.rms_norm`, `torch._fused_rms_norm`), o_proj
 with the residual add after it or as a oneDNN post-op, the MLP (gate_up, silu x up, down,
 add) eager / in place / with the activation, product and add as post-ops (what
-transport/cpu_linear.PackedSwiGLU and PackedLinear.add run), and q/k norm + rotary per
+transport/weights/cpu_linear.PackedSwiGLU and PackedLinear.add run), and q/k norm + rotary per
 tensor or over q and k heads together. Prints each time and the fused forms' largest
 difference from the eager ones. Imports nothing of EPD's: it measures torch and oneDNN.
 """

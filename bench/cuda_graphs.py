@@ -38,7 +38,7 @@ def throughput(args) -> dict:
     import torch
 
     from epd.bench.offline import _workload, bench_epd
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     levels = [int(c) for c in args.concurrency.split(",")]
     result = {"dtype": args.dtype, "input_len": args.input_len, "output_len": args.output_len, "modes": {}}
@@ -71,7 +71,7 @@ def throughput(args) -> dict:
 
 def stall(args) -> dict:
     from epd.engine.request import Request
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     if args.no_warm_up:  # as before the warm-up existed: kernels compile on their first use
         from epd.engine.attention import triton_attention

@@ -35,7 +35,7 @@ from epd.bench.client import RequestResult
 from epd.bench.compare import cpu_set, _Server
 from epd.bench.metrics import meets_slos, parse_goodput
 from epd.bench.report import results_from_json
-from epd.transport.roles import Mode, Role
+from epd.transport.wire.roles import Mode, Role
 
 ATTAINMENT = 0.9  # DistServe's goodput threshold
 HEALTH_POLL_S = 0.2

@@ -71,7 +71,7 @@ def _timed(llm, prompts, params, loras) -> float:
 
 def _row(llm, prompts, output_len: int, loras) -> tuple[float, float]:
     """(output tokens/s, TPOT s) of one run of `prompts` (each with its adapter in `loras`)."""
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -83,8 +83,8 @@ def _row(llm, prompts, output_len: int, loras) -> tuple[float, float]:
 def _load_cost(llm, shapes, tmp: Path, prompt: list[int], warm, rounds: int, rank: int,
                vocab: tuple[int, int]) -> dict:
     """Medians of one request's time with its adapter in host memory and never read."""
-    from epd.transport.lora_request import LoRARequest
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.lora_request import LoRARequest
+    from epd.transport.wire.sampling import SamplingParams
 
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     warm_s, cold_s = [], []
@@ -112,7 +112,7 @@ def main(args) -> dict:
 
     from epd.engine.lora.adapter import ProjectionShapes
     from epd.llm import LLM
-    from epd.transport.lora_request import LoRARequest
+    from epd.transport.wire.lora_request import LoRARequest
 
     if args.threads:
         torch.set_num_threads(args.threads)

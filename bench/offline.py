@@ -40,7 +40,7 @@ def _workload(tokenizer, num: int, input_len: int, output_len: int, range_ratio:
 
 def bench_epd(llm, prompts, output_lens: list[int], json_schema: dict | None = None) -> float:
     """Output tokens/s; with `json_schema` every request is constrained to it (structured outputs)."""
-    from epd.transport.sampling import SamplingParams, StructuredOutputsParams
+    from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams
 
     so = StructuredOutputsParams(json=json_schema) if json_schema is not None else None
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=so)
@@ -117,7 +117,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
 
 def matmul_seconds(fn) -> float:
     """CPU seconds `fn()` spends in the weight matmuls (aten::mm/addmm; on CPU in float32 the
-    engine's are oneDNN's packed `mkldnn::_linear_pointwise`, transport/cpu_linear.py), by torch's profiler."""
+    engine's are oneDNN's packed `mkldnn::_linear_pointwise`, transport/weights/cpu_linear.py), by torch's profiler."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -33,7 +33,7 @@ def workload(num_prompts: int, input_len: int, vocab: int, seed: int) -> list[li
 
 def epd_runner(model: str, num_prompts: int, output_len: int):
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(model, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

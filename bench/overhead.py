@@ -87,7 +87,7 @@ def offline_rate(model: str, prompts: list[list[int]], output_len: int, concurre
                  num_kv_blocks: int) -> float:
     """Output tokens/s of `LLM.generate` on `prompts`, at most `concurrency` running at once."""
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(model, max_num_seqs=concurrency, num_kv_blocks=num_kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)

@@ -51,7 +51,7 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
     import torch
 
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     saved_affinity, saved_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cpus)
@@ -102,7 +102,7 @@ def _token_prompt(llm, num_tokens: int, salt: int) -> list[int]:
 
 
 def _decode_step_ms(llm, batch: int, prompt_tokens: int) -> float:
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     prompts = [_token_prompt(llm, prompt_tokens, salt=batch * 100 + i) for i in range(batch)]
 

@@ -47,7 +47,7 @@ Service times are a worker's own when it runs alone (`ServiceTimes`).
 Without `shared_cores` each worker has a device of its own and runs at that
 speed. With it (`epd serve` on a CPU) the times are one thread's, and every
 worker runs on the same `cores`: a worker runs as many threads as `epd
-serve` gives its role in this split (epd/serve/threads.py, or
+serve` gives its role in this split (epd/processes/threads.py, or
 `threads_per_worker`), each busy thread gets a share of the cores in
 proportion to its CFS weight (from its role's niceness), no worker more
 cores than it has threads (weighted water-filling), and a worker on c cores
@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 from epd.bench.arrivals import arrival_times_s
 from epd.bench.plan_inputs import MODES, ServiceTimes, Split, Workload, text_only_requests
 from epd.serve.router import idle_prefill_workers
-from epd.serve.threads import worker_threads
-from epd.transport.roles import Role
+from epd.processes.threads import worker_threads
+from epd.transport.wire.roles import Role
 
 ROLES = ("encoder", "prefill", "decode", "pd", "aggregated")
 _CFS_WEIGHTS = {-2: 1586, -1: 1277, 0: 1024, 1: 820, 2: 655, 3: 526, 4: 423, 5: 335, 6: 272}  # Linux sched_prio_to_weight

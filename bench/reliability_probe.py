@@ -195,9 +195,9 @@ def probe_shutdown(p: Probe, server: ServeProcess, model: str) -> None:
 def probe_worker_plane(p: Probe, args, out: Path) -> None:
     # here, not at the top: `epd`'s parser imports this module, and the messages import torch
     # (which must load after `epd worker` set its OpenMP wait policy)
-    from epd.transport.auth import WORKER, PlaneKeys, make_keys
-    from epd.transport.channels import Receiver, Sender
-    from epd.transport.messages import Abort, Ready, WorkerExited
+    from epd.transport.wire.auth import WORKER, PlaneKeys, make_keys
+    from epd.transport.wire.channels import Receiver, Sender
+    from epd.transport.wire.messages import Abort, Ready, WorkerExited
 
     shutil.rmtree(out / "keys", ignore_errors=True)
     keys_dir = make_keys(out / "keys")

@@ -103,7 +103,7 @@ class _Timed:
 def run_streams(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
     """One run: the prompts start together; their decode steps timed."""
     from epd.engine.request import Request
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
@@ -136,7 +136,7 @@ def run_streams(engine, prompts: list[list[int]], output_len: int, tag: str) -> 
 
 def bench_method(args, name: str, spec: dict | None, prompts: list[list[int]]) -> list[dict]:
     from epd import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_gb=args.kv_cache_gb,
               speculative_config=spec)

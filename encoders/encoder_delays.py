@@ -21,7 +21,7 @@ slower than the machine makes it, and one fault: `EncoderWorker(spec, encoder, d
 A test that starts a server sets them through the environment of the
 process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`,
 `ENV_CRASH_IMAGE` = "WxH:SECONDS"):
-the worker entry (epd/serve/worker_entry.py) reads them once, with
+the worker entry (epd/processes/worker_entry.py) reads them once, with
 `from_env`, and the encoder worker itself reads no environment. Unset, no
 delay: production never sets them.
 """

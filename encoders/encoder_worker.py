@@ -1,7 +1,7 @@
 """The encoder worker loop: EncodeRequests in, embeddings to LMDB, EncodeDone out.
 
     loop:  drain inbox (batch up to a patch budget; a thread reads the socket
-           meanwhile and stamps arrivals: transport/stamped_inbox.py) -> skip images already in
+           meanwhile and stamps arrivals: transport/wire/stamped_inbox.py) -> skip images already in
            the cache (read back and sent inline when the prefill worker shares
            no cache dir) -> decode + preprocess + ViT -> cache.put -> EncodeDone
            to the prefill worker named in each request (with the tensors when
@@ -30,7 +30,7 @@ The stats carry, besides counters and histograms, the patches queued and the
 requests received, from which the API's router knows the work each encoder
 holds (epd/serve/encoder_router.py), the tower adapters resident in its slots
 (with --enable-tower-lora; the router prefers an encoder that holds a request's), and the age of the oldest queued image
-(the autoscaler's signal, epd/serve/autoscale.py).
+(the autoscaler's signal, epd/processes/autoscale.py).
 """
 from __future__ import annotations
 
@@ -43,16 +43,16 @@ from dataclasses import dataclass
 from epd.encoders.encoder_delays import CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
-from epd.encoders.image_processor import NO_IMAGE_PROCESSOR
+from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR
 from epd.encoders.video_io import DecodeLimits
 from epd.encoders.video_request import NO_VIDEO_ENCODER, encode_video_request, video_keys
-from epd.transport.frame_limits import encoder_inbox_frame_bytes
-from epd.transport.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
-from epd.transport.mm_entry import MMEntry
-from epd.transport.roles import Role
-from epd.transport.stamped_inbox import StampedInbox
-from epd.transport.wire_values import EncoderCounters
-from epd.transport.worker_io import WorkerIO, WorkerSpec
+from epd.transport.wire.frame_limits import encoder_inbox_frame_bytes
+from epd.transport.wire.messages import Abort, EncodeDone, EncodeRequest, Shutdown, WorkerStats
+from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.wire.roles import Role
+from epd.transport.wire.stamped_inbox import StampedInbox
+from epd.transport.wire.wire_values import EncoderCounters
+from epd.transport.wire.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
 

@@ -5,7 +5,7 @@ encoder worker. Images are batched through the tower up to a patch budget.
 With tower LoRA (`tower_lora`, --enable-tower-lora) the tower's projections
 are wrapped (encoders/tower_lora.py) and `encode(images, lora=...)` runs the
 adapter's tower weights; its images are keyed apart (`mm_hash(..., adapter_digest)`).
-Each image's output is an `MMEntry` (transport/mm_entry.py): the one type
+Each image's output is an `MMEntry` (transport/embedding_cache/mm_entry.py): the one type
 the cache stores, EncodeDone carries and the engine consumes.
 """
 from __future__ import annotations
@@ -19,13 +19,14 @@ from pathlib import Path
 import torch
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
-from epd.encoders.image_processor import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImagePreprocessor
+from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS
+from epd.encoders.image_processor import ImagePreprocessor
 from epd.encoders.loader import load_vision_tower
 from epd.encoders.tower_lora import TowerLoRA, TowerLoRASettings
-from epd.transport.lora_request import LoRARequest
-from epd.transport.mm_cache import adapted_mm_hash, mm_hash
-from epd.transport.mm_entry import MMEntry
-from epd.transport.cpu_linear import pack_linears
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.weights.cpu_linear import pack_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
 BatchTimer = Callable[[int, float, float], None]
@@ -54,7 +55,7 @@ class ImageEncoder:
         # the projections wrapped before the packing, which then reaches the base inside each wrapper
         self.lora = TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora else None
         if self.tower is not None:
-            pack_linears(self.tower)  # CPU float32: oneDNN with packed weights (transport/cpu_linear.py)
+            pack_linears(self.tower)  # CPU float32: oneDNN with packed weights (transport/weights/cpu_linear.py)
         self.device = device
         self.dtype = dtype
         self.model_fingerprint = model_fingerprint

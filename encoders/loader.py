@@ -14,7 +14,7 @@ from torch import nn
 
 from epd.encoders.qwen2_5_vision_tower import Qwen2_5VisionConfig, Qwen2_5VisionTower
 from epd.encoders.vision_tower import VisionConfig, VisionTower
-from epd.transport.checkpoint import load_weights, materialize
+from epd.transport.weights.checkpoint import load_weights, materialize
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 

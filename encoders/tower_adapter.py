@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epd.transport.lora_files import (TOWER_KEY, LoRAAdapterError, check_pairs, check_shape, is_tower_key,
+from epd.transport.weights.lora_files import (TOWER_KEY, LoRAAdapterError, check_pairs, check_shape, is_tower_key,
                                       read_lora_files)
 
 

@@ -6,7 +6,7 @@
 
 Every linear projection of the tower (encoders/tower_adapter.py lists them)
 is wrapped in a `TowerLoRALinear` (encoders/tower_lora_layer.py) before the
-CPU weight packing (transport/cpu_linear.pack_linears), as the engine wraps
+CPU weight packing (transport/weights/cpu_linear.pack_linears), as the engine wraps
 its language model. A tower forward runs one adapter (or none) for all its
 rows: the encoder batches images by adapter (a block's rows are patches, a
 merger's merged tokens, so one row map could not serve both), which keeps
@@ -25,9 +25,9 @@ from torch import nn
 
 from epd.encoders.tower_adapter import TowerAdapterSpec, TowerShapes, read_tower_adapter
 from epd.encoders.tower_lora_layer import TowerStep, wrap_tower
-from epd.transport.lora_files import WEIGHTS_FILE, LoRAAdapterError
-from epd.transport.lora_request import LoRARequest
-from epd.transport.wire_values import LoRAState
+from epd.transport.weights.lora_files import WEIGHTS_FILE, LoRAAdapterError
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.wire_values import LoRAState
 
 AdapterKey = tuple[str, str]  # LoRARequest.key
 

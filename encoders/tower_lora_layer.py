@@ -9,7 +9,7 @@ step, a gather or Triton kernels) the wrapper is two plain matmuls. `A[slot]`
 is zero-padded to `max_rank` rows and `B[slot]` to as many columns: the padding
 adds exact zeros. The slot comes from `TowerStep.applied`, a context manager
 entered around the forward that refuses nesting, shared by every wrapper of
-the tower (no global). Wrap before transport/cpu_linear.pack_linears: the
+the tower (no global). Wrap before transport/weights/cpu_linear.pack_linears: the
 wrapper reads the base weight's dtype and device, and the packing then
 reaches the base inside it.
 """

@@ -7,7 +7,7 @@ processor (encoders/video_processor.py) and runs the same vision tower as for
 images with grid (t, h, w), t temporal groups; it never re-plans.
 
 Output: `(mm_hash, MMEntry)` pairs in prompt order, keyed as
-encoders/video_keys.py says: one per temporal group for Qwen3-VL (grid
+transport/media/video_keys.py says: one per temporal group for Qwen3-VL (grid
 (1, h, w), deepstack included), one for the whole video for Qwen2.5-VL
 (grid (t, h, w)). Groups are independent tower inputs, so a long video runs
 through preprocessing and the tower a few groups at a time
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from epd.encoders.video_geometry import VideoGeometry, VideoPlan
+from epd.transport.media.video_geometry import VideoGeometry, VideoPlan
 from epd.encoders.video_io import decode_frames
-from epd.encoders.video_keys import entry_hashes
+from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer, normalize_frames, patchify, resize_frames
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_entry import MMEntry
 
 # (frames decoded, decode s, preprocessing s, ViT forward s) of one video
 VideoTimer = Callable[[int, float, float, float], None]
@@ -54,7 +54,7 @@ class VideoEncoder:
 
     def encode(self, data: bytes, plan: VideoPlan, mm_hash: str,
                on_video: VideoTimer | None = None) -> list[tuple[str, MMEntry]]:
-        """The entries of the video `mm_hash` (its key, encoders/video_keys.video_mm_hash).
+        """The entries of the video `mm_hash` (its key, transport/media/video_keys.video_mm_hash).
         Raises encoders.video_io.VideoError when the bytes do not decode to the plan."""
         start = time.perf_counter()
         # uint8 [num_frames, h, w, 3]: each frame resized to the plan's size as it is decoded

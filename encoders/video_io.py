@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from epd.encoders.video_geometry import VideoMeta
+from epd.transport.media.video_geometry import VideoMeta
 
 FrameResize = Callable[["np.ndarray"], "np.ndarray"]  # noqa: F821  uint8 [H, W, 3] -> [h, w, 3]
 

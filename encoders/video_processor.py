@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from epd.encoders.video_geometry import VideoGeometry, VideoPlan
+from epd.transport.media.video_geometry import VideoGeometry, VideoPlan
 
 
 def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One video EncodeRequest -> the (key, entry) pairs its spans wait for, or the
 error its request fails with. Shared by the encoder worker
 (encoders/encoder_worker.py) and the aggregated worker's in-process encoder
-(epd/serve/worker_entry.py), so a video is decoded, limited and keyed the same
+(epd/processes/worker_entry.py), so a video is decoded, limited and keyed the same
 way whichever process encodes it.
 
     plan (the API's VideoFrames) -> decode_frames(bytes, plan.frame_indices, DecodeLimits,
@@ -17,20 +17,20 @@ import time
 from collections.abc import Callable
 
 from epd.encoders.video_encoder import VideoEncoder
-from epd.encoders.video_geometry import VideoPlan
+from epd.transport.media.video_geometry import VideoPlan
 from epd.encoders.video_io import DecodeLimits, VideoError, decode_frames
-from epd.encoders.video_keys import entry_hashes
+from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer
-from epd.transport.messages import EncodeRequest
-from epd.transport.mm_entry import MMEntry
-from epd.transport.mm_video import VideoFrames
+from epd.transport.wire.messages import EncodeRequest
+from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.wire.mm_video import VideoFrames
 
 log = logging.getLogger("epd.encoder")
 NO_VIDEO_ENCODER = "this encoder serves no video (its checkpoint has no video processor config)"
 
 
 def video_plan(frames: VideoFrames) -> VideoPlan:
-    """The API's plan, as the EncodeRequest carried it (transport/mm_video.py)."""
+    """The API's plan, as the EncodeRequest carried it (transport/wire/mm_video.py)."""
     return VideoPlan(frames.frame_indices, frames.resized_height, frames.resized_width, frames.grid_thw,
                      frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t,
                      frames.first_group, frames.total_groups)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.transport.checkpoint import unfilled_embedding
+from epd.transport.weights.checkpoint import unfilled_embedding
 
 
 @dataclass(frozen=True)

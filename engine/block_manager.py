@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import msgpack
 
 from epd.engine.request import Request
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 # Parent hash of a prompt's first block: any fixed value works, it only has to
 # differ from every real digest.

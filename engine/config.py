@@ -44,7 +44,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"  # torch on CPU, triton on GPU
     # A worker admits a request before all its images are here and prefills
-    # up to the first missing one (engine/image_arrivals.py); off: it waits for all.
+    # up to the first missing one (engine/worker/image_arrivals.py); off: it waits for all.
     # None: on, except where `epd serve` decides otherwise (ServeConfig.worker_engines).
     early_prefill: bool | None = None
     seed: int = 0  # vLLM's --seed: the torch seed of every engine; unseeded requests sample from it

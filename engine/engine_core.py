@@ -36,17 +36,17 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.request import Request
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import TokenLogprobs
-from epd.transport.cpu_linear import pack_linears
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import TokenLogprobs
+from epd.transport.weights.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.ngram import NgramProposer
 from epd.engine.structured_output import GrammarCompilerPool
-from epd.transport.mm_entry import MMEntry
-from epd.transport.wire_values import LoRAState
+from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.wire.wire_values import LoRAState
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class EngineCore:
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
-        # CPU float32: oneDNN with packed weights (transport/cpu_linear.py); after the LoRA wrapping, which
+        # CPU float32: oneDNN with packed weights (transport/weights/cpu_linear.py); after the LoRA wrapping, which
         # reads the base projections' weights, and reaches the base projections inside the wrappers
         pack_cpu_linears(model)
         spec = config.speculative_config

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from epd.engine.request import Request
 
 if TYPE_CHECKING:
-    from epd.transport.mm_entry import MMEntry
+    from epd.transport.embedding_cache.mm_entry import MMEntry
 
 
 class ImageLedger:

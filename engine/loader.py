@@ -18,7 +18,7 @@ import torch
 
 from epd.engine.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForCausalLM
 from epd.engine.models.registry import family_of
-from epd.transport.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
+from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _VISION_PREFIXES = ("model.visual.", "visual.")

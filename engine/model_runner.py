@@ -34,9 +34,9 @@ from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_lo
 from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.spec.verify import Draft, verify_drafts
 from epd.engine.structured_output import CompiledConstraints, GrammarState, allocate_bitmask
-from epd.transport.sampling import TokenLogprobs
+from epd.transport.wire.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_entry import MMEntry
 
 @dataclass
 class RunnerOutput:
@@ -54,7 +54,7 @@ _PROMPT_LOGITS_ROWS = 256  # prompt rows scored at once: [rows, vocab] float32 l
 
 @dataclass
 class _RunnerState:
-    """The runner's own state of one request (the worker's is engine/worker.py _RequestState)."""
+    """The runner's own state of one request (the worker's is engine/worker/loop.py _RequestState)."""
 
     prompt_positions: torch.Tensor  # [3, num_prompt_tokens]
     delta: int  # position of token i >= num_prompt_tokens is i + delta

@@ -10,9 +10,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from epd.transport.lora_request import LoRARequest
-from epd.transport.mm_span import MMSpan  # the one span type, shared with the wire
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.mm_span import MMSpan  # the one span type, shared with the wire
+from epd.transport.wire.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 
 # Below this temperature a row is greedy: dividing by it would overflow float32.
 _SAMPLING_EPS = 1e-5

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.request import Request
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 import xgrammar as xgr  # noqa: E402
 
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams
 
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+?:\d+: (Check failed: \(.*?\) is false: )?")

@@ -1,7 +1,7 @@
 """The one composed, frozen configuration of each command, built once by the CLI.
 
     ServeConfig (epd serve)          mode, worker counts, HTTP, routing, cores
-      encoder_scaling                epd/serve/autoscale.py (--encoders MIN-MAX)
+      encoder_scaling                epd/processes/autoscale.py (--encoders MIN-MAX)
       engine: EngineConfig           epd/engine/config.py
         scheduler: SchedulerConfig   epd/engine/scheduler_config.py
       media: MediaConfig             epd/inputs/media.py
@@ -25,18 +25,18 @@ from epd.engine.config import EngineConfig
 from epd.lora_modules import LoRAModule
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
-from epd.serve.autoscale import EncoderScaling
-from epd.serve.ray_config import RayConfig
+from epd.processes.autoscale import EncoderScaling
+from epd.processes.ray_config import RayConfig
 from epd.serve.encoder_router import ENCODER_ROUTERS
 from epd.serve.router import ROUTERS
-from epd.serve.threads import CPU_SHARING, available_cores, lease_cores, serve_api_cores, worker_threads
-from epd.transport.addresses import MAX_API_SERVERS, is_tcp_address
-from epd.transport.auth import API, WORKER, PlaneKeyError, PlaneKeys
-from epd.transport.roles import Mode, Role
+from epd.processes.threads import CPU_SHARING, available_cores, lease_cores, serve_api_cores, worker_threads
+from epd.transport.wire.addresses import MAX_API_SERVERS, is_tcp_address
+from epd.transport.wire.auth import API, WORKER, PlaneKeyError, PlaneKeys
+from epd.transport.wire.roles import Mode, Role
 
 TOOL_CALL_PARSERS = ("hermes",)  # what epd/api/tool_calls.py parses (Qwen's <tool_call> blocks)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-MAX_LOGPROBS = 20  # the wire's bound on logprobs a token (transport/sampling.py)
+MAX_LOGPROBS = 20  # the wire's bound on logprobs a token (transport/wire/sampling.py)
 # Niceness per role when workers share cores ("shared"). CFS weights fall
 # ~1.25x per level: at 4 an encoder gets ~30% of a core a busy prefill wants.
 SHARED_CPU_NICE = {Role.DECODE: 0, Role.PD: 0, Role.AGGREGATED: 0, Role.PREFILL: 2, Role.ENCODER: 4}
@@ -110,8 +110,8 @@ class ServeConfig:
     core_lease: bool = True  # --core-lease: idle CPU engine workers lend their cores (leased_cores)
     ready_timeout_s: float = 600.0
     worker_keys: str | None = None  # `epd keys` directory: CURVE on the worker port (needed with external workers)
-    ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/serve/ray_cluster.py); None: local
-    api_servers: int = 1  # API processes behind the one HTTP port (epd/serve/api_servers.py)
+    ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/processes/ray_cluster.py); None: local
+    api_servers: int = 1  # API processes behind the one HTTP port (epd/processes/api_servers.py)
     stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
     # vLLM's front-end flags (issue 31): what each does here is in its help and docs/usage.md
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs a request may ask; more is a 400
@@ -211,7 +211,7 @@ class ServeConfig:
 
     def threads_for_each_worker(self, role: Role | str | None = None) -> int:
         """Torch threads of a worker of `role` (None: of an engine worker):
-        `--threads-per-worker`, else the rule of epd/serve/threads.py, which
+        `--threads-per-worker`, else the rule of epd/processes/threads.py, which
         leaves a core to the API process (not on a host of 2 cores or fewer)
         and, "split", divides the rest over the workers, "shared", over the
         engine workers (an encoder may use them all; the kernel shares cores
@@ -224,7 +224,7 @@ class ServeConfig:
                               serve_api_cores(cores))
 
     def leased_cores(self) -> int | None:
-        """The cores the launcher's CPU engine workers lend each other while idle (epd/serve/threads.py,
+        """The cores the launcher's CPU engine workers lend each other while idle (epd/processes/threads.py,
         `lease_cores`); None with `--no-core-lease`, with `--threads-per-worker`, "split", or a single
         engine worker."""
         if not self.core_lease or self.threads_per_worker:
@@ -331,7 +331,7 @@ class WorkerConfig:
 
     def num_worker_threads(self) -> int:
         """Torch threads: `--threads-per-worker`, else `epd serve`'s rule
-        (epd/serve/threads.py) for a host where this is the only worker."""
+        (epd/processes/threads.py) for a host where this is the only worker."""
         return self.num_threads or worker_threads(self.role, [self.role], available_cores(), self.cpu_sharing)
 
 

@@ -20,23 +20,23 @@ from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
 from epd.encoders.tower_lora import TowerLoRASettings
 from epd.encoders.video_encoder import VideoEncoder
-from epd.encoders.video_geometry import VideoOptions, VideoPlan, load_video_config
-from epd.encoders.video_keys import video_mm_hash
+from epd.transport.media.video_geometry import VideoOptions, VideoPlan, load_video_config
+from epd.transport.media.video_keys import video_mm_hash
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
 from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef, image_parts, video_parts
 from epd.inputs.video_header import plan_video
 from epd.lora_modules import TowerAdapters
-from epd.transport.mm_cache import adapted_mm_hash
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry
 
 log = logging.getLogger("epd.llm")
 MAX_VIDEO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
@@ -131,7 +131,7 @@ class LLM:
         {"url": "file://..." or "data:video/..."}}` parts, sampled as the checkpoint's
         video processor says, or as `mm_processor_kwargs` (fps, num_frames,
         do_sample_frames, min/max_pixels, min/max_frames;
-        epd/encoders/video_geometry.VideoOptions) override it."""
+        epd/transport/media/video_geometry.VideoOptions) override it."""
         options = VideoOptions.from_kwargs(mm_processor_kwargs)
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]

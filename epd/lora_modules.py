@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def check_lora_modules(modules: tuple[LoRAModule, ...], served_model_name: str, 
 
 class TowerAdapters:
     """Which adapters run on the vision tower (--enable-tower-lora), and the digest of
-    their files that keys their images' embeddings apart (transport/mm_cache.adapted_mm_hash).
+    their files that keys their images' embeddings apart (transport/embedding_cache/mm_cache.adapted_mm_hash).
     An adapter without tower weights (or tower LoRA off) has none: its requests share the
     base model's embeddings. Each adapter's files are read once (by name, path and id: an
     adapter loaded again at run time gets a new id, and is read again)."""
@@ -93,7 +93,7 @@ class TowerAdapters:
             return None
         key = (lora.lora_name, lora.lora_int_id, lora.lora_path)
         if key not in self._digests:
-            from epd.transport.lora_files import adapter_digest, touches_tower
+            from epd.transport.weights.lora_files import adapter_digest, touches_tower
 
             try:
                 self._digests[key] = adapter_digest(lora.lora_path) if touches_tower(lora.lora_path) else None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 

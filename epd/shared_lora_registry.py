@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterator
 
 from epd.lora_modules import LoRAModule, LoRARegistry
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 REGISTRY_FILE = "loras.json"
 

@@ -21,7 +21,7 @@ import numpy as np
 from epd.engine.request import Request
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 def simulate(priority: str, load: float, num_requests: int, budget: int, seed: int,
              text_len: int, image_len: int, aging: float) -> dict[str, list[float]]:

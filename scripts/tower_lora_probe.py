@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.tower_adapter import TowerShapes
 from epd.encoders.tower_lora import TowerLoRASettings
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 
 def write_adapter(out: Path, hf_config, rank: int) -> LoRARequest:

@@ -1,13 +1,13 @@
-"""Wire format and embedding cache; imports nothing else of ours.
+"""What the processes share without depending on each other; imports nothing else of ours.
 
-codec.py       WireError, tensor <-> (meta, bytes), msgpack headers, typed header fields
-messages.py    every wire message (dataclasses) and decode_message()
-wire_values.py the values messages carry (sampling, logprobs, worker counters) and their msgpack forms
-sampling.py    SamplingParams and TokenLogprobs, torch-free (the scheduler and the API use them)
-mm_span.py     MMSpan, an image's placeholder run in a prompt (torch-free: the scheduler reads it)
-addresses.py   the one place zmq addresses are derived from config
-channels.py    typed PUSH/PULL wrappers, sync and asyncio
-mm_entry.py    MMEntry and its LMDB value format
-mm_cache.py    MMCache (LMDB, LRU, multi-process) and mm_hash()
-checkpoint_error.py  CheckpointError, torch-free: the API's file checks and the workers' weight loading raise it
+wire/             the worker plane: messages and their codec, sockets and their
+                  addresses, keys, roles, frame limits, the values messages carry
+embedding_cache/  the embedding cache: content key -> embeddings in LMDB, shared by
+                  the encoders (writers) and the engine workers (readers) of a host
+weights/          what the engine and the encoders both need to run weights: the
+                  safetensors checkpoint reader, its one `CheckpointError`, LoRA
+                  adapter files, the packed CPU linear
+media/            torch-free media geometry the API counts tokens by and the
+                  encoders resize by: images, videos, video chunks, video content keys
+host/             what the workers of one host share besides sockets: the core lease
 """

@@ -5,7 +5,7 @@ A PEFT adapter is a directory with `adapter_config.json` (`r`, `lora_alpha`,
 per targeted projection, `...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`
 [r, in_features] and `lora_B.weight` [out_features, r]. The delta it adds to a
 projection's output is `x @ A^T @ B^T * scaling`, with `scaling = lora_alpha / r`
-(`lora_alpha / sqrt(r)` with `use_rslora`); transport/lora_files.py reads the
+(`lora_alpha / sqrt(r)` with `use_rslora`); transport/weights/lora_files.py reads the
 files and checks what both sides share.
 
 `read_adapter` does every check without torch (the config and the
@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epd.transport.lora_files import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, check_pairs, check_shape,
+from epd.transport.weights.lora_files import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, check_pairs, check_shape,
                                       is_tower_key, read_lora_files)
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoRAAdapterError", "ProjectionShapes", "AdapterSpec", "read_adapter"]

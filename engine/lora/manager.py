@@ -46,8 +46,8 @@ from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError,
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.lora.layers import LoRAStep, wrap_model
 from epd.engine.lora.step_rows import StepRows, step_rows
-from epd.transport.lora_files import adapter_digest
-from epd.transport.lora_request import LoRARequest
+from epd.transport.weights.lora_files import adapter_digest
+from epd.transport.wire.lora_request import LoRARequest
 
 AdapterKey = tuple[str, str]  # (lora_name, lora_path): LoRARequest.key, what is read
 WeightsKey = tuple[str, str, str]  # (lora_name, lora_path, digest of the files read): Request.lora_key
@@ -57,7 +57,7 @@ WeightsKey = tuple[str, str, str]  # (lora_name, lora_path, digest of the files 
 class _HostAdapter:
     spec: AdapterSpec
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A, B) on the CPU
-    digest: str  # of the files read (transport/lora_files.adapter_digest)
+    digest: str  # of the files read (transport/weights/lora_files.adapter_digest)
 
 
 class LoRAManager:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.engine.models.moe import SparseMoeBlock
-from epd.transport.checkpoint import unfilled_embedding
-from epd.transport.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
+from epd.transport.weights.checkpoint import unfilled_embedding
+from epd.transport.weights.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ class Qwen3VLForCausalLM(nn.Module):
 def pack_cpu_linears(model: nn.Module) -> None:
     """CPU float32 (else nothing changes): every dense MLP's gate/up projection as a
     `PackedSwiGLU` (the activation and product inside oneDNN's calls), then every other
-    `nn.Linear` packed whole (transport/cpu_linear.py). After any LoRA wrapping: a wrapped
+    `nn.Linear` packed whole (transport/weights/cpu_linear.py). After any LoRA wrapping: a wrapped
     gate/up is packed whole, its adapter added to the plain projection's output."""
     for module in model.modules():
         if isinstance(module, MLP):

@@ -49,7 +49,7 @@ from torch import nn
 
 from epd.engine.models.qwen3_vl import RMSNorm, _rotate_half
 from epd.engine.spec.eagle3_config import Eagle3Config
-from epd.transport.checkpoint import unfilled_embedding
+from epd.transport.weights.checkpoint import unfilled_embedding
 
 # attend(layer_idx, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D], scale) -> [N, Hq, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]

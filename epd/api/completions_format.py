@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from epd.api.errors import error_body
 from epd.requests import Delta, RequestError
 from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
-from epd.transport.sampling import TokenLogprobs
+from epd.transport.wire.sampling import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
 _TEXT_SLOT = "@@epd-text@@"  # stands for the text in a cached event template

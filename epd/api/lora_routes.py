@@ -31,7 +31,7 @@ from epd.api.orchestrator_like import OrchestratorLike
 from epd.api.settings import ApiSettings
 from epd.lora_modules import LoRAModule
 from epd.requests import RequestError
-from epd.transport.lora_files import AdapterNotFoundError
+from epd.transport.weights.lora_files import AdapterNotFoundError
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"

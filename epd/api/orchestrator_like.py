@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from epd.requests import Delta, GenerateRequest
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 
 class OrchestratorLike(Protocol):

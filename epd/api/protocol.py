@@ -21,11 +21,11 @@ from epd.api.chat_messages import CHAT_ROLES, validate_messages  # noqa: F401 (r
 from epd.api.tool_calls import (ToolError, parse_tool_choice, tool_choice_schema,
                                 validate_tools)
 from epd.api.vllm_fields import REFUSED_CHAT, REFUSED_COMPLETION, check_extra_fields
-from epd.encoders.video_geometry import VideoOptions
+from epd.transport.media.video_geometry import VideoOptions
 from epd.engine.structured_output import check_constraint
 from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.requests import Delta, GenerateRequest, RequestError  # noqa: F401 (re-exported for the edge)
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 MAX_PROMPTS = 256  # prompts in one /v1/completions batch (vLLM's cap is VLLM_MAX_COMPLETION_PROMPTS)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from epd.api.completions_format import ChatFormat, SequenceOutput
 from epd.requests import Delta, RequestError
-from epd.transport.sampling import TokenLogprobs
+from epd.transport.wire.sampling import TokenLogprobs
 
 _STATUS = {"stop": "completed", "length": "incomplete"}  # any other finish ("abort"): failed
 

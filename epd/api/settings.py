@@ -6,7 +6,7 @@ from functools import cached_property
 
 from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.lora_modules import LoRAModule, LoRARegistry
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 from epd.version import __version__
 
 

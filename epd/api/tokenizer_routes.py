@@ -28,7 +28,7 @@ from epd.api.protocol import (INT64_MAX, check_chat_template_kwargs, check_conti
 from epd.api.settings import ApiSettings
 from epd.api.tool_calls import ToolError, validate_tools
 from epd.requests import GenerateRequest, RequestError
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 TOKENIZE_PATH, DETOKENIZE_PATH = "/tokenize", "/detokenize"
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # below the vocabulary size: checked in the route

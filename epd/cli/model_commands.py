@@ -67,7 +67,7 @@ def _make_model(args) -> int:
 def _chat(args) -> int:
     from epd.encoders.image_io import ImageError, read_image_size
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     from epd.inputs.model_files import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
 

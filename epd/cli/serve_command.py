@@ -12,11 +12,11 @@ from epd.flag_values import json_object, limit_mm_per_prompt, media_io_kwargs, s
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
 from epd.lora_modules import check_lora_modules, parse_lora_modules
-from epd.serve.autoscale import EncoderScaling
+from epd.processes.autoscale import EncoderScaling
 from epd.serve.encoder_router import ENCODER_ROUTERS
-from epd.serve.ray_config import ROLE_FLAGS, RayConfig, parse_resources
+from epd.processes.ray_config import ROLE_FLAGS, RayConfig, parse_resources
 from epd.serve.router import ROUTERS
-from epd.transport.roles import Mode
+from epd.transport.wire.roles import Mode
 
 
 def add_serve_parser(sub) -> None:
@@ -284,7 +284,7 @@ def serve_config(args) -> ServeConfig:
 
 
 def ray_config(args) -> RayConfig | None:
-    """`--cluster ray` and its flags (epd/serve/ray_config.py); None for the local launcher."""
+    """`--cluster ray` and its flags (epd/processes/ray_config.py); None for the local launcher."""
     given = {role: getattr(args, flag[2:].replace("-", "_")) for role, flag in ROLE_FLAGS.items()}
     if args.cluster != "ray":
         used = [ROLE_FLAGS[role] for role, text in given.items() if text is not None]
@@ -299,7 +299,7 @@ def ray_config(args) -> RayConfig | None:
 
 
 def _serve(args) -> int:
-    from epd.serve.launcher import serve
+    from epd.processes.launcher import serve
 
     config = serve_config(args)
     check_checkpoint(config)

@@ -8,7 +8,7 @@ from epd.cli.engine_flags import add_engine_args, add_input_processing_args, eng
 from epd.cli.video_flags import add_video_limit_args, video_limits
 from epd.config import CPU_SHARING, WorkerConfig, field_default
 from epd.flag_values import json_object
-from epd.transport.roles import Role
+from epd.transport.wire.roles import Role
 
 
 def add_worker_parsers(sub) -> None:
@@ -59,7 +59,7 @@ def worker_config(args) -> WorkerConfig:
 
 
 def _keys(args) -> int:
-    from epd.transport.auth import PlaneKeyError, make_keys
+    from epd.transport.wire.auth import PlaneKeyError, make_keys
 
     try:
         directory = make_keys(args.dir)
@@ -73,13 +73,13 @@ def _keys(args) -> int:
 
 
 def _worker(args) -> int:
-    from epd.serve.threads import share_cores
+    from epd.processes.threads import share_cores
 
     config = worker_config(args)
     share_cores(config.cpu_sharing, external=True)  # before the launcher's import loads torch (libgomp reads it)
     from epd.engine.spec.check import check_speculative_model
     from epd.inputs.model_files import ModelFiles
-    from epd.serve.launcher import run_external_worker
+    from epd.processes.launcher import run_external_worker
 
     files = ModelFiles.open(config.model)  # a bad checkpoint: one line, exit 2, before any socket is bound
     config.engine.resolved_max_model_len(files.max_position_embeddings)

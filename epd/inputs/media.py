@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS
 from epd.encoders.video_io import DecodeLimits
-from epd.transport.frame_limits import DEFAULT_MAX_IMAGE_BYTES
+from epd.transport.wire.frame_limits import DEFAULT_MAX_IMAGE_BYTES
 
 MAX_REDIRECTS = 5
 DEFAULT_MAX_VIDEO_BYTES = 64 << 20  # --max-video-mb
@@ -62,7 +62,7 @@ class MediaConfig:
     processor sees them (-1: all, the processor samples). The encoder gives up
     decoding one video after `video_decode_timeout_s`. `video_chunk_frames`
     (the API's): a video sampling more frames is encoded in chunks of that many
-    (encoders/video_chunks.py), each its own EncodeRequest; 0: whole."""
+    (transport/media/video_chunks.py), each its own EncodeRequest; 0: whole."""
 
     allowed_local_media_path: str | None = None
     allowed_media_domains: tuple[str, ...] = ()

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.encoders.image_processor import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImageGeometry,
-                                          check_processor_kwargs)
-from epd.encoders.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
+from epd.transport.media.image_geometry import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImageGeometry,
+                                                check_processor_kwargs)
+from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
 from epd.engine.models.registry import check_family
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
-from epd.transport.checkpoint_error import CheckpointError
+from epd.transport.weights.checkpoint_error import CheckpointError
 
 # transformers' processor order: a "chat_template" key in processor_config.json, then the files
 PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")

@@ -8,7 +8,7 @@ processor does after decoding. Image parts are recognised in the OpenAI form
 
 A video part (`video_url`, `video`) renders one `<|video_pad|>` (the release
 templates: inside `<|vision_start|>...<|vision_end|>`), expanded from its
-`VideoPlan` (made from the header, encoders/video_geometry.py) as transformers'
+`VideoPlan` (made from the header, transport/media/video_geometry.py) as transformers'
 processors write it: Qwen3-VL replaces the template's whole wrapper with
 `<{t:.1f} seconds>` + `<|vision_start|>` + the group's pads + `<|vision_end|>`
 per temporal group (one span per group; Qwen3VLProcessor and vLLM drop the
@@ -20,10 +20,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from epd.encoders.image_processor import ImageGeometry
-from epd.encoders.video_geometry import VideoPlan
-from epd.encoders.video_keys import entry_hashes
-from epd.transport.mm_span import MMSpan
+from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.video_geometry import VideoPlan
+from epd.transport.media.video_keys import entry_hashes
+from epd.transport.wire.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 VIDEO_PART_TYPES = ("video_url", "video")
@@ -79,8 +79,8 @@ class ImageRef:
 @dataclass(frozen=True)
 class VideoRef:
     """What the prompt needs to know of one video: the plan made from its
-    header and its content key (encoders/video_keys.video_mm_hash), and the
-    chunks it is encoded in (encoders/video_chunks.py; none: one piece)."""
+    header and its content key (transport/media/video_keys.video_mm_hash), and the
+    chunks it is encoded in (transport/media/video_chunks.py; none: one piece)."""
 
     plan: VideoPlan
     mm_hash: str

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory

@@ -3,7 +3,7 @@
 The API process never decodes a video's pixels: it reads the header (frame
 count, average rate, size; encoders/video_io.py), lets the checkpoint's video
 processor rules choose the sampled frames and their size
-(encoders/video_geometry.py) and counts the tokens. The resulting `VideoPlan`
+(transport/media/video_geometry.py) and counts the tokens. The resulting `VideoPlan`
 is what the encoder decodes and preprocesses, so both sides agree by
 construction. Torch-free.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from epd.encoders.video_geometry import (VideoGeometry, VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
+from epd.transport.media.video_geometry import (VideoGeometry, VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
                                          VideoPlanError)
 from epd.encoders.video_io import TooManyFrames, VideoError, read_video_meta
 

@@ -1,1 +1,15 @@
-"""Serving: the orchestrator, its router and worker registry, the launcher and worker entry points."""
+"""The request plane: the API process's side of a request, from prepared inputs to
+the last token (the processes it runs on are started by epd/processes/).
+
+orchestrator.py    the retry loop, the collector, failover, a request's lifecycle
+preparer.py        a request's media and prompt made ready for the workers (`Prepared`)
+video_inputs.py    a request's videos planned from their container headers
+placement.py       where one attempt runs, and the messages that start it there
+attempt.py         one try of a request on one set of workers, and its events
+attempt_stream.py  token outputs, attempt after attempt, as `Delta`s
+token_order.py     token outputs put back in output order
+router.py          choosing a prefill / decode worker (`--router`)
+encoder_router.py  choosing the encoder of each image or video (`--encoder-router`)
+registry.py        the workers as the API sees them: addresses, roles, load, life
+worker_metrics.py  Prometheus text for what the workers report
+"""

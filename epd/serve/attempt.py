@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from epd.requests import RequestError
 from epd.serve.registry import WorkerInfo
-from epd.transport.roles import Role
+from epd.transport.wire.roles import Role
 
 DEADLINE = object()  # queued to an attempt when its request's deadline passes
 SHUTDOWN = object()  # queued to every attempt when the server stops with requests still running

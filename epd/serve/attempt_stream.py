@@ -25,8 +25,8 @@ from epd.serve.attempt import DEADLINE, SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.preparer import Prepared
 from epd.serve.token_order import TokenOrder
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.messages import TokenOutput
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.messages import TokenOutput
+from epd.transport.wire.sampling import SamplingParams
 
 
 class AttemptStream:

@@ -38,14 +38,14 @@ from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry, poison_error
 from epd.serve.registry import WorkerRegistry
-from epd.serve.supervisor import Unsupervised, WorkerWatch
-from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys
-from epd.transport.frame_limits import COLLECTOR_FRAME_BYTES
-from epd.transport.channels import AsyncOutbox, AsyncReceiver
-from epd.transport.lora_request import LoRARequest
-from epd.transport.messages import (Abort, Alive, LoRAUpdate, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
+from epd.processes.supervisor import Unsupervised, WorkerWatch
+from epd.transport.wire.auth import API, COLLECTOR_DOMAIN, PlaneKeys
+from epd.transport.wire.frame_limits import COLLECTOR_FRAME_BYTES
+from epd.transport.wire.channels import AsyncOutbox, AsyncReceiver
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.messages import (Abort, Alive, LoRAUpdate, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
                                     WorkerExited, WorkerStats)
-from epd.transport.roles import Role
+from epd.transport.wire.roles import Role
 
 log = logging.getLogger("epd.api")
 LORA_CHECK_TIMEOUT_S = 30.0  # a runtime load's read of an adapter's config and header (bounded in size)
@@ -70,7 +70,7 @@ class Orchestrator:
         worker-plane keys when the collector is on tcp (default `--worker-keys`).
         `api_index`: this API process's place among `--api-servers` (its
         collector's in WorkerSpec.apis). `supervisor`: who keeps the workers
-        up, as this process sees it (epd/serve/supervisor.py; None: nobody here)."""
+        up, as this process sees it (epd/processes/supervisor.py; None: nobody here)."""
         self.config = config
         self.keys_dir = keys_dir or config.worker_keys
         # tokenizer, chat template, sampling defaults, image processor; CheckpointError names what is wrong

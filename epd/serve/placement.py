@@ -33,10 +33,10 @@ from epd.serve.preparer import Prepared
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router, prefer_adapter
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.channels import AsyncOutbox
-from epd.transport.messages import EncodeRequest, PrefillRequest
-from epd.transport.mm_cache import MMCache
-from epd.transport.roles import Role
+from epd.transport.wire.channels import AsyncOutbox
+from epd.transport.wire.messages import EncodeRequest, PrefillRequest
+from epd.transport.embedding_cache.mm_cache import MMCache
+from epd.transport.wire.roles import Role
 
 PREFILL_ROLES = tuple(role for role in Role if role.takes_prefill)
 NO_WORKER_POLL_S = 0.05  # while no live worker of a role exists, look again this often

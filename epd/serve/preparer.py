@@ -3,7 +3,7 @@
     load media        image and video parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
-      images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/mm_cache.py
+      images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/embedding_cache/mm_cache.py
       videos          header -> plan (frames, size, tokens), mm_hash, chunks   epd/serve/video_inputs.py
       tower adapter   --enable-tower-lora and the request's adapter has tower weights: every key
                       adapted to it (its images never share the base's embeddings)   epd/lora_modules.TowerAdapters
@@ -31,10 +31,10 @@ from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.video_inputs import PlannedVideo, VideoInputs
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.lora_request import LoRARequest
-from epd.transport.mm_cache import adapted_mm_hash, mm_hash
-from epd.transport.mm_span import MMSpan
-from epd.transport.mm_video import VideoFrames
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
+from epd.transport.wire.mm_span import MMSpan
+from epd.transport.wire.mm_video import VideoFrames
 
 
 @dataclass

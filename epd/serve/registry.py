@@ -4,7 +4,7 @@ Workers announce themselves with `Ready` (spawned by the launcher, or
 started elsewhere with `epd worker`, which is how external workers register)
 and publish `WorkerStats` a few times a second from their loop; while the
 loop is busy (a long ViT batch or prefill step) their heartbeat thread sends
-`Alive` instead (transport/worker_io.py). A worker is dead when its
+`Alive` instead (transport/wire/worker_io.py). A worker is dead when its
 supervisor saw its process exit (`mark_dead`) or, if no supervisor here
 watches it (`epd worker` on another host, a Ray actor), when it has sent
 neither for the heartbeat timeout (`HEARTBEAT_TIMEOUT_S`, or
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from epd.transport.messages import Alive, Ready, WorkerStats
+from epd.transport.wire.messages import Alive, Ready, WorkerStats
 
 # Silent this long (no WorkerStats, sent every 0.25 s, nor Alive, every 0.5 s while the loop
 # is busy) counts as dead, for workers no supervisor here watches.

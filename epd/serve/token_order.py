@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
-from epd.transport.messages import TokenOutput
+from epd.transport.wire.messages import TokenOutput
 
 
 class TokenOrder:

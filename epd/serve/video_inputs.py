@@ -12,31 +12,31 @@ alone (the API process decodes no pixel): `VideoInputs`.
     keys          the video's mm_hash over its bytes, the video processor config and the plan's
                   frames and size (the same video sampled otherwise is another entry), and the
                   keys of the entries its spans name: one per temporal group for Qwen3-VL
-                                                                  encoders/video_keys.py
+                                                                  transport/media/video_keys.py
     chunks        --video-chunk-frames: a longer video cut into chunks of whole temporal groups,
-                  each its own EncodeRequest (its own encoder)    encoders/video_chunks.py
+                  each its own EncodeRequest (its own encoder)    transport/media/video_chunks.py
 
-Each video's `VideoFrames` (transport/mm_video.py) go to its encoder in the
+Each video's `VideoFrames` (transport/wire/mm_video.py) go to its encoder in the
 EncodeRequest, so the encoder decodes what was counted here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epd.encoders.video_chunks import split_plan
-from epd.encoders.video_geometry import VideoOptions, VideoPlan
-from epd.encoders.video_keys import entry_hashes, video_mm_hash
+from epd.transport.media.video_chunks import split_plan
+from epd.transport.media.video_geometry import VideoOptions, VideoPlan
+from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.requests import RequestError
-from epd.transport.mm_cache import adapted_mm_hash
-from epd.transport.mm_video import VideoFrames
+from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
+from epd.transport.wire.mm_video import VideoFrames
 
 
 def wire_plan(plan: VideoPlan) -> VideoFrames:
-    """The plan as an EncodeRequest carries it (transport/mm_video.py)."""
+    """The plan as an EncodeRequest carries it (transport/wire/mm_video.py)."""
     return VideoFrames(plan.frame_indices, plan.resized_height, plan.resized_width, plan.grid_thw, plan.num_tokens,
                        plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t, plan.first_group,
                        plan.total_groups)

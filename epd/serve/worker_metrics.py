@@ -22,8 +22,8 @@ from prometheus_client.utils import floatToGoString
 
 from epd.multiprocess_metrics import is_multiprocess
 from epd.serve.registry import WorkerRegistry
-from epd.transport.histogram import IMAGE_COUNT_BOUNDS, Buckets
-from epd.transport.wire_values import MODALITIES, CacheFaults, EncoderCounters, EngineCounters
+from epd.transport.wire.histogram import IMAGE_COUNT_BOUNDS, Buckets
+from epd.transport.wire.wire_values import MODALITIES, CacheFaults, EncoderCounters, EngineCounters
 
 # Every counter a worker sends is exported (tests/unit/serve/test_worker_metrics.py checks that none is left out).
 # Counters: (metric name without _total, help, the value). Summaries: (name, help, (count, sum)).

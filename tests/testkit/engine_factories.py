@@ -6,8 +6,8 @@ import itertools
 from collections.abc import Callable, Sequence
 
 from epd.engine.request import Request
-from epd.transport.mm_span import MMSpan
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.mm_span import MMSpan
+from epd.transport.wire.sampling import SamplingParams
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.scheduler_output import SchedulerOutput

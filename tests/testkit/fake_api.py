@@ -26,8 +26,8 @@ import uvicorn
 from epd.api.fast_path import http_protocol
 from epd.api.protocol import Delta, GenerateRequest, RequestError
 from epd.api.server import ApiSettings, build_app
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import TokenLogprobs
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import TokenLogprobs
 
 MODEL = "qwen3-vl-test"
 API_KEY = "sk-test"

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from epd.transport.mm_cache import MMCache, mm_hash
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_cache import MMCache, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry
 
 FINGERPRINT = "test-model"
 

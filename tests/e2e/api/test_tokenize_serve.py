@@ -36,7 +36,7 @@ def client(server):
 
 
 def test_tokenize_counts_what_a_chat_with_images_costs(server, client, tiny_model):
-    from epd.encoders.image_processor import ImageGeometry
+    from epd.transport.media.image_geometry import ImageGeometry
     from epd.engine.model_info import ModelInfo
 
     messages = [{"role": "system", "content": "Answer briefly."},

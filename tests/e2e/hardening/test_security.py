@@ -17,8 +17,8 @@ import zmq
 from testkit.api_checks import (IMG, TEXT_MESSAGES, assert_error, assert_still_serving, chat_body, group_processes,
                         plain_server_model, post, worker_set, worker_sockets)
 
-from epd.transport.messages import EncodeRequest, PrefillRequest
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.messages import EncodeRequest, PrefillRequest
+from epd.transport.wire.sampling import SamplingParams
 
 
 def test_api_key_from_the_environment(plain_server):

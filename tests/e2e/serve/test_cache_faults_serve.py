@@ -11,8 +11,8 @@ from testkit.mm_cache_damage import garble_tree_pages, set_aside
 from testkit.server import chat_text, start_server
 from testkit.small_fs import fill_up, mounted_tmpfs
 
-from epd.transport.mm_cache import MMCache, mm_hash
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_cache import MMCache, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry
 
 
 def test_a_corrupt_cache_dir_does_not_block_start_up(tiny_model, tmp_path):

@@ -1,4 +1,4 @@
-"""The core lease (transport/core_lease.py), on by default, in a real e-p-d deployment:
+"""The core lease (transport/host/core_lease.py), on by default, in a real e-p-d deployment:
 the decode worker marks itself busy in the run's lease file while it steps a
 request, and clears the mark once it has nothing left to step."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from testkit.server import ServerProcess, free_port
 
-from epd.transport.core_lease import lease_path
+from epd.transport.host.core_lease import lease_path
 
 
 def marks(path: str) -> tuple[float, ...]:

@@ -16,7 +16,7 @@ from testkit.eagle3_fit import fit_eagle3
 from testkit.media import MIXED_BATCH
 from testkit.server import start_server
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540))]
 MAX_TOKENS = 24

@@ -13,7 +13,7 @@ import pytest
 from testkit.media import image_bytes, image_part
 from testkit.server import ServerProcess, free_port
 
-from epd.encoders.image_processor import ImageGeometry
+from epd.transport.media.image_geometry import ImageGeometry
 
 MAX_TOKENS = 4
 

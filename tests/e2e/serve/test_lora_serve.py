@@ -189,7 +189,7 @@ def test_adapter_files_bounded_before_any_worker_reads_them(server, late, tmp_pa
     import httpx
 
     from epd.bench.reliability_probe_lora import write_big_header, write_sparse
-    from epd.transport.lora_files import MAX_HEADER_BYTES
+    from epd.transport.weights.lora_files import MAX_HEADER_BYTES
 
     def load(name: str, path) -> httpx.Response:
         return httpx.post(server.base_url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},

@@ -71,7 +71,7 @@ def offline(tiny_model):
     6th is inside a held batch at intervals 3 (tokens 4-6) and 4 (tokens 5-8), so the
     tokens after it must be dropped for the counts to match."""
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(tiny_model)
     params = dict(temperature=0, max_tokens=STREAM_TOKENS, ignore_eos=True)
@@ -297,7 +297,7 @@ def _cache_entries(cache_dir: str, model: str) -> list:
     from transformers import AutoConfig
 
     from epd.engine.model_info import ModelInfo
-    from epd.transport.mm_entry import decode_entry
+    from epd.transport.embedding_cache.mm_entry import decode_entry
 
     fingerprint = ModelInfo.from_pretrained(model, AutoConfig.from_pretrained(model)).fingerprint
     env = lmdb.open(cache_dir, readonly=True, lock=False, max_dbs=3)
@@ -392,7 +392,7 @@ def _forged_peer(collector: str, inbox: str):
     yields the rogue's inbox."""
     import zmq
 
-    from epd.transport.messages import Ready, Shutdown
+    from epd.transport.wire.messages import Ready, Shutdown
 
     ctx = zmq.Context()
     try:

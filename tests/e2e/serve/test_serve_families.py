@@ -25,7 +25,7 @@ def video_chat() -> list[dict]:
 
 def offline_text(model_dir: str, messages: list[dict]) -> str:
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     [out] = LLM(model_dir).chat([messages], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     return out.outputs[0].text

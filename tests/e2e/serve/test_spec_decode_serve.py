@@ -14,7 +14,7 @@ import pytest
 from testkit.media import MIXED_BATCH
 from testkit.server import start_server
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300]]

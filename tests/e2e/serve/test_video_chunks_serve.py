@@ -64,7 +64,7 @@ def answer(response: httpx.Response) -> tuple[list[int], list[int], list[list[tu
 def offline(model_dir: str, clips: list[bytes]) -> list:
     """(prompt ids, greedy ids, top-5 logprobs) of each clip's chat by the offline LLM."""
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(model_dir, dtype="float32")
     outs = [llm.chat(messages(clip), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,

@@ -41,7 +41,7 @@ def offline(tiny_model):
     """(text, prompt ids, output ids, each token's top-5 (id, logprob)) of the offline LLM's greedy
     answer for each clip."""
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     llm = LLM(tiny_model)
     out = {}
@@ -96,7 +96,7 @@ def test_encoder_metrics_count_by_modality(mode_server, tiny_model):
     """An image request moves the image series by one item, one frame, one decode; a video
     request the video series by one item, one decode and the frames its plan decodes (every
     frame up to the last sampled one), whichever process encodes (aggregated: its engine worker)."""
-    from epd.encoders.video_geometry import VideoGeometry
+    from epd.transport.media.video_geometry import VideoGeometry
     from epd.inputs.video_header import plan_video
 
     clip = encode_video(synthetic_frames(12, 48, 64, seed=21), "mp4", fps=8)  # this test's own: no cache hit

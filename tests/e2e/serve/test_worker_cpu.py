@@ -1,6 +1,6 @@
 """`epd worker` runs with `epd serve`'s CPU discipline (issue 33, item 8):
 OpenMP threads that sleep when they wait, and the thread count the launcher's
-rule gives its role (epd/serve/threads.py), not every core. Checked in a real
+rule gives its role (epd/processes/threads.py), not every core. Checked in a real
 `epd worker` process: libgomp's own report of what it read when torch loaded
 it (`OMP_DISPLAY_ENV=VERBOSE`: PASSIVE makes its spin count 0) and the
 process's `torch.get_num_threads()`."""
@@ -15,8 +15,8 @@ import time
 import pytest
 from testkit.server import free_port
 
-from epd.serve.threads import available_cores, worker_threads
-from epd.transport.roles import Role
+from epd.processes.threads import available_cores, worker_threads
+from epd.transport.wire.roles import Role
 
 SPIN_COUNT = re.compile(r"GOMP_SPINCOUNT = '(\d+)'")
 THREADS = re.compile(r"EPD worker \S+: (\d+) torch threads, OMP_WAIT_POLICY=(\S+)")

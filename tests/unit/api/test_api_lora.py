@@ -10,7 +10,7 @@ import pytest
 from testkit.fake_api import API_KEY, AUTH, MODEL, FakeOrchestrator, serve_app, user
 
 from epd.lora_modules import LoRAModule, lora_requests, parse_lora_modules
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 MODULES = (LoRAModule("sql", "/adapters/sql"), LoRAModule("chat", "/adapters/chat", "qwen-base"))
 

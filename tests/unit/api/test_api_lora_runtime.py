@@ -10,7 +10,7 @@ import pytest
 from testkit.fake_api import API_KEY, AUTH, MODEL, FakeOrchestrator, serve_app
 
 from epd.lora_modules import LoRAModule
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 
 @pytest.fixture()

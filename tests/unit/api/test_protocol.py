@@ -5,7 +5,7 @@ import pytest
 
 from epd.api.protocol import (GenerateRequest, RequestError, check_max_tokens, check_model, fan_out, format_loc,
                               parse_chat_request, parse_completion_request, request_error_from_validation)
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 

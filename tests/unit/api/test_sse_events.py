@@ -9,7 +9,7 @@ import pytest
 from epd.api.completions_format import ChatFormat, CompletionFormat, sse
 from epd.api.protocol import Delta
 from epd.api.tool_calls import ToolChoice
-from epd.transport.sampling import TokenLogprobs
+from epd.transport.wire.sampling import TokenLogprobs
 
 TEXTS = [" hello", 'a "quoted" \\ back\nslash', "é中文🙂", "\u0000\u001f control", "@@epd-text@@"]
 

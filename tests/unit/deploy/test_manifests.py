@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from epd.cli import build_parser
-from epd.transport.auth import make_keys
+from epd.transport.wire.auth import make_keys
 
 ROOT = Path(__file__).resolve().parents[3]
 MANIFEST = ROOT / "deploy" / "kuberay" / "raycluster.yaml"
@@ -129,7 +129,7 @@ def test_the_head_runs_epd_serve_with_flags_it_takes():
     args, unknown = build_parser().parse_known_args(argv)
     assert {a for a in unknown if a.startswith("--")} <= RAY_LAUNCHER_FLAGS, unknown
     assert args.worker_keys == "/etc/epd/keys" and args.mode == "e-p-d"
-    from epd.serve.autoscale import EncoderScaling
+    from epd.processes.autoscale import EncoderScaling
 
     low, high = EncoderScaling.parse_range(args.encoders)
     encoder_group = next(g for g in raycluster()["spec"]["workerGroupSpecs"] if g["groupName"] == "encoders")

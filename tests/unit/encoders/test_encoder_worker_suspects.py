@@ -13,10 +13,10 @@ import torch
 
 from epd.encoders.encoder_worker import EncoderWorker
 from epd.encoders.image_encoder import ImageEncoder
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.messages import Abort, Alive, EncodeDone, EncodeRequest
-from epd.transport.worker_io import WorkerSpec
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import Abort, Alive, EncodeDone, EncodeRequest
+from epd.transport.wire.worker_io import WorkerSpec
 from testkit.media import image_bytes
 
 

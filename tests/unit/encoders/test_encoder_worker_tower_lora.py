@@ -20,13 +20,13 @@ from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.tower_lora import TowerLoRASettings
 from epd.encoders.video_encoder import VideoEncoder
 from epd.encoders.video_io import DecodeLimits
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.lora_files import adapter_digest
-from epd.transport.lora_request import LoRARequest
-from epd.transport.messages import EncodeDone, EncodeRequest, WorkerStats
-from epd.transport.wire_values import LoRAState
-from epd.transport.worker_io import WorkerSpec
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.weights.lora_files import adapter_digest
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.messages import EncodeDone, EncodeRequest, WorkerStats
+from epd.transport.wire.wire_values import LoRAState
+from epd.transport.wire.worker_io import WorkerSpec
 
 IMAGE = image_bytes(64, 48, seed=5)
 
@@ -126,11 +126,11 @@ def test_a_video_runs_the_tower_adapter_and_is_keyed_apart(plane, loras, tiny_mo
     pytest.importorskip("av")
     from testkit.videos import encode_video, synthetic_frames
 
-    from epd.encoders.video_geometry import load_video_config
-    from epd.encoders.video_keys import entry_hashes, video_mm_hash
+    from epd.transport.media.video_geometry import load_video_config
+    from epd.transport.media.video_keys import entry_hashes, video_mm_hash
     from epd.inputs.video_header import plan_video
     from epd.serve.video_inputs import wire_plan
-    from epd.transport.mm_cache import adapted_mm_hash
+    from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
 
     worker = plane.make(TowerLoRASettings(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
     data = encode_video(synthetic_frames(5, 64, 96), "mp4", fps=5)

@@ -16,16 +16,16 @@ import torch
 from epd.encoders.encoder_worker import EncoderWorker
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.video_encoder import VideoEncoder
-from epd.encoders.video_geometry import load_video_config
+from epd.transport.media.video_geometry import load_video_config
 from epd.encoders.video_io import DecodeLimits
-from epd.encoders.video_keys import entry_hashes, video_mm_hash
+from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.encoders.video_request import video_plan
 from epd.inputs.video_header import plan_video
 from epd.serve.video_inputs import wire_plan
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.messages import EncodeDone, EncodeRequest
-from epd.transport.worker_io import WorkerSpec
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import EncodeDone, EncodeRequest
+from epd.transport.wire.worker_io import WorkerSpec
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -136,9 +136,9 @@ def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_o
     """--video-chunk-frames: each chunk an EncodeRequest of its own (its plan through the
     wire), answering its groups' entries; a video whose later frames are cut fails the
     chunk that needs them (one EncodeDone, its first entry) and the first chunk still encodes."""
-    from epd.encoders.video_chunks import split_plan
-    from epd.transport.mm_video import VideoFrames
-    from epd.transport.codec import Fields
+    from epd.transport.media.video_chunks import split_plan
+    from epd.transport.wire.mm_video import VideoFrames
+    from epd.transport.wire.codec import Fields
     from testkit.videos import cut_after_header
 
     worker = plane.make()

@@ -14,8 +14,8 @@ import torch
 from testkit.lora_adapters import TOWER_MODULES, make_adapter, peft_image_greedy
 from testkit.media import CHATS
 
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import SamplingParams
 
 NUM_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
@@ -78,7 +78,7 @@ def test_a_tower_only_adapter_takes_no_language_model_slot(tiny_model, loras):
     # base language model (a text prompt: the base's answer and the base's KV blocks), and is
     # never written into the slot, so it evicts nothing and counts against nothing there
     from epd.engine.request import Request
-    from epd.transport.wire_values import LoRAState
+    from epd.transport.wire.wire_values import LoRAState
 
     core = _llm(tiny_model, enable_tower_lora=True, max_loras=1, max_cpu_loras=2).engine
     prompt, params = list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -180,7 +180,7 @@ def test_tower_weights_of_a_module_lora_does_not_cover_are_refused(tiny_model, a
     import torch
 
     from epd.encoders.tower_adapter import read_tower_adapter
-    from epd.transport.lora_files import LoRAAdapterError
+    from epd.transport.weights.lora_files import LoRAAdapterError
 
     key = "base_model.model.model.visual.patch_embed.proj.lora_A.weight"  # the patch convolution
     path = _rewritten(adapters["vit"], tmp_path, lambda t: {**t, key: torch.zeros(4, 8)})
@@ -192,7 +192,7 @@ def test_tower_weights_of_another_base_are_refused_naming_the_tensor(tiny_model,
     import torch
 
     from epd.encoders.tower_adapter import read_tower_adapter
-    from epd.transport.lora_files import LoRAAdapterError
+    from epd.transport.weights.lora_files import LoRAAdapterError
 
     def widen(tensors):
         key = next(k for k in tensors if k.endswith("blocks.0.attn.qkv.lora_A.weight"))

@@ -11,8 +11,8 @@ import torch
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.video_encoder import VideoEncoder
 from epd.encoders.video_io import VideoError
-from epd.encoders.video_keys import entry_hashes, video_mm_hash
-from epd.encoders.video_geometry import VideoOptions, load_video_config
+from epd.transport.media.video_keys import entry_hashes, video_mm_hash
+from epd.transport.media.video_geometry import VideoOptions, load_video_config
 from epd.inputs.video_header import plan_video
 from epd.tools.make_model import make_model
 from testkit.videos import encode_video, synthetic_frames
@@ -68,11 +68,11 @@ def test_video_key_covers_the_plan_and_bytes(tiny_model):
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2.5-vl-tiny"])
 def test_chunks_encode_to_the_rows_of_the_whole_video(preset, tiny_model, tmp_path):
-    """--video-chunk-frames (encoders/video_chunks.py): each chunk encoded on its own gives
+    """--video-chunk-frames (transport/media/video_chunks.py): each chunk encoded on its own gives
     the rows its groups have in the whole video; Qwen3-VL's under the same group keys,
     Qwen2.5-VL's one entry per chunk under its range's key."""
-    from epd.encoders.video_chunks import split_plan
-    from epd.encoders.video_keys import chunk_mm_hash
+    from epd.transport.media.video_chunks import split_plan
+    from epd.transport.media.video_keys import chunk_mm_hash
 
     model_dir = tiny_model if preset == "tiny" else str(make_model(tmp_path / "m", preset=preset, seed=1))
     video = _encoders(model_dir)

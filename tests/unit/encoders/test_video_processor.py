@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from epd.encoders.video_geometry import VideoGeometry, VideoOptions
+from epd.transport.media.video_geometry import VideoGeometry, VideoOptions
 from epd.encoders.video_io import VideoError, decode_frames
 from epd.encoders.video_processor import VideoPreprocessor, frame_resizer, resize_frames
 from epd.inputs.video_header import plan_video

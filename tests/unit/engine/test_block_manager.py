@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from epd.engine.block_manager import BlockManager, hash_block
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 from testkit.engine_factories import make_image_prompt, make_request
 

@@ -9,7 +9,7 @@ import pytest
 from testkit.hf_reference import hf_greedy
 from testkit.media import image_bytes, image_part
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 from epd.tools.make_model import PRESETS, make_model
 
 VARIANTS = {

@@ -7,7 +7,7 @@ import torch
 
 from epd.engine.config import EngineConfig
 from epd.engine.cuda_graphs import capture_sizes
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 
 def test_capture_sizes_are_vllms_up_to_max_num_seqs():

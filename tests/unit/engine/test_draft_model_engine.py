@@ -19,7 +19,7 @@ from testkit.media import MIXED_BATCH, images_of
 from epd.engine.config import EngineConfig
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, list(range(500, 540)), [7, 8] * 12, [3, 901, 77, 250, 18, 640, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -12,7 +12,7 @@ from testkit.engine_factories import cpu_llm
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, images_of
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540)),
            [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41]]

@@ -12,13 +12,13 @@ from testkit.media import MIXED_BATCH, image_bytes, image_part, images_of
 
 from epd.encoders.image_io import read_image_size
 from epd.engine.request import Request
-from epd.engine.worker import EngineWorker
+from epd.engine.worker.loop import EngineWorker
 from epd.inputs.prompt import ImageRef
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.messages import EncodeDone, PrefillRequest, TokenOutput, TokenOutputs
-from epd.transport.sampling import SamplingParams
-from epd.transport.worker_io import WorkerSpec
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import EncodeDone, PrefillRequest, TokenOutput, TokenOutputs
+from epd.transport.wire.sampling import SamplingParams
+from epd.transport.wire.worker_io import WorkerSpec
 
 NUM_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -11,8 +11,8 @@ from epd.encoders.image_io import read_image_size
 from epd.engine.config import EngineConfig
 from epd.engine.engine_core import EngineCore, StepFailed
 from epd.engine.request import Request
-from epd.transport.mm_entry import MMEntry
-from epd.transport.sampling import SamplingParams
+from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.wire.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -156,10 +156,10 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, 
 
 
 def test_the_inbox_takes_a_whole_prompts_kv_and_nothing_much_larger(tiny_model):
-    """transport/frame_limits.py: an engine worker's inbox cap covers the KV of a
+    """transport/wire/frame_limits.py: an engine worker's inbox cap covers the KV of a
     --max-model-len prompt exported by a real prefill core, in float32."""
-    from epd.engine.worker import inbox_frame_bytes
-    from epd.transport.frame_limits import HEADER_MAX_BYTES, MARGIN_BYTES
+    from epd.engine.worker.loop import inbox_frame_bytes
+    from epd.transport.wire.frame_limits import HEADER_MAX_BYTES, MARGIN_BYTES
 
     core = make_core(tiny_model, "prefill")
     info = core.info

@@ -8,7 +8,7 @@ import torch
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, image_bytes, image_part, images_of
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def expected(tiny_model):

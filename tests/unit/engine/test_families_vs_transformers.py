@@ -19,7 +19,7 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch
 from epd.inputs.prompt import ImageRef, PromptBuilder
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 FAMILIES = ["qwen3_vl_moe", "qwen2_5_vl"]
 CONVERSATIONS = MIXED_BATCH

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from epd.engine.loader import load_language_model
 from epd.tools.make_model import PRESETS, make_model
-from epd.transport.checkpoint import CheckpointError
-from epd.transport.sampling import SamplingParams
+from epd.transport.weights.checkpoint import CheckpointError
+from epd.transport.wire.sampling import SamplingParams
 
 
 def _config(path):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from epd.engine.image_arrivals import Admit, Failed, ImageArrivals
+from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals
 from epd.engine.image_ledger import ImageLedger
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 from testkit.engine_factories import IMAGE_PAD_ID, make_request
 
@@ -125,7 +125,7 @@ def test_early_failures_are_bounded():
 
 
 def test_an_image_written_to_the_cache_is_found_there_or_fails_the_waiting():
-    """An EncodeDone without tensors (engine/worker.py): `find` reads the image
+    """An EncodeDone without tensors (engine/worker/loop.py): `find` reads the image
     back; one already gone fails those waiting for it (the worker's error
     text for that is checked in test_early_prefill.py)."""
     arrivals, held, _ = make_arrivals()
@@ -160,7 +160,7 @@ def test_removing_a_pending_request_unstages_its_images():
 
 
 def test_image_arrivals_does_not_import_torch():
-    code = "import sys, epd.engine.image_arrivals; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, epd.engine.worker.image_arrivals; assert 'torch' not in sys.modules, 'torch was imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 IDS = [[5, 6, 7, 8, 9], [12, 13, 14]]

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from epd.inputs.media import MediaError
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 from testkit.media import data_url
 from testkit.videos import encode_video, synthetic_frames
 

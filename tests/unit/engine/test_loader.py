@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from epd.engine.loader import load_language_model
 from epd.encoders.loader import load_vision_tower
-from epd.transport.checkpoint import CheckpointError
+from epd.transport.weights.checkpoint import CheckpointError
 
 
 def _broken_copy(tiny_model, tmp_path, edit) -> str:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from testkit.lora_adapters import ALL_MODULES, make_adapter, peft_greedy
 
-from epd.transport.lora_request import LoRARequest
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # token ids of the tiny checkpoint's vocabulary; one of 40 tokens covers two full KV blocks
@@ -207,7 +207,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
     import threading
 
     from epd.engine.request import Request
-    from epd.transport.wire_values import LoRAState
+    from epd.transport.wire.wire_values import LoRAState
 
     core = _llm(tiny_model, enable_lora=True).engine
     gate = threading.Event()
@@ -238,7 +238,7 @@ def test_running_requests_go_on_while_an_adapter_is_read(tiny_model, loras, expe
 
 def test_a_bad_adapter_fails_its_request_at_admission_not_the_step(tiny_model, adapters, expected, tmp_path):
     from epd.engine.request import Request
-    from epd.transport.lora_request import LoRARequest
+    from epd.transport.wire.lora_request import LoRARequest
 
     bad = tmp_path / "bad"
     shutil.copytree(adapters["attn"], bad)

@@ -15,7 +15,7 @@ from epd.engine.loader import load_language_model
 from epd.engine.model_info import ModelInfo
 from epd.engine.models.mrope import mrope_positions
 from epd.engine.models.qwen3_vl import ForwardBatch
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef, PromptBuilder
 
 CASES = CHATS  # text only, one image, two images, multi-turn (tests/testkit/media.py)

@@ -8,7 +8,7 @@ import torch
 
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, apply_penalties,
                             apply_top_k_top_p, make_generator, token_counts)
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 VOCAB = 1000
 PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]  # crafted head; the rest of the vocab is ~0

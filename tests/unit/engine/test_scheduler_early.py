@@ -4,7 +4,7 @@ requests that hold blocks while waiting, and prefill priority by cost with
 bounded aging."""
 from __future__ import annotations
 
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 from testkit.engine_factories import (ENTRY, IMAGE_PAD_ID, add_request, assert_all_blocks_free, image_request,
                                       make_request, make_scheduler, run_until_done, step)

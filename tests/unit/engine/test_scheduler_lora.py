@@ -8,7 +8,7 @@ from testkit.engine_factories import assert_all_blocks_free, make_request, run_u
 from epd.engine.block_manager import BlockManager
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
-from epd.transport.lora_request import LoRARequest
+from epd.transport.wire.lora_request import LoRARequest
 
 SQL, CHAT = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
 

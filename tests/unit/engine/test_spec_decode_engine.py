@@ -13,7 +13,7 @@ from testkit.engine_factories import cpu_llm
 from testkit.hf_reference import hf_greedy
 from testkit.media import MIXED_BATCH, images_of
 
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams as SO
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # token-id prompts whose greedy continuations the n-gram proposer can draft from: phrases that repeat

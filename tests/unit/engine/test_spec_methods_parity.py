@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from testkit.engine_factories import cpu_llm
 
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams as SO
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, [300, 301, 302] * 7 + [300], list(range(500, 540)), [7, 8] * 12]
 # prompts whose greedy continuations are whole text the 2-layer draft partly agrees with

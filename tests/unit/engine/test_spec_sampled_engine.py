@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47] * 3 + [40, 41, 135, 1015, 21, 135, 1015, 21]

@@ -14,7 +14,7 @@ from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_gener
 from epd.engine.spec.sampling import (DraftBatch, SpecSampler, acceptance_probs, draw_noise, greedy_verify,
                                       one_hot_probs, rejection_sample, residual_probs, verification_inputs)
 from epd.engine.spec.sampling import verify as verify_flat
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 V = 6
 

@@ -8,7 +8,7 @@ import torch
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, make_generator
 from epd.engine.spec.sampling import DraftBatch, verify
 from epd.engine.spec.verify import Draft, verify_drafts
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 
 def _logits(argmax_rows: list[int], vocab: int = 8) -> torch.Tensor:

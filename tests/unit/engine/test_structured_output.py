@@ -16,7 +16,7 @@ from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
 from epd.engine.sampler import Sampler, SamplingBatch, SamplingInput, unpack_bitmask
 from epd.engine.structured_output import bad_words_token_ids, check_constraint
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams as SO
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams as SO
 
 
 SCHEMA = Invoice.model_json_schema()

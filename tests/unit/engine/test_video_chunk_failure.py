@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from epd.encoders.video_chunks import split_plan
-from epd.encoders.video_geometry import VideoOptions
-from epd.encoders.video_keys import entry_hashes, video_mm_hash
-from epd.engine.worker import EngineWorker
+from epd.transport.media.video_chunks import split_plan
+from epd.transport.media.video_geometry import VideoOptions
+from epd.transport.media.video_keys import entry_hashes, video_mm_hash
+from epd.engine.worker.loop import EngineWorker
 from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import plan_video
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.messages import EncodeDone, PrefillRequest, TokenOutput, TokenOutputs
-from epd.transport.sampling import SamplingParams
-from epd.transport.worker_io import WorkerSpec
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import EncodeDone, PrefillRequest, TokenOutput, TokenOutputs
+from epd.transport.wire.sampling import SamplingParams
+from epd.transport.wire.worker_io import WorkerSpec
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")

@@ -15,7 +15,7 @@ import torch
 
 from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.tools.make_model import make_model
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 from testkit.family_checkpoints import family_checkpoint
 from testkit.hf_reference import _load, _mm_token_types, hf_inputs
 from testkit.media import IMG_A, image_part

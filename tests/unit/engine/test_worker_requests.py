@@ -1,4 +1,4 @@
-"""An engine worker's per-request state (engine/worker.py `_RequestState`):
+"""An engine worker's per-request state (engine/worker/loop.py `_RequestState`):
 one record per request, made on its arrival and gone, with everything in it,
 once the request leaves the worker (its last output, its KVAck, an abort, a
 failure). Over real ZeroMQ sockets, with a fake engine behind the worker."""
@@ -11,12 +11,12 @@ import torch
 
 from epd.engine.engine_core import StepResult
 from epd.engine.request import Request
-from epd.engine.worker import EngineWorker
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver
-from epd.transport.messages import Abort, KVAck, KVTransfer, PrefillRequest, TokenOutput
-from epd.transport.sampling import SamplingParams
-from epd.transport.worker_io import WorkerSpec
+from epd.engine.worker.loop import EngineWorker
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import Abort, KVAck, KVTransfer, PrefillRequest, TokenOutput
+from epd.transport.wire.sampling import SamplingParams
+from epd.transport.wire.worker_io import WorkerSpec
 
 
 class FakeCore:

@@ -13,9 +13,9 @@ from epd.engine.config import EngineConfig
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
-from epd.serve.threads import API_CORES, available_cores, serve_api_cores, worker_threads
-from epd.transport.auth import make_keys
-from epd.transport.roles import Mode, Role
+from epd.processes.threads import API_CORES, available_cores, serve_api_cores, worker_threads
+from epd.transport.wire.auth import make_keys
+from epd.transport.wire.roles import Mode, Role
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +357,7 @@ def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
     import torch
 
     from epd.llm import LLM
-    from epd.transport.sampling import SamplingParams
+    from epd.transport.wire.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=12)  # no seed of its own
 
@@ -380,8 +380,8 @@ def test_seed_is_what_unseeded_requests_sample_from(tiny_model):
 ])
 def test_the_engine_workers_of_a_cpu_deployment_share_a_core_lease(tiny_model, tmp_path, mode, settings,
                                                                    expected):
-    from epd.serve.worker_launches import worker_launches
-    from epd.transport.addresses import Addresses
+    from epd.processes.worker_launches import worker_launches
+    from epd.transport.wire.addresses import Addresses
 
     config = ServeConfig(model=tiny_model, mode=mode, **settings)
     launches = worker_launches(config, Addresses.ipc(tmp_path), ("ipc://collector",), str(tmp_path / "mm"))

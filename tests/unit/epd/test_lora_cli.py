@@ -39,7 +39,7 @@ def test_serve_refuses_bad_lora_settings_before_any_process_starts(tiny_model, t
 
 def test_enable_tower_lora_in_serve_and_worker(tiny_model, tmp_path, monkeypatch, capsys):
     from epd.cli import worker_config
-    from epd.transport.auth import make_keys
+    from epd.transport.wire.auth import make_keys
 
     monkeypatch.delenv("EPD_API_KEY", raising=False)
     parse = build_parser().parse_args

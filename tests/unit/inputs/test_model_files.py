@@ -20,7 +20,7 @@ from epd.engine.config import EngineConfig
 from epd.inputs.model_files import CheckpointError, ModelFiles, ModelFilesConfig, load_chat_template
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import SamplingDefaults
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.sampling import SamplingParams
 
 TEXT = [{"role": "user", "content": "Tell me a story about a cat"}]
 ENGINE = dict(device="cpu", dtype="float32", num_kv_blocks=64)
@@ -55,7 +55,7 @@ def rendered_ids(files: ModelFiles, template: str) -> list[int]:
 def test_one_checkpoint_error_for_the_file_checks_and_the_weight_loading(tmp_path):
     # the API's checks of a checkpoint's files and the workers' loading of its weights raise one
     # class: an `except CheckpointError` from either module catches what the other raises
-    from epd.transport.checkpoint import CheckpointError as WeightsError, checkpoint_files
+    from epd.transport.weights.checkpoint import CheckpointError as WeightsError, checkpoint_files
 
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors files"):
         checkpoint_files(tmp_path)
@@ -248,7 +248,7 @@ def test_a_bad_checkpoint_is_one_checkpoint_error(tiny_model, tmp_path, breakage
 def test_mm_processor_kwargs_reach_the_api_geometry_and_the_encoder(tiny_model):
     """--mm-processor-kwargs: the API counts the placeholders the encoder then produces, and both
     hash the image with the settings it was encoded with (another max_pixels, another mm_hash)."""
-    from epd.transport.mm_cache import mm_hash
+    from epd.transport.embedding_cache.mm_cache import mm_hash
 
     kwargs = {"max_pixels": 128 * 128}
     plain = ModelFiles.open(tiny_model)
@@ -281,7 +281,7 @@ def test_tokenizer_flag_serves_a_checkpoint_without_one(tiny_model, tmp_path):
     """--tokenizer reaches the engine's grammar compiler too: structured outputs work on a
     checkpoint whose own directory holds no tokenizer."""
     from epd import LLM
-    from epd.transport.sampling import StructuredOutputsParams
+    from epd.transport.wire.sampling import StructuredOutputsParams
 
     ckpt, tok = tmp_path / "ckpt", tmp_path / "tok"
     ckpt.mkdir()

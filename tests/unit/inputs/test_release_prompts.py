@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from epd.encoders.image_processor import ImageGeometry
-from epd.encoders.video_geometry import VideoGeometry, VideoOptions
+from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.video_geometry import VideoGeometry, VideoOptions
 from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
 from epd.inputs.video_header import plan_video

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from epd.encoders.image_processor import ImageGeometry
-from epd.encoders.video_geometry import VideoGeometry, VideoOptions, VideoPlan
+from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.video_geometry import VideoGeometry, VideoOptions, VideoPlan
 from epd.inputs.prompt import PromptBuilder, PromptTooLong, VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from epd.encoders.video_geometry import VideoGeometry, VideoOptions, _torch_arange_int
+from epd.transport.media.video_geometry import VideoGeometry, VideoOptions, _torch_arange_int
 from epd.encoders.video_io import decode_frames
 from epd.inputs.video_header import VideoError, plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs

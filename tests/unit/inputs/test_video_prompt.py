@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from epd.encoders.image_processor import ImageGeometry
-from epd.encoders.video_geometry import VideoPlan
-from epd.encoders.video_keys import group_mm_hash
+from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.video_geometry import VideoPlan
+from epd.transport.media.video_keys import group_mm_hash
 from epd.engine.models.mrope import mrope_positions
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
-from epd.transport.mm_span import MMSpan
+from epd.transport.wire.mm_span import MMSpan
 
 H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64
 # 4 frames of 64x96 -> 2 temporal groups of 4x6 patches (6 tokens each), timestamps as Qwen3VLProcessor's
@@ -114,8 +114,8 @@ def test_a_video_cut_into_chunks_keeps_its_tokens_and_positions(builder, family)
     """--video-chunk-frames: the same prompt tokens and M-RoPE positions (so transformers'),
     Qwen3-VL's spans unchanged, Qwen2.5-VL's one run cut into one span per chunk, each
     continuing the video's temporal positions (`first_group`), each keyed by its range."""
-    from epd.encoders.video_chunks import split_plan
-    from epd.encoders.video_keys import chunk_mm_hash
+    from epd.transport.media.video_chunks import split_plan
+    from epd.transport.media.video_keys import chunk_mm_hash
 
     plan = QWEN3_PLAN if family == "qwen3_vl" else QWEN25_PLAN
     chunks = tuple(split_plan(plan, temporal_patch_size=2, chunk_frames=2))  # one group a chunk
@@ -142,7 +142,7 @@ def test_a_video_cut_into_chunks_keeps_its_tokens_and_positions(builder, family)
 
 
 def test_split_plan_cuts_whole_groups():
-    from epd.encoders.video_chunks import split_plan
+    from epd.transport.media.video_chunks import split_plan
 
     assert split_plan(QWEN25_PLAN, 2, 0) == [QWEN25_PLAN] == split_plan(QWEN25_PLAN, 2, 8)  # off; fits in one
     chunks = split_plan(QWEN25_PLAN, 2, 5)  # 5 frames: 2 groups a chunk

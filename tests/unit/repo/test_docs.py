@@ -40,7 +40,7 @@ def test_nothing_cites_a_design_document_outside_the_repository():
 
 
 def _module_symbol_exists(path: str) -> bool:
-    """"transport/mm_cache.MMCache": the module file, and the name defined in it."""
+    """"transport/embedding_cache/mm_cache.MMCache": the module file, and the name defined in it."""
     module, _, symbol = path.rpartition("/")[2].partition(".")
     source = ROOT / path.rpartition("/")[0] / f"{module}.py"
     return bool(symbol) and source.exists() and re.search(rf"\b(def|class) {symbol}\b|^{symbol} =",

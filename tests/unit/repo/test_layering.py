@@ -111,9 +111,9 @@ def test_no_module_crosses_the_layering_rule():
 
 def test_the_walker_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from epd.engine.worker import EngineWorker\n")
-    assert (2, "epd.engine.worker.EngineWorker") in _imports(bad)
-    assert _layer("epd.engine.worker.EngineWorker") == "epd.engine"
+    bad.write_text("def f():\n    from epd.engine.worker.loop import EngineWorker\n")
+    assert (2, "epd.engine.worker.loop.EngineWorker") in _imports(bad)
+    assert _layer("epd.engine.worker.loop.EngineWorker") == "epd.engine"
     assert "epd.engine" not in ALLOWED["epd.transport"]
 
 
@@ -122,7 +122,7 @@ def test_the_api_process_does_not_load_model_code(entry):
     """The API converts spans, reads headers and routes: it needs no model, no
     engine worker and no vision tower in its process."""
     code = (f"import sys, {entry}\n"
-            "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker', 'epd.engine.models.qwen',"
+            "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker.loop', 'epd.engine.models.qwen',"
             " 'epd.engine.models.moe', 'epd.engine.model_runner', 'epd.encoders.vision_tower',"
             " 'epd.encoders.image_encoder', 'epd.encoders.encoder_worker'))]\n"
             "assert not heavy, heavy\n")
@@ -214,7 +214,7 @@ def _closure(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_no_import_circle_between_files():
     graph = _import_graph(CYCLE_FREE)
-    assert {"epd.serve.orchestrator", "epd.engine.engine_core", "epd.transport.messages",
+    assert {"epd.serve.orchestrator", "epd.engine.engine_core", "epd.transport.wire.messages",
             "epd.encoders.encoder_worker"} <= set(graph)  # every folder walked
     cycle = _find_cycle(graph)
     assert cycle is None, " -> ".join(cycle)

@@ -27,7 +27,7 @@ def test_the_wheel_holds_only_the_epd_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"epd", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
-    for module in ("epd/engine/scheduler.py", "epd/transport/messages.py", "epd/encoders/vision_tower.py",
+    for module in ("epd/engine/scheduler.py", "epd/transport/wire/messages.py", "epd/encoders/vision_tower.py",
                    "epd/bench/serve.py", "epd/api/server.py", "epd/engine/attention/torch_attention.py",
                    "epd/cli/__init__.py", "epd/cli/__main__.py", "epd/api/fast_path.py"):
         assert module in names
@@ -40,7 +40,7 @@ def test_the_installed_wheel_imports(wheel, tmp_path):
     assert result.returncode == 0, result.stderr
     # run outside the repository with only the installed copy on the path
     env = {**os.environ, "PYTHONPATH": str(target)}
-    code = ("import epd, epd.engine.scheduler, epd.transport.messages, epd.api.protocol, epd.cli\n"
+    code = ("import epd, epd.engine.scheduler, epd.transport.wire.messages, epd.api.protocol, epd.cli\n"
             "assert epd.__file__.startswith(%r), epd.__file__\n"
             "assert epd.engine.scheduler.__file__.startswith(%r)\n") % (str(target), str(target))
     result = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r})\n" + code],

@@ -10,14 +10,14 @@ import sys
 import pytest
 
 from epd.config import ServeConfig, WorkerConfig
-from epd.serve.api_servers import LauncherWorkers
+from epd.processes.api_servers import LauncherWorkers
 from epd.serve.registry import WorkerRegistry
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.addresses import MAX_API_SERVERS, Addresses
-from epd.transport.auth import WORKER, PlaneKeys, make_keys
-from epd.transport.channels import Receiver
-from epd.transport.messages import Ready, WorkerStats
-from epd.transport.worker_io import REANNOUNCE_S, WorkerIO, WorkerSpec
+from epd.transport.wire.addresses import MAX_API_SERVERS, Addresses
+from epd.transport.wire.auth import WORKER, PlaneKeys, make_keys
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import Ready, WorkerStats
+from epd.transport.wire.worker_io import REANNOUNCE_S, WorkerIO, WorkerSpec
 
 
 def stats(worker_id: str = "decode-0", running: int = 3) -> WorkerStats:
@@ -131,7 +131,7 @@ def test_the_launcher_imports_no_prometheus_client_before_it_sets_the_metrics_di
     """prometheus_client picks in-memory or file-backed values when first imported:
     were `epd serve`'s launcher to import it before PROMETHEUS_MULTIPROC_DIR is
     set, the worker restarts it counts would never reach the API processes."""
-    code = ("import sys, epd.cli, epd.serve.launcher, epd.serve.deployment, epd.serve.api_servers; "
+    code = ("import sys, epd.cli, epd.processes.launcher, epd.processes.deployment, epd.processes.api_servers; "
             "print('prometheus_client' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

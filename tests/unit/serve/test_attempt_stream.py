@@ -15,8 +15,8 @@ from epd.serve.attempt_stream import AttemptStream
 from epd.serve.preparer import Prepared
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.messages import TokenOutput
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.messages import TokenOutput
+from epd.transport.wire.sampling import SamplingParams
 
 PROMPT = [400, 401, 402]
 

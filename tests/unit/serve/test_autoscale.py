@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from epd.serve.autoscale import DOWN, UP, Decision, EncoderAutoscaler, EncoderLoad, EncoderScaling
+from epd.processes.autoscale import DOWN, UP, Decision, EncoderAutoscaler, EncoderLoad, EncoderScaling
 
 SCALING = EncoderScaling(min_encoders=1, max_encoders=3, scale_up_queue_s=1.0, scale_up_window_s=5.0, idle_s=20.0,
                          cooldown_s=10.0)
@@ -136,7 +136,7 @@ def test_bad_bounds_and_thresholds_are_refused_naming_the_flag():
 
 
 def test_the_policy_imports_no_torch():
-    code = "import sys, epd.serve.autoscale; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, epd.processes.autoscale; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -172,7 +172,7 @@ def test_bad_scaling_flags_are_refused_naming_them(tiny_model, flags, message):
 
 def test_scaling_needs_workers_the_launcher_starts(tiny_model, tmp_path):
     from epd.config import ServeConfig
-    from epd.transport.auth import make_keys
+    from epd.transport.wire.auth import make_keys
 
     keys = str(make_keys(tmp_path / "keys"))
     with pytest.raises(ValueError, match="not --external-workers"):

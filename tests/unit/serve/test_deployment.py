@@ -13,12 +13,12 @@ import pytest
 
 from epd.config import ServeConfig
 from epd.multiprocess_metrics import MULTIPROC_DIR_ENV
-from epd.serve.api_servers import LauncherWorkers
-from epd.serve.deployment import Deployment, build_api
-from epd.serve.local_supervisor import LocalSupervisor
-from epd.serve.supervisor import Supervisor
-from epd.serve.threads import WAIT_POLICY_ENV
-from epd.transport.auth import make_keys
+from epd.processes.api_servers import LauncherWorkers
+from epd.processes.deployment import Deployment, build_api
+from epd.processes.local_supervisor import LocalSupervisor
+from epd.processes.supervisor import Supervisor
+from epd.processes.threads import WAIT_POLICY_ENV
+from epd.transport.wire.auth import make_keys
 
 
 @pytest.fixture

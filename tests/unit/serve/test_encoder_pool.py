@@ -13,11 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd.config import ServeConfig
 from epd.serve.attempt import Attempt, Lost
-from epd.serve.autoscale import EncoderScaling
-from epd.serve.encoder_pool import DRAIN_SETTLE_S, DRAIN_TIMEOUT_S, EncoderPool
+from epd.processes.autoscale import EncoderScaling
+from epd.processes.encoder_pool import DRAIN_SETTLE_S, DRAIN_TIMEOUT_S, EncoderPool
 from epd.serve.orchestrator import Orchestrator
-from epd.transport.messages import Ready, WorkerStats
-from epd.transport.wire_values import EncoderCounters
+from epd.transport.wire.messages import Ready, WorkerStats
+from epd.transport.wire.wire_values import EncoderCounters
 
 SCALING = EncoderScaling(1, 3, scale_up_queue_s=1.0, scale_up_window_s=0.0, idle_s=5.0, cooldown_s=1.0)
 

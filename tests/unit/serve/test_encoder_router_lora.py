@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from epd.serve.encoder_router import EncoderRouter
 from epd.serve.registry import WorkerInfo
-from epd.transport.messages import WorkerStats, decode_message
-from epd.transport.wire_values import EncoderCounters, LoRAState
+from epd.transport.wire.messages import WorkerStats, decode_message
+from epd.transport.wire.wire_values import EncoderCounters, LoRAState
 
 
 def _key(i: int) -> str:

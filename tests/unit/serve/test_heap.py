@@ -5,7 +5,7 @@ import gc
 import subprocess
 import sys
 
-from epd.serve.heap import freeze_startup_heap
+from epd.processes.heap import freeze_startup_heap
 
 
 def test_objects_alive_at_start_up_are_frozen_and_garbage_before_it_is_collected():
@@ -35,7 +35,7 @@ def test_a_process_that_froze_its_heap_exits_without_leak_reports():
     # triton's nanobind bindings count their live objects when unloaded: frozen ones were never
     # freed and each process printed "nanobind: leaked ..." at exit; unfrozen at exit, they are freed
     code = ("import triton.language\n"
-            "from epd.serve.heap import freeze_startup_heap\n"
+            "from epd.processes.heap import freeze_startup_heap\n"
             "assert freeze_startup_heap() > 0\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epd.cli import build_parser, main, serve_config
-from epd.serve.ray_config import RayConfig, parse_resources
+from epd.processes.ray_config import RayConfig, parse_resources
 
 
 def _config(model: str, *flags: str):
@@ -42,7 +42,7 @@ def test_cli_refuses_with_a_message(tiny_model, flags, words, capsys):
 
 
 def test_ray_and_external_workers_exclude_each_other(tiny_model, tmp_path):
-    from epd.transport.auth import make_keys
+    from epd.transport.wire.auth import make_keys
 
     keys = make_keys(tmp_path / "keys")
     with pytest.raises(ValueError, match="drop --external-workers"):
@@ -54,7 +54,7 @@ def test_an_absent_cluster_is_named_at_once():
     pytest.importorskip("ray")
     from testkit.server import free_port
 
-    from epd.serve.ray_cluster import _check_reachable
+    from epd.processes.ray_cluster import _check_reachable
 
     address = f"127.0.0.1:{free_port()}"  # bound and closed again: nobody listens
     with pytest.raises(ValueError, match=f"--ray-address {address}: no Ray cluster answers there"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from epd.serve.registry import WorkerRegistry
-from epd.transport.messages import Alive, Ready, WorkerStats
+from epd.transport.wire.messages import Alive, Ready, WorkerStats
 
 
 def _registry(supervised: set[str]) -> WorkerRegistry:
@@ -66,7 +66,7 @@ def test_a_supervised_worker_is_dead_once_its_exit_is_reported():
 
 
 def test_restart_backoff_doubles_then_the_budget_runs_out():
-    from epd.serve.supervisor import RestartBudget
+    from epd.processes.supervisor import RestartBudget
 
     budget = RestartBudget(max_restarts=5, window_s=3600.0)
     assert [budget.next_delay("decode-0") for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, None, None]

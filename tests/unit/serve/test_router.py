@@ -6,7 +6,7 @@ from collections import Counter
 from epd.serve.router import (LeastLoadedRouter, LeastRequestsRouter, PrefixHashRouter, RoundRobinRouter,
                               idle_prefill_workers, make_router)
 from epd.serve.registry import WorkerInfo
-from epd.transport.messages import WorkerStats
+from epd.transport.wire.messages import WorkerStats
 
 
 def _workers(loads):
@@ -86,7 +86,7 @@ def test_a_short_text_prompt_goes_to_an_idle_prefill_worker_only_when_no_decode_
 
 def test_a_worker_with_the_adapter_resident_is_preferred_when_loads_are_equal_ish():
     from epd.serve.router import prefer_adapter
-    from epd.transport.wire_values import LoRAState
+    from epd.transport.wire.wire_values import LoRAState
 
     workers = _workers([4, 5, 6, 20])
     for w, resident in zip(workers, [(), ("sql",), ("chat", "sql"), ("sql",)]):

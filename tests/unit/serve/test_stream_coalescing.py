@@ -15,9 +15,9 @@ from epd.api.protocol import GenerateRequest
 from epd.config import ServeConfig
 from epd.detokenizer import IncrementalDetokenizer
 from epd.serve.orchestrator import Orchestrator
-from epd.transport.channels import Receiver, Sender
-from epd.transport.messages import PrefillRequest, Ready, TokenOutput
-from epd.transport.sampling import SamplingParams, TokenLogprobs
+from epd.transport.wire.channels import Receiver, Sender
+from epd.transport.wire.messages import PrefillRequest, Ready, TokenOutput
+from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 
 TOKENS = [300 + 7 * i for i in range(20)]  # 20 output tokens, clear of the special ones
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from epd.serve.token_order import TokenOrder
-from epd.transport.messages import TokenOutput
+from epd.transport.wire.messages import TokenOutput
 
 
 def _drain(arrivals: list[TokenOutput], count: int) -> list[TokenOutput]:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from epd.encoders.video_geometry import VideoOptions
+from epd.transport.media.video_geometry import VideoOptions
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles
 from epd.requests import RequestError

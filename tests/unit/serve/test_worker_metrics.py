@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epd.serve.registry import WorkerRegistry
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.transport.messages import Ready, WorkerStats
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters
+from epd.transport.wire.messages import Ready, WorkerStats
+from epd.transport.wire.wire_values import CacheFaults, EncoderCounters, EngineCounters
 
 # distinct values, so each exported sample names the one counter it came from
 ENGINE = EngineCounters(num_preemptions=2, prefix_cache_queries=3, prefix_cache_hits=5, kv_transfer_bytes=7,
@@ -122,8 +122,8 @@ def test_encoder_requests_by_outcome():
 
 def test_encoder_work_by_modality():
     """Items, frames decoded and decode seconds, each labelled image or video, from the
-    counters' per-modality part (transport/wire_values.ModalityCounters), sent over the wire."""
-    from epd.transport.codec import Fields
+    counters' per-modality part (transport/wire/wire_values.ModalityCounters), sent over the wire."""
+    from epd.transport.wire.codec import Fields
 
     counters = EncoderCounters(num_images=5)
     counters.image.num_items, counters.video.num_items = 3, 2
@@ -187,7 +187,7 @@ def test_cache_faults_are_exported_once_per_worker_of_any_role():
 def test_lora_requests_info_as_vllms_per_engine_worker():
     import time
 
-    from epd.transport.wire_values import LoRAState
+    from epd.transport.wire.wire_values import LoRAState
 
     before = time.time()
     samples = _samples(WorkerStats("decode-0", "decode", 2, 1, 8, 8, 0, engine=ENGINE,

@@ -19,10 +19,10 @@ from epd.api.protocol import GenerateRequest
 from epd.config import ServeConfig
 from epd.serve.orchestrator import Orchestrator
 from epd.serve.registry import WorkerInfo
-from epd.transport.auth import WORKER, PlaneKeys, make_keys
-from epd.transport.channels import Receiver, Sender
-from epd.transport.messages import PrefillRequest, Ready, TokenOutput, WorkerExited, WorkerStats
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.auth import WORKER, PlaneKeys, make_keys
+from epd.transport.wire.channels import Receiver, Sender
+from epd.transport.wire.messages import PrefillRequest, Ready, TokenOutput, WorkerExited, WorkerStats
+from epd.transport.wire.sampling import SamplingParams
 
 SESSION, FORGED = "1" * 32, "f" * 32
 

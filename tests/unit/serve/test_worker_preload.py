@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from epd.serve.local_supervisor import WORKER_PRELOAD
+from epd.processes.local_supervisor import WORKER_PRELOAD
 
 
 def test_the_preload_loads_no_torch_extension_for_xgrammar():

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from epd.cli import build_parser, worker_config
-from epd.serve.threads import SHORT_SPIN, available_cores, share_cores
-from epd.transport.auth import make_keys
+from epd.processes.threads import SHORT_SPIN, available_cores, share_cores
+from epd.transport.wire.auth import make_keys
 
 
 @pytest.fixture

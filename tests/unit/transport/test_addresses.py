@@ -1,7 +1,7 @@
 import pytest
 
-from epd.transport.addresses import Addresses, is_tcp_address, parse_worker_id, tcp_address, worker_id
-from epd.transport.roles import Role
+from epd.transport.wire.addresses import Addresses, is_tcp_address, parse_worker_id, tcp_address, worker_id
+from epd.transport.wire.roles import Role
 
 
 def test_ipc_layout():

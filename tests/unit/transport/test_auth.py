@@ -9,9 +9,9 @@ import stat
 import pytest
 import zmq
 
-from epd.transport.auth import API, COLLECTOR_DOMAIN, WORKER, PlaneKeyError, PlaneKeys, make_keys
-from epd.transport.channels import AsyncReceiver, Outbox, Receiver, Sender
-from epd.transport.messages import Abort, Ready, Shutdown, WireError, WorkerExited
+from epd.transport.wire.auth import API, COLLECTOR_DOMAIN, WORKER, PlaneKeyError, PlaneKeys, make_keys
+from epd.transport.wire.channels import AsyncReceiver, Outbox, Receiver, Sender
+from epd.transport.wire.messages import Abort, Ready, Shutdown, WireError, WorkerExited
 
 WAIT_S = 1.5  # how long a dropped message is given to (not) arrive
 

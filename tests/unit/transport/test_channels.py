@@ -5,10 +5,10 @@ import pytest
 import torch
 import zmq
 
-from epd.transport.addresses import Addresses
-from epd.transport.channels import AsyncReceiver, AsyncSender, Receiver, Sender
-from epd.transport.messages import EncodeDone, KVAck, KVTransfer, TokenOutput, WireError
-from epd.transport.sampling import SamplingParams
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import AsyncReceiver, AsyncSender, Receiver, Sender
+from epd.transport.wire.messages import EncodeDone, KVAck, KVTransfer, TokenOutput, WireError
+from epd.transport.wire.sampling import SamplingParams
 
 TIMEOUT_S = 5.0
 
@@ -158,8 +158,8 @@ def test_a_frame_under_the_cap_arrives_whole(address):
 def test_an_encoder_inbox_takes_the_largest_image_the_api_may_send(ipc_dir):
     """A WorkerSpec's --max-image-bytes sizes the inbox cap of an encoder (and of an
     aggregated worker): an image of that size arrives, a frame well past it does not."""
-    from epd.transport.frame_limits import encoder_inbox_frame_bytes
-    from epd.transport.messages import EncodeRequest
+    from epd.transport.wire.frame_limits import encoder_inbox_frame_bytes
+    from epd.transport.wire.messages import EncodeRequest
 
     max_image_bytes = 80 << 20  # above the header bound, so the image decides the cap
     cap = encoder_inbox_frame_bytes(max_image_bytes)

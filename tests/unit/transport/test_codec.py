@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from epd.transport.codec import WireError, decode_tensor, encode_tensor, pack_header, unpack_header
+from epd.transport.wire.codec import WireError, decode_tensor, encode_tensor, pack_header, unpack_header
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64,

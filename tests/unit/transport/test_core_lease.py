@@ -1,4 +1,4 @@
-"""The core lease (transport/core_lease.py) on a real file: the threads each
+"""The core lease (transport/host/core_lease.py) on a real file: the threads each
 engine worker takes as the others start and stop work, across processes too."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from epd.transport.core_lease import (STALE_S, STEAL_LIMIT, CoreShare, StealMeter, create_lease_file,
+from epd.transport.host.core_lease import (STALE_S, STEAL_LIMIT, CoreShare, StealMeter, create_lease_file,
                                       read_cpu_times, stolen_share)
 
 
@@ -55,7 +55,7 @@ def test_another_process_sees_the_marks(tmp_path):
     two_slots = str(tmp_path / "two")
     create_lease_file(two_slots, 2)
     mine = CoreShare(two_slots, 0, 2).open(lambda n: None)
-    script = ("import sys; from epd.transport.core_lease import CoreShare;"
+    script = ("import sys; from epd.transport.host.core_lease import CoreShare;"
               "lease = CoreShare(sys.argv[1], 1, 2).open(lambda n: None); print(lease.take()); "
               "sys.stdin.readline(); lease.release(); print('released', flush=True); sys.stdin.readline()")
     other = subprocess.Popen([sys.executable, "-c", script, two_slots], stdin=subprocess.PIPE,

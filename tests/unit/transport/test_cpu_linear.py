@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.transport.cpu_linear import (PackedLinear, PackedSwiGLU, linear_add, pack_linears, pack_swiglu,
+from epd.transport.weights.cpu_linear import (PackedLinear, PackedSwiGLU, linear_add, pack_linears, pack_swiglu,
                                       swiglu)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")

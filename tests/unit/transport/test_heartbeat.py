@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 
 import zmq
-from epd.transport.auth import API, COLLECTOR_DOMAIN, PlaneKeys, make_keys
-from epd.transport.channels import Receiver
-from epd.transport.messages import Alive, Ready, WorkerStats
-from epd.transport.worker_io import HEARTBEAT_INTERVAL_S, WorkerIO, WorkerSpec
+from epd.transport.wire.auth import API, COLLECTOR_DOMAIN, PlaneKeys, make_keys
+from epd.transport.wire.channels import Receiver
+from epd.transport.wire.messages import Alive, Ready, WorkerStats
+from epd.transport.wire.worker_io import HEARTBEAT_INTERVAL_S, WorkerIO, WorkerSpec
 
 WAIT_S = 30.0
 # The collectors' own context: a context's ZAP handler admits the keys it first saw (other

@@ -1,4 +1,4 @@
-"""transport/lora_files.py's bounds (issue 44): a safetensors header above
+"""transport/weights/lora_files.py's bounds (issue 44): a safetensors header above
 MAX_HEADER_BYTES is refused before it is read, every tensor's data_offsets
 must match its dtype and shape, the data must end where the file ends (no
 padding, no sparse hole), and adapter_digest, which reads in chunks, gives
@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from epd.transport.lora_files import (MAX_HEADER_BYTES, AdapterNotFoundError, LoRAAdapterError, adapter_digest,
+from epd.transport.weights.lora_files import (MAX_HEADER_BYTES, AdapterNotFoundError, LoRAAdapterError, adapter_digest,
                                       read_lora_files)
 
 KEY = "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_{}.weight"

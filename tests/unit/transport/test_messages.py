@@ -6,15 +6,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from epd.transport.messages import (
+from epd.transport.wire.messages import (
     MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
     Alive, LoRAUpdate, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
     decode_message,
 )
-from epd.transport.lora_request import LoRARequest
-from epd.transport.mm_video import VideoFrames
-from epd.transport.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
-from epd.transport.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
+from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.mm_video import VideoFrames
+from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
+from epd.transport.wire.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
 
 
 HASH_A = "ab" * 32

@@ -6,8 +6,8 @@ import lmdb
 import pytest
 import torch
 
-from epd.transport.mm_cache import MMCache, mm_hash
-from epd.transport.mm_entry import MMEntry, encode_entry
+from epd.transport.embedding_cache.mm_cache import MMCache, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry, encode_entry
 
 FP = "test-model"
 MiB = 1 << 20
@@ -137,7 +137,7 @@ def test_every_put_succeeds_under_a_small_cap(tmp_path):
 def test_oversize_entry_is_skipped_with_a_warning(tmp_path, caplog):
     with MMCache(tmp_path / "mm", 4096, model_fingerprint=FP) as c:
         assert c.put(key(0), entry(0, n=2, hidden=4))
-        with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
+        with caplog.at_level(logging.WARNING, logger="epd.transport.embedding_cache.mm_cache"):
             assert c.put(key(1), entry(1, n=64, hidden=64)) is False
         assert "exceeds" in caplog.text
         assert c.stats.skipped_puts == 1 and not c.contains(key(1)) and c.contains(key(0))
@@ -244,7 +244,7 @@ def test_cache_files_are_the_owners_alone(tmp_path):
     readable by its owner only (the directory 0700, every file 0600)."""
     import stat
 
-    from epd.transport.mm_cache import MMCache
+    from epd.transport.embedding_cache.mm_cache import MMCache
 
     path = tmp_path / "cache"
     cache = MMCache(str(path), 1 << 20, model_fingerprint="f")

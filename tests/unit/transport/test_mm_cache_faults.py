@@ -8,8 +8,8 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from epd.transport.mm_cache import MMCache, mm_hash
-from epd.transport.mm_entry import MMEntry
+from epd.transport.embedding_cache.mm_cache import MMCache, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry
 from testkit.mm_cache_damage import garble_meta_fields, garble_meta_pages, garble_tree_pages, set_aside
 
 FP = "test-model"
@@ -37,7 +37,7 @@ def test_a_writer_sets_a_corrupt_file_aside_and_serves_on(tmp_path, damage, capl
     fill(path)
     damage(path)
     damaged = (path / "data.mdb").read_bytes()
-    with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
+    with caplog.at_level(logging.WARNING, logger="epd.transport.embedding_cache.mm_cache"):
         with MMCache(path, 16 * MiB, model_fingerprint=FP) as c:
             assert c.is_open and len(c) == 0 and c.get(key(0)) is None  # fresh and empty
             assert c.put(key(9), entry(9)) and torch.equal(c.get(key(9)).embeddings, entry(9).embeddings)
@@ -57,7 +57,7 @@ def test_a_reader_runs_without_a_corrupt_cache(tmp_path, damage, caplog):
     fill(path)
     damage(path)
     damaged = (path / "data.mdb").read_bytes()
-    with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
+    with caplog.at_level(logging.WARNING, logger="epd.transport.embedding_cache.mm_cache"):
         with MMCache(path, 16 * MiB, readonly=True, model_fingerprint=FP) as r:
             assert not r.is_open
             assert r.get(key(0)) is None and not r.contains(key(0)) and key(1) not in r
@@ -98,7 +98,7 @@ def test_a_read_that_lmdb_fails_is_one_miss(tmp_path, caplog):
         for i in range(5):
             assert c.put(key(i), entry(i))
         garble_tree_pages(path)  # the map shares the page cache: the open handle sees it
-        with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
+        with caplog.at_level(logging.WARNING, logger="epd.transport.embedding_cache.mm_cache"):
             for _ in range(3):
                 assert c.get(key(1)) is None and not c.contains(key(2))
             assert c.total_bytes == 0 and isinstance(len(c), int)

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from epd.transport.mm_cache import MMCache, mm_hash
-from epd.transport.mm_entry import MMEntry, encode_entry
+from epd.transport.embedding_cache.mm_cache import MMCache, mm_hash
+from epd.transport.embedding_cache.mm_entry import MMEntry, encode_entry
 from testkit.small_fs import fill_up, mounted_tmpfs
 
 FP = "test-model"
@@ -52,7 +52,7 @@ def test_a_full_filesystem_skips_puts_warns_once_and_caching_resumes(small_fs, c
     with MMCache(path, CAP_BYTES, model_fingerprint=FP) as c:
         assert c.put(key(0), entry(0))
         filler = fill_up(small_fs)  # another program took the rest of the disk
-        with caplog.at_level(logging.WARNING, logger="epd.transport.mm_cache"):
+        with caplog.at_level(logging.WARNING, logger="epd.transport.embedding_cache.mm_cache"):
             stored = [c.put(key(i), entry(i)) for i in range(1, 31)]  # no exception escapes
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert len(warnings) == 1 and "the cache filesystem is full" in warnings[0], warnings

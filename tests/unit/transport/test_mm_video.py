@@ -1,4 +1,4 @@
-"""A video's plan on the wire (transport/mm_video.py VideoFrames inside an
+"""A video's plan on the wire (transport/wire/mm_video.py VideoFrames inside an
 EncodeRequest): every field crosses, and a plan an encoder could not decode
 or lay out as counted is a WireError at decode, naming the field."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from epd.transport.messages import EncodeRequest, WireError, decode_message
-from epd.transport.mm_video import VideoFrames
+from epd.transport.wire.messages import EncodeRequest, WireError, decode_message
+from epd.transport.wire.mm_video import VideoFrames
 
 HASH = "ab" * 32
 QWEN3 = VideoFrames((0, 3, 6, 9, 10), 64, 96, (3, 4, 6), 18, 6, (0.3, 1.5, 2.0))  # last frame repeats into group 3

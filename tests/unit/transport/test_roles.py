@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from epd.transport.roles import Mode, Role
+from epd.transport.wire.roles import Mode, Role
 
 
 def test_roles_read_as_their_names():
@@ -33,7 +33,7 @@ def test_each_mode_starts_its_workers():
 
 
 def test_a_worker_spec_holds_a_role():
-    from epd.transport.worker_io import WorkerSpec
+    from epd.transport.wire.worker_io import WorkerSpec
 
     spec = WorkerSpec("pd-0", "pd", "ipc:///tmp/x/pd-0.sock", ("ipc:///tmp/x/api.sock",), None, 0)
     assert spec.role is Role.PD and spec.role.holds_kv

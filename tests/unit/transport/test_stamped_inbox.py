@@ -7,10 +7,10 @@ import time
 
 import zmq
 
-from epd.transport.addresses import Addresses
-from epd.transport.channels import Receiver, Sender
-from epd.transport.messages import Abort, Shutdown
-from epd.transport.stamped_inbox import StampedInbox
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver, Sender
+from epd.transport.wire.messages import Abort, Shutdown
+from epd.transport.wire.stamped_inbox import StampedInbox
 
 DEADLINE_S = 10.0
 

@@ -1,0 +1,22 @@
+"""The worker plane's wire: every message that crosses a socket, how it is framed
+and where it goes.
+
+message.py           the base of every message, its framing and shared field checks
+messages.py          the table of every message type and decode_message()
+request_messages.py  a request's messages: API -> encoder -> prefill -> decode -> API
+control_messages.py  registration, load reports, heartbeats, shutdown
+codec.py             tensor <-> (meta, bytes), msgpack headers, typed header fields
+wire_values.py       the values messages carry (sampling, logprobs, worker counters)
+sampling.py          SamplingParams and TokenLogprobs, torch-free
+lora_request.py      LoRARequest: which adapter a request runs with
+mm_span.py           an image's or video's placeholder run in a prompt
+mm_video.py          a video's plan as the encoder receives it (`VideoFrames`)
+histogram.py         a histogram a worker fills and sends whole
+addresses.py         the one place a ZeroMQ address is built
+channels.py          typed channels: the only way our code touches a socket
+auth.py              CURVE keys of the worker plane
+roles.py             worker roles and serving modes
+frame_limits.py      how large one frame may be at each receiving end
+stamped_inbox.py     an inbox read by its own thread, messages stamped on arrival
+worker_io.py         what every worker process holds and does alike: inbox, outboxes, Ready
+"""
