@@ -113,7 +113,7 @@ class ServeConfig:
     ray: RayConfig | None = None  # --cluster ray: workers in Ray actors (epd/processes/ray_cluster.py); None: local
     api_servers: int = 1  # API processes behind the one HTTP port (epd/processes/api_servers.py)
     stream_interval: int = 1  # a stream's tokens leave the worker every N tokens (first and last at once)
-    # vLLM's front-end flags (issue 31): what each does here is in its help and docs/usage.md
+    # vLLM's front-end flags: what each does here is in its help and docs/usage.md
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs a request may ask; more is a 400
     trust_remote_code: bool = False  # accepted: EPD never runs a checkpoint's code
     enable_auto_tool_choice: bool = False  # accepted: tool_choice "auto" is always served (hermes)
@@ -243,7 +243,7 @@ class ServeConfig:
         cores are shared, since an encoder then runs on every core the prefill worker would
         use: a prefill started early only took turns with the encoder's forward (a 4-image
         request on 2 cores: the forward 1.65 -> 1.9-2.1 s, TTFT 2.61-2.70 -> 2.71-2.86 s;
-        docs/benchmarks.md, issue 32). `--early-prefill` turns it on."""
+        docs/benchmarks.md). `--early-prefill` turns it on."""
         if self.engine.early_prefill is None and self.cpu_sharing == "shared" and self.mode is not Mode.AGGREGATED:
             return replace(self.engine, early_prefill=False)
         return self.engine

@@ -1,5 +1,5 @@
 """Every request field vLLM's /v1/chat/completions and /v1/completions know,
-accounted for (issue 31 item 5: no field vLLM knows is silently ignored).
+accounted for: no field vLLM knows is silently ignored.
 
     served     declared on the request models (epd/api/protocol.py) and served
                as vLLM serves them; `SERVED_*` names them, a test checks each

@@ -16,7 +16,7 @@ core in each worker. So:
 
 except on a host of `SMALL_HOST_CORES` or fewer, where `epd serve` keeps no
 core for its API: there the model is the cost and a kept core is half the
-machine (issue 32: on 2 CPUs the small checkpoint served 1.16x the tokens/s
+machine (on 2 CPUs the small checkpoint served 1.16x the tokens/s
 with both cores in its worker, 1.25-1.30x vLLM's with the short spin below;
 vLLM keeps a core for its front end even there). `--threads-per-worker`
 overrides the rule.
@@ -30,7 +30,7 @@ once, `OMP_WAIT_POLICY=PASSIVE`, made a 2-thread decode 1.3x slower: each of
 a step's hundreds of regions woke a sleeping thread), short enough that an
 idle one soon yields. `epd worker` sets PASSIVE: its neighbours are unknown
 (two busy external workers on two shared cores took 48.1 s for 30 requests
-of 200 tokens with the default spin, 3.0 s with PASSIVE; issue 33). An
+of 200 tokens with the default spin, 3.0 s with PASSIVE). An
 operator's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` stands.
 
 With `--core-lease` (the default), the engine workers of one `epd serve` on CPU, "shared", lend
@@ -58,7 +58,7 @@ CPU_SHARING = ("split", "shared")
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 SPIN_COUNT_ENV = "GOMP_SPINCOUNT"
 # spins before a waiting OpenMP thread sleeps (libgomp's default: 300,000). Offline, 2 threads, the
-# small checkpoint: 12.8 s spinning (ACTIVE), 13.4 s at 10,000, 16.6 s at 1,000, 17.0 s PASSIVE (issue 32)
+# small checkpoint: 12.8 s spinning (ACTIVE), 13.4 s at 10,000, 16.6 s at 1,000, 17.0 s PASSIVE
 SHORT_SPIN = "10000"
 
 

@@ -1,4 +1,4 @@
-"""The API process's side of a request: the retry loop, the collector, failover, lifecycle.
+"""The API process's side of a request: admission, the retry loop, drain.
 
     generate(request):
       admission (draining? too many requests?)                      _admit_request
@@ -13,15 +13,16 @@
       closed early (client gone) or stopped by a stop string -> Abort to every worker involved
 
 The collector socket receives everything workers send the API: Ready,
-WorkerStats, Alive (a busy worker's heartbeat), TokenOutputs (one per engine step; TokenOutput for a lone error) (and, with several API processes, the launcher's
-WorkerExited). API process `api_index` names itself in each PrefillRequest,
-so the workers send that request's tokens to its collector.
+WorkerStats, Alive (a busy worker's heartbeat), TokenOutputs (one per engine
+step; TokenOutput for a lone error) (and, with several API processes, the
+launcher's WorkerExited); its reader and the worker faults it sees are
+epd/serve/collector.py's. API process `api_index` names itself in each
+PrefillRequest, so the workers send that request's tokens to its collector.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
@@ -33,30 +34,27 @@ from epd.inputs.model_files import ModelFiles
 from epd.lora_modules import LoRAModule, check_lora_modules
 from epd.requests import Delta, GenerateRequest, RequestError
 from epd.serve.attempt_stream import AttemptStream
+from epd.serve.collector import Collector
 from epd.serve.placement import PREFILL_ROLES, Placement
 from epd.serve.preparer import Prepared, Preparer
 from epd.serve.worker_metrics import WorkerMetrics
-from epd.serve.attempt import SHUTDOWN, Attempt, Lost, Retry, poison_error
+from epd.serve.attempt import SHUTDOWN, Attempt, Retry, poison_error
 from epd.serve.registry import WorkerRegistry
 from epd.processes.supervisor import Unsupervised, WorkerWatch
 from epd.transport.wire.auth import API, COLLECTOR_DOMAIN, PlaneKeys
 from epd.transport.wire.frame_limits import COLLECTOR_FRAME_BYTES
 from epd.transport.wire.channels import AsyncOutbox, AsyncReceiver
 from epd.transport.wire.lora_request import LoRARequest
-from epd.transport.wire.messages import (Abort, Alive, LoRAUpdate, Ready, Shutdown, TokenOutput, TokenOutputs, WireError,
-                                    WorkerExited, WorkerStats)
+from epd.transport.wire.messages import Abort, LoRAUpdate, Shutdown
 from epd.transport.wire.roles import Role
 
 log = logging.getLogger("epd.api")
 LORA_CHECK_TIMEOUT_S = 30.0  # a runtime load's read of an adapter's config and header (bounded in size)
 
 MAX_ATTEMPTS = 4  # tries of one request on different workers before it fails
-HEARTBEAT_CHECK_S = 0.5
 DRAIN_POLL_S = 0.1  # while draining, look this often whether the requests in flight are done
 END_S = 2.0  # past the drain, requests still running get this long to write their 503
 ROLE_DOWN_RETRY_AFTER_S = 10  # Retry-After of a 503 for a role that is down (the supervisor probes it again)
-MAX_ABANDONED = 4096
-DISPATCH_BURST = 512  # messages taken without yielding to the event loop, at most  # ids of abandoned tries whose late outputs are answered with Abort
 
 
 class Orchestrator:
@@ -91,9 +89,10 @@ class Orchestrator:
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,
                                    self.info.spatial_merge_size, api_index)
         self.encoder_router = self.placement.encoder_router  # told of every encoder's Ready
-        self._abandoned: OrderedDict[str, None] = OrderedDict()  # ids of tries given up (bounded)
-        self._silent: set[str] = set()  # workers past the heartbeat timeout, already failed over
-        self._refused: set[str] = set()  # worker ids whose takeover by another session was refused (logged once)
+        self.collector = Collector(self.registry, self.attempts, self.encoder_router, self.placement.open_cache)
+        # the supervisor's and the encoder pool's word that a worker exited or was removed
+        self.on_worker_exit = self.collector.on_worker_exit
+        self.forget_worker = self.collector.forget_worker
         self.num_active = 0  # sequences in generate()
         self.draining = False  # SIGTERM: refuse new requests, let these finish
         self.ending = False  # past the drain: every request still running ends with a 503
@@ -112,7 +111,7 @@ class Orchestrator:
         self._receiver = AsyncReceiver(self.collector_address, keys=keys, domain=COLLECTOR_DOMAIN,
                                        max_frame_bytes=COLLECTOR_FRAME_BYTES)
         self._outbox = AsyncOutbox(keys=keys)
-        self._tasks = [asyncio.create_task(self._dispatch()), asyncio.create_task(self._watch_heartbeats())]
+        self._tasks = self.collector.start(self._receiver, self._outbox)
 
     async def wait_for_workers(self, expected: int, timeout_s: float, alive=lambda: True) -> None:
         """Until `expected` workers sent Ready; raises if one died or time ran out."""
@@ -124,14 +123,11 @@ class Orchestrator:
                 raise TimeoutError(f"only {len(self.registry.workers)} of {expected} workers ready "
                                    f"after {timeout_s:.0f} s")
             await asyncio.sleep(0.05)
-        self._open_cache()
+        self.placement.open_cache()
         # where every socket lives, for operators (and the garbage-frame tests)
         workers = sorted(self.registry.workers.values(), key=lambda w: w.worker_id)
         sockets = [f"api={self.collector_address}"] + [f"{w.worker_id}={w.inbox}" for w in workers]
         print(f"EPD sockets: {' '.join(sockets)}", flush=True)
-
-    def _open_cache(self) -> None:
-        self.placement.open_cache()
 
     async def stop(self, shutdown_workers: bool = True) -> None:
         """`shutdown_workers`: False for one of several API processes (the launcher stops the workers)."""
@@ -151,87 +147,7 @@ class Orchestrator:
         if self._receiver is not None:
             self._receiver.close()
 
-    async def _dispatch(self) -> None:
-        """The collector's reader: no one message, however bad, ends it (every worker would go silent)."""
-        while True:
-            try:
-                msg = await self._receiver.recv()
-            except WireError as exc:
-                log.warning("collector: dropped a malformed message: %s", exc)
-                continue
-            await self._handle(msg)
-            for _ in range(DISPATCH_BURST):  # the rest of a burst (a step's outputs), without awaiting each
-                try:
-                    msg = self._receiver.recv_nowait()
-                except WireError as exc:
-                    log.warning("collector: dropped a malformed message: %s", exc)
-                    continue
-                if msg is None:
-                    break
-                await self._handle(msg)
-
-    async def _handle(self, msg) -> None:
-        try:
-            await self._on_message(msg)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("collector: a %s failed; the collector reads on", type(msg).__name__)
-
-    async def _on_message(self, msg) -> None:
-        if isinstance(msg, TokenOutputs):  # one engine step's outputs
-            attempts = self.attempts
-            for out in msg.outputs:
-                attempt = attempts.get(out.request_id)
-                if attempt is not None:
-                    attempt.queue.put_nowait(out)
-                else:
-                    await self._on_stray_output(out)
-        elif isinstance(msg, TokenOutput):
-            attempt = self.attempts.get(msg.request_id)
-            if attempt is not None:
-                attempt.queue.put_nowait(msg)
-            else:
-                await self._on_stray_output(msg)
-        elif isinstance(msg, WorkerStats):
-            self.registry.on_stats(msg)
-            self._silent.discard(msg.worker_id)
-        elif isinstance(msg, Alive):
-            info = self.registry.on_alive(msg)
-            if info is not None and not self.registry.is_stuck(info):  # a stuck one is failed over once
-                self._silent.discard(msg.worker_id)
-        elif isinstance(msg, Ready):
-            known = self.registry.workers.get(msg.worker_id)
-            info = self.registry.on_ready(msg)
-            if info is None:  # a live worker holds the id under another session
-                if msg.worker_id not in self._refused:
-                    self._refused.add(msg.worker_id)
-                    log.warning("refused a Ready for %s: a live worker holds that id (a second process, "
-                                "or a forged message); logged once", msg.worker_id)
-                return
-            if info is not known:  # registered now; re-announcements of a live worker change nothing
-                self._silent.discard(msg.worker_id)
-                self.encoder_router.on_ready(msg.worker_id)
-                log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
-                self._open_cache()
-        elif isinstance(msg, WorkerExited):
-            self.on_worker_exit(msg.worker_id, msg.exit_code, msg.restarting)
-
-    async def _on_stray_output(self, out: TokenOutput) -> None:
-        """An output no try waits for: a worker (perhaps restarted) running a try
-        given up is told to drop it; anything else (a try ended) is ignored."""
-        if out.request_id in self._abandoned:
-            del self._abandoned[out.request_id]
-            await self._abort_everywhere(out.request_id)
-
     # ------------------------------------------------------------- facade
-
-    async def _abort_everywhere(self, attempt_id: str) -> None:
-        for w in self.registry.live(*PREFILL_ROLES, Role.DECODE):
-            try:
-                await self._outbox.send(w.inbox, Abort([attempt_id]))
-            except Exception:
-                log.warning("could not send Abort to %s", w.worker_id)
 
     async def update_lora(self, lora: LoRARequest, is_load: bool) -> None:
         """A runtime adapter load (read and checked against the checkpoint here, torch-free:
@@ -389,71 +305,10 @@ class Orchestrator:
         self.attempts.pop(attempt.attempt_id, None)
         if attempt.is_finished:
             return
-        self._abandoned[attempt.attempt_id] = None
-        while len(self._abandoned) > MAX_ABANDONED:
-            self._abandoned.popitem(last=False)
+        self.collector.abandon(attempt.attempt_id)
         for w in attempt.workers():
             try:
                 await self._outbox.send(w.inbox, Abort([attempt.attempt_id]))
             except Exception:
                 log.warning("could not send Abort to %s", w.worker_id)
-
-    # ------------------------------------------------------- worker faults
-
-    def on_worker_exit(self, worker_id: str, exit_code: int | None, restarting: bool = True) -> None:
-        """The supervisor saw a worker process exit: route around it and
-        recover the requests it held. `restarting`: it starts the worker again
-        soon (else, given up for now, the role may be down: requests needing it
-        are refused at once)."""
-        info = self.registry.mark_dead(worker_id, restarting)
-        log.warning("worker %s exited (code %s)%s", worker_id, exit_code, "" if restarting else ", not restarted")
-        if info is not None:
-            try:
-                self._fail_over(worker_id, is_death=True)
-            except Exception:  # the supervisor's watch calls this: it must go on restarting workers
-                log.exception("failing over the tries of %s raised", worker_id)
-
-    def forget_worker(self, worker_id: str) -> None:
-        """A worker removed on purpose (autoscaling) after the registry retired it:
-        the tries that still need it are sent again, and it leaves the registry."""
-        if worker_id in self.registry.workers:
-            self._fail_over(worker_id, is_death=False)
-        self.registry.forget(worker_id)
-        self._silent.discard(worker_id)
-
-    def _fail_over(self, worker_id: str, is_death: bool) -> None:
-        """Every try that needs `worker_id` is sent again, or failed if its request is a
-        suspect of the death (`is_death`; not a worker removed on purpose): every try on
-        an engine worker (a step runs them all), on an encoder those of the batch it
-        said it was encoding (`Alive.working_on`), not those queued behind it."""
-        info = self.registry.workers.get(worker_id)
-        role = "" if info is None else str(info.role)
-        encoding = set(info.working_on) if info is not None and info.role == Role.ENCODER else None
-        lost = [a for a in self.attempts.values() if a.needs(worker_id)]
-        suspects = {a.attempt_id for a in lost if is_death and (encoding is None or a.attempt_id in encoding)}
-        # an encoder's batch may hold other API processes' requests too: its own count says how many share it
-        num_suspects = len(suspects) if encoding is None else len(encoding)
-        if is_death and encoding:
-            log.warning("encoder %s died while encoding the items of %d requests", worker_id, len(encoding))
-        for attempt in lost:
-            is_suspect = attempt.attempt_id in suspects
-            attempt.queue.put_nowait(Lost(worker_id, role, is_suspect, num_suspects if is_suspect else 0))
-
-    async def _watch_heartbeats(self) -> None:
-        """Workers nobody supervises here (`epd worker` on other hosts, Ray
-        actors) are dead once silent past the registry's heartbeat timeout, or
-        stuck: busy (still saying Alive) past the request timeout."""
-        while True:
-            await asyncio.sleep(HEARTBEAT_CHECK_S)
-            for w in list(self.registry.workers.values()):
-                if w.is_dead or w.is_retired or self.registry.is_alive(w) or w.worker_id in self._silent:
-                    continue
-                self._silent.add(w.worker_id)
-                if self.registry.is_stuck(w):
-                    log.warning("worker %s busy for %.0f s (stuck): treated as dead until it reports again",
-                                w.worker_id, w.busy_s)
-                else:
-                    log.warning("worker %s silent for %.0f s: treated as dead", w.worker_id,
-                                self.registry.heartbeat_timeout_s)
-                self._fail_over(w.worker_id, is_death=True)
 

@@ -4,7 +4,7 @@
 workers (epd/processes/threads.py): on 2 cores the prefill and the decode worker of
 e-p-d run one thread each. Under a text load whose short prompts are prefilled
 on the decode worker, the prefill worker idles and half the machine with it
-(issue 32: the decode worker then ran at its one-thread rate). Giving each
+(the decode worker then ran at its one-thread rate). Giving each
 worker every core instead was 1.19-1.32x the tokens/s for short prompts and
 0.83x for long ones, where both workers are busy and four threads fight for
 two cores (docs/benchmarks.md, "e-p-d's start-up, and its decode worker's one thread").

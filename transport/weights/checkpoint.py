@@ -26,7 +26,7 @@ def unfilled_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
     """An embedding whose table a checkpoint fills: no random init. Built under
     `torch.device("meta")`, `nn.Embedding`'s own init (normal_) goes through
     torch's reference ops, whose first use imports torch._dynamo: 2-4 s of
-    every worker's start-up (issue 32)."""
+    every worker's start-up."""
     return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 

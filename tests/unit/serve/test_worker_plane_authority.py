@@ -144,8 +144,8 @@ def test_the_collector_survives_a_worker_it_cannot_send_to(tiny_model, tmp_path)
     that worker alone; the collector reads on."""
     async def body(plane):
         plane.orch.registry.workers["decode-7"] = WorkerInfo("decode-7", "decode", "tcp://no such host:1")
-        plane.orch._abandoned["cmpl-gone"] = None
+        plane.orch.collector._abandoned["cmpl-gone"] = None
         plane.worker.send(TokenOutput("cmpl-gone", [5], num_prompt_tokens=1))
         await plane.forge(Ready("encoder-9", "encoder", "tcp://127.0.0.1:7009", "h", None, FORGED))
-        assert "cmpl-gone" not in plane.orch._abandoned  # it was handled, and the next message too
+        assert "cmpl-gone" not in plane.orch.collector._abandoned  # it was handled, and the next message too
     _run(tiny_model, tmp_path, body)
