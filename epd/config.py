@@ -243,7 +243,7 @@ class ServeConfig:
         cores are shared, since an encoder then runs on every core the prefill worker would
         use: a prefill started early only took turns with the encoder's forward (a 4-image
         request on 2 cores: the forward 1.65 -> 1.9-2.1 s, TTFT 2.61-2.70 -> 2.71-2.86 s;
-        docs/benchmarks.md). `--early-prefill` turns it on."""
+        docs/benchmarks_archive.md). `--early-prefill` turns it on."""
         if self.engine.early_prefill is None and self.cpu_sharing == "shared" and self.mode is not Mode.AGGREGATED:
             return replace(self.engine, early_prefill=False)
         return self.engine

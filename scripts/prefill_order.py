@@ -6,7 +6,7 @@ in tokens of prefill work (a prefill-only step costs about its token count).
 
 Half the requests are text-only (`--text-len`, 400 tokens), half carry
 images (`--image-len`, default 400 + two 336x336 images = 688 tokens, as in
-docs/benchmarks.md's mixed workload); Poisson
+docs/benchmarks_archive.md's mixed workload); Poisson
 arrivals at `--load` of the worker's capacity. Reports P50/P99 time to the
 first token (tokens of work from arrival to the end of the step that
 sampled it) for each kind, under "fcfs" and "cost".

@@ -2,7 +2,7 @@
 
 The torch backend's decodes gather every sequence's K and V out of its blocks
 before SDPA reads them: on CPU that copy was a quarter of the decode worker's
-time at 32 streams (docs/benchmarks.md). The kernel reads K and V
+time at 32 streams (docs/benchmarks_archive.md). The kernel reads K and V
 in place through the block table. No library offers one for torch 2.13 on
 CPU (vLLM's is compiled into vLLM; IPEX's stopped at older torch), so it is
 ours: plain C with OpenMP, no torch headers, so it builds in about a second

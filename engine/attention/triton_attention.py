@@ -26,7 +26,7 @@ def prepare(k_cache: torch.Tensor, num_q_heads: int) -> None:
     """Compiles, before the first request, every kernel variant `attention` can launch for
     this cache's layout (decode kernel: each tile height x each split count; prefill kernel:
     each query tile), so no request waits for Triton's compiler: an H200 stalled 0.5-1.6 s
-    on each first use (docs/benchmarks.md, "CUDA graphs"). ~1 s a variant on a machine's
+    on each first use (docs/benchmarks_archive.md, "CUDA graphs for decode steps"). ~1 s a variant on a machine's
     first start; Triton's disk cache serves later starts."""
     if k_cache.device.type != "cuda":
         return

@@ -1,6 +1,6 @@
 """Every place the HTTP edge leans on the insides of FastAPI, Starlette or uvicorn.
 
-The API's cost per token (docs/benchmarks.md, "Serving overhead") was bought
+The API's cost per token (docs/benchmarks_archive.md, "Serving overhead") was bought
 by stepping around parts of the web stack; each such step is here, named,
 with what it relies on, so that a library upgrade breaks one file that
 says what to check. Everything else in epd/api uses the libraries' public

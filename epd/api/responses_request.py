@@ -11,7 +11,7 @@ Stateless, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE: `store` is
 accepted and nothing is stored (vLLM's choice: `store` defaults to true in
 OpenAI's API, so most clients send it without meaning it); what needs a
 store (`background`, `previous_response_id`, `conversation`) is refused, as
-are tools and prompt templates (docs/architecture.md, Decisions).
+are tools and prompt templates (docs/decisions/responses-api.md).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ mode answers alike: a call whose name was generated is returned with the
 arguments text generated so far (not valid JSON then), and `finish_reason`
 stays "length" — what vLLM does for a named function; a call cut before its
 name is dropped (auto, as vLLM's hermes parser) or the text is content
-(required). See docs/architecture.md, "Tool calls cut short".
+(required). See docs/decisions/tool-calls.md.
 
 A `ToolCallParser` per choice turns text deltas into content deltas and call
 deltas; the whole answer is the same parser fed the whole text at once, so

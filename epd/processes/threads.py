@@ -38,7 +38,7 @@ each other their cores while idle (`lease_cores`; transport/host/core_lease.py):
 worker takes every core the busy ones leave it, so e-p-d's decode worker runs
 on both cores of a 2-core host while the prefill worker has nothing to do, and
 on its even share while both work or while the hypervisor steals the vCPUs
-(docs/architecture.md, "Cores"). `--threads-per-worker` fixes the count.
+(docs/decisions/cpu-threads.md). `--threads-per-worker` fixes the count.
 
 `epd serve`'s workers and `epd worker` take both from here: `worker_threads`
 for the count and `share_cores` for the policy. An `epd worker` is counted as

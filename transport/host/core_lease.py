@@ -7,7 +7,7 @@ on the decode worker, the prefill worker idles and half the machine with it
 (the decode worker then ran at its one-thread rate). Giving each
 worker every core instead was 1.19-1.32x the tokens/s for short prompts and
 0.83x for long ones, where both workers are busy and four threads fight for
-two cores (docs/benchmarks.md, "e-p-d's start-up, and its decode worker's one thread").
+two cores (docs/benchmarks_archive.md, "e-p-d's start-up, and its decode worker's one thread").
 Measured against one fixed thread: 1.32-1.54x for short prompts and level
 for long ones on a quiet host, but 0.49x in a window where 45% of the 2
 vCPUs' time was stolen by the hypervisor (a parallel region waits for its

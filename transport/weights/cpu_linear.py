@@ -4,7 +4,7 @@ torch's CPU `F.linear` in float32 goes to the BLAS it was built with: MKL in
 the x86 wheels. On AMD CPUs MKL takes a generic path, and on this project's
 machines (AMD EPYC, AVX2) it ran the small-batch projections of a decode step
 2.5-4x slower per thread than oneDNN with the weight packed once into its own
-blocked layout (one thread, M = 8..128 rows: docs/benchmarks.md, "Where the
+blocked layout (one thread, M = 8..128 rows: docs/benchmarks_archive.md, "Where the
 served gap to vLLM came from"). vLLM's CPU backend makes the same choice
 (`dispatch_cpu_unquantized_gemm`: oneDNN with a prepared weight). The results
 differ from MKL's only in rounding (~1e-6 relative): the order of the sums,

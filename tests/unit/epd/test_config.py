@@ -284,7 +284,7 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
     assert EngineConfig(dtype="bf16").dtype == "bfloat16"  # LLM(dtype="bf16") as before
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
         EngineConfig(dtype="int8")
-    # the defaults: vLLM's where EPD can, else EPD's (docs/architecture.md, Decisions)
+    # the defaults: vLLM's where EPD can, else EPD's (docs/decisions/vllm-serve-flags.md)
     config = serve_config(parse(["serve", tiny_model]))
     assert (config.engine.seed, config.max_logprobs, config.uvicorn_log_level, config.allowed_origins) == \
         (0, 20, "warning", ())
@@ -410,7 +410,7 @@ def test_early_prefill_is_off_by_default_where_an_encoder_shares_the_cpus(tiny_m
 
 
 def test_max_request_worker_deaths_bounds_a_poison_request(tiny_model):
-    """--max-request-worker-deaths (docs/architecture.md, "Faults: a poison request"): 2 by default, at least 1."""
+    """--max-request-worker-deaths (docs/decisions/poison-requests.md): 2 by default, at least 1."""
     parse = build_parser().parse_args
     assert serve_config(parse(["serve", tiny_model])).limits.max_request_worker_deaths == 2
     assert serve_config(parse(["serve", tiny_model, "--max-request-worker-deaths", "3"])) \

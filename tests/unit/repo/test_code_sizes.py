@@ -3,7 +3,7 @@ lines, and no function in epd/serve or epd/api (the layers a request's life
 runs through, where features land) over 60 lines. A file or function past
 them is a sign it does two jobs; split it where the jobs part.
 
-Markdown (docs/benchmarks.md is a logbook of measurements) and data files
+Markdown (docs/benchmarks_archive.md is a logbook of measurements) and data files
 (the vendored RayCluster schema) are not code and not counted."""
 from __future__ import annotations
 

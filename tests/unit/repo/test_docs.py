@@ -1,6 +1,8 @@
-"""The docs name real files: every repository path that docs/architecture.md
-and docs/design.md mention exists, and nothing in the repository cites a
-design document outside it."""
+"""The docs name real files: every repository path that docs/architecture.md,
+docs/design.md, the decision records and docs/benchmarks.md mention exists
+(the archive of earlier benchmarks is history and may name what has since
+moved), every section the code cites by title (`docs/<doc>.md, "Title"`) is
+still there, and nothing in the repository cites a design document outside it."""
 from __future__ import annotations
 
 import re
@@ -16,12 +18,20 @@ TOP = ("epd", "engine", "transport", "encoders", "bench", "tests", "docs", "scri
 @pytest.mark.parametrize("doc, min_paths", [
     ("architecture.md", 30),  # the doc maps the request's life to files
     ("design.md", 15),  # the contract names the modules that keep it
+    ("benchmarks.md", 2),  # the current results' commands name their scripts
 ])
 def test_every_path_in_the_doc_exists(doc, min_paths):
-    text = (ROOT / "docs" / doc).read_text()
-    paths = set(re.findall(r"\b((?:%s)/[\w/.-]*\w)" % "|".join(TOP), text))
+    paths = _paths((ROOT / "docs" / doc).read_text())
     assert len(paths) > min_paths
     missing = sorted(p for p in paths if not (ROOT / p).exists() and not _module_symbol_exists(p))
+    assert not missing, missing
+
+
+def test_every_path_in_the_decision_records_exists():
+    records = sorted((ROOT / "docs" / "decisions").glob("*.md"))
+    assert len(records) > 20
+    missing = sorted(f"{r.name}: {p}" for r in records for p in _paths(r.read_text())
+                     if not (ROOT / p).exists() and not _module_symbol_exists(p))
     assert not missing, missing
 
 
@@ -37,6 +47,38 @@ def test_nothing_cites_a_design_document_outside_the_repository():
     citing = [f for f in files if (ROOT / f).is_file() and f != "tests/unit/repo/test_docs.py"
               and re.search(r"shared/DESIGN\.md|\bDESIGN\.md", (ROOT / f).read_text(errors="replace"))]
     assert not citing, citing
+
+
+CITATION = re.compile(r'(docs/[\w/]+\.md),\s*"([^"]+)"')
+
+
+def test_every_section_the_code_cites_is_there():
+    """A docstring's `(docs/architecture.md, "Faults")` names a heading or a bold paragraph
+    lead (`* **Title.**`) of that doc; a section moved to a record leaves no dangling pointer."""
+    sources = [p for top in TOP if top != "docs" for p in (ROOT / top).rglob("*.py")]
+    cited = {(m.group(1), m.group(2)) for p in sources
+             for m in CITATION.finditer(re.sub(r"\s*\n\s*#?\s*", " ", p.read_text(errors="replace")))}
+    assert len(cited) > 5
+    missing = sorted(f"{doc}: {title}" for doc, title in cited if not _has_section(doc, title))
+    assert not missing, missing
+
+
+def _has_section(doc: str, title: str) -> bool:
+    path = ROOT / doc
+    if not path.exists():
+        return False
+    text = path.read_text()
+    titles = re.findall(r"^#+\s*(.+)$", text, re.M) + re.findall(r"\*\*([^*]+)\*\*", text)
+    want = _plain(title)
+    return any(_plain(t).startswith(want) for t in titles)
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"[`*]", "", text).replace("→", "->").strip().rstrip(".:").lower()
+
+
+def _paths(text: str) -> set[str]:
+    return set(re.findall(r"\b((?:%s)/[\w/.-]*\w)" % "|".join(TOP), text))
 
 
 def _module_symbol_exists(path: str) -> bool:

@@ -1,5 +1,6 @@
 """The front door stays a front door: README.md is short, docs/README.md lists every
-page of docs/, every relative link in README.md and docs/ leads to a file, and the
+page of docs/ (the decision records' index and the benchmarks' archive among them),
+every relative link in README.md, docs/ and docs/decisions/ leads to a file, and the
 user pages name only repository paths that exist."""
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def test_the_docs_index_lists_every_page():
     index = (ROOT / "docs" / "README.md").read_text()
     listed = set(LINK.findall(index))
     pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    pages |= {"decisions/README.md"}  # the records are reached through their own index
     assert pages <= listed, f"docs/README.md does not list {sorted(pages - listed)}"
 
 
 def test_every_relative_link_leads_to_a_file():
     broken = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                 *sorted((ROOT / "docs" / "decisions").glob("*.md"))]:
         for target in LINK.findall(page.read_text()):
             if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
