@@ -54,4 +54,6 @@ Several nodes on one machine (root):
 netns.py              hosts as network namespaces on a private bridge (the multi-node tests' too)
 link_kv.py            KV- and embedding-sized messages over `tc`-shaped links
 across_nodes.py       `epd bench compare`'s sweep with e-p-d's workers in their own namespaces
+
+checkout.py           the checkout's root on a child's PYTHONPATH, for `python -m bench.dev.<name>` children
 """

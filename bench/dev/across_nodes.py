@@ -40,8 +40,8 @@ from epd.bench.compare import add_sweep_arguments, format_comparison, make_summa
 
 API_PORT, WORKER_PORT = 18600, 18601
 ROLES = ("encoder", "prefill", "decode")
-# As the launcher nices them: a copy of epd.config.SHARED_CPU_NICE (bench/ is a client and
-# imports none of the server: tests/unit/repo/test_layering.py).
+# As the launcher nices them: a copy of epd.config.SHARED_CPU_NICE (this runs the servers
+# as a user would, from the command line).
 NICE = {"encoder": 4, "prefill": 2, "decode": 0}
 COMMON = ["--dtype", "float32", "--device", "cpu"]
 

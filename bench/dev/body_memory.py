@@ -13,8 +13,8 @@ measured) for each of `--kinds` and `--sizes-mb` and sends it one body:
 For each it reports the HTTP status, the seconds to the answer, and the API
 process's peak resident memory while it was served, over its resident memory
 before (Linux's VmHWM, reset through /proc/PID/clear_refs before the body),
-and whether the server still answers a small request after it. Like every
-bench/ module it talks to the server over HTTP only.
+and whether the server still answers a small request after it. It talks to
+the server over HTTP only.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Starts `epd serve` (as `bench compare` does), sends one trace at
   goodput back after        the kill until the first request from which on
                             >= 90% of the requests sent meet the SLOs
 
-Like every bench/ module it talks to the server over HTTP only (and reads
+It talks to the server over HTTP only (and reads
 the log of the server it started, to find the pid).
 """
 from __future__ import annotations

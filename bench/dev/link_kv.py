@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import zmq
 
+from bench.dev.checkout import checkout_env, python_m
 from bench.dev.netns import Network
 
 PORT, ACK_PORT = 18900, 18901
@@ -101,12 +101,12 @@ def main() -> None:
             for host in (a, b):
                 if rate != "none":
                     net.shape(host, rate)
-            common = [sys.executable, "-m", "bench.dev.link_kv", "--sizes", args.sizes, "--repeats",
-                      str(args.repeats)]
+            common = [*python_m("link_kv"), "--sizes", args.sizes, "--repeats", str(args.repeats)]
             recv = b.popen([*common, "--role", "receiver", "--args",
-                            json.dumps({"ip": b.ip, "peer": a.ip, "key": key})], Path(tmp) / "recv.log")
+                            json.dumps({"ip": b.ip, "peer": a.ip, "key": key})], Path(tmp) / "recv.log",
+                           env=checkout_env())
             out = a.run([*common, "--role", "sender", "--args", json.dumps({"ip": a.ip, "peer": b.ip, "key": key})],
-                        timeout_s=600)
+                        env=checkout_env(), timeout_s=600)
             recv.wait(timeout=60)
             if out.returncode != 0:
                 raise SystemExit(f"sender failed: {out.stderr}")

@@ -2,7 +2,7 @@
 or vLLM's, in-process, one torch thread (issue 32).
 
     python -m bench.dev.offline_cpu_time MODEL --engine epd
-    /work/vllm-venv/bin/python -P bench/dev/offline_cpu_time.py MODEL --engine vllm   (-P: bench/ not on sys.path)
+    /work/vllm-venv/bin/python -P bench/dev/offline_cpu_time.py MODEL --engine vllm   (-P: bench/dev/ not on sys.path)
 
 The same token ids for both (seeded; new prompts each round, so no round
 hits the prefix cache), greedy, EOS ignored; one warm-up request, then

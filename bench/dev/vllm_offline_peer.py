@@ -12,7 +12,7 @@ the CPU seconds of the process over the batch (every thread of it, the engine's
 included: see `make_llm`) and the first output ids. `bench/dev/offline_cpu_time.py
 --engine vllm` drives vLLM through this file's `make_llm` and `generate` too (it loads
 the file by path). Imports nothing from EPD: vLLM's environment does not have it.
-(-P: bench/ not first on sys.path; its kernels.py would shadow the `kernels` package
+(-P: bench/dev/ not first on sys.path; its kernels.py would shadow the `kernels` package
 vLLM imports.)
 """
 import json

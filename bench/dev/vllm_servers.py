@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
+from bench.dev.checkout import checkout_env, python_m
 from epd.bench.compare import ServeProcess
 
 EC_CONNECTOR = "ECExampleConnector"
@@ -41,8 +41,8 @@ class ProxyProcess(ServeProcess):
     name = "vllm-ec proxy"
 
     def __init__(self, encoder_url: str, pd_url: str, cpus, log_path: Path):
-        self._launch(lambda port: [sys.executable, "-m", "bench.dev.vllm_ec_proxy", "--encoder-url", encoder_url,
-                                   "--pd-url", pd_url, "--port", str(port)], cpus, log_path)
+        self._launch(lambda port: [*python_m("vllm_ec_proxy"), "--encoder-url", encoder_url,
+                                   "--pd-url", pd_url, "--port", str(port)], cpus, log_path, env=checkout_env())
 
 
 def ec_transfer_config(role: str, storage_path: Path) -> str:

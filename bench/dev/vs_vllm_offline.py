@@ -3,7 +3,7 @@
 One workload (token-id prompts and output lengths, `offline._workload`, seeded)
 is written to a JSON file; each engine then runs it in a fresh subprocess pinned
 to the same CPUs with the same thread count: EPD's through `offline.bench_epd`
-(`python -m bench.dev.vs_vllm_offline FILE`), vLLM's through
+(`python -P bench/dev/vs_vllm_offline.py FILE`), vLLM's through
 `vllm_offline_peer.py` in vLLM's environment. Each prints {"tok_s": ...}; the
 timed part excludes start-up and one warm-up request in both.
 """
@@ -48,11 +48,12 @@ def run_engine(python: str, script: list[str], workload: Path, cpus: set[int], l
 
 
 def epd_command() -> list[str]:
-    return ["-m", "bench.dev.vs_vllm_offline"]
+    # by path, wherever this process started (-P: not bench/dev/ first on sys.path, as below)
+    return ["-P", str(Path(__file__))]
 
 
 def vllm_command() -> list[str]:
-    # -P: not bench/ first on sys.path (its kernels.py would shadow the `kernels` package vLLM imports)
+    # -P: not bench/dev/ first on sys.path (its kernels.py would shadow the `kernels` package vLLM imports)
     return ["-P", str(PEER_SCRIPT)]
 
 
