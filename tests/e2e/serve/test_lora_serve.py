@@ -188,7 +188,7 @@ def test_adapter_files_bounded_before_any_worker_reads_them(server, late, tmp_pa
     one answer (vLLM's 404), so a key holder cannot map the server's directories."""
     import httpx
 
-    from epd.bench.reliability_probe_lora import write_big_header, write_sparse
+    from bench.dev.reliability_probe_lora import write_big_header, write_sparse
     from epd.transport.weights.lora_files import MAX_HEADER_BYTES
 
     def load(name: str, path) -> httpx.Response:

@@ -70,9 +70,9 @@ def test_client_disconnect_while_waiting_non_streaming_closes_the_stream(base_ur
 
 
 def test_the_light_bench_client_counts_streamed_tokens_and_failures(base_url):
-    """bench/light_client.py (raw asyncio HTTP, keep-alive) against this app: 3 streams
+    """bench/dev/light_client.py (raw asyncio HTTP, keep-alive) against this app: 3 streams
     of 2 requests, 4 tokens each, counted from the usage chunks; a bad one named."""
-    from epd.bench.light_client import completion_body, run_streams
+    from bench.dev.light_client import completion_body, run_streams
 
     host, port = base_url.removeprefix("http://").split(":")
     good = completion_body(MODEL, "a b c", 4)

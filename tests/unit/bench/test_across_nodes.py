@@ -1,9 +1,9 @@
-"""`python -m epd.bench.across_nodes`: what it accepts (its runs need root and minutes: docs/benchmarks.md)."""
+"""`python -m bench.dev.across_nodes`: what it accepts (its runs need root and minutes: docs/benchmarks.md)."""
 from __future__ import annotations
 
 import pytest
 
-from epd.bench.across_nodes import build_parser, parse_placement
+from bench.dev.across_nodes import build_parser, parse_placement
 
 
 def test_placements_parse_and_a_typo_is_named():

@@ -1,10 +1,10 @@
-"""`epd bench fault`'s own arithmetic: which pid to kill, when goodput is back."""
+"""`python -m bench.dev.fault`'s own arithmetic: which pid to kill, when goodput is back."""
 from __future__ import annotations
 
 import pytest
 
+from bench.dev.fault import goodput_back_after_s, worker_pid
 from epd.bench.client import RequestResult
-from epd.bench.fault import goodput_back_after_s, worker_pid
 
 SLOS = {"ttft": 100.0}
 

@@ -1,14 +1,12 @@
-"""`epd bench lora` on the tiny checkpoint, in miniature: its adapters are ones the engine
+"""`python -m bench.dev.lora` on the tiny checkpoint, in miniature: its adapters are ones the engine
 accepts, every row is measured against the base row, and the load cost is reported."""
 from __future__ import annotations
-
-from epd.cli import build_parser
 
 
 def test_bench_lora_in_miniature(tiny_model, tmp_path):
     from transformers import AutoConfig
 
-    from epd.bench.lora import main, write_adapter
+    from bench.dev.lora import build_parser, main, write_adapter
     from epd.engine.lora.adapter import ProjectionShapes, read_adapter
 
     shapes = ProjectionShapes.from_hf(AutoConfig.from_pretrained(tiny_model))
@@ -16,7 +14,7 @@ def test_bench_lora_in_miniature(tiny_model, tmp_path):
     assert spec.rank == 8 and spec.modules == {"q_proj", "k_proj", "v_proj", "o_proj",
                                                "gate_proj", "up_proj", "down_proj"}
 
-    args = build_parser().parse_args(["bench", "lora", tiny_model, "--concurrency", "4", "--input-len", "8",
+    args = build_parser().parse_args([tiny_model, "--concurrency", "4", "--input-len", "8",
                                       "--output-len", "3", "--num-adapters", "1,2", "--rank", "8",
                                       "--rounds", "1", "--load-rounds", "1", "--threads", "1"])
     result = main(args)

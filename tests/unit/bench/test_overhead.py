@@ -1,4 +1,4 @@
-"""`epd bench overhead`'s pure parts: the profile summary, the workload, CPU readings."""
+"""`python -m bench.dev.overhead`'s pure parts: the profile summary, the workload, CPU readings."""
 from __future__ import annotations
 
 import os
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from epd.bench.light_client import output_tokens
+from bench.dev.light_client import output_tokens
+from bench.dev.overhead import api_pids, format_table, process_cpu_s, summarize, top_self, workload
 from epd.bench.compare import cpu_set
-from epd.bench.overhead import api_pids, format_table, process_cpu_s, summarize, top_self, workload
 
 
 def test_top_self_ranks_leaf_frames_by_samples():

@@ -1,17 +1,15 @@
-"""`epd bench spec` on the tiny checkpoint, in miniature: a row per method and stream
+"""`python -m bench.dev.spec_decode` on the tiny checkpoint, in miniature: a row per method and stream
 count, every request run to its length, acceptance only where drafts were verified,
 and the disagreeing draft's drafts (nearly) all rejected."""
 from __future__ import annotations
 
-from epd.cli import build_parser
-
 
 def test_bench_spec_in_miniature(tiny_model, tiny_draft, tmp_path, capsys):
-    from epd.bench.spec_decode import main
+    from bench.dev.spec_decode import build_parser, main
     from epd.tools.make_draft import make_draft
 
     wrong = make_draft(tiny_model, tmp_path / "wrong", num_layers=2, disagree=True)
-    args = build_parser().parse_args(["bench", "spec", tiny_model, "--draft", tiny_draft, "--wrong-draft", str(wrong),
+    args = build_parser().parse_args([tiny_model, "--draft", tiny_draft, "--wrong-draft", str(wrong),
                                       "--streams", "1", "3", "--output-len", "6", "--kv-cache-gb", "0.05",
                                       "--save-result", str(tmp_path / "r.json")])
     rows = {(r["method"], r["streams"]): r for r in main(args)["rows"]}

@@ -1,4 +1,4 @@
-"""bench/vllm_ec_proxy.py (the front of vLLM's encoder disaggregation in `epd bench vs-vllm --vllm-ec`),
+"""bench/dev/vllm_ec_proxy.py (the front of vLLM's encoder disaggregation in `python -m bench.dev.vs_vllm --vllm-ec`),
 started as the bench starts it (`vllm_servers.ProxyProcess`, a subprocess) in front of two fake
 OpenAI servers on 127.0.0.1 standing in for vLLM's encoder and prefill-decode instances
 (vLLM runs in its own environment, not in tests), driven by the bench's own client."""
@@ -11,10 +11,10 @@ import os
 import httpx
 import pytest
 
+from bench.dev.vllm_ec_proxy import encoder_body, has_media
+from bench.dev.vllm_servers import ProxyProcess, ec_transfer_config
 from epd.bench.client import build_payload, send_chat_request
 from epd.bench.datasets import BenchRequest
-from epd.bench.vllm_ec_proxy import encoder_body, has_media
-from epd.bench.vllm_servers import ProxyProcess, ec_transfer_config
 from testkit.fake_openai_server import running_fake_server
 
 ENCODER_S = 0.5  # the stand-in encoder's time per request: one token at this delay

@@ -1,4 +1,4 @@
-"""`python -m epd.bench.vs_vllm`'s pure parts (rows, ratios with ranges, the table) and its EPD
+"""`python -m bench.dev.vs_vllm`'s pure parts (rows, ratios with ranges, the table) and its EPD
 client against the fake OpenAI server; vLLM itself is not started (not in CI: issue 32)."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from epd.bench import vs_vllm, vs_vllm_goodput
-from epd.bench.overhead import process_cpu_s, tree_cpu_s
-from epd.bench.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, ratio_summary, summarize
+from bench.dev import vs_vllm, vs_vllm_goodput
+from bench.dev.overhead import process_cpu_s, tree_cpu_s
+from bench.dev.vs_vllm_table import add_value, greedy_lines, markdown_table, new_row, ratio_summary, summarize
 
 
 def _args(*extra: str) -> argparse.Namespace:

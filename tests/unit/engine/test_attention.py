@@ -340,7 +340,7 @@ def test_triton_gpu(case, dtype):
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only message")
 def test_bench_kernels_without_cuda_exits_with_message(capsys):
-    from epd.bench import kernels
+    from bench.dev import kernels
 
     assert kernels.main([]) == 1
     assert "CUDA" in capsys.readouterr().err

@@ -49,6 +49,33 @@ def test_nothing_cites_a_design_document_outside_the_repository():
     assert not citing, citing
 
 
+# a module name in lower case (`bench.dev.NAME` is a placeholder)
+MODULE_COMMAND = re.compile(r"python3? (?:-\w+ )*-m ((?:bench\.dev|epd)(?:\.[a-z_]\w*)+)(?!\w|\.\w)")
+# installed name -> repository folder (pyproject's package-dir mapping)
+FOLDERS = {"epd.engine": "engine", "epd.transport": "transport", "epd.encoders": "encoders", "epd.bench": "bench",
+           "bench.dev": "bench/dev", "epd": "epd"}
+
+
+def test_every_python_m_command_names_a_module():
+    """A `python -m bench.dev.vs_vllm` or `python -m epd.cli.flags_reference` in a doc, a
+    script or a docstring runs a module of the checkout (the archive of benchmarks aside)."""
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    named = {(f, m.group(1)) for f in files if f != "docs/benchmarks_archive.md" and (ROOT / f).is_file()
+             for m in MODULE_COMMAND.finditer((ROOT / f).read_text(errors="replace"))}
+    assert any(module.startswith("bench.dev.") for _, module in named)
+    missing = sorted(f"{f}: {module}" for f, module in named if not _module_file(module))
+    assert not missing, missing
+
+
+def _module_file(module: str) -> bool:
+    package = max((p for p in FOLDERS if module == p or module.startswith(p + ".")), key=len)
+    path = ROOT / FOLDERS[package] / module[len(package):].lstrip(".").replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__main__.py").is_file()
+
+
 CITATION = re.compile(r'(docs/[\w/]+\.md),\s*"([^"]+)"')
 
 

@@ -4,9 +4,12 @@ checked on every import statement.
     transport  imports nothing of ours
     encoders   imports transport only
     engine     imports transport only
-    bench      talks to the server over HTTP (the offline and kernel benchmarks
-               and the mode comparison, which launches servers, aside)
+    bench      talks to the server over HTTP (the offline benchmark, and the mode
+               comparison and the planner, which launch servers, aside)
     epd        wires everything; only the CLI reaches into bench
+    bench/dev  the developer experiments, outside the wheel: they may import
+               anything of ours (as epd.*, each other as bench.dev.*), and
+               nothing installed imports them
 
 Imports inside functions and under `if TYPE_CHECKING:` count too: a reader
 following a type across the rule crosses it as much as the interpreter does.
@@ -36,24 +39,13 @@ ALLOWED = {
 # bench modules that run our code in-process, and why
 BENCH_IN_PROCESS = {
     "epd.bench.offline": "the offline engine benchmark runs LLM and transformers side by side",
-    "epd.bench.lora": "runs the offline LLM with and without adapters, and writes adapters the engine checks",
-    "epd.bench.kernels": "times the attention kernels directly",
-    "epd.bench.cuda_graphs": "runs the offline LLM with and without CUDA graphs, and without the kernel warm-up",
-    "epd.bench.cpu_decode_attention": "times the torch attention backend's decode batches at several caps",
-    "epd.bench.spec_decode": "times the offline engine's steps with and without each speculative method",
-    "epd.bench.offline_cpu_time": "runs the offline LLM (or vLLM's, in vLLM's environment) for its CPU time",
-    "epd.bench.cpu_linear": "times the CPU GEMM the engine runs (transport.cpu_linear) against torch's F.linear",
-    "epd.bench.vs_vllm_offline": "runs the offline LLM against vLLM's LLM on the same token ids (issue 32)",
     "epd.bench.compare": "launches `epd serve` per mode and reads the mode names from its config",
-    "epd.bench.fault": "launches `epd serve`, kills one of its workers and reads the role names",
-    "epd.bench.overhead": "runs the offline LLM beside `epd serve` on the same requests",
     "epd.bench.plan": "launches `epd serve` per split, as compare does, and reads the niceness per role",
     "epd.bench.plan_measure": "measures each stage's service time with the offline engine (LLM)",
-    "epd.bench.reliability_probe": "plays a peer holding the worker keys: forges worker-plane messages "
-                                   "(transport's keys, channels and messages) against a keyed deployment",
     "epd.bench.plan_sim": "routes short text prompts with the orchestrator's own rule (router.idle_prefill_workers) "
                           "and gives each worker the threads serve gives it (threads.worker_threads)",
 }
+DEV = ROOT / "bench" / "dev"  # the developer experiments: run from a checkout as bench.dev.*, not installed
 TOP_LEVEL_NAMES = ("engine", "transport", "encoders", "bench")
 
 
@@ -61,6 +53,8 @@ def _modules(folders=tuple(PACKAGES)):
     for folder in folders:
         package = PACKAGES[folder]
         for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.is_relative_to(DEV):
+                continue
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             yield ".".join([package, *parts]), path
@@ -107,6 +101,23 @@ def test_no_module_crosses_the_layering_rule():
             if dep not in ALLOWED[own]:
                 violations.append(f"{where} ({own} may import {sorted(ALLOWED[own]) or 'nothing of ours'})")
     assert not violations, "\n".join(violations)
+
+
+def test_nothing_installed_imports_the_experiments():
+    importing = [f"{path.relative_to(ROOT)}:{line} imports {target}" for _, path in _modules()
+                 for line, target in _imports(path) if target.startswith(("bench.dev", "epd.bench.dev"))]
+    assert not importing, "\n".join(importing)
+
+
+def test_the_experiments_import_ours_by_installed_names():
+    """bench/dev imports the product as epd.* (one copy of each module) and its own files as
+    bench.dev.*; a `bench.serve` or `engine.x` would load a second copy from the checkout."""
+    paths = sorted(DEV.glob("*.py"))
+    assert len(paths) > 20
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {target}" for path in paths
+             for line, target in _imports(path)
+             if target.split(".")[0] in TOP_LEVEL_NAMES and not target.startswith("bench.dev.")]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_walker_sees_a_violation(tmp_path):

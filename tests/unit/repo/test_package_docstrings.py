@@ -2,7 +2,7 @@
 module of the package (`name.py`) and sub-package (`name/`), and names none
 that is gone.
 
-Checked for every package in CHECKED; bench/ joins once its triage is done.
+Checked for every package in CHECKED, bench/dev/ (the experiments, not installed) among them.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 CHECKED = ("epd", "epd/api", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
            "engine", "engine/spec", "engine/lora", "engine/models", "engine/attention", "engine/worker",
            "encoders", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",
-           "transport/media", "transport/host")
+           "transport/media", "transport/host", "bench", "bench/dev")
 # a bare `name.py` or `name/`: not a path into another folder (`epd/requests.py`)
 NAMED = re.compile(r"(?<![\w/.])(\w+)(\.py\b|/)")
 

@@ -33,6 +33,15 @@ def test_the_wheel_holds_only_the_epd_namespace(wheel):
         assert module in names
 
 
+def test_the_wheel_ships_no_developer_experiment(wheel):
+    """epd.bench is what `epd bench` runs: bench/'s own modules, and nothing of bench/dev/."""
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = {n for n in names if n.startswith("epd/bench/")}
+    assert shipped == {f"epd/bench/{p.name}" for p in (ROOT / "bench").glob("*.py")}, sorted(shipped)
+    experiments = {p.name for p in (ROOT / "bench" / "dev").iterdir() if p.suffix in (".py", ".sh")} - {"__init__.py"}
+    assert len(experiments) > 20 and not {f"epd/bench/{name}" for name in experiments} & set(names)
+
+
 def test_the_installed_wheel_imports(wheel, tmp_path):
     target = tmp_path / "site"
     result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
