@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # built from a copy: a checkout's own build/ keeps files since moved or deleted, which setuptools would ship
+    source = tmp_path_factory.mktemp("source") / "epd"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                                 ".pytest_cache"))
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     (path,) = out.glob("epd-*.whl")
