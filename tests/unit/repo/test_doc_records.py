@@ -2,7 +2,7 @@
 docs/decisions/ is listed in its index and has a title, Context, Decision
 and Consequences; docs/benchmarks.md opens with the current-results table,
 each row a figure, the command that reproduces it and the date it was
-recorded; and the pages a user reads cite no "issue N"."""
+recorded; and neither the pages a user reads nor the installed code cite "issue N"."""
 from __future__ import annotations
 
 import re
@@ -72,3 +72,16 @@ def test_the_archive_says_it_is_history():
 def test_no_issue_numbers_in_the_pages_a_user_reads(page):
     cited = [line.strip() for line in (ROOT / page).read_text().splitlines() if ISSUE.search(line)]
     assert not cited, f"{page} cites issues (say what was decided and why instead): {cited}"
+
+
+def test_no_issue_numbers_in_the_installed_code():
+    """What ships (its docstrings, comments, help and error texts) is read by users: it says
+    what the code does and why, not which issue asked for it. Tests and bench/dev/ (developer
+    experiments, outside the wheel) may keep their provenance."""
+    sources = [p for top in ("epd", "engine", "encoders", "transport", "bench", "scripts")
+               for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".c", ".sh")
+               and "dev" not in p.relative_to(ROOT).parts[1:2]]
+    assert len(sources) > 100
+    cited = [f"{p.relative_to(ROOT)}:{n}" for p in sources
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if ISSUE.search(line)]
+    assert not cited, f"say what the code does and why instead: {cited}"
