@@ -13,6 +13,7 @@ llm.py                   offline inference (`LLM`)
 requests.py              the types the HTTP edge and the orchestrator speak
 config.py                the composed, frozen configuration of each command
 detokenizer.py           token ids -> stable text chunks
+output_processor.py      one sequence's outputs -> text, stop strings, logprobs (LLM and server)
 flag_values.py           flag values written as vLLM writes them
 lora_modules.py          `--lora-modules`: the adapters served by name
 shared_lora_registry.py  one adapter registry for every API process

@@ -2,8 +2,9 @@
 
 One process runs everything (the aggregated path): the vision tower encodes
 each distinct image and video once, the engine schedules all requests together
-with continuous batching, and each request's text is detokenized incrementally
-with stop strings applied. A video is planned from its header as the API does
+with continuous batching, and each sequence's outputs become text, stop strings
+and logprobs in the server's own output processor (epd/output_processor.py).
+A video is planned from its header as the API does
 (epd/inputs/video_header.py), then decoded and encoded (encoders/video_encoder.py).
 With `enable_tower_lora=True` an adapter's vision tower weights run on its
 requests' images and videos (keyed apart, as the server keys them:
@@ -23,7 +24,6 @@ from epd.encoders.video_encoder import VideoEncoder
 from epd.transport.media.video_geometry import VideoOptions, VideoPlan, load_video_config
 from epd.transport.media.video_keys import video_mm_hash
 from epd.engine.config import EngineConfig
-from epd.detokenizer import IncrementalDetokenizer
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
 from epd.engine.spec.check import check_speculative_model
@@ -34,6 +34,7 @@ from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef, image_parts, video_parts
 from epd.inputs.video_header import plan_video
+from epd.output_processor import OutputProcessor
 from epd.lora_modules import TowerAdapters
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
@@ -57,16 +58,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
-
-
-@dataclass
-class _Pending:
-    """One running sequence of the current call."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None
 
 
 class LLM:
@@ -248,7 +239,7 @@ class LLM:
         embeddings.update(self._encode_videos(videos))
 
         outputs: list[RequestOutput] = []
-        pending: dict[str, _Pending] = {}
+        pending: dict[str, OutputProcessor] = {}  # every sequence of the call, by its engine request id
         for token_ids, spans, mm, params, lora, _ in requests:
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
@@ -260,41 +251,27 @@ class LLM:
                 request = Request(request_id=f"{rid}-{index}", prompt_token_ids=list(token_ids),
                                   sampling_params=sub_params, mm_spans=list(spans), lora_request=lora)
                 self.engine.add_request(request, {s.mm_hash: embeddings[s.mm_hash] for s in spans})
-                pending[request.request_id] = _Pending(
-                    request, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
-                                                    params.stop, params.include_stop_str_in_output,
-                                                    params.min_tokens),
-                    [] if params.logprobs is not None else None)
+                pending[request.request_id] = OutputProcessor(self.tokenizer, token_ids, params)
 
         while self.engine.has_unfinished():
             result = self.engine.step()
             for request_id in result.failed:  # its grammar failed to compile in the engine
-                pending[request_id].finish_reason = "error"
+                pending[request_id].finish("error")
             stopped = []
             for update in result.updates:
-                p = pending[update.request_id]
-                p.detokenizer.push(update.new_token_ids)
-                if p.logprobs is not None and update.request_id in result.logprobs:
-                    p.logprobs += result.logprobs[update.request_id]
-                if update.finish_reason is not None:
-                    p.finish_reason = update.finish_reason
-                elif p.detokenizer.is_stopped:
-                    p.finish_reason = "stop"
-                    stopped.append(update.request_id)
+                step = pending[update.request_id].take(update.new_token_ids, result.logprobs.get(update.request_id),
+                                                       update.finish_reason)
+                if step.finish_reason is not None and update.finish_reason is None:
+                    stopped.append(update.request_id)  # a stop string ended it; the engine would go on
             if stopped:
                 self.engine.abort(stopped)
 
         for out in outputs:
             for index in itertools.count():
-                p = pending.get(f"{out.request_id}-{index}")
-                if p is None:
+                seq = pending.get(f"{out.request_id}-{index}")
+                if seq is None:
                     break
-                p.detokenizer.finish()
-                # a stop string: no token after the one it ended in (a step may bring several, speculating)
-                num_tokens = p.detokenizer.num_tokens if p.detokenizer.is_stopped else p.request.num_output_tokens
-                out.outputs.append(CompletionOutput(index, p.detokenizer.text, p.request.output_token_ids[:num_tokens],
-                                                    p.finish_reason,
-                                                    None if p.logprobs is None else p.logprobs[:num_tokens]))
+                out.outputs.append(CompletionOutput(index, seq.text, seq.token_ids, seq.finish_reason, seq.logprobs))
         return outputs
 
 

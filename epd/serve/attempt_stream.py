@@ -4,14 +4,14 @@
     coalescing            every output already queued goes into one Delta: a reader
                           that fell behind catches up in one step instead of one per token
                           (docs/architecture.md, "Batching on the token path")
-    detokenizer           text deltas, stop strings                               epd/detokenizer.py
-    logprobs              one entry per token taken
+    output processor      text deltas, stop strings, logprobs, finish and stop    epd/output_processor.py
+                          reasons: the offline LLM's own (one output pipeline)
     events                the deadline (503), a worker lost or a failed step (Retry),
                           an error of the request's own (400, or "abort" once streamed)
 
 The stream lives as long as its request: a retry resumes it where the lost
-attempt stopped (prompt + `emitted` go to the new workers, the detokenizer
-carries on).
+attempt stopped (prompt + `emitted` go to the new workers, the output
+processor carries on).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from epd.detokenizer import IncrementalDetokenizer
+from epd.output_processor import OutputProcessor
 from epd.requests import Delta, RequestError
 from epd.serve.attempt import DEADLINE, SHUTDOWN, Attempt, Lost, Retry
 from epd.serve.preparer import Prepared
@@ -40,12 +40,7 @@ class AttemptStream:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.release_images = release_images
-        self.detok = IncrementalDetokenizer(tokenizer, prep.token_ids, sampling.skip_special_tokens, sampling.stop,
-                                            sampling.include_stop_str_in_output, sampling.min_tokens)
-        # an EOS ends a request with stop_reason None; any other stop token names itself (vLLM)
-        self.eos_token_id = None if sampling.ignore_eos else tokenizer.eos_token_id
-        self.emitted: list[int] = []  # every token streamed so far, over all attempts
-        self.prompt_logprobs = None  # the first attempt's (a resumed one scores a longer prompt)
+        self.output = OutputProcessor(tokenizer, prep.token_ids, sampling)  # the same for every attempt
         self.num_cached = 0
         self.dispatched_s: float | None = None  # the end of request_queue_time_seconds
 
@@ -95,39 +90,32 @@ class AttemptStream:
             raise RequestError(status=400, message=out.error, param="messages" if self.prep.images else None)
         return Delta("", [], "abort", len(self.prep.token_ids), self.num_cached)
 
+    @property
+    def emitted(self) -> list[int]:
+        """Every token streamed so far, over all attempts."""
+        return self.output.token_ids
+
     def _take(self, attempt: Attempt, out: TokenOutput, in_order: TokenOrder) -> Delta:
         """`out` and every output already here after it, as one Delta (one SSE event)."""
-        detok = self.detok
+        output = self.output
         token_ids, logprobs, parts, finish = [], [] if out.logprobs else None, [], None
-        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs  # with an attempt's first output
         while out is not None:
-            new_ids, new_logprobs, num_read = out.token_ids, out.logprobs, detok.num_tokens
-            parts.append(detok.push(new_ids))
-            if detok.is_stopped:  # tokens after the stop string (held by a stream interval) go
-                new_ids = new_ids[:detok.num_tokens - num_read]
-                new_logprobs = new_logprobs and new_logprobs[:len(new_ids)]
-            attempt.num_emitted += len(new_ids)
-            self.emitted += new_ids
-            token_ids += new_ids
+            # an attempt's first output carries the prompt's logprobs; the first attempt's are kept
+            # (a resumed one scores a longer prompt)
+            step = output.take(out.token_ids, out.logprobs, out.finish_reason if out.finished else None,
+                               out.prompt_logprobs)
+            parts.append(step.text)
+            attempt.num_emitted += len(step.token_ids)
+            token_ids += step.token_ids
             if logprobs is not None:
-                logprobs += new_logprobs or ()
-            finish = "stop" if detok.is_stopped else out.finish_reason if out.finished else None
+                logprobs += step.logprobs or ()
+            finish = step.finish_reason
             if finish is not None:
-                parts.append(detok.finish())
                 attempt.is_finished = out.finished
                 break
             out = in_order.next_tokens_nowait()  # an event met instead waits for the next next()
-        first = len(self.emitted) == len(token_ids)  # the sequence's first Delta carries its prompt
+        first = len(output.token_ids) == len(token_ids)  # the sequence's first Delta carries its prompt
         return Delta("".join(parts), token_ids, finish, len(self.prep.token_ids), self.num_cached,
-                     logprobs, dispatched_s=self.dispatched_s, stop_reason=self._stop_reason(finish),
+                     logprobs, dispatched_s=self.dispatched_s, stop_reason=output.stop_reason,
                      prompt_token_ids=self.prep.token_ids if first else None,
-                     prompt_logprobs=self.prompt_logprobs if first else None)
-
-    def _stop_reason(self, finish: str | None) -> int | str | None:
-        """The stop string matched, or the stop token that ended the sequence (not an EOS)."""
-        if finish != "stop":
-            return None
-        if self.detok.is_stopped:
-            return self.detok.stop_reason
-        last = self.emitted[-1] if self.emitted else None
-        return None if last is None or last == self.eos_token_id else last
+                     prompt_logprobs=output.prompt_logprobs if first else None)
