@@ -8,7 +8,9 @@ worker process). The same object serves the prefill, decode and pd
 (prefill and decode in one engine) roles (see `Scheduler`). The images of
 its requests are in one `ImageLedger`: this class enters them and takes a
 request out when it leaves; the scheduler asks the ledger how far a request
-may be prefilled, the runner reads the embeddings from it.
+may be prefilled, the runner reads the embeddings from it. Early prefill's
+settings are one `EarlyPrefill` (engine/early_prefill.py), asked by the
+scheduler, this class and the worker loop (`early_prefill`).
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
@@ -27,8 +29,9 @@ import torch
 
 from epd.engine.config import EngineConfig
 from epd.engine.cuda_graphs import capture_sizes
+from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.image_ledger import ImageLedger
-from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
+from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks, profile_forward
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.manager import LoRAManager
@@ -49,30 +52,6 @@ from epd.transport.embedding_cache.mm_entry import MMEntry
 from epd.transport.wire.wire_values import LoRAState
 
 log = logging.getLogger(__name__)
-
-
-@torch.inference_mode()
-def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
-    """The largest forward an engine step runs (a full token budget, logits for
-    max_num_seqs rows, times 1 + k with speculative decoding) on a throwaway
-    cache, so its peak activation memory is measured before the KV cache takes
-    the rest of the GPU."""
-    from epd.engine.attention import get_backend
-    from epd.engine.attention.metadata import AttentionMetadata
-    from epd.engine.models.qwen3_vl import ForwardBatch
-
-    cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
-    blocks = n // bs + 1
-    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
-    cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-    batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
-                         attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
-                         backend=get_backend(config.resolved_backend(device)),
-                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
-    hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
-    spec = config.speculative_config
-    rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too
-    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs * rows_per_seq):])  # [rows, vocab]
 
 
 class StepFailed(RuntimeError):
@@ -134,9 +113,11 @@ class EngineCore:
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.images = ImageLedger()  # the images of the requests in the engine
+        self.early_prefill = EarlyPrefill.of(config)
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0,
-                                   adapter_weights=self.lora.weights_of if self.lora else None)
+                                   adapter_weights=self.lora.weights_of if self.lora else None,
+                                   early_prefill=self.early_prefill)
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             pack_linears(head[1])
@@ -288,9 +269,9 @@ class EngineCore:
 
     def abort_overdue(self, now_s: float, max_wait_s: float) -> list[str]:
         """Aborts the requests that have waited for an image more than
-        `max_wait_s` since they arrived (`Request.arrival_time`, the clock of
-        `now_s`): nobody else will give up on them when their encoder died.
-        Returns their ids, for the caller to answer."""
+        `max_wait_s` (`early_prefill.max_image_wait_s`) since they arrived
+        (`Request.arrival_time`, the clock of `now_s`): nobody else will give up
+        on them when their encoder died. Returns their ids, for the caller to answer."""
         late = self.images.overdue(now_s, max_wait_s)  # asked between every two steps: [] fast
         return self.abort(late) if late else []
 

@@ -21,9 +21,11 @@ default) it enters at once and is prefilled up to its first missing image;
 the others follow it in with `EngineCore.add_embedding`, and the engine's
 image ledger is then the only record of what it waits for: an image that
 fails fails the requests waiting for it in the engine (`fail_image`) and
-those held here; one that waited `MAX_IMAGE_WAIT_S` is given up on, in the
-engine (`abort_overdue`) and here (`ImageArrivals.expire`). The engine is
-reached only through `EngineCore`'s verbs.
+those held here; one that waited `EarlyPrefill.max_image_wait_s` is given up
+on, in the engine (`abort_overdue`) and here (`ImageArrivals.expire`). Whether
+early prefill is on and that bound are the engine's `EarlyPrefill`
+(engine/early_prefill.py), asked here. The engine is reached only through
+`EngineCore`'s verbs.
 
 What the worker itself keeps for a request (its API process, its decode
 worker, the KV it sent or received, the tokens it holds back) is one
@@ -39,7 +41,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gave_up_error
+from epd.engine.early_prefill import gave_up_error
+from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals, Outcome
 from epd.engine.request import Request
 from epd.transport.wire.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
@@ -51,9 +54,6 @@ from epd.transport.wire.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
 
-# A request waits at most this long for an image. The API's own deadline
-# (--request-timeout) aborts it sooner; this bound holds when nobody will.
-MAX_IMAGE_WAIT_S = 600.0
 MAX_ENDED = 4096  # ids of requests failed or aborted here, kept so their late EncodeDones keep nothing
 
 # An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
@@ -97,7 +97,7 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.cores = cores  # threads taken before each step from the host's other engine workers (or None)
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
-                                      early=core.config.early_prefill is not False)
+                                      early=core.early_prefill.is_on)
         self.requests: dict[str, _RequestState] = {}  # by request id, in arrival order
         self._num_incoming = 0  # requests whose `transfer` waits for free blocks
         self.running = True
@@ -253,11 +253,11 @@ class EngineWorker(WorkerIO):
         self._settle(self.arrivals.failed(mm_hash, error, None if request_id in in_engine else request_id))
 
     def _give_up_waiting(self) -> None:
-        """Fails the requests that waited `MAX_IMAGE_WAIT_S` for an image, in the engine and held here."""
-        now_s = time.monotonic()
-        for rid in self.core.abort_overdue(now_s, MAX_IMAGE_WAIT_S):
-            self._fail(rid, gave_up_error(MAX_IMAGE_WAIT_S))
-        self._settle(self.arrivals.expire(now_s, MAX_IMAGE_WAIT_S))
+        """Fails the requests that waited `EarlyPrefill.max_image_wait_s` for an image, in the engine and held here."""
+        now_s, max_wait_s = time.monotonic(), self.core.early_prefill.max_image_wait_s
+        for rid in self.core.abort_overdue(now_s, max_wait_s):
+            self._fail(rid, gave_up_error(max_wait_s))
+        self._settle(self.arrivals.expire(now_s, max_wait_s))
 
     def _settle(self, outcomes: list[Outcome]) -> None:
         """Admits the requests whose images are here (early: all at once),
