@@ -14,5 +14,5 @@ qwen2_5_vision_tower.py  the Qwen2.5-VL vision tower
 loader.py                a checkpoint's vision tower built and filled
 tower_adapter.py         a LoRA adapter's tower weights, read and checked (torch-free)
 tower_lora.py            LoRA on the vision tower (--enable-tower-lora)
-tower_lora_layer.py      the low-rank delta on one tower projection
+tower_lora_layer.py      the tower's adapter step (one slot on every row) and its wrapping
 """
