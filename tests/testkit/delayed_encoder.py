@@ -32,8 +32,8 @@ class DelayedEncoderWorker(EncoderWorker):
             os.kill(os.getpid(), signal.SIGKILL)
         super()._encode_jobs(batch)
 
-    def _image_results(self, batch, lora) -> list:
-        results = super()._image_results(batch, lora)
+    def _image_results(self, *args) -> list:
+        results = super()._image_results(*args)
         if self.delays.batch_delay_s:
             time.sleep(self.delays.batch_delay_s)
         return results
