@@ -16,6 +16,7 @@ It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
 `add_prefilled`, `export_kv`, `export_draft_state`, `release`, `abort`, `step`, `get_embedding`,
 `load_lora`, `prefetch_lora`, `unload_lora`, the counts), never its scheduler or runner.
+The adapter verbs are in engine/lora/engine_adapters.py (`EngineAdapters`, mixed in).
 """
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks, profile_forward
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
+from epd.engine.lora.engine_adapters import EngineAdapters
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.request import Request
-from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
@@ -49,7 +50,6 @@ from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.ngram import NgramProposer
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.transport.wire.wire_values import LoRAState
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # with a request's first token
 
 
-class EngineCore:
+class EngineCore(EngineAdapters):
     def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
                  hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None):
         """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`)."""
@@ -217,41 +217,6 @@ class EngineCore:
         if GrammarCompilerPool.needs(request.sampling_params):
             futures.append(self.grammars.prepare(request.sampling_params))
         return futures
-
-    def load_lora(self, lora: LoRARequest) -> None:
-        """Reads and checks an adapter into host memory, waiting for it. ValueError unless
-        it can run here: LoRA enabled, and the adapter reads and fits the model (its message
-        names the field: r above --max-lora-rank, a target the model lacks, another base's shapes)."""
-        self._check_lora_enabled(lora)
-        self.lora.load(lora)
-
-    def prefetch_lora(self, lora: LoRARequest) -> None:
-        """Starts reading an adapter into host memory in the loader thread (a runtime load: ready
-        before its first request; `trim_loras` when idle). ValueError when LoRA is not enabled."""
-        self._check_lora_enabled(lora)
-        self.lora.prefetch(lora)
-
-    def unload_lora(self, lora: LoRARequest) -> bool:
-        """Forgets an adapter (runtime unloading), its running requests keeping its weights until
-        they end; False when this engine did not hold it."""
-        running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
-        return self.lora is not None and self.lora.unload(lora.key, running)
-
-    def trim_loras(self) -> None:
-        """An idle worker's loop: host memory back to --max-cpu-loras after runtime loads (no step trims it)."""
-        if self.lora is not None and not self.has_unfinished():
-            self._keep_adapters_read()
-
-    def _check_lora_enabled(self, lora: LoRARequest) -> None:
-        if self.lora is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled (--enable-lora)")
-
-    def _lora_read(self, request: Request) -> Future | None:
-        """The read of the request's adapter (LoRAManager.prefetch), None for the base model."""
-        if request.lora_request is None:
-            return None
-        self._check_lora_enabled(request.lora_request)
-        return self.lora.prefetch(request.lora_request)
 
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
@@ -404,18 +369,6 @@ class EngineCore:
         for request, draft in zip(decodes, self.proposer.propose_requests(decodes)):
             request.draft_token_ids = draft
 
-    def _keep_adapters_read(self) -> tuple[list[Future], dict[str, str]]:
-        """--max-cpu-loras between steps (LoRAManager.between_steps): the adapters' reads in
-        flight, and the waiting requests failed because theirs, evicted after they came, could
-        not be read again (its files deleted since): else they would wait for it for ever."""
-        if self.lora is None:
-            return [], {}
-        gone = self.lora.failed_rereads()
-        failed = {r.request_id: gone[r.lora_request.key] for r in self.scheduler.waiting
-                  if r.lora_request is not None and r.lora_request.key in gone}
-        self.abort(list(failed))
-        return self.lora.between_steps(self.scheduler.running, self.scheduler.waiting), failed
-
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;
         returns those that failed. Waits a little only when nothing else could run."""
@@ -449,20 +402,6 @@ class EngineCore:
     def stats(self) -> dict[str, int | float | list[int]]:
         """The scheduler's gauges and counters, speculative decoding's among them."""
         return self.scheduler.stats()
-
-    def lora_state(self) -> LoRAState | None:
-        """The adapters of its running and waiting requests and those resident in its slots,
-        by name (its stats: metrics and routing); None without --enable-lora."""
-        if self.lora is None:
-            return None
-
-        def names(requests) -> tuple[str, ...]:
-            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
-
-        waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
-        return LoRAState(names(self.scheduler.running), names(waiting),
-                         tuple(dict.fromkeys(name for name, *_ in self.lora.resident)), self.config.lora.max_loras,
-                         self.lora.num_host)
 
     @property
     def num_running(self) -> int:
