@@ -2,7 +2,6 @@
 in-process (imports transport/ only).
 
 encoder_worker.py        the encoder worker loop: EncodeRequests in, embeddings to LMDB, EncodeDone out
-encoder_delays.py        delays an encoder can be told to add (tests of slow encoders)
 image_encoder.py         raw image bytes -> embeddings: decode, preprocess, run the tower
 image_io.py              reading images: the header only (API) or full pixels (encoder)
 image_processor.py       decoded images -> the tower's input (the checkpoint's image processor)
@@ -15,5 +14,5 @@ qwen2_5_vision_tower.py  the Qwen2.5-VL vision tower
 loader.py                a checkpoint's vision tower built and filled
 tower_adapter.py         a LoRA adapter's tower weights, read and checked (torch-free)
 tower_lora.py            LoRA on the vision tower (--enable-tower-lora)
-tower_lora_layer.py      the low-rank delta on one tower projection
+tower_lora_layer.py      the tower's adapter step (one slot on every row) and its wrapping
 """

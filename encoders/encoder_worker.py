@@ -35,12 +35,9 @@ holds (epd/serve/encoder_router.py), the tower adapters resident in its slots
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 
-from epd.encoders.encoder_delays import CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR
@@ -69,10 +66,10 @@ def _is_alone(job: _Job) -> bool:
 
 
 class EncoderWorker(WorkerIO):
-    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, delays: EncoderDelays = EncoderDelays(),
-                 video=None, decode_limits: DecodeLimits | None = None):
-        """`delays`: tests only (encoders/encoder_delays.py); none by default. `video`: the
-        checkpoint's VideoEncoder (None: videos refused); `decode_limits`: what decoding one may cost."""
+    def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, video=None,
+                 decode_limits: DecodeLimits | None = None):
+        """`video`: the checkpoint's VideoEncoder (None: videos refused); `decode_limits`:
+        what decoding one may cost."""
         if spec.role != Role.ENCODER:
             raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
         super().__init__(spec, encoder.model_fingerprint,
@@ -86,8 +83,6 @@ class EncoderWorker(WorkerIO):
         # a thread reads the socket while the ViT runs, so an image's queue time starts when it came in
         self.arrivals = StampedInbox(self.inbox, spec.worker_id)
         self._last_stats = 0.0
-        self.delays = delays
-        self._held: list[tuple[float, str, EncodeDone]] = []  # (send at, reply_to, message): slow images only
 
     def run(self) -> None:
         self.arrivals.start()
@@ -97,8 +92,6 @@ class EncoderWorker(WorkerIO):
                 self._drain(timeout_s=0.0 if self.queue else 0.05)
                 if self.queue:
                     self._encode_batch()
-                if self._held:
-                    self._send_held()
                 self._maybe_send_stats()
         finally:
             self.arrivals.stop()
@@ -155,41 +148,25 @@ class EncoderWorker(WorkerIO):
             return
         self.say_working_on(sorted({job.msg.request_id for job in batch}))
         try:
-            self._maybe_crash(batch)
-            if batch[0].msg.video is not None:
-                self._encode_video(batch[0])
-                return
-            by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
-            for job in batch:
-                by_adapter.setdefault(job.msg.lora, []).append(job)
-            for lora, jobs in by_adapter.items():
-                self._encode_images(jobs, lora)
+            self._encode_jobs(batch)
         finally:
             self.say_working_on([])
 
-    def _maybe_crash(self, batch: list[_Job]) -> None:
-        """Tests only (encoders/encoder_delays.py): a batch holding the poison image size dies."""
-        size = self.delays.crash_image_size
-        if size is None or not any(job.msg.video is None and self._has_size(job.msg.image, size) for job in batch):
+    def _encode_jobs(self, batch: list[_Job]) -> None:
+        """A batch taken from the queue: a video alone, or images in one group per tower adapter."""
+        if batch[0].msg.video is not None:
+            self._encode_video(batch[0])
             return
-        log.warning("%s: %s (%s)", self.spec.worker_id, CRASH_LOG, ", ".join(j.msg.request_id for j in batch))
-        time.sleep(self.delays.crash_after_s)  # the batch's Alive(working_on) is out by then
-        os.kill(os.getpid(), signal.SIGKILL)
+        by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
+        for job in batch:
+            by_adapter.setdefault(job.msg.lora, []).append(job)
+        for lora, jobs in by_adapter.items():
+            self._encode_images(jobs, lora)
 
     def _encode_images(self, batch: list[_Job], lora) -> None:
         """Images of one tower adapter (None: the base tower), encoded and stored."""
         start = time.perf_counter()
-        try:
-            with self.encoder.adapted(lora):
-                try:
-                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
-                                                  on_decode=self.counters.image.observe_decode)
-                except ImageError:
-                    results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
-        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
-            results = [str(exc)] * len(batch)
-        if self.delays.batch_delay_s:
-            time.sleep(self.delays.batch_delay_s)
+        results = self._image_results(batch, lora)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
             if isinstance(result, str):
@@ -198,6 +175,19 @@ class EncoderWorker(WorkerIO):
             self.counters.num_images += 1
             self.counters.image.num_items += 1
             self._store(job.msg, job.msg.mm_hash, result)
+
+    def _image_results(self, batch: list[_Job], lora) -> list:
+        """An MMEntry per image, or its error: a batch with a bad image is retried one by
+        one; a bad tower adapter (or tower LoRA off here) fails them all."""
+        try:
+            with self.encoder.adapted(lora):
+                try:
+                    return self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
+                                               on_decode=self.counters.image.observe_decode)
+                except ImageError:
+                    return [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
+        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
+            return [str(exc)] * len(batch)
 
     def _store(self, msg: EncodeRequest, key: str, entry: MMEntry) -> None:
         """An entry encoded: into the cache, then its EncodeDone. A cache that cannot take
@@ -214,18 +204,7 @@ class EncoderWorker(WorkerIO):
         """One video: its planned frames decoded within the limits, encoded, each entry
         stored (encoders/video_request.py); a failure answers its first entry."""
         start = time.perf_counter()
-        if self.delays.video_delay_s:  # tests only: the worker busy inside this video's encode
-            log.warning("%s: %s %s for %g s more", self.spec.worker_id, VIDEO_DELAY_LOG, job.msg.mm_hash[:12],
-                        self.delays.video_delay_s)
-            time.sleep(self.delays.video_delay_s)
-        try:
-            with self.encoder.adapted(job.msg.lora):
-                results = encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video,
-                                               on_decode=self.counters.video.observe_decode)
-        except ValueError as exc:  # the tower adapter
-            results = [(self._keys(job.msg)[0], str(exc))]
-        if self.delays.batch_delay_s:  # tests: a video (or a chunk) takes long enough to kill its encoder
-            time.sleep(self.delays.batch_delay_s)
+        results = self._video_results(job)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for key, result in results:
             if isinstance(result, str):
@@ -235,6 +214,15 @@ class EncoderWorker(WorkerIO):
         self.counters.video.num_items += 1
         for key, entry in results:
             self._store(job.msg, key, entry)
+
+    def _video_results(self, job: _Job) -> list:
+        """(key, MMEntry or error) per entry of a video (a failure: its first entry's error)."""
+        try:
+            with self.encoder.adapted(job.msg.lora):
+                return encode_video_request(self.video, job.msg, self.decode_limits, on_done=self._on_video,
+                                            on_decode=self.counters.video.observe_decode)
+        except ValueError as exc:  # the tower adapter
+            return [(self._keys(job.msg)[0], str(exc))]
 
     def _keys(self, msg: EncodeRequest) -> list[str]:
         """The cache keys an EncodeRequest's item is stored under (a video: its entries')."""
@@ -286,26 +274,14 @@ class EncoderWorker(WorkerIO):
                               deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
         else:
             done = EncodeDone(msg.request_id, key, ok=True)
-        if self.delays.slow_image_size is not None and msg.video is None and \
-                self._has_size(msg.image, self.delays.slow_image_size):
-            self._held.append((time.monotonic() + self.delays.slow_image_s, msg.reply_to, done))
-            return
+        self._send_done(msg, done)
+
+    def _send_done(self, msg: EncodeRequest, done: EncodeDone) -> None:
+        """`done` to the prefill worker `msg` names."""
         start = time.perf_counter()
         self.outbox.send(msg.reply_to, done)
         if done.embeddings is not None:  # inline: the time to frame the tensors and hand them to the socket
             self.counters.inline_send_seconds.observe(time.perf_counter() - start)
-
-    def _has_size(self, image: bytes, size: tuple[int, int]) -> bool:
-        try:
-            return read_image_size(image, self.encoder.max_image_pixels) == size
-        except (ImageError, ValueError):
-            return False
-
-    def _send_held(self) -> None:
-        now = time.monotonic()
-        for item in [h for h in self._held if h[0] <= now]:
-            self._held.remove(item)
-            self.outbox.send(item[1], item[2])
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()

@@ -5,7 +5,8 @@
                                       --> the tower's forward with every row adapted
 
 Every linear projection of the tower (encoders/tower_adapter.py lists them)
-is wrapped in a `TowerLoRALinear` (encoders/tower_lora_layer.py) before the
+is wrapped in a `LoRALinear` (transport/weights/lora_linear.py, the language
+model's wrapper too; its step: encoders/tower_lora_layer.py) before the
 CPU weight packing (transport/weights/cpu_linear.pack_linears), as the engine wraps
 its language model. A tower forward runs one adapter (or none) for all its
 rows: the encoder batches images by adapter (a block's rows are patches, a
@@ -121,7 +122,7 @@ class TowerLoRA:
         if slot is None:
             slot = self._slots.pop(next(iter(self._slots)))  # the least recently used
         for path, wrapper in self._wrappers.items():
-            wrapper.set_slot(slot, entry.weights.get(path))
+            wrapper.set_slot(slot, {path: entry.weights[path]} if path in entry.weights else {})
         self.step.scaling[slot] = entry.spec.scaling
         self._slots[lora.key] = slot
         self.num_slot_loads += 1

@@ -10,6 +10,7 @@ request.py           a request as the engine sees it: tokens, spans, progress, b
 block_manager.py     paged KV blocks: reference counts, prefix cache
 kv_cache_sizer.py    how many KV blocks fit
 image_ledger.py      every image the engine knows, by content key: present, waiting, failed
+early_prefill.py     EarlyPrefill: prefill before every image is here, its settings and bound
 model_runner.py      one step into tensors, the language model run, tokens sampled
 sampler.py           logits -> next tokens (and logprobs) for a batch
 structured_output.py constraints compiled into token masks (xgrammar)

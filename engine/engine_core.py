@@ -8,12 +8,15 @@ worker process). The same object serves the prefill, decode and pd
 (prefill and decode in one engine) roles (see `Scheduler`). The images of
 its requests are in one `ImageLedger`: this class enters them and takes a
 request out when it leaves; the scheduler asks the ledger how far a request
-may be prefilled, the runner reads the embeddings from it.
+may be prefilled, the runner reads the embeddings from it. Early prefill's
+settings are one `EarlyPrefill` (engine/early_prefill.py), asked by the
+scheduler, this class and the worker loop (`early_prefill`).
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
 `add_prefilled`, `export_kv`, `export_draft_state`, `release`, `abort`, `step`, `get_embedding`,
 `load_lora`, `prefetch_lora`, `unload_lora`, the counts), never its scheduler or runner.
+The adapter verbs are in engine/lora/engine_adapters.py (`EngineAdapters`, mixed in).
 """
 from __future__ import annotations
 
@@ -27,16 +30,17 @@ import torch
 
 from epd.engine.config import EngineConfig
 from epd.engine.cuda_graphs import capture_sizes
+from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.image_ledger import ImageLedger
-from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks
+from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks, profile_forward
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
+from epd.engine.lora.engine_adapters import EngineAdapters
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.request import Request
-from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
@@ -46,33 +50,8 @@ from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.ngram import NgramProposer
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.transport.wire.wire_values import LoRAState
 
 log = logging.getLogger(__name__)
-
-
-@torch.inference_mode()
-def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
-    """The largest forward an engine step runs (a full token budget, logits for
-    max_num_seqs rows, times 1 + k with speculative decoding) on a throwaway
-    cache, so its peak activation memory is measured before the KV cache takes
-    the rest of the GPU."""
-    from epd.engine.attention import get_backend
-    from epd.engine.attention.metadata import AttentionMetadata
-    from epd.engine.models.qwen3_vl import ForwardBatch
-
-    cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
-    blocks = n // bs + 1
-    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
-    cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-    batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
-                         attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
-                         backend=get_backend(config.resolved_backend(device)),
-                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
-    hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
-    spec = config.speculative_config
-    rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too
-    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs * rows_per_seq):])  # [rows, vocab]
 
 
 class StepFailed(RuntimeError):
@@ -98,7 +77,7 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # with a request's first token
 
 
-class EngineCore:
+class EngineCore(EngineAdapters):
     def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
                  hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None):
         """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`)."""
@@ -134,9 +113,11 @@ class EngineCore:
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
         self.images = ImageLedger()  # the images of the requests in the engine
+        self.early_prefill = EarlyPrefill.of(config)
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0,
-                                   adapter_weights=self.lora.weights_of if self.lora else None)
+                                   adapter_weights=self.lora.weights_of if self.lora else None,
+                                   early_prefill=self.early_prefill)
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             pack_linears(head[1])
@@ -237,41 +218,6 @@ class EngineCore:
             futures.append(self.grammars.prepare(request.sampling_params))
         return futures
 
-    def load_lora(self, lora: LoRARequest) -> None:
-        """Reads and checks an adapter into host memory, waiting for it. ValueError unless
-        it can run here: LoRA enabled, and the adapter reads and fits the model (its message
-        names the field: r above --max-lora-rank, a target the model lacks, another base's shapes)."""
-        self._check_lora_enabled(lora)
-        self.lora.load(lora)
-
-    def prefetch_lora(self, lora: LoRARequest) -> None:
-        """Starts reading an adapter into host memory in the loader thread (a runtime load: ready
-        before its first request; `trim_loras` when idle). ValueError when LoRA is not enabled."""
-        self._check_lora_enabled(lora)
-        self.lora.prefetch(lora)
-
-    def unload_lora(self, lora: LoRARequest) -> bool:
-        """Forgets an adapter (runtime unloading), its running requests keeping its weights until
-        they end; False when this engine did not hold it."""
-        running = {r.lora_request.key for r in self.scheduler.running if r.lora_request is not None}
-        return self.lora is not None and self.lora.unload(lora.key, running)
-
-    def trim_loras(self) -> None:
-        """An idle worker's loop: host memory back to --max-cpu-loras after runtime loads (no step trims it)."""
-        if self.lora is not None and not self.has_unfinished():
-            self._keep_adapters_read()
-
-    def _check_lora_enabled(self, lora: LoRARequest) -> None:
-        if self.lora is None:
-            raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled (--enable-lora)")
-
-    def _lora_read(self, request: Request) -> Future | None:
-        """The read of the request's adapter (LoRAManager.prefetch), None for the base model."""
-        if request.lora_request is None:
-            return None
-        self._check_lora_enabled(request.lora_request)
-        return self.lora.prefetch(request.lora_request)
-
     def add_embedding(self, mm_hash: str, entry: MMEntry) -> bool:
         """An image that requests were added without (`pending_mm_hashes`) is
         here: they may be prefilled past it. False, keeping nothing, when it is
@@ -288,9 +234,9 @@ class EngineCore:
 
     def abort_overdue(self, now_s: float, max_wait_s: float) -> list[str]:
         """Aborts the requests that have waited for an image more than
-        `max_wait_s` since they arrived (`Request.arrival_time`, the clock of
-        `now_s`): nobody else will give up on them when their encoder died.
-        Returns their ids, for the caller to answer."""
+        `max_wait_s` (`early_prefill.max_image_wait_s`) since they arrived
+        (`Request.arrival_time`, the clock of `now_s`): nobody else will give up
+        on them when their encoder died. Returns their ids, for the caller to answer."""
         late = self.images.overdue(now_s, max_wait_s)  # asked between every two steps: [] fast
         return self.abort(late) if late else []
 
@@ -423,18 +369,6 @@ class EngineCore:
         for request, draft in zip(decodes, self.proposer.propose_requests(decodes)):
             request.draft_token_ids = draft
 
-    def _keep_adapters_read(self) -> tuple[list[Future], dict[str, str]]:
-        """--max-cpu-loras between steps (LoRAManager.between_steps): the adapters' reads in
-        flight, and the waiting requests failed because theirs, evicted after they came, could
-        not be read again (its files deleted since): else they would wait for it for ever."""
-        if self.lora is None:
-            return [], {}
-        gone = self.lora.failed_rereads()
-        failed = {r.request_id: gone[r.lora_request.key] for r in self.scheduler.waiting
-                  if r.lora_request is not None and r.lora_request.key in gone}
-        self.abort(list(failed))
-        return self.lora.between_steps(self.scheduler.running, self.scheduler.waiting), failed
-
     def _admit_prepared(self) -> dict[str, str]:
         """Moves requests whose adapter is read and grammar compiled into the scheduler;
         returns those that failed. Waits a little only when nothing else could run."""
@@ -468,20 +402,6 @@ class EngineCore:
     def stats(self) -> dict[str, int | float | list[int]]:
         """The scheduler's gauges and counters, speculative decoding's among them."""
         return self.scheduler.stats()
-
-    def lora_state(self) -> LoRAState | None:
-        """The adapters of its running and waiting requests and those resident in its slots,
-        by name (its stats: metrics and routing); None without --enable-lora."""
-        if self.lora is None:
-            return None
-
-        def names(requests) -> tuple[str, ...]:
-            return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None}))
-
-        waiting = [*self.scheduler.waiting, *(r for r, _ in self._preparing.values())]
-        return LoRAState(names(self.scheduler.running), names(waiting),
-                         tuple(dict.fromkeys(name for name, *_ in self.lora.resident)), self.config.lora.max_loras,
-                         self.lora.num_host)
 
     @property
     def num_running(self) -> int:

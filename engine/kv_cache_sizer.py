@@ -1,4 +1,5 @@
-"""How many KV blocks fit: from a fixed count, a byte budget, or GPU profiling."""
+"""How many KV blocks fit: from a fixed count, a byte budget, or GPU profiling
+(`profile_forward`: the largest forward an engine step runs)."""
 from __future__ import annotations
 
 import torch
@@ -50,3 +51,27 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
         raise ValueError(f"no room for a single KV block ({block_bytes} bytes) in a budget of {budget} bytes; "
                          "lower the model size or raise kv_cache_gb / gpu_memory_utilization")
     return blocks
+
+
+@torch.inference_mode()
+def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
+    """The largest forward an engine step runs (a full token budget, logits for
+    max_num_seqs rows, times 1 + k with speculative decoding) on a throwaway
+    cache, so its peak activation memory is measured before the KV cache takes
+    the rest of the GPU."""
+    from epd.engine.attention import get_backend
+    from epd.engine.attention.metadata import AttentionMetadata
+    from epd.engine.models.qwen3_vl import ForwardBatch
+
+    cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
+    blocks = n // bs + 1
+    dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
+    cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
+                         attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
+                         backend=get_backend(config.resolved_backend(device)),
+                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
+    hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
+    spec = config.speculative_config
+    rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too
+    return model.compute_logits(hidden[-min(n, config.scheduler.max_num_seqs * rows_per_seq):])  # [rows, vocab]

@@ -16,8 +16,8 @@ Invariants
 * Images are the `ImageLedger`'s: a request is never scheduled past the
   first placeholder of an image still pending there (`prefill_bound`);
   blocked there it holds only the blocks it has filled and yields its
-  budget. At most `max_num_image_waits` such requests hold blocks at once,
-  and one is admitted only when the free blocks cover its whole prompt.
+  budget. How many such requests may hold blocks is `EarlyPrefill.may_wait`'s
+  (engine/early_prefill.py: the deadlock bound).
 * Only a request the ledger `can_recompute` is preempted: one prefilled on
   another worker with images (decode role) keeps its blocks and waits for
   free ones; when every block is held by such waiters, the latest arrival
@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
+from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.prefill_order import PrefillOrder
@@ -77,8 +78,10 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
                  images: ImageLedger | None = None, max_loras: int = 0,
-                 adapter_weights: Callable[[LoRARequest], str | None] | None = None) -> None:
-        """`images`: the engine's image ledger (None: a ledger of its own);
+                 adapter_weights: Callable[[LoRARequest], str | None] | None = None,
+                 early_prefill: EarlyPrefill | None = None) -> None:
+        """`images`: the engine's image ledger (None: a ledger of its own); `early_prefill`:
+        the engine's (None: one of the config's `max_num_image_waits`);
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
         `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
         request's `lora_weights`), None when it is not read: its request waits and the next
@@ -88,6 +91,7 @@ class Scheduler:
         self.config, self.max_loras, self.adapter_weights = config, max_loras, adapter_weights
         self.role = role
         self.images = images if images is not None else ImageLedger()
+        self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.num_cache_tokens = num_blocks * config.block_size
@@ -323,16 +327,11 @@ class Scheduler:
         return num_blocks
 
     def _can_wait_for_images(self, request: Request, num_cached_tokens: int) -> bool:
-        """Whether a request that will stop at a missing image may start now:
-        fewer than `max_num_image_waits` others hold blocks waiting for images,
-        and the free blocks cover its whole prompt (so starting it never
-        preempts a request whose images are all here)."""
+        """Whether a request that will stop at a missing image may start now (`EarlyPrefill.may_wait`)."""
         num_image_waits = sum(1 for r in self.running if self.images.prefill_bound(r) < r.num_tokens)
-        if num_image_waits >= self.config.max_num_image_waits:
-            return False
         num_blocks = self.block_manager.num_blocks_for(request.num_tokens) \
             - num_cached_tokens // self.config.block_size
-        return num_blocks <= self.block_manager.num_free_blocks
+        return self.early_prefill.may_wait(num_image_waits, num_blocks, self.block_manager.num_free_blocks)
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -1,7 +1,8 @@
 """Issue 44, item 1's reproduction for `python -m bench.dev.reliability_probe`: a poison request.
 
 One `epd serve` (e-pd) whose encoder is given the test fault
-`EPD_TEST_ENCODER_CRASH_IMAGE` (encoders/encoder_delays.py): a batch holding an
+`EPD_TEST_ENCODER_CRASH_IMAGE` (tests/testkit/encoder_delays.py, reached through
+the checkout's tests/testkit/delay_site on the server's PYTHONPATH): a batch holding an
 image of POISON_SIZE SIGKILLs the encoder CRASH_AFTER_S into it, as the OOM
 killer ended the encoder under the issue's 8K video. The poison request is
 sent, and while the encoder is in it another user's image request: the poison
@@ -31,14 +32,17 @@ from epd.bench.compare import ServeProcess, cpu_set
 POISON_SIZE = (72, 40)
 CRASH_AFTER_S = 3.0
 REQUEST_TIMEOUT_S = 240
-CRASH_LOG = "test fault: this batch kills the encoder"  # encoders/encoder_delays.py CRASH_LOG
+CRASH_LOG = "test fault: this batch kills the encoder"  # tests/testkit/encoder_delays.py CRASH_LOG
 
 
 class _FaultyServer(ServeProcess):
     """`epd serve` e-pd with the encoder's crash fault in its environment."""
 
     def __init__(self, model_dir: str, log_path: Path):
-        env = {**os.environ, "EPD_TEST_ENCODER_CRASH_IMAGE": f"{POISON_SIZE[0]}x{POISON_SIZE[1]}:{CRASH_AFTER_S}"}
+        site = next(str(p / "tests/testkit/delay_site") for p in Path(__file__).resolve().parents
+                    if (p / "tests/testkit/delay_site").is_dir())  # the test fault lives in the checkout's tests
+        env = {**os.environ, "EPD_TEST_ENCODER_CRASH_IMAGE": f"{POISON_SIZE[0]}x{POISON_SIZE[1]}:{CRASH_AFTER_S}",
+               "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
         self._launch(lambda port: [sys.executable, "-m", "epd.cli", "serve", model_dir, "--mode", "e-pd",
                                    "--port", str(port), "--request-timeout", str(REQUEST_TIMEOUT_S)],
                      cpu_set(None), log_path, env)

@@ -1,15 +1,11 @@
-"""The low-rank delta on one (fused) projection, for a batch of mixed adapters.
+"""The low-rank delta on the decoder's (fused) projections, for a batch of mixed adapters.
 
-`LoRALinear` wraps one of the decoder's `nn.Linear`s (qkv_proj, o_proj,
-gate_up_proj, down_proj) and adds, to the rows of each adapter's tokens,
+`wrap_model` wraps each of the decoder's `nn.Linear`s (qkv_proj, o_proj,
+gate_up_proj, down_proj) in a `LoRALinear` (transport/weights/lora_linear.py:
+the slots' A and B, one pair of matmuls for q, k and v or gate and up), which
+adds to the rows of each adapter's tokens
 
     delta = (x @ A[slot]^T) @ B[slot]^T * scaling[slot]
-
-`A[slot]` stacks the pieces' A matrices ([num_pieces * max_rank, in]);
-`B[slot]` is block-diagonal ([out, num_pieces * max_rank]: piece p's rows of
-the output only see piece p's rank columns), so one pair of matmuls serves
-q, k and v (or gate and up) together; the zero rows and columns of a piece
-the adapter does not target, or of a rank below `max_rank`, add exact zeros.
 
 Which rows use which slot comes from the step (`LoRAStep`), entered by the
 model runner around the forward pass: a context manager that refuses
@@ -29,6 +25,7 @@ import torch
 from torch import nn
 
 from epd.engine.lora.step_rows import SlotRows, StepRows
+from epd.transport.weights.lora_linear import LoRALinear
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -46,7 +43,8 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
 
 
 class LoRAStep:
-    """The adapter rows of the step in flight, shared by every `LoRALinear` of a model."""
+    """The adapter rows of the step in flight, shared by every `LoRALinear` of a model:
+    rows of many adapters in one forward."""
 
     def __init__(self, num_slots: int):
         self.scaling = [0.0] * num_slots  # per slot: the resident adapter's scaling
@@ -64,50 +62,18 @@ class LoRAStep:
         finally:
             self._active, self.rows = False, None
 
-
-class LoRALinear(nn.Module):
-    """`base` plus the step's adapters; `pieces` are the output sizes of the fused
-    projections in order (e.g. [q, kv, kv]) and `names` their PEFT module names."""
-
-    def __init__(self, base: nn.Linear, names: tuple[str, ...], pieces: list[int], num_slots: int,
-                 max_rank: int, step: LoRAStep):
-        super().__init__()
-        assert sum(pieces) == base.out_features and len(names) == len(pieces)
-        self.base, self.names, self.pieces, self.max_rank, self.step = base, names, pieces, max_rank, step
-        w = base.weight
-        self.register_buffer("lora_a", torch.zeros(num_slots, len(pieces) * max_rank, base.in_features,
-                                                   dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, base.out_features, len(pieces) * max_rank,
-                                                   dtype=w.dtype, device=w.device), persistent=False)
-        self.is_set = [False] * num_slots  # whether the slot's adapter targets any piece here
-
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Writes an adapter into `slot`: `weights[name] = (A [r, in], B [out_piece, r])`
-        for the pieces it targets; the others are zero."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        start = 0
-        for p, (name, size) in enumerate(zip(self.names, self.pieces)):
-            if name in weights:
-                a, b = weights[name]
-                r, col = a.shape[0], p * self.max_rank
-                self.lora_a[slot, col:col + r] = a.to(self.lora_a.dtype)
-                self.lora_b[slot, start:start + size, col:col + r] = b.to(self.lora_b.dtype)
-            start += size
-        self.is_set[slot] = any(name in weights for name in self.names)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # [num_tokens, out]
-        rows = self.step.rows
-        if rows is None or not any(self.is_set[slot] for slot in rows.slots):
+    def add_deltas(self, layer: LoRALinear, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`y` plus `layer`'s deltas for the rows of each slot of the step (in place)."""
+        rows = self.rows
+        if rows is None or not any(layer.is_set[slot] for slot in rows.slots):
             return y  # no step, or no adapter of the step targets this projection
         if rows.tiles is not None:
             from epd.engine.lora.triton_lora import add_lora
 
-            add_lora(y, x, self.lora_a, self.lora_b, rows.tiles)
+            add_lora(y, x, layer.lora_a, layer.lora_b, rows.tiles)
         else:
-            add_lora_torch(y, x, self.lora_a, self.lora_b,
-                           tuple(g for g in rows.groups if self.is_set[g.slot]), self.step.scaling)
+            add_lora_torch(y, x, layer.lora_a, layer.lora_b,
+                           tuple(g for g in rows.groups if layer.is_set[g.slot]), self.scaling)
         return y
 
 

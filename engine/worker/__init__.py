@@ -3,4 +3,5 @@ messages out. The engine itself (engine/engine_core.py and below) knows no socke
 
 loop.py            EngineWorker: the prefill / decode / pd / aggregated worker loop
 image_arrivals.py  requests waiting for their images, images waiting for their requests
+kv_handover.py     KVHandover: a request's KV from the prefill to the decode worker (EngineWorker's)
 """

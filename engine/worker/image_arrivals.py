@@ -4,7 +4,7 @@ what has reached an engine worker but not its engine.
 A prefill (or pd, aggregated) worker admits a request to the engine once
 every image of it is here: held by the engine already, in the embedding
 cache, or arrived with an EncodeDone (or encoded in-process). With `early`
-(early prefill) it admits it at once, with the images here so far
+(early prefill, `EarlyPrefill.is_on`: engine/early_prefill.py) it admits it at once, with the images here so far
 (`Admit.pending` names the others), and keeps nothing of it: the engine's
 `ImageLedger` records which images it waits for, and the worker hands a
 later image, a failure and the wait deadline to the engine
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from epd.engine.early_prefill import gave_up_error
 from epd.engine.request import Request
 
 if TYPE_CHECKING:
@@ -56,11 +57,6 @@ class Failed:
 
 
 Outcome = Admit | Failed
-
-
-def gave_up_error(max_wait_s: float) -> str:
-    """What a request that waited too long for an image is answered, held here or in the engine."""
-    return f"gave up waiting {max_wait_s:g} s for an image"
 
 
 class ImageArrivals:

@@ -21,9 +21,11 @@ default) it enters at once and is prefilled up to its first missing image;
 the others follow it in with `EngineCore.add_embedding`, and the engine's
 image ledger is then the only record of what it waits for: an image that
 fails fails the requests waiting for it in the engine (`fail_image`) and
-those held here; one that waited `MAX_IMAGE_WAIT_S` is given up on, in the
-engine (`abort_overdue`) and here (`ImageArrivals.expire`). The engine is
-reached only through `EngineCore`'s verbs.
+those held here; one that waited `EarlyPrefill.max_image_wait_s` is given up
+on, in the engine (`abort_overdue`) and here (`ImageArrivals.expire`). Whether
+early prefill is on and that bound are the engine's `EarlyPrefill`
+(engine/early_prefill.py), asked here. The engine is reached only through
+`EngineCore`'s verbs.
 
 What the worker itself keeps for a request (its API process, its decode
 worker, the KV it sent or received, the tokens it holds back) is one
@@ -39,7 +41,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from epd.engine.engine_core import EngineCore, StepFailed
-from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals, Outcome, gave_up_error
+from epd.engine.early_prefill import gave_up_error
+from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals, Outcome
+from epd.engine.worker.kv_handover import KVHandover
 from epd.engine.request import Request
 from epd.transport.wire.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
                                 PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
@@ -51,9 +55,6 @@ from epd.transport.wire.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
 
-# A request waits at most this long for an image. The API's own deadline
-# (--request-timeout) aborts it sooner; this bound holds when nobody will.
-MAX_IMAGE_WAIT_S = 600.0
 MAX_ENDED = 4096  # ids of requests failed or aborted here, kept so their late EncodeDones keep nothing
 
 # An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
@@ -85,7 +86,7 @@ class _RequestState:
     held: TokenOutput | None = None  # stream interval: tokens not sent yet
 
 
-class EngineWorker(WorkerIO):
+class EngineWorker(KVHandover, WorkerIO):
     def __init__(self, spec: WorkerSpec, core: EngineCore, encode_fn: EncodeFn | None = None,
                  cores: CoreLease | None = None):
         if not spec.role.holds_kv:
@@ -97,7 +98,7 @@ class EngineWorker(WorkerIO):
         self.encode_fn = encode_fn
         self.cores = cores  # threads taken before each step from the host's other engine workers (or None)
         self.arrivals = ImageArrivals(self._lookup_embedding,  # requests waiting for their images
-                                      early=core.config.early_prefill is not False)
+                                      early=core.early_prefill.is_on)
         self.requests: dict[str, _RequestState] = {}  # by request id, in arrival order
         self._num_incoming = 0  # requests whose `transfer` waits for free blocks
         self.running = True
@@ -253,11 +254,11 @@ class EngineWorker(WorkerIO):
         self._settle(self.arrivals.failed(mm_hash, error, None if request_id in in_engine else request_id))
 
     def _give_up_waiting(self) -> None:
-        """Fails the requests that waited `MAX_IMAGE_WAIT_S` for an image, in the engine and held here."""
-        now_s = time.monotonic()
-        for rid in self.core.abort_overdue(now_s, MAX_IMAGE_WAIT_S):
-            self._fail(rid, gave_up_error(MAX_IMAGE_WAIT_S))
-        self._settle(self.arrivals.expire(now_s, MAX_IMAGE_WAIT_S))
+        """Fails the requests that waited `EarlyPrefill.max_image_wait_s` for an image, in the engine and held here."""
+        now_s, max_wait_s = time.monotonic(), self.core.early_prefill.max_image_wait_s
+        for rid in self.core.abort_overdue(now_s, max_wait_s):
+            self._fail(rid, gave_up_error(max_wait_s))
+        self._settle(self.arrivals.expire(now_s, max_wait_s))
 
     def _settle(self, outcomes: list[Outcome]) -> None:
         """Admits the requests whose images are here (early: all at once),
@@ -326,61 +327,6 @@ class EngineWorker(WorkerIO):
                 aborted.add(rid)
         aborted |= set(self.core.abort(request_ids))
         self.counters.num_aborted += len(aborted)
-
-    # ------------------------------------------------------------- KV moves
-
-    def _on_kv_transfer(self, msg: KVTransfer) -> None:
-        """Decode role: the KV waits in the request's state until blocks are free."""
-        state = self._track(msg.request_id, msg.api_index)
-        if state.transfer is None:
-            self._num_incoming += 1
-        state.transfer = msg
-
-    def _admit_transfers(self) -> None:
-        """Decode role: write arrived KV into fresh blocks (in arrival order), then ack."""
-        if not self._num_incoming:
-            return
-        for state in [s for s in self.requests.values() if s.transfer is not None]:
-            msg = state.transfer
-            request = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling,
-                              mm_spans=list(msg.mm_spans), eos_token_ids=tuple(msg.eos_token_ids),
-                              lora_request=msg.lora)
-            request.output_token_ids.append(msg.first_token_id)
-            try:
-                admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks, msg.draft_state)
-            except ValueError as exc:
-                self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=False, error=str(exc)))
-                self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error",
-                                              error=str(exc)))
-                continue
-            if not admitted:
-                continue  # no room yet; prefill keeps its copy meanwhile
-            state.transfer = None
-            self._num_incoming -= 1
-            self.counters.kv_transfer_bytes += msg.num_bytes
-            self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=True))
-
-    def _send_kv(self, request: Request) -> None:
-        """Prefill role: ship a prefilled request's blocks to its decode worker."""
-        state = self.requests.get(request.request_id)
-        if state is None or state.decode_target is None:
-            return
-        target, state.decode_target = state.decode_target, None
-        k, v = self.core.export_kv(request.request_id)  # [layers, blocks, block_size, kv_heads, head_dim]
-        state.transfer_start_s = time.perf_counter()
-        self.outbox.send(target, KVTransfer(
-            request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
-            request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
-            k, v, reply_to=self.inbox.address, api_index=state.api_index or 0, lora=request.lora_request,
-            draft_state=self.core.export_draft_state(request.request_id)))  # EAGLE-3's head, or None
-
-    def _on_kv_ack(self, msg: KVAck) -> None:
-        """Prefill role: the decode worker has the KV; the request leaves this worker."""
-        state = self._forget(msg.request_id)
-        if state is not None and state.transfer_start_s is not None:
-            self.counters.kv_transfer_seconds_sum += time.perf_counter() - state.transfer_start_s
-            self.counters.num_kv_transfers += 1
-        self.core.release(msg.request_id)  # False: aborted meanwhile, already freed
 
     # ------------------------------------------------------------------ step
 

@@ -129,15 +129,14 @@ def _image_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
 
 
 def _encoder_worker(launch: WorkerLaunch, hf_config, info):
-    from epd.encoders.encoder_delays import EncoderDelays
     from epd.encoders.encoder_worker import EncoderWorker
     from epd.engine.loader import resolve_dtype
 
     device = launch.engine.resolved_device()
     dtype = resolve_dtype(launch.engine.dtype, info.checkpoint_dtype)
     encoder = _image_encoder(launch, hf_config, info, dtype, device)
-    return EncoderWorker(launch.spec, encoder, EncoderDelays.from_env(os.environ),  # tests may slow it down
-                         video=_video_encoder(launch, encoder, dtype, device), decode_limits=launch.decode_limits)
+    return EncoderWorker(launch.spec, encoder, video=_video_encoder(launch, encoder, dtype, device),
+                         decode_limits=launch.decode_limits)
 
 
 def _video_encoder(launch: WorkerLaunch, encoder, dtype, device):

@@ -34,7 +34,7 @@ SLOW_W, SLOW_H, HOLD_S = 72, 56, 4.0  # the image size held back, and for how lo
 
 def start_mode_server(model: str, mode: str, tmp) -> ServerProcess:
     """`epd serve` of `model` in `mode` with the flags above, ready."""
-    from epd.encoders.encoder_delays import ENV_SLOW_IMAGE
+    from testkit.encoder_delays import ENV_SLOW_IMAGE
 
     port = free_port()
     args = ["serve", model, "--mode", mode, "--port", str(port), "--served-model-name", SERVED_MODEL,

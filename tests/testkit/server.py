@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from testkit.encoder_delays import with_delay_site
+
 
 def start_server(model: str, log_dir, mode: str, *extra: str) -> ServerProcess:
     """`epd serve` of `model` on a free port, small KV cache, float32 on CPU, one thread a worker."""
@@ -158,12 +160,13 @@ class ServerProcess:
     def __init__(self, args: list[str], port: int, log_path: str, wait_health: bool = True,
                  host: str = "127.0.0.1", wrap: list[str] = (), env: dict | None = None, cwd: str | None = None):
         """`wrap`: a prefix that execs the command (`ip netns exec NS`); `host`: where its HTTP port is;
-        `cwd`: the directory it runs in (a relative checkpoint path)."""
+        `cwd`: the directory it runs in (a relative checkpoint path). An `env` that asks for
+        encoder delays (testkit/encoder_delays.py) gets them in every encoder worker."""
         self.port = port
         self.base_url = f"http://{host}:{port}"
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+        env = with_delay_site(dict(env or os.environ, PYTHONUNBUFFERED="1"))
         self.proc = subprocess.Popen([*wrap, *died_with_parent(sys.executable, "-m", "epd.cli", *args)],
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                      cwd=cwd)

@@ -1,6 +1,6 @@
 """`epd serve --encoders 1-2` end to end: a burst of image requests (every image
 distinct, so nothing is cached; every encoder batch made a second longer
-through `EPD_TEST_ENCODER_BATCH_DELAY_S`, encoders/encoder_delays.py, so the queue backs up on a fast
+through `EPD_TEST_ENCODER_BATCH_DELAY_S`, tests/testkit/encoder_delays.py, so the queue backs up on a fast
 machine as on a busy one) backs the encoder's queue up and a second
 encoder is started and takes images; when the traffic stops it is idle and the
 pool is back to one encoder. Seen through /metrics and /health, every answer
@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 
 import httpx
+from testkit.encoder_delays import ENV_BATCH_DELAY
 from testkit.hf_reference import hf_generate_text
 from testkit.media import costly_image, describe
 from testkit.server import image_burst, start_server
-
-from epd.encoders.encoder_delays import ENV_BATCH_DELAY
 
 MAX_TOKENS = 4
 NUM_CLIENTS = 3

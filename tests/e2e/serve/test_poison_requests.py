@@ -2,7 +2,7 @@
 failed, not sent into every restarted worker; the others the dead worker held
 are sent again; a request the API gave up on costs the encoder nothing.
 
-One real e-pd server, its encoder given a test fault (encoders/encoder_delays.py
+One real e-pd server, its encoder given a test fault (tests/testkit/encoder_delays.py
 ENV_CRASH_IMAGE): a batch holding an image of POISON's size SIGKILLs the
 encoder CRASH_AFTER_S into it, as the kernel's OOM killer ends an encoder whose
 memory grew, and every batch takes BATCH_DELAY_S more, so that requests queue
@@ -34,7 +34,7 @@ RESTART_S = 180
 
 
 def _start(model_dir: str, tmp_path) -> ServerProcess:
-    from epd.encoders.encoder_delays import ENV_BATCH_DELAY, ENV_CRASH_IMAGE
+    from testkit.encoder_delays import ENV_BATCH_DELAY, ENV_CRASH_IMAGE
 
     port = free_port()
     args = ["serve", model_dir, "--mode", "e-pd", "--port", str(port), "--num-kv-blocks", "300", "--dtype",
@@ -92,7 +92,7 @@ def test_the_request_that_kills_its_encoder_fails_after_one_death(server, tiny_m
     """The poison image alone in its batch: a 400 after ONE encoder death (it used to be
     sent into each restarted encoder, four deaths); another user's image, queued behind
     it in the same encoder, is sent again and answered as transformers answers it."""
-    from epd.encoders.encoder_delays import CRASH_LOG
+    from testkit.encoder_delays import CRASH_LOG
 
     other = image_bytes(96, 64, seed=45)
     expected = hf_generate_text(tiny_model, describe(other), [other], MAX_TOKENS)

@@ -87,7 +87,7 @@ def settled_idle(server) -> None:
 
 def start_chunked_server(model_dir: str, tmp_path, slow: bool) -> ServerProcess:
     """e-p-d, two encoders, a chunk per temporal group; `slow`: each chunk a second longer to encode."""
-    from epd.encoders.encoder_delays import ENV_BATCH_DELAY
+    from testkit.encoder_delays import ENV_BATCH_DELAY
 
     port = free_port()
     args = ["serve", model_dir, "--mode", "e-p-d", "--port", str(port), "--num-kv-blocks", "256", "--dtype",

@@ -2,7 +2,7 @@
 request fails with a clear OpenAI error (issue 44: the item an encoder was
 encoding as it died is its suspect, a 400 `input_crashed_worker`, never sent
 into the restarted encoder); it never hangs, and the server serves videos on. The encoder is held inside the video's encode
-by a test delay (encoders/encoder_delays.py) whose warning in the log tells the
+by a test delay (tests/testkit/encoder_delays.py) whose warning in the log tells the
 test when to kill."""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _wait_until(predicate, timeout_s: float, what: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_of_the_encoder_during_a_video_encode(tiny_model, tmp_path):
-    from epd.encoders.encoder_delays import ENV_VIDEO_DELAY, VIDEO_DELAY_LOG
+    from testkit.encoder_delays import ENV_VIDEO_DELAY, VIDEO_DELAY_LOG
 
     clip = encode_video(synthetic_frames(9, 48, 64, seed=31), "mp4", fps=4)
     port = free_port()

@@ -1,11 +1,19 @@
-"""The test delays an encoder worker takes: read from the environment only at
-the worker entry, none when unset."""
+"""The test delays an encoder worker of a test's server takes (tests/testkit/encoder_delays.py):
+read from the environment by the test subclass only, none when unset, and reaching the
+server's processes through its PYTHONPATH, never through the product."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from epd.encoders.encoder_delays import (ENV_BATCH_DELAY, ENV_CRASH_IMAGE, ENV_SLOW_IMAGE, ENV_VIDEO_DELAY,
-                                         EncoderDelays)
+from testkit.encoder_delays import (ENV_BATCH_DELAY, ENV_CRASH_IMAGE, ENV_SLOW_IMAGE, ENV_VIDEO_DELAY,
+                                    EncoderDelays, with_delay_site)
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_no_environment_means_no_delay():
@@ -27,8 +35,25 @@ def test_a_malformed_slow_image_is_refused():
 
 
 def test_the_encoder_worker_reads_no_environment():
-    from pathlib import Path
-
     import epd.encoders.encoder_worker as module
 
     assert "os.environ" not in Path(module.__file__).read_text()
+
+
+def test_the_product_names_no_test_delay():
+    product = [p for folder in ("epd", "engine", "encoders", "transport") for p in (ROOT / folder).rglob("*.py")]
+    assert len(product) > 100
+    named = [str(p.relative_to(ROOT)) for p in product if "EPD_TEST_" in (text := p.read_text())
+             or "encoder_delays" in text or "testkit" in text]
+    assert named == []
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_a_server_environment_that_asks_gets_the_delayed_worker(asks):
+    """The class a worker process builds, as the worker entry imports it."""
+    env = with_delay_site({**os.environ, **({ENV_BATCH_DELAY: "0.5"} if asks else {})})
+    assert ("PYTHONPATH" in env and env["PYTHONPATH"].startswith(str(ROOT / "tests/testkit/delay_site"))) == asks
+    code = ("from epd.encoders.encoder_worker import EncoderWorker; "
+            "print(EncoderWorker.__name__, EncoderWorker.__mro__[1].__name__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == (["DelayedEncoderWorker", "EncoderWorker"] if asks else ["EncoderWorker", "WorkerIO"])

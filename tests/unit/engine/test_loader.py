@@ -66,7 +66,7 @@ def test_bfloat16_load_keeps_rotary_tables_in_float32(tiny_model):
 def test_profile_forward_runs_a_full_token_budget(tiny_model):
     """The pass that sizes the GPU KV cache, exercised on CPU."""
     from epd.engine.config import EngineConfig
-    from epd.engine.engine_core import profile_forward
+    from epd.engine.kv_cache_sizer import profile_forward
 
     model = load_language_model(tiny_model, _config(tiny_model), torch.float32)
     logits = profile_forward(model, EngineConfig.from_flat(max_num_batched_tokens=64, max_num_seqs=8, device="cpu"), "cpu")

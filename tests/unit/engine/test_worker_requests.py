@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.engine_core import StepResult
 from epd.engine.request import Request
 from epd.engine.worker.loop import EngineWorker
@@ -28,6 +29,7 @@ class FakeCore:
                                     max_model_len=64)
         self.config = SimpleNamespace(early_prefill=True, resolved_max_model_len=lambda n: n,
                                       scheduler=SimpleNamespace(block_size=4))
+        self.early_prefill = EarlyPrefill()
         self.room = True  # add_prefilled: whether blocks are free
         self.added, self.aborted, self.released = [], [], []
         self.result = StepResult()  # what the next step returns

@@ -1,5 +1,5 @@
-"""Delays an encoder worker can be told to add, for tests that need an encoder
-slower than the machine makes it, and one fault: `EncoderWorker(spec, encoder, delays)`.
+"""Delays and one fault an encoder worker of a test's server can be told to add, for
+tests that need an encoder slower than the machine makes it:
 
     batch_delay_s     every batch (a video or video chunk too) takes at least this
                       many seconds more, so a burst backs the queue up whatever the
@@ -18,17 +18,19 @@ slower than the machine makes it, and one fault: `EncoderWorker(spec, encoder, d
                       announced by a warning in the log: a poison input (the
                       poison-request tests)
 
-A test that starts a server sets them through the environment of the
-process it starts (`ENV_BATCH_DELAY`, `ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`,
-`ENV_CRASH_IMAGE` = "WxH:SECONDS"):
-the worker entry (epd/processes/worker_entry.py) reads them once, with
-`from_env`, and the encoder worker itself reads no environment. Unset, no
-delay: production never sets them.
+A test asks for them in the environment of the server it starts (`ENV_BATCH_DELAY`,
+`ENV_SLOW_IMAGE` = "WxH:SECONDS", `ENV_VIDEO_DELAY`, `ENV_CRASH_IMAGE` = "WxH:SECONDS");
+`testkit.server.ServerProcess` then puts `DELAY_SITE` on the server's PYTHONPATH, whose
+sitecustomize.py makes every encoder worker of every process of that server (spawned,
+`epd worker`, a Ray actor) a `testkit.delayed_encoder.DelayedEncoderWorker`. The product
+knows nothing of them (docs/decisions/test-delays.md).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 ENV_BATCH_DELAY = "EPD_TEST_ENCODER_BATCH_DELAY_S"
 ENV_SLOW_IMAGE = "EPD_TEST_SLOW_IMAGE"
@@ -36,6 +38,7 @@ ENV_VIDEO_DELAY = "EPD_TEST_VIDEO_DELAY_S"
 ENV_CRASH_IMAGE = "EPD_TEST_ENCODER_CRASH_IMAGE"
 VIDEO_DELAY_LOG = "test delay: encoding video"  # the warning a delayed video's encode starts with
 CRASH_LOG = "test fault: this batch kills the encoder"  # the warning before a poison image's crash
+DELAY_SITE = str(Path(__file__).resolve().parent / "delay_site")  # holds the servers' sitecustomize.py
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,14 @@ class EncoderDelays:
             crash, crash_s = _size(dims), float(after)
         return cls(float(environ.get(ENV_BATCH_DELAY) or 0.0), size, seconds,
                    float(environ.get(ENV_VIDEO_DELAY) or 0.0), crash, crash_s)
+
+
+def with_delay_site(env: Mapping[str, str]) -> dict[str, str]:
+    """`env`, with `DELAY_SITE` first on its PYTHONPATH when it asks for a delay."""
+    env = dict(env)
+    if EncoderDelays.from_env(env) != EncoderDelays():
+        env["PYTHONPATH"] = os.pathsep.join([DELAY_SITE, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def _size(dims: str) -> tuple[int, int]:
