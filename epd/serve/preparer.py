@@ -12,18 +12,20 @@
     check length      the max_tokens to use within max_model_len
 
 Each kind of media is one step of `_prepare` (`_image_refs`, `VideoInputs.plan`),
-adding its spans, bytes and hashes to the same `Prepared`; a video's also its
-`VideoFrames`, which its EncodeRequest carries.
+adding its spans to the same `Prepared` and its items (epd/inputs/media_item.py:
+an image, a video or a video chunk, each with its bytes, key, patches and, a
+video's, the `VideoFrames` its EncodeRequest carries).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from epd.config import ServeConfig
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.media_item import MediaItem
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
 from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts, video_parts
@@ -34,25 +36,22 @@ from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.wire.mm_span import MMSpan
-from epd.transport.wire.mm_video import VideoFrames
 
 
 @dataclass
 class Prepared:
-    """What every attempt of a request sends (its prompt and images) and may generate."""
+    """What every attempt of a request sends (its prompt and media) and may generate."""
 
     token_ids: list[int]
     mm_spans: list[MMSpan]
-    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images and videos
-    num_patches: dict[str, int]  # mm_hash -> vision patches (the encoder's work)
+    items: list[MediaItem]  # distinct images, videos and video chunks, one EncodeRequest each when missing
     max_tokens: int = 0  # tokens to generate, over all attempts
     held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
-    video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
-    video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
     tower_lora: LoRARequest | None = None  # the adapter the encoders run (--enable-tower-lora); keys are its
-    # a video chunk's key -> the video's mm_hash, which its EncodeRequest carries (the encoder keys its
-    # entries from it); a video encoded whole is keyed by its own mm_hash and is not here
-    video_hashes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_video(self) -> bool:
+        return any(item.video is not None for item in self.items)
 
 
 class Preparer:
@@ -186,9 +185,9 @@ class Preparer:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
-            return self._truncated(req, Prepared(ids, [], {}, {}))
+            return self._truncated(req, Prepared(ids, [], []))
         tower_digest = self._tower_digest(req) if raw_images or raw_videos else None
-        images, num_patches, refs = self._image_refs(raw_images, tower_digest)
+        images, refs = self._image_refs(raw_images, tower_digest)
         videos = self.videos.plan(list(raw_videos), req.mm_processor_kwargs, tower_digest)
         try:
             prompt = self._build_prompt(req, refs, videos, max_prompt_tokens)
@@ -196,16 +195,9 @@ class Preparer:
             raise self._too_long(exc, "messages") from None
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
-        prep = Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
+        items = images + [item for video, data in zip(videos, raw_videos) for item in video.items(data)]
+        prep = Prepared(prompt.token_ids, prompt.mm_spans, list({item.key: item for item in items}.values()),
                         tower_lora=req.lora if tower_digest else None)
-        for video, data in zip(videos, raw_videos):
-            for piece in video.pieces():  # the whole video, or each chunk (--video-chunk-frames)
-                images[piece.key] = data
-                num_patches[piece.key] = piece.num_patches
-                prep.video_frames[piece.key] = piece.frames
-                prep.video_entries[piece.key] = video.piece_entries(piece)
-                if piece.key != video.mm_hash:
-                    prep.video_hashes[piece.key] = video.mm_hash
         return self._truncated(req, prep)
 
     def _tower_digest(self, req: GenerateRequest) -> str | None:
@@ -248,11 +240,11 @@ class Preparer:
                             f"tokens; {exc}, leaving none to generate", param=param)
 
     def _image_refs(self, raw_images: list[bytes], tower_digest: str | None = None
-                    ) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
-        """Distinct images by mm_hash (adapted to the tower adapter of `tower_digest`, if any),
-        their patches, and each image part's size and hash, from the headers alone;
+                    ) -> tuple[list[MediaItem], list[ImageRef]]:
+        """Each image part's item (keyed by its mm_hash, adapted to the tower adapter of
+        `tower_digest`, if any) and its size and hash, from the headers alone;
         RequestError for an image refused."""
-        images, num_patches, refs, num_pixels = {}, {}, [], 0
+        images, refs, num_pixels = [], [], 0
         for data in raw_images:
             try:
                 width, height = read_image_size(data, self.config.media.max_image_pixels)
@@ -267,10 +259,9 @@ class Preparer:
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
             if tower_digest is not None:
                 key = adapted_mm_hash(key, tower_digest)
-            images[key] = data
-            num_patches[key] = t * h * w
+            images.append(MediaItem(key, data, t * h * w))
             refs.append(ImageRef(width, height, key))
-        return images, num_patches, refs
+        return images, refs
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use: what the request asked (None: the generation config's

@@ -27,6 +27,7 @@ from epd.transport.media.video_chunks import split_plan
 from epd.transport.media.video_geometry import VideoOptions, VideoPlan
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
+from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
@@ -88,6 +89,11 @@ class PlannedVideo:
     def piece_entries(self, piece: VideoPiece) -> list[str]:
         """The keys of the entries `piece`'s EncodeRequest writes."""
         return entry_hashes(self.mm_hash, piece.plan)
+
+    def items(self, data: bytes) -> list[MediaItem]:
+        """Its EncodeRequests' items: the whole video, or each chunk (--video-chunk-frames)."""
+        return [MediaItem(piece.key, data, piece.num_patches, piece.frames, tuple(self.piece_entries(piece)),
+                          None if piece.key == self.mm_hash else self.mm_hash) for piece in self.pieces()]
 
 
 class VideoInputs:
