@@ -17,7 +17,7 @@ with the error, for its first entry: the request waits for all of them.
 
 With a tower adapter (EncodeRequest.lora, --enable-tower-lora) the tower runs
 its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
-are encoded in one forward per adapter; the request's mm_hash is already the
+are encoded in one forward per adapter (encoders/encode_items.py); the request's mm_hash is already the
 adapter's key, so the cache never hands base embeddings to it, nor its to the base.
 
 Each batch starts and ends with an `Alive` naming the requests it holds
@@ -40,6 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from epd.encoders.encode_items import encode_items
 from epd.encoders.encoder_delays import CRASH_LOG, VIDEO_DELAY_LOG, EncoderDelays
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
@@ -159,11 +160,7 @@ class EncoderWorker(WorkerIO):
             if batch[0].msg.video is not None:
                 self._encode_video(batch[0])
                 return
-            by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
-            for job in batch:
-                by_adapter.setdefault(job.msg.lora, []).append(job)
-            for lora, jobs in by_adapter.items():
-                self._encode_images(jobs, lora)
+            self._encode_images(batch)
         finally:
             self.say_working_on([])
 
@@ -176,24 +173,18 @@ class EncoderWorker(WorkerIO):
         time.sleep(self.delays.crash_after_s)  # the batch's Alive(working_on) is out by then
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _encode_images(self, batch: list[_Job], lora) -> None:
-        """Images of one tower adapter (None: the base tower), encoded and stored."""
+    def _encode_images(self, batch: list[_Job]) -> None:
+        """A batch of images, one tower forward per tower adapter (encoders/encode_items.py),
+        encoded and stored; an image that fails (bad bytes, a bad adapter) fails its request."""
         start = time.perf_counter()
-        try:
-            with self.encoder.adapted(lora):
-                try:
-                    results = self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
-                                                  on_decode=self.counters.image.observe_decode)
-                except ImageError:
-                    results = [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
-        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
-            results = [str(exc)] * len(batch)
+        results = encode_items(self.encoder, [job.msg.image for job in batch], [job.msg.lora for job in batch],
+                               on_batch=self._on_batch, on_decode=self.counters.image.observe_decode)
         if self.delays.batch_delay_s:
             time.sleep(self.delays.batch_delay_s)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
-            if isinstance(result, str):
-                self._done(job.msg, error=result)
+            if isinstance(result, ValueError):
+                self._done(job.msg, error=str(result))
                 continue
             self.counters.num_images += 1
             self.counters.image.num_items += 1
@@ -264,13 +255,6 @@ class EncoderWorker(WorkerIO):
         self.counters.batch_images.observe(num_images)
         self.counters.preprocess_seconds.observe(preprocess_s)
         self.counters.forward_seconds.observe(forward_s)
-
-    def _encode_one(self, image: bytes):
-        try:
-            return self.encoder.encode([image], on_batch=self._on_batch,
-                                       on_decode=self.counters.image.observe_decode)[0]
-        except ImageError as exc:
-            return str(exc)
 
     def _done(self, msg: EncodeRequest, key: str | None = None, entry: MMEntry | None = None,
               error: str | None = None) -> None:

@@ -16,6 +16,7 @@ import logging
 import operator
 from dataclasses import dataclass, field
 
+from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import read_image_size
 from epd.encoders.tower_lora import TowerLoRASettings
@@ -224,14 +225,14 @@ class LLM:
         return out
 
     def _encode_images(self, wanted: dict[str, tuple[bytes, LoRARequest | None]]) -> dict[str, MMEntry]:
-        """Each image's entry by its key: one tower pass per tower adapter (None: the base tower)."""
-        by_adapter: dict[LoRARequest | None, list[str]] = {}
-        for key, (_, tower_lora) in wanted.items():
-            by_adapter.setdefault(tower_lora, []).append(key)
-        out: dict[str, MMEntry] = {}
-        for tower_lora, keys in by_adapter.items():
-            out.update(zip(keys, self.encoder.encode([wanted[k][0] for k in keys], lora=tower_lora)))
-        return out
+        """Each image's entry by its key: one tower pass per tower adapter (None: the base tower,
+        encoders/encode_items.py); the first image that fails raises its error."""
+        entries = encode_items(self.encoder, [data for data, _ in wanted.values()],
+                               [tower_lora for _, tower_lora in wanted.values()])
+        for entry in entries:
+            if isinstance(entry, ValueError):
+                raise entry
+        return dict(zip(wanted, entries))
 
     def _run(self, requests) -> list[RequestOutput]:
         for _, _, _, params, *_ in requests:  # a schema xgrammar refuses: ValueError before any work
