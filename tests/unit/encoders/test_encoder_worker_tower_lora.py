@@ -129,7 +129,7 @@ def test_a_video_runs_the_tower_adapter_and_is_keyed_apart(plane, loras, tiny_mo
     from epd.transport.media.video_geometry import load_video_config
     from epd.transport.media.video_keys import entry_hashes, video_mm_hash
     from epd.inputs.video_header import plan_video
-    from epd.serve.video_inputs import wire_plan
+    from epd.inputs.video_inputs import wire_plan
     from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
 
     worker = plane.make(TowerLoRASettings(max_loras=1, max_lora_rank=16, max_cpu_loras=1))

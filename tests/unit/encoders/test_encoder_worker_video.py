@@ -21,7 +21,7 @@ from epd.encoders.video_io import DecodeLimits
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.encoders.video_request import video_plan
 from epd.inputs.video_header import plan_video
-from epd.serve.video_inputs import wire_plan
+from epd.inputs.video_inputs import wire_plan
 from epd.transport.wire.addresses import Addresses
 from epd.transport.wire.channels import Receiver
 from epd.transport.wire.messages import EncodeDone, EncodeRequest

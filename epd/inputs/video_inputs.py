@@ -17,14 +17,16 @@ alone (the API process decodes no pixel): `VideoInputs`.
                   each its own EncodeRequest (its own encoder)    transport/media/video_chunks.py
 
 Each video's `VideoFrames` (transport/wire/mm_video.py) go to its encoder in the
-EncodeRequest, so the encoder decodes what was counted here.
+EncodeRequest, so the encoder decodes what was counted here. The offline LLM
+(no media flags: its caller's own files) plans each video as the checkpoint and
+the call say, within no limit, and encodes it whole.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from epd.transport.media.video_chunks import split_plan
-from epd.transport.media.video_geometry import VideoOptions, VideoPlan
+from epd.transport.media.video_geometry import VideoGeometry, VideoMeta, VideoOptions, VideoPlan
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
@@ -97,8 +99,9 @@ class PlannedVideo:
 
 
 class VideoInputs:
-    def __init__(self, files: ModelFiles, media: MediaConfig, server_kwargs: dict, fingerprint: str):
-        """`server_kwargs`: --mm-processor-kwargs (its video keys are every video's defaults)."""
+    def __init__(self, files: ModelFiles, media: MediaConfig | None, server_kwargs: dict, fingerprint: str):
+        """`media`: the server's media flags (None: the offline LLM's caller's own files: no limit,
+        no chunk); `server_kwargs`: --mm-processor-kwargs (its video keys are every video's defaults)."""
         self.files = files
         self.media = media
         self.defaults = split_processor_kwargs(server_kwargs)[1]
@@ -126,28 +129,36 @@ class VideoInputs:
         if geometry is None:
             raise RequestError(self.files.no_video_reason, param="messages")
         options = self.options(request_kwargs)
-        request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
-        image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
         out, num_decoded = [], 0
         for data in raw_videos:
-            try:
-                meta, plan = plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
-                                        max_frame_pixels=self.media.max_image_pixels,
-                                        loader_num_frames=self.media.video_num_frames, request=request,
-                                        server=self.server, max_group_pixels=image_budget)
-            except VideoKwargsRefused as exc:
-                raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
-            except VideoError as exc:
-                raise RequestError(f"video: {exc}", param="messages") from None
+            meta, plan = self._plan(data, geometry, options, request_kwargs)
             num_decoded += (max(plan.frame_indices) + 1) * meta.width * meta.height  # FFmpeg decodes those skipped
-            if num_decoded > self.media.max_request_video_pixels:
+            if self.media is not None and num_decoded > self.media.max_request_video_pixels:
                 raise RequestError(f"the request's videos decode to more than {self.media.max_request_video_pixels} "
                                    "pixels in all (--max-request-video-pixels)", param="messages")
             key = video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {}, plan)
-            chunks = split_plan(plan, geometry.temporal_patch_size, self.media.video_chunk_frames)
+            chunks = split_plan(plan, geometry.temporal_patch_size, self.media.video_chunk_frames) \
+                if self.media is not None else [plan]
             out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan,
                                     tuple(chunks) if len(chunks) > 1 else ()))
         return out
+
+    def _plan(self, data: bytes, geometry: VideoGeometry, options: VideoOptions,
+              request_kwargs: dict | None) -> tuple[VideoMeta, VideoPlan]:
+        """One video's header and plan, within the server's limits (none offline)."""
+        try:
+            if self.media is None:
+                return plan_video(data, geometry, options)
+            request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
+            image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
+            return plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
+                              max_frame_pixels=self.media.max_image_pixels,
+                              loader_num_frames=self.media.video_num_frames, request=request,
+                              server=self.server, max_group_pixels=image_budget)
+        except VideoKwargsRefused as exc:
+            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+        except VideoError as exc:
+            raise RequestError(f"video: {exc}", param="messages") from None
 
 
 def _request_options(kwargs: dict | None) -> VideoOptions:

@@ -1,4 +1,4 @@
-"""The Preparer's video step (epd/serve/video_inputs.py) on the tiny checkpoint's
+"""The Preparer's video step (epd/inputs/video_inputs.py) on the tiny checkpoint's
 files: whose settings apply (checkpoint, --mm-processor-kwargs, the request), the
 limits read from the header, and keys that follow the plan."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from epd.transport.media.video_geometry import VideoOptions
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles
 from epd.requests import RequestError
-from epd.serve.video_inputs import VideoInputs
+from epd.inputs.video_inputs import VideoInputs
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")
