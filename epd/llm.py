@@ -22,7 +22,6 @@ from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.tower_lora import TowerLoRASettings
 from epd.encoders.video_encoder import VideoEncoder
-from epd.encoders.video_request import video_plan
 from epd.transport.media.video_geometry import VideoOptions
 from epd.engine.config import EngineConfig
 from epd.detokenizer import IncrementalDetokenizer
@@ -209,7 +208,7 @@ class LLM:
         out: dict[str, MMEntry] = {}
         for item, tower_lora in wanted.values():
             with self.encoder.adapted(tower_lora):
-                out.update(self.video.encode(item.data, video_plan(item.video), item.mm_hash))
+                out.update(self.video.encode(item.data, item.video, item.mm_hash))
         return out
 
     def _encode_images(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:

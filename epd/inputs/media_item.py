@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epd.transport.wire.mm_video import VideoFrames
+from epd.transport.media.video_geometry import VideoPlan
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class MediaItem:
     key: str  # at the API (cache lookup, router): an image's or video's mm_hash, a chunk's first entry's
     data: bytes  # the raw bytes, never pixels
     num_patches: int  # the encoder's work (its router's cost): t x h x w, a video's over its temporal groups
-    video: VideoFrames | None = None  # a video's or chunk's frames to decode (None: an image)
+    video: VideoPlan | None = None  # a video's or chunk's plan: the frames to decode and their size (None: an image)
     entry_keys: tuple[str, ...] = ()  # a video's or chunk's: the keys of the entries it writes, in prompt order
     video_hash: str | None = None  # a chunk's: its video's mm_hash, which its EncodeRequest carries
 

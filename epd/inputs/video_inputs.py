@@ -16,8 +16,8 @@ alone (the API process decodes no pixel): `VideoInputs`.
     chunks        --video-chunk-frames: a longer video cut into chunks of whole temporal groups,
                   each its own EncodeRequest (its own encoder)    transport/media/video_chunks.py
 
-Each video's `VideoFrames` (transport/wire/mm_video.py) go to its encoder in the
-EncodeRequest, so the encoder decodes what was counted here. The offline LLM
+Each video's (or chunk's) `VideoPlan` goes to its encoder in the EncodeRequest
+(transport/wire/mm_video.py), so the encoder decodes what was counted here. The offline LLM
 (no media flags: its caller's own files) plans each video as the checkpoint and
 the call say, within no limit, and encodes it whole.
 """
@@ -35,14 +35,6 @@ from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.requests import RequestError
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
-from epd.transport.wire.mm_video import VideoFrames
-
-
-def wire_plan(plan: VideoPlan) -> VideoFrames:
-    """The plan as an EncodeRequest carries it (transport/wire/mm_video.py)."""
-    return VideoFrames(plan.frame_indices, plan.resized_height, plan.resized_width, plan.grid_thw, plan.num_tokens,
-                       plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t, plan.first_group,
-                       plan.total_groups)
 
 
 @dataclass(frozen=True)
@@ -53,14 +45,9 @@ class VideoPiece:
     plan: VideoPlan  # the whole plan, or the chunk's
 
     @property
-    def frames(self) -> VideoFrames:
-        return wire_plan(self.plan)
-
-    @property
     def num_patches(self) -> int:
         """The encoder's work (its router's cost): frames x patches, t x h x w over its temporal groups."""
-        t, h, w = self.plan.grid_thw
-        return t * h * w
+        return self.plan.num_patches
 
 
 @dataclass(frozen=True)
@@ -94,7 +81,7 @@ class PlannedVideo:
 
     def items(self, data: bytes) -> list[MediaItem]:
         """Its EncodeRequests' items: the whole video, or each chunk (--video-chunk-frames)."""
-        return [MediaItem(piece.key, data, piece.num_patches, piece.frames, tuple(self.piece_entries(piece)),
+        return [MediaItem(piece.key, data, piece.num_patches, piece.plan, tuple(self.piece_entries(piece)),
                           None if piece.key == self.mm_hash else self.mm_hash) for piece in self.pieces()]
 
 

@@ -8,7 +8,7 @@
                       (a video's cost: frames x patches, its patches over every temporal group;
                       a long video's chunks spread over the encoders)   epd/serve/encoder_router.py
     send              PrefillRequest at once (the worker waits for its images), then one
-                      EncodeRequest per missing image, video or chunk (a video's with its VideoFrames)
+                      EncodeRequest per missing image, video or chunk (a video's with its VideoPlan)
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that

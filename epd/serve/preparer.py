@@ -13,7 +13,7 @@
 
 The `Prepared` holds the prompt, its spans and its items (epd/inputs/media_item.py:
 an image, a video or a video chunk, each with its bytes, key, patches and, a
-video's, the `VideoFrames` its EncodeRequest carries).
+video's, the `VideoPlan` its EncodeRequest carries).
 """
 from __future__ import annotations
 
