@@ -67,7 +67,7 @@ def measure(args, cpus: set[int]) -> tuple[ServiceTimes, Workload]:
         (out,) = llm.chat(build_payload("m", requests[-1])["messages"], one_token)
         prompt_tokens = len(out.prompt_token_ids)
         text_only = dataclasses.replace(requests[-1], image_urls=())
-        text_prompt_tokens = len(llm.prompts.build(build_payload("m", text_only)["messages"], []).token_ids)
+        text_prompt_tokens = len(llm.inputs.prompts.build(build_payload("m", text_only)["messages"], []).token_ids)
         encode_ms, prefill_ms = [], []
         for i, request in enumerate(requests[:PROBE_REQUESTS]):
             images = [_image_bytes(url) for url in request.image_urls]

@@ -3,6 +3,7 @@ in-process (imports transport/ only).
 
 encoder_worker.py        the encoder worker loop: EncodeRequests in, embeddings to LMDB, EncodeDone out
 image_encoder.py         raw image bytes -> embeddings: decode, preprocess, run the tower
+encode_items.py          a batch of images split by tower adapter, each group encoded under its own
 image_io.py              reading images: the header only (API) or full pixels (encoder)
 image_processor.py       decoded images -> the tower's input (the checkpoint's image processor)
 video_encoder.py         one video's bytes + the API's plan -> the embeddings its spans take

@@ -17,7 +17,7 @@ with the error, for its first entry: the request waits for all of them.
 
 With a tower adapter (EncodeRequest.lora, --enable-tower-lora) the tower runs
 its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
-are encoded in one forward per adapter; the request's mm_hash is already the
+are encoded in one forward per adapter (encoders/encode_items.py); the request's mm_hash is already the
 adapter's key, so the cache never hands base embeddings to it, nor its to the base.
 
 Each batch starts and ends with an `Alive` naming the requests it holds
@@ -38,6 +38,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.image_io import ImageError, read_image_size
 from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR
@@ -153,41 +154,30 @@ class EncoderWorker(WorkerIO):
             self.say_working_on([])
 
     def _encode_jobs(self, batch: list[_Job]) -> None:
-        """A batch taken from the queue: a video alone, or images in one group per tower adapter."""
+        """A batch taken from the queue: a video alone, or images (one tower forward per adapter)."""
         if batch[0].msg.video is not None:
             self._encode_video(batch[0])
             return
-        by_adapter: dict = {}  # a tower forward runs one adapter (or none): one group each
-        for job in batch:
-            by_adapter.setdefault(job.msg.lora, []).append(job)
-        for lora, jobs in by_adapter.items():
-            self._encode_images(jobs, lora)
+        self._encode_images(batch)
 
-    def _encode_images(self, batch: list[_Job], lora) -> None:
-        """Images of one tower adapter (None: the base tower), encoded and stored."""
+    def _encode_images(self, batch: list[_Job]) -> None:
+        """A batch of images, one tower forward per tower adapter (encoders/encode_items.py),
+        encoded and stored; an image that fails (bad bytes, a bad adapter) fails its request."""
         start = time.perf_counter()
-        results = self._image_results(batch, lora)
+        results = self._image_results(batch)
         self.counters.encode_seconds_sum += time.perf_counter() - start
         for job, result in zip(batch, results):
-            if isinstance(result, str):
-                self._done(job.msg, error=result)
+            if isinstance(result, ValueError):
+                self._done(job.msg, error=str(result))
                 continue
             self.counters.num_images += 1
             self.counters.image.num_items += 1
             self._store(job.msg, job.msg.mm_hash, result)
 
-    def _image_results(self, batch: list[_Job], lora) -> list:
-        """An MMEntry per image, or its error: a batch with a bad image is retried one by
-        one; a bad tower adapter (or tower LoRA off here) fails them all."""
-        try:
-            with self.encoder.adapted(lora):
-                try:
-                    return self.encoder.encode([job.msg.image for job in batch], on_batch=self._on_batch,
-                                               on_decode=self.counters.image.observe_decode)
-                except ImageError:
-                    return [self._encode_one(job.msg.image) for job in batch]  # find the bad one(s)
-        except ValueError as exc:  # the adapter (unreadable, another base) or tower LoRA off here
-            return [str(exc)] * len(batch)
+    def _image_results(self, batch: list[_Job]) -> list:
+        """An MMEntry per image, or its error (a ValueError): encoders/encode_items.py."""
+        return encode_items(self.encoder, [job.msg.image for job in batch], [job.msg.lora for job in batch],
+                            on_batch=self._on_batch, on_decode=self.counters.image.observe_decode)
 
     def _store(self, msg: EncodeRequest, key: str, entry: MMEntry) -> None:
         """An entry encoded: into the cache, then its EncodeDone. A cache that cannot take
@@ -252,13 +242,6 @@ class EncoderWorker(WorkerIO):
         self.counters.batch_images.observe(num_images)
         self.counters.preprocess_seconds.observe(preprocess_s)
         self.counters.forward_seconds.observe(forward_s)
-
-    def _encode_one(self, image: bytes):
-        try:
-            return self.encoder.encode([image], on_batch=self._on_batch,
-                                       on_decode=self.counters.image.observe_decode)[0]
-        except ImageError as exc:
-            return str(exc)
 
     def _done(self, msg: EncodeRequest, key: str | None = None, entry: MMEntry | None = None,
               error: str | None = None) -> None:

@@ -4,7 +4,7 @@ error its request fails with. Shared by the encoder worker
 (epd/processes/worker_entry.py), so a video is decoded, limited and keyed the same
 way whichever process encodes it.
 
-    plan (the API's VideoFrames) -> decode_frames(bytes, plan.frame_indices, DecodeLimits,
+    plan (the API's VideoPlan) -> decode_frames(bytes, plan.frame_indices, DecodeLimits,
                                                   each frame resized to the plan's size as decoded)
                                  -> VideoEncoder.encode_frames -> [(key, MMEntry)]
     a failure: [(first entry's key, "video: ...")]: the request waits for every
@@ -17,29 +17,20 @@ import time
 from collections.abc import Callable
 
 from epd.encoders.video_encoder import VideoEncoder
-from epd.transport.media.video_geometry import VideoPlan
 from epd.encoders.video_io import DecodeLimits, VideoError, decode_frames
 from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer
 from epd.transport.wire.messages import EncodeRequest
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.transport.wire.mm_video import VideoFrames
 
 log = logging.getLogger("epd.encoder")
 NO_VIDEO_ENCODER = "this encoder serves no video (its checkpoint has no video processor config)"
 
 
-def video_plan(frames: VideoFrames) -> VideoPlan:
-    """The API's plan, as the EncodeRequest carried it (transport/wire/mm_video.py)."""
-    return VideoPlan(frames.frame_indices, frames.resized_height, frames.resized_width, frames.grid_thw,
-                     frames.num_tokens, frames.tokens_per_group, frames.group_timestamps_s, frames.second_per_grid_t,
-                     frames.first_group, frames.total_groups)
-
-
 def video_keys(msg: EncodeRequest) -> list[str]:
     """The cache keys a video EncodeRequest's entries are stored under, in prompt order."""
     assert msg.video is not None
-    return entry_hashes(msg.mm_hash, video_plan(msg.video))
+    return entry_hashes(msg.mm_hash, msg.video)
 
 
 def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits: DecodeLimits | None,
@@ -53,7 +44,7 @@ def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits:
     first_key = video_keys(msg)[0]
     if video is None:
         return [(first_key, NO_VIDEO_ENCODER)]
-    plan = video_plan(msg.video)
+    plan = msg.video  # the API's plan, as the EncodeRequest carried it (transport/wire/mm_video.py)
     try:
         start = time.perf_counter()
         if limits is not None:

@@ -2,10 +2,12 @@
 
 One process runs everything (the aggregated path): the vision tower encodes
 each distinct image and video once, the engine schedules all requests together
-with continuous batching, and each sequence's outputs become text, stop strings
+with continuous batching. A chat's messages and media become its prompt, spans
+and media items through the server's own input processor
+(epd/inputs/input_processor.py: a video planned from its header as the API
+plans it), then each item is decoded and encoded (encoders/encode_items.py,
+encoders/video_encoder.py); each sequence's outputs become text, stop strings
 and logprobs in the server's own output processor (epd/output_processor.py).
-A video is planned from its header as the API does
-(epd/inputs/video_header.py), then decoded and encoded (encoders/video_encoder.py).
 With `enable_tower_lora=True` an adapter's vision tower weights run on its
 requests' images and videos (keyed apart, as the server keys them:
 epd/lora_modules.TowerAdapters).
@@ -17,12 +19,11 @@ import logging
 import operator
 from dataclasses import dataclass, field
 
+from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
-from epd.encoders.image_io import read_image_size
 from epd.encoders.tower_lora import TowerLoRASettings
 from epd.encoders.video_encoder import VideoEncoder
-from epd.transport.media.video_geometry import VideoOptions, VideoPlan, load_video_config
-from epd.transport.media.video_keys import video_mm_hash
+from epd.transport.media.video_geometry import VideoOptions
 from epd.engine.config import EngineConfig
 from epd.engine.engine_core import EngineCore
 from epd.engine.request import Request
@@ -30,13 +31,14 @@ from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
+from epd.inputs.input_processor import InputProcessor
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
+from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
-from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef, image_parts, video_parts
-from epd.inputs.video_header import plan_video
-from epd.output_processor import OutputProcessor
+from epd.inputs.prompt import image_parts, video_parts
 from epd.lora_modules import TowerAdapters
-from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
+from epd.output_processor import OutputProcessor
+from epd.requests import RequestError
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
 log = logging.getLogger("epd.llm")
@@ -90,13 +92,10 @@ class LLM:
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
             processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
-        self.tower_adapters = TowerAdapters(self.config.lora.enable_tower_lora)
         self.video = None if self.encoder is None else VideoEncoder(
             model, self.encoder.tower, self.engine.dtype, self.engine.device)
-        self.video_config = {} if self.encoder is None else load_video_config(model)
-        self.prompts = PromptBuilder(self.tokenizer, self.files.geometry, info.image_token_id,
-                                     self.files.chat_template and self.files.chat_template.text,
-                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
+        # chat messages -> prompt, spans and media items, as the server's (no media flags: the caller's own files)
+        self.inputs = InputProcessor(self.files, info, TowerAdapters(self.config.lora.enable_tower_lora))
         # offline: the caller's own files; videos under their own cap, errors naming "video"
         self.media = MediaConfig(allowed_local_media_path="/", max_video_bytes=MAX_VIDEO_BYTES)
         self._ids = itertools.count()
@@ -123,27 +122,26 @@ class LLM:
         video processor says, or as `mm_processor_kwargs` (fps, num_frames,
         do_sample_frames, min/max_pixels, min/max_frames;
         epd/transport/media/video_geometry.VideoOptions) override it."""
-        options = VideoOptions.from_kwargs(mm_processor_kwargs)
+        VideoOptions.from_kwargs(mm_processor_kwargs)  # a bad key or value: ValueError before any work
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
         loras = _per_prompt(lora_request, len(conversations))
         requests = []
         for messages, p, lora in zip(conversations, params, loras):
-            parts = image_parts(messages)
-            if parts and self.encoder is None:
+            parts, videos = image_parts(messages), video_parts(messages)
+            if (parts or videos) and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
-            digest = self.tower_adapters.digest(lora) if parts or video_parts(messages) else None
-            tower_lora = lora if digest else None  # the tower runs the adapter's weights; keys are its
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
-            refs = [ImageRef(*read_image_size(b, self.encoder.max_image_pixels), self.encoder.mm_hash(b, digest))
-                    for b in image_bytes]
-            videos = [self._video(part, options, digest) for part in video_parts(messages)]
-            prompt = self.prompts.build(messages, refs, add_generation_prompt, tools,
-                                        template_kwargs=chat_template_kwargs, videos=[v for v, _ in videos])
-            requests.append((prompt.token_ids, prompt.mm_spans,
-                             {r.mm_hash: (b, tower_lora) for r, b in zip(refs, image_bytes)},
-                             p, lora, {v.mm_hash: (data, v.plan, tower_lora) for v, data in videos}))
+            video_bytes = [load_image_bytes(_video_source(part), self.media, modality="video") for part in videos]
+            try:  # the server's chat path (epd/inputs/input_processor.py), without its media flags
+                prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, lora=lora,
+                                                  mm_processor_kwargs=mm_processor_kwargs,
+                                                  add_generation_prompt=add_generation_prompt, tools=tools,
+                                                  template_kwargs=chat_template_kwargs)
+            except RequestError as exc:
+                raise ValueError(exc.message) from None
+            requests.append((prompt.token_ids, prompt.mm_spans, prompt.items, prompt.tower_lora, p, lora))
         return self._run(requests)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -157,7 +155,7 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         requests = []
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
-            requests.append((self._prompt_ids(prompt), [], {}, p, lora, {}))
+            requests.append((self._prompt_ids(prompt), [], [], None, p, lora))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -196,51 +194,41 @@ class LLM:
                              f"got {str(prompt)[:80]}")
         return ids
 
-    def _video(self, part: dict, options: VideoOptions, tower_digest: str | None) -> tuple[VideoRef, bytes]:
-        """A video part's bytes and what the prompt needs of it: the plan from its header and its key
-        (adapted to the tower adapter of `tower_digest`, if any)."""
-        if self.video is None:
-            raise ValueError(self.files.no_images_reason)
-        data = load_image_bytes(_video_source(part), self.media, modality="video")
-        _, plan = plan_video(data, self.video.geometry, options)
-        key = video_mm_hash(data, self.engine.info.fingerprint, self.video_config, plan)
-        return VideoRef(plan, key if tower_digest is None else adapted_mm_hash(key, tower_digest)), data
-
-    def _encode_videos(self, wanted: dict[str, tuple[bytes, VideoPlan, LoRARequest | None]]) -> dict[str, MMEntry]:
+    def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
         out: dict[str, MMEntry] = {}
-        for key, (data, plan, tower_lora) in wanted.items():
+        for item, tower_lora in wanted.values():
             with self.encoder.adapted(tower_lora):
-                out.update(self.video.encode(data, plan, key))
+                out.update(self.video.encode(item.data, item.video, item.mm_hash))
         return out
 
-    def _encode_images(self, wanted: dict[str, tuple[bytes, LoRARequest | None]]) -> dict[str, MMEntry]:
-        """Each image's entry by its key: one tower pass per tower adapter (None: the base tower)."""
-        by_adapter: dict[LoRARequest | None, list[str]] = {}
-        for key, (_, tower_lora) in wanted.items():
-            by_adapter.setdefault(tower_lora, []).append(key)
-        out: dict[str, MMEntry] = {}
-        for tower_lora, keys in by_adapter.items():
-            out.update(zip(keys, self.encoder.encode([wanted[k][0] for k in keys], lora=tower_lora)))
-        return out
+    def _encode_images(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
+        """Each image's entry by its key: one tower pass per tower adapter (None: the base tower,
+        encoders/encode_items.py); the first image that fails raises its error."""
+        entries = encode_items(self.encoder, [item.data for item, _ in wanted.values()],
+                               [tower_lora for _, tower_lora in wanted.values()])
+        for entry in entries:
+            if isinstance(entry, ValueError):
+                raise entry
+        return dict(zip(wanted, entries))
 
     def _run(self, requests) -> list[RequestOutput]:
-        for _, _, _, params, *_ in requests:  # a schema xgrammar refuses: ValueError before any work
+        for *_, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
-        for lora in dict.fromkeys(r[4] for r in requests if r[4] is not None):  # a bad adapter: before any work
+        for lora in dict.fromkeys(r[5] for r in requests if r[5] is not None):  # a bad adapter: before any work
             self.engine.load_lora(lora)
-        images: dict[str, tuple[bytes, LoRARequest | None]] = {}
-        videos: dict[str, tuple[bytes, VideoPlan, LoRARequest | None]] = {}
-        for _, _, mm, _, _, video_mm in requests:
-            images.update(mm)
-            videos.update(video_mm)
+        images: dict[str, tuple[MediaItem, LoRARequest | None]] = {}  # distinct items over the call, by key
+        videos: dict[str, tuple[MediaItem, LoRARequest | None]] = {}
+        for _, _, items, tower_lora, _, _ in requests:
+            for item in items:
+                (images if item.video is None else videos)[item.key] = (item, tower_lora)
         embeddings = self._encode_images(images)
         embeddings.update(self._encode_videos(videos))
 
         outputs: list[RequestOutput] = []
         pending: dict[str, OutputProcessor] = {}  # every sequence of the call, by its engine request id
-        for token_ids, spans, mm, params, lora, _ in requests:
+        for token_ids, spans, _, _, params, lora in requests:
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
             outputs.append(out)

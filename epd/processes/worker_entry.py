@@ -178,14 +178,13 @@ def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):
     video = _video_encoder(launch, encoder, dtype, device)
 
     def encode_fn(msgs, counters):
-        by_adapter: dict = {}  # one tower forward per adapter (--enable-tower-lora; None: the base tower)
-        for m in msgs:
-            if m.video is None:
-                by_adapter.setdefault(m.lora, []).append(m)
-        image_results = {}
-        for lora, group in by_adapter.items():
-            image_results.update(zip(map(id, group), _encode_images(encoder, [m.image for m in group], lora,
-                                                                    counters.image.observe_decode)))
+        from epd.encoders.encode_items import encode_items
+
+        images = [m for m in msgs if m.video is None]  # one tower forward per adapter (--enable-tower-lora)
+        entries = encode_items(encoder, [m.image for m in images], [m.lora for m in images],
+                               on_decode=counters.image.observe_decode)
+        image_results = {id(m): entry if not isinstance(entry, ValueError) else str(entry)
+                         for m, entry in zip(images, entries)}
         return [_encode_video(encoder, video, m, launch.decode_limits, counters.video.observe_decode)
                 if m.video is not None else [(m.mm_hash, image_results[id(m)])] for m in msgs]
 
@@ -200,24 +199,3 @@ def _encode_video(encoder, video, msg, limits, on_decode) -> list:
             return encode_video_request(video, msg, limits, on_decode=on_decode)
     except ValueError as exc:  # the tower adapter
         return [(video_keys(msg)[0], str(exc))]
-
-
-def _encode_images(encoder, images: list[bytes], lora=None, on_decode=None) -> list:
-    """An MMEntry per image, or its error: a batch with a bad image is retried one by one;
-    a bad tower adapter (or tower LoRA off) fails them all."""
-    from epd.encoders.image_io import ImageError
-
-    try:
-        with encoder.adapted(lora):
-            try:
-                return encoder.encode(images, on_decode=on_decode)
-            except ImageError:
-                out = []
-                for image in images:
-                    try:
-                        out.append(encoder.encode([image], on_decode=on_decode)[0])
-                    except ImageError as exc:
-                        out.append(str(exc))
-                return out
-    except ValueError as exc:
-        return [str(exc)] * len(images)

@@ -4,7 +4,6 @@ the last token (the processes it runs on are started by epd/processes/).
 orchestrator.py    a request's lifecycle: admission, the retry loop, attempts started and ended, drain
 collector.py       the one reader of what workers send, and the worker faults it sees (failover)
 preparer.py        a request's media and prompt made ready for the workers (`Prepared`)
-video_inputs.py    a request's videos planned from their container headers
 placement.py       where one attempt runs, and the messages that start it there
 attempt.py         one try of a request on one set of workers, and its events
 attempt_stream.py  token outputs, attempt after attempt, as `Delta`s

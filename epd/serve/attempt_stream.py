@@ -87,7 +87,7 @@ class AttemptStream:
             raise Retry(out.error)
         self.metrics.requests_failed["bad_input" if not self.emitted else "worker_error"] += 1
         if not self.emitted:
-            raise RequestError(status=400, message=out.error, param="messages" if self.prep.images else None)
+            raise RequestError(status=400, message=out.error, param="messages" if self.prep.items else None)
         return Delta("", [], "abort", len(self.prep.token_ids), self.num_cached)
 
     @property

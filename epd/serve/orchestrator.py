@@ -223,7 +223,7 @@ class Orchestrator:
                     if lost is not None and lost.is_suspect:  # a poison request is failed, not sent again
                         deaths += 1
                         error = poison_error(lost, deaths, self.config.limits.max_request_worker_deaths,
-                                             "video" if prep.video_frames else "image", bool(prep.images))
+                                             "video" if prep.has_video else "image", bool(prep.items))
                         if error is not None:
                             log.warning("request %s failed as poison: %s", req.request_id, error.message)
                             self.metrics.requests_failed["poison"] += 1

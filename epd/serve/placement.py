@@ -8,7 +8,7 @@
                       (a video's cost: frames x patches, its patches over every temporal group;
                       a long video's chunks spread over the encoders)   epd/serve/encoder_router.py
     send              PrefillRequest at once (the worker waits for its images), then one
-                      EncodeRequest per missing image, video or chunk (a video's with its VideoFrames)
+                      EncodeRequest per missing image, video or chunk (a video's with its VideoPlan)
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from epd.config import ServeConfig
 from epd.engine.model_info import ModelInfo
+from epd.inputs.media_item import MediaItem
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.attempt import Attempt
 from epd.serve.encoder_router import EncoderRouter
@@ -48,7 +49,7 @@ class Placed:
 
     prefill: WorkerInfo  # prefill, pd or aggregated (or a decode worker that prefills locally)
     decode: WorkerInfo | None
-    misses: list[tuple[str, bytes]]  # (mm_hash, raw bytes) of the images no cache it reads holds
+    misses: list[MediaItem]  # the images, videos and chunks no cache it reads holds
     encoders: list[WorkerInfo]  # the encoder of each miss
 
 
@@ -111,7 +112,7 @@ class Placement:
         elif misses:
             tower_lora = None if prep.tower_lora is None else prep.tower_lora.lora_name
             encoders = self.encoder_router.assign(await self._live((Role.ENCODER,), deadline),
-                                                  [(key, prep.num_patches[key]) for key, _ in misses], tower_lora)
+                                                  [(item.key, item.num_patches) for item in misses], tower_lora)
         else:
             encoders = []
         return Placed(prefill, decode, misses, encoders)
@@ -136,28 +137,28 @@ class Placement:
                 prefill = choose(self.local_prefill_router, decoders)
                 self.metrics.local_prefills += 1
         else:
-            router = self.prefill_router if prep.images else self.text_prefill_router
+            router = self.prefill_router if prep.items else self.text_prefill_router
             prefill = choose(router, await self._live(PREFILL_ROLES, deadline))
             if prefill.role == Role.PREFILL:
                 decode = choose(self.decode_router, await self._live((Role.DECODE,), deadline))
         return prefill, decode
 
-    def _cache_misses(self, prep: Prepared, prefill: WorkerInfo, count: bool) -> list[tuple[str, bytes]]:
-        """The images `prefill` cannot read from the cache; `count`: the first try's
+    def _cache_misses(self, prep: Prepared, prefill: WorkerInfo, count: bool) -> list[MediaItem]:
+        """The items `prefill` cannot read from the cache; `count`: the first try's
         lookups go into the cache metrics."""
         misses = []
         if count and prep.mm_spans:
             self.metrics.request_images.observe(len(prep.mm_spans))
-        for key, data in prep.images.items():
+        for item in prep.items:
             if count:
                 self.metrics.mm_cache_queries += 1
             # a video is there when every entry its spans name is (Qwen3-VL: one per temporal group)
-            if self._cache_reaches(prefill) and all(self.cache.contains(k) for k in prep.video_entries.get(key, [key])):
+            if self._cache_reaches(prefill) and all(self.cache.contains(k) for k in item.entries):
                 if count:  # the prefill worker reads it: no encoder work
                     self.metrics.mm_cache_hits += 1
-                    self.metrics.mm_cache_hit_tokens += prep.num_patches[key] // self.merge_size ** 2
+                    self.metrics.mm_cache_hit_tokens += item.num_patches // self.merge_size ** 2
             else:
-                misses.append((key, data))
+                misses.append(item)
         return misses
 
     async def _live(self, roles: tuple[str, ...], deadline: float) -> list[WorkerInfo]:
@@ -201,11 +202,11 @@ class Placement:
         await outbox.send(prefill.inbox, PrefillRequest(
             attempt.attempt_id, prep.token_ids + emitted, list(prep.mm_spans), sampling,
             list(self.info.eos_token_ids), decode.inbox if decode else None, self.api_index, lora=req.lora))
-        for (key, data), enc in zip(placed.misses, placed.encoders):
+        for item, enc in zip(placed.misses, placed.encoders):
             attempt.encoders.append(enc)
             await outbox.send(enc.inbox, EncodeRequest(  # a video chunk carries its video's mm_hash
-                attempt.attempt_id, prep.video_hashes.get(key, key), data, reply_to=prefill.inbox,
+                attempt.attempt_id, item.mm_hash, item.data, reply_to=prefill.inbox,
                 with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
-                video=prep.video_frames.get(key), lora=prep.tower_lora, alone=attempt.alone))
+                video=item.video, lora=prep.tower_lora, alone=attempt.alone))
             if enc is not prefill:
-                self.encoder_router.on_sent(enc, key, prep.num_patches[key])
+                self.encoder_router.on_sent(enc, item.key, item.num_patches)

@@ -3,56 +3,52 @@
     load media        image and video parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
-      images          header size -> grid and patches, mm_hash             encoders/image_io.py, transport/embedding_cache/mm_cache.py
-      videos          header -> plan (frames, size, tokens), mm_hash, chunks   epd/serve/video_inputs.py
-      tower adapter   --enable-tower-lora and the request's adapter has tower weights: every key
-                      adapted to it (its images never share the base's embeddings)   epd/lora_modules.TowerAdapters
-      prompt          chat template + placeholder expansion (or the completion's text / ids)   epd/inputs/prompt.py
-                      (a prompt past max_model_len refused after tokenizing one piece past it)
+      chat            the input processor shared with the offline LLM, under the server's media
+                      flags: tower adapter, images, videos, prompt, media items
+                                                                          epd/inputs/input_processor.py
+      completion      the prompt's text or ids (a text past max_model_len refused after tokenizing
+                      one piece past it)                                  epd/inputs/prompt.py
+      truncation      truncate_prompt_tokens, never through an image
     check length      the max_tokens to use within max_model_len
 
-Each kind of media is one step of `_prepare` (`_image_refs`, `VideoInputs.plan`),
-adding its spans, bytes and hashes to the same `Prepared`; a video's also its
-`VideoFrames`, which its EncodeRequest carries.
+The `Prepared` holds the prompt, its spans and its items (epd/inputs/media_item.py:
+an image, a video or a video chunk, each with its bytes, key, patches and, a
+video's, the `VideoPlan` its EncodeRequest carries).
 """
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from epd.config import ServeConfig
-from epd.encoders.image_io import ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
+from epd.inputs.input_processor import InputProcessor
 from epd.inputs.media import MediaError, MediaFetcher, image_part_source
+from epd.inputs.media_item import MediaItem
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens, image_parts, video_parts
+from epd.inputs.prompt import PromptTooLong, exceeds_tokens, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
-from epd.serve.video_inputs import PlannedVideo, VideoInputs
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.wire.lora_request import LoRARequest
-from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.wire.mm_span import MMSpan
-from epd.transport.wire.mm_video import VideoFrames
 
 
 @dataclass
 class Prepared:
-    """What every attempt of a request sends (its prompt and images) and may generate."""
+    """What every attempt of a request sends (its prompt and media) and may generate."""
 
     token_ids: list[int]
     mm_spans: list[MMSpan]
-    images: dict[str, bytes]  # mm_hash -> raw bytes, distinct images and videos
-    num_patches: dict[str, int]  # mm_hash -> vision patches (the encoder's work)
+    items: list[MediaItem]  # distinct images, videos and video chunks, one EncodeRequest each when missing
     max_tokens: int = 0  # tokens to generate, over all attempts
     held_image_bytes: int = 0  # counted in --max-pending-image-mb until prefilled (`Preparer.release`)
-    video_frames: dict[str, VideoFrames] = field(default_factory=dict)  # mm_hash -> what to decode: a video
-    video_entries: dict[str, list[str]] = field(default_factory=dict)  # a video's mm_hash -> its entries' keys
     tower_lora: LoRARequest | None = None  # the adapter the encoders run (--enable-tower-lora); keys are its
-    # a video chunk's key -> the video's mm_hash, which its EncodeRequest carries (the encoder keys its
-    # entries from it); a video encoded whole is keyed by its own mm_hash and is not here
-    video_hashes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def has_video(self) -> bool:
+        return any(item.video is not None for item in self.items)
 
 
 class Preparer:
@@ -68,16 +64,12 @@ class Preparer:
         self.tokenizer = files.tokenizer
         self.max_model_len = max_model_len
         self.metrics = metrics
-        self.geometry = files.geometry  # None: text only (no preprocessor_config.json)
-        self.prompts = PromptBuilder(self.tokenizer, self.geometry, info.image_token_id,
-                                     files.chat_template and files.chat_template.text,
-                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
-        self.processor_config = files.processor_config or {}
         self.media = MediaFetcher(config.media)
         self.images_by_uuid = ImagesByUuid()  # vLLM's media uuid: the latest image sent under each
-        self.videos = VideoInputs(files, config.media, dict(config.files.mm_processor_kwargs), info.fingerprint)
+        # the chat path shared with the offline LLM, under the server's media flags
+        self.inputs = InputProcessor(files, info, TowerAdapters(config.engine.lora.enable_tower_lora), config.media,
+                                     dict(config.files.mm_processor_kwargs))
         self.pending_image_bytes = 0  # raw image bytes of requests not yet prefilled
-        self.tower_adapters = TowerAdapters(config.engine.lora.enable_tower_lora)
 
     async def prepare(self, req: GenerateRequest) -> Prepared:
         """Everything a request's attempts send; RequestError for bad input (400) or
@@ -186,42 +178,17 @@ class Preparer:
                 raise RequestError(status=400, message="the prompt is empty", param="prompt")
             if any(not 0 <= t < self.info.vocab_size for t in ids):
                 raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
-            return self._truncated(req, Prepared(ids, [], {}, {}))
-        tower_digest = self._tower_digest(req) if raw_images or raw_videos else None
-        images, num_patches, refs = self._image_refs(raw_images, tower_digest)
-        videos = self.videos.plan(list(raw_videos), req.mm_processor_kwargs, tower_digest)
+            return self._truncated(req, Prepared(ids, [], []))
         try:
-            prompt = self._build_prompt(req, refs, videos, max_prompt_tokens)
+            processed = self.inputs.process_chat(
+                req.messages, raw_images, list(raw_videos), lora=req.lora, mm_processor_kwargs=req.mm_processor_kwargs,
+                add_generation_prompt=req.add_generation_prompt, tools=req.tools,
+                template_kwargs=req.chat_template_kwargs, continue_final_message=req.continue_final_message,
+                max_prompt_tokens=max_prompt_tokens)
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
-        except ValueError as exc:
-            raise RequestError(status=400, message=str(exc), param="messages") from None
-        prep = Prepared(prompt.token_ids, prompt.mm_spans, images, num_patches,
-                        tower_lora=req.lora if tower_digest else None)
-        for video, data in zip(videos, raw_videos):
-            for piece in video.pieces():  # the whole video, or each chunk (--video-chunk-frames)
-                images[piece.key] = data
-                num_patches[piece.key] = piece.num_patches
-                prep.video_frames[piece.key] = piece.frames
-                prep.video_entries[piece.key] = video.piece_entries(piece)
-                if piece.key != video.mm_hash:
-                    prep.video_hashes[piece.key] = video.mm_hash
-        return self._truncated(req, prep)
-
-    def _tower_digest(self, req: GenerateRequest) -> str | None:
-        """The digest of the request's tower adapter (None: the base tower runs its images)."""
-        try:
-            return self.tower_adapters.digest(req.lora)
-        except ValueError as exc:
-            raise RequestError(status=400, message=str(exc), param="model") from None
-
-    def _build_prompt(self, req: GenerateRequest, refs: list[ImageRef], videos: list[PlannedVideo],
-                      max_prompt_tokens: int | None):
-        """The chat template with every image's and video's placeholders (epd/inputs/prompt.py)."""
-        return self.prompts.build(req.messages, refs, req.add_generation_prompt, req.tools,
-                                  max_tokens=max_prompt_tokens, continue_final_message=req.continue_final_message,
-                                  template_kwargs=req.chat_template_kwargs,
-                                  videos=[v.ref for v in videos])
+        return self._truncated(req, Prepared(processed.token_ids, processed.mm_spans, processed.items,
+                                             tower_lora=processed.tower_lora))
 
     def _truncated(self, req: GenerateRequest, prep: Prepared) -> Prepared:
         """vLLM's truncate_prompt_tokens: keep k tokens (-1: as many as the model takes
@@ -246,31 +213,6 @@ class Preparer:
     def _too_long(self, exc: PromptTooLong, param: str) -> RequestError:
         return RequestError(status=400, message=f"This model's maximum context length is {self.max_model_len} "
                             f"tokens; {exc}, leaving none to generate", param=param)
-
-    def _image_refs(self, raw_images: list[bytes], tower_digest: str | None = None
-                    ) -> tuple[dict[str, bytes], dict[str, int], list[ImageRef]]:
-        """Distinct images by mm_hash (adapted to the tower adapter of `tower_digest`, if any),
-        their patches, and each image part's size and hash, from the headers alone;
-        RequestError for an image refused."""
-        images, num_patches, refs, num_pixels = {}, {}, [], 0
-        for data in raw_images:
-            try:
-                width, height = read_image_size(data, self.config.media.max_image_pixels)
-                t, h, w = self.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
-            except (ImageError, ValueError) as exc:
-                raise RequestError(status=400, message=str(exc), param="messages") from None
-            num_pixels += width * height
-            if num_pixels > self.config.media.max_request_pixels:
-                raise RequestError(status=400, message=f"the request's images have more than "
-                                   f"{self.config.media.max_request_pixels} pixels in all (--max-request-pixels)",
-                                   param="messages")
-            key = mm_hash(data, self.info.fingerprint, self.processor_config)
-            if tower_digest is not None:
-                key = adapted_mm_hash(key, tower_digest)
-            images[key] = data
-            num_patches[key] = t * h * w
-            refs.append(ImageRef(width, height, key))
-        return images, num_patches, refs
 
     def _check_length(self, req: GenerateRequest, num_prompt_tokens: int) -> int:
         """The max_tokens to use: what the request asked (None: the generation config's

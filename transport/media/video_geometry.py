@@ -124,6 +124,12 @@ class VideoPlan:
     def is_chunk(self) -> bool:
         return self.total_groups > 0
 
+    @property
+    def num_patches(self) -> int:
+        """The tower's work: patches over every temporal group."""
+        t, h, w = self.grid_thw
+        return t * h * w
+
 
 @dataclass(frozen=True)
 class VideoGeometry:

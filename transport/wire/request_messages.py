@@ -13,7 +13,8 @@ from epd.transport.wire.codec import Fields, WireError
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.message import Message, need, read_address, read_api_index
 from epd.transport.wire.mm_span import MMSpan
-from epd.transport.wire.mm_video import VideoFrames
+from epd.transport.media.video_geometry import VideoPlan
+from epd.transport.wire.mm_video import video_from_fields, video_to_map
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 from epd.transport.wire.wire_values import logprobs_from_list, logprobs_to_list, sampling_from_map, sampling_to_map
 
@@ -61,7 +62,7 @@ class EncodeRequest(Message):
     image: bytes  # raw encoded file bytes (JPEG/PNG/..., or the video's container), its own frame
     reply_to: str
     with_tensors: bool = False
-    video: VideoFrames | None = None  # None: `image` is an image
+    video: VideoPlan | None = None  # the API's plan (transport/wire/mm_video.py); None: `image` is an image
     # --enable-tower-lora: the adapter the tower runs with (None: the base tower, also for an adapter
     # of the language model only); `mm_hash` is then its key (transport/embedding_cache/mm_cache.adapted_mm_hash)
     lora: LoRARequest | None = None
@@ -69,7 +70,7 @@ class EncodeRequest(Message):
 
     def _fields(self):
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
-                "with_tensors": self.with_tensors, "video": None if self.video is None else self.video.to_map(),
+                "with_tensors": self.with_tensors, "video": None if self.video is None else video_to_map(self.video),
                 "lora": _lora_to_wire(self.lora), "alone": self.alone}
 
     def _payload(self):
@@ -80,7 +81,7 @@ class EncodeRequest(Message):
         need(len(payload) == 1 and isinstance(payload[0], bytes), cls.TYPE, "needs one image blob")
         video = f.opt_map("video")
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], read_address(f, "reply_to"),
-                   f.bool("with_tensors"), None if video is None else VideoFrames.from_fields(video),
+                   f.bool("with_tensors"), None if video is None else video_from_fields(video),
                    _lora(f, "lora"), f.bool("alone"))
 
 

@@ -129,7 +129,6 @@ def test_a_video_runs_the_tower_adapter_and_is_keyed_apart(plane, loras, tiny_mo
     from epd.transport.media.video_geometry import load_video_config
     from epd.transport.media.video_keys import entry_hashes, video_mm_hash
     from epd.inputs.video_header import plan_video
-    from epd.serve.video_inputs import wire_plan
     from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
 
     worker = plane.make(TowerLoRASettings(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
@@ -137,7 +136,7 @@ def test_a_video_runs_the_tower_adapter_and_is_keyed_apart(plane, loras, tiny_mo
     _, plan = plan_video(data, worker.video.geometry)
     base_key = video_mm_hash(data, "fp", load_video_config(tiny_model), plan)
     tuned_key = adapted_mm_hash(base_key, adapter_digest(loras["vit"].lora_path))
-    msgs = [EncodeRequest(rid, key, data, reply_to=plane.prefill_address, video=wire_plan(plan), lora=lora)
+    msgs = [EncodeRequest(rid, key, data, reply_to=plane.prefill_address, video=plan, lora=lora)
             for rid, key, lora in (("base", base_key, None), ("vit", tuned_key, loras["vit"]))]
     done = plane.run(worker, msgs)
     assert done["base"].ok and done["vit"].ok

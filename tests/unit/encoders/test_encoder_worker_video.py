@@ -19,9 +19,7 @@ from epd.encoders.video_encoder import VideoEncoder
 from epd.transport.media.video_geometry import load_video_config
 from epd.encoders.video_io import DecodeLimits
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
-from epd.encoders.video_request import video_plan
 from epd.inputs.video_header import plan_video
-from epd.serve.video_inputs import wire_plan
 from epd.transport.wire.addresses import Addresses
 from epd.transport.wire.channels import Receiver
 from epd.transport.wire.messages import EncodeDone, EncodeRequest
@@ -52,7 +50,7 @@ def plane(tiny_model, tmp_path):
     def request(data: bytes, request_id: str = "r") -> EncodeRequest:
         _, plan = plan_video(data, video.geometry)
         key = video_mm_hash(data, "fp", load_video_config(tiny_model), plan)
-        return EncodeRequest(request_id, key, data, reply_to=prefill.address, video=wire_plan(plan))
+        return EncodeRequest(request_id, key, data, reply_to=prefill.address, video=plan)
 
     def run(worker: EncoderWorker, msg: EncodeRequest) -> list[EncodeDone]:
         worker._enqueue(msg, time.perf_counter())
@@ -75,10 +73,10 @@ def test_a_video_is_cached_entry_by_entry_and_a_repeat_is_a_skip(plane):
     data = encode_video(synthetic_frames(11, 64, 96), "mp4", fps=5)
     msg = plane.request(data)
     done = plane.run(worker, msg)
-    keys = entry_hashes(msg.mm_hash, video_plan(msg.video))
+    keys = entry_hashes(msg.mm_hash, msg.video)
     assert len(keys) > 1  # Qwen3-VL: one entry per temporal group
     assert [(d.request_id, d.mm_hash, d.ok, d.embeddings) for d in done] == [("r", k, True, None) for k in keys]
-    reference = dict(plane.video.encode(data, video_plan(msg.video), msg.mm_hash))
+    reference = dict(plane.video.encode(data, msg.video, msg.mm_hash))
     for key in keys:
         torch.testing.assert_close(worker.cache.get(key).embeddings, reference[key].embeddings, atol=1e-6, rtol=0)
     assert (worker.counters.num_images, worker.counters.num_cache_skips) == (1, 0)
@@ -102,7 +100,7 @@ def test_decode_limits_fail_the_request_not_the_worker(plane, limits, message):
     msg = plane.request(data)
     [done] = plane.run(worker, msg)
     assert not done.ok and message in done.error
-    assert done.mm_hash == entry_hashes(msg.mm_hash, video_plan(msg.video))[0]  # the request waits for it
+    assert done.mm_hash == entry_hashes(msg.mm_hash, msg.video)[0]  # the request waits for it
     worker.decode_limits = LIMITS  # the same worker serves the next video
     assert all(d.ok for d in plane.run(worker, plane.request(data, "r2")))
 
@@ -137,7 +135,7 @@ def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_o
     wire), answering its groups' entries; a video whose later frames are cut fails the
     chunk that needs them (one EncodeDone, its first entry) and the first chunk still encodes."""
     from epd.transport.media.video_chunks import split_plan
-    from epd.transport.wire.mm_video import VideoFrames
+    from epd.transport.wire.mm_video import video_from_fields, video_to_map
     from epd.transport.wire.codec import Fields
     from testkit.videos import cut_after_header
 
@@ -145,21 +143,21 @@ def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_o
     frames = synthetic_frames(12, 64, 96, seed=9)
     data = encode_video(frames, "mp4", fps=4)
     whole = plane.request(data)
-    chunks = split_plan(video_plan(whole.video), plane.video.geometry.temporal_patch_size, chunk_frames=2)
+    chunks = split_plan(whole.video, plane.video.geometry.temporal_patch_size, chunk_frames=2)
     assert len(chunks) > 1
     keys = []
     for i, chunk in enumerate(chunks):
-        wire = VideoFrames.from_fields(Fields(wire_plan(chunk).to_map(), "video"))
-        assert wire == wire_plan(chunk) and wire.first_group == chunk.first_group
+        wire = video_from_fields(Fields(video_to_map(chunk), "video"))
+        assert wire == chunk and wire.first_group == chunk.first_group
         done = plane.run(worker, EncodeRequest(f"c{i}", whole.mm_hash, data, reply_to=whole.reply_to, video=wire))
         assert [(d.request_id, d.ok) for d in done] == [(f"c{i}", True)] * chunk.grid_thw[0]
         keys += [d.mm_hash for d in done]
-    assert keys == entry_hashes(whole.mm_hash, video_plan(whole.video))  # the whole video's group keys
+    assert keys == entry_hashes(whole.mm_hash, whole.video)  # the whole video's group keys
     assert worker.counters.num_images == len(chunks)
 
     broken = cut_after_header(frames, fps=4, keep=0.8)  # frames 0 to 5 decode
     other = "e" * 64  # its own key: not the whole clip's, cached above
-    outcomes = [plane.run(worker, EncodeRequest("b", other, broken, reply_to=whole.reply_to, video=wire_plan(chunk)))
+    outcomes = [plane.run(worker, EncodeRequest("b", other, broken, reply_to=whole.reply_to, video=chunk))
                 for chunk in (chunks[0], chunks[-1])]
     assert all(d.ok for d in outcomes[0])
     [failed] = outcomes[1]

@@ -105,7 +105,7 @@ def test_the_tower_adapters_images_are_keyed_apart(tiny_model, loras):
     llm = _llm(tiny_model, enable_tower_lora=True)
     image = IMAGES[0]
     base = llm.encoder.mm_hash(image)
-    digests = {name: llm.tower_adapters.digest(loras[name]) for name in ("tower", "vit", "lang")}
+    digests = {name: llm.inputs.tower_adapters.digest(loras[name]) for name in ("tower", "vit", "lang")}
     assert digests["lang"] is None  # no tower weights: the base's embeddings serve it
     keys = {base} | {llm.encoder.mm_hash(image, digests[name]) for name in ("tower", "vit")}
     assert len(keys) == 3

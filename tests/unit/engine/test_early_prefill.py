@@ -47,7 +47,7 @@ def llm(tiny_model):
 def prompt_of(llm, conversation, images: list[bytes] | None = None):
     images = images_of(conversation) if images is None else images
     refs = [ImageRef(*read_image_size(b), llm.encoder.mm_hash(b)) for b in images]
-    prompt = llm.prompts.build(conversation, refs)
+    prompt = llm.inputs.prompts.build(conversation, refs)
     return prompt.token_ids, prompt.mm_spans, [r.mm_hash for r in refs]
 
 

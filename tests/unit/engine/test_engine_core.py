@@ -31,7 +31,7 @@ def image_prompt(llm):
     """(token ids, spans, {mm_hash: MMEntry}) of a chat prompt with one image."""
     data = image_bytes(64, 48, seed=3)
     ref = ImageRef(*read_image_size(data), llm.encoder.mm_hash(data))
-    prompt = llm.prompts.build([{"role": "user", "content": [image_part(data), {"type": "text", "text": "Hi"}]}],
+    prompt = llm.inputs.prompts.build([{"role": "user", "content": [image_part(data), {"type": "text", "text": "Hi"}]}],
                                [ref])
     [entry] = llm.encoder.encode([data])
     return prompt.token_ids, prompt.mm_spans, {ref.mm_hash: entry}

@@ -92,7 +92,7 @@ def test_a_grammar_that_cannot_compile_fails_its_request_only(llm):
 def test_grammar_survives_the_prefill_to_decode_hand_over(llm, tiny_model):
     """The prefill engine samples token 1 under the mask; the decode engine compiles the
     same schema, advances its matcher by that token and continues: valid JSON."""
-    prompt = llm.prompts.build(PROMPT, []).token_ids
+    prompt = llm.inputs.prompts.build(PROMPT, []).token_ids
     params = SamplingParams(temperature=1.0, seed=11, max_tokens=120, structured_outputs=SO(json=SCHEMA))
     config = EngineConfig.from_flat(num_kv_blocks=32, dtype="float32", device="cpu")
     prefill, decode = EngineCore(tiny_model, config, role="prefill"), EngineCore(tiny_model, config, role="decode")

@@ -36,11 +36,11 @@ def chunked_video(llm, seed: int):
     """(prompt, each chunk's (key, entry) pairs) of a 9-frame clip sampled at 4 fps, a chunk per group."""
     data = encode_video(synthetic_frames(9, 48, 64, seed=seed), "mp4", fps=4)
     _, plan = plan_video(data, llm.video.geometry, VideoOptions(fps=4))
-    key = video_mm_hash(data, llm.engine.info.fingerprint, llm.video_config, plan)
+    key = video_mm_hash(data, llm.engine.info.fingerprint, llm.files.video_processor_config, plan)
     chunks = split_plan(plan, llm.video.geometry.temporal_patch_size, chunk_frames=2)
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "file:///v.mp4"}},
                                              {"type": "text", "text": "What happens?"}]}]
-    prompt = llm.prompts.build(messages, [], videos=[VideoRef(plan, key, tuple(chunks))])
+    prompt = llm.inputs.prompts.build(messages, [], videos=[VideoRef(plan, key, tuple(chunks))])
     return prompt, [llm.video.encode(data, chunk, key) for chunk in chunks], chunks, key
 
 

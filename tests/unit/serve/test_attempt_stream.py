@@ -9,6 +9,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from epd.inputs.media_item import MediaItem
 from epd.requests import RequestError
 from epd.serve.attempt import Attempt, Lost, Retry
 from epd.serve.attempt_stream import AttemptStream
@@ -27,7 +28,7 @@ def tokenizer(tiny_model):
 
 
 def _stream(tokenizer, images: dict | None = None) -> tuple[AttemptStream, WorkerMetrics, list[int]]:
-    prep = Prepared(list(PROMPT), [], images or {}, {}, max_tokens=16)
+    prep = Prepared(list(PROMPT), [], [MediaItem(key, data, 0) for key, data in (images or {}).items()], max_tokens=16)
     metrics, released = WorkerMetrics(WorkerRegistry()), []
     stream = AttemptStream(tokenizer, prep, SamplingParams(max_tokens=16), metrics, timeout_s=5.0,
                            release_images=lambda: released.append(1))

@@ -12,7 +12,7 @@ from epd.transport.wire.messages import (
     decode_message,
 )
 from epd.transport.wire.lora_request import LoRARequest
-from epd.transport.wire.mm_video import VideoFrames
+from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
 from epd.transport.wire.wire_values import CacheFaults, EncoderCounters, EngineCounters, LoRAState, sampling_to_map
 
@@ -59,7 +59,7 @@ def make_messages() -> list[Message]:
         EncodeRequest("req-2", HASH_B, b"", reply_to="tcp://hostb:27101"),  # empty blob frame
         EncodeRequest("req-4", HASH_B, b"img", reply_to="tcp://hostb:27101", alone=True),  # a suspect, re-sent
         EncodeRequest("req-3", HASH_B, b"video", reply_to="tcp://hostb:27101",
-                      video=VideoFrames((0, 2, 4, 4), 32, 64, (2, 2, 4), 4, 2, (0.5, 1.5))),
+                      video=VideoPlan((0, 2, 4, 4), 32, 64, (2, 2, 4), 4, 2, (0.5, 1.5))),
         EncodeRequest("req-5", HASH_A, b"img", reply_to="tcp://hostb:27101",
                       lora=LoRARequest("vit", 3, "/adapters/vit")),  # a tower adapter (--enable-tower-lora)
         EncodeDone("req-1", HASH_A, ok=True),

@@ -1,4 +1,4 @@
-"""A video's plan on the wire (transport/wire/mm_video.py VideoFrames inside an
+"""A video's plan on the wire (transport/wire/mm_video.py: a VideoPlan inside an
 EncodeRequest): every field crosses, and a plan an encoder could not decode
 or lay out as counted is a WireError at decode, naming the field."""
 from __future__ import annotations
@@ -7,12 +7,12 @@ import msgpack
 import pytest
 
 from epd.transport.wire.messages import EncodeRequest, WireError, decode_message
-from epd.transport.wire.mm_video import VideoFrames
+from epd.transport.media.video_geometry import VideoPlan
 
 HASH = "ab" * 32
-QWEN3 = VideoFrames((0, 3, 6, 9, 10), 64, 96, (3, 4, 6), 18, 6, (0.3, 1.5, 2.0))  # last frame repeats into group 3
-QWEN25 = VideoFrames((0, 1, 2, 3), 56, 84, (2, 4, 6), 12, 6, (), 0.4)
-CHUNK = VideoFrames((4, 5, 6), 56, 84, (2, 4, 6), 12, 6, (), 0.4, first_group=2, total_groups=4)  # --video-chunk-frames
+QWEN3 = VideoPlan((0, 3, 6, 9, 10), 64, 96, (3, 4, 6), 18, 6, (0.3, 1.5, 2.0))  # last frame repeats into group 3
+QWEN25 = VideoPlan((0, 1, 2, 3), 56, 84, (2, 4, 6), 12, 6, (), 0.4)
+CHUNK = VideoPlan((4, 5, 6), 56, 84, (2, 4, 6), 12, 6, (), 0.4, first_group=2, total_groups=4)  # --video-chunk-frames
 
 
 @pytest.mark.parametrize("video", [QWEN3, QWEN25, CHUNK, None], ids=["qwen3", "qwen2.5", "chunk", "image"])
@@ -52,3 +52,15 @@ def _with_video(**changes) -> list[bytes]:
 def test_a_plan_the_encoder_cannot_follow_is_refused(changes, match):
     with pytest.raises(WireError, match=match):
         decode_message(_with_video(**changes))
+
+
+def test_the_wire_fields_are_the_plans_in_a_fixed_order():
+    """The header the encoders read: the same fields, in the same order, as every release wrote them
+    (a chunk's first_group and total_groups only when it is one)."""
+    from epd.transport.wire.mm_video import video_to_map
+
+    assert list(video_to_map(CHUNK).items()) == [
+        ("frame_indices", [4, 5, 6]), ("resized_height", 56), ("resized_width", 84), ("grid_thw", [2, 4, 6]),
+        ("num_tokens", 12), ("tokens_per_group", 6), ("group_timestamps_s", []), ("second_per_grid_t", 0.4),
+        ("first_group", 2), ("total_groups", 4)]
+    assert "first_group" not in video_to_map(QWEN3) and video_to_map(QWEN3)["group_timestamps_s"] == [0.3, 1.5, 2.0]

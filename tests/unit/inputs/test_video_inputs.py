@@ -1,4 +1,4 @@
-"""The Preparer's video step (epd/serve/video_inputs.py) on the tiny checkpoint's
+"""The Preparer's video step (epd/inputs/video_inputs.py) on the tiny checkpoint's
 files: whose settings apply (checkpoint, --mm-processor-kwargs, the request), the
 limits read from the header, and keys that follow the plan."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from epd.transport.media.video_geometry import VideoOptions
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFiles
 from epd.requests import RequestError
-from epd.serve.video_inputs import VideoInputs
+from epd.inputs.video_inputs import VideoInputs
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -49,8 +49,8 @@ def test_keys_follow_the_plan(files):
     assert len(a.plan.frame_indices) < len(c.plan.frame_indices)
     assert len(a.entry_hashes) == a.plan.grid_thw[0] > 1  # Qwen3-VL: an entry per temporal group
     [piece] = a.pieces()  # no --video-chunk-frames: one EncodeRequest, under the video's key
-    assert piece.key == a.mm_hash and piece.frames.frame_indices == a.plan.frame_indices
-    assert piece.num_patches == piece.frames.num_patches == a.plan.grid_thw[0] * a.plan.grid_thw[1] * a.plan.grid_thw[2]
+    assert piece.key == a.mm_hash and piece.plan.frame_indices == a.plan.frame_indices
+    assert piece.num_patches == piece.plan.num_patches == a.plan.grid_thw[0] * a.plan.grid_thw[1] * a.plan.grid_thw[2]
 
 
 def test_a_longer_video_is_cut_into_chunks_of_whole_groups(files):
@@ -62,11 +62,11 @@ def test_a_longer_video_is_cut_into_chunks_of_whole_groups(files):
     assert cut.mm_hash == whole.mm_hash and cut.entry_hashes == whole.entry_hashes
     pieces = cut.pieces()
     assert len(pieces) == whole.plan.grid_thw[0] > 2
-    assert [i for p in pieces for i in p.frames.frame_indices] == list(whole.plan.frame_indices)
+    assert [i for p in pieces for i in p.plan.frame_indices] == list(whole.plan.frame_indices)
     assert sum(p.num_patches for p in pieces) == whole.pieces()[0].num_patches
     assert [cut.piece_entries(p) for p in pieces] == [[k] for k in whole.entry_hashes]
     assert [p.key for p in pieces] == whole.entry_hashes and len({p.key for p in pieces}) == len(pieces)
-    assert [p.frames.first_group for p in pieces] == list(range(len(pieces)))
+    assert [p.plan.first_group for p in pieces] == list(range(len(pieces)))
     [short] = inputs(files, video_chunk_frames=64).plan([CLIP], None)  # fits in one chunk: not cut
     assert short.chunks == () and short.pieces()[0].key == short.mm_hash
     with pytest.raises(ValueError, match="--video-chunk-frames"):

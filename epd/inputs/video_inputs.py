@@ -16,30 +16,25 @@ alone (the API process decodes no pixel): `VideoInputs`.
     chunks        --video-chunk-frames: a longer video cut into chunks of whole temporal groups,
                   each its own EncodeRequest (its own encoder)    transport/media/video_chunks.py
 
-Each video's `VideoFrames` (transport/wire/mm_video.py) go to its encoder in the
-EncodeRequest, so the encoder decodes what was counted here.
+Each video's (or chunk's) `VideoPlan` goes to its encoder in the EncodeRequest
+(transport/wire/mm_video.py), so the encoder decodes what was counted here. The offline LLM
+(no media flags: its caller's own files) plans each video as the checkpoint and
+the call say, within no limit, and encodes it whole.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from epd.transport.media.video_chunks import split_plan
-from epd.transport.media.video_geometry import VideoOptions, VideoPlan
+from epd.transport.media.video_geometry import VideoGeometry, VideoMeta, VideoOptions, VideoPlan
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
+from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, split_processor_kwargs
 from epd.inputs.prompt import VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.requests import RequestError
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash
-from epd.transport.wire.mm_video import VideoFrames
-
-
-def wire_plan(plan: VideoPlan) -> VideoFrames:
-    """The plan as an EncodeRequest carries it (transport/wire/mm_video.py)."""
-    return VideoFrames(plan.frame_indices, plan.resized_height, plan.resized_width, plan.grid_thw, plan.num_tokens,
-                       plan.tokens_per_group, plan.group_timestamps_s, plan.second_per_grid_t, plan.first_group,
-                       plan.total_groups)
 
 
 @dataclass(frozen=True)
@@ -50,14 +45,9 @@ class VideoPiece:
     plan: VideoPlan  # the whole plan, or the chunk's
 
     @property
-    def frames(self) -> VideoFrames:
-        return wire_plan(self.plan)
-
-    @property
     def num_patches(self) -> int:
         """The encoder's work (its router's cost): frames x patches, t x h x w over its temporal groups."""
-        t, h, w = self.plan.grid_thw
-        return t * h * w
+        return self.plan.num_patches
 
 
 @dataclass(frozen=True)
@@ -89,10 +79,16 @@ class PlannedVideo:
         """The keys of the entries `piece`'s EncodeRequest writes."""
         return entry_hashes(self.mm_hash, piece.plan)
 
+    def items(self, data: bytes) -> list[MediaItem]:
+        """Its EncodeRequests' items: the whole video, or each chunk (--video-chunk-frames)."""
+        return [MediaItem(piece.key, data, piece.num_patches, piece.plan, tuple(self.piece_entries(piece)),
+                          None if piece.key == self.mm_hash else self.mm_hash) for piece in self.pieces()]
+
 
 class VideoInputs:
-    def __init__(self, files: ModelFiles, media: MediaConfig, server_kwargs: dict, fingerprint: str):
-        """`server_kwargs`: --mm-processor-kwargs (its video keys are every video's defaults)."""
+    def __init__(self, files: ModelFiles, media: MediaConfig | None, server_kwargs: dict, fingerprint: str):
+        """`media`: the server's media flags (None: the offline LLM's caller's own files: no limit,
+        no chunk); `server_kwargs`: --mm-processor-kwargs (its video keys are every video's defaults)."""
         self.files = files
         self.media = media
         self.defaults = split_processor_kwargs(server_kwargs)[1]
@@ -120,28 +116,36 @@ class VideoInputs:
         if geometry is None:
             raise RequestError(self.files.no_video_reason, param="messages")
         options = self.options(request_kwargs)
-        request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
-        image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
         out, num_decoded = [], 0
         for data in raw_videos:
-            try:
-                meta, plan = plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
-                                        max_frame_pixels=self.media.max_image_pixels,
-                                        loader_num_frames=self.media.video_num_frames, request=request,
-                                        server=self.server, max_group_pixels=image_budget)
-            except VideoKwargsRefused as exc:
-                raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
-            except VideoError as exc:
-                raise RequestError(f"video: {exc}", param="messages") from None
+            meta, plan = self._plan(data, geometry, options, request_kwargs)
             num_decoded += (max(plan.frame_indices) + 1) * meta.width * meta.height  # FFmpeg decodes those skipped
-            if num_decoded > self.media.max_request_video_pixels:
+            if self.media is not None and num_decoded > self.media.max_request_video_pixels:
                 raise RequestError(f"the request's videos decode to more than {self.media.max_request_video_pixels} "
                                    "pixels in all (--max-request-video-pixels)", param="messages")
             key = video_mm_hash(data, self.fingerprint, self.files.video_processor_config or {}, plan)
-            chunks = split_plan(plan, geometry.temporal_patch_size, self.media.video_chunk_frames)
+            chunks = split_plan(plan, geometry.temporal_patch_size, self.media.video_chunk_frames) \
+                if self.media is not None else [plan]
             out.append(PlannedVideo(key if tower_digest is None else adapted_mm_hash(key, tower_digest), plan,
                                     tuple(chunks) if len(chunks) > 1 else ()))
         return out
+
+    def _plan(self, data: bytes, geometry: VideoGeometry, options: VideoOptions,
+              request_kwargs: dict | None) -> tuple[VideoMeta, VideoPlan]:
+        """One video's header and plan, within the server's limits (none offline)."""
+        try:
+            if self.media is None:
+                return plan_video(data, geometry, options)
+            request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
+            image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
+            return plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
+                              max_frame_pixels=self.media.max_image_pixels,
+                              loader_num_frames=self.media.video_num_frames, request=request,
+                              server=self.server, max_group_pixels=image_budget)
+        except VideoKwargsRefused as exc:
+            raise RequestError(f"mm_processor_kwargs: {exc}", param="mm_processor_kwargs") from None
+        except VideoError as exc:
+            raise RequestError(f"video: {exc}", param="messages") from None
 
 
 def _request_options(kwargs: dict | None) -> VideoOptions:
