@@ -52,6 +52,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or non-EOS stop token that ended it
 
 
 @dataclass
@@ -60,6 +61,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # vLLM's: with `prompt_logprobs=k`, None for the first prompt token, then each token's logprob
+    # under the tokens before it (its rank, the top k)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -248,7 +252,8 @@ class LLM:
             stopped = []
             for update in result.updates:
                 step = pending[update.request_id].take(update.new_token_ids, result.logprobs.get(update.request_id),
-                                                       update.finish_reason)
+                                                       update.finish_reason,
+                                                       result.prompt_logprobs.get(update.request_id))
                 if step.finish_reason is not None and update.finish_reason is None:
                     stopped.append(update.request_id)  # a stop string ended it; the engine would go on
             if stopped:
@@ -259,7 +264,10 @@ class LLM:
                 seq = pending.get(f"{out.request_id}-{index}")
                 if seq is None:
                     break
-                out.outputs.append(CompletionOutput(index, seq.text, seq.token_ids, seq.finish_reason, seq.logprobs))
+                out.outputs.append(CompletionOutput(index, seq.text, seq.token_ids, seq.finish_reason, seq.logprobs,
+                                                    seq.stop_reason))
+                if seq.prompt_logprobs is not None and out.prompt_logprobs is None:
+                    out.prompt_logprobs = [None, *seq.prompt_logprobs]
         return outputs
 
 
