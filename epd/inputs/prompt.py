@@ -89,6 +89,7 @@ class VideoRef:
         one per chunk for a Qwen2.5-VL video cut into chunks)."""
         return [key for piece in self.pieces for key in entry_hashes(self.mm_hash, piece)]
 
+
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
