@@ -20,9 +20,7 @@ FINGERPRINT_SAMPLE_BYTES = 1 << 20
 class ModelInfo:
     model_dir: str
     family: str  # model_type of a family in engine/models/registry.py
-    image_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
+    image_token_id: int  # config.json's: every image placeholder position holds it
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     spatial_merge_size: int
@@ -50,8 +48,6 @@ class ModelInfo:
             model_dir=str(model_dir),
             family=family.model_type,
             image_token_id=cfg.image_token_id,
-            vision_start_token_id=cfg.vision_start_token_id,
-            vision_end_token_id=cfg.vision_end_token_id,
             eos_token_ids=_eos_token_ids(model_dir, tc),
             max_model_len=int(tc.max_position_embeddings),
             spatial_merge_size=cfg.vision_config.spatial_merge_size,

@@ -2,10 +2,13 @@
 
 Every family runs the same paged decoder (`qwen3_vl.Qwen3VLForCausalLM`);
 what differs is how its Hugging Face text config maps onto our `TextConfig`
-(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs). The vision
-towers have their own table in encoders/loader.py (encoders cannot import the
-engine). `check_family` runs before anything else opens a checkpoint, so an
-unknown family stops start-up with a message naming the supported ones.
+(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs). How it
+writes images and videos into a prompt, and counts an image's tokens, is its
+`PromptFormat` (transport/media/prompt_format.py), which the API process asks
+(torch-free). The vision towers have their own table in encoders/loader.py
+(encoders cannot import the engine). `check_family` runs before anything else
+opens a checkpoint, so an unknown family stops start-up with a message naming
+the supported ones.
 """
 from __future__ import annotations
 
@@ -13,6 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
+from epd.transport.media.prompt_format import PromptFormat
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 
 if TYPE_CHECKING:  # the API process asks for the family and must not load model code (torch)
     from epd.engine.models.qwen3_vl import TextConfig
@@ -28,6 +34,7 @@ class ModelFamily:
     model_type: str  # config.json "model_type"
     architecture: str  # config.json "architectures" entry (transformers' class)
     text_config: Callable[[object], TextConfig]  # hf config -> our decoder's config
+    prompt_format: PromptFormat  # its placeholders, their expansion, its image geometry (torch-free)
 
 
 def _qwen3_vl(hf_config) -> TextConfig:
@@ -49,9 +56,9 @@ def _qwen2_5_vl(hf_config) -> TextConfig:
 
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl),
-    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe),
-    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl),
+    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl, QWEN_VL_FORMAT),
+    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, QWEN_VL_FORMAT),
+    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, QWEN_VL_FORMAT),
 )}
 
 

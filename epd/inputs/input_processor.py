@@ -7,7 +7,8 @@ items: `InputProcessor` (vLLM's), one for the server's Preparer
     images         header size -> grid and patches, mm_hash            encoders/image_io.py,
                                                                        transport/embedding_cache/mm_cache.py
     videos         header -> plan (frames, size, tokens), mm_hash, chunks   epd/inputs/video_inputs.py
-    prompt         chat template + placeholder expansion               epd/inputs/prompt.py
+    prompt         chat template + the family's placeholder expansion  epd/inputs/prompt.py,
+                                                                       engine/models/registry.py (PromptFormat)
     items          one MediaItem per distinct image, video or chunk    epd/inputs/media_item.py
 
 Fetching the bytes stays with each caller (the server fetches asynchronously,
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
+from epd.engine.models.registry import get_family
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles
@@ -59,7 +61,8 @@ class InputProcessor:
         self.processor_config = files.processor_config or {}
         self.prompts = PromptBuilder(files.tokenizer, files.geometry, info.image_token_id,
                                      files.chat_template and files.chat_template.text,
-                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None)
+                                     video_token_id=info.video_token_id if info.video_token_id >= 0 else None,
+                                     prompt_format=get_family(info.family).prompt_format)
         self.videos = VideoInputs(files, limits, dict(server_kwargs or {}), info.fingerprint)
 
     def process_chat(self, messages: list[dict], images: list[bytes], videos: list[bytes], *,

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.transport.media.image_geometry import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS, ImageGeometry,
+from epd.transport.media.image_geometry import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS,
                                                 check_processor_kwargs)
+from epd.transport.media.prompt_format import ItemGeometry
 from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
-from epd.engine.models.registry import check_family
+from epd.engine.models.registry import check_family, family_of
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 from epd.transport.weights.checkpoint_error import CheckpointError
@@ -98,7 +99,7 @@ class ModelFiles:
     chat_template: ChatTemplate | None  # None: chat requests are refused, completions served
     sampling_defaults: SamplingDefaults
     processor_config: dict | None  # preprocessor_config.json; None: text only
-    geometry: ImageGeometry | None = field(default=None)  # None: text only
+    geometry: ItemGeometry | None = field(default=None)  # the family's image geometry; None: text only
     video_geometry: VideoGeometry | None = field(default=None)  # None: no video
     video_processor_config: dict | None = field(default=None)  # the file the video rules came from: in mm_hash
 
@@ -126,7 +127,7 @@ class ModelFiles:
                 raise CheckpointError(str(exc)) from None
             kwargs, _ = split_processor_kwargs(dict(config.mm_processor_kwargs))
             processor_config = {**processor_config, **kwargs}  # what the encoder runs with: part of mm_hash
-            geometry = ImageGeometry.from_pretrained(directory, kwargs)
+            geometry = family_of(hf_config).prompt_format.image_geometry(directory, kwargs)
         video_geometry, video_config = _video_rules(directory)
         return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
                    chat_template=resolve_chat_template(tokenizer_dir, tokenizer, config.chat_template),

@@ -1,38 +1,30 @@
 """Chat messages -> prompt token ids and image / video spans, without decoding pixels.
 
-The chat template renders one `<|image_pad|>` per image; each is expanded to
-the number of placeholder tokens the image will take, computed from its width
-and height alone (`ImageGeometry`), exactly as transformers' Qwen3-VL
-processor does after decoding. Image parts are recognised in the OpenAI form
-(`image_url`) and in transformers' (`image`, `image_pil`).
-
-A video part (`video_url`, `video`) renders one `<|video_pad|>` (the release
-templates: inside `<|vision_start|>...<|vision_end|>`), expanded from its
-`VideoPlan` (made from the header, transport/media/video_geometry.py) as transformers'
-processors write it: Qwen3-VL replaces the template's whole wrapper with
-`<{t:.1f} seconds>` + `<|vision_start|>` + the group's pads + `<|vision_end|>`
-per temporal group (one span per group; Qwen3VLProcessor and vLLM drop the
-outer pair), Qwen2.5-VL keeps the wrapper around one run of pads (one span;
-cut into chunks, `VideoRef.chunks`, one span per chunk).
+The chat template renders one placeholder per image and per video; what they
+are, and the text each becomes, is the model family's `PromptFormat`
+(transport/media/prompt_format.py, registered in engine/models/registry.py):
+an image's from the number of tokens its width and height give
+(`ItemGeometry`), exactly as transformers' processor does after decoding; a
+video's from its `VideoPlan` (made from the header,
+transport/media/video_geometry.py). Image parts are recognised in the OpenAI
+form (`image_url`) and in transformers' (`image`, `image_pil`), video parts as
+`video_url` and `video`. Spans: one per image, one per run of a video's pads
+(a temporal group between timestamps, or a video or chunk of one run;
+`VideoRef.chunks`).
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-from epd.transport.media.image_geometry import ImageGeometry
+from epd.engine.models.registry import FAMILIES
+from epd.transport.media.prompt_format import ItemGeometry, PromptFormat
 from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.media.video_keys import entry_hashes
 from epd.transport.wire.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 VIDEO_PART_TYPES = ("video_url", "video")
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
-WRAPPED_VIDEO_PAD = VISION_START + VIDEO_PAD + VISION_END  # what the release templates write for a video
-_PADS = re.compile(f"({re.escape(WRAPPED_VIDEO_PAD)}|{re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PAD)})")
 PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
 BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
 NO_CHAT_TEMPLATE = ("this model has no chat template (no chat_template.json, chat_template.jinja or "
@@ -97,19 +89,6 @@ class VideoRef:
         one per chunk for a Qwen2.5-VL video cut into chunks)."""
         return [key for piece in self.pieces for key in entry_hashes(self.mm_hash, piece)]
 
-    def placeholder(self, wrapped: bool = False) -> str:
-        """The text that replaces its one `<|video_pad|>` (`wrapped`: the template's
-        `<|vision_start|><|video_pad|><|vision_end|>` around it), as transformers'
-        processor writes it: Qwen3-VL's groups each in their own wrapper, in place of
-        the template's (Qwen3VLProcessor.get_text_with_replacements); Qwen2.5-VL's
-        pads inside the template's wrapper."""
-        plan = self.plan
-        if plan.group_timestamps_s:  # Qwen3VLProcessor.replace_video_token
-            return "".join(f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD * plan.tokens_per_group}{VISION_END}"
-                           for t in plan.group_timestamps_s)
-        pads = VIDEO_PAD * plan.num_tokens
-        return f"{VISION_START}{pads}{VISION_END}" if wrapped else pads
-
 
 @dataclass(frozen=True)
 class Prompt:
@@ -163,19 +142,37 @@ def _parts(messages: list[dict], kinds: tuple[str, ...]) -> list[dict]:
             for part in msg["content"] if part.get("type") in kinds]
 
 
+def token_id(tokenizer, token: str) -> int:
+    """`token`'s id in the tokenizer's vocabulary, -1 when it has none."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    return -1 if found is None or found == getattr(tokenizer, "unk_token_id", None) else found
+
+
+def prompt_format_of(tokenizer) -> PromptFormat:
+    """The format of the first registered family whose image token the tokenizer holds:
+    for a caller that knows the tokenizer but not the checkpoint's family (the server
+    and the LLM name the family's); ValueError when no family's fits."""
+    for family in FAMILIES.values():
+        if token_id(tokenizer, family.prompt_format.image_token) >= 0:
+            return family.prompt_format
+    raise ValueError("the tokenizer holds no registered family's image token: name the prompt format")
+
+
 class PromptBuilder:
-    def __init__(self, tokenizer, geometry: ImageGeometry | None, image_token_id: int,
-                 chat_template: str | None = None, video_token_id: int | None = None):
+    def __init__(self, tokenizer, geometry: ItemGeometry | None, image_token_id: int,
+                 chat_template: str | None = None, video_token_id: int | None = None,
+                 prompt_format: PromptFormat | None = None):
         """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
         (epd/inputs/model_files.py resolves it); None: the tokenizer's own.
-        `video_token_id` (config.json's): None, the tokenizer's `<|video_pad|>` (-1: it has none)."""
+        `video_token_id` (config.json's): None, the tokenizer's video token (-1: it has none).
+        `prompt_format`: the family's (engine/models/registry.py); None: `prompt_format_of(tokenizer)`."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
-        if video_token_id is None:
-            found = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
-            video_token_id = -1 if found is None or found == getattr(tokenizer, "unk_token_id", None) else found
-        self.video_token_id = video_token_id
+        self.format = prompt_format or prompt_format_of(tokenizer)
+        self._placeholders = re.compile("(" + "|".join(re.escape(p) for p in self.format.placeholders) + ")")
+        self.video_token_id = token_id(tokenizer, self.format.video_token) if video_token_id is None \
+            else video_token_id
         self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -209,7 +206,7 @@ class PromptBuilder:
         return self.expand(text, images, videos)
 
     def check_length(self, text: str, images: list[ImageRef], videos: list[VideoRef], max_tokens: int) -> None:
-        """PromptTooLong when `text` (one pad per image and video) surely expands past
+        """PromptTooLong when `text` (one placeholder per image and video) surely expands past
         `max_tokens`, counted from the plans' arithmetic, before any expansion: each pad
         becomes at least its media's placeholder tokens (a video's `plan.num_tokens`)."""
         num_media = sum(self.geometry.num_image_tokens(img.width, img.height) for img in images) \
@@ -221,22 +218,23 @@ class PromptBuilder:
             raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
 
     def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = ()) -> Prompt:
-        """A rendered prompt's one pad per image and video expanded, tokenized, its spans found."""
-        pieces = _PADS.split(text)  # text, pad, text, pad, ..., text (a video's pad with its wrapper, if any)
+        """A rendered prompt's one placeholder per image and video expanded, tokenized, its spans found."""
+        fmt = self.format
+        pieces = self._placeholders.split(text)  # text, placeholder, text, placeholder, ..., text
         pads = pieces[1::2]
-        counts = {"images": (pads.count(IMAGE_PAD), images),
-                  "videos": (pads.count(VIDEO_PAD) + pads.count(WRAPPED_VIDEO_PAD), videos)}
+        counts = {"images": (pads.count(fmt.image_placeholder), images),
+                  "videos": (sum(pads.count(p) for p in fmt.video_placeholders), videos)}
         for name, (count, given) in counts.items():
             if count != len(given):
                 raise ValueError(f"the chat template rendered {count} {name}, {len(given)} were given")
         image_it, video_it = iter(images), iter(videos)
         expanded = [pieces[0]]
         for pad, piece in zip(pads, pieces[2::2]):
-            if pad == IMAGE_PAD:
+            if pad == fmt.image_placeholder:
                 img = next(image_it)
-                expanded.append(IMAGE_PAD * self.geometry.num_image_tokens(img.width, img.height))
+                expanded.append(fmt.expand_image(self.geometry.num_image_tokens(img.width, img.height)))
             else:
-                expanded.append(next(video_it).placeholder(wrapped=pad == WRAPPED_VIDEO_PAD))
+                expanded.append(fmt.expand_video(next(video_it).plan, pad))
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
         return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos))

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.media.video_keys import group_mm_hash
 from epd.engine.models.mrope import mrope_positions
@@ -32,9 +33,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
 
 def test_qwen3_placeholder_text_writes_each_group_with_its_time():
     pads = "<|video_pad|>" * 6
-    assert VideoRef(QWEN3_PLAN, H1).placeholder() == (
+    assert QWEN_VL_FORMAT.expand_video(QWEN3_PLAN, "<|video_pad|>") == (
         f"<0.3 seconds><|vision_start|>{pads}<|vision_end|><1.7 seconds><|vision_start|>{pads}<|vision_end|>")
-    assert VideoRef(QWEN25_PLAN, H1).placeholder() == "<|video_pad|>" * 24
+    assert QWEN_VL_FORMAT.expand_video(QWEN25_PLAN, "<|video_pad|>") == "<|video_pad|>" * 24
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""A family's placeholders belong to its prompt format: the generic prompt and
+serving code (epd/inputs, epd/serve) names none of the Qwen-VL families'
+placeholder strings; they are written once, in transport/media/qwen_vl_format.py,
+and reach the generic code through `ModelFamily.prompt_format`
+(engine/models/registry.py). Comments and docstrings count: a reader who finds
+`<|image_pad|>` in generic code takes it for the engine's assumption."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from epd.engine.models.registry import FAMILIES
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT, VISION_END, VISION_START
+
+ROOT = Path(__file__).resolve().parents[3]
+GENERIC_DIRS = ("epd/inputs", "epd/serve")
+QWEN_STRINGS = (QWEN_VL_FORMAT.image_placeholder, *QWEN_VL_FORMAT.video_placeholders, QWEN_VL_FORMAT.image_token,
+                QWEN_VL_FORMAT.video_token, VISION_START, VISION_END)
+
+
+def _named(text: str) -> list[str]:
+    return sorted({s for s in QWEN_STRINGS if s in text})
+
+
+def test_the_strings_are_qwens_placeholders():
+    assert {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"} <= set(QWEN_STRINGS)
+    assert _named("a <|vision_start|><|image_pad|><|vision_end|> b") == \
+        ["<|image_pad|>", "<|vision_end|>", "<|vision_start|>"]
+
+
+def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
+    files = [p for d in GENERIC_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 10  # the walk found the code
+    named = {str(p.relative_to(ROOT)): found for p in files if (found := _named(p.read_text()))}
+    assert named == {}
+
+
+def test_the_qwen_families_register_the_qwen_format():
+    assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_VL_FORMAT} == \
+        {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}

@@ -1,0 +1,55 @@
+"""How a model family writes its images and videos into a prompt, torch-free:
+`PromptFormat`, the interface the API process and the offline LLM ask
+(epd/inputs/prompt.py `PromptBuilder`, epd/inputs/input_processor.py). A family
+registers one (engine/models/registry.py `ModelFamily.prompt_format`); the
+generic code names no placeholder of its own.
+
+    placeholders   what the chat template writes for one image or video (`image_placeholder`,
+                   `video_placeholders`), found in the rendered text
+    expansion      the text that replaces one of them, given the item's token count or video plan
+                   (`expand_image`, `expand_video`)
+    tokens         the token each of an item's placeholder positions holds (`image_token`,
+                   `video_token`: config.json's image / video token id when it has one)
+    geometry       how an image's size gives its token count, from the checkpoint's processor files
+                   (`image_geometry`: an `ItemGeometry`)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+from epd.transport.media.video_geometry import VideoPlan
+
+
+class ItemGeometry(Protocol):
+    """An image's placeholder count from its width and height alone (no pixels decoded)."""
+
+    merge_size: int  # patches a side per placeholder token: the grid -> tokens rule of today's spans
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """The image's vision grid in patches (t, h, w); ValueError for a size the processor refuses."""
+        ...
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """The placeholder tokens the image takes in the prompt."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """One family's placeholders, their expansion and its image geometry."""
+
+    image_placeholder: str  # what the chat template writes once per image
+    video_placeholders: tuple[str, ...]  # what it may write once per video, the longest first
+    image_token: str  # the token of every placeholder position of an image
+    video_token: str  # ... of a video
+    expand_image: Callable[[int], str]  # number of tokens -> the text replacing `image_placeholder`
+    expand_video: Callable[[VideoPlan, str], str]  # plan, the placeholder found -> the text replacing it
+    # the checkpoint's directory, --mm-processor-kwargs' image keys -> its geometry
+    image_geometry: Callable[[str | Path, dict | None], ItemGeometry]
+
+    @property
+    def placeholders(self) -> tuple[str, ...]:
+        """Every placeholder a rendered prompt may hold, a longer one before any it starts with."""
+        return tuple(sorted((*self.video_placeholders, self.image_placeholder), key=len, reverse=True))
