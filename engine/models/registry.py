@@ -2,7 +2,8 @@
 
 Every family runs the same paged decoder (`qwen3_vl.Qwen3VLForCausalLM`);
 what differs is how its Hugging Face text config maps onto our `TextConfig`
-(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs). The vision
+(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs) and its
+position rule (models/positions.py; all three are M-RoPE). The vision
 towers have their own table in encoders/loader.py (encoders cannot import the
 engine). `check_family` runs before anything else opens a checkpoint, so an
 unknown family stops start-up with a message naming the supported ones.
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the API process asks for the family and must not load model code (torch)
+    from epd.engine.models.positions import PositionRule
     from epd.engine.models.qwen3_vl import TextConfig
 
 
@@ -28,6 +30,7 @@ class ModelFamily:
     model_type: str  # config.json "model_type"
     architecture: str  # config.json "architectures" entry (transformers' class)
     text_config: Callable[[object], TextConfig]  # hf config -> our decoder's config
+    positions: Callable[[object], PositionRule]  # hf config -> where its tokens sit (models/positions.py)
 
 
 def _qwen3_vl(hf_config) -> TextConfig:
@@ -48,10 +51,17 @@ def _qwen2_5_vl(hf_config) -> TextConfig:
     return text_config_from_hf(hf_config)
 
 
+def _mrope(hf_config) -> PositionRule:
+    from epd.engine.models.positions import MRopePositions
+
+    vision = hf_config.vision_config
+    return MRopePositions(vision.spatial_merge_size, float(getattr(vision, "tokens_per_second", None) or 1.0))
+
+
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl),
-    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe),
-    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl),
+    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl, _mrope),
+    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, _mrope),
+    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, _mrope),
 )}
 
 
