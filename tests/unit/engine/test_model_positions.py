@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from testkit.engine_factories import cpu_llm
+from unit.engine import test_cuda_graphs
 
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
@@ -21,6 +22,7 @@ from epd.transport.wire.sampling import SamplingParams
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, list(range(500, 540)), [7, 8] * 12, [3, 901, 77, 250, 18, 640, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+graphs_on_cpu = test_cuda_graphs.graphs_on_cpu  # the fixture: CUDA graphs replayed on the CPU
 
 
 def test_rope_rule_places_token_i_at_i():
@@ -144,3 +146,18 @@ def test_a_draft_must_place_tokens_as_its_target(tiny_model, tiny_draft):
     draft = load_draft_model(tiny_draft, tiny_model, torch.float32, "cpu")
     with pytest.raises(ValueError, match="draft model's positions have 3 rows, the target's 1"):
         DraftModelProposer(draft, 3, 8, 16, "torch", "cpu", draft.cfg.vocab_size, 2, 32, RopePositions())
+
+
+def test_decode_graphs_hold_one_row_of_positions(tiny_model, graphs_on_cpu):
+    """DecodeGraphs' static positions buffer has the model's rows: with the 1-D rule the
+    replayed decode steps (on the CPU, as tests/unit/engine/test_cuda_graphs.py replays
+    them) give the M-RoPE engine's eager tokens."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = [o.outputs[0].token_ids for o in cpu_llm(tiny_model, max_num_seqs=4).generate(prompts, GREEDY)]
+    llm = cpu_llm(tiny_model, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.model.positions = runner.positions = RopePositions()
+    runner.capture_graphs([1, 2, 4], llm.engine.max_model_len)
+    assert runner.graphs._positions.shape[0] == 1
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert runner.graphs.num_replays == GREEDY.max_tokens - 1  # every decode step of the four replayed
