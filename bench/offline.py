@@ -91,7 +91,8 @@ def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
     num_blocks = context_len // block_size + 1
     blocks = list(range(num_blocks))
     meta = AttentionMetadata.build([1], [context_len], [blocks], block_size, device=runner.device)
-    batch = ForwardBatch(positions=torch.full((3, 1), context_len - 1, device=runner.device), attn_meta=meta,
+    rows = runner.positions.position_dims  # the model's (engine/models/positions.py)
+    batch = ForwardBatch(positions=torch.full((rows, 1), context_len - 1, device=runner.device), attn_meta=meta,
                          backend=runner.backend, kv_caches=runner.kv_caches)
     ids = torch.tensor([100], device=runner.device)
     times = []

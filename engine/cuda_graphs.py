@@ -6,8 +6,8 @@ batch). `DecodeGraphs` captures the forward once per batch size at start-up
 and replays it: one launch for the whole step.
 
 A graph replays fixed addresses and fixed launch shapes, so the forward
-reads static buffers sized for the largest graph: token ids, M-RoPE
-positions, slots, context lengths and block tables as wide as
+reads static buffers sized for the largest graph: token ids, positions
+(as many rows as the model's `position_dims`), slots, context lengths and block tables as wide as
 `max_model_len` needs. A step of n decodes uses the smallest captured size
 b >= n: its rows are copied in, rows n..b are padding (slot -1: nothing
 stored; context length 1: they read block 0 and their outputs are dropped).
@@ -47,10 +47,12 @@ def capture_sizes(max_num_seqs: int, max_capture_size: int | None = None) -> lis
 class DecodeGraphs:
     """One captured forward per batch size; `run` replays the smallest that fits."""
 
-    def __init__(self, forward, max_blocks_per_seq: int, block_size: int, device: torch.device):
-        """`forward(input_ids [n], positions [3, n], meta) -> hidden [n, hidden]`: the model's
-        decode forward on the given metadata (the runner's, with its KV cache and backend)."""
+    def __init__(self, forward, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 position_dims: int):
+        """`forward(input_ids [n], positions [position_dims, n], meta) -> hidden [n, hidden]`: the
+        model's decode forward on the given metadata (the runner's, with its KV cache and backend)."""
         self._forward = forward
+        self.position_dims = position_dims  # the model's (engine/models/positions.py)
         self.block_size = block_size
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -71,7 +73,7 @@ class DecodeGraphs:
         long = dict(dtype=torch.long, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
         self._input_ids = torch.zeros(n, **long)
-        self._positions = torch.zeros(3, n, **long)
+        self._positions = torch.zeros(self.position_dims, n, **long)
         self._slots = torch.full((n,), -1, **long)
         self._seq_lens = torch.ones(n, **i32)
         self._cu_seqlens = torch.arange(n + 1, **i32)

@@ -124,10 +124,9 @@ class EngineCore(EngineAdapters):
             embed = model.model.embed_tokens if head[1].embed_tokens is None else head[1].embed_tokens
             eagle3 = Eagle3Proposer(*head, embed, num_blocks, config.scheduler.block_size,
                                     spec.num_speculative_tokens, torch.device(self.device), self.dtype)
-        self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size, self.info.spatial_merge_size,
+        self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device, lora=self.lora, tokens_per_second=self.info.tokens_per_second,
-                                  eagle3=eagle3)
+                                  self.device, lora=self.lora, eagle3=eagle3)
         self.num_blocks = num_blocks
         self.graph_capture_s = self._capture_decode_graphs(role, sched_cfg, eagle3)
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
@@ -139,7 +138,7 @@ class EngineCore(EngineAdapters):
             self.proposer = DraftModelProposer(
                 draft, spec.num_speculative_tokens, num_blocks, config.scheduler.block_size,
                 config.resolved_backend(self.device), self.device, self.info.vocab_size, sched_cfg.max_num_seqs,
-                sched_cfg.max_num_batched_tokens, self.info.spatial_merge_size, self.info.tokens_per_second)
+                sched_cfg.max_num_batched_tokens, model.positions)
         elif spec is not None and role != "prefill":
             self.proposer = eagle3 or NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                     spec.prompt_lookup_max)

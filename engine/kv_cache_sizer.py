@@ -67,7 +67,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     blocks = n // bs + 1
     dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
     cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-    batch = ForwardBatch(positions=torch.zeros(3, n, dtype=torch.long, device=device),
+    batch = ForwardBatch(positions=torch.zeros(model.positions.position_dims, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
                          backend=get_backend(config.resolved_backend(device)),
                          kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])

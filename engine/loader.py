@@ -72,9 +72,10 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str) -> torch.dtype:
 
 def load_language_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
                         device: str | torch.device = "cpu") -> Qwen3VLForCausalLM:
-    cfg = family_of(hf_config).text_config(hf_config)
+    family = family_of(hf_config)
+    cfg = family.text_config(hf_config)
     with torch.device("meta"):
-        model = Qwen3VLForCausalLM(cfg)
+        model = Qwen3VLForCausalLM(cfg, family.positions(hf_config))
     model = materialize(model, device, dtype)
     model.model.rotary = MRotaryEmbedding(cfg, device=device)  # float32 tables, not weights
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -2,7 +2,7 @@
 
 One flattened variable-length batch per step: every scheduled request
 contributes its chunk of tokens (a prefill chunk or one decode token), with
-M-RoPE positions, cache slots and its block table. Image and video
+its positions (the model's rule, engine/models/positions.py), cache slots and its block table. Image and video
 placeholder tokens take their rows of the span's embeddings (a chunk may
 start or end inside a span) and deepstack features; logits are computed only for the rows that
 sample, and for the prompt rows of a request that asked for prompt logprobs
@@ -26,7 +26,6 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.lora.manager import LoRAManager
-from epd.engine.models.mrope import mrope_positions, positions_between
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
@@ -56,7 +55,7 @@ _PROMPT_LOGITS_ROWS = 256  # prompt rows scored at once: [rows, vocab] float32 l
 class _RunnerState:
     """The runner's own state of one request (the worker's is engine/worker/loop.py _RequestState)."""
 
-    prompt_positions: torch.Tensor  # [3, num_prompt_tokens]
+    prompt_positions: torch.Tensor  # [position_dims, num_prompt_tokens]
     delta: int  # position of token i >= num_prompt_tokens is i + delta
     generator: torch.Generator | None
     prompt_logprobs: list[TokenLogprobs] | None = None  # gathered over the prefill chunks
@@ -64,19 +63,17 @@ class _RunnerState:
 
 class ModelRunner:
     def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
-                 spatial_merge_size: int, image_token_id: int, images: ImageLedger,
+                 image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
-                 lora: LoRAManager | None = None, tokens_per_second: float = 1.0,
-                 eagle3: Eagle3Proposer | None = None):
-        """`tokens_per_second`: the vision config's, spacing Qwen2.5-VL video positions (engine/models/mrope.py);
+                 lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None):
+        """`model.positions` places each request's tokens (engine/models/positions.py);
         `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
         self.model = model
+        self.positions = model.positions
         self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
-        self.tokens_per_second = tokens_per_second
         self.images = images  # the engine's: embeddings of the images its requests use
         self.block_size = block_size
-        self.spatial_merge_size = spatial_merge_size
         self.image_token_id = image_token_id
         self.device = torch.device(device)
         self.backend = get_backend(attention_backend)
@@ -131,7 +128,7 @@ class ModelRunner:
         """CUDA graphs of the decode forward for `sizes` sequences (engine/cuda_graphs.py);
         the seconds it took. Decode-only steps without images or adapters replay them."""
         graphs = DecodeGraphs(self._decode_forward, -(-max_model_len // self.block_size), self.block_size,
-                              self.device)
+                              self.device, self.positions.position_dims)
         seconds = graphs.capture(sizes)
         self.graphs = graphs
         return seconds
@@ -146,8 +143,7 @@ class ModelRunner:
     def _state(self, request: Request) -> _RunnerState:
         state = self._states.get(request.request_id)
         if state is None:
-            positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
-                                               self.spatial_merge_size, self.tokens_per_second)
+            positions, delta = self.positions.prompt_positions(request.num_prompt_tokens, request.mm_spans)
             seed = request.sampling_params.seed
             generator = make_generator(seed, self.device) if seed is not None else None
             state = _RunnerState(positions.to(self.device), delta, generator)
@@ -292,8 +288,9 @@ class ModelRunner:
                 state.prompt_logprobs.append(entry)
 
     def _positions(self, req: Request, state: _RunnerState, start: int, end: int) -> torch.Tensor:
-        """[3, end - start] positions of tokens start..end of the request."""
-        return positions_between(state.prompt_positions, state.delta, req.num_prompt_tokens, start, end, self.device)
+        """[position_dims, end - start] positions of tokens start..end of the request."""
+        return self.positions.between(state.prompt_positions, state.delta, req.num_prompt_tokens, start, end,
+                                      self.device)
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> RunnerOutput:
         """logits [rows, vocab]: `num_sample_rows` rows per request, in order. A

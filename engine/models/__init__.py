@@ -6,5 +6,6 @@
     qwen3_vl_moe.py  Qwen3-VL-MoE's text config: sparse MoE MLPs
     moe.py           the sparse mixture-of-experts MLP, routed experts only
     triton_moe.py    fused MoE in Triton (GPU)
+    positions.py     where a model's tokens sit: `position_dims` 1 (RoPE) or 3 (M-RoPE), a request's positions
     mrope.py         M-RoPE positions for a prompt with images and videos
 """

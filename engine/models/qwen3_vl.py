@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epd.engine.models.moe import SparseMoeBlock
+from epd.engine.models.positions import PositionRule
 from epd.transport.weights.checkpoint import unfilled_embedding
 from epd.transport.weights.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
 
@@ -79,7 +80,7 @@ class ForwardBatch:
     layer's `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
     """
 
-    positions: torch.Tensor  # [3, num_tokens] M-RoPE positions (t, h, w)
+    positions: torch.Tensor  # [position_dims, num_tokens]: the model's `positions` rule (models/positions.py)
     attn_meta: object
     backend: object
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -106,7 +107,9 @@ class RMSNorm(nn.Module):
 
 class MRotaryEmbedding:
     """Interleaved M-RoPE: frequency j rotates by the t, h or w position
-    according to `mrope_section`, laid out t,h,w,t,h,w,... (Qwen3-VL).
+    according to `mrope_section`, laid out t,h,w,t,h,w,... (Qwen3-VL). Given
+    one row of positions it is plain RoPE (every frequency by that row), which
+    is M-RoPE's own result where the three rows are equal (text).
 
     Not an nn.Module: its float32 tables must not follow the model's dtype.
     """
@@ -129,9 +132,12 @@ class MRotaryEmbedding:
         self.axis = axis.to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [3, num_tokens] -> cos, sin [num_tokens, 1, head_dim / 2] (float32): one half
+        """positions [3 or 1, num_tokens] -> cos, sin [num_tokens, 1, head_dim / 2] (float32): one half
         of transformers' tables, whose two halves are equal; `apply_rotary` takes them."""
-        pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1]))  # [half, N]
+        if positions.shape[0] == 1:  # plain RoPE: the one row drives every frequency
+            pos = positions.expand(self.axis.shape[0], -1)  # [half, N]
+        else:
+            pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1]))  # [half, N]
         freqs = (pos.t().float() * self.inv_freq)[:, None, :]  # [N, 1, half]
         return freqs.cos(), freqs.sin()
 
@@ -253,11 +259,15 @@ class Qwen3VLTextModel(nn.Module):
 
 
 class Qwen3VLForCausalLM(nn.Module):
-    """Language model + output head. The vision tower lives in encoders/."""
+    """Language model + output head. The vision tower lives in encoders/.
 
-    def __init__(self, cfg: TextConfig):
+    `positions`: where its tokens sit (models/positions.py), the family's rule
+    (registry.py) given by the loader; what the engine asks for a request's positions."""
+
+    def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
         super().__init__()
         self.cfg = cfg
+        self.positions = positions
         self.model = Qwen3VLTextModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

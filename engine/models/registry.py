@@ -2,8 +2,9 @@
 
 Every family runs the same paged decoder (`qwen3_vl.Qwen3VLForCausalLM`);
 what differs is how its Hugging Face text config maps onto our `TextConfig`
-(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs). How it
-writes images and videos into a prompt, and counts an image's tokens, is its
+(q/k norms or q/k/v biases, M-RoPE layout, dense or sparse MLPs) and its
+position rule (models/positions.py; all three are M-RoPE). How it writes
+images and videos into a prompt, and counts an image's tokens, is its
 `PromptFormat` (transport/media/prompt_format.py), which the API process asks
 (torch-free). The vision towers have their own table in encoders/loader.py
 (encoders cannot import the engine). `check_family` runs before anything else
@@ -21,6 +22,7 @@ from epd.transport.media.prompt_format import PromptFormat
 from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 
 if TYPE_CHECKING:  # the API process asks for the family and must not load model code (torch)
+    from epd.engine.models.positions import PositionRule
     from epd.engine.models.qwen3_vl import TextConfig
 
 
@@ -35,6 +37,7 @@ class ModelFamily:
     architecture: str  # config.json "architectures" entry (transformers' class)
     text_config: Callable[[object], TextConfig]  # hf config -> our decoder's config
     prompt_format: PromptFormat  # its placeholders, their expansion, its image geometry (torch-free)
+    positions: Callable[[object], PositionRule]  # hf config -> where its tokens sit (models/positions.py)
 
 
 def _qwen3_vl(hf_config) -> TextConfig:
@@ -55,10 +58,18 @@ def _qwen2_5_vl(hf_config) -> TextConfig:
     return text_config_from_hf(hf_config)
 
 
+def _mrope(hf_config) -> PositionRule:
+    from epd.engine.models.positions import MRopePositions
+
+    vision = hf_config.vision_config
+    return MRopePositions(vision.spatial_merge_size, float(getattr(vision, "tokens_per_second", None) or 1.0))
+
+
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (
-    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl, QWEN_VL_FORMAT),
-    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, QWEN_VL_FORMAT),
-    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, QWEN_VL_FORMAT),
+    ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", _qwen3_vl, QWEN_VL_FORMAT, _mrope),
+    ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", _qwen3_vl_moe, QWEN_VL_FORMAT,
+                _mrope),
+    ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _qwen2_5_vl, QWEN_VL_FORMAT, _mrope),
 )}
 
 

@@ -5,8 +5,8 @@
 The draft is the language model of any checkpoint the engine serves (a
 Qwen3-VL, say, with fewer layers); it reads token ids only, never images:
 an image's placeholder tokens are embedded as ordinary tokens, at the
-target's M-RoPE positions (text after an image continues where the target's
-does). So a draft proposes the same way in every mode, and in e-p-d the
+target's positions (the target model's rule, engine/models/positions.py: text
+after an image continues where the target's does). So a draft proposes the same way in every mode, and in e-p-d the
 decode worker, which receives token ids and KV but no image embeddings,
 needs nothing more. Its drafts are greedy (the draft's argmax): a point
 mass, verified like n-gram drafts (greedy equality, or rejection sampling
@@ -45,7 +45,7 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.kv_cache_sizer import bytes_per_block
-from epd.engine.models.mrope import mrope_positions, positions_between
+from epd.engine.models.positions import PositionRule
 from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
 from epd.engine.request import Request
 
@@ -54,7 +54,7 @@ from epd.engine.request import Request
 class _DraftState:
     request: Request
     num_preemptions: int  # the request's when this state began
-    prompt_positions: torch.Tensor  # [3, num_prompt_tokens] the target's M-RoPE positions
+    prompt_positions: torch.Tensor  # [position_dims, num_prompt_tokens] the target's positions
     delta: int  # position of token i >= num_prompt_tokens is i + delta
     num_valid: int = 0  # positions 0..num_valid - 1 hold the draft's KV
     num_tokens: int = 0  # the request's tokens when it last drafted
@@ -68,9 +68,14 @@ class DraftModelProposer:
 
     def __init__(self, model: Qwen3VLForCausalLM, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  attention_backend: str, device: str | torch.device, target_vocab_size: int, max_num_seqs: int,
-                 max_num_tokens: int, spatial_merge_size: int, tokens_per_second: float = 1.0):
+                 max_num_tokens: int, positions: PositionRule):
         """`num_blocks`: the target's (block ids are shared); `max_num_tokens`: tokens a
-        forward may take (the scheduler's token budget: a long catch-up is chunked)."""
+        forward may take (the scheduler's token budget: a long catch-up is chunked);
+        `positions`: the target model's rule, which places the draft's tokens too (ValueError
+        unless the draft's positions have as many rows)."""
+        if model.positions is not None and model.positions.position_dims != positions.position_dims:
+            raise ValueError(f"the draft model's positions have {model.positions.position_dims} rows, "
+                             f"the target's {positions.position_dims}: a draft must place tokens as its target")
         self.model = model
         self.k = num_speculative_tokens
         self.block_size = block_size
@@ -78,8 +83,7 @@ class DraftModelProposer:
         self.backend = get_backend(attention_backend)
         self.vocab_size = min(target_vocab_size, model.cfg.vocab_size)  # drafts are target ids
         self.max_num_tokens = max_num_tokens
-        self.spatial_merge_size = spatial_merge_size
-        self.tokens_per_second = tokens_per_second
+        self.positions = positions
         cfg = model.cfg
         self.num_scratch = -(-num_speculative_tokens // block_size) + 1  # per sequence
         self.scratch_base = num_blocks
@@ -131,8 +135,7 @@ class DraftModelProposer:
         """The request's state, its valid KV counted from the tokens it holds now."""
         state = self._states.get(request.request_id)
         if state is None or state.num_preemptions != request.num_preemptions:
-            positions, delta = mrope_positions(request.num_prompt_tokens, request.mm_spans,
-                                               self.spatial_merge_size, self.tokens_per_second)
+            positions, delta = self.positions.prompt_positions(request.num_prompt_tokens, request.mm_spans)
             state = _DraftState(request, request.num_preemptions, positions.to(self.device), delta)
             self._states[request.request_id] = state
         elif state.draft:
@@ -175,9 +178,9 @@ class DraftModelProposer:
                 drafts[request.request_id] = out[i]
 
     def _text_positions(self, plans, active: list[int], pos: list[int]) -> torch.Tensor:
-        """[3, len(active)] positions of the output tokens at request indices `pos`."""
+        """[position_dims, len(active)] positions of the output tokens at request indices `pos`."""
         values = [p + plans[i][1].delta for i, p in zip(active, pos)]
-        return torch.tensor(values, dtype=torch.long, device=self.device).expand(3, -1)
+        return self.positions.later(torch.tensor(values, dtype=torch.long, device=self.device))
 
     def _table(self, index: int, request: Request, num_positions: int) -> list[int]:
         """The request's blocks, then its scratch blocks up to `num_positions` positions."""
@@ -188,9 +191,9 @@ class DraftModelProposer:
         return own + list(range(first, first + max(0, extra)))
 
     def _positions(self, request: Request, state: _DraftState, start: int, end: int) -> torch.Tensor:
-        """[3, end - start] the target's positions of tokens start..end."""
-        return positions_between(state.prompt_positions, state.delta, request.num_prompt_tokens, start, end,
-                                 self.device)
+        """[position_dims, end - start] the target's positions of tokens start..end."""
+        return self.positions.between(state.prompt_positions, state.delta, request.num_prompt_tokens, start, end,
+                                      self.device)
 
     def _forward(self, token_ids: list[int], positions: torch.Tensor, q_lens: list[int], seq_lens: list[int],
                  tables: list[list[int]]) -> torch.Tensor:
