@@ -104,7 +104,9 @@ def test_killing_each_role_loses_no_request(tiny_model, tmp_path):
             assert sum(r[2] == 200 for *_, r in traffic.results) >= len(traffic.results) // 2, \
                 traffic.results
             assert server.metric_sum("epd:worker_restarts_total", role=role) == 1
-        assert server.metric_sum("epd:requests_recovered_total") >= 1  # the killed workers had requests
+        assert server.metric_sum("epd:requests_recovered_total") >= 1, \
+            [line for line in server.log().splitlines() if "sending it again" in line or "died" in line
+             or "request " in line][-40:]  # the killed workers had requests
         assert "restarting in" in server.log()
         print(f"recovery after SIGKILL (restart + registered + /health 200): "
               f"{ {k: round(v, 1) for k, v in recovery_s.items()} } s")
