@@ -21,14 +21,14 @@ def entry(seed: int, n: int = 8, hidden: int = 16, dtype=torch.float32,
           num_deepstack: int = 2) -> MMEntry:
     g = torch.Generator().manual_seed(seed)
     return MMEntry(torch.randn(n, hidden, generator=g).to(dtype),
-                   [torch.randn(n, hidden, generator=g).to(dtype) for _ in range(num_deepstack)],
-                   (1, 2 * n, 2))
+                   {f"deepstack.{i}": torch.randn(n, hidden, generator=g).to(dtype) for i in range(num_deepstack)},
+                   {"grid_thw": (1, 2 * n, 2)})
 
 
 def same(a: MMEntry, b: MMEntry) -> bool:
-    return (a.grid_thw == b.grid_thw and a.embeddings.dtype == b.embeddings.dtype
-            and torch.equal(a.embeddings, b.embeddings) and len(a.deepstack) == len(b.deepstack)
-            and all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack)))
+    return (a.meta == b.meta and a.embeddings.dtype == b.embeddings.dtype
+            and torch.equal(a.embeddings, b.embeddings) and list(a.extras) == list(b.extras)
+            and all(torch.equal(x, y) for x, y in zip(a.extras.values(), b.extras.values())))
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_put_get_round_trip(cache, dtype):
 
 
 def test_zero_token_entry_and_no_deepstack(cache):
-    e = MMEntry(torch.zeros(0, 16), [], (1, 0, 0))
+    e = MMEntry(torch.zeros(0, 16), {}, {"grid_thw": (1, 0, 0)})
     assert cache.put(key(2), e) and same(cache.get(key(2)), e)
 
 
