@@ -3,6 +3,7 @@ import multiprocessing as mp
 import time
 
 import lmdb
+import msgpack
 import pytest
 import torch
 
@@ -185,6 +186,26 @@ def test_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, make_value):
     with MMCache(path, 16 * MiB, model_fingerprint=FP) as c:
         assert c.get(key(0)) is None and len(c) == 1  # a writer deletes it
         assert same(c.get(key(1)), entry(1))
+        assert c.put(key(0), entry(0)) and same(c.get(key(0)), entry(0))
+
+
+def _format_1_value(e: MMEntry) -> bytes:
+    """A value as format 1 wrote it: the grid and deepstack features as fields of their own."""
+    tensors = [e.embeddings.contiguous(), *e.extras.values()]
+    header = msgpack.packb({"v": 1, "fingerprint": FP, "grid_thw": list(e.meta["grid_thw"]), "created_s": 1.0,
+                            "tensors": [{"dtype": "float32", "shape": list(t.shape)} for t in tensors]})
+    value = b"EPDMM\x00v1" + len(header).to_bytes(4, "little") + header
+    for t in tensors:
+        value += b"\0" * (-len(value) % 64) + t.numpy().tobytes()
+    return value
+
+
+def test_a_format_1_value_is_a_miss_never_misread(tmp_path):
+    path = tmp_path / "mm"
+    MMCache(path, 16 * MiB, model_fingerprint=FP).close()
+    _raw_put(path, bytes.fromhex(key(0)), _format_1_value(entry(0)))
+    with MMCache(path, 16 * MiB, model_fingerprint=FP) as c:
+        assert c.get(key(0)) is None and c.stats.bad_entries == 1 and len(c) == 0
         assert c.put(key(0), entry(0)) and same(c.get(key(0)), entry(0))
 
 
