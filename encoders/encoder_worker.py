@@ -252,9 +252,9 @@ class EncoderWorker(WorkerIO):
             done = EncodeDone(msg.request_id, key, ok=False, error=error)
         elif entry is not None:
             self.counters.num_inline += 1
-            self.counters.inline_bytes += entry.embeddings.nbytes + sum(t.nbytes for t in entry.deepstack)
+            self.counters.inline_bytes += entry.embeddings.nbytes + sum(t.nbytes for t in entry.extras.values())
             done = EncodeDone(msg.request_id, key, ok=True, embeddings=entry.embeddings,
-                              deepstack=list(entry.deepstack), grid_thw=tuple(entry.grid_thw))
+                              extras=dict(entry.extras), meta=dict(entry.meta))
         else:
             done = EncodeDone(msg.request_id, key, ok=True)
         self._send_done(msg, done)

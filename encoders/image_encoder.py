@@ -26,6 +26,7 @@ from epd.encoders.tower_lora import TowerLoRA, TowerLoRASettings
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.encoders.vision_tower import deepstack_extras
 from epd.transport.weights.cpu_linear import pack_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
@@ -131,8 +132,8 @@ class ImageEncoder:
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
             on_batch(len(images), preprocessed - start, time.perf_counter() - preprocessed)
-        # deepstack [num_deepstack, num_tokens, out_hidden] -> views, each [num_tokens, out_hidden]
-        return [MMEntry(e, list(d.unbind(0)), g) for e, d, g in zip(result.embeds, result.deepstack, grids)]
+        return [MMEntry(e, deepstack_extras(d), {"grid_thw": g})
+                for e, d, g in zip(result.embeds, result.deepstack, grids)]
 
     def _load(self, data: bytes, on_decode: DecodeTimer | None):
         start = time.perf_counter()

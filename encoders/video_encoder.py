@@ -34,6 +34,7 @@ from epd.encoders.video_io import decode_frames
 from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer, normalize_frames, patchify, resize_frames
 from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.encoders.vision_tower import deepstack_extras
 
 # (frames decoded, decode s, preprocessing s, ViT forward s) of one video
 VideoTimer = Callable[[int, float, float, float], None]
@@ -101,8 +102,9 @@ class VideoEncoder:
         if on_done is not None:
             on_done(preprocess_s, forward_s)
         keys = entry_hashes(mm_hash, plan)
-        if len(keys) == t:  # one entry per group; deepstack [num_deepstack, n, hidden] -> views
-            return [(key, MMEntry(e, list(d.unbind(0)), (1, h, w))) for key, e, d in zip(keys, embeds, deepstack)]
+        if len(keys) == t:  # one entry per group
+            return [(key, MMEntry(e, deepstack_extras(d), {"grid_thw": (1, h, w)}))
+                    for key, e, d in zip(keys, embeds, deepstack)]
         merged = torch.cat(embeds)
         stacked = torch.cat(deepstack, dim=1)
-        return [(keys[0], MMEntry(merged, list(stacked.unbind(0)), (t, h, w)))]
+        return [(keys[0], MMEntry(merged, deepstack_extras(stacked), {"grid_thw": (t, h, w)}))]

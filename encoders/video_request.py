@@ -44,7 +44,7 @@ def encode_video_request(video: VideoEncoder | None, msg: EncodeRequest, limits:
     first_key = video_keys(msg)[0]
     if video is None:
         return [(first_key, NO_VIDEO_ENCODER)]
-    plan = msg.video  # the API's plan, as the EncodeRequest carried it (transport/wire/mm_video.py)
+    plan = msg.video  # the API's plan, as the EncodeRequest carried it (transport/media/video_plan_fields.py)
     try:
         start = time.perf_counter()
         if limits is not None:

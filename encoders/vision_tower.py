@@ -67,6 +67,13 @@ class VisionOutput:
     deepstack: list[torch.Tensor]  # each [num_deepstack, num_tokens_i, out_hidden]
 
 
+def deepstack_extras(deepstack: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One item's deepstack features [num_deepstack, n, out_hidden] as its entry's
+    extras: "deepstack.{i}" -> view [n, out_hidden], each a frame no larger than
+    the embeddings' (engine/models/qwen3_vl.py reads them back in order)."""
+    return {f"deepstack.{i}": d for i, d in enumerate(deepstack.unbind(0))}
+
+
 def _activation(name: str):
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         return lambda x: F.gelu(x, approximate="tanh")

@@ -210,10 +210,8 @@ class ModelRunner:
         if mm_rows:
             batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
             batch.mm_embeds = torch.cat([e.embeddings[a:b] for e, a, b in mm_rows]).to(self.device)
-            num_deepstack = len(mm_rows[0][0].deepstack)
-            if num_deepstack:  # [num_deepstack, num_mm_tokens, hidden]
-                batch.mm_deepstack = torch.stack([torch.cat([e.deepstack[i][a:b] for e, a, b in mm_rows])
-                                                  for i in range(num_deepstack)]).to(self.device)
+            batch.mm_extras = {name: torch.cat([e.extras[name][a:b] for e, a, b in mm_rows]).to(self.device)
+                               for name in mm_rows[0][0].extras}  # each [num_mm_tokens, ...]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         with self._adapters(chunks, len(token_ids)):
             if self.graphs is not None and not mm_rows and self.graphs.fits(meta) \

@@ -24,17 +24,18 @@ def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
                     tokens_per_second: float = 1.0) -> tuple[torch.Tensor, int]:
     """Positions [3, num_tokens] for a prompt and the delta for later tokens.
 
-    `spans` are the prompt's images and videos in order, each with `.offset`,
-    `.length`, `.grid_thw` (patches, before the spatial merge) and
-    `.second_per_grid_t` (0: temporal index = group index). `tokens_per_second`:
-    the vision config's (Qwen2.5-VL).
+    `spans` are the prompt's images and videos in order (MMSpan), each with
+    `.offset`, `.length` and in `.meta` "grid_thw" (patches, before the spatial
+    merge), "second_per_grid_t" (absent or 0: temporal index = group index) and
+    "first_group" (absent or 0: no chunk continued). `tokens_per_second`: the
+    vision config's (Qwen2.5-VL).
     """
     pieces = []
     cursor = 0  # prompt index of the next token to place
     pos = 0  # running position
     start = 0  # running position the last span was placed at
     for span in spans:
-        first_group = getattr(span, "first_group", 0)
+        first_group = span.meta.get("first_group", 0)
         if first_group:  # the next chunk of the video just placed: the same start, its later groups
             assert span.offset == cursor, "a video chunk's span must follow the span before it"
             pos = start
@@ -42,13 +43,13 @@ def mrope_positions(num_tokens: int, spans, spatial_merge_size: int,
             n = span.offset - cursor
             pieces.append(torch.arange(pos, pos + n).expand(3, n))
             pos += n
-        t, h, w = span.grid_thw
+        t, h, w = span.meta["grid_thw"]
         h, w = h // spatial_merge_size, w // spatial_merge_size
-        assert t * h * w == span.length, f"span of {span.length} tokens does not match grid {span.grid_thw}"
+        assert t * h * w == span.length, f"span of {span.length} tokens does not match grid {span.meta['grid_thw']}"
         groups = torch.arange(first_group, first_group + t)
-        if getattr(span, "second_per_grid_t", 0.0):
+        if span.meta.get("second_per_grid_t", 0.0):
             step = torch.tensor(tokens_per_second, dtype=torch.float32) \
-                * torch.tensor(span.second_per_grid_t, dtype=torch.float32)
+                * torch.tensor(span.meta["second_per_grid_t"], dtype=torch.float32)
             groups = (groups * step).long()
         tt = groups.view(t, 1, 1).expand(t, h, w).reshape(-1)
         hh = torch.arange(h).view(1, h, 1).expand(t, h, w).reshape(-1)

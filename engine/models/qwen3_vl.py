@@ -12,7 +12,7 @@ the paged cache through the backend in the `ForwardBatch`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +87,9 @@ class ForwardBatch:
     # Image embeddings for this step, if any token of the batch is an image placeholder.
     mm_mask: torch.Tensor | None = None  # [num_tokens] bool
     mm_embeds: torch.Tensor | None = None  # [num_mm_tokens, hidden]
-    mm_deepstack: torch.Tensor | None = None  # [num_deepstack, num_mm_tokens, hidden]
+    # the entries' named extras (MMEntry.extras), name -> [num_mm_tokens, ...]; Qwen3-VL's deepstack
+    # features are "deepstack.0", "deepstack.1", ..., each [num_mm_tokens, hidden]
+    mm_extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class RMSNorm(nn.Module):
@@ -247,14 +249,15 @@ class Qwen3VLTextModel(nn.Module):
         if batch.mm_mask is not None:
             x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the ViT output
         cos, sin = self.rotary(batch.positions)
-        num_deepstack = 0 if batch.mm_deepstack is None else batch.mm_deepstack.shape[0]
+        deepstack = [batch.mm_extras[f"deepstack.{i}"] for i in range(len(batch.mm_extras))
+                     if f"deepstack.{i}" in batch.mm_extras]
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 aux[i] = x.clone()  # deepstack adds into x in place
             x = layer(x, cos, sin, batch)
-            if i < num_deepstack:
-                x[batch.mm_mask] += batch.mm_deepstack[i].to(x.dtype)
+            if i < len(deepstack):
+                x[batch.mm_mask] += deepstack[i].to(x.dtype)
         return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 

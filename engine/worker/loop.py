@@ -203,7 +203,7 @@ class EngineWorker(KVHandover, WorkerIO):
                     self._image_failed(msg.mm_hash, "image embedding missing from the cache (evicted before use?)")
                 return
         else:
-            entry = MMEntry(msg.embeddings, list(msg.deepstack), msg.grid_thw or (1, 1, 1))
+            entry = MMEntry(msg.embeddings, dict(msg.extras), dict(msg.meta))
             if self.cache is not None:  # no shared cache dir: keep a copy in ours
                 self.cache.put(msg.mm_hash, entry)
         self._image_arrived(msg.mm_hash, entry, keep=not ended)

@@ -272,7 +272,19 @@ class PromptBuilder:
         expected = t * h * w // self.geometry.merge_size ** 2
         if length != expected:
             raise ValueError(f"image placeholder run of {length} tokens, expected {expected}")
-        return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash, grid_thw=grid)
+        return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash, meta=span_meta(grid))
+
+
+def span_meta(grid_thw: tuple[int, int, int], second_per_grid_t: float = 0.0, first_group: int = 0) -> dict:
+    """A Qwen span's metadata (MMSpan.meta, read by engine/models/mrope.py): its grid in
+    patches, and a Qwen2.5-VL video's seconds per temporal group and a chunk's first
+    group, each only when set."""
+    meta: dict = {"grid_thw": tuple(grid_thw)}
+    if second_per_grid_t:
+        meta["second_per_grid_t"] = second_per_grid_t
+    if first_group:
+        meta["first_group"] = first_group
+    return meta
 
 
 def _video_spans(offset: int, length: int, video_runs) -> list[MMSpan]:
@@ -285,8 +297,8 @@ def _video_spans(offset: int, length: int, video_runs) -> list[MMSpan]:
             raise ValueError("the prompt holds more video placeholders than the videos take")
         if span.length > end - offset or (span.length < end - offset and not span.continues):
             raise ValueError(f"video placeholder run of {length} tokens does not fit the video's")
-        spans.append(MMSpan(offset, span.length, span.mm_hash, span.grid_thw, span.second_per_grid_t,
-                            span.first_group))
+        spans.append(MMSpan(offset, span.length, span.mm_hash,
+                            span_meta(span.grid_thw, span.second_per_grid_t, span.first_group)))
         offset += span.length
     if span.continues:
         raise ValueError(f"video placeholder run of {length} tokens is shorter than the video's")

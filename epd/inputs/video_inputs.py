@@ -17,7 +17,7 @@ alone (the API process decodes no pixel): `VideoInputs`.
                   each its own EncodeRequest (its own encoder)    transport/media/video_chunks.py
 
 Each video's (or chunk's) `VideoPlan` goes to its encoder in the EncodeRequest
-(transport/wire/mm_video.py), so the encoder decodes what was counted here. The offline LLM
+(transport/media/video_plan_fields.py), so the encoder decodes what was counted here. The offline LLM
 (no media flags: its caller's own files) plans each video as the checkpoint and
 the call say, within no limit, and encodes it whole.
 """

@@ -44,7 +44,7 @@ def make_image_prompt(num_text_before: int, num_image_tokens: int, num_text_afte
     token_ids = (list(range(1, num_text_before + 1)) + [IMAGE_PAD_ID] * num_image_tokens
                  + list(range(500, 500 + num_text_after)))
     span = MMSpan(offset=num_text_before, length=num_image_tokens, mm_hash=mm_hash,
-                  grid_thw=(1, 2, 2 * num_image_tokens))
+                  meta={"grid_thw": (1, 2, 2 * num_image_tokens)})
     return token_ids, span
 
 
@@ -119,7 +119,7 @@ def image_request(mm_hashes: Sequence[str], num_image_tokens: int = 4, num_text:
     """`num_text` text tokens, then each image's placeholders followed by two text tokens."""
     token_ids, spans = list(range(1, num_text + 1)), []
     for mm_hash in mm_hashes:
-        spans.append(MMSpan(len(token_ids), num_image_tokens, mm_hash, (1, 2, 2 * num_image_tokens)))
+        spans.append(MMSpan(len(token_ids), num_image_tokens, mm_hash, {"grid_thw": (1, 2, 2 * num_image_tokens)}))
         token_ids += [IMAGE_PAD_ID] * num_image_tokens + [500, 501]
     return make_request(prompt_token_ids=token_ids, mm_spans=spans, **kwargs)
 

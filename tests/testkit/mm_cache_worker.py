@@ -18,7 +18,7 @@ def key_of(i: int) -> str:
 
 def entry_of(i: int) -> MMEntry:
     """Entry i: every element equals i, so any reader can check what it got."""
-    return MMEntry(torch.full((8, 16), float(i)), [torch.full((8, 16), float(-i))], (1, 4, 8))
+    return MMEntry(torch.full((8, 16), float(i)), {"deepstack.0": torch.full((8, 16), float(-i))}, {"grid_thw": (1, 4, 8)})
 
 
 def check_new(cache: MMCache, pending: set[int]) -> None:
@@ -27,7 +27,7 @@ def check_new(cache: MMCache, pending: set[int]) -> None:
         got = cache.get(key_of(i))
         if got is not None:
             assert torch.equal(got.embeddings, entry_of(i).embeddings), f"entry {i} differs"
-            assert torch.equal(got.deepstack[0], entry_of(i).deepstack[0])
+            assert torch.equal(got.extras["deepstack.0"], entry_of(i).extras["deepstack.0"])
             pending.discard(i)
 
 

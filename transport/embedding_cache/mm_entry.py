@@ -1,11 +1,16 @@
-"""One cached image: its embeddings and the bytes format they are stored in.
+"""One cached item: its embeddings, named extras, and the bytes format they are stored in.
 
 Value layout (little-endian), tensors 64-byte aligned within the value:
 
     b"EPDMM\\x00v1"  8-byte magic
     u32             header length
-    header          msgpack {"v", "fingerprint", "grid_thw", "created_s", "tensors": [meta...]}
-    pad, tensor 0 (embeddings [n, hidden]), pad, tensor 1.. (deepstack, each [n, hidden])
+    header          msgpack {"v": 2, "fingerprint", "meta", "extras": [name...], "created_s",
+                             "tensors": [tensor meta...]}
+    pad, tensor 0 (embeddings [n, hidden]), pad, tensor 1.. (the extras in `extras`' order, each [n, ...])
+
+Format 2 (named extras, the item's family metadata in "meta"); a value of
+another format reads as a miss, as a corrupt one does, so an old cache is
+never misread.
 
 Offsets are not stored: they follow from the header, and the value must end
 exactly where the last tensor does, so truncation or padding is detected.
@@ -15,32 +20,36 @@ from __future__ import annotations
 
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from epd.transport.wire.codec import Fields, WireError, decode_tensor, encode_tensor, pack_header
 from epd.transport.wire.codec import tensor_nbytes, unpack_header
+from epd.transport.wire.mm_span import MetaValue, meta_from_wire, meta_to_wire
 
 MAGIC = b"EPDMM\x00v1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: a family's extras and grid as fields of their own
 _ALIGN = 64
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 
 
 @dataclass
 class MMEntry:
-    """Vision-tower output for one image, as the language model consumes it.
+    """Vision-tower output for one item, as the language model consumes it.
 
     The one type for it in every layer: the encoder returns it, the cache
     stores it, EncodeDone carries its tensors and the engine's runner merges
-    it at the image's placeholder tokens.
+    it at the item's placeholder tokens. `extras` are what a family's language
+    model takes beside the embeddings, row i of each belonging to placeholder
+    token i (a family's model names its own: engine/models/); `meta` the
+    family's metadata of the item, as its span carries it (mm_span.py).
     """
 
-    embeddings: torch.Tensor  # [n, hidden], n = placeholder tokens of the image
-    deepstack: list[torch.Tensor]  # each [n, hidden]; [] for models without deepstack
-    grid_thw: tuple[int, int, int]  # patch grid before spatial merge
+    embeddings: torch.Tensor  # [n, hidden], n = placeholder tokens of the item
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n, ...]
+    meta: dict[str, MetaValue] = field(default_factory=dict)
     created_s: float = 0.0  # time.time() when first written; set by `encode_entry`
 
 
@@ -52,13 +61,14 @@ def encode_entry(entry: MMEntry, model_fingerprint: str) -> bytes:
     """Serialize `entry` into one cache value (one copy of the tensor bytes)."""
     if entry.embeddings.ndim != 2:
         raise ValueError(f"embeddings must be [n, hidden], got {list(entry.embeddings.shape)}")
-    if any(d.shape != entry.embeddings.shape for d in entry.deepstack):
-        raise ValueError("deepstack features must match the embeddings' shape")
-    parts = [encode_tensor(t) for t in (entry.embeddings, *entry.deepstack)]
+    if any(x.ndim < 1 or x.shape[0] != entry.embeddings.shape[0] for x in entry.extras.values()):
+        raise ValueError("extras must be [n, ...], a row per embedding row")
+    parts = [encode_tensor(t) for t in (entry.embeddings, *entry.extras.values())]
     header = pack_header({
         "v": FORMAT_VERSION,
         "fingerprint": model_fingerprint,
-        "grid_thw": list(entry.grid_thw),
+        "meta": meta_to_wire(entry.meta),
+        "extras": list(entry.extras),
         "created_s": entry.created_s or time.time(),
         "tensors": [meta for meta, _ in parts],
     })
@@ -110,17 +120,21 @@ def decode_entry(value: Any, model_fingerprint: str) -> MMEntry:
     """
     header, offsets, end = read_header(value, model_fingerprint)
     f = Fields(header, "mm_entry")
-    grid = f.grid("grid_thw")
-    if grid is None:
-        raise WireError("cache value has no grid_thw")
+    names = f.list_of("extras", str)
+    if len(set(names)) != len(names) or len(names) != len(offsets) - 1:
+        raise WireError("cache value extras: one distinct name per tensor after the embeddings")
+    try:
+        meta = meta_from_wire(f.map("meta").header)
+    except ValueError as e:
+        raise WireError(f"cache value: {e}") from None
     base = offsets[0]
     blob = memoryview(bytearray(memoryview(value)[base:end]))  # the one copy
     tensors = []
-    for meta, offset in zip(header["tensors"], offsets):
+    for tensor_meta, offset in zip(header["tensors"], offsets):
         start = offset - base
-        tensors.append(decode_tensor(meta, blob[start:start + tensor_nbytes(meta)]))
-    embeddings, deepstack = tensors[0], tensors[1:]
-    if embeddings.ndim != 2 or any(d.shape != embeddings.shape for d in deepstack):
-        raise WireError("cache value tensors are not [n, hidden]")
-    return MMEntry(embeddings, deepstack, grid, f.float("created_s"))
+        tensors.append(decode_tensor(tensor_meta, blob[start:start + tensor_nbytes(tensor_meta)]))
+    embeddings, extras = tensors[0], tensors[1:]
+    if embeddings.ndim != 2 or any(x.ndim < 1 or x.shape[0] != embeddings.shape[0] for x in extras):
+        raise WireError("cache value tensors are not [n, hidden] and extras [n, ...]")
+    return MMEntry(embeddings, dict(zip(names, extras)), meta, f.float("created_s"))
 

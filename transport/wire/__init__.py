@@ -9,8 +9,7 @@ codec.py             tensor <-> (meta, bytes), msgpack headers, typed header fie
 wire_values.py       the values messages carry (sampling, logprobs, worker counters)
 sampling.py          SamplingParams and TokenLogprobs, torch-free
 lora_request.py      LoRARequest: which adapter a request runs with
-mm_span.py           an image's or video's placeholder run in a prompt
-mm_video.py          a video's plan (`VideoPlan`) as the encoder receives it
+mm_span.py           an item's placeholder run in a prompt, and a family's metadata of it
 histogram.py         a histogram a worker fills and sends whole
 addresses.py         the one place a ZeroMQ address is built
 channels.py          typed channels: the only way our code touches a socket

@@ -19,8 +19,8 @@ def engine_inbox_frame_bytes(num_layers: int, num_kv_heads: int, head_dim: int, 
                              max_model_len: int, block_size: int) -> int:
     """A prefill, decode, pd or aggregated worker's inbox: the k (or v) frame of a
     KVTransfer of a whole --max-model-len prompt, or an EncodeDone carrying the
-    embeddings of an image as long as that prompt ([tokens, hidden], deepstack
-    features alike), whichever is larger; a header at least."""
+    embeddings of an image as long as that prompt ([tokens, hidden], each of its
+    extras no larger), whichever is larger; a header at least."""
     num_slots = -(-max_model_len // block_size) * block_size
     kv = num_layers * num_slots * num_kv_heads * head_dim * FLOAT32_BYTES
     embeddings = max_model_len * hidden_size * FLOAT32_BYTES

@@ -3,64 +3,79 @@
 The API builds spans from the prompt, they travel inside PrefillRequest and
 KVTransfer, and the engine's scheduler, block manager and runner read them.
 Pure Python (no torch), so the scheduler stays torch-free.
+
+The wire knows no model family: what a family needs of an item beyond where
+it sits and its content key (its vision grid, how its positions are spaced)
+rides in `meta`, a small mapping of plain values the family writes and reads
+(docs/decisions/model-agnostic-wire.md). The wire checks its shape, never
+its keys.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+MetaValue = Union[int, float, tuple[int, ...]]
+MAX_META_KEYS = 16  # keys one item's metadata may hold
+MAX_META_INTS = 64  # ints one list value may hold
+_MAX_KEY_CHARS = 64
 
 
 @dataclass(frozen=True)
 class MMSpan:
-    """`length` placeholder tokens of image `mm_hash`, starting at prompt token `offset`.
+    """`length` placeholder tokens of item `mm_hash`, starting at prompt token `offset`.
 
-    `offset` is the index of the first `<|image_pad|>` token in the prompt,
-    `length` the number of placeholder tokens (= merged vision tokens),
-    `grid_thw` the vision grid in patches (t, h, w) before the spatial merge.
-    `second_per_grid_t`: a Qwen2.5-VL video's seconds per temporal group, which
-    spaces its M-RoPE temporal positions (x tokens_per_second); 0 for images
-    and Qwen3-VL video groups (temporal position = group index). Sent only when set.
-    `first_group`: a chunk of a Qwen2.5-VL video cut into several spans
-    (`--video-chunk-frames`) that continues the span before it: its temporal
-    groups are the video's from `first_group` on, placed as in one span
-    (engine/models/mrope.py). 0 for any other span; a 6th wire item only when set.
+    `offset` is the index of the item's first placeholder token in the prompt,
+    `length` the number of placeholder tokens (= rows of the item's embeddings),
+    `meta` the model family's metadata of the item: names to ints, floats or
+    tuples of ints (engine/models/mrope.py names what Qwen's spans carry).
+    Sent as `[offset, length, mm_hash, meta]`.
     """
 
     offset: int
     length: int
     mm_hash: str
-    grid_thw: tuple[int, int, int]
-    second_per_grid_t: float = 0.0
-    first_group: int = 0
+    meta: Mapping[str, MetaValue] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
     def to_list(self) -> list:
-        out = [self.offset, self.length, self.mm_hash, list(self.grid_thw)]
-        if self.first_group:
-            return out + [self.second_per_grid_t, self.first_group]
-        return out + [self.second_per_grid_t] if self.second_per_grid_t else out
+        return [self.offset, self.length, self.mm_hash, meta_to_wire(self.meta)]
 
     @staticmethod
     def from_list(item: Any) -> MMSpan:
         """The inverse of `to_list`; ValueError for anything else."""
-        if not (isinstance(item, list) and len(item) in (4, 5, 6) and type(item[0]) is int
-                and type(item[1]) is int and type(item[2]) is str and _is_grid(item[3])
-                and (len(item) == 4 or _is_seconds(item[4]) or (len(item) == 6 and item[4] == 0
-                                                                  and type(item[4]) in (int, float)))
-                and (len(item) < 6 or (type(item[5]) is int and 0 < item[5] < 1 << 20))):
+        if not (isinstance(item, list) and len(item) == 4 and type(item[0]) is int
+                and type(item[1]) is int and type(item[2]) is str):
             raise ValueError(f"bad mm span {item!r:.80}")
-        return MMSpan(item[0], item[1], item[2], tuple(item[3]), float(item[4]) if len(item) >= 5 else 0.0,
-                      item[5] if len(item) == 6 else 0)
+        try:
+            return MMSpan(item[0], item[1], item[2], meta_from_wire(item[3]))
+        except ValueError as e:
+            raise ValueError(f"bad mm span {item[:3]!r:.80}: {e}") from None
 
 
-def _is_grid(v: Any) -> bool:
-    """[t, h, w]: three non-negative ints."""
-    return isinstance(v, list) and len(v) == 3 and all(type(x) is int and x >= 0 for x in v)
+def meta_to_wire(meta: Mapping[str, MetaValue]) -> dict:
+    """An item's metadata as msgpack values (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in meta.items()}
 
 
-def _is_seconds(v: Any) -> bool:
-    """A finite positive number of seconds (NaN and infinity fail both comparisons or the bound)."""
-    return type(v) in (int, float) and 0 < v < 1e6
+def meta_from_wire(value: Any) -> dict[str, MetaValue]:
+    """The inverse of `meta_to_wire`: a map of at most MAX_META_KEYS names to ints,
+    finite floats or lists of at most MAX_META_INTS ints (returned as tuples);
+    ValueError for anything else."""
+    if not (isinstance(value, dict) and len(value) <= MAX_META_KEYS):
+        raise ValueError(f"bad item metadata {value!r:.80}: a map of at most {MAX_META_KEYS} entries")
+    meta: dict[str, MetaValue] = {}
+    for key, v in value.items():
+        if not (type(key) is str and 0 < len(key) <= _MAX_KEY_CHARS):
+            raise ValueError(f"bad item metadata key {key!r:.80}")
+        if type(v) is int or (type(v) is float and math.isfinite(v)):
+            meta[key] = v
+        elif isinstance(v, list) and len(v) <= MAX_META_INTS and all(type(x) is int for x in v):
+            meta[key] = tuple(v)
+        else:
+            raise ValueError(f"bad item metadata {key}={v!r:.80}: an int, a finite float or a list of ints")
+    return meta

@@ -12,9 +12,9 @@ import torch
 from epd.transport.wire.codec import Fields, WireError
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.message import Message, need, read_address, read_api_index
-from epd.transport.wire.mm_span import MMSpan
+from epd.transport.wire.mm_span import MetaValue, MMSpan, meta_from_wire, meta_to_wire
 from epd.transport.media.video_geometry import VideoPlan
-from epd.transport.wire.mm_video import video_from_fields, video_to_map
+from epd.transport.media.video_plan_fields import video_from_fields, video_to_map
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
 from epd.transport.wire.wire_values import logprobs_from_list, logprobs_to_list, sampling_from_map, sampling_to_map
 
@@ -62,7 +62,7 @@ class EncodeRequest(Message):
     image: bytes  # raw encoded file bytes (JPEG/PNG/..., or the video's container), its own frame
     reply_to: str
     with_tensors: bool = False
-    video: VideoPlan | None = None  # the API's plan (transport/wire/mm_video.py); None: `image` is an image
+    video: VideoPlan | None = None  # the API's plan (transport/media/video_plan_fields.py); None: `image` is an image
     # --enable-tower-lora: the adapter the tower runs with (None: the base tower, also for an adapter
     # of the language model only); `mm_hash` is then its key (transport/embedding_cache/mm_cache.adapted_mm_hash)
     lora: LoRARequest | None = None
@@ -87,45 +87,54 @@ class EncodeRequest(Message):
 
 @dataclass
 class EncodeDone(Message):
-    """Encoder -> prefill: image `mm_hash` is in the cache (ok) or failed (error).
+    """Encoder -> prefill: item `mm_hash` is in the cache (ok) or failed (error).
 
     Carries the tensors only when encoder and prefill share no cache dir:
-    embeddings [n, hidden] and deepstack features, each also [n, hidden].
+    embeddings [n, hidden] and the entry's named extras, each [n, ...] (frames
+    after the embeddings, in the order of `extras`' names), and the item's
+    metadata (`MMEntry`, transport/embedding_cache/mm_entry.py).
     """
 
     TYPE: ClassVar[str] = "encode_done"
+    VERSION: ClassVar[int] = 2  # 2: meta and named extras
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     mm_hash: str
     ok: bool
     error: str | None = None
     embeddings: torch.Tensor | None = None
-    deepstack: list[torch.Tensor] = field(default_factory=list)
-    grid_thw: tuple[int, int, int] | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, MetaValue] = field(default_factory=dict)
 
     def _fields(self):
-        grid = None if self.grid_thw is None else list(self.grid_thw)
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "ok": self.ok,
-                "error": self.error, "grid_thw": grid}
+                "error": self.error, "meta": meta_to_wire(self.meta), "extras": list(self.extras)}
 
     def _payload(self):
         if self.embeddings is None:
-            if self.deepstack:
-                raise ValueError("deepstack features without embeddings")
+            if self.extras:
+                raise ValueError("extras without embeddings")
             return []
-        return [self.embeddings, *self.deepstack]
+        return [self.embeddings, *self.extras.values()]
 
     @classmethod
     def _build(cls, f, payload):
         need(all(isinstance(p, torch.Tensor) for p in payload), cls.TYPE,
              "payload must be tensors")
-        embeddings, deepstack = (payload[0], payload[1:]) if payload else (None, [])
+        names = f.list_of("extras", str)
+        need(len(set(names)) == len(names) and len(names) == max(len(payload) - 1, 0), cls.TYPE,
+             "extras: one distinct name per tensor after the embeddings")
+        embeddings = payload[0] if payload else None
         if embeddings is not None:
             need(embeddings.ndim == 2, cls.TYPE, "embeddings must be [n, hidden]")
-            need(all(d.shape == embeddings.shape for d in deepstack), cls.TYPE,
-                 "deepstack features must match embeddings' shape")
+            need(all(x.ndim >= 1 and x.shape[0] == embeddings.shape[0] for x in payload[1:]), cls.TYPE,
+                 "extras must be [n, ...], a row per embedding row")
+        try:
+            meta = meta_from_wire(f.map("meta").header)
+        except ValueError as e:
+            raise WireError(f"{cls.TYPE}.meta: {e}") from None
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), f.bool("ok"), f.opt_str("error"),
-                   embeddings, list(deepstack), f.grid("grid_thw"))
+                   embeddings, dict(zip(names, payload[1:])), meta)
 
 
 @dataclass
@@ -133,6 +142,7 @@ class PrefillRequest(Message):
     """API -> prefill worker: a whole request; images arrive via EncodeDone or the cache."""
 
     TYPE: ClassVar[str] = "prefill_request"
+    VERSION: ClassVar[int] = 2  # 2: spans carry a family's metadata
     request_id: str
     prompt_token_ids: list[int]
     mm_spans: list[MMSpan]
@@ -171,6 +181,7 @@ class KVTransfer(Message):
     """
 
     TYPE: ClassVar[str] = "kv_transfer"
+    VERSION: ClassVar[int] = 2  # 2: spans carry a family's metadata
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     prompt_token_ids: list[int]

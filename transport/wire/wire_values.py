@@ -185,7 +185,7 @@ class EncoderCounters:
     cache_entries: int = 0  # gauges: the cache this encoder writes (shared by every worker using its dir)
     cache_bytes: int = 0
     num_inline: int = 0  # embeddings sent inside EncodeDone (a prefill worker sharing no cache, or a full cache)
-    inline_bytes: int = 0  # their tensor bytes, deepstack included
+    inline_bytes: int = 0  # their tensor bytes, extras included
     # not a total but a gauge: how long the oldest image still queued has waited (0 when none);
     # the encoder autoscaler's signal (epd/processes/autoscale.py)
     oldest_queued_s: float = 0.0

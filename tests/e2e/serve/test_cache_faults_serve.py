@@ -19,7 +19,7 @@ def test_a_corrupt_cache_dir_does_not_block_start_up(tiny_model, tmp_path):
     cache = tmp_path / "cache"
     with MMCache(cache, 1 << 24, model_fingerprint="an earlier model") as c:
         for i in range(5):
-            c.put(mm_hash(bytes([i]), "an earlier model", {}), MMEntry(torch.ones(4, 8), [], (1, 2, 2)))
+            c.put(mm_hash(bytes([i]), "an earlier model", {}), MMEntry(torch.ones(4, 8), {}, {"grid_thw": (1, 2, 2)}))
     garble_tree_pages(cache)  # every start failed with MDB_CORRUPTED here
     messages = describe(image_bytes(80, 120, seed=5))
     server = start_server(tiny_model, tmp_path, "e-pd", "--mm-cache-dir", str(cache))

@@ -325,7 +325,7 @@ def test_cache_survives_a_restart(tiny_model, tmp_path):
     finally:
         assert first.stop() == 0
     [entry] = _cache_entries(cache, tiny_model)
-    assert tuple(entry.grid_thw) == ImagePreprocessor(tiny_model).geometry.grid_thw(80, 120)
+    assert tuple(entry.meta["grid_thw"]) == ImagePreprocessor(tiny_model).geometry.grid_thw(80, 120)
     second = start_server(tiny_model, tmp_path, "e-pd", "--mm-cache-dir", cache)
     try:
         assert chat_text(second, messages) == text

@@ -135,7 +135,7 @@ def test_chunks_of_a_video_each_answer_their_entries_and_a_broken_one_only_its_o
     wire), answering its groups' entries; a video whose later frames are cut fails the
     chunk that needs them (one EncodeDone, its first entry) and the first chunk still encodes."""
     from epd.transport.media.video_chunks import split_plan
-    from epd.transport.wire.mm_video import video_from_fields, video_to_map
+    from epd.transport.media.video_plan_fields import video_from_fields, video_to_map
     from epd.transport.wire.codec import Fields
     from testkit.videos import cut_after_header
 

@@ -32,6 +32,6 @@ def test_batches_close_at_the_decoded_pixel_budget(encoder, monkeypatch):
     alone = encoder.encode(images, on_batch=on_batch)
     assert batches == [1, 1, 1]
     for a, b, c in zip(together, apart, alone):
-        assert a.grid_thw == b.grid_thw == c.grid_thw
+        assert a.meta["grid_thw"] == b.meta["grid_thw"] == c.meta["grid_thw"]
         torch.testing.assert_close(a.embeddings, b.embeddings, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.embeddings, c.embeddings, rtol=1e-5, atol=1e-5)

@@ -41,15 +41,15 @@ def test_entries_by_group_and_passes_give_the_same_rows(preset, tiny_model, tmp_
     assert len(timed) == 1 and timed[0][0] == len(plan.frame_indices)
     if preset == "tiny":  # Qwen3-VL: a (1, h, w) entry per group, deepstack beside
         assert t > 1 and len(entries) == t
-        assert all(e.grid_thw == (1, h, w) and e.embeddings.shape[0] == h * w // 4 for _, e in entries)
-        assert all(len(e.deepstack) == 2 and e.deepstack[0].shape == e.embeddings.shape for _, e in entries)
+        assert all(e.meta["grid_thw"] == (1, h, w) and e.embeddings.shape[0] == h * w // 4 for _, e in entries)
+        assert all(len(e.extras) == 2 and e.extras["deepstack.0"].shape == e.embeddings.shape for _, e in entries)
     else:
         [(_, entry)] = entries
-        assert entry.grid_thw == (t, h, w) and entry.embeddings.shape[0] == t * h * w // 4 and not entry.deepstack
+        assert entry.meta["grid_thw"] == (t, h, w) and entry.embeddings.shape[0] == t * h * w // 4 and not entry.extras
     one_group_a_pass = _encoders(model_dir, max_batch_patches=h * w).encode(data, plan, key)
     for (_, a), (_, b) in zip(entries, one_group_a_pass):
         torch.testing.assert_close(a.embeddings, b.embeddings, atol=1e-6, rtol=0)
-        for da, db in zip(a.deepstack, b.deepstack):
+        for da, db in zip(a.extras.values(), b.extras.values()):
             torch.testing.assert_close(da, db, atol=1e-6, rtol=0)
 
 
@@ -89,11 +89,11 @@ def test_chunks_encode_to_the_rows_of_the_whole_video(preset, tiny_model, tmp_pa
         rows = [e for piece in pieces for _, e in piece]
         for a, (_, b) in zip(rows, whole):
             torch.testing.assert_close(a.embeddings, b.embeddings, atol=1e-6, rtol=0)
-            for da, db in zip(a.deepstack, b.deepstack):
+            for da, db in zip(a.extras.values(), b.extras.values()):
                 torch.testing.assert_close(da, db, atol=1e-6, rtol=0)
         return
     assert [k for [(k, _)] in pieces] == [chunk_mm_hash(key, c.first_group, c.first_group + c.grid_thw[0])
                                           for c in chunks]
-    assert [e.grid_thw for [(_, e)] in pieces] == [c.grid_thw for c in chunks]
+    assert [e.meta["grid_thw"] for [(_, e)] in pieces] == [c.grid_thw for c in chunks]
     [(_, entry)] = whole
     torch.testing.assert_close(torch.cat([e.embeddings for [(_, e)] in pieces]), entry.embeddings, atol=1e-6, rtol=0)

@@ -142,7 +142,7 @@ def test_same_tokens_different_image_never_match():
 
 
 def test_block_hash_is_stable_and_covers_image_overlap():
-    span = MMSpan(offset=2, length=8, mm_hash="cat", grid_thw=(1, 4, 8))
+    span = MMSpan(offset=2, length=8, mm_hash="cat", meta={"grid_thw": (1, 4, 8)})
     token_ids = [5, 5, 9, 9]
     digest = hash_block(b"", token_ids, 0, [span])
     assert digest == hash_block(b"", list(token_ids), 0, [span])  # not salted per process
@@ -150,7 +150,7 @@ def test_block_hash_is_stable_and_covers_image_overlap():
     assert digest != hash_block(b"", token_ids, 0, [])
     assert digest != hash_block(b"x", token_ids, 0, [span])  # chained on the parent
     # Same tokens and image, but the block sees other placeholder rows.
-    shifted = MMSpan(offset=1, length=8, mm_hash="cat", grid_thw=(1, 4, 8))
+    shifted = MMSpan(offset=1, length=8, mm_hash="cat", meta={"grid_thw": (1, 4, 8)})
     assert digest != hash_block(b"", token_ids, 0, [shifted])
 
 

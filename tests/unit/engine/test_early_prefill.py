@@ -177,7 +177,7 @@ def test_a_worker_answers_the_requests_whose_late_image_failed_and_serves_the_ot
 
         for mm_hash, entry in zip(reversed(hashes["fine"]), reversed(entries["fine"])):  # late, out of order
             worker._handle(EncodeDone("fine", mm_hash, ok=True, embeddings=entry.embeddings,
-                                      deepstack=entry.deepstack, grid_thw=entry.grid_thw))
+                                      extras=entry.extras, meta=entry.meta))
         run_until_idle(worker._step, llm.engine)
         tokens = []
         while len(tokens) < NUM_TOKENS:

@@ -144,8 +144,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_on(tiny_model, 
     token_ids, spans, embeddings = image_prompt
     [(mm_hash, entry)] = embeddings.items()
     wrong = MMEntry(torch.zeros(entry.embeddings.shape[0], entry.embeddings.shape[1] + 3),
-                    [torch.zeros(entry.embeddings.shape[0], entry.embeddings.shape[1] + 3) for _ in entry.deepstack],
-                    entry.grid_thw)
+                    {k: torch.zeros(entry.embeddings.shape[0], entry.embeddings.shape[1] + 3) for k in entry.extras},
+                    entry.meta)
     core.add_request(Request("bad", list(token_ids), GREEDY, mm_spans=list(spans)), {mm_hash: wrong})
     with pytest.raises(StepFailed) as failed:
         core.step()

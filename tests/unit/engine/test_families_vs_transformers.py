@@ -48,8 +48,8 @@ def _prompt_logits(model_dir: str, messages, images) -> tuple[list[int], torch.T
     encoded = encoder.encode(images)
     batch.mm_mask = torch.tensor(ids) == info.image_token_id
     batch.mm_embeds = torch.cat([e.embeddings for e in encoded])
-    if encoded[0].deepstack:
-        batch.mm_deepstack = torch.cat([torch.stack(e.deepstack) for e in encoded], dim=1)
+    if encoded[0].extras:
+        batch.mm_extras = {k: torch.cat([e.extras[k] for e in encoded]) for k in encoded[0].extras}
     return ids, lm.compute_logits(lm(torch.tensor(ids), batch))
 
 

@@ -17,7 +17,7 @@ from testkit.engine_factories import IMAGE_PAD_ID, make_request
 def image_request(request_id: str, mm_hashes: list[str]):
     token_ids, spans = [1], []
     for mm_hash in mm_hashes:
-        spans.append(MMSpan(len(token_ids), 2, mm_hash, (1, 2, 4)))
+        spans.append(MMSpan(len(token_ids), 2, mm_hash, {"grid_thw": (1, 2, 4)}))
         token_ids += [IMAGE_PAD_ID] * 2 + [9]
     return make_request(request_id=request_id, prompt_token_ids=token_ids, mm_spans=spans)
 

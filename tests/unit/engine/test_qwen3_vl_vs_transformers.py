@@ -52,8 +52,8 @@ class OurModel:
             encoded = self.encoder.encode(images)
             batch.mm_mask = torch.tensor(ids) == self.info.image_token_id
             batch.mm_embeds = torch.cat([e.embeddings for e in encoded])
-            if encoded[0].deepstack:  # Qwen2.5-VL has none
-                batch.mm_deepstack = torch.cat([torch.stack(e.deepstack) for e in encoded], dim=1)
+            if encoded[0].extras:  # Qwen2.5-VL has none
+                batch.mm_extras = {k: torch.cat([e.extras[k] for e in encoded]) for k in encoded[0].extras}
         return ids, self.lm.compute_logits(self.lm(torch.tensor(ids), batch))
 
 

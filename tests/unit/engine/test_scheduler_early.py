@@ -62,7 +62,7 @@ def test_a_blocked_request_yields_its_budget_and_does_not_block_the_queue():
     scheduler = make_scheduler(max_num_batched_tokens=8, prefill_priority="fcfs")
     blocked = two_image_request()
     image_first = make_request(prompt_token_ids=[IMAGE_PAD_ID] * 4 + [7, 8],
-                               mm_spans=[MMSpan(0, 4, "fox", (1, 2, 8))])
+                               mm_spans=[MMSpan(0, 4, "fox", {"grid_thw": (1, 2, 8)})])
     text = make_request(12)
     add_request(scheduler, blocked, pending=["cat"])
     add_request(scheduler, image_first, pending=["fox"])  # cannot even start
@@ -146,7 +146,7 @@ def test_prefix_hashes_stay_correct_when_a_request_stops_mid_block():
     assert request.num_computed_tokens == 6
     same_text = two_image_request(num_text=6)
     other_image = make_request(prompt_token_ids=same_text.prompt_token_ids,
-                               mm_spans=[MMSpan(s.offset, s.length, s.mm_hash + "-other", s.grid_thw)
+                               mm_spans=[MMSpan(s.offset, s.length, s.mm_hash + "-other", s.meta)
                                          for s in same_text.mm_spans])
     blocks, num_cached = scheduler.block_manager.get_computed_blocks(other_image)
     assert num_cached == 4  # only the full text block; the half-filled one is not cached

@@ -45,8 +45,8 @@ def chunked_video(llm, seed: int):
 
 
 def done(request_id: str, key: str, entry) -> EncodeDone:
-    return EncodeDone(request_id, key, ok=True, embeddings=entry.embeddings, deepstack=list(entry.deepstack),
-                      grid_thw=entry.grid_thw)
+    return EncodeDone(request_id, key, ok=True, embeddings=entry.embeddings, extras=dict(entry.extras),
+                      meta=entry.meta)
 
 
 def run_until_idle(worker, core) -> None:

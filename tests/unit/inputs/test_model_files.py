@@ -257,7 +257,7 @@ def test_mm_processor_kwargs_reach_the_api_geometry_and_the_encoder(tiny_model):
     assert files.geometry.num_image_tokens(500, 400) < plain.geometry.num_image_tokens(500, 400)
     encoder = ImageEncoder(tiny_model, files.hf_config, torch.float32, processor_kwargs=kwargs)
     img = image_bytes(500, 400, seed=1)
-    assert encoder.encode([img])[0].grid_thw == files.geometry.grid_thw(500, 400)
+    assert encoder.encode([img])[0].meta["grid_thw"] == files.geometry.grid_thw(500, 400)
     assert encoder.mm_hash(img) == mm_hash(img, "", files.processor_config) != mm_hash(img, "", plain.processor_config)
 
 

@@ -84,5 +84,5 @@ def test_release_template_prompt_equals_transformers_processor(case, tiny_model,
     groups = sum(int(g[0]) for g in ref["video_grid_thw"])
     wrappers = 2 + (groups if model_type != "qwen2_5_vl" else 3)  # images' + each group's or each video's
     assert ref_ids.count(vision_start) == wrappers
-    assert [s.grid_thw for s in prompt.mm_spans if s.mm_hash in ("0" * 64, "1" * 64)] == \
+    assert [s.meta["grid_thw"] for s in prompt.mm_spans if s.mm_hash in ("0" * 64, "1" * 64)] == \
         [tuple(int(v) for v in g) for g in ref["image_grid_thw"]]

@@ -54,7 +54,7 @@ def test_qwen3_video_is_one_span_per_group_between_image_spans(builder):
                            videos=[VideoRef(QWEN3_PLAN, H2)])
     spans = prompt.mm_spans
     assert [s.mm_hash for s in spans] == [H1, group_mm_hash(H2, 0), group_mm_hash(H2, 1), H3]
-    assert [s.grid_thw for s in spans[1:3]] == [(1, 4, 6), (1, 4, 6)] and all(s.length == 6 for s in spans[1:3])
+    assert [s.meta["grid_thw"] for s in spans[1:3]] == [(1, 4, 6), (1, 4, 6)] and all(s.length == 6 for s in spans[1:3])
     assert len({group_mm_hash(H2, 0), group_mm_hash(H2, 1), group_mm_hash(H1, 0)}) == 3
     between = builder.tokenizer.decode(prompt.token_ids[spans[1].end:spans[2].offset])
     assert between == "<|vision_end|><1.7 seconds><|vision_start|>"
@@ -64,13 +64,13 @@ def test_qwen3_video_is_one_span_per_group_between_image_spans(builder):
 def test_qwen25_video_is_one_span_carrying_its_temporal_step(builder):
     prompt = builder.build(_messages(VIDEO), [], videos=[VideoRef(QWEN25_PLAN, H2)])
     [span] = prompt.mm_spans
-    assert (span.mm_hash, span.grid_thw, span.length, span.second_per_grid_t) == (H2, (4, 4, 6), 24, 0.4)
-    assert MMSpan.from_list(span.to_list()) == span and len(span.to_list()) == 5
-    image_span = MMSpan(3, 4, H1, (1, 4, 4))
-    assert image_span.to_list() == [3, 4, H1, [1, 4, 4]]  # images travel as before
-    for bad in (float("nan"), float("inf"), -0.5, 0, "0.4", True):
+    assert (span.mm_hash, span.meta["grid_thw"], span.length, span.meta["second_per_grid_t"]) == (H2, (4, 4, 6), 24, 0.4)
+    assert MMSpan.from_list(span.to_list()) == span and len(span.to_list()[3]) == 2
+    image_span = MMSpan(3, 4, H1, {"grid_thw": (1, 4, 4)})
+    assert image_span.to_list() == [3, 4, H1, {"grid_thw": [1, 4, 4]}]  # an image's metadata: its grid alone
+    for bad in (float("nan"), float("inf"), "0.4", True):  # the wire checks types; a value's range is Qwen's
         with pytest.raises(ValueError, match="bad mm span"):
-            MMSpan.from_list([3, 4, H1, [1, 4, 4], bad])
+            MMSpan.from_list([3, 4, H1, {"grid_thw": [1, 4, 4], "second_per_grid_t": bad}])
 
 
 def test_video_count_must_match_the_template(builder):
@@ -98,14 +98,14 @@ def test_positions_equal_transformers_get_rope_index(builder, family):
     ids = torch.tensor([prompt.token_ids])
     image_id = builder.image_token_id
     types_ = (ids == image_id).int() + 2 * (ids == builder.video_token_id).int()
-    image_grids = torch.tensor([s.grid_thw for s in prompt.mm_spans if prompt.token_ids[s.offset] == image_id])
+    image_grids = torch.tensor([s.meta["grid_thw"] for s in prompt.mm_spans if prompt.token_ids[s.offset] == image_id])
     extra = {} if family == "qwen3_vl" else {"second_per_grid_ts": torch.tensor([plan.second_per_grid_t])}
     ref, ref_delta = _hf_rope_index(family)(ids, types_, image_grid_thw=image_grids,
                                             video_grid_thw=torch.tensor([plan.grid_thw]), **extra)
     positions, delta = mrope_positions(len(prompt.token_ids), prompt.mm_spans, 2, tokens_per_second=4)
     assert torch.equal(positions, ref[:, 0]) and delta == int(ref_delta)
     if family == "qwen2_5_vl":  # 0.4 s x 4 tokens/s: groups at 0, 1, 3, 4 past the video's start
-        [video] = [s for s in prompt.mm_spans if s.second_per_grid_t]
+        [video] = [s for s in prompt.mm_spans if s.meta.get("second_per_grid_t")]
         start = int(positions[1, video.offset])
         assert positions[0, video.offset:video.end:6].tolist() == [start, start + 1, start + 3, start + 4]
 
@@ -132,14 +132,14 @@ def test_a_video_cut_into_chunks_keeps_its_tokens_and_positions(builder, family)
         assert cut.mm_spans == whole.mm_spans
         return
     video = cut.mm_spans[1:-1]
-    assert [(s.mm_hash, s.grid_thw, s.first_group) for s in video] == \
+    assert [(s.mm_hash, s.meta["grid_thw"], s.meta.get("first_group", 0)) for s in video] == \
         [(chunk_mm_hash(H2, g, g + 1), (1, 4, 6), g) for g in range(4)]
     assert video[0].offset == whole.mm_spans[1].offset and video[-1].end == whole.mm_spans[1].end
     assert all(a.end == b.offset for a, b in zip(video, video[1:]))
-    assert [MMSpan.from_list(s.to_list()) for s in video] == video and len(video[1].to_list()) == 6
-    for bad in (0, -1, 1.0, True):
+    assert [MMSpan.from_list(s.to_list()) for s in video] == video and len(video[1].to_list()[3]) == 3
+    for bad in (True, "1", [1.0], None):  # the wire checks types; a value's range is Qwen's
         with pytest.raises(ValueError, match="bad mm span"):
-            MMSpan.from_list([3, 6, H1, [1, 4, 6], 0.4, bad])
+            MMSpan.from_list([3, 6, H1, {"grid_thw": [1, 4, 6], "second_per_grid_t": 0.4, "first_group": bad}])
 
 
 def test_split_plan_cuts_whole_groups():

@@ -53,7 +53,7 @@ def _busy_encoder() -> EncoderCounters:
 
 def make_messages() -> list[Message]:
     """One instance of every wire type, tensors in several dtypes."""
-    spans = [MMSpan(3, 16, HASH_A, (1, 8, 8)), MMSpan(20, 4, HASH_B, (1, 4, 4))]
+    spans = [MMSpan(3, 16, HASH_A, {"grid_thw": (1, 8, 8)}), MMSpan(20, 4, HASH_B, {"grid_thw": (1, 4, 4)})]
     return [
         EncodeRequest("req-1", HASH_A, bytes(range(256)) * 4, reply_to="ipc:///tmp/epd-x/prefill-0.sock"),
         EncodeRequest("req-2", HASH_B, b"", reply_to="tcp://hostb:27101"),  # empty blob frame
@@ -65,15 +65,14 @@ def make_messages() -> list[Message]:
         EncodeDone("req-1", HASH_A, ok=True),
         EncodeDone("req-1", HASH_A, ok=False, error="decode failed"),
         EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(16, 32),
-                   deepstack=[torch.randn(16, 32) for _ in range(3)], grid_thw=(1, 8, 8)),
-        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(4, 8).half(),
-                   deepstack=[], grid_thw=(1, 4, 4)),
-        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.zeros(0, 8), grid_thw=(1, 0, 0)),
+                   extras={f"deepstack.{i}": torch.randn(16, 32) for i in range(3)}, meta={"grid_thw": (1, 8, 8)}),
+        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.randn(4, 8).half(), meta={"grid_thw": (1, 4, 4)}),
+        EncodeDone("req-1", HASH_A, ok=True, embeddings=torch.zeros(0, 8), meta={"grid_thw": (1, 0, 0)}),
         PrefillRequest("req-1", list(range(40)), spans, SAMPLING, [151645, 151643], "ipc:///tmp/epd-x/decode-1.sock"),
         PrefillRequest("req-2", [1, 2, 3], [], SamplingParams(), [], None),
         PrefillRequest("req-3", [1], [], GREEDY, [], None, api_index=3),  # from API process 3
         PrefillRequest("req-4", [1, 2], [], GREEDY, [], None, lora=LoRARequest("sql", 2, "/adapters/sql")),
-        KVTransfer("req-1", list(range(10)), 42, SAMPLING, [2], [MMSpan(2, 4, HASH_A, (1, 4, 4))],
+        KVTransfer("req-1", list(range(10)), 42, SAMPLING, [2], [MMSpan(2, 4, HASH_A, {"grid_thw": (1, 4, 4)})],
                    make_kv(), make_kv()),
         KVTransfer("req-1", [5], 1, GREEDY, [], [],
                    make_kv(dtype=torch.float32), make_kv(dtype=torch.float32)),
@@ -131,6 +130,8 @@ def assert_same(a, b) -> None:
     assert type(a) is type(b)
     for f in fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, dict) and list(x) == list(y) and x and isinstance(next(iter(x.values())), torch.Tensor):
+            x, y = list(x.values()), list(y.values())  # named tensors: the same names, then the tensors in order
         if isinstance(x, torch.Tensor):
             assert x.dtype == y.dtype and torch.equal(x, y), f.name
         elif isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
@@ -195,7 +196,7 @@ def test_from_wire_rejects_other_type():
 
 
 def _good() -> list[bytes]:
-    msg = EncodeDone("r", "ab" * 32, True, None, torch.randn(4, 8), [torch.randn(4, 8)], (1, 4, 4))
+    msg = EncodeDone("r", HASH_A, True, None, torch.randn(4, 8), {"deepstack.0": torch.randn(4, 8)}, {"grid_thw": (1, 4, 4)})
     return [bytes(f) for f in msg.to_wire()]
 
 
@@ -239,7 +240,7 @@ def _without(frames, key) -> list[bytes]:
     [_good()[0][:-3], *_good()[1:]],                  # truncated header
     _with(_good(), ok="yes"),
     _with(_good(), request_id=5),
-    _with(_good(), grid_thw=[1, 2]),
+    _with(_good(), meta={"grid_thw": [1, "2"]}),
     _with(_good(), error=b"bytes"),
     _with(_good(), frames=[_meta_of("float8", 4, 8), _meta_of("float32", 4, 8)]),
     _with(_good(), frames=[_meta_of("float32", 8, 4), _meta_of("float32", 4, 8)]),
@@ -294,7 +295,7 @@ def _frames(msg: Message, **changes) -> list[bytes]:
 
 
 def _prefill(**changes) -> list[bytes]:
-    return _frames(PrefillRequest("r", list(range(20)), [MMSpan(2, 4, HASH_A, (1, 4, 4))], SAMPLING, [2], None),
+    return _frames(PrefillRequest("r", list(range(20)), [MMSpan(2, 4, HASH_A, {"grid_thw": (1, 4, 4)})], SAMPLING, [2], None),
                    **changes)
 
 
@@ -336,11 +337,11 @@ def _stats(**changes) -> list[bytes]:
     (_prefill(sampling=[1, 2]), r"prefill_request\.sampling: expected map"),
     (_prefill(prompt_token_ids=[1, -2, *range(18)]), r"prefill_request\.prompt_token_ids: expected list of token ids"),
     (_prefill(eos_token_ids=[2.0]), r"prefill_request\.eos_token_ids"),
-    (_prefill(mm_spans=[[2, 4, "zz" * 32, [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
-    (_prefill(mm_spans=[[2, 4, HASH_A.upper(), [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
-    (_prefill(mm_spans=[[2, 4, HASH_A[:-1], [1, 4, 4]]]), r"mm_spans: mm_hash must be 64 hex chars"),
-    (_prefill(mm_spans=[[18, 4, HASH_A, [1, 4, 4]]]), r"mm_spans: span \[18, \+4\) outside the prompt of 20"),
-    (_prefill(mm_spans=[[-1, 4, HASH_A, [1, 4, 4]]]), r"outside the prompt"),
+    (_prefill(mm_spans=[[2, 4, "zz" * 32, {"grid_thw": [1, 4, 4]}]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[2, 4, HASH_A.upper(), {"grid_thw": [1, 4, 4]}]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[2, 4, HASH_A[:-1], {"grid_thw": [1, 4, 4]}]]), r"mm_spans: mm_hash must be 64 hex chars"),
+    (_prefill(mm_spans=[[18, 4, HASH_A, {"grid_thw": [1, 4, 4]}]]), r"mm_spans: span \[18, \+4\) outside the prompt of 20"),
+    (_prefill(mm_spans=[[-1, 4, HASH_A, {"grid_thw": [1, 4, 4]}]]), r"outside the prompt"),
     (_frames(EncodeRequest("r", HASH_A, b"img", "p"), mm_hash="not-a-hash"),
      r"encode_request\.mm_hash: expected 64 lowercase hex chars"),
     (_with(_good(), mm_hash=HASH_A[:-2]), r"encode_done\.mm_hash: expected 64 lowercase hex chars"),

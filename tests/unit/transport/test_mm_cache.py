@@ -3,6 +3,7 @@ import multiprocessing as mp
 import time
 
 import lmdb
+import msgpack
 import pytest
 import torch
 
@@ -21,14 +22,14 @@ def entry(seed: int, n: int = 8, hidden: int = 16, dtype=torch.float32,
           num_deepstack: int = 2) -> MMEntry:
     g = torch.Generator().manual_seed(seed)
     return MMEntry(torch.randn(n, hidden, generator=g).to(dtype),
-                   [torch.randn(n, hidden, generator=g).to(dtype) for _ in range(num_deepstack)],
-                   (1, 2 * n, 2))
+                   {f"deepstack.{i}": torch.randn(n, hidden, generator=g).to(dtype) for i in range(num_deepstack)},
+                   {"grid_thw": (1, 2 * n, 2)})
 
 
 def same(a: MMEntry, b: MMEntry) -> bool:
-    return (a.grid_thw == b.grid_thw and a.embeddings.dtype == b.embeddings.dtype
-            and torch.equal(a.embeddings, b.embeddings) and len(a.deepstack) == len(b.deepstack)
-            and all(torch.equal(x, y) for x, y in zip(a.deepstack, b.deepstack)))
+    return (a.meta == b.meta and a.embeddings.dtype == b.embeddings.dtype
+            and torch.equal(a.embeddings, b.embeddings) and list(a.extras) == list(b.extras)
+            and all(torch.equal(x, y) for x, y in zip(a.extras.values(), b.extras.values())))
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_put_get_round_trip(cache, dtype):
 
 
 def test_zero_token_entry_and_no_deepstack(cache):
-    e = MMEntry(torch.zeros(0, 16), [], (1, 0, 0))
+    e = MMEntry(torch.zeros(0, 16), {}, {"grid_thw": (1, 0, 0)})
     assert cache.put(key(2), e) and same(cache.get(key(2)), e)
 
 
@@ -185,6 +186,26 @@ def test_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, make_value):
     with MMCache(path, 16 * MiB, model_fingerprint=FP) as c:
         assert c.get(key(0)) is None and len(c) == 1  # a writer deletes it
         assert same(c.get(key(1)), entry(1))
+        assert c.put(key(0), entry(0)) and same(c.get(key(0)), entry(0))
+
+
+def _format_1_value(e: MMEntry) -> bytes:
+    """A value as format 1 wrote it: the grid and deepstack features as fields of their own."""
+    tensors = [e.embeddings.contiguous(), *e.extras.values()]
+    header = msgpack.packb({"v": 1, "fingerprint": FP, "grid_thw": list(e.meta["grid_thw"]), "created_s": 1.0,
+                            "tensors": [{"dtype": "float32", "shape": list(t.shape)} for t in tensors]})
+    value = b"EPDMM\x00v1" + len(header).to_bytes(4, "little") + header
+    for t in tensors:
+        value += b"\0" * (-len(value) % 64) + t.numpy().tobytes()
+    return value
+
+
+def test_a_format_1_value_is_a_miss_never_misread(tmp_path):
+    path = tmp_path / "mm"
+    MMCache(path, 16 * MiB, model_fingerprint=FP).close()
+    _raw_put(path, bytes.fromhex(key(0)), _format_1_value(entry(0)))
+    with MMCache(path, 16 * MiB, model_fingerprint=FP) as c:
+        assert c.get(key(0)) is None and c.stats.bad_entries == 1 and len(c) == 0
         assert c.put(key(0), entry(0)) and same(c.get(key(0)), entry(0))
 
 

@@ -22,7 +22,7 @@ def key(i: int) -> str:
 
 
 def entry(i: int) -> MMEntry:
-    return MMEntry(torch.full((8, 16), float(i)), [torch.full((8, 16), -float(i))], (1, 4, 8))
+    return MMEntry(torch.full((8, 16), float(i)), {"deepstack.0": torch.full((8, 16), -float(i))}, {"grid_thw": (1, 4, 8)})
 
 
 def fill(path, num_entries: int = 5) -> None:

@@ -24,7 +24,7 @@ def key(i: int) -> str:
 
 def entry(i: int) -> MMEntry:
     """~100 KiB: a 2 MiB filesystem holds about 20."""
-    return MMEntry(torch.full((200, 128), float(i)), [], (1, 20, 40))
+    return MMEntry(torch.full((200, 128), float(i)), {}, {"grid_thw": (1, 20, 40)})
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A video's plan on the wire (transport/wire/mm_video.py: a VideoPlan inside an
+"""A video's plan on the wire (transport/media/video_plan_fields.py: a VideoPlan inside an
 EncodeRequest): every field crosses, and a plan an encoder could not decode
 or lay out as counted is a WireError at decode, naming the field."""
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_plan_the_encoder_cannot_follow_is_refused(changes, match):
 def test_the_wire_fields_are_the_plans_in_a_fixed_order():
     """The header the encoders read: the same fields, in the same order, as every release wrote them
     (a chunk's first_group and total_groups only when it is one)."""
-    from epd.transport.wire.mm_video import video_to_map
+    from epd.transport.media.video_plan_fields import video_to_map
 
     assert list(video_to_map(CHUNK).items()) == [
         ("frame_indices", [4, 5, 6]), ("resized_height", 56), ("resized_width", 84), ("grid_thw", [2, 4, 6]),

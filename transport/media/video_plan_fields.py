@@ -1,6 +1,6 @@
-"""A video's plan on the wire: the `VideoPlan` (transport/media/video_geometry.py)
-the API counted tokens for, the frames it sampled, the size it resized them to
-and how its placeholders are laid out. An EncodeRequest carries it beside the
+"""A video's plan as an EncodeRequest's fields: the `VideoPlan`
+(transport/media/video_geometry.py) the API counted tokens for, the frames it
+sampled, the size it resized them to and how its placeholders are laid out. An EncodeRequest carries it beside the
 video's bytes, so the encoder decodes exactly what the API counted and never
 plans again (planning needs the request's settings, which stay at the API).
 
