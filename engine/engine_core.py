@@ -185,8 +185,9 @@ class EngineCore(EngineAdapters):
         the engine does not hold already (`get_embedding`), except those in
         `pending_mm_hashes`: they come later through `add_embedding`, and the
         request is prefilled up to the first of them meanwhile (early
-        prefill). ValueError if an image is unaccounted for, or if the
-        scheduler refuses the request."""
+        prefill). ValueError if an image is unaccounted for, if a span's
+        metadata is not the model's to place, or if the scheduler refuses the request."""
+        self.runner.positions.check_spans(request.mm_spans)  # the family's metadata, before any work
         pending_mm_hashes = set(pending_mm_hashes)
         missing = self.images.missing(request, mm_embeddings, pending_mm_hashes)
         if missing:
@@ -247,6 +248,7 @@ class EngineCore(EngineAdapters):
         `draft_state`: the EAGLE-3 head's blocks and features (`export_draft_state`).
         False, changing nothing, when there is no room now: retry later.
         ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
+        self.runner.positions.check_spans(request.mm_spans)
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
         eagle3 = self.runner.eagle3

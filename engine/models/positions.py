@@ -11,6 +11,7 @@ past the prompt are text: token i sits at `i + delta` in every row.
 """
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -34,6 +35,10 @@ class PositionRule(Protocol):
     def later(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [n] of tokens past a prompt (index + delta) -> [position_dims, n]."""
 
+    def check_spans(self, spans) -> None:
+        """ValueError naming a span whose family metadata this rule cannot place (the
+        wire checks the metadata's types only: its meaning is the family's)."""
+
 
 class RopePositions:
     """Plain 1-D RoPE: token i sits at position i."""
@@ -52,6 +57,9 @@ class RopePositions:
     def later(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [n] of tokens past a prompt (index + delta) -> [1, n]."""
         return positions.unsqueeze(0)
+
+    def check_spans(self, spans) -> None:
+        """Nothing to check: an item's tokens sit at their indices whatever its metadata."""
 
 
 class MRopePositions:
@@ -77,3 +85,23 @@ class MRopePositions:
         """positions [n] of tokens past a prompt (index + delta) -> [3, n], every row equal."""
         return positions.expand(3, -1)
 
+    def check_spans(self, spans) -> None:
+        """Each span's "grid_thw" is three positive ints whose merged grid has the span's
+        length; "second_per_grid_t", when present, finite and positive; "first_group", when
+        present, an int >= 1 continuing the span just before it."""
+        end = None
+        for span in spans:
+            meta = span.meta
+            grid = meta.get("grid_thw")
+            m = self.spatial_merge_size
+            if not (isinstance(grid, tuple) and len(grid) == 3 and all(type(x) is int and x > 0 for x in grid)
+                    and grid[1] % m == 0 and grid[2] % m == 0
+                    and grid[0] * (grid[1] // m) * (grid[2] // m) == span.length):
+                raise ValueError(f"span at {span.offset}: grid_thw {grid!r:.40} does not give its {span.length} tokens")
+            seconds = meta.get("second_per_grid_t")
+            if seconds is not None and not (type(seconds) in (int, float) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"span at {span.offset}: second_per_grid_t {seconds!r:.40} is not a positive number")
+            first = meta.get("first_group")
+            if first is not None and not (type(first) is int and first >= 1 and span.offset == end):
+                raise ValueError(f"span at {span.offset}: first_group {first!r:.40} continues no span before it")
+            end = span.end

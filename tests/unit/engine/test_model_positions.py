@@ -18,6 +18,8 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
 from epd.engine.models.positions import MRopePositions, RopePositions
 from epd.engine.models.qwen3_vl import ForwardBatch
+from epd.engine.request import Request
+from epd.transport.wire.mm_span import MMSpan
 from epd.transport.wire.sampling import SamplingParams
 
 PROMPTS = [[11, 12, 13, 14, 15] * 5, list(range(500, 540)), [7, 8] * 12, [3, 901, 77, 250, 18, 640, 5]]
@@ -161,3 +163,40 @@ def test_decode_graphs_hold_one_row_of_positions(tiny_model, graphs_on_cpu):
     assert runner.graphs._positions.shape[0] == 1
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert runner.graphs.num_replays == GREEDY.max_tokens - 1  # every decode step of the four replayed
+
+
+def _span(offset: int, length: int, **meta) -> MMSpan:
+    return MMSpan(offset, length, "h", meta)
+
+
+def test_mrope_refuses_metadata_it_cannot_place():
+    """The wire checks an item's metadata by type; what it means is the family's. M-RoPE
+    takes the spans the prompt builder writes and refuses, naming the span, the rest."""
+    rule = MRopePositions(spatial_merge_size=2)
+    chunked = [_span(3, 4, grid_thw=(1, 4, 4), second_per_grid_t=0.5),
+               _span(7, 4, grid_thw=(1, 4, 4), second_per_grid_t=0.5, first_group=1)]
+    rule.check_spans(chunked)
+    rule.check_spans([_span(0, 8, grid_thw=(2, 4, 4))])
+    for bad, why in [
+        ([_span(0, 4)], "grid_thw"),  # none
+        ([_span(0, 5, grid_thw=(1, 4, 4))], "grid_thw"),  # the grid is 4 tokens
+        ([_span(0, 4, grid_thw=(1, 4, 4.0))], "grid_thw"),
+        ([_span(0, 0, grid_thw=(0, 4, 4))], "grid_thw"),
+        ([_span(0, 2, grid_thw=(1, 2, 3))], "grid_thw"),  # not a whole merged grid
+        ([_span(0, 4, grid_thw=(1, 4, 4), second_per_grid_t=-0.5)], "second_per_grid_t"),
+        ([_span(0, 4, grid_thw=(1, 4, 4), second_per_grid_t=float("nan"))], "second_per_grid_t"),
+        ([_span(0, 4, grid_thw=(1, 4, 4), first_group=1)], "first_group"),  # continues nothing
+        ([chunked[0], _span(7, 4, grid_thw=(1, 4, 4), first_group=-1)], "first_group"),
+        ([chunked[0], _span(8, 4, grid_thw=(1, 4, 4), first_group=1)], "first_group"),  # a gap
+    ]:
+        with pytest.raises(ValueError, match=why):
+            rule.check_spans(bad)
+    RopePositions().check_spans([_span(0, 4)])  # 1-D RoPE reads no metadata
+
+
+def test_the_engine_refuses_a_span_its_model_cannot_place(tiny_model):
+    """A forged PrefillRequest's span fails that request at admission, before any step."""
+    core = cpu_llm(tiny_model).engine
+    with pytest.raises(ValueError, match="grid_thw"):
+        core.add_request(Request("forged", [5] * 12, GREEDY, mm_spans=[_span(2, 4, grid_thw=(1, 4, 8))]), {})
+    assert not core.has_unfinished()
