@@ -186,17 +186,18 @@ class LLM:
                 raise ValueError(f"a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt, "
                                  f"TokensPrompt); got keys {sorted(prompt)}")
             prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        vocab_size = self.engine.info.vocab_size
-        try:  # ints, numpy or torch integers alike; a str inside is the usual mistake
-            ids = [operator.index(t) for t in prompt if not isinstance(t, bool)]
-        except TypeError:
-            ids = None
-        if not ids or len(ids) != len(prompt) or not all(0 <= t < vocab_size for t in ids):
-            raise ValueError(f"a prompt is text or a non-empty list of token ids in [0, {vocab_size}), "
-                             f"got {str(prompt)[:80]}")
-        return ids
+        if not isinstance(prompt, str):
+            try:  # ints, numpy or torch integers alike; a str inside is the usual mistake
+                ids = [operator.index(t) for t in prompt if not isinstance(t, bool)]
+            except TypeError:
+                ids = None
+            if ids is None or len(ids) != len(prompt):
+                raise ValueError(f"a prompt is text or a non-empty list of token ids, got {str(prompt)[:80]}")
+            prompt = ids
+        try:  # the server's own check and tokenization (epd/inputs/input_processor.py)
+            return self.inputs.process_prompt(prompt)
+        except RequestError as exc:
+            raise ValueError(f"{exc.message}, got {str(prompt)[:80]}") from None
 
     def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""

@@ -29,7 +29,7 @@ from epd.engine.models.registry import get_family
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong
+from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens
 from epd.inputs.video_inputs import VideoInputs
 from epd.lora_modules import TowerAdapters
 from epd.requests import RequestError
@@ -64,6 +64,25 @@ class InputProcessor:
                                      video_token_id=info.video_token_id if info.video_token_id >= 0 else None,
                                      prompt_format=get_family(info.family).prompt_format)
         self.videos = VideoInputs(files, limits, dict(server_kwargs or {}), info.fingerprint)
+
+    def process_prompt(self, prompt: str | list[int], add_special_tokens: bool = False,
+                       max_prompt_tokens: int | None = None) -> list[int]:
+        """A completion prompt's token ids: text tokenized (PromptTooLong when it surely has
+        more than `max_prompt_tokens`, before the whole text is tokenized), or ids checked
+        against the vocabulary. RequestError for an empty prompt or an id out of range."""
+        if isinstance(prompt, str):
+            if max_prompt_tokens is not None and exceeds_tokens(self.files.tokenizer, prompt, max_prompt_tokens):
+                raise PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens")
+            ids = self.files.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError(status=400, message="a prompt is text or a non-empty list of token ids; it is empty",
+                               param="prompt")
+        if any(not 0 <= t < self.info.vocab_size for t in ids):
+            raise RequestError(status=400, message=f"a prompt takes token ids in [0, {self.info.vocab_size}) only",
+                               param="prompt")
+        return ids
 
     def process_chat(self, messages: list[dict], images: list[bytes], videos: list[bytes], *,
                      lora: LoRARequest | None = None, mm_processor_kwargs: dict | None = None,

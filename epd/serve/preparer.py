@@ -6,8 +6,9 @@
       chat            the input processor shared with the offline LLM, under the server's media
                       flags: tower adapter, images, videos, prompt, media items
                                                                           epd/inputs/input_processor.py
-      completion      the prompt's text or ids (a text past max_model_len refused after tokenizing
-                      one piece past it)                                  epd/inputs/prompt.py
+      completion      the prompt's text or ids, through the same input processor (a text past
+                      max_model_len refused after tokenizing one piece past it)
+                                                                          epd/inputs/input_processor.py
       truncation      truncate_prompt_tokens, never through an image
     check length      the max_tokens to use within max_model_len
 
@@ -27,7 +28,7 @@ from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_item import MediaItem
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import PromptTooLong, exceeds_tokens, image_parts, video_parts
+from epd.inputs.prompt import PromptTooLong, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.worker_metrics import WorkerMetrics
@@ -168,16 +169,11 @@ class Preparer:
         # one token at least is left to generate; a prompt to be truncated is tokenized whole
         max_prompt_tokens = self.max_model_len - 1 if req.truncate_prompt_tokens is None else None
         if req.messages is None:
-            prompt = req.prompt
-            if isinstance(prompt, str) and max_prompt_tokens is not None \
-                    and exceeds_tokens(self.tokenizer, prompt, max_prompt_tokens):
-                raise self._too_long(PromptTooLong(f"the prompt has more than {max_prompt_tokens} tokens"), "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens or req.add_special_tokens) \
-                if isinstance(prompt, str) else list(prompt)
-            if not ids:
-                raise RequestError(status=400, message="the prompt is empty", param="prompt")
-            if any(not 0 <= t < self.info.vocab_size for t in ids):
-                raise RequestError(status=400, message=f"token ids must be in [0, {self.info.vocab_size})", param="prompt")
+            try:
+                ids = self.inputs.process_prompt(req.prompt, add_special_tokens or req.add_special_tokens,
+                                                 max_prompt_tokens)
+            except PromptTooLong as exc:
+                raise self._too_long(exc, "prompt") from None
             return self._truncated(req, Prepared(ids, [], []))
         try:
             processed = self.inputs.process_chat(
