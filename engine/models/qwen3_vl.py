@@ -86,8 +86,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx,
                                    cfg.rms_norm_eps, bias=cfg.attention_bias, qk_norm=cfg.qk_norm)
         self.is_moe = layer_idx in cfg.moe_layer_ids
-        self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                                  cfg.num_experts_per_tok, cfg.norm_topk_prob) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if self.is_moe:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
