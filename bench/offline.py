@@ -84,7 +84,7 @@ def bare_decode_step_s(llm, context_len: int, repeats: int = 20) -> float:
     import torch
 
     from epd.engine.attention.metadata import AttentionMetadata
-    from epd.engine.models.qwen3_vl import ForwardBatch
+    from epd.engine.layers.forward_batch import ForwardBatch
 
     runner = llm.engine.runner
     block_size = runner.block_size

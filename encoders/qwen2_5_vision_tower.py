@@ -129,7 +129,7 @@ class Qwen2_5VisionTower(nn.Module):
         """The 2-D rotary table: float32 whatever the tower's dtype (not a weight)."""
         half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
         inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
-        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/models/qwen3_vl.py MRotaryEmbedding
+        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/layers/rotary.py RotaryEmbedding
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -19,6 +19,7 @@ loader.py            the language model built for a checkpoint's family and fill
 model_info.py        facts about a checkpoint found when it is opened
 config.py            EngineConfig: the engine's launch-time configuration
 models/              the language models, one module per family, and their registry
+layers/              the shared layers the models are built from: attention, rotary, norm, MLP, MoE
 attention/           attention backends: torch (CPU), the C kernel, Triton
 lora/                multi-LoRA on the language model
 spec/                speculative decoding: n-gram, draft model, EAGLE-3

@@ -33,13 +33,13 @@ from epd.engine.cuda_graphs import capture_sizes
 from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks, profile_forward
+from epd.engine.layers.mlp import pack_cpu_linears
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.engine_adapters import EngineAdapters
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
-from epd.engine.models.qwen3_vl import pack_cpu_linears
 from epd.engine.request import Request
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears

@@ -61,7 +61,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     the rest of the GPU."""
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
-    from epd.engine.models.qwen3_vl import ForwardBatch
+    from epd.engine.layers.forward_batch import ForwardBatch
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from epd.engine.models.qwen3_vl import MRotaryEmbedding, Qwen3VLForCausalLM
+from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM, rotary_embedding
 from epd.engine.models.registry import family_of
 from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
 
@@ -77,7 +77,7 @@ def load_language_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
     with torch.device("meta"):
         model = Qwen3VLForCausalLM(cfg, family.positions(hf_config))
     model = materialize(model, device, dtype)
-    model.model.rotary = MRotaryEmbedding(cfg, device=device)  # float32 tables, not weights
+    model.model.rotary = rotary_embedding(cfg, device=device)  # float32 tables, not weights
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     fused = {}
     for i in range(cfg.num_layers):

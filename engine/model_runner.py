@@ -25,8 +25,9 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
+from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.lora.manager import LoRAManager
-from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
+from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
                                 make_generator)

@@ -45,8 +45,9 @@ import torch
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.kv_cache_sizer import bytes_per_block
+from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.models.positions import PositionRule
-from epd.engine.models.qwen3_vl import ForwardBatch, Qwen3VLForCausalLM
+from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM
 from epd.engine.request import Request
 
 
@@ -221,7 +222,7 @@ def load_draft_model(model_dir: str, target_tokenizer_dir: str, dtype: torch.dty
 
     from epd.engine.loader import load_language_model
     from epd.engine.models.registry import check_family
-    from epd.engine.models.qwen3_vl import pack_cpu_linears
+    from epd.engine.layers.mlp import pack_cpu_linears
 
     from epd.engine.spec.check import check_same_vocab
 

@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epd.engine.models.qwen3_vl import RMSNorm, _rotate_half
+from epd.engine.layers.norm import RMSNorm
+from epd.engine.layers.rotary import rotate_half
 from epd.engine.spec.eagle3_config import Eagle3Config
 from epd.transport.weights.checkpoint import unfilled_embedding
 
@@ -86,7 +87,7 @@ class Eagle3Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         c, s = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
-        q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
         o = attend(self.layer_idx, q, k, v, self.head_dim ** -0.5)  # [N, Hq, D]
         return self.o_proj(o.reshape(n, -1))
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 def _aux_states(model, token_ids: list[int], aux_layer_ids) -> list[torch.Tensor]:
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
-    from epd.engine.models.qwen3_vl import ForwardBatch
+    from epd.engine.layers.forward_batch import ForwardBatch
 
     cfg, n, bs = model.cfg, len(token_ids), 16
     blocks = -(-n // bs)

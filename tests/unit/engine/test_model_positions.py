@@ -17,7 +17,7 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
 from epd.engine.models.positions import MRopePositions, RopePositions
-from epd.engine.models.qwen3_vl import ForwardBatch
+from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.request import Request
 from epd.transport.wire.mm_span import MMSpan
 from epd.transport.wire.sampling import SamplingParams

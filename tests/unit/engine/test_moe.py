@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from testkit.triton_interpreter import INTERPRETING, run_interpreted
 
-from epd.engine.models.moe import SparseMoeBlock, fused_moe_torch, route
+from epd.engine.layers.moe import SparseMoeBlock, fused_moe_torch, route
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -102,7 +102,7 @@ TRITON_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_triton_case(name, num_tokens, hidden, inter, num_experts, top_k, dtype, device):
-    from epd.engine.models.triton_moe import align_by_expert, fused_moe
+    from epd.engine.layers.triton_moe import align_by_expert, fused_moe
 
     x, w13, w2, weights, ids = make_case(num_tokens, hidden, inter, num_experts, top_k, dtype, device, seed=3)
     rows, tiles = align_by_expert(ids, num_experts, block_m=16)

@@ -14,7 +14,7 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
 from epd.engine.model_info import ModelInfo
 from epd.engine.models.mrope import mrope_positions
-from epd.engine.models.qwen3_vl import ForwardBatch
+from epd.engine.layers.forward_batch import ForwardBatch
 from epd.transport.wire.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef, PromptBuilder
 

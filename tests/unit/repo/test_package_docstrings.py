@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 CHECKED = ("epd", "epd/api", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
-           "engine", "engine/spec", "engine/lora", "engine/models", "engine/attention", "engine/worker",
+           "engine", "engine/spec", "engine/lora", "engine/models", "engine/layers", "engine/attention",
+           "engine/worker",
            "encoders", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",
            "transport/media", "transport/host", "bench", "bench/dev")
 # a bare `name.py` or `name/`: not a path into another folder (`epd/requests.py`)

@@ -8,7 +8,7 @@ one expert. Two grouped GEMMs then run over the tiles:
   2. out_pair = weight_pair * inter @ down_e^T, stored at the pair's row,
 and the k rows of each token are summed. Nothing is synchronised with the
 host: tile counts are the upper bound, surplus tiles exit at once.
-Reference: `engine.models.moe.fused_moe_torch` (tested under TRITON_INTERPRET=1).
+Reference: `engine.layers.moe.fused_moe_torch` (tested under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 

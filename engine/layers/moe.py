@@ -10,7 +10,7 @@ them in either orientation.
 
 CPU path (`fused_moe_torch`): the (token, expert) pairs are sorted by expert
 and each expert that got tokens runs once on its rows. GPU path: the Triton
-kernel in models/triton_moe.py, tested against this one.
+kernel in layers/triton_moe.py, tested against this one.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class SparseMoeBlock(nn.Module):
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)
         if use_triton:
-            from epd.engine.models.triton_moe import fused_moe
+            from epd.engine.layers.triton_moe import fused_moe
 
             return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
         return fused_moe_torch(x, self.w13, self.w2, topk_weights, topk_ids)

@@ -1,0 +1,10 @@
+"""The shared layers a language model is built from (engine/models/ holds the models).
+
+    forward_batch.py  ForwardBatch: what one forward pass needs besides token ids
+    attention.py      paged attention: fused qkv, optional q/k norms or q/k/v biases, rotary, GQA
+    rotary.py         the rotary embedding for 1 or 3 position rows, apply_rotary, rotate_half
+    norm.py           RMSNorm
+    mlp.py            the dense SwiGLU MLP, and pack_cpu_linears for CPU float32
+    moe.py            the sparse mixture-of-experts MLP, routed experts only
+    triton_moe.py     fused MoE in Triton (GPU)
+"""

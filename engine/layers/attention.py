@@ -1,0 +1,58 @@
+"""The paged attention layer: q, k and v from one fused projection, optional
+per-head RMSNorm on q and k (Qwen3) or q/k/v biases (Qwen2.5), rotary, GQA.
+The KV cache is read and written through the backend in the `ForwardBatch`
+(engine/attention/)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epd.engine.layers.forward_batch import ForwardBatch
+from epd.engine.layers.norm import RMSNorm
+from epd.engine.layers.rotary import apply_rotary
+from epd.transport.weights.cpu_linear import linear_add
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 rms_norm_eps: float, bias: bool = False, qk_norm: bool = True):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        # q, k and v projections fused into one matmul (the loader stacks them).
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                residual: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] normed -> residual + attention output [N, hidden]."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side ([N, Hq + Hkv, D], a view): normed and rotated together
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)  # [N, Hkv, D]
+        if self.qk_norm:
+            qk = self._norm_qk(qk)
+        qk = apply_rotary(qk, cos.to(qk.dtype), sin.to(qk.dtype))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [N, Hq, D], [N, Hkv, D]
+        k_cache, v_cache = batch.kv_caches[self.layer_idx]
+        batch.backend.store_kv(k, v, k_cache, v_cache, batch.attn_meta.slot_mapping)
+        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale)  # [N, Hq, D]
+        return linear_add(self.o_proj, o.reshape(n, self.q_size), residual)
+
+    def _norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of [N, Hq + Hkv, D], q_norm's weight on the q heads and k_norm's on the k heads."""
+        if qk.dtype != torch.float32:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                            self.k_norm.weight.expand(self.num_kv_heads, -1)))  # [Hq + Hkv, D]
+        return F.rms_norm(qk, (self.head_dim,), None, self.q_norm.eps).mul_(weight)

@@ -1,0 +1,30 @@
+"""The dense SwiGLU MLP, and `pack_cpu_linears`, which packs a model's linears for CPU float32."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epd.transport.weights.cpu_linear import linear_add, pack_linears, pack_swiglu, swiglu
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] normed -> residual + MLP output [N, hidden]."""
+        return linear_add(self.down_proj, swiglu(self.gate_up_proj, x, self.intermediate_size), residual)
+
+
+def pack_cpu_linears(model: nn.Module) -> None:
+    """CPU float32 (else nothing changes): every dense MLP's gate/up projection as a
+    `PackedSwiGLU` (the activation and product inside oneDNN's calls), then every other
+    `nn.Linear` packed whole (transport/weights/cpu_linear.py). After any LoRA wrapping: a wrapped
+    gate/up is packed whole, its adapter added to the plain projection's output."""
+    for module in model.modules():
+        if isinstance(module, MLP):
+            pack_swiglu(module, "gate_up_proj", module.intermediate_size)
+    pack_linears(model)

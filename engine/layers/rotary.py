@@ -1,0 +1,58 @@
+"""Rotary position embedding for 1 or 3 position rows, half-split as transformers lays it out.
+
+With three rows (time, height, width) each frequency is rotated by one row,
+chosen by `sections` (how many frequencies each row drives), laid out either
+interleaved t,h,w,t,h,w,... (Qwen3-VL) or contiguous (Qwen2-VL style); the
+model passes its own sections (engine/models/). Given one row of positions it
+is plain RoPE (every frequency by that row), which is the three-row result
+where the rows are equal (text).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    """Not an nn.Module: its float32 tables must not follow the model's dtype."""
+
+    def __init__(self, head_dim: int, rope_theta: float, sections: tuple[int, int, int], interleaved: bool,
+                 device: str | torch.device = "cpu"):
+        dim = head_dim
+        # computed on the CPU, then placed: on "meta" (a model being built for loading) an op like
+        # arange runs torch's reference op, whose first use imports torch._dynamo (seconds of start-up)
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        self.inv_freq = inv_freq.to(device)
+        half = dim // 2
+        axis = torch.zeros(half, dtype=torch.long, device="cpu")  # which position row drives frequency j
+        sec = sections
+        if interleaved:
+            axis[1:sec[1] * 3:3] = 1
+            axis[2:sec[2] * 3:3] = 2
+        else:  # contiguous sections (Qwen2-VL style)
+            axis[sec[0]:sec[0] + sec[1]] = 1
+            axis[sec[0] + sec[1]:] = 2
+        self.axis = axis.to(device)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3 or 1, num_tokens] -> cos, sin [num_tokens, 1, head_dim / 2] (float32): one half
+        of transformers' tables, whose two halves are equal; `apply_rotary` takes them."""
+        if positions.shape[0] == 1:  # plain RoPE: the one row drives every frequency
+            pos = positions.expand(self.axis.shape[0], -1)  # [half, N]
+        else:
+            pos = positions.gather(0, self.axis[:, None].expand(-1, positions.shape[1]))  # [half, N]
+        freqs = (pos.t().float() * self.inv_freq)[:, None, :]  # [N, 1, half]
+        return freqs.cos(), freqs.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half: [..., D] -> cat(-x2, x1), x1 and x2 its halves."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated by half-split RoPE with cos, sin [N, 1, D / 2]: transformers'
+    `x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)`, the same products and sums per
+    element, without the rotated copy of x or the doubled tables."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
