@@ -76,13 +76,12 @@ class OutputProcessor:
             self.logprobs += logprobs or ()
         finish = "stop" if detok.is_stopped else finish_reason
         if finish is not None:
-            text += detok.finish()
-            self.finish_reason = finish
+            text += self.finish(finish)
         return OutputStep(text, token_ids, logprobs, finish)
 
     def finish(self, reason: str) -> str:
-        """Ends the sequence for a reason of the engine's own (a grammar that failed
-        to compile: "error"); returns the held-back text it releases."""
+        """Ends the sequence (`take` calls it; the caller, for a reason of the engine's
+        own: a grammar that failed to compile, "error"); returns the held-back text it releases."""
         self.finish_reason = reason
         return self.detokenizer.finish()
 
