@@ -31,7 +31,7 @@ from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
-from epd.inputs.input_processor import InputProcessor
+from epd.inputs.input_processor import InputProcessor, ProcessedPrompt
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
@@ -145,7 +145,7 @@ class LLM:
                                                   template_kwargs=chat_template_kwargs)
             except RequestError as exc:
                 raise ValueError(exc.message) from None
-            requests.append((prompt.token_ids, prompt.mm_spans, prompt.items, prompt.tower_lora, p, lora))
+            requests.append((prompt, p, lora))
         return self._run(requests)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -159,7 +159,7 @@ class LLM:
         params = self._params_list(sampling_params, len(prompts))
         requests = []
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
-            requests.append((self._prompt_ids(prompt), [], [], None, p, lora))
+            requests.append((ProcessedPrompt(self._prompt_ids(prompt), [], []), p, lora))
         return self._run(requests)
 
     def stats(self) -> dict[str, int | float]:
@@ -217,23 +217,25 @@ class LLM:
                 raise entry
         return dict(zip(wanted, entries))
 
-    def _run(self, requests) -> list[RequestOutput]:
-        for *_, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
+    def _run(self, requests: list[tuple[ProcessedPrompt, SamplingParams, LoRARequest | None]]) -> list[RequestOutput]:
+        """Each (prompt, its sampling params, its language-model adapter) run to the end, as vLLM's LLM does."""
+        for _, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
-        for lora in dict.fromkeys(r[5] for r in requests if r[5] is not None):  # a bad adapter: before any work
+        for lora in dict.fromkeys(lora for *_, lora in requests if lora is not None):  # a bad adapter: before any work
             self.engine.load_lora(lora)
         images: dict[str, tuple[MediaItem, LoRARequest | None]] = {}  # distinct items over the call, by key
         videos: dict[str, tuple[MediaItem, LoRARequest | None]] = {}
-        for _, _, items, tower_lora, _, _ in requests:
-            for item in items:
-                (images if item.video is None else videos)[item.key] = (item, tower_lora)
+        for prompt, _, _ in requests:
+            for item in prompt.items:
+                (images if item.video is None else videos)[item.key] = (item, prompt.tower_lora)
         embeddings = self._encode_images(images)
         embeddings.update(self._encode_videos(videos))
 
         outputs: list[RequestOutput] = []
         pending: dict[str, OutputProcessor] = {}  # every sequence of the call, by its engine request id
-        for token_ids, spans, _, _, params, lora in requests:
+        for prompt, params, lora in requests:
+            token_ids, spans = prompt.token_ids, prompt.mm_spans
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=list(token_ids))
             outputs.append(out)

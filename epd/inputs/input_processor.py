@@ -40,7 +40,7 @@ from epd.transport.wire.mm_span import MMSpan
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    """A chat request made ready for the engine: what its attempts send."""
+    """A request made ready for the engine: what its attempts send (a completion prompt: its ids alone)."""
 
     token_ids: list[int]
     mm_spans: list[MMSpan]
