@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from epd.engine.models.registry import FAMILIES
 from epd.transport.media.prompt_format import ItemGeometry, PromptFormat
 from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.media.video_keys import entry_hashes
@@ -148,28 +147,18 @@ def token_id(tokenizer, token: str) -> int:
     return -1 if found is None or found == getattr(tokenizer, "unk_token_id", None) else found
 
 
-def prompt_format_of(tokenizer) -> PromptFormat:
-    """The format of the first registered family whose image token the tokenizer holds:
-    for a caller that knows the tokenizer but not the checkpoint's family (the server
-    and the LLM name the family's); ValueError when no family's fits."""
-    for family in FAMILIES.values():
-        if token_id(tokenizer, family.prompt_format.image_token) >= 0:
-            return family.prompt_format
-    raise ValueError("the tokenizer holds no registered family's image token: name the prompt format")
-
-
 class PromptBuilder:
     def __init__(self, tokenizer, geometry: ItemGeometry | None, image_token_id: int,
-                 chat_template: str | None = None, video_token_id: int | None = None,
-                 prompt_format: PromptFormat | None = None):
+                 chat_template: str | None = None, video_token_id: int | None = None, *,
+                 prompt_format: PromptFormat):
         """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
         (epd/inputs/model_files.py resolves it); None: the tokenizer's own.
         `video_token_id` (config.json's): None, the tokenizer's video token (-1: it has none).
-        `prompt_format`: the family's (engine/models/registry.py); None: `prompt_format_of(tokenizer)`."""
+        `prompt_format`: the checkpoint family's (engine/models/registry.py)."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
-        self.format = prompt_format or prompt_format_of(tokenizer)
+        self.format = prompt_format
         self._placeholders = re.compile("(" + "|".join(re.escape(p) for p in self.format.placeholders) + ")")
         self.video_token_id = token_id(tokenizer, self.format.video_token) if video_token_id is None \
             else video_token_id

@@ -20,6 +20,7 @@ from epd.engine.models.mrope import mrope_positions
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.inputs.prompt import ImageRef, PromptBuilder
 from epd.transport.wire.sampling import SamplingParams
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 
 FAMILIES = ["qwen3_vl_moe", "qwen2_5_vl"]
 CONVERSATIONS = MIXED_BATCH
@@ -35,7 +36,8 @@ def _prompt_logits(model_dir: str, messages, images) -> tuple[list[int], torch.T
     info = ModelInfo.from_pretrained(model_dir, hf_config)
     lm = load_language_model(model_dir, hf_config, torch.float32)
     encoder = ImageEncoder(model_dir, hf_config, torch.float32, model_fingerprint=info.fingerprint)
-    prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), encoder.preprocess.geometry, info.image_token_id)
+    prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), encoder.preprocess.geometry, info.image_token_id,
+                            prompt_format=QWEN_VL_FORMAT)
     prompt = prompts.build(messages, [ImageRef(*read_image_size(b), encoder.mm_hash(b)) for b in images])
     ids, n = prompt.token_ids, len(prompt.token_ids)
     cfg, block_size, num_blocks = lm.cfg, 16, n // 16 + 2

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from epd.api.protocol import parse_chat_request
 from epd.inputs.prompt import PromptBuilder
 from epd.requests import RequestError
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% if thinking is defined and not thinking %}"
@@ -18,7 +19,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def builder(tiny_model):
-    return PromptBuilder(AutoTokenizer.from_pretrained(tiny_model), None, 0, chat_template=TEMPLATE)
+    return PromptBuilder(AutoTokenizer.from_pretrained(tiny_model), None, 0, chat_template=TEMPLATE,
+                         prompt_format=QWEN_VL_FORMAT)
 
 
 def test_the_kwargs_reach_the_template(builder):

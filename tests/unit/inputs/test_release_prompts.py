@@ -16,6 +16,7 @@ from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
 from epd.inputs.video_header import plan_video
 from epd.tools.make_model import make_model
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 from testkit.family_checkpoints import family_checkpoint
 from testkit.media import IMG_A, IMG_B, image_part
 from testkit.release_templates import BY_MODEL_TYPE
@@ -63,7 +64,7 @@ def test_release_template_prompt_equals_transformers_processor(case, tiny_model,
     wrapped = WRAPPER in template
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     builder = PromptBuilder(tokenizer, ImageGeometry.from_pretrained(model_dir),
-                            tokenizer.convert_tokens_to_ids("<|image_pad|>"), template)
+                            tokenizer.convert_tokens_to_ids("<|image_pad|>"), template, prompt_format=QWEN_VL_FORMAT)
     geometry = VideoGeometry.from_pretrained(model_dir)
     plans = [plan_video(data, geometry, VideoOptions())[1] for data in VIDEOS]
     assert bool(plans[0].group_timestamps_s) == (model_type != "qwen2_5_vl")

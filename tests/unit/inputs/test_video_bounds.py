@@ -13,6 +13,7 @@ from epd.transport.media.video_geometry import VideoGeometry, VideoOptions, Vide
 from epd.inputs.prompt import PromptBuilder, PromptTooLong, VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
 from epd.tools.make_model import PRESETS, write_processor_configs
+from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
 from testkit.videos import encode_video, synthetic_frames
 
 pytest.importorskip("av")
@@ -100,7 +101,7 @@ def test_prompt_length_comes_from_the_plan_before_expansion(tiny_model):
     2,000,000-pad text is written or tokenized."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     builder = PromptBuilder(tokenizer, ImageGeometry.from_pretrained(tiny_model),
-                            tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+                            tokenizer.convert_tokens_to_ids("<|image_pad|>"), prompt_format=QWEN_VL_FORMAT)
     plan = VideoPlan(frame_indices=(0, 1), resized_height=32, resized_width=32, grid_thw=(1, 2, 2),
                      num_tokens=2_000_000, tokens_per_group=2_000_000, group_timestamps_s=(0.0,))
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}},

@@ -41,7 +41,8 @@ def test_qwen3_placeholder_text_writes_each_group_with_its_time():
 @pytest.fixture(scope="module")
 def builder(tiny_model) -> PromptBuilder:
     return PromptBuilder(AutoTokenizer.from_pretrained(tiny_model), ImageGeometry.from_pretrained(tiny_model),
-                         AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("<|image_pad|>"))
+                         AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("<|image_pad|>"),
+                         prompt_format=QWEN_VL_FORMAT)
 
 
 def _messages(*parts) -> list[dict]:
