@@ -9,13 +9,14 @@ from epd.engine.config import EngineConfig
 
 
 def add_model_parsers(sub) -> None:
+    from epd.families.gemma3.presets import PRESETS as GEMMA3_PRESETS
     from epd.tools.make_eagle3 import EAGLE3_PRESETS
     from epd.tools.make_model import PRESETS
 
-    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL) "
-                                          "or EAGLE-3 draft head (the *-eagle3 presets)")
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL, "
+                                          "Gemma 3: the gemma3-* presets) or EAGLE-3 draft head (the *-eagle3 presets)")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS) + list(EAGLE3_PRESETS))
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS) + list(GEMMA3_PRESETS) + list(EAGLE3_PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-of", default=None, metavar="TARGET",
                    help="instead of a preset: a draft model for --speculative-config's draft_model, the TARGET "
@@ -43,6 +44,7 @@ def add_model_parsers(sub) -> None:
 
 
 def _make_model(args) -> int:
+    from epd.families.gemma3.presets import PRESETS as GEMMA3_PRESETS, make_gemma3_model
     from epd.tools.make_eagle3 import EAGLE3_PRESETS, make_eagle3
     from epd.tools.make_model import make_model
 
@@ -58,6 +60,8 @@ def _make_model(args) -> int:
         return 0
     if args.preset in EAGLE3_PRESETS:
         out = make_eagle3(args.dir, preset=args.preset, seed=args.seed)
+    elif args.preset in GEMMA3_PRESETS:
+        out = make_gemma3_model(args.dir, preset=args.preset, seed=args.seed)
     else:
         out = make_model(args.dir, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} checkpoint to {out}")

@@ -146,3 +146,33 @@ def test_loader_reads_the_current_layout_and_names_a_missing_tensor(gemma3_model
     save_file(renamed, copy / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.language_model\.layers\.2\.self_attn\.k_proj\.weight"):
         load_text_model(copy, AutoConfig.from_pretrained(copy), torch.float32)
+
+
+def test_final_logits_are_soft_capped_when_the_config_says_so(ours):
+    from dataclasses import replace
+
+    hidden = torch.randn(3, ours.lm.cfg.hidden_size) * 100  # logits well past the cap
+    raw, cfg = ours.lm.compute_logits(hidden).detach(), ours.lm.cfg
+    assert cfg.final_logit_softcapping is None and raw.abs().max() > 5
+    ours.lm.cfg = replace(cfg, final_logit_softcapping=5.0)
+    try:
+        capped = ours.lm.compute_logits(hidden).detach()
+    finally:
+        ours.lm.cfg = cfg
+    torch.testing.assert_close(capped, 5.0 * torch.tanh(raw / 5.0))
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("hidden_activation", "silu", "hidden_activation"),
+])
+def test_what_is_not_served_is_refused_by_name(gemma3_model, field, value, named):
+    from transformers import AutoConfig
+
+    from epd.families.gemma3.text_model import TextConfig
+
+    config = AutoConfig.from_pretrained(gemma3_model)
+    setattr(config.text_config, field, value)
+    with pytest.raises(ValueError, match=named):
+        TextConfig.from_hf(config)
