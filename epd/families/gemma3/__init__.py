@@ -6,5 +6,6 @@
     vision.py           the SigLIP tower + projector (encoder side; never imports the engine): load_vision
     text_model.py       the language model over engine/layers/: sandwich norms, sliding and global layers
     text_loader.py      the language model's checkpoint names -> our parameters: load_text_model
+    family.py           its registry entry (torch-free): Gemma 3, plain 1-D RoPE positions
     presets.py          `make-model` presets: config, weights, processor files, chat template, tokenizer
 """

@@ -19,10 +19,9 @@ RMSNorm, or whose projector were left out, gives other tokens.
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from epd.tools.make_model import LOGIT_STD, _corpus
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
@@ -125,6 +124,26 @@ PRESETS: dict[str, Gemma3Preset] = {
         dtype="bfloat16",
     ),
 }
+
+
+# Target standard deviation of the output logits (as the Qwen presets'): the top-2 margin of
+# greedy decoding orders of magnitude above float32 noise.
+LOGIT_STD = 8.0
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    """A deterministic training corpus: English-like text, numbers, code, multi-byte characters."""
+    base = ("The quick brown fox jumps over the lazy dog. Describe this image in detail. What is shown "
+            "in the chart? The photo shows a cat on a red chair next to a window. Numbers: 0 1 2 3 4 5 6 7 "
+            "8 9 10 42 100 2025 3.14. def main(): return sum(x * x for x in range(10)) "
+            "héllo wörld, naïve café, 你好世界, こんにちは, Привет мир 🙂 ")
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "an", "el", "in", "on", "st", "th", "qu"]
+    lines = [base] * 20
+    for _ in range(3000):
+        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(4, 12))]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return lines
 
 
 def build_tokenizer(vocab_size: int):
