@@ -10,7 +10,7 @@ Gemma's special tokens (`<start_of_image>`, `<end_of_image>`,
 `<image_soft_token>` named as the release's tokenizer names them: `boi_token`,
 `eoi_token`, `image_token`).
 
-As for the Qwen presets (epd/tools/make_model.py), the final norm is scaled so
+As for every family (epd/families/random_checkpoints.py), the final norm is scaled so
 logits are peaked (greedy argmax is never decided by rounding noise). The
 release initialises every Gemma norm weight and the projector's weight to
 zero; here they are random, so a checkpoint whose norms were read as plain
@@ -19,9 +19,10 @@ RMSNorm, or whose projector were left out, gives other tokens.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
@@ -126,45 +127,12 @@ PRESETS: dict[str, Gemma3Preset] = {
 }
 
 
-# Target standard deviation of the output logits (as the Qwen presets'): the top-2 margin of
-# greedy decoding orders of magnitude above float32 noise.
-LOGIT_STD = 8.0
-
-
-def _corpus(seed: int = 0) -> list[str]:
-    """A deterministic training corpus: English-like text, numbers, code, multi-byte characters."""
-    base = ("The quick brown fox jumps over the lazy dog. Describe this image in detail. What is shown "
-            "in the chart? The photo shows a cat on a red chair next to a window. Numbers: 0 1 2 3 4 5 6 7 "
-            "8 9 10 42 100 2025 3.14. def main(): return sum(x * x for x in range(10)) "
-            "héllo wörld, naïve café, 你好世界, こんにちは, Привет мир 🙂 ")
-    rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "an", "el", "in", "on", "st", "th", "qu"]
-    lines = [base] * 20
-    for _ in range(3000):
-        words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(4, 12))]
-        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
-    return lines
-
-
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained locally with Gemma's special tokens (pad 0, eos 1, bos 2 as in
-    the release) and the release's named image tokens, wrapped for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": BOI_TOKEN, "eoi_token": EOI_TOKEN, "image_token": IMAGE_TOKEN},
-        model_max_length=131072, clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+def gemma3_tokenizer(vocab_size: int):
+    """A byte-level BPE with Gemma's special tokens (pad 0, eos 1, bos 2 as in the release) and
+    the release's named image tokens."""
+    return build_tokenizer(vocab_size, SPECIAL_TOKENS, eos_token="<eos>", pad_token="<pad>",
+                           chat_template=CHAT_TEMPLATE, bos_token="<bos>", unk_token="<unk>",
+                           boi_token=BOI_TOKEN, eoi_token=EOI_TOKEN, image_token=IMAGE_TOKEN)
 
 
 def hf_config(p: Gemma3Preset, ids: dict[str, int], vocab_size: int):
@@ -189,18 +157,13 @@ def hf_config(p: Gemma3Preset, ids: dict[str, int], vocab_size: int):
                         image_token_index=ids[IMAGE_TOKEN], tie_word_embeddings=True)
 
 
-def make_gemma3_model(out_dir: str | Path, preset: str | Gemma3Preset = "gemma3-tiny", seed: int = 0) -> Path:
-    """Writes a random-weight Gemma 3 checkpoint to `out_dir` and returns its path.
-    `preset`: a name from PRESETS or a `Gemma3Preset` (tests build variants)."""
+def write_checkpoint(out: Path, p: Gemma3Preset, seed: int) -> None:
+    """The preset's random-weight checkpoint, tokenizer and processor files in `out`
+    (epd/tools/make_model.py `make_model`)."""
     import torch
     from transformers import GenerationConfig, Gemma3ForConditionalGeneration
 
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(p.tokenizer_vocab)
+    tokenizer = gemma3_tokenizer(p.tokenizer_vocab)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = p.vocab_size or len(tokenizer)
     assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
@@ -219,12 +182,8 @@ def make_gemma3_model(out_dir: str | Path, preset: str | Gemma3Preset = "gemma3-
     GenerationConfig(bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
                      pad_token_id=ids["<pad>"], do_sample=False).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    cfg_path = out / "tokenizer_config.json"  # the template where vLLM and older transformers look too
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+    embed_chat_template(out, CHAT_TEMPLATE)
     write_processor_configs(out, p)
-    return out
 
 
 def _randomize(model, p: Gemma3Preset) -> None:

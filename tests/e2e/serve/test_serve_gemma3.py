@@ -20,9 +20,9 @@ CHAT_NAMES = ["text_only", "two_images"]
 
 @pytest.fixture(scope="module")
 def gemma3_model(tmp_path_factory) -> str:
-    from epd.families.gemma3.presets import make_gemma3_model
+    from epd.tools.make_model import make_model
 
-    return str(make_gemma3_model(tmp_path_factory.mktemp("ckpt") / "gemma3-tiny", "gemma3-tiny", seed=3))
+    return str(make_model(tmp_path_factory.mktemp("ckpt") / "gemma3-tiny", "gemma3-tiny", seed=3))
 
 
 @torch.no_grad()

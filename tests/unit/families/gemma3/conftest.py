@@ -1,4 +1,4 @@
-"""A tiny random Gemma 3 checkpoint (presets.py "gemma3-tiny"), made once per session, and
+"""A tiny random Gemma 3 checkpoint (epd make-model's "gemma3-tiny", presets.py), made once per session, and
 transformers' own Gemma3ForConditionalGeneration and processor on it (the reference)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def gemma3_model(tmp_path_factory) -> str:
-    from epd.families.gemma3.presets import make_gemma3_model
+    from epd.tools.make_model import make_model
 
-    return str(make_gemma3_model(tmp_path_factory.mktemp("ckpt") / "gemma3-tiny", "gemma3-tiny", seed=0))
+    return str(make_model(tmp_path_factory.mktemp("ckpt") / "gemma3-tiny", "gemma3-tiny", seed=0))
 
 
 @pytest.fixture(scope="session")
