@@ -189,7 +189,6 @@ class Gemma3Vision:
         """Images -> (pixel_values [B, C, S, S], one span metadata dict per image: none)."""
         return self.processor(images), [{} for _ in images]
 
-    @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, metas: list[dict]) -> list[MMEntry]:
         """One entry per image: its `mm_tokens_per_image` embeddings [tokens, text hidden]."""
         param = self.tower.projector.mm_input_projection_weight

@@ -58,7 +58,8 @@ class Ours:
         if not images:
             return prompt.token_ids, None
         pixels, metas = self.vision.preprocess(images)
-        return prompt.token_ids, torch.cat([e.embeddings for e in self.vision.forward(pixels, metas)])
+        with torch.no_grad():
+            return prompt.token_ids, torch.cat([e.embeddings for e in self.vision.forward(pixels, metas)])
 
     @torch.inference_mode()
     def step(self, ids: list[int], start: int, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:

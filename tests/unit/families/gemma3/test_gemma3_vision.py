@@ -32,8 +32,8 @@ def test_embeddings_equal_transformers(gemma3_model, gemma3_reference):
     model, _ = gemma3_reference
     vision = load_vision(gemma3_model, AutoConfig.from_pretrained(gemma3_model), torch.float32)
     pixels, metas = vision.preprocess(IMAGES)
-    entries = vision.forward(pixels, metas)
     with torch.no_grad():
+        entries = vision.forward(pixels, metas)
         want = model.model.get_image_features(pixels).pooler_output  # [2, 16, hidden]
     assert [tuple(e.embeddings.shape) for e in entries] == [(16, 64)] * 2
     for entry, ref in zip(entries, want):
