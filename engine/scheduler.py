@@ -28,10 +28,6 @@ Invariants
 * A running request always has at least one token left to compute
   (`num_computed_tokens < num_tokens`), so each step it is scheduled it
   computes KV and the last chunk samples.
-* With `whole_mm_spans` (a model whose image tokens see each other both
-  ways) no chunk ends inside an image span: one ends before a span it
-  cannot take whole, and a span longer than the token budget is refused
-  at `add_request`.
 """
 from __future__ import annotations
 
@@ -48,6 +44,7 @@ from epd.engine.prefill_order import PrefillOrder
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from epd.engine.span_chunks import ChunkSizes
 from epd.engine.spec.decode import SpecDecodeStats, add_drafts
 
 @dataclass
@@ -89,16 +86,14 @@ class Scheduler:
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
         `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
         request's `lora_weights`), None when it is not read: its request waits and the next
-        may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: the
-        model attends an image's tokens both ways (its `bidirectional_mm`), so a chunk never
-        splits an image span (docs/decisions/bidirectional-image-spans.md)."""
+        may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: span_chunks.py."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config, self.max_loras, self.adapter_weights = config, max_loras, adapter_weights
         self.role = role
-        self.whole_mm_spans = whole_mm_spans
         self.images = images if images is not None else ImageLedger()
         self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
+        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.num_cache_tokens = num_blocks * config.block_size
@@ -188,11 +183,7 @@ class Scheduler:
         if self.config.max_model_len is not None and num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room for output "
                              f"under max_model_len={self.config.max_model_len}")
-        longest = max((span.length for span in request.mm_spans), default=0)
-        if self.whole_mm_spans and longest > self.config.max_num_batched_tokens:
-            raise ValueError(f"an image of {longest} tokens does not fit one step's token budget "
-                             f"(max_num_batched_tokens={self.config.max_num_batched_tokens}): this model "
-                             "attends an image's tokens both ways, so a step takes an image whole")
+        self.chunks.check(request)
 
     def _register(self, request: Request) -> None:
         if request.max_model_len is None:
@@ -213,14 +204,12 @@ class Scheduler:
         queue; under "cost" running and waiting together by `PrefillOrder.priority`,
         and a request admitted ahead of a running prefill must leave the
         blocks that prefill's next chunk needs. A prompt longer than the
-        remaining budget is chunked at any token, also inside an image span
-        (not with `whole_mm_spans`: `_whole_spans`), and never past the
-        ledger's `prefill_bound`: a request blocked there
+        remaining budget is chunked at any token (inside an image span too, unless
+        `ChunkSizes.whole_mm_spans`), never past the ledger's `prefill_bound`: one blocked there
         is skipped and its budget goes to the next. When blocks run out, a
         running request not yet scheduled this step is preempted (see
-        `_allocate_or_preempt`); no waiting request is admitted
-        in a step that preempted, nor after one that did not fit
-        (head-of-line: nobody overtakes the request it is its turn to admit).
+        `_allocate_or_preempt`); no waiting request is admitted in a step that preempted,
+        nor after one that did not fit (head-of-line: nobody overtakes the request it is its turn to admit).
         A decode-role scheduler gives its prefills at most
         `max_local_prefill_tokens` of the budget a step.
         """
@@ -256,10 +245,8 @@ class Scheduler:
             if step.token_budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                num_new_tokens = self._whole_spans(request, request.num_computed_tokens, min(
-                    self.images.prefill_bound(request) - request.num_computed_tokens,
-                    step.token_budget))  # <= 0: waiting for an image (or budget), the budget goes on
-                if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, step):
+                num_new_tokens = self.chunks.size(request, request.num_computed_tokens, step.token_budget)
+                if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, step):  # <= 0: it waits
                     step.take(self._scheduled(request, num_new_tokens))
             elif step.may_admit and not step.preempted_ids and len(self.running) < self.config.max_num_seqs:
                 self._admit(request, step, order[i + 1:])
@@ -285,12 +272,9 @@ class Scheduler:
             return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)
-        if bound - num_cached_tokens <= 0:
-            return  # its first image is not here: it holds nothing and waits
-        num_new_tokens = self._whole_spans(request, num_cached_tokens, min(bound - num_cached_tokens,
-                                                                           step.token_budget))
-        if num_new_tokens <= 0:
-            step.may_admit = False  # an image it must take whole does not fit this step: its turn stays
+        num_new_tokens = self.chunks.size(request, num_cached_tokens, step.token_budget)
+        if num_new_tokens <= 0:  # its first image is not here: it holds nothing and waits; or an image
+            step.may_admit &= bound <= num_cached_tokens  # it must take whole does not fit: its turn stays
             return
         if bound < request.num_tokens and not self._can_wait_for_images(request, num_cached_tokens):
             return
@@ -337,8 +321,7 @@ class Scheduler:
         for request in later:
             if request.status is not RequestStatus.RUNNING or token_budget <= 0:
                 continue
-            num_new_tokens = self._whole_spans(request, request.num_computed_tokens, min(
-                self.images.prefill_bound(request) - request.num_computed_tokens, token_budget))
+            num_new_tokens = self.chunks.size(request, request.num_computed_tokens, token_budget)
             if num_new_tokens > 0:
                 token_budget -= num_new_tokens
                 num_blocks += max(0, self.block_manager.num_blocks_for(request.num_computed_tokens + num_new_tokens)
@@ -351,18 +334,6 @@ class Scheduler:
         num_blocks = self.block_manager.num_blocks_for(request.num_tokens) \
             - num_cached_tokens // self.config.block_size
         return self.early_prefill.may_wait(num_image_waits, num_blocks, self.block_manager.num_free_blocks)
-
-    def _whole_spans(self, request: Request, start: int, num_new_tokens: int) -> int:
-        """`num_new_tokens` from `start`, cut (with `whole_mm_spans`) so that the chunk does not end
-        inside an image span: it ends at the span's start instead, or is 0 when it starts there or
-        inside it (a prefix-cache hit may end inside one: its KV was computed with the whole span)."""
-        if not self.whole_mm_spans or num_new_tokens <= 0:
-            return num_new_tokens
-        end = start + num_new_tokens
-        for span in request.mm_spans:  # sorted and disjoint: at most one holds `end`
-            if span.offset < end < span.end:
-                return max(span.offset - start, 0)
-        return num_new_tokens
 
     def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
         start = request.num_computed_tokens
