@@ -40,7 +40,7 @@ def _tokens_and_top(out):
 
 def test_chunks_and_prefix_hits_equal_one_chunk_and_the_flag_matters(tiny_model, bidirectional, monkeypatch):
     whole = _llm(tiny_model)
-    assert whole.engine.scheduler.whole_mm_spans and whole.engine.runner.bidirectional_mm
+    assert whole.engine.scheduler.chunks.whole_mm_spans and whole.engine.runner.bidirectional_mm
     (full,) = whole.chat(CHAT, PROMPT_LOGPROBS)
     (greedy,) = whole.chat(CHAT, GREEDY)
 
