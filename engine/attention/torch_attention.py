@@ -72,9 +72,9 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kernel = _cpu_kernel(query, k_cache, v_cache)
     plan = _step_plan(meta, k_cache, query.shape[1] // k_cache.shape[2], kernel is not None, window)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for b, q_start, q_end, seq_len in plan.prefills:
+    for b, q_start, q_end, seq_len, widened in plan.prefills:
         _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len, window, softcap,
-                     plan.key_ends)
+                     plan.key_ends if widened else None)
     if plan.kernel_seqs is not None:
         cpu_kernel.decode_attention(kernel, query.contiguous(), k_cache, v_cache, meta.block_tables.contiguous(),
                                     meta.seq_lens.contiguous(), meta.cu_seqlens_q.contiguous(), plan.kernel_seqs,
@@ -118,7 +118,8 @@ class _DecodeGroup:
 
 @dataclass(frozen=True)
 class _Plan:
-    prefills: list[tuple[int, int, int, int]]  # (sequence, first query row, end row, context length)
+    # (sequence, first query row, end row, context length, whether a bidirectional range widens a row)
+    prefills: list[tuple[int, int, int, int, bool]]
     decodes: list[_DecodeGroup]  # batched for SDPA
     kernel_seqs: torch.Tensor | None = None  # [n] int64, longest first: decodes for the CPU kernel instead
     key_ends: list[int] | None = None  # meta.query_key_ends on the host (None: causal)
@@ -152,7 +153,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, bytes_per_token: int, n
         if not widened and (q_len == 1 or q_len < min(seq_lens[b], _MAX_DECODE_QUERY_LEN + 1)):
             decodes.setdefault(q_len, []).append(b)
         else:
-            prefills.append((b, cu[b], cu[b + 1], seq_lens[b]))
+            prefills.append((b, cu[b], cu[b + 1], seq_lens[b], widened))
     if kernel_cache_blocks is not None:
         seq_ids = sorted((b for ids in decodes.values() for b in ids), key=lambda b: -seq_lens[b])
         if seq_ids:  # the kernel reads blocks by these ids unchecked: one out of range would read outside the cache
