@@ -12,6 +12,10 @@ tensor a call was up to 2-5x slower in `python -m bench.dev.cpu_decode_attention
 On CPU in float32 the decodes skip all of that: engine/attention/cpu_kernel.py's
 C kernel reads their K/V in place through the block table (the gather path
 stays for half precision, and where no C compiler built the kernel).
+A layer's sliding window and the metadata's bidirectional ranges are explicit
+masks (a prefill reads only from its first row's window on; a sequence with
+a widened query row is attended as a prefill); a soft-cap computes the
+scores in plain ops (SDPA has no soft-cap), the C kernel caps its own.
 """
 from __future__ import annotations
 
