@@ -93,7 +93,7 @@ class Scheduler:
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
-        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans)
+        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans and role != "decode")
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.num_cache_tokens = num_blocks * config.block_size

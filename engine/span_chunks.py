@@ -2,7 +2,8 @@
 step's budget, and, for a model whose image tokens see each other both ways (its
 `bidirectional_mm`), never ending inside an image span (docs/decisions/bidirectional-image-spans.md).
 
-Pure Python (no torch): the scheduler's rule.
+Pure Python (no torch): the scheduler's rule. A decode-role scheduler has it off: it
+prefills no image (its local prefills are text, and it recomputes no request with images).
 """
 from __future__ import annotations
 
