@@ -6,7 +6,8 @@ The text is calls when it begins (after white space) with a list whose first
 item is a call `name(keyword=literal, ...)`; anything else is content. Items
 are read one at a time as the list's brackets and strings close, each with
 `ast` (never evaluated): keyword arguments only, their values literals
-(strings, numbers, True/False/None, lists, tuples as lists, dicts). A call is
+(strings, numbers, True/False/None, lists, tuples as lists, dicts; JSON's
+true/false/null too, which vLLM's Gemma 3 template writes). A call is
 given when its item closes; an item that is not such a call ends the calls
 (the rest is dropped, as is the text after the list's `]`). Cut short, the
 item begun is given with its arguments so far: the call's text closed where
@@ -23,6 +24,7 @@ from typing import Any
 from epd.api.tool_parsers.base import Found, ToolParser
 
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
+_JSON_NAMES = {"true": True, "false": False, "null": None}  # vLLM's Gemma 3 template writes values as JSON
 _NAME = re.compile(r"\s*[A-Za-z_]\w*\s*\(")
 
 
@@ -146,6 +148,8 @@ def _call(item: str) -> tuple[str, str]:
 def _literal(node: ast.expr) -> Any:
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
         return node.value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
             and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
         return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value

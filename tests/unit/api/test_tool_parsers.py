@@ -48,6 +48,7 @@ PYTHONIC = [
     ('\n [f(a=[1, -2.5, (3, 4)], b={"k": None, "t": True}, s="x]y)z\\"w")]',
      "", [("f", '{"a": [1, -2.5, [3, 4]], "b": {"k": null, "t": true}, "s": "x]y)z\\"w"}')]),
     ('[get_time()]\nI asked for the time.', "", [("get_time", "{}")]),  # after the list: dropped
+    ("[f(a=true, b=null, c=[false])]", "", [("f", '{"a": true, "b": null, "c": [false]}')]),  # JSON's names
     ("[f(x=1), g(1), h(y=2)]", "", [("f", '{"x": 1}')]),  # an item that is not a call ends the calls
     ('[get_time(), get_weather(city="Pa', "", [("get_time", "{}"), ("get_weather", '{"city": "Pa')]),  # cut
     ('[get_weather(city="Paris", da', "", [("get_weather", '{"city": "Paris"')]),  # cut in a keyword
