@@ -8,6 +8,7 @@ serve/                   the request plane: prepare, place, route, retry, collec
 processes/               the process plane: start, supervise, scale and stop the workers
 inputs/                  request inputs: media fetching, prompts, the checkpoint's files
 cli/                     the `epd` command
+families/                the model families, one package each
 tools/                   `epd make-model` and the speculative heads' makers
 llm.py                   offline inference (`LLM`)
 requests.py              the types the HTTP edge and the orchestrator speak

@@ -1,0 +1,116 @@
+"""GLM-4.1V's vision side against transformers on a tiny random checkpoint
+(float32): the tower's embeddings equal Glm4vForConditionalGeneration's
+get_image_features (and get_video_features for a grid of several temporal
+groups), the preprocessing is the checkpoint's own processor's."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from epd.families.glm4v.vision import load_vision
+
+transformers = pytest.importorskip("transformers")
+
+# (width, height): a small one scaled up, a thin one (a side under one merged patch), odd aspects,
+# one the pixel bound shrinks
+SIZES = [(60, 40), (17, 300), (200, 90), (333, 77), (500, 500), (90, 200)]
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return Image.open(io.BytesIO(buf.getvalue()))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny random Glm4vForConditionalGeneration saved with its image processor beside it."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor
+
+    path = tmp_path_factory.mktemp("glm4v")
+    config = Glm4vConfig(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}),
+        # 3 heads of 16; MLP width out_hidden (64); a position table of 8 x 8 patches
+        vision_config=dict(depth=2, hidden_size=48, num_heads=3, out_hidden_size=64, intermediate_size=80,
+                           image_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=250, video_token_id=251, image_start_token_id=246, image_end_token_id=247,
+        video_start_token_id=248, video_end_token_id=249)
+    torch.manual_seed(0)
+    model = Glm4vForConditionalGeneration(config).eval()
+    with torch.no_grad():  # weights of unit gain (outputs of order 1, not 1e-3), norms and biases not 1 and 0
+        for name, p in model.model.visual.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5 if "position" not in name else 1.0)
+    model.save_pretrained(path)
+    # between 2 and 24 merged tokens of 28 x 28 pixels (each counted twice: a temporal patch of 2)
+    Glm4vImageProcessor(size={"shortest_edge": 2 * 28 * 28 * 2, "longest_edge": 2 * 28 * 28 * 24}).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import Glm4vForConditionalGeneration
+
+    return Glm4vForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def vision(checkpoint):
+    from transformers import AutoConfig
+
+    return load_vision(checkpoint, AutoConfig.from_pretrained(checkpoint), torch.float32, "cpu")
+
+
+def test_image_embeddings_equal_transformers(checkpoint, reference, vision):
+    from transformers import AutoImageProcessor
+
+    images = [_image(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+    pixel_values, metas = vision.preprocess(images)
+    hf = AutoImageProcessor.from_pretrained(checkpoint)(images=images, return_tensors="pt")
+    assert [m["grid_thw"] for m in metas] == [tuple(g) for g in hf["image_grid_thw"].tolist()]
+    assert torch.equal(pixel_values, hf["pixel_values"])
+    assert len({m["grid_thw"] for m in metas}) > 3  # the sizes give different grids
+
+    entries = vision.forward(pixel_values, metas)
+    with torch.no_grad():
+        want = reference.get_image_features(hf["pixel_values"], hf["image_grid_thw"]).pooler_output
+    assert len(entries) == len(images)
+    for entry, meta, w, (width, height) in zip(entries, metas, want, SIZES):
+        assert entry.meta == meta and entry.extras == {}
+        assert entry.embeddings.shape == (vision.geometry.num_image_tokens(width, height), 64)
+        torch.testing.assert_close(entry.embeddings, w, atol=1e-5, rtol=1e-5)
+
+
+def test_one_image_alone_equals_its_place_in_a_batch(vision):
+    images = [_image(w, h, seed) for seed, (w, h) in enumerate(SIZES[:3])]
+    batch = vision.forward(*vision.preprocess(images))
+    alone = vision.forward(*vision.preprocess(images[1:2]))
+    torch.testing.assert_close(alone[0].embeddings, batch[1].embeddings, atol=1e-5, rtol=1e-5)
+
+
+def test_temporal_groups_attend_apart_as_transformers_video_features(reference, vision):
+    """A grid of 3 temporal groups (a video's): positions per group, attention within each."""
+    t, h, w = 3, 6, 4
+    gen = torch.Generator().manual_seed(5)
+    pixels = torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=gen)
+    ours = vision.tower(pixels, [(t, h, w)])
+    with torch.no_grad():
+        want = reference.get_video_features(pixels, torch.tensor([[t, h, w]])).pooler_output
+    torch.testing.assert_close(ours[0], want[0], atol=1e-5, rtol=1e-5)
+    assert ours[0].shape == (t * h * w // 4, 64)
+
+
+def test_patches_are_the_towers_work(vision):
+    for width, height in SIZES:
+        t, h, w = vision.geometry.grid_thw(width, height)
+        assert vision.patches(width, height) == t * h * w == 4 * vision.geometry.num_image_tokens(width, height)
