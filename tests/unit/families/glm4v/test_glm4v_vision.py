@@ -27,24 +27,29 @@ def _image(width: int, height: int, seed: int) -> Image.Image:
     return Image.open(io.BytesIO(buf.getvalue()))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    """A tiny random Glm4vForConditionalGeneration saved with its image processor beside it."""
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5})
+# GLM-4.5V: the same tower before a MoE language model
+MOE_TEXT = dict(TEXT, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=0)
 
-    path = tmp_path_factory.mktemp("glm4v")
-    config = Glm4vConfig(
-        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}),
+
+@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
+def checkpoint(request, tmp_path_factory) -> str:
+    """A tiny random Glm4v(Moe)ForConditionalGeneration saved with its image processor beside it."""
+    from transformers import Glm4vImageProcessor
+
+    prefix = "Glm4v" if request.param == "glm4v" else "Glm4vMoe"
+    path = tmp_path_factory.mktemp(request.param)
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=TEXT if request.param == "glm4v" else MOE_TEXT,
         # 3 heads of 16; MLP width out_hidden (64); a position table of 8 x 8 patches
         vision_config=dict(depth=2, hidden_size=48, num_heads=3, out_hidden_size=64, intermediate_size=80,
                            image_size=112, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=250, video_token_id=251, image_start_token_id=246, image_end_token_id=247,
         video_start_token_id=248, video_end_token_id=249)
     torch.manual_seed(0)
-    model = Glm4vForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     with torch.no_grad():  # weights of unit gain (outputs of order 1, not 1e-3), norms and biases not 1 and 0
         for name, p in model.model.visual.named_parameters():
             if name.endswith(".bias") or "norm" in name:
@@ -59,9 +64,9 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import Glm4vForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Glm4vForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
