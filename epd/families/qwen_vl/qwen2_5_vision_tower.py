@@ -19,7 +19,7 @@ from torch import nn
 
 from epd.encoders.layers.vision_norm import RMSNorm
 from epd.encoders.layers.vision_rotary import merge_block_positions, rotary_cos_sin, rotary_inv_freq
-from epd.encoders.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
+from epd.families.qwen_vl.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
 
 
 @dataclass(frozen=True)
