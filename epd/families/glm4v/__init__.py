@@ -3,4 +3,5 @@
 prompt_format.py    torch-free: the placeholders, their expansion and the image geometry
 image_processor.py  decoded images -> the tower's input (the checkpoint's Glm4vImageProcessor)
 vision.py           the vision tower and projector, and the family's vision model (`load_vision`)
+video_geometry.py   torch-free: a video's plan from its header (frames, size, grid, group times)
 """
