@@ -119,3 +119,23 @@ def test_patches_are_the_towers_work(vision):
     for width, height in SIZES:
         t, h, w = vision.geometry.grid_thw(width, height)
         assert vision.patches(width, height) == t * h * w == 4 * vision.geometry.num_image_tokens(width, height)
+
+
+def test_packed_cpu_linears_and_bfloat16_keep_the_embeddings(checkpoint, vision):
+    """What the encoder runs: the tower's linears packed for oneDNN (float32 CPU), and bfloat16."""
+    from transformers import AutoConfig
+
+    from epd.transport.weights.cpu_linear import pack_linears
+
+    images = [_image(w, h, seed) for seed, (w, h) in enumerate(SIZES[:3])]
+    inputs, metas = vision.preprocess(images)
+    want = vision.forward(inputs, metas)
+    packed = load_vision(checkpoint, AutoConfig.from_pretrained(checkpoint), torch.float32)
+    num_packed = pack_linears(packed.tower)
+    for got, w in zip(packed.forward(inputs, metas), want):
+        torch.testing.assert_close(got.embeddings, w.embeddings, atol=1e-5, rtol=1e-5)
+    half = load_vision(checkpoint, AutoConfig.from_pretrained(checkpoint), torch.bfloat16)
+    for got, w in zip(half.forward(inputs, metas), want):
+        assert got.embeddings.dtype == torch.bfloat16 and half.tower.inv_freq.dtype == torch.float32
+        torch.testing.assert_close(got.embeddings.float(), w.embeddings, atol=0.1, rtol=0.05)
+    assert num_packed in (0, 2 * 5 + 4)  # every linear (5 a block, 4 in the merger), where this CPU packs them
