@@ -13,8 +13,9 @@ tokens they take and the time its processor writes after each temporal group.
                 (Glm4vProcessor: `timestamps[::2]`), written in whole seconds
                 by prompt_format.expand_video
 
-A request's `num_frames` is ignored, as Glm4vVideoProcessor.sample_frames
-ignores it; `fps`, `do_sample_frames` and min / max_pixels apply. The encoder
+Of a request's video keys only `fps` and `do_sample_frames` apply: the
+processor ignores `num_frames` (its sample_frames takes fps only) and does not
+know min / max_pixels or min / max_frames (it logs them as unused). The encoder
 resizes, normalises and patchifies the planned frames as for Qwen2-VL
 (encoders/video_processor.py: the same operations and patch order).
 """
@@ -83,8 +84,9 @@ class Glm4vVideoGeometry:
     def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions(),
              loaded: list[int] | None = None) -> VideoPlan:
         """The sampled frames, their resized size, grid, tokens and group times;
-        VideoPlanError where transformers' processor would raise. `loaded`: frames
-        a loader took before the processor, used as they are."""
+        VideoPlanError where transformers' processor would raise. `options`: its
+        fps and do_sample_frames. `loaded`: frames a loader took before the
+        processor, used as they are."""
         if meta.num_frames < 1:
             raise VideoPlanError("the video has no frames")
         if meta.width < 1 or meta.height < 1:
@@ -97,11 +99,9 @@ class Glm4vVideoGeometry:
         tps = self.temporal_patch_size
         if len(indices) < tps:
             raise VideoPlanError(f"{len(indices)} frame(s); the model needs at least {tps}")
-        min_pixels = self.min_pixels if options.min_pixels is None else options.min_pixels
-        max_pixels = self.max_pixels if options.max_pixels is None else options.max_pixels
         try:
             height, width = smart_resize(len(indices), meta.height, meta.width, tps,
-                                         self.patch_size * self.merge_size, min_pixels, max_pixels)
+                                         self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
         except ValueError as exc:
             raise VideoPlanError(str(exc).replace("image", "video")) from None
         t = -(-len(indices) // tps)  # the last frame repeats to fill a group

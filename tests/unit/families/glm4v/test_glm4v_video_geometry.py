@@ -88,6 +88,16 @@ def test_every_frame_without_sampling_and_the_last_repeated():
     assert sampled.frame_indices == (0, 0)  # 7 / 30 s: one frame at 2 fps, repeated
 
 
+def test_request_keys_the_processor_ignores_change_nothing():
+    """Glm4vVideoProcessor takes a request's fps and do_sample_frames; num_frames,
+    min / max_pixels and min / max_frames reach nothing of its plan."""
+    geometry = Glm4vVideoGeometry.from_config(RELEASE)
+    meta = VideoMeta(300, 30.0, 1280, 720)
+    ignored = VideoOptions(num_frames=4, min_pixels=10 ** 8, max_pixels=28 * 28 * 2, min_frames=2, max_frames=4)
+    assert geometry.plan(meta, ignored) == geometry.plan(meta)
+    assert geometry.plan(meta, VideoOptions(fps=0.5)).frame_indices == (0, 60, 120, 180, 240, 240)
+
+
 def test_refusals():
     geometry = Glm4vVideoGeometry.from_config(RELEASE)
     for meta, match in [(VideoMeta(0, 30.0, 64, 48), "no frames"), (VideoMeta(10, 30.0, 0, 48), "empty"),
