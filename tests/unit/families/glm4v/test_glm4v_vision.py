@@ -139,3 +139,44 @@ def test_packed_cpu_linears_and_bfloat16_keep_the_embeddings(checkpoint, vision)
         assert got.embeddings.dtype == torch.bfloat16 and half.tower.inv_freq.dtype == torch.float32
         torch.testing.assert_close(got.embeddings.float(), w.embeddings, atol=0.1, rtol=0.05)
     assert num_packed in (0, 2 * 5 + 4)  # every linear (5 a block, 4 in the merger), where this CPU packs them
+
+
+@pytest.mark.parametrize("prefix", ["Glm4v", "Glm4vMoe"])
+def test_release_sized_tower_has_transformers_tensor_names_and_shapes(prefix):
+    """GLM-4.1V-9B's and GLM-4.5V's vision configs (transformers' defaults): every
+    tensor of transformers' tower is one of ours, of the same shape, and no more."""
+    from epd.families.glm4v.vision import Glm4vVisionTower, TowerConfig
+
+    vision_config = getattr(transformers, f"{prefix}VisionConfig")()
+    with torch.device("meta"):
+        ours = Glm4vVisionTower(TowerConfig.from_hf(vision_config))
+        theirs = getattr(transformers, f"{prefix}VisionModel")._from_config(vision_config)
+    want = {name: tuple(t.shape) for name, t in theirs.state_dict().items()}
+    assert {name: tuple(t.shape) for name, t in ours.state_dict().items()} == want
+    assert want["embeddings.position_embedding.weight"] == (576, 1536)  # 24 x 24 patches of 14 at 336
+
+
+def test_a_missing_or_unknown_vision_tensor_is_named(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from epd.transport.weights.checkpoint_error import CheckpointError
+
+    def variant(name: str, edit) -> str:
+        path = tmp_path / name
+        shutil.copytree(checkpoint, path)
+        (shard,) = path.glob("*.safetensors")
+        tensors = load_file(shard)
+        edit(tensors)
+        save_file(tensors, shard, metadata={"format": "pt"})
+        return str(path)
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    missing = variant("missing", lambda t: t.pop("model.visual.merger.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="model.visual.merger.up_proj.weight"):
+        load_vision(missing, config, torch.float32)
+    extra = variant("extra", lambda t: t.update({"model.visual.blocks.0.attn.qkv.bias": torch.zeros(144)}))
+    with pytest.raises(CheckpointError, match="model.visual.blocks.0.attn.qkv.bias"):
+        load_vision(extra, config, torch.float32)
