@@ -5,6 +5,7 @@ groups), the preprocessing is the checkpoint's own processor's."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -59,6 +60,11 @@ def checkpoint(request, tmp_path_factory) -> str:
     model.save_pretrained(path)
     # between 2 and 24 merged tokens of 28 x 28 pixels (each counted twice: a temporal patch of 2)
     Glm4vImageProcessor(size={"shortest_edge": 2 * 28 * 28 * 2, "longest_edge": 2 * 28 * 28 * 24}).save_pretrained(path)
+    # the release's video processor keys (Glm4vVideoProcessor itself needs torchvision, not installed)
+    video = {"video_processor_type": "Glm4vVideoProcessor", "size": {"shortest_edge": 12544, "longest_edge": 47040000},
+             "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "do_rescale": True,
+             "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video))
     return str(path)
 
 
@@ -180,3 +186,34 @@ def test_a_missing_or_unknown_vision_tensor_is_named(checkpoint, tmp_path):
     extra = variant("extra", lambda t: t.update({"model.visual.blocks.0.attn.qkv.bias": torch.zeros(144)}))
     with pytest.raises(CheckpointError, match="model.visual.blocks.0.attn.qkv.bias"):
         load_vision(extra, config, torch.float32)
+
+
+def test_a_video_through_the_encoder_equals_transformers_video_features(checkpoint, reference, vision):
+    """A video's bytes, planned from its header as GLM-4.1V's processor samples it, through
+    the encoder (decode, preprocess, the tower a group at a time): one entry per temporal
+    group, keyed as its span, equal to get_video_features on the same pixels."""
+    from testkit.videos import encode_video, synthetic_frames
+
+    from epd.encoders.video_encoder import VideoEncoder
+    from epd.encoders.video_io import decode_frames, read_video_meta
+    from epd.encoders.video_processor import VideoPreprocessor
+    from epd.families.glm4v.video_geometry import Glm4vVideoGeometry
+    from epd.transport.media.video_geometry import VideoGeometry
+    from epd.transport.media.video_keys import entry_hashes
+
+    data = encode_video(synthetic_frames(12, height=60, width=90), fps=5)  # 2.4 s: 4 frames at 2 fps
+    plan = Glm4vVideoGeometry.from_pretrained(checkpoint).plan(read_video_meta(data))
+    assert plan.frame_indices == (0, 3, 5, 8) and plan.grid_thw == (2, 4, 6)
+    assert plan.group_timestamps_s == (0.0, 1.0)
+    video_hash = "ab" * 32
+    pairs = VideoEncoder(checkpoint, vision, max_batch_patches=24).encode(data, plan, video_hash)  # a group a pass
+    assert [key for key, _ in pairs] == entry_hashes(video_hash, plan)
+    assert [entry.meta for _, entry in pairs] == [{"grid_thw": (1, 4, 6)}] * 2
+
+    pixels, grid = VideoPreprocessor(VideoGeometry.from_pretrained(checkpoint))(
+        decode_frames(data, plan.frame_indices), plan)
+    with torch.no_grad():
+        want = reference.get_video_features(pixels, torch.tensor([grid])).pooler_output[0]
+    got = torch.cat([entry.embeddings for _, entry in pairs])
+    assert got.shape == (plan.num_tokens, 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
