@@ -217,3 +217,18 @@ def test_a_video_through_the_encoder_equals_transformers_video_features(checkpoi
     got = torch.cat([entry.embeddings for _, entry in pairs])
     assert got.shape == (plan.num_tokens, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_tower_gives_the_cpus_embeddings(checkpoint, vision):
+    """CUDA's attention kernels, bicubic sampling and convolutions (TF32 where torch allows it)."""
+    from transformers import AutoConfig
+
+    images = [_image(w, h, seed) for seed, (w, h) in enumerate(SIZES)]
+    inputs, metas = vision.preprocess(images)
+    want = vision.forward(inputs, metas)
+    cuda = load_vision(checkpoint, AutoConfig.from_pretrained(checkpoint), torch.float32, "cuda")
+    for got, w in zip(cuda.forward(inputs, metas), want):
+        assert got.embeddings.device.type == "cuda"
+        torch.testing.assert_close(got.embeddings.cpu(), w.embeddings, atol=5e-3, rtol=5e-3)
