@@ -198,10 +198,9 @@ class Glm4vVisionTower(nn.Module):
         rows = torch.cat([r for r, _ in positions])
         cols = torch.cat([col for _, col in positions])
         sizes = [t * h * w for t, h, w in grid_thw]
-        heights = torch.tensor([h for _, h, _ in grid_thw], device=device).repeat_interleave(
-            torch.tensor(sizes, device=device)).float()
-        widths = torch.tensor([w for _, _, w in grid_thw], device=device).repeat_interleave(
-            torch.tensor(sizes, device=device)).float()
+        per_patch = torch.tensor(sizes, device=device)
+        heights = torch.tensor([float(h) for _, h, _ in grid_thw], device=device).repeat_interleave(per_patch)
+        widths = torch.tensor([float(w) for _, _, w in grid_thw], device=device).repeat_interleave(per_patch)
 
         x = self.post_conv_layernorm(self.patch_embed(pixel_values))  # [n, hidden]
         x = x + self.embeddings(rows, cols, heights, widths)
@@ -247,6 +246,7 @@ class Glm4vVision:
         return self.processor(images)
 
     def forward(self, pixel_values: torch.Tensor, metas: list[dict]) -> list[MMEntry]:
+        """One entry per grid of `metas` (an image, or a video's temporal group)."""
         weight = self.tower.post_layernorm.weight
         embeds = self.tower(pixel_values.to(weight.device, weight.dtype), [m["grid_thw"] for m in metas])
         return [MMEntry(e, {}, dict(meta)) for e, meta in zip(embeds, metas)]
