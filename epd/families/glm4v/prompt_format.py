@@ -120,6 +120,15 @@ class Glm4vImageGeometry:
         t, h, w = self.grid_thw(width, height)
         return t * h * w // self.merge_size ** 2
 
+    def patches(self, width: int, height: int) -> int:
+        """The tower's patches (t x h x w)."""
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w
+
+    def span_meta(self, width: int, height: int) -> dict:
+        """{"grid_thw": (t, h, w)}: what the 3-D positions place the image's tokens by."""
+        return {"grid_thw": self.grid_thw(width, height)}
+
 
 def expand_image(num_tokens: int) -> str:
     """The template's one `<|image|>` -> one per placeholder token (the begin / end pair is the template's)."""

@@ -253,8 +253,7 @@ class Glm4vVision:
 
     def patches(self, width: int, height: int) -> int:
         """The image's cost for batching: the tower's patches."""
-        t, h, w = self.geometry.grid_thw(width, height)
-        return t * h * w
+        return self.geometry.patches(width, height)
 
 
 def load_vision(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu",

@@ -97,7 +97,7 @@ def test_image_embeddings_equal_transformers(checkpoint, reference, vision):
         want = reference.get_image_features(hf["pixel_values"], hf["image_grid_thw"]).pooler_output
     assert len(entries) == len(images)
     for entry, meta, w, (width, height) in zip(entries, metas, want, SIZES):
-        assert entry.meta == meta and entry.extras == {}
+        assert entry.meta == meta == vision.geometry.span_meta(width, height) and entry.extras == {}
         assert entry.embeddings.shape == (vision.geometry.num_image_tokens(width, height), 64)
         torch.testing.assert_close(entry.embeddings, w, atol=1e-5, rtol=1e-5)
 
