@@ -1,7 +1,8 @@
 """The paged attention layer: q, k and v from one fused projection, optional
 per-head RMSNorm on q and k (Qwen3; Gemma's 1 + w flavour by `norm_unit_offset`)
 or q/k/v biases (Qwen2.5), rotary, GQA; the softmax scale head_dim^-0.5 unless
-given (Gemma 3: query_pre_attn_scalar^-0.5).
+given (Gemma 3: query_pre_attn_scalar^-0.5); per layer an optional sliding
+window and attention logit soft-cap.
 The KV cache is read and written through the backend in the `ForwardBatch`
 (engine/attention/)."""
 from __future__ import annotations
@@ -18,8 +19,13 @@ from epd.transport.weights.cpu_linear import linear_add
 
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 rms_norm_eps: float, bias: bool = False, qk_norm: bool = True, norm_unit_offset: bool = False,
+                 rms_norm_eps: float, bias: bool = False, qk_norm: bool = True,
+                 sliding_window: int | None = None, softcap: float | None = None, norm_unit_offset: bool = False,
                  scale: float | None = None):
+        """`sliding_window`: this layer's window W (transformers' `sliding_window`: a query at
+        position i sees keys j > i - W), None: global; `softcap`: its attention logit soft-cap
+        (scores s -> softcap * tanh(s / softcap)), None: none; `norm_unit_offset`: Gemma's q/k
+        norms (x * (1 + w)); `scale`: the softmax scale (None: head_dim^-0.5)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -33,6 +39,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, rms_norm_eps, norm_unit_offset)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, norm_unit_offset)
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.sliding_window, self.softcap = sliding_window, softcap
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 residual: torch.Tensor | None) -> torch.Tensor:
@@ -49,7 +56,8 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [N, Hq, D], [N, Hkv, D]
         k_cache, v_cache = batch.kv_caches[self.layer_idx]
         batch.backend.store_kv(k, v, k_cache, v_cache, batch.attn_meta.slot_mapping)
-        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale)  # [N, Hq, D]
+        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale,
+                                    window=self.sliding_window, softcap=self.softcap)  # [N, Hq, D]
         if residual is None:
             return self.o_proj(o.reshape(n, self.q_size))
         return linear_add(self.o_proj, o.reshape(n, self.q_size), residual)

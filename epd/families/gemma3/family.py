@@ -15,5 +15,5 @@ def rope_positions(hf_config):
 FAMILIES = (
     ModelFamily("Gemma 3", "gemma3", "Gemma3ForConditionalGeneration", GEMMA3_FORMAT,
                 "epd.families.gemma3.text_loader:load_text_model", "epd.families.gemma3.vision:load_vision",
-                rope_positions),
+                rope_positions, tool_call_parser="pythonic"),  # vLLM's, with its Gemma 3 tool template
 )

@@ -46,7 +46,6 @@ class Gemma3Geometry:
     mm_tokens_per_image: int
     image_size: int
     patch_size: int
-    merge_size: int = 1  # a span's grid is its tokens' (see grid_thw)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "Gemma3Geometry":
@@ -74,11 +73,6 @@ class Gemma3Geometry:
             raise ValueError(f"mm_tokens_per_image {tokens} does not pool the tower's {side}x{side} patches")
         return geometry
 
-    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
-        """The image's tokens as a grid (1, side, side): the pooled patches."""
-        side = round(self.mm_tokens_per_image ** 0.5)
-        return 1, side, side
-
     def num_image_tokens(self, width: int, height: int) -> int:
         """The soft tokens an image takes: the same for every size."""
         return self.mm_tokens_per_image
@@ -86,6 +80,10 @@ class Gemma3Geometry:
     def patches(self, width: int, height: int) -> int:
         """The tower's patches for one image: its cost for batching."""
         return (self.image_size // self.patch_size) ** 2
+
+    def span_meta(self, width: int, height: int) -> dict:
+        """None: an image's tokens sit at their indices (1-D RoPE), whatever its size."""
+        return {}
 
 
 GEMMA3_FORMAT = PromptFormat(
