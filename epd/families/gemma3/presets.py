@@ -105,11 +105,11 @@ class Gemma3Preset:
 
 
 PRESETS: dict[str, Gemma3Preset] = {
-    # For tests: loads in well under a second. A global layer between sliding ones; a query scale
-    # that is not head_dim's; 8x8 patches pooled to 4x4 tokens.
+    # For tests: loads in well under a second. A global layer between sliding ones, a window shorter
+    # than most test prompts, a query scale that is not head_dim's; 8x8 patches pooled to 4x4 tokens.
     "gemma3-tiny": Gemma3Preset(
         hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-        query_pre_attn_scalar=24, sliding_window=4096,
+        query_pre_attn_scalar=24, sliding_window=32,
         layer_types=("sliding_attention", "sliding_attention", "full_attention", "sliding_attention"),
         vision_layers=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
         image_size=64, patch_size=8, mm_tokens_per_image=16, tokenizer_vocab=1024,

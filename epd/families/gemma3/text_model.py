@@ -7,10 +7,13 @@ query_pre_attn_scalar^-0.5. Layers are "sliding_attention" (local: a window of
 `sliding_window` keys, rotary base `rope_local_base_freq`) or
 "full_attention" (global: rotary base `rope_theta`, with the config's linear
 rope scaling), as `layer_types` lists them (the releases: five local per
-global). Token embeddings are scaled by sqrt(hidden) (rounded to the weights'
-dtype, as transformers does), the image's embeddings replace its placeholder
-tokens after that scaling; the head is tied to the embeddings; the final
-logits are soft-capped when the config says so. Positions are plain 1-D RoPE.
+global). An image's tokens see each other both ways (`bidirectional_mm`: the
+engine passes its spans as bidirectional ranges and never ends a prefill chunk
+inside one), within the window on local layers. Token embeddings are scaled by
+sqrt(hidden) (rounded to the weights' dtype, as transformers does), the image's
+embeddings replace its placeholder tokens after that scaling; the head is tied
+to the embeddings; the final logits are soft-capped when the config says so.
+Positions are plain 1-D RoPE.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class TextConfig:
         tc = getattr(hf_config, "text_config", hf_config)
         if tc.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"Gemma 3 hidden_activation {tc.hidden_activation!r}: only gelu_pytorch_tanh is served")
-        if getattr(tc, "attn_logit_softcapping", None) is not None:
+        if getattr(tc, "attn_logit_softcapping", None) is not None:  # transformers ignores it, vLLM applies it
             raise ValueError("Gemma 3 attn_logit_softcapping is not supported (the releases have none)")
         if getattr(tc, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 use_bidirectional_attention (an embedding model) is not served")
@@ -87,11 +90,8 @@ class TextConfig:
 def rotary_embeddings(cfg: TextConfig, device: str | torch.device = "cpu") -> dict[str, RotaryEmbedding]:
     """One 1-D rotary embedding per layer type: the local base, and the global one with its linear
     scaling (transformers divides the inverse frequencies by the factor)."""
-    plain = (cfg.head_dim // 2, 0, 0)  # one position row drives every frequency
-    local = RotaryEmbedding(cfg.head_dim, cfg.rope_local_base_freq, plain, False, device)
-    full = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, plain, False, device)
-    full.inv_freq = full.inv_freq / cfg.rope_scaling_factor
-    return {SLIDING: local, FULL: full}
+    return {SLIDING: RotaryEmbedding(cfg.head_dim, cfg.rope_local_base_freq, device=device),
+            FULL: RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device=device, factor=cfg.rope_scaling_factor)}
 
 
 class GeluMLP(nn.Module):
@@ -112,10 +112,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
         self.layer_type = cfg.layer_types[layer_idx]
-        # the window: keys within `sliding_window` of the query (only prompts shorter than it for now)
-        self.sliding_window = cfg.sliding_window if self.layer_type == SLIDING else None
+        window = cfg.sliding_window if self.layer_type == SLIDING else None  # local: the last W keys
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_idx,
-                                   cfg.rms_norm_eps, norm_unit_offset=True, scale=cfg.query_pre_attn_scalar ** -0.5)
+                                   cfg.rms_norm_eps, sliding_window=window, norm_unit_offset=True,
+                                   scale=cfg.query_pre_attn_scalar ** -0.5)
         self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
@@ -158,6 +158,8 @@ class Gemma3ForCausalLM(nn.Module):
 
     `positions`: where its tokens sit (engine/models/positions.py RopePositions), given by the
     loader; what the engine asks for a request's positions."""
+
+    bidirectional_mm = True  # an image's tokens attend to each other both ways (the engine asks)
 
     def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
         super().__init__()

@@ -2,8 +2,8 @@
 transformers' greedy text (Gemma3ForConditionalGeneration on the same gemma3-tiny checkpoint,
 float32), plain and streamed. e-p-d hands the SigLIP embeddings from an encoder worker through
 the embedding cache to a prefill worker, and its KV to a decode worker; aggregated encodes
-in-process. The reference attends causally among an image's tokens (no `token_type_ids`), as
-the engine does until it has bidirectional image spans; the prompts are shorter than the window."""
+in-process. The prompts are longer than the checkpoint's sliding window, and an image's tokens
+attend to each other both ways (the processor's `token_type_ids` in the reference)."""
 from __future__ import annotations
 
 import io
@@ -36,7 +36,6 @@ def reference_text(model_dir: str, messages: list[dict], images: list[bytes]) ->
     text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     inputs = processor(text=text, images=pil or None, return_tensors="pt")
-    inputs.pop("token_type_ids")
     out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 

@@ -1,10 +1,8 @@
 """Gemma 3 through the offline `LLM` (the registry's family, the engine's scheduler and paged
 KV cache, the encoder's vision side) gives transformers' greedy tokens and top-5 logprobs
-(float32): the 8-request mixed batch (text, one and two images) under a KV budget that forces
-preemption and a token budget that prefills prompts over several chunks.
-
-The reference runs without `token_type_ids` (attention among an image's tokens causal, as the
-engine's is until it has bidirectional image spans), on prompts shorter than the window."""
+(float32): the 8-request mixed batch (text, one and two images; most prompts longer than the
+sliding window; an image's tokens attending to each other both ways) under a KV budget that
+forces preemption and a token budget that prefills prompts over several chunks."""
 from __future__ import annotations
 
 import io
@@ -29,8 +27,7 @@ def _reference(model, processor, messages: list[dict]) -> tuple[list[int], list[
     """transformers' greedy (tokens, top-5 ids per token, their logprobs [NUM_TOKENS, 5])."""
     images = [Image.open(io.BytesIO(b)).convert("RGB") for b in images_of(messages)]
     text = processor.apply_chat_template(_template_messages(messages), add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
-    inputs.pop("token_type_ids")
+    inputs = processor(text=text, images=images or None, return_tensors="pt")  # token_type_ids: image tokens
     out = model.generate(**inputs, max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [NUM_TOKENS, vocab]

@@ -1,11 +1,10 @@
 """Gemma 3's language model (text_model.py, loaded by text_loader.py) against transformers'
 Gemma3ForConditionalGeneration on a tiny random checkpoint, float32: our paged forward over the
-whole prompt gives its logits; the prompt prefilled in chunks and then decoded greedily, a
-token a step, gives its greedy tokens. The images' embeddings come from our vision side.
-
-The prompts are shorter than the checkpoint's sliding window, and the reference is run without
-`token_type_ids`, so attention among an image's own tokens is causal on both sides (the
-engine's window and bidirectional image spans are not there yet)."""
+whole prompt gives its logits; the prompt prefilled in chunks (cut outside images, as the
+scheduler cuts for this model) and then decoded greedily, a token a step, gives its greedy
+tokens. The images' embeddings come from our vision side; an image's tokens attend to each
+other both ways (the processor's `token_type_ids`, our metadata's bidirectional ranges); the
+prompts are longer than the checkpoint's sliding window."""
 from __future__ import annotations
 
 import io
@@ -26,7 +25,8 @@ from epd.transport.weights.checkpoint import CheckpointError
 
 BLOCK = 4  # small blocks: a prompt spans many, in a shuffled order
 CHATS = {
-    "text_only": ([{"role": "user", "content": "Tell me about the red chair."}], []),
+    "text_only": ([{"role": "user", "content": "Tell me about the red chair, then count: 1 2 3 4 5 6 7 8 9 10 11 "
+                                               "12 13 14 15 16 17 18 19 20 21 22 23 24 25."}], []),
     "one_image": ([{"role": "system", "content": "You are terse."},
                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
                   [IMG_A]),
@@ -61,11 +61,20 @@ class Ours:
         with torch.no_grad():
             return prompt.token_ids, torch.cat([e.embeddings for e in self.vision.forward(pixels, metas)])
 
+    def image_ranges(self, ids: list[int]) -> list[tuple[int, int]]:
+        """The [start, end) runs of image tokens in `ids`: each image's bidirectional range."""
+        flags = [t == self.config.image_token_index for t in ids] + [False]
+        return [(i, j) for i in range(len(ids)) if flags[i] and (i == 0 or not flags[i - 1])
+                for j in [flags.index(False, i)]]
+
     @torch.inference_mode()
-    def step(self, ids: list[int], start: int, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens start..start+len(ids) of the sequence (those before already cached) -> logits."""
+    def step(self, ids: list[int], start: int, mm_embeds: torch.Tensor | None = None,
+             ranges: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Tokens start..start+len(ids) of the sequence (those before already cached) -> logits;
+        `ranges`: the sequence's image spans (bidirectional)."""
         n, end = len(ids), start + len(ids)
-        meta = AttentionMetadata.build([n], [end], [self.blocks[:-(-end // BLOCK)]], BLOCK)
+        meta = AttentionMetadata.build([n], [end], [self.blocks[:-(-end // BLOCK)]], BLOCK,
+                                       bidirectional_ranges=[list(ranges)])
         positions = self.lm.positions.between(None, 0, end, start, end, "cpu")
         batch = ForwardBatch(positions=positions, attn_meta=meta, backend=get_backend("torch"), kv_caches=self.kv)
         mask = torch.tensor(ids) == self.config.image_token_index
@@ -87,9 +96,7 @@ def ours(gemma3_model):
 
 def _reference_inputs(processor, messages, images) -> dict:
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
-    inputs.pop("token_type_ids")  # causal among an image's tokens, as ours for now
-    return inputs
+    return processor(text=text, images=images or None, return_tensors="pt")  # token_type_ids: image tokens
 
 
 @pytest.mark.parametrize("case", list(CHATS))
@@ -101,7 +108,8 @@ def test_prompt_logits_equal_transformers(ours, gemma3_reference, case):
     assert ids == inputs["input_ids"][0].tolist()
     with torch.no_grad():
         want = model(**inputs).logits[0]
-    got = ours.step(ids, 0, mm_embeds)
+    assert len(ids) > ours.lm.cfg.sliding_window
+    got = ours.step(ids, 0, mm_embeds, ours.image_ranges(ids))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.topk(5).indices, want.topk(5).indices)
 
@@ -111,17 +119,18 @@ def test_chunked_prefill_then_greedy_decode_equal_transformers(ours, gemma3_refe
     model, processor = gemma3_reference
     messages, images = CHATS[case][0], _pil(CHATS[case][1])
     ids, mm_embeds = ours.prompt(messages, images)
-    cut = len(ids) // 3 + 1  # three chunks; with images, the first cut falls inside or before one
+    ranges = ours.image_ranges(ids)
+    cuts = [next((e for s, e in ranges if s < c < e), c) for c in (len(ids) // 3, 2 * len(ids) // 3)]
     num_mm = 0
-    for start in range(0, len(ids), cut):
-        chunk = ids[start:start + cut]
+    for start, end in zip([0, *cuts], [*cuts, len(ids)]):  # three chunks, none ending inside an image
+        chunk = ids[start:end]
         k = sum(t == ours.config.image_token_index for t in chunk)
-        logits = ours.step(chunk, start, None if mm_embeds is None else mm_embeds[num_mm:num_mm + k])
+        logits = ours.step(chunk, start, None if mm_embeds is None else mm_embeds[num_mm:num_mm + k], ranges)
         num_mm += k
     tokens = []
     for _ in range(8):
         tokens.append(int(logits[-1].argmax()))
-        logits = ours.step(tokens[-1:], len(ids) + len(tokens) - 1)
+        logits = ours.step(tokens[-1:], len(ids) + len(tokens) - 1, ranges=ranges)
     inputs = _reference_inputs(processor, messages, images)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False, min_new_tokens=8)
