@@ -28,6 +28,7 @@ from epd.engine.layers.attention import Attention
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
+from epd.engine.layers.softcap import softcap
 from epd.engine.models.positions import PositionRule
 from epd.transport.weights.checkpoint import unfilled_embedding
 
@@ -179,6 +180,4 @@ class Gemma3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32), soft-capped
         (cap * tanh(logits / cap)) when the config has `final_logit_softcapping`."""
-        logits = self.lm_head(hidden).float()
-        cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return softcap(self.lm_head(hidden).float(), self.cfg.final_logit_softcapping)
