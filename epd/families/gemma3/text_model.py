@@ -53,6 +53,7 @@ class TextConfig:
     rope_local_base_freq: float  # sliding layers
     max_position_embeddings: int
     final_logit_softcapping: float | None = None
+    moe_layer_ids: tuple[int, ...] = ()  # none: every MLP is dense (what LoRA's shapes ask)
 
     @classmethod
     def from_hf(cls, hf_config) -> "TextConfig":
@@ -110,6 +111,8 @@ class GeluMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    is_moe = False  # a dense MLP: LoRA wraps its gate/up and down projections
+
     def __init__(self, cfg: TextConfig, layer_idx: int):
         super().__init__()
         self.layer_type = cfg.layer_types[layer_idx]
