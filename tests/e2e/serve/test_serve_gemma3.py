@@ -1,4 +1,4 @@
-"""`epd serve` of Gemma 3 in e-p-d and aggregated mode: a text chat and a two-image chat give
+"""`epd serve` of Gemma 3 in each mode (e-p-d, e-pd, aggregated): a text chat and a two-image chat give
 transformers' greedy text (Gemma3ForConditionalGeneration on the same gemma3-tiny checkpoint,
 float32), plain and streamed. e-p-d hands the SigLIP embeddings from an encoder worker through
 the embedding cache to a prefill worker, and its KV to a decode worker; aggregated encodes
@@ -41,7 +41,7 @@ def reference_text(model_dir: str, messages: list[dict], images: list[bytes]) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["e-p-d", "aggregated"])
+@pytest.mark.parametrize("mode", ["e-p-d", "e-pd", "aggregated"])
 def test_served_text_equals_transformers(gemma3_model, mode, tmp_path):
     expected = {n: reference_text(gemma3_model, *CHATS[n]) for n in CHAT_NAMES}
     assert all(expected.values())
