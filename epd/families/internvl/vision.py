@@ -9,8 +9,9 @@ features of `vision_feature_layer` without the CLS token are pixel-unshuffled
 (2x2 neighbours into one token when `downsample_ratio` is 0.5) and projected
 to the text width (LayerNorm, Linear, GELU, Linear): 256 tokens a tile for
 InternVL3.5's 448-pixel tiles and 14-pixel patches. Parameter names are the
-release's under `model.vision_tower.` and `model.multi_modal_projector.`
-(`load_vision`). No transformers modeling code: only its config class.
+release's under `model.vision_tower.` and `model.multi_modal_projector.`.
+`load_vision` gives the family's vision model (the interface the encoder
+uses: `geometry`, `preprocess`, `forward`, `patches`). No transformers modeling code: only its config class.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.families.internvl.image_processor import TilePreprocessor
+from epd.families.internvl.prompt_format import TileGeometry
 from epd.transport.embedding_cache.mm_entry import MMEntry
 from epd.transport.weights.checkpoint import load_weights, materialize
 
@@ -266,30 +269,53 @@ class Projector(nn.Module):
 
 
 class InternVLVision(nn.Module):
-    """Tiles -> per-tile placeholder embeddings `[tiles, tokens_per_tile, text hidden]`."""
+    """The family's vision model: tiles -> placeholder embeddings. With its `preprocessor`
+    (set by `load_vision`) it takes decoded images: `preprocess`, then `forward` per image."""
 
     def __init__(self, cfg: InternVisionConfig):
         super().__init__()
         self.cfg = cfg
         self.vision_tower = InternViT(cfg)
         self.multi_modal_projector = Projector(cfg)
+        self.preprocessor: TilePreprocessor | None = None
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    @property
+    def geometry(self) -> TileGeometry:
+        return self.preprocessor.geometry
+
+    def preprocess(self, images: list) -> tuple[torch.Tensor, list[dict]]:
+        """Decoded images -> (tiles [total, 3, size, size], each image's span metadata:
+        "grid_thw" (tiles, token rows, token columns), as the prompt's span has it)."""
+        pixel_values, num_tiles = self.preprocessor(images)
+        side = int(round(self.cfg.tokens_per_tile ** 0.5))
+        return pixel_values, [{"grid_thw": (n, side, side)} for n in num_tiles]
+
+    def patches(self, width: int, height: int) -> int:
+        """An image's cost for batching: its tiles' tower tokens."""
+        return self.geometry.patches(width, height)
+
+    def embed_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[tiles, 3, size, size] -> [tiles, tokens_per_tile, text hidden]: transformers' get_image_features."""
         x = self.vision_tower.features(pixel_values)[:, 1:]  # drop CLS: [tiles, patches, hidden]
         side = int(x.shape[1] ** 0.5)
         x = pixel_unshuffle(x.reshape(x.shape[0], side, side, -1), self.cfg.downsample_ratio)
         return self.multi_modal_projector(x.reshape(x.shape[0], -1, x.shape[-1]))
 
-    def embed_images(self, pixel_values: torch.Tensor, num_tiles: list[int]) -> list[MMEntry]:
+    def forward(self, pixel_values: torch.Tensor, metas: list[dict]) -> list[MMEntry]:
         """Tiles of several images, each image's in a row -> one MMEntry per image: its
-        tiles' tokens in order, `[num_tiles * tokens_per_tile, text hidden]`."""
+        tiles' tokens in order, `[tiles * tokens_per_tile, text hidden]`, and its metadata."""
+        num_tiles = [meta["grid_thw"][0] for meta in metas]
         assert sum(num_tiles) == pixel_values.shape[0], f"{num_tiles} tiles for {pixel_values.shape[0]}"
-        out = self.forward(pixel_values)
+        out = self.embed_tiles(pixel_values.to(self.cls_dtype))
         entries, start = [], 0
-        for n in num_tiles:
-            entries.append(MMEntry(embeddings=out[start:start + n].reshape(-1, out.shape[-1])))
+        for n, meta in zip(num_tiles, metas):
+            entries.append(MMEntry(embeddings=out[start:start + n].reshape(-1, out.shape[-1]), meta=dict(meta)))
             start += n
         return entries
+
+    @property
+    def cls_dtype(self) -> torch.dtype:
+        return self.vision_tower.embeddings.cls_token.dtype
 
 
 def _rule(name: str):
@@ -301,10 +327,25 @@ def _rule(name: str):
 
 def load_vision_weights(model_dir: str | Path, hf_config, dtype: torch.dtype,
                         device: str | torch.device = "cpu") -> InternVLVision:
-    """The tower and projector of the checkpoint, weights filled, in eval mode."""
+    """The tower and projector of the checkpoint, weights filled, in eval mode (no preprocessor)."""
     cfg = InternVisionConfig.from_hf(hf_config)
     with torch.device("meta"):
         model = InternVLVision(cfg)
     model = materialize(model, device, dtype)
     load_weights(model, model_dir, _rule, describe=lambda p, s: "model." + p)
     return model.eval()
+
+
+def load_vision(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu",
+                processor_kwargs: dict | None = None) -> InternVLVision:
+    """The family's vision model: weights filled, the checkpoint's image processor attached
+    (`processor_kwargs`: --mm-processor-kwargs, prompt_format.PROCESSOR_KWARGS)."""
+    model = load_vision_weights(model_dir, hf_config, dtype, device)
+    model.preprocessor = TilePreprocessor(model_dir, processor_kwargs)
+    if model.geometry.tokens_per_tile != model.cfg.tokens_per_tile:
+        raise ValueError(f"{model_dir}: processor_config.json image_seq_length {model.geometry.tokens_per_tile} "
+                         f"is not the {model.cfg.tokens_per_tile} tokens a tile gives")
+    if model.geometry.tile_size != model.cfg.image_size:
+        raise ValueError(f"{model_dir}: the image processor's {model.geometry.tile_size}-pixel tiles are not "
+                         f"the tower's {model.cfg.image_size}")
+    return model

@@ -23,7 +23,7 @@ from epd.families.internvl.image_processor import TilePreprocessor
 from epd.families.internvl.presets import PRESETS, make_model
 from epd.families.internvl.prompt_format import INTERNVL_FORMAT
 from epd.families.internvl.text_loader import load_text_model
-from epd.families.internvl.vision import load_vision_weights
+from epd.families.internvl.vision import load_vision
 from epd.inputs.prompt import ImageRef, PromptBuilder
 
 TINY = PRESETS["internvl-tiny"]
@@ -54,13 +54,16 @@ def test_image_features_match_transformers(preset, tmp_path):
     hf_config, ref = _reference(model_dir)
     images = [Image.effect_noise((150, 70), 60).convert("RGB"), Image.effect_noise((40, 200), 30).convert("RGB"),
               Image.effect_noise((64, 64), 90).convert("RGB")]
-    pixel_values, num_tiles = TilePreprocessor(model_dir)(images)
-    assert num_tiles == [3, 6, 1]  # 2x1 + thumbnail, 1x5 + thumbnail (max_patches 6), one tile
-    ours = load_vision_weights(model_dir, hf_config, torch.float32)
+    ours = load_vision(model_dir, hf_config, torch.float32)
+    pixel_values, metas = ours.preprocess(images)
+    # 2x1 + thumbnail, 1x5 + thumbnail (max_patches 6), one tile; 4x4 tokens a tile
+    assert metas == [{"grid_thw": (3, 4, 4)}, {"grid_thw": (6, 4, 4)}, {"grid_thw": (1, 4, 4)}]
+    assert [ours.patches(*image.size) for image in images] == [192, 384, 64]
     with torch.no_grad():
         want = ref.model.get_image_features(pixel_values=pixel_values).pooler_output  # [tiles, 16, hidden]
-        entries = ours.embed_images(pixel_values, num_tiles)
+        entries = ours(pixel_values, metas)
     assert [tuple(e.embeddings.shape) for e in entries] == [(48, 64), (96, 64), (16, 64)]
+    assert [e.meta for e in entries] == metas
     torch.testing.assert_close(torch.cat([e.embeddings for e in entries]), want.reshape(-1, want.shape[-1]),
                                atol=1e-5, rtol=0)
 
@@ -70,8 +73,8 @@ def _prompt_logits(model_dir: str, messages, images: list[bytes]):
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     lm = load_text_model(model_dir, hf_config, torch.float32)
-    pre = TilePreprocessor(model_dir)
-    builder = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), pre.geometry, hf_config.image_token_id,
+    vision = load_vision(model_dir, hf_config, torch.float32)
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), vision.geometry, hf_config.image_token_id,
                             prompt_format=INTERNVL_FORMAT)
     prompt = builder.build(messages, [ImageRef(*read_image_size(b), f"{i:064x}") for i, b in enumerate(images)])
     ids, n = prompt.token_ids, len(prompt.token_ids)
@@ -85,10 +88,11 @@ def _prompt_logits(model_dir: str, messages, images: list[bytes]):
     batch = ForwardBatch(positions=positions, attn_meta=AttentionMetadata.build([n], [n], [blocks], block_size),
                          backend=get_backend("torch"), kv_caches=kv)
     if images:
-        vision = load_vision_weights(model_dir, hf_config, torch.float32)
-        pixel_values, num_tiles = pre(_images(images))
+        pixel_values, metas = vision.preprocess(_images(images))
+        assert [m["grid_thw"] for m in metas] == [s.meta["grid_thw"] for s in prompt.mm_spans]
         batch.mm_mask = torch.tensor(ids) == hf_config.image_token_id
-        batch.mm_embeds = torch.cat([e.embeddings for e in vision.embed_images(pixel_values, num_tiles)])
+        with torch.inference_mode():
+            batch.mm_embeds = torch.cat([e.embeddings for e in vision(pixel_values, metas)])
     with torch.inference_mode():
         return ids, prompt.mm_spans, lm.compute_logits(lm(torch.tensor(ids), batch))
 
