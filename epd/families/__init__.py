@@ -3,6 +3,7 @@
     model_family.py  `ModelFamily`: what a family gives the API, the engine and the encoders
     registry.py      the families, told apart by a checkpoint's config.json (one line adds one)
     qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
+    internvl/        InternVL (InternVL3.5, InternVL3)
 
 A family's package holds everything that is its own: its registry entries
 (torch-free), its prompt format and image geometry (torch-free, the API's),

@@ -3,6 +3,7 @@
 or Qwen2 language model with 1-D RoPE; images as 448x448 tiles with a
 thumbnail. Torch-free unless said.
 
+    family.py           its registry entry (ModelFamily)
     prompt_format.py    INTERNVL_FORMAT (placeholders, expansion) and TileGeometry (tiles from size)
     image_processor.py  decoded images -> tiles, through the checkpoint's image processor (torch)
     vision.py           the tower and projector, tiles -> MMEntry per image; its loader (torch)

@@ -48,6 +48,12 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 IMAGE_MEAN, IMAGE_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # the releases' (ImageNet)
+LOGIT_STD = 8.0  # output logits' spread: greedy margins far above float32 noise (as make_model.py's)
+ROUTER_LOGIT_STD = 4.0  # MoE router logits' spread: top-k choices far apart
+_TEXT = ("The quick brown fox jumps over the lazy dog. Describe this image in detail. What is shown in the "
+         "chart? The photo shows a cat on a red chair by a window. Please answer the question about the "
+         "picture. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2025 3.14. def main(): return sum(range(10)) "
+         "héllo wörld, naïve café, 你好世界, こんにちは, Привет мир 🙂 ")
 
 
 @dataclass(frozen=True)
@@ -99,13 +105,22 @@ PRESETS: dict[str, InternVLPreset] = {
 }
 
 
+def _corpus() -> list[str]:
+    """A deterministic corpus: the text above and made-up words, so the merges fill the vocabulary."""
+    import random
+
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "an", "el", "in", "on", "st", "th", "pr"]
+    words = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(10))
+             for _ in range(3000)]
+    return [_TEXT] * 20 + words
+
+
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE trained locally with the chat and image tokens, the processor's names
     for the image tokens set (tokenizer.start_image_token, ...), and the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-
-    from epd.tools.make_model import _corpus
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -150,8 +165,6 @@ def make_model(out_dir: str | Path, preset: str | InternVLPreset = "internvl-tin
     """Writes a random-weight InternVL checkpoint to `out_dir` and returns its path."""
     import torch
     from transformers import GenerationConfig, InternVLForConditionalGeneration
-
-    from epd.tools.make_model import LOGIT_STD, ROUTER_LOGIT_STD
 
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

@@ -5,11 +5,11 @@ or as the *-hf releases do (`language_model.model.*`,
 `language_model.lm_head.weight`); the vision tower and the projector
 (`model.vision_tower.*`, `model.multi_modal_projector.*`, or without `model.`)
 are the encoder's (vision.py) and skipped here. Within the text model the
-names are Qwen's, read by engine/loader.py's rules (q/k/v and gate/up fused,
+names are Qwen's, read by epd/families/qwen_vl/text_loader.py's rules (q/k/v and gate/up fused,
 MoE experts in either orientation, a tied or absent head from the embeddings).
 Qwen3-MoE releases store each expert apart (`mlp.experts.{e}.gate_proj`,
 `up_proj`, `down_proj`): `_load_split_experts` stacks them into the layer's
-fused `w13` / `w2`; fused expert tensors go through engine/loader.py.
+fused `w13` / `w2`; fused expert tensors go through epd/families/qwen_vl/text_loader.py.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from epd.engine import loader as qwen_loader
-from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM, rotary_embedding
+from epd.families.qwen_vl import text_loader as qwen_loader
+from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
 from epd.families.internvl.text_model import build_text_model, text_config
 from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
 

@@ -1,7 +1,7 @@
 """InternVL's language model: a plain Qwen3 (dense) or Qwen3-MoE decoder, or
 Qwen2 (q/k/v biases, no q/k norm) for InternVL3, with 1-D RoPE.
 
-It is the Qwen decoder of engine/models/qwen3_vl.py over the shared layers,
+It is the Qwen decoder of epd/families/qwen_vl/text_model.py over the shared layers,
 configured by `text_config`: every rotary frequency on the one position row
 (`mrope_section` (head_dim / 2, 0, 0), contiguous), and positions by
 `RopePositions` (token i at i; models/positions.py), so the rotary layer
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from epd.engine.models.positions import RopePositions
-from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM, TextConfig
+from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, TextConfig
 
 TEXT_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2")
 
@@ -31,9 +31,9 @@ def text_config(hf_config) -> TextConfig:
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"rope_type {rope.get('rope_type')!r} of the language model is not supported")
     if model_type == "qwen3_moe":
-        from epd.engine.models.qwen3_vl_moe import text_config_from_hf
+        from epd.families.qwen_vl.text_configs import qwen3_vl_moe_config
 
-        cfg = text_config_from_hf(hf_config)
+        cfg = qwen3_vl_moe_config(hf_config)
     else:
         cfg = TextConfig.from_hf(hf_config)
     if model_type == "qwen2":  # q/k/v biases, no q/k norm
@@ -41,11 +41,6 @@ def text_config(hf_config) -> TextConfig:
     elif getattr(tc, "attention_bias", False):  # Qwen3's would bias o_proj too, which our attention has not
         raise ValueError("a Qwen3 language model with attention_bias is not supported")
     return dataclasses.replace(cfg, mrope_section=(cfg.head_dim // 2, 0, 0), mrope_interleaved=False)
-
-
-def positions(hf_config) -> RopePositions:
-    """Where InternVL's tokens sit: plain 1-D RoPE, image tokens included."""
-    return RopePositions()
 
 
 def build_text_model(cfg: TextConfig) -> Qwen3VLForCausalLM:

@@ -280,6 +280,11 @@ class InternVLVision(nn.Module):
         self.preprocessor: TilePreprocessor | None = None
 
     @property
+    def tower(self) -> nn.Module:
+        """What the encoder packs (and tower LoRA would wrap): the whole vision side."""
+        return self
+
+    @property
     def geometry(self) -> TileGeometry:
         return self.preprocessor.geometry
 
