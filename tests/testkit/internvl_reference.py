@@ -67,3 +67,12 @@ def hf_greedy_logprobs(model_dir: str, messages: list[dict], images: list[bytes]
         logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return prompt, tokens, logprobs
+
+
+@torch.no_grad()
+def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int) -> str:
+    """transformers' generate(), greedy, stopping at EOS as a user would run it."""
+    model, tok, _, _ = _load(model_dir)
+    inputs = hf_inputs(model_dir, messages, images)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
