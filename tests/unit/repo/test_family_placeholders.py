@@ -1,6 +1,7 @@
 """A family's placeholders belong to its prompt format: the generic prompt and
-serving code (epd/inputs, epd/serve) names none of the Qwen-VL families'
-placeholder strings; they are written once, in epd/families/qwen_vl/prompt_format.py,
+serving code (epd/inputs, epd/serve) names none of the Qwen-VL families' or
+InternVL's placeholder strings; they are written once, in each family's
+prompt_format.py (epd/families/qwen_vl/, epd/families/internvl/),
 and reach the generic code through `ModelFamily.prompt_format`
 (epd/families/registry.py). Comments and docstrings count: a reader who finds
 `<|image_pad|>` in generic code takes it for the engine's assumption."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epd.families.internvl.prompt_format import IMG_END, IMG_START, INTERNVL_FORMAT
 from epd.families.registry import FAMILIES
 from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT, VISION_END, VISION_START
 
@@ -15,16 +17,18 @@ ROOT = Path(__file__).resolve().parents[3]
 GENERIC_DIRS = ("epd/inputs", "epd/serve")
 QWEN_STRINGS = (QWEN_VL_FORMAT.image_placeholder, *QWEN_VL_FORMAT.video_placeholders, QWEN_VL_FORMAT.image_token,
                 QWEN_VL_FORMAT.video_token, VISION_START, VISION_END)
+INTERNVL_STRINGS = (INTERNVL_FORMAT.image_placeholder, *INTERNVL_FORMAT.video_placeholders, IMG_START, IMG_END)
 
 
 def _named(text: str) -> list[str]:
-    return sorted({s for s in QWEN_STRINGS if s in text})
+    return sorted({s for s in QWEN_STRINGS + INTERNVL_STRINGS if s in text})
 
 
 def test_the_strings_are_qwens_placeholders():
     assert {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"} <= set(QWEN_STRINGS)
     assert _named("a <|vision_start|><|image_pad|><|vision_end|> b") == \
         ["<|image_pad|>", "<|vision_end|>", "<|vision_start|>"]
+    assert _named("<img><IMG_CONTEXT></img>") == ["</img>", "<IMG_CONTEXT>", "<img>"]
 
 
 def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
@@ -37,3 +41,7 @@ def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
 def test_the_qwen_families_register_the_qwen_format():
     assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_VL_FORMAT} == \
         {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}
+
+
+def test_internvl_registers_its_format():
+    assert {name for name, family in FAMILIES.items() if family.prompt_format is INTERNVL_FORMAT} == {"internvl"}
