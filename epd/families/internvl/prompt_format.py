@@ -63,7 +63,7 @@ class TileGeometry:
     crop_to_patches: bool
     min_patches: int
     max_patches: int
-    merge_size: int = 1  # grid_thw counts tokens, not patches
+    merge_size: int = 2  # patches a side per token: the pixel-unshuffle (1 / config.json downsample_ratio)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "TileGeometry":
@@ -72,6 +72,7 @@ class TileGeometry:
         image = json.loads((model_dir / "preprocessor_config.json").read_text())
         path = model_dir / "processor_config.json"
         processor = json.loads(path.read_text()) if path.exists() else {}
+        model = json.loads((model_dir / "config.json").read_text())
         kwargs = processor_kwargs or {}
         check_processor_kwargs(kwargs)
         size = image.get("size") or {}
@@ -83,6 +84,7 @@ class TileGeometry:
             crop_to_patches=bool(kwargs.get("crop_to_patches", True)),  # InternVLProcessor's default
             min_patches=int(kwargs.get("min_patches", image.get("min_patches", 1))),
             max_patches=int(kwargs.get("max_patches", image.get("max_patches", 12))),
+            merge_size=int(round(1 / float(model.get("downsample_ratio", 0.5)))),
         )
 
     def num_tiles(self, width: int, height: int) -> int:
@@ -95,18 +97,19 @@ class TileGeometry:
         return 1 if columns * rows == 1 else columns * rows + 1
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
-        """(tiles, token rows, token columns) of a tile: its tokens with `merge_size` 1."""
+        """(tiles, patch rows, patch columns) of a tile: the tower's patches, `merge_size`^2 a token."""
         side = int(round(self.tokens_per_tile ** 0.5))
         assert side * side == self.tokens_per_tile, f"image_seq_length {self.tokens_per_tile} is not a square"
-        return self.num_tiles(width, height), side, side
+        return self.num_tiles(width, height), side * self.merge_size, side * self.merge_size
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """The `<IMG_CONTEXT>` tokens the image takes (the `<img>`, `</img>` around them are text)."""
         return self.num_tiles(width, height) * self.tokens_per_tile
 
     def patches(self, width: int, height: int) -> int:
-        """The image's cost for batching: its tiles' vision-tower tokens (CLS excluded)."""
-        return self.num_tiles(width, height) * self.tokens_per_tile * 4
+        """The image's cost for batching: its tiles' tower patches (CLS excluded)."""
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w
 
 
 def check_processor_kwargs(kwargs: dict) -> None:

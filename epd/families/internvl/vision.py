@@ -290,9 +290,9 @@ class InternVLVision(nn.Module):
 
     def preprocess(self, images: list) -> tuple[torch.Tensor, list[dict]]:
         """Decoded images -> (tiles [total, 3, size, size], each image's span metadata:
-        "grid_thw" (tiles, token rows, token columns), as the prompt's span has it)."""
+        "grid_thw" (tiles, patch rows, patch columns), as the prompt's span has it)."""
         pixel_values, num_tiles = self.preprocessor(images)
-        side = int(round(self.cfg.tokens_per_tile ** 0.5))
+        side = self.cfg.image_size // self.cfg.patch_size
         return pixel_values, [{"grid_thw": (n, side, side)} for n in num_tiles]
 
     def patches(self, width: int, height: int) -> int:
@@ -350,6 +350,9 @@ def load_vision(model_dir: str | Path, hf_config, dtype: torch.dtype, device: st
     if model.geometry.tokens_per_tile != model.cfg.tokens_per_tile:
         raise ValueError(f"{model_dir}: processor_config.json image_seq_length {model.geometry.tokens_per_tile} "
                          f"is not the {model.cfg.tokens_per_tile} tokens a tile gives")
+    if model.geometry.merge_size != model.cfg.unshuffle:
+        raise ValueError(f"{model_dir}: the geometry's {model.geometry.merge_size} patches a side per token are not "
+                         f"the tower's {model.cfg.unshuffle}")
     if model.geometry.tile_size != model.cfg.image_size:
         raise ValueError(f"{model_dir}: the image processor's {model.geometry.tile_size}-pixel tiles are not "
                          f"the tower's {model.cfg.image_size}")

@@ -21,6 +21,7 @@ SETTINGS = [{}, {"max_patches": 12}, {"min_patches": 2, "max_patches": 8}, {"cro
 def files(tmp_path_factory):
     out = tmp_path_factory.mktemp("internvl_processor")
     write_processor_configs(out, PRESETS["internvl-tiny"])
+    (out / "config.json").write_text(json.dumps({"model_type": "internvl", "downsample_ratio": 0.5}))
     return out
 
 
@@ -42,7 +43,8 @@ def test_tiles_are_the_image_processors(files, kwargs):
 def test_the_files_settings_and_the_processor_default(files):
     g = TileGeometry.from_pretrained(files)
     assert (g.tile_size, g.tokens_per_tile, g.crop_to_patches, g.min_patches, g.max_patches) == (64, 16, True, 1, 6)
-    assert g.grid_thw(150, 70) == (3, 4, 4)  # 2x1 tiles + the thumbnail, 4x4 tokens each
+    assert g.grid_thw(150, 70) == (3, 8, 8)  # 2x1 tiles + the thumbnail, 8x8 patches each
+    assert g.merge_size == 2 and g.patches(150, 70) == 192 and g.num_image_tokens(150, 70) == 48
     assert TileGeometry.from_pretrained(files, {"crop_to_patches": False}).num_tiles(150, 70) == 1
 
 

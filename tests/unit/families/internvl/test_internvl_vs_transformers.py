@@ -30,6 +30,7 @@ TINY = PRESETS["internvl-tiny"]
 # the tower's other options: a hidden layer's features (no final norm), RMSNorm blocks, q/k norm
 ODD_TOWER = dataclasses.replace(TINY, vision_feature_layer=-2, vision_layers=3, use_mean_pooling=False,
                                 use_qk_norm=True, norm_type="rms_norm", tie_word_embeddings=True)
+FINAL_NORM = dataclasses.replace(TINY, use_mean_pooling=False)  # the last layer through the tower's final LayerNorm
 
 
 @pytest.fixture(scope="module", params=["internvl-tiny", "internvl-moe-tiny"])
@@ -48,7 +49,7 @@ def _images(data: list[bytes]) -> list[Image.Image]:
     return [Image.open(io.BytesIO(b)).convert("RGB") for b in data]
 
 
-@pytest.mark.parametrize("preset", [TINY, ODD_TOWER], ids=["tiny", "odd_tower"])
+@pytest.mark.parametrize("preset", [TINY, ODD_TOWER, FINAL_NORM], ids=["tiny", "odd_tower", "final_norm"])
 def test_image_features_match_transformers(preset, tmp_path):
     model_dir = str(make_model(tmp_path, preset))
     hf_config, ref = _reference(model_dir)
@@ -56,8 +57,8 @@ def test_image_features_match_transformers(preset, tmp_path):
               Image.effect_noise((64, 64), 90).convert("RGB")]
     ours = load_vision(model_dir, hf_config, torch.float32)
     pixel_values, metas = ours.preprocess(images)
-    # 2x1 + thumbnail, 1x5 + thumbnail (max_patches 6), one tile; 4x4 tokens a tile
-    assert metas == [{"grid_thw": (3, 4, 4)}, {"grid_thw": (6, 4, 4)}, {"grid_thw": (1, 4, 4)}]
+    # 2x1 + thumbnail, 1x5 + thumbnail (max_patches 6), one tile; 8x8 patches a tile
+    assert metas == [{"grid_thw": (3, 8, 8)}, {"grid_thw": (6, 8, 8)}, {"grid_thw": (1, 8, 8)}]
     assert [ours.patches(*image.size) for image in images] == [192, 384, 64]
     with torch.no_grad():
         want = ref.model.get_image_features(pixel_values=pixel_values).pooler_output  # [tiles, 16, hidden]
