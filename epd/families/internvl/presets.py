@@ -3,9 +3,9 @@ model) and the writer of their files, as a release lays them out.
 
 The weights are transformers' random init through its own classes
 (InternVLConfig with a Qwen3 or Qwen3-MoE text config); the final norm and the
-MoE routers are scaled as epd/tools/make_model.py scales Qwen's (peaked logits,
-decisive routing). The tokenizer is a byte-level BPE with Qwen's chat tokens
-and InternVL's image tokens (`<img>`, `</img>`, `<IMG_CONTEXT>`, `<video>`,
+MoE routers are scaled as Qwen's presets scale theirs (peaked logits, decisive
+routing), and the tokenizer is epd/families/random_checkpoints.py's byte-level
+BPE with Qwen's chat tokens and InternVL's image tokens (`<img>`, `</img>`, `<IMG_CONTEXT>`, `<video>`,
 named in tokenizer_config.json as the processor reads them); the chat template
 writes `<IMG_CONTEXT>` + newline per image as the released *-HF templates do.
 Tiny presets use small tiles (64-pixel tiles of 8-pixel patches: 16 tokens a
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd.families.internvl.prompt_format import IMG_CONTEXT, IMG_END, IMG_START, VIDEO
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
 
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 IMAGE_TOKENS = {"start_image_token": IMG_START, "end_image_token": IMG_END,
@@ -48,12 +49,7 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 IMAGE_MEAN, IMAGE_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # the releases' (ImageNet)
-LOGIT_STD = 8.0  # output logits' spread: greedy margins far above float32 noise (as make_model.py's)
 ROUTER_LOGIT_STD = 4.0  # MoE router logits' spread: top-k choices far apart
-_TEXT = ("The quick brown fox jumps over the lazy dog. Describe this image in detail. What is shown in the "
-         "chart? The photo shows a cat on a red chair by a window. Please answer the question about the "
-         "picture. Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2025 3.14. def main(): return sum(range(10)) "
-         "héllo wörld, naïve café, 你好世界, こんにちは, Привет мир 🙂 ")
 
 
 @dataclass(frozen=True)
@@ -105,35 +101,11 @@ PRESETS: dict[str, InternVLPreset] = {
 }
 
 
-def _corpus() -> list[str]:
-    """A deterministic corpus: the text above and made-up words, so the merges fill the vocabulary."""
-    import random
-
-    rng = random.Random(0)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "an", "el", "in", "on", "st", "th", "pr"]
-    words = [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(10))
-             for _ in range(3000)]
-    return [_TEXT] * 20 + words
-
-
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained locally with the chat and image tokens, the processor's names
-    for the image tokens set (tokenizer.start_image_token, ...), and the chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:], extra_special_tokens=IMAGE_TOKENS,
-        model_max_length=131072, clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+def internvl_tokenizer(vocab_size: int):
+    """A byte-level BPE with the chat and image tokens, the processor's names for the image
+    tokens (tokenizer.start_image_token, ...) and the chat template above."""
+    return build_tokenizer(vocab_size, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                           chat_template=CHAT_TEMPLATE, named_tokens=IMAGE_TOKENS)
 
 
 def hf_config(p: InternVLPreset, ids: dict[str, int], vocab_size: int):
@@ -161,17 +133,13 @@ def hf_config(p: InternVLPreset, ids: dict[str, int], vocab_size: int):
         tie_word_embeddings=p.tie_word_embeddings)
 
 
-def make_model(out_dir: str | Path, preset: str | InternVLPreset = "internvl-tiny", seed: int = 0) -> Path:
-    """Writes a random-weight InternVL checkpoint to `out_dir` and returns its path."""
+def write_checkpoint(out: Path, p: InternVLPreset, seed: int) -> None:
+    """The preset's random-weight checkpoint, tokenizer and processor files in `out`
+    (epd/tools/make_model.py `make_model`)."""
     import torch
     from transformers import GenerationConfig, InternVLForConditionalGeneration
 
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(p.tokenizer_vocab)
+    tokenizer = internvl_tokenizer(p.tokenizer_vocab)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = hf_config(p, ids, len(tokenizer))
     torch.manual_seed(seed)
@@ -198,17 +166,8 @@ def make_model(out_dir: str | Path, preset: str | InternVLPreset = "internvl-tin
     GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
                      pad_token_id=ids["<|endoftext|>"], do_sample=False).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _embed_chat_template(out)
+    embed_chat_template(out, CHAT_TEMPLATE)
     write_processor_configs(out, p)
-    return out
-
-
-def _embed_chat_template(out: Path) -> None:
-    """The chat template in tokenizer_config.json too (where vLLM and older transformers look)."""
-    path = out / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_processor_configs(out: Path, p: InternVLPreset) -> None:

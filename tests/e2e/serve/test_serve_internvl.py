@@ -9,7 +9,7 @@ from testkit.internvl_reference import hf_generate_text
 from testkit.media import CHATS
 from testkit.server import chat_text, start_server
 
-from epd.families.internvl.presets import make_model
+from epd.tools.make_model import make_model
 
 MAX_TOKENS = 10
 CHAT_NAMES = ["text_only", "two_images", "multi_turn"]

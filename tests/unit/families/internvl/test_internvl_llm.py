@@ -9,7 +9,7 @@ import torch
 from testkit.internvl_reference import TOP, hf_greedy_logprobs
 from testkit.media import CHATS, MIXED_BATCH, images_of
 
-from epd.families.internvl.presets import make_model
+from epd.tools.make_model import make_model
 from epd.transport.wire.sampling import SamplingParams
 
 NUM_TOKENS = 8

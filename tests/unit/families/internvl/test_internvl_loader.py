@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from epd.families.internvl.presets import PRESETS, make_model
+from epd.families.internvl.presets import PRESETS
+from epd.tools.make_model import make_model
 from epd.families.internvl.text_loader import load_text_model
 from epd.families.internvl.text_model import text_config
 from epd.families.internvl.vision import load_vision_weights

@@ -20,7 +20,8 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.families.internvl.image_processor import TilePreprocessor
-from epd.families.internvl.presets import PRESETS, make_model
+from epd.families.internvl.presets import PRESETS
+from epd.tools.make_model import make_model
 from epd.families.internvl.prompt_format import INTERNVL_FORMAT
 from epd.families.internvl.text_loader import load_text_model
 from epd.families.internvl.vision import load_vision
