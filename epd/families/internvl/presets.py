@@ -78,6 +78,7 @@ class InternVLPreset:
     use_mean_pooling: bool = True
     use_qk_norm: bool = False
     norm_type: str = "layer_norm"
+    text_model_type: str = "qwen3"  # "qwen3" (InternVL3.5) or "qwen2" (InternVL3: q/k/v biases, no q/k norm)
     # Qwen3-MoE language model when num_experts > 0
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -109,17 +110,19 @@ def internvl_tokenizer(vocab_size: int):
 
 
 def hf_config(p: InternVLPreset, ids: dict[str, int], vocab_size: int):
-    """transformers' InternVLConfig of the preset (Qwen3 or Qwen3-MoE text config)."""
+    """transformers' InternVLConfig of the preset (Qwen3, Qwen3-MoE or Qwen2 text config)."""
     from transformers import InternVLConfig
 
     text = dict(
-        model_type="qwen3_moe" if p.num_experts else "qwen3", vocab_size=vocab_size,
+        model_type="qwen3_moe" if p.num_experts else p.text_model_type, vocab_size=vocab_size,
         hidden_size=p.hidden_size, intermediate_size=p.intermediate_size, num_hidden_layers=p.num_layers,
-        num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads, head_dim=p.head_dim,
+        num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
         max_position_embeddings=p.max_position_embeddings, rms_norm_eps=1e-6,
         rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta),
         tie_word_embeddings=p.tie_word_embeddings,
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"])
+    if text["model_type"] != "qwen2":  # Qwen2's head_dim is hidden / heads
+        text.update(head_dim=p.head_dim)
     if p.num_experts:
         text.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
                     moe_intermediate_size=p.moe_intermediate_size, norm_topk_prob=True, decoder_sparse_step=1)

@@ -3,7 +3,8 @@ tiny random checkpoints from the family's presets, float32: the vision side
 (tower, pixel-unshuffle, projector) equals `get_image_features`; the prompt's
 token ids equal transformers' whole InternVLProcessor's (tile counts from the
 image size alone); the language model's prompt logits equal transformers'
-(text, one image, two images, several turns), dense and MoE."""
+(text, one image, two images, several turns): Qwen3 dense and MoE, and Qwen2
+(InternVL3)."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +35,14 @@ ODD_TOWER = dataclasses.replace(TINY, vision_feature_layer=-2, vision_layers=3, 
 FINAL_NORM = dataclasses.replace(TINY, use_mean_pooling=False)  # the last layer through the tower's final LayerNorm
 
 
-@pytest.fixture(scope="module", params=["internvl-tiny", "internvl-moe-tiny"])
+# InternVL3's language model: Qwen2 (q/k/v biases, no q/k norm, head_dim = hidden / heads)
+QWEN2 = dataclasses.replace(TINY, text_model_type="qwen2")
+CHECKPOINTS = {"internvl-tiny": "internvl-tiny", "internvl-moe-tiny": "internvl-moe-tiny", "qwen2": QWEN2}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp(request.param), request.param))
+    return str(make_model(tmp_path_factory.mktemp(request.param), CHECKPOINTS[request.param]))
 
 
 def _reference(model_dir: str):
