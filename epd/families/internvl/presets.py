@@ -177,7 +177,7 @@ def write_processor_configs(out: Path, p: InternVLPreset) -> None:
     """preprocessor_config.json (GotOcr2's image processor, as the releases: crop_to_patches false
     there, the processor crops) and processor_config.json (tokens per tile)."""
     image = {
-        "image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
+        "image_processor_type": "GotOcr2ImageProcessorFast", "processor_class": "InternVLProcessor",
         "crop_to_patches": False, "min_patches": 1, "max_patches": p.max_patches,
         "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
         "do_convert_rgb": True, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD, "resample": 3,

@@ -1,4 +1,4 @@
-"""`epd serve` of InternVL (dense and MoE) in e-p-d and aggregated: a text and a
+"""`epd serve` of InternVL (dense and MoE) in e-p-d, e-pd and aggregated: a text and a
 two-image chat, plain and streamed, give transformers' greedy text (the tiles'
 embeddings through the encoder worker and the cache, the 1-D positions and the
 KV across three processes)."""
@@ -17,7 +17,7 @@ CHAT_NAMES = ["text_only", "two_images", "multi_turn"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("preset", "mode"), [("internvl-tiny", "e-p-d"), ("internvl-tiny", "aggregated"),
-                                              ("internvl-moe-tiny", "e-p-d")])
+                                              ("internvl-moe-tiny", "e-p-d"), ("internvl-moe-tiny", "e-pd")])
 def test_served_text_equals_transformers(preset, mode, tmp_path):
     model_dir = str(make_model(tmp_path / "ckpt", preset, seed=2))
     expected = {n: hf_generate_text(model_dir, CHATS[n][0], CHATS[n][1], max_new_tokens=MAX_TOKENS)
