@@ -65,6 +65,11 @@ class TileGeometry:
     max_patches: int
     merge_size: int = 2  # patches a side per token: the pixel-unshuffle (1 / config.json downsample_ratio)
 
+    def __post_init__(self):
+        side = int(round(self.tokens_per_tile ** 0.5))
+        if side * side != self.tokens_per_tile:
+            raise ValueError(f"image_seq_length {self.tokens_per_tile} is not a square number of tokens")
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "TileGeometry":
         """`processor_kwargs` (--mm-processor-kwargs): crop_to_patches, min/max_patches over the files'."""
@@ -96,20 +101,17 @@ class TileGeometry:
         columns, rows = best_grid(width, height, self.tile_size, self.min_patches, self.max_patches)
         return 1 if columns * rows == 1 else columns * rows + 1
 
-    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
-        """(tiles, patch rows, patch columns) of a tile: the tower's patches, `merge_size`^2 a token."""
-        side = int(round(self.tokens_per_tile ** 0.5))
-        assert side * side == self.tokens_per_tile, f"image_seq_length {self.tokens_per_tile} is not a square"
-        return self.num_tiles(width, height), side * self.merge_size, side * self.merge_size
-
     def num_image_tokens(self, width: int, height: int) -> int:
         """The `<IMG_CONTEXT>` tokens the image takes (the `<img>`, `</img>` around them are text)."""
         return self.num_tiles(width, height) * self.tokens_per_tile
 
     def patches(self, width: int, height: int) -> int:
-        """The image's cost for batching: its tiles' tower patches (CLS excluded)."""
-        t, h, w = self.grid_thw(width, height)
-        return t * h * w
+        """The image's work for the tower: its tiles' patches (CLS excluded), `merge_size`^2 a token."""
+        return self.num_image_tokens(width, height) * self.merge_size ** 2
+
+    def span_meta(self, width: int, height: int) -> dict:
+        """The image span's metadata: its tiles (the vision side's entry carries the same)."""
+        return {"num_tiles": self.num_tiles(width, height)}
 
 
 def check_processor_kwargs(kwargs: dict) -> None:

@@ -290,10 +290,9 @@ class InternVLVision(nn.Module):
 
     def preprocess(self, images: list) -> tuple[torch.Tensor, list[dict]]:
         """Decoded images -> (tiles [total, 3, size, size], each image's span metadata:
-        "grid_thw" (tiles, patch rows, patch columns), as the prompt's span has it)."""
+        {"num_tiles": n}, as the prompt's span has it)."""
         pixel_values, num_tiles = self.preprocessor(images)
-        side = self.cfg.image_size // self.cfg.patch_size
-        return pixel_values, [{"grid_thw": (n, side, side)} for n in num_tiles]
+        return pixel_values, [{"num_tiles": n} for n in num_tiles]
 
     def patches(self, width: int, height: int) -> int:
         """An image's cost for batching: its tiles' tower tokens."""
@@ -309,7 +308,7 @@ class InternVLVision(nn.Module):
     def forward(self, pixel_values: torch.Tensor, metas: list[dict]) -> list[MMEntry]:
         """Tiles of several images, each image's in a row -> one MMEntry per image: its
         tiles' tokens in order, `[tiles * tokens_per_tile, text hidden]`, and its metadata."""
-        num_tiles = [meta["grid_thw"][0] for meta in metas]
+        num_tiles = [meta["num_tiles"] for meta in metas]
         assert sum(num_tiles) == pixel_values.shape[0], f"{num_tiles} tiles for {pixel_values.shape[0]}"
         out = self.embed_tiles(pixel_values.to(self.cls_dtype))
         entries, start = [], 0

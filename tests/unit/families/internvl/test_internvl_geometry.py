@@ -43,7 +43,7 @@ def test_tiles_are_the_image_processors(files, kwargs):
 def test_the_files_settings_and_the_processor_default(files):
     g = TileGeometry.from_pretrained(files)
     assert (g.tile_size, g.tokens_per_tile, g.crop_to_patches, g.min_patches, g.max_patches) == (64, 16, True, 1, 6)
-    assert g.grid_thw(150, 70) == (3, 8, 8)  # 2x1 tiles + the thumbnail, 8x8 patches each
+    assert g.span_meta(150, 70) == {"num_tiles": 3}  # 2x1 tiles + the thumbnail, 8x8 patches each
     assert g.merge_size == 2 and g.patches(150, 70) == 192 and g.num_image_tokens(150, 70) == 48
     assert TileGeometry.from_pretrained(files, {"crop_to_patches": False}).num_tiles(150, 70) == 1
 

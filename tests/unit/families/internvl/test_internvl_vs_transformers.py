@@ -65,7 +65,7 @@ def test_image_features_match_transformers(preset, tmp_path):
     ours = load_vision(model_dir, hf_config, torch.float32)
     pixel_values, metas = ours.preprocess(images)
     # 2x1 + thumbnail, 1x5 + thumbnail (max_patches 6), one tile; 8x8 patches a tile
-    assert metas == [{"grid_thw": (3, 8, 8)}, {"grid_thw": (6, 8, 8)}, {"grid_thw": (1, 8, 8)}]
+    assert metas == [{"num_tiles": 3}, {"num_tiles": 6}, {"num_tiles": 1}]
     assert [ours.patches(*image.size) for image in images] == [192, 384, 64]
     with torch.no_grad():
         want = ref.model.get_image_features(pixel_values=pixel_values).pooler_output  # [tiles, 16, hidden]
@@ -97,7 +97,7 @@ def _prompt_logits(model_dir: str, messages, images: list[bytes]):
                          backend=get_backend("torch"), kv_caches=kv)
     if images:
         pixel_values, metas = vision.preprocess(_images(images))
-        assert [m["grid_thw"] for m in metas] == [s.meta["grid_thw"] for s in prompt.mm_spans]
+        assert metas == [s.meta for s in prompt.mm_spans]
         batch.mm_mask = torch.tensor(ids) == hf_config.image_token_id
         with torch.inference_mode():
             batch.mm_embeds = torch.cat([e.embeddings for e in vision(pixel_values, metas)])
