@@ -106,7 +106,7 @@ def internvl_tokenizer(vocab_size: int):
     """A byte-level BPE with the chat and image tokens, the processor's names for the image
     tokens (tokenizer.start_image_token, ...) and the chat template above."""
     return build_tokenizer(vocab_size, SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                           chat_template=CHAT_TEMPLATE, named_tokens=IMAGE_TOKENS)
+                           chat_template=CHAT_TEMPLATE, **IMAGE_TOKENS)
 
 
 def hf_config(p: InternVLPreset, ids: dict[str, int], vocab_size: int):
