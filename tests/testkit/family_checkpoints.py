@@ -38,7 +38,8 @@ def family_checkpoint(family: str) -> str:
 
 # How start-up names the supported families when a checkpoint is of none of them.
 SUPPORTED = ("Qwen3-VL (model_type 'qwen3_vl')", "Qwen3-VL-MoE (model_type 'qwen3_vl_moe')",
-             "Qwen2.5-VL (model_type 'qwen2_5_vl')", "Gemma 3 (model_type 'gemma3')")
+             "Qwen2.5-VL (model_type 'qwen2_5_vl')", "Gemma 3 (model_type 'gemma3')",
+             "InternVL (model_type 'internvl')")
 
 
 def config_only_checkpoint(path, config: dict) -> str:
