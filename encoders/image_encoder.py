@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
-from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS
+from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
 from epd.families.registry import family_of
 from epd.encoders.tower_lora import TowerLoRA, TowerLoRASettings
 from epd.transport.wire.lora_request import LoRARequest
@@ -51,8 +51,9 @@ class ImageEncoder:
         (--enable-tower-lora): the tower's adapter slots; None: adapters never reach the tower."""
         # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
         has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
-        processor_kwargs = {k: v for k, v in (processor_kwargs or {}).items() if k in PROCESSOR_KWARGS}
-        self.vision = (family_of(hf_config).load_vision(model_dir, hf_config, dtype, device, processor_kwargs)
+        family = family_of(hf_config)
+        processor_kwargs = {k: v for k, v in (processor_kwargs or {}).items() if k in family.prompt_format.image_kwargs}
+        self.vision = (family.load_vision(model_dir, hf_config, dtype, device, processor_kwargs)
                        if has_processor else None)
         self.tower = None if self.vision is None else self.vision.tower  # what tower LoRA wraps
         # the projections wrapped before the packing, which then reaches the base inside each wrapper

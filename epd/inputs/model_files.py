@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from epd.transport.media.image_geometry import (NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS,
-                                                check_processor_kwargs)
+from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
 from epd.transport.media.prompt_format import ItemGeometry
 from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
-from epd.families.registry import check_family, family_of
+from epd.families.registry import FAMILIES, check_family, family_of
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 from epd.transport.weights.checkpoint_error import CheckpointError
@@ -39,26 +38,54 @@ PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")  # a fast tokenizer's, or a BPE vocabulary's
 JINJA_CHARS = "{}\n"  # vLLM: a --chat-template holding none of these is a path
 NO_VIDEO_PROCESSOR = f"this checkpoint has no {VIDEO_CONFIG} (nor {IMAGE_CONFIG}): it serves no video"
-VIDEO_KWARGS = tuple(k for k in REQUEST_KEYS if k not in PROCESSOR_KWARGS)  # every video's defaults
+# every video's defaults (a server-wide pixel bound is the image processor's, where it takes one)
+VIDEO_KWARGS = tuple(k for k in REQUEST_KEYS if k not in ("min_pixels", "max_pixels"))
 
 
-def split_processor_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    """--mm-processor-kwargs -> (the image processor's settings: min_pixels / max_pixels;
-    every video's defaults: fps, num_frames, do_sample_frames, min_frames, max_frames, which a
-    request's own mm_processor_kwargs override). ValueError for a key neither takes or a bad value."""
-    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS) - set(VIDEO_KWARGS))
+def split_processor_kwargs(kwargs: dict, image_keys: tuple[str, ...] | None = None) -> tuple[dict, dict]:
+    """--mm-processor-kwargs -> (the image processor's settings, the keys of `image_keys`: the
+    family's `PromptFormat.image_kwargs`, whose geometry checks their values; every video's
+    defaults: fps, num_frames, do_sample_frames, min_frames, max_frames, which a request's own
+    mm_processor_kwargs override). ValueError for a key neither takes or a bad value.
+    `image_keys` None (the flags read before the checkpoint): the image settings must be some
+    family's, keys and values (`_check_image_kwargs`); the checkpoint's family checks them again."""
+    rest = sorted(set(kwargs) - set(VIDEO_KWARGS))
+    image = {k: kwargs[k] for k in rest}
+    if image_keys is None:
+        _check_image_kwargs(image)
+    unknown = [] if image_keys is None else [k for k in rest if k not in image_keys]
     if unknown:
         raise ValueError(f"--mm-processor-kwargs: {', '.join(unknown)} cannot be applied here; the image "
-                         f"processor takes {', '.join(PROCESSOR_KWARGS)}, the video processor "
+                         f"processor takes {', '.join(image_keys) or 'none'}, the video processor "
                          f"{', '.join(VIDEO_KWARGS)}")
-    image = {k: v for k, v in kwargs.items() if k in PROCESSOR_KWARGS}
     video = {k: v for k, v in kwargs.items() if k in VIDEO_KWARGS}
-    check_processor_kwargs(image)
     try:
         VideoOptions.from_kwargs(video)
     except ValueError as exc:
         raise ValueError(f"--mm-processor-kwargs: {exc}") from None
     return image, video
+
+
+def _check_image_kwargs(image: dict) -> None:
+    """ValueError unless some family's image processor takes these settings (keys and values)."""
+    if not image:
+        return
+    formats = list(dict.fromkeys(f.prompt_format for f in FAMILIES.values()))
+    takers = [fmt for fmt in formats if set(image) <= set(fmt.image_kwargs)]
+    if not takers:
+        keys = list(dict.fromkeys(k for fmt in formats for k in fmt.image_kwargs))
+        unknown = [k for k in image if k not in keys] or sorted(image)
+        raise ValueError(f"--mm-processor-kwargs: {', '.join(unknown)} cannot be applied here; the image "
+                         f"processor takes {', '.join(keys)} (by family), the video processor "
+                         f"{', '.join(VIDEO_KWARGS)}")
+    errors = []
+    for fmt in takers:
+        try:
+            fmt.check_image_kwargs(image)
+            return
+        except ValueError as exc:
+            errors.append(exc)
+    raise errors[0]
 
 
 @dataclass(frozen=True)
@@ -125,9 +152,13 @@ class ModelFiles:
                 processor_config = read_json_object(directory / PROCESSOR_CONFIG)
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
-            kwargs, _ = split_processor_kwargs(dict(config.mm_processor_kwargs))
+            prompt_format = family_of(hf_config).prompt_format
+            try:
+                kwargs, _ = split_processor_kwargs(dict(config.mm_processor_kwargs), prompt_format.image_kwargs)
+                geometry = prompt_format.image_geometry(directory, kwargs)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
             processor_config = {**processor_config, **kwargs}  # what the encoder runs with: part of mm_hash
-            geometry = family_of(hf_config).prompt_format.image_geometry(directory, kwargs)
         video_geometry, video_config = _video_rules(directory)
         return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
                    chat_template=resolve_chat_template(tokenizer_dir, tokenizer, config.chat_template),

@@ -63,7 +63,9 @@ class ImageGeometry:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "ImageGeometry":
-        """`processor_kwargs` (--mm-processor-kwargs): min_pixels / max_pixels over the file's."""
+        """`processor_kwargs` (--mm-processor-kwargs): min_pixels / max_pixels over the file's
+        (ValueError for another key or a bad value)."""
+        check_processor_kwargs(processor_kwargs or {})
         cfg = {**json.loads((Path(model_dir) / "preprocessor_config.json").read_text()), **(processor_kwargs or {})}
         size = cfg.get("size") or {}
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56

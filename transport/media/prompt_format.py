@@ -49,8 +49,10 @@ class PromptFormat:
     video_token: str  # ... of a video
     expand_image: Callable[[int], str]  # number of tokens -> the text replacing `image_placeholder`
     expand_video: Callable[[VideoPlan, str], str]  # plan, the placeholder found -> the text replacing it
-    # the checkpoint's directory, --mm-processor-kwargs' image keys -> its geometry
+    # the checkpoint's directory, --mm-processor-kwargs' image keys -> its geometry (ValueError: a bad value)
     image_geometry: Callable[[str | Path, dict | None], ItemGeometry]
+    image_kwargs: tuple[str, ...] = ()  # the --mm-processor-kwargs keys its image processor and geometry take
+    check_image_kwargs: Callable[[dict], None] = lambda kwargs: None  # ValueError: a key or value refused
 
     @property
     def placeholders(self) -> tuple[str, ...]:

@@ -29,6 +29,15 @@ PAN_AND_SCAN = "do_pan_and_scan"
 PROCESSOR_KWARGS = (PAN_AND_SCAN,)
 
 
+def check_processor_kwargs(kwargs: dict) -> None:
+    """ValueError for a key Gemma 3's processor does not take here, or pan-and-scan asked for."""
+    unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
+    if unknown:
+        raise ValueError(f"--mm-processor-kwargs {', '.join(unknown)}: Gemma 3 takes only {PAN_AND_SCAN}")
+    if kwargs.get(PAN_AND_SCAN):
+        raise ValueError(f"{PAN_AND_SCAN} (Gemma 3's pan-and-scan crops) is not supported; turn it off")
+
+
 def expand_image(num_tokens: int) -> str:
     """The template's `<start_of_image>` -> the processor's full image sequence (Gemma3Processor
     `full_image_sequence`)."""
@@ -53,9 +62,7 @@ class Gemma3Geometry:
         for pan-and-scan, in either, or for a processor kwarg Gemma 3 does not take."""
         model_dir = Path(model_dir)
         kwargs = dict(processor_kwargs or {})
-        unknown = sorted(set(kwargs) - set(PROCESSOR_KWARGS))
-        if unknown:
-            raise ValueError(f"--mm-processor-kwargs {', '.join(unknown)}: Gemma 3 takes only {PAN_AND_SCAN}")
+        check_processor_kwargs(kwargs)
         pre_path = model_dir / "preprocessor_config.json"
         pre = json.loads(pre_path.read_text()) if pre_path.exists() else {}
         if kwargs.get(PAN_AND_SCAN, pre.get(PAN_AND_SCAN)):
@@ -94,4 +101,6 @@ GEMMA3_FORMAT = PromptFormat(
     expand_image=expand_image,
     expand_video=expand_video,
     image_geometry=Gemma3Geometry.from_pretrained,
+    image_kwargs=PROCESSOR_KWARGS,
+    check_image_kwargs=check_processor_kwargs,
 )

@@ -88,7 +88,9 @@ class Glm4vImageGeometry:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, processor_kwargs: dict | None = None) -> "Glm4vImageGeometry":
-        """`processor_kwargs` (--mm-processor-kwargs): its `size` keys over the file's."""
+        """`processor_kwargs` (--mm-processor-kwargs): its `size` keys over the file's
+        (ValueError for another key or a bad value)."""
+        check_processor_kwargs(processor_kwargs or {})
         cfg = json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
         size = {**DEFAULT_SIZE, **(cfg.get("size") or {}), **(processor_kwargs or {}).get("size", {})}
         return cls(patch_size=int(cfg.get("patch_size", 14)), merge_size=int(cfg.get("merge_size", 2)),
@@ -151,4 +153,6 @@ GLM4V_FORMAT = PromptFormat(
     expand_image=expand_image,
     expand_video=expand_video,
     image_geometry=Glm4vImageGeometry.from_pretrained,
+    image_kwargs=PROCESSOR_KWARGS,
+    check_image_kwargs=check_processor_kwargs,
 )

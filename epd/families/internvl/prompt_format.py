@@ -146,4 +146,6 @@ INTERNVL_FORMAT = PromptFormat(
     expand_image=expand_image,
     expand_video=expand_video,
     image_geometry=TileGeometry.from_pretrained,
+    image_kwargs=PROCESSOR_KWARGS,
+    check_image_kwargs=check_processor_kwargs,
 )

@@ -14,7 +14,7 @@ pair); one without (Qwen2.5-VL) keeps the wrapper around one run of pads.
 """
 from __future__ import annotations
 
-from epd.transport.media.image_geometry import ImageGeometry
+from epd.transport.media.image_geometry import PROCESSOR_KWARGS, ImageGeometry, check_processor_kwargs
 from epd.transport.media.prompt_format import PromptFormat
 from epd.transport.media.video_geometry import VideoPlan
 
@@ -49,4 +49,6 @@ QWEN_VL_FORMAT = PromptFormat(
     expand_image=expand_image,
     expand_video=expand_video,
     image_geometry=ImageGeometry.from_pretrained,
+    image_kwargs=PROCESSOR_KWARGS,
+    check_image_kwargs=check_processor_kwargs,
 )
