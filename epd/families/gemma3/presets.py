@@ -138,11 +138,14 @@ PRESETS: dict[str, Gemma3Preset] = {
 
 
 def gemma3_tokenizer(vocab_size: int):
-    """A byte-level BPE with Gemma's special tokens (pad 0, eos 1, bos 2 as in the release) and
-    the release's named image tokens."""
-    return build_tokenizer(vocab_size, SPECIAL_TOKENS, eos_token="<eos>", pad_token="<pad>",
-                           chat_template=CHAT_TEMPLATE, bos_token="<bos>", unk_token="<unk>",
-                           boi_token=BOI_TOKEN, eoi_token=EOI_TOKEN, image_token=IMAGE_TOKEN)
+    """A byte-level BPE with Gemma's special tokens (pad 0, eos 1, bos 2 as in the release), the
+    release's named image tokens, and its runs of newlines as single tokens ("\n" .. "\n\n\n\n",
+    as the release's vocabulary has them and vLLM's Gemma 3 processor looks them up)."""
+    tokenizer = build_tokenizer(vocab_size, SPECIAL_TOKENS, eos_token="<eos>", pad_token="<pad>",
+                                chat_template=CHAT_TEMPLATE, bos_token="<bos>", unk_token="<unk>",
+                                boi_token=BOI_TOKEN, eoi_token=EOI_TOKEN, image_token=IMAGE_TOKEN)
+    tokenizer.add_tokens(["\n" * k for k in range(1, 5)])
+    return tokenizer
 
 
 def hf_config(p: Gemma3Preset, ids: dict[str, int], vocab_size: int):
