@@ -99,6 +99,12 @@ PRESETS: dict[str, InternVLPreset] = {
         vision_layers=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
         tile_size=64, patch_size=8, max_patches=6,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    # For CPU benchmarks and vLLM's CPU build (head_dim 64: a size its attention takes): ~110M
+    # parameters, the release's 448-pixel tiles of 256 tokens.
+    "internvl-small": InternVLPreset(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2304,
+        vision_layers=8, vision_hidden=512, vision_heads=8, vision_intermediate=1536,
+        tokenizer_vocab=8192, max_position_embeddings=32768),
 }
 
 
