@@ -264,8 +264,10 @@ def _corpus(seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int):
-    """Trains a byte-level BPE tokenizer locally and wraps it for transformers."""
+def build_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS, eos_token: str = "<|im_end|>",
+                    pad_token: str = "<|endoftext|>", chat_template: str = CHAT_TEMPLATE):
+    """Trains a byte-level BPE tokenizer locally and wraps it for transformers; Qwen's
+    special tokens and chat template unless a family passes its own."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -274,20 +276,20 @@ def build_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        additional_special_tokens=[t for t in special_tokens if t != pad_token],
         model_max_length=131072,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
