@@ -1,14 +1,15 @@
-"""`epd make-model` presets of GLM-4.1V (`glm4v`) and the writer of their files.
+"""`epd make-model` presets of GLM-4.1V (`glm4v`) and GLM-4.5V (`glm4v_moe`), and the writer of their files.
 
 A random-weight checkpoint in the release's layout: config.json through
-transformers' Glm4vConfig (partial rotary and contiguous M-RoPE sections in
-the text config's rope parameters, as transformers reads the release's),
-safetensors with the release's tensor names (transformers' own model class
-saves them), GLM's special tokens (`[gMASK]<sop>`, roles, `<|begin_of_image|>
-<|image|> <|end_of_image|>`, the video ones) on a locally trained byte-level
-BPE, the release's chat template, and the image and video processor files
-the release ships (Glm4vImageProcessor / Glm4vVideoProcessor, CLIP's
-normalisation, 14-pixel patches), with small pixel bounds for tests.
+transformers' Glm4vConfig / Glm4vMoeConfig (partial rotary and contiguous
+M-RoPE sections in the text config's rope parameters, as transformers reads
+the release's), safetensors with the release's tensor names (transformers'
+own model class saves them; GLM-4.5V's experts one tensor each), GLM's
+special tokens (`[gMASK]<sop>`, roles, `<|begin_of_image|> <|image|>
+<|end_of_image|>`, the video ones) on a locally trained byte-level BPE, the
+release's chat template, and the image and video processor files the release
+ships (Glm4vImageProcessor / Glm4vVideoProcessor, CLIP's normalisation,
+14-pixel patches), with small pixel bounds for tests.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Preset:
 
     hidden_size: int
     num_layers: int
-    num_heads: int  # head_dim = hidden_size / num_heads
+    num_heads: int  # head_dim = hidden_size / num_heads (glm4v)
     num_kv_heads: int
     intermediate_size: int
     mrope_section: tuple[int, int, int]  # sums to head_dim x partial_rotary_factor / 2
@@ -90,6 +91,17 @@ class Preset:
     patch_size: int = 14
     tokenizer_vocab: int = 1024
     dtype: str = "float32"
+    family: str = "glm4v"  # model_type: glm4v or glm4v_moe
+    # glm4v_moe: head_dim (None: hidden / heads), routed MoE layers after the first `first_k_dense_replace`
+    head_dim: int | None = None
+    first_k_dense_replace: int = 1
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 1
+    num_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
 
 PRESETS: dict[str, Preset] = {
@@ -99,7 +111,19 @@ PRESETS: dict[str, Preset] = {
         vision_depth=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
         min_pixels=28 * 28, max_pixels=224 * 224,
     ),
+    # GLM-4.5V's shape: one dense layer, then MoE layers of 8 experts in 2 groups, 2 active, one shared.
+    "glm4v-moe-tiny": Preset(
+        hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128,
+        mrope_section=(2, 3, 3), vision_depth=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
+        min_pixels=28 * 28, max_pixels=224 * 224, family="glm4v_moe", num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, num_expert_groups=2, topk_expert_groups=1, routed_scaling_factor=1.5,
+    ),
 }
+# transformers' (config, model) classes of each family
+CLASSES = {"glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
+           "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration")}
+# Standard deviation of the MoE router logits: expert choices far apart.
+ROUTER_LOGIT_STD = 4.0
 
 
 def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: int = 0) -> Path:
@@ -121,14 +145,15 @@ def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: i
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = p.vocab_size or len(tokenizer)
     assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
-    config = transformers.Glm4vConfig(**_config(p, ids, vocab_size))
+    config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[p.family])
+    config = config_cls(**_config(p, ids, vocab_size))
 
     torch.manual_seed(seed)
     dtype = getattr(torch, p.dtype)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = transformers.Glm4vForConditionalGeneration(config).eval()
+        model = model_cls(config).eval()
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
@@ -138,6 +163,11 @@ def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: i
                 param.normal_(0.0, 0.5)
             elif name.endswith("layernorm.weight"):
                 param.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # decisive routing: router logit std ~ ROUTER_LOGIT_STD
+                param.mul_(ROUTER_LOGIT_STD / (param.float().std().item() * p.hidden_size ** 0.5))
+        for name, buffer in model.model.language_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # 0 at init: drawn, so a misplaced one changes the choice
+                buffer.normal_(0.0, 0.1)
         # peaked logits: logit std = norm_scale * init_std * sqrt(hidden)
         init_std = model.lm_head.weight.float().std().item()
         model.model.language_model.norm.weight.mul_(LOGIT_STD / (init_std * p.hidden_size ** 0.5))
@@ -152,7 +182,7 @@ def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: i
 
 
 def _config(p: Preset, ids: dict[str, int], vocab_size: int) -> dict:
-    """Glm4vConfig's arguments for the preset: the release's keys, the preset's shapes."""
+    """The config class's arguments for the preset: the release's keys, the preset's shapes."""
     text = dict(
         vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
@@ -160,6 +190,13 @@ def _config(p: Preset, ids: dict[str, int], vocab_size: int) -> dict:
         rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
                              partial_rotary_factor=p.partial_rotary_factor, mrope_section=list(p.mrope_section)),
     )
+    if p.family == "glm4v_moe":
+        text.update(head_dim=p.head_dim or p.hidden_size // p.num_heads, attention_bias=True,
+                    first_k_dense_replace=p.first_k_dense_replace, n_routed_experts=p.num_experts,
+                    num_experts_per_tok=p.num_experts_per_tok, moe_intermediate_size=p.moe_intermediate_size,
+                    n_shared_experts=p.num_shared_experts, n_group=p.num_expert_groups,
+                    topk_group=p.topk_expert_groups, routed_scaling_factor=p.routed_scaling_factor,
+                    norm_topk_prob=True)
     vision = dict(depth=p.vision_depth, hidden_size=p.vision_hidden, intermediate_size=p.vision_intermediate,
                   num_heads=p.vision_heads, patch_size=p.patch_size, image_size=p.vision_image_size,
                   spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=p.hidden_size, rms_norm_eps=1e-5)

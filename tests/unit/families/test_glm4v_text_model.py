@@ -1,9 +1,10 @@
-"""GLM-4.1V's language side (epd/families/glm4v/) against transformers'
-Glm4vForConditionalGeneration on a tiny random checkpoint from its preset,
-float32: our positions equal its get_rope_index (images, a video's frame
-groups between timestamps), and our paged text model gives its logits on a
-text prompt and on a prompt whose image and video placeholders carry
-injected embeddings at 3-D positions, in one prefill and in several chunks."""
+"""GLM-4.1V's and GLM-4.5V's language side (epd/families/glm4v/) against
+transformers' Glm4vForConditionalGeneration / Glm4vMoeForConditionalGeneration
+on tiny random checkpoints from their presets, float32: our positions equal
+its get_rope_index (images, a video's frame groups between timestamps), and
+our paged text model gives its logits on a text prompt and on a prompt whose
+image and video placeholders carry injected embeddings at 3-D positions, in
+one prefill and in several chunks."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,23 +21,39 @@ from epd.families.glm4v.presets import PRESETS, make_glm4v
 from epd.families.glm4v.text_loader import load_text_model
 from epd.transport.wire.mm_span import MMSpan
 
-# head_dim 80 / 5 = 16: 8 rotary dims, sections of 1, 1 and 2 frequencies; 5 query heads over 1 KV
-# head; a vocabulary padded beyond the tokenizer.
-VARIANT = dataclasses.replace(PRESETS["glm4v-tiny"], hidden_size=80, num_heads=5, num_kv_heads=1,
-                              intermediate_size=96, mrope_section=(1, 1, 2), vocab_size=1100)
+VARIANTS = {
+    # head_dim 80 / 5 = 16: 8 rotary dims, sections of 1, 1 and 2 frequencies; 5 query heads over 1 KV
+    # head; a vocabulary padded beyond the tokenizer.
+    "glm4v": dataclasses.replace(PRESETS["glm4v-tiny"], hidden_size=80, num_heads=5, num_kv_heads=1,
+                                 intermediate_size=96, mrope_section=(1, 1, 2), vocab_size=1100),
+    # head_dim 24 (not 80 / 5), 12 rotary dims; two dense layers then two MoE layers of 12 experts in 3
+    # groups (2 of them open), 3 active, 2 shared; a tied head.
+    "glm4v_moe": dataclasses.replace(PRESETS["glm4v-moe-tiny"], hidden_size=80, num_layers=4, num_heads=5,
+                                     num_kv_heads=1, head_dim=24, mrope_section=(2, 2, 2), vocab_size=1100,
+                                     first_k_dense_replace=2, num_experts=12, num_experts_per_tok=3,
+                                     num_expert_groups=3, topk_expert_groups=2, num_shared_experts=2,
+                                     moe_intermediate_size=24, tie_word_embeddings=True),
+}
 BLOCK_SIZE = 16
 
 
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return str(make_glm4v(tmp_path_factory.mktemp("glm4v"), VARIANT, seed=5))
+def checkpoint(family, tmp_path_factory) -> str:
+    return str(make_glm4v(tmp_path_factory.mktemp(family), VARIANTS[family], seed=5))
 
 
 @lru_cache(maxsize=2)
 def _reference(model_dir: str):
-    from transformers import Glm4vForConditionalGeneration
+    import transformers
 
-    return Glm4vForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    model_cls = getattr(transformers, config.architectures[0])
+    return model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @lru_cache(maxsize=2)
@@ -143,7 +160,7 @@ def test_injected_embeddings_at_3d_positions_match_transformers(checkpoint, chun
     ids, types, spans = _mm_prompt(ref.config)
     assert len(ids) == 32 and [(s.offset, s.end) for s in spans] == [(4, 10), (15, 19), (22, 26)]  # cuts inside items
     mask = torch.tensor(types) > 0
-    embeds = torch.randn(int(mask.sum()), VARIANT.hidden_size, generator=torch.Generator().manual_seed(4))
+    embeds = torch.randn(int(mask.sum()), ours.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     positions, _ = ours.positions.prompt_positions(len(ids), spans)
     with torch.inference_mode():
         inputs_embeds = ref.model.language_model.embed_tokens(torch.tensor([ids]))
