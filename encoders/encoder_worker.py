@@ -58,7 +58,8 @@ log = logging.getLogger("epd.encoder")
 class _Job:
     msg: EncodeRequest
     received_s: float
-    num_patches: int
+    num_patches: int  # the tower's work: what a batch's budget counts
+    num_tokens: int  # the embeddings' rows: what a cache hit saves
 
 
 def _is_alone(job: _Job) -> bool:
@@ -118,18 +119,21 @@ class EncoderWorker(WorkerIO):
             if self.video is None:
                 self._done(msg, self._keys(msg)[0], error=NO_VIDEO_ENCODER)
             else:
-                self.queue.append(_Job(msg, arrived_s, msg.video.num_patches))
+                plan = msg.video
+                self.queue.append(_Job(msg, arrived_s, plan.num_patches,
+                                       plan.num_patches // self.video.geometry.merge_size ** 2))
             return
-        if self.encoder.preprocess is None:  # a text-only checkpoint (the API sends it no images)
+        if self.encoder.vision is None:  # a text-only checkpoint (the API sends it no images)
             self._done(msg, error=NO_IMAGE_PROCESSOR)
             return
         try:
             width, height = read_image_size(msg.image, self.encoder.max_image_pixels)
-            t, h, w = self.encoder.preprocess.geometry.grid_thw(width, height)
+            patches = self.encoder.vision.patches(width, height)
+            tokens = self.encoder.vision.geometry.num_image_tokens(width, height)
         except (ImageError, ValueError) as exc:
             self._done(msg, error=str(exc))
             return
-        self.queue.append(_Job(msg, arrived_s, t * h * w))
+        self.queue.append(_Job(msg, arrived_s, patches, tokens))
 
     def _encode_batch(self) -> None:
         """Encodes queued images, oldest first, up to the patch budget; a video, or an
@@ -229,8 +233,7 @@ class EncoderWorker(WorkerIO):
         if any(entry is None for entry in entries) and job.msg.with_tensors:  # evicted since `contains`
             return False
         self.counters.num_cache_skips += 1
-        merge_size = (self.video.geometry if job.msg.video is not None else self.encoder.preprocess.geometry).merge_size
-        self.counters.cache_hit_tokens += job.num_patches // merge_size ** 2
+        self.counters.cache_hit_tokens += job.num_tokens
         for key, entry in zip(keys, entries):
             self._done(job.msg, key, entry=entry)
         return True

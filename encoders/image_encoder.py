@@ -1,5 +1,8 @@
 """Raw image bytes -> vision embeddings: decode, preprocess, run the ViT.
 
+The family's vision side (epd/families/model_family.py `ModelFamily.vision`)
+preprocesses and runs its tower; this class decodes, batches and keys.
+
 Used in-process by the aggregated worker and the offline `LLM`, and by the
 encoder worker. Images are batched through the tower up to a patch budget.
 With tower LoRA (`tower_lora`, --enable-tower-lora) the tower's projections
@@ -20,13 +23,11 @@ import torch
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, load_image, read_image_size
 from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG, PROCESSOR_KWARGS
-from epd.encoders.image_processor import ImagePreprocessor
-from epd.encoders.loader import load_vision_tower
+from epd.families.registry import family_of
 from epd.encoders.tower_lora import TowerLoRA, TowerLoRASettings
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.encoders.vision_tower import deepstack_extras
 from epd.transport.weights.cpu_linear import pack_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
@@ -51,8 +52,9 @@ class ImageEncoder:
         # a text-only checkpoint (no preprocessor_config.json): no processor, no tower, every image refused
         has_processor = (Path(model_dir) / PROCESSOR_CONFIG).is_file()
         processor_kwargs = {k: v for k, v in (processor_kwargs or {}).items() if k in PROCESSOR_KWARGS}
-        self.preprocess = ImagePreprocessor(model_dir, processor_kwargs) if has_processor else None
-        self.tower = load_vision_tower(model_dir, hf_config, dtype, device) if has_processor else None
+        self.vision = (family_of(hf_config).load_vision(model_dir, hf_config, dtype, device, processor_kwargs)
+                       if has_processor else None)
+        self.tower = None if self.vision is None else self.vision.tower  # what tower LoRA wraps
         # the projections wrapped before the packing, which then reaches the base inside each wrapper
         self.lora = TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora else None
         if self.tower is not None:
@@ -97,26 +99,25 @@ class ImageEncoder:
         gets each tower batch's (images, preprocessing s, forward s). `lora`: the tower
         adapter every image runs with (`adapted`). `on_decode`: each image's
         (1, decode s) (its preprocessing time includes that)."""
-        if self.preprocess is None:
+        if self.vision is None:
             raise ImageError(NO_IMAGE_PROCESSOR)
         with self.adapted(lora):
             return self._encode(images, on_batch, on_decode)
 
     def _encode(self, images: list[bytes], on_batch: BatchTimer | None,
                 on_decode: DecodeTimer | None) -> list[MMEntry]:
-        geometry = self.preprocess.geometry
         out: list[MMEntry] = []
         batch: list[bytes] = []
         batch_patches = batch_pixels = 0
         for data in images:
             width, height = read_image_size(data, self.max_image_pixels)
-            t, h, w = geometry.grid_thw(width, height)
-            if batch and (batch_patches + t * h * w > self.max_batch_patches
+            patches = self.vision.patches(width, height)
+            if batch and (batch_patches + patches > self.max_batch_patches
                           or batch_pixels + width * height > self.max_decoded_pixels):
                 out += self._run(batch, on_batch, on_decode)
                 batch, batch_patches, batch_pixels = [], 0, 0
             batch.append(data)
-            batch_patches += t * h * w
+            batch_patches += patches
             batch_pixels += width * height
         if batch:
             out += self._run(batch, on_batch, on_decode)
@@ -124,16 +125,14 @@ class ImageEncoder:
 
     def _run(self, images: list[bytes], on_batch: BatchTimer | None, on_decode: DecodeTimer | None) -> list[MMEntry]:
         start = time.perf_counter()
-        pixel_values, grids = self.preprocess([self._load(data, on_decode) for data in images])
-        pixel_values = pixel_values.to(self.device, self.dtype)
+        inputs, metas = self.vision.preprocess([self._load(data, on_decode) for data in images])
         preprocessed = time.perf_counter()
-        result = self.tower(pixel_values, grids)
+        entries = self.vision.forward(inputs, metas)
         if on_batch is not None:
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
             on_batch(len(images), preprocessed - start, time.perf_counter() - preprocessed)
-        return [MMEntry(e, deepstack_extras(d), {"grid_thw": g})
-                for e, d, g in zip(result.embeds, result.deepstack, grids)]
+        return entries
 
     def _load(self, data: bytes, on_decode: DecodeTimer | None):
         start = time.perf_counter()

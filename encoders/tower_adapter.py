@@ -1,7 +1,7 @@
 """A LoRA adapter's vision tower weights, read and checked against the tower (torch-free).
 
 PEFT names the tower's projections as transformers' model has them, which is
-how encoders/vision_tower.py (and qwen2_5_vision_tower.py) name them too:
+how epd/families/qwen_vl/vision_tower.py (and qwen2_5_vision_tower.py) name them too:
 
     Qwen3-VL    blocks.N.attn.qkv, blocks.N.attn.proj, blocks.N.mlp.linear_fc1, blocks.N.mlp.linear_fc2,
                 merger.linear_fc1/2, deepstack_merger_list.K.linear_fc1/2

@@ -17,7 +17,7 @@ the resize is per frame, the last frame fills only the last group).
 
 Usage (the encoder worker, the offline LLM):
 
-    video = VideoEncoder(model_dir, image_encoder.tower, dtype, device)
+    video = VideoEncoder(model_dir, image_encoder.vision, device)
     for key, entry in video.encode(data, plan, video_hash):
         cache.put(key, entry)
 """
@@ -34,7 +34,6 @@ from epd.encoders.video_io import decode_frames
 from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer, normalize_frames, patchify, resize_frames
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.encoders.vision_tower import deepstack_extras
 
 # (frames decoded, decode s, preprocessing s, ViT forward s) of one video
 VideoTimer = Callable[[int, float, float, float], None]
@@ -42,14 +41,13 @@ DEFAULT_MAX_BATCH_PATCHES = 16384
 
 
 class VideoEncoder:
-    def __init__(self, model_dir: str | Path, tower: torch.nn.Module, dtype: torch.dtype, device: str = "cpu",
+    def __init__(self, model_dir: str | Path, vision, device: str = "cpu",
                  max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES):
-        """`tower`: the checkpoint's vision tower, shared with the ImageEncoder
-        (`ImageEncoder.tower`); the video settings come from the checkpoint's
+        """`vision`: the family's vision side, shared with the ImageEncoder
+        (`ImageEncoder.vision`); the video settings come from the checkpoint's
         video_preprocessor_config.json (else preprocessor_config.json, as transformers)."""
         self.geometry = VideoGeometry.from_pretrained(model_dir)
-        self.tower = tower
-        self.dtype = dtype
+        self.vision = vision
         self.device = device
         self.max_batch_patches = max_batch_patches
 
@@ -80,7 +78,7 @@ class VideoEncoder:
         t, h, w = plan.grid_thw
         tps = self.geometry.temporal_patch_size
         groups_per_pass = max(1, self.max_batch_patches // (h * w))
-        embeds, deepstack = [], []
+        entries: list[MMEntry] = []
         preprocess_s = forward_s = 0.0
         for first in range(0, t, groups_per_pass):
             n = min(groups_per_pass, t - first)
@@ -89,12 +87,9 @@ class VideoEncoder:
                                  plan.resized_height, plan.resized_width)
             pixels, grid = patchify(normalize_frames(part, self.geometry), self.geometry)  # [n*h*w, C*tps*p*p]
             assert grid == (n, h, w), (grid, plan.grid_thw)
-            pixels = pixels.to(self.device, self.dtype)
             preprocessed = time.perf_counter()
             # one (1, h, w) grid per group: the same rows as (n, h, w), cut at the groups
-            result = self.tower(pixels, [(1, h, w)] * n)
-            embeds += result.embeds
-            deepstack += result.deepstack
+            entries += self.vision.forward(pixels, [{"grid_thw": (1, h, w)} for _ in range(n)])
             if on_done is not None and str(self.device).startswith("cuda"):
                 torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
             preprocess_s += preprocessed - start
@@ -103,8 +98,6 @@ class VideoEncoder:
             on_done(preprocess_s, forward_s)
         keys = entry_hashes(mm_hash, plan)
         if len(keys) == t:  # one entry per group
-            return [(key, MMEntry(e, deepstack_extras(d), {"grid_thw": (1, h, w)}))
-                    for key, e, d in zip(keys, embeds, deepstack)]
-        merged = torch.cat(embeds)
-        stacked = torch.cat(deepstack, dim=1)
-        return [(keys[0], MMEntry(merged, deepstack_extras(stacked), {"grid_thw": (t, h, w)}))]
+            return list(zip(keys, entries))
+        extras = {name: torch.cat([e.extras[name] for e in entries]) for name in entries[0].extras}
+        return [(keys[0], MMEntry(torch.cat([e.embeddings for e in entries]), extras, {"grid_thw": (t, h, w)}))]

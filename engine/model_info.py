@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.engine.models.registry import check_family, family_of
+from epd.families.registry import check_family, family_of
 
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
@@ -19,7 +19,7 @@ FINGERPRINT_SAMPLE_BYTES = 1 << 20
 @dataclass(frozen=True)
 class ModelInfo:
     model_dir: str
-    family: str  # model_type of a family in engine/models/registry.py
+    family: str  # model_type of a family in epd/families/registry.py
     image_token_id: int  # config.json's: every image placeholder position holds it
     eos_token_ids: tuple[int, ...]
     max_model_len: int
@@ -47,13 +47,13 @@ class ModelInfo:
         return cls(
             model_dir=str(model_dir),
             family=family.model_type,
-            image_token_id=cfg.image_token_id,
+            image_token_id=_image_token_id(cfg),
             eos_token_ids=_eos_token_ids(model_dir, tc),
             max_model_len=int(tc.max_position_embeddings),
-            spatial_merge_size=cfg.vision_config.spatial_merge_size,
+            spatial_merge_size=int(getattr(cfg.vision_config, "spatial_merge_size", None) or 1),
             num_layers=tc.num_hidden_layers,
             num_kv_heads=tc.num_key_value_heads or tc.num_attention_heads,
-            head_dim=family.text_config(cfg).head_dim,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
             hidden_size=tc.hidden_size,
             vocab_size=tc.vocab_size,
             checkpoint_dtype=str(getattr(cfg, "dtype", None) or getattr(tc, "dtype", None) or "float32")
@@ -62,6 +62,15 @@ class ModelInfo:
             video_token_id=int(getattr(cfg, "video_token_id", None) or -1),
             tokens_per_second=float(getattr(cfg.vision_config, "tokens_per_second", None) or 1.0),
         )
+
+
+def _image_token_id(cfg) -> int:
+    """config.json's image token: `image_token_id`, or `image_token_index` as some families name it."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return int(value)
+    raise ValueError(f"{cfg.model_type} config has no image_token_id")
 
 
 def _eos_token_ids(model_dir: Path, text_config) -> tuple[int, ...]:

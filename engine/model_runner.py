@@ -27,7 +27,7 @@ from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.lora.manager import LoRAManager
-from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM
+from epd.engine.models.causal_lm import CausalLM
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
                                 make_generator)
@@ -63,7 +63,7 @@ class _RunnerState:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3VLForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
                  lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None):

@@ -6,6 +6,7 @@ the OpenAI-compatible server. Heavy imports (torch) happen on first use.
 api/                     the HTTP edge: OpenAI routes, request bodies, response formats
 serve/                   the request plane: prepare, place, route, retry, collect
 processes/               the process plane: start, supervise, scale and stop the workers
+families/                the model families served: one package each, one registry
 inputs/                  request inputs: media fetching, prompts, the checkpoint's files
 cli/                     the `epd` command
 tools/                   `epd make-model` and the speculative heads' makers

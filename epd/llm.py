@@ -97,7 +97,7 @@ class LLM:
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
             processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
         self.video = None if self.encoder is None else VideoEncoder(
-            model, self.encoder.tower, self.engine.dtype, self.engine.device)
+            model, self.encoder.vision, self.engine.device)
         # chat messages -> prompt, spans and media items, as the server's (no media flags: the caller's own files)
         self.inputs = InputProcessor(self.files, info, TowerAdapters(self.config.lora.enable_tower_lora))
         # offline: the caller's own files; videos under their own cap, errors naming "video"

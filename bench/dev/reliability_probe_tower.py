@@ -26,7 +26,7 @@ _TOWER_CHILD = r"""
 import json, re, sys, time
 import torch
 from transformers import AutoConfig
-from epd.encoders.loader import load_vision_tower
+from epd.families.qwen_vl.vision import load_vision_tower
 
 model_dir, t, h, w = sys.argv[1], *map(int, sys.argv[2:5])
 config = AutoConfig.from_pretrained(model_dir)

@@ -28,7 +28,7 @@ def check_speculative_model(spec: SpeculativeConfig | None, model_dir: str | Pat
         head_config(spec.model, text.num_hidden_layers).check_fits(spec.model, text.hidden_size, text.vocab_size,
                                                                    text.num_hidden_layers)
     elif spec.method == "draft_model":
-        from epd.engine.models.registry import check_family
+        from epd.families.registry import check_family
 
         check_family(spec.model)  # UnsupportedModelError (a ValueError) names the families served
         check_same_vocab(tokenizer_dir or model_dir, spec.model)

@@ -47,7 +47,7 @@ from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.kv_cache_sizer import bytes_per_block
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.models.positions import PositionRule
-from epd.engine.models.qwen3_vl import Qwen3VLForCausalLM
+from epd.engine.models.causal_lm import CausalLM
 from epd.engine.request import Request
 
 
@@ -67,7 +67,7 @@ class DraftModelProposer:
     """Drafts for a step's decodes in one batch: one forward over what each has not
     seen yet, then one forward a draft token (`propose_requests`, the proposers' interface)."""
 
-    def __init__(self, model: Qwen3VLForCausalLM, num_speculative_tokens: int, num_blocks: int, block_size: int,
+    def __init__(self, model: CausalLM, num_speculative_tokens: int, num_blocks: int, block_size: int,
                  attention_backend: str, device: str | torch.device, target_vocab_size: int, max_num_seqs: int,
                  max_num_tokens: int, positions: PositionRule):
         """`num_blocks`: the target's (block ids are shared); `max_num_tokens`: tokens a
@@ -97,7 +97,7 @@ class DraftModelProposer:
         self._states: dict[str, _DraftState] = {}
 
     @staticmethod
-    def bytes_per_block(model: Qwen3VLForCausalLM, block_size: int) -> int:
+    def bytes_per_block(model: CausalLM, block_size: int) -> int:
         """The draft's K and V of one block (added to the target's when the budget is split)."""
         cfg = model.cfg
         return bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
@@ -215,13 +215,13 @@ def _tokens(request: Request, start: int, end: int) -> list[int]:
 
 
 def load_draft_model(model_dir: str, target_tokenizer_dir: str, dtype: torch.dtype,
-                     device: str | torch.device) -> Qwen3VLForCausalLM:
+                     device: str | torch.device) -> CausalLM:
     """The draft's language model, after checking it is a family EPD serves and
     that its tokenizer is the target's (ValueError naming the difference)."""
     from transformers import AutoConfig
 
     from epd.engine.loader import load_language_model
-    from epd.engine.models.registry import check_family
+    from epd.families.registry import check_family
     from epd.engine.layers.mlp import pack_cpu_linears
 
     from epd.engine.spec.check import check_same_vocab

@@ -8,7 +8,7 @@ items: `InputProcessor` (vLLM's), one for the server's Preparer
                                                                        transport/embedding_cache/mm_cache.py
     videos         header -> plan (frames, size, tokens), mm_hash, chunks   epd/inputs/video_inputs.py
     prompt         chat template + the family's placeholder expansion  epd/inputs/prompt.py,
-                                                                       engine/models/registry.py (PromptFormat)
+                                                                       epd/families/registry.py (PromptFormat)
     items          one MediaItem per distinct image, video or chunk    epd/inputs/media_item.py
 
 Fetching the bytes stays with each caller (the server fetches asynchronously,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
-from epd.engine.models.registry import get_family
+from epd.families.registry import get_family
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles

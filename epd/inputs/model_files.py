@@ -29,7 +29,7 @@ from epd.transport.media.image_geometry import (NO_IMAGE_PROCESSOR, PROCESSOR_CO
                                                 check_processor_kwargs)
 from epd.transport.media.prompt_format import ItemGeometry
 from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
-from epd.engine.models.registry import check_family, family_of
+from epd.families.registry import check_family, family_of
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 from epd.transport.weights.checkpoint_error import CheckpointError

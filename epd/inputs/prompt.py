@@ -2,7 +2,7 @@
 
 The chat template renders one placeholder per image and per video; what they
 are, and the text each becomes, is the model family's `PromptFormat`
-(transport/media/prompt_format.py, registered in engine/models/registry.py):
+(transport/media/prompt_format.py, registered in epd/families/registry.py):
 an image's from the number of tokens its width and height give
 (`ItemGeometry`), exactly as transformers' processor does after decoding; a
 video's from its `VideoPlan` (made from the header,
@@ -154,7 +154,7 @@ class PromptBuilder:
         """`geometry` None: a text-only checkpoint. `chat_template`: the template's text
         (epd/inputs/model_files.py resolves it); None: the tokenizer's own.
         `video_token_id` (config.json's): None, the tokenizer's video token (-1: it has none).
-        `prompt_format`: the checkpoint family's (engine/models/registry.py)."""
+        `prompt_format`: the checkpoint family's (epd/families/registry.py)."""
         self.tokenizer = tokenizer
         self.geometry = geometry
         self.image_token_id = image_token_id
@@ -265,7 +265,7 @@ class PromptBuilder:
 
 
 def span_meta(grid_thw: tuple[int, int, int], second_per_grid_t: float = 0.0, first_group: int = 0) -> dict:
-    """A Qwen span's metadata (MMSpan.meta, read by engine/models/mrope.py): its grid in
+    """A Qwen span's metadata (MMSpan.meta, read by epd/families/qwen_vl/mrope.py): its grid in
     patches, and a Qwen2.5-VL video's seconds per temporal group and a chunk's first
     group, each only when set."""
     meta: dict = {"grid_thw": tuple(grid_thw)}

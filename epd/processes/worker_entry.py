@@ -147,7 +147,7 @@ def _video_encoder(launch: WorkerLaunch, encoder, dtype, device):
     if encoder.tower is None:
         return None
     try:
-        return VideoEncoder(launch.model, encoder.tower, dtype, device)
+        return VideoEncoder(launch.model, encoder.vision, device)
     except FileNotFoundError:
         return None
 

@@ -9,7 +9,7 @@ ahead, on the token sequences given (prompts and their greedy continuations),
 and widens the draft vocabulary (d2t / t2d) to cover them. Its first draft on
 those sequences is then mostly right (later ones, fed its own hidden, less so):
 acceptance well above 0, as a trained head would give on text like its training's.
-The aux states are the engine's own model's (engine/models/qwen3_vl.py
+The aux states are the engine's own model's (epd/families/qwen_vl/text_model.py
 `forward_with_aux`), whose outputs the engine tests hold to transformers.
 """
 from __future__ import annotations

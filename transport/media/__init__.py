@@ -3,7 +3,6 @@ keys by, and the encoders resize and key by, from headers alone; and how a
 family writes its items into a prompt.
 
 prompt_format.py      a family's placeholders, their expansion and its image geometry (`PromptFormat`)
-qwen_vl_format.py     the Qwen-VL families' (`QWEN_VL_FORMAT`)
 image_geometry.py     an image's resize and its placeholder count (Qwen2-VL's smart_resize)
 video_geometry.py     which frames of a video are sampled, their size, groups and tokens (`VideoPlan`)
 video_plan_fields.py  a VideoPlan as an EncodeRequest carries it to the encoder

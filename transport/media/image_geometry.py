@@ -4,7 +4,7 @@ placeholder tokens will this image take?" from its width and height alone (the
 API process relies on it and never decodes pixels). The settings (patch size,
 pixel limits) come from each checkpoint's preprocessor_config.json, whether the
 limits are written as `size` or as top-level min/max_pixels; the encoder's
-`ImagePreprocessor` (encoders/image_processor.py) resizes by the same rule.
+`ImagePreprocessor` (epd/families/qwen_vl/image_processor.py) resizes by the same rule.
 """
 from __future__ import annotations
 

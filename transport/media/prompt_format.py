@@ -1,7 +1,7 @@
 """How a model family writes its images and videos into a prompt, torch-free:
 `PromptFormat`, the interface the API process and the offline LLM ask
 (epd/inputs/prompt.py `PromptBuilder`, epd/inputs/input_processor.py). A family
-registers one (engine/models/registry.py `ModelFamily.prompt_format`); the
+registers one (epd/families/registry.py `ModelFamily.prompt_format`); the
 generic code names no placeholder of its own.
 
     placeholders   what the chat template writes for one image or video (`image_placeholder`,

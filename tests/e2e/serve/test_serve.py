@@ -313,7 +313,7 @@ def test_cache_survives_a_restart(tiny_model, tmp_path):
     even when another mode wrote it (here the aggregated worker's in-process
     encoder; e-pd reads it: an encoder worker that is never asked, the fewest
     processes to start of the modes with one)."""
-    from epd.encoders.image_processor import ImagePreprocessor
+    from epd.families.qwen_vl.image_processor import ImagePreprocessor
 
     cache = str(tmp_path / "cache")
     img = image_bytes(80, 120, seed=31)

@@ -55,7 +55,7 @@ def plane(tiny_model, tmp_path):
                                model_fingerprint="fp", tower_lora=tower_lora)
         spec = WorkerSpec(f"encoder-{len(made)}", "encoder", addresses.worker("encoder", len(made)),
                           (collector.address,), str(tmp_path / f"cache-{len(made)}"), 64 << 20)
-        made.append(EncoderWorker(spec, encoder, video=VideoEncoder(tiny_model, encoder.tower, torch.float32),
+        made.append(EncoderWorker(spec, encoder, video=VideoEncoder(tiny_model, encoder.vision),
                                   decode_limits=DecodeLimits(1 << 20, 1 << 24, 60.0)))
         return made[-1]
 

@@ -37,7 +37,7 @@ def plane(tiny_model, tmp_path):
     addresses = Addresses.ipc(tmp_path)
     collector, prefill = Receiver(addresses.collector(0)), Receiver(addresses.worker("prefill", 0))
     images = ImageEncoder(tiny_model, AutoConfig.from_pretrained(tiny_model), torch.float32, model_fingerprint="fp")
-    video = VideoEncoder(tiny_model, images.tower, torch.float32)
+    video = VideoEncoder(tiny_model, images.vision)
     made = []
 
     def make(limits: DecodeLimits = LIMITS) -> EncoderWorker:

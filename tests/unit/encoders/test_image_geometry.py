@@ -8,7 +8,7 @@ from PIL import Image
 
 from epd.encoders.image_io import ImageError, load_image, read_image_size
 from epd.transport.media.image_geometry import ImageGeometry
-from epd.encoders.image_processor import ImagePreprocessor
+from epd.families.qwen_vl.image_processor import ImagePreprocessor
 
 SIZES = [(1, 1), (2, 3), (16, 16), (31, 33), (32, 32), (100, 60), (37, 150), (224, 224), (448, 448),
          (640, 480), (1920, 1080), (4000, 3000), (5000, 25), (25, 5000), (199, 1), (1, 199),

@@ -14,7 +14,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from epd.encoders.image_io import load_image
-from epd.encoders.image_processor import ImagePreprocessor
+from epd.families.qwen_vl.image_processor import ImagePreprocessor
 
 
 def _encoded(img: Image.Image, fmt: str = "PNG", **options) -> bytes:

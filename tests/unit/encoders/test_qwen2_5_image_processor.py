@@ -13,7 +13,7 @@ import torch
 from testkit.family_checkpoints import family_checkpoint
 from PIL import Image
 
-from epd.encoders.image_processor import ImagePreprocessor
+from epd.families.qwen_vl.image_processor import ImagePreprocessor
 
 SIZES = [(1, 1), (27, 29), (28, 28), (100, 60), (37, 150), (224, 224), (640, 480), (5000, 25), (3, 600)]
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from epd.encoders.vision_tower import segment_attention
+from epd.families.qwen_vl.vision_tower import segment_attention
 
 
 def _reference(q, k, v, seq_lens):
@@ -40,8 +40,8 @@ def test_segment_attention_matches_reference(dtype, atol):
 _CHILD = r"""
 import json, re, sys
 import torch
-from epd.encoders.qwen2_5_vision_tower import Qwen2_5VisionConfig, Qwen2_5VisionTower
-from epd.encoders.vision_tower import VisionConfig, VisionTower
+from epd.families.qwen_vl.qwen2_5_vision_tower import Qwen2_5VisionConfig, Qwen2_5VisionTower
+from epd.families.qwen_vl.vision_tower import VisionConfig, VisionTower
 
 side, heads = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(2)

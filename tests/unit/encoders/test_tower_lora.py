@@ -139,7 +139,7 @@ def test_the_tower_shapes_from_the_config_are_the_towers(tiny_model):
     import torch
     from transformers import AutoConfig
 
-    from epd.encoders.loader import load_vision_tower
+    from epd.families.qwen_vl.vision import load_vision_tower
     from epd.encoders.tower_adapter import TowerShapes
 
     hf_config = AutoConfig.from_pretrained(tiny_model)

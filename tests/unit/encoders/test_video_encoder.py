@@ -24,7 +24,7 @@ def _encoders(model_dir: str, **kwargs) -> VideoEncoder:
     from transformers import AutoConfig
 
     images = ImageEncoder(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
-    return VideoEncoder(model_dir, images.tower, torch.float32, **kwargs)
+    return VideoEncoder(model_dir, images.vision, **kwargs)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen2.5-vl-tiny"])

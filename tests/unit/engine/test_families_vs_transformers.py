@@ -16,11 +16,11 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
 from epd.engine.model_info import ModelInfo
-from epd.engine.models.mrope import mrope_positions
+from epd.families.qwen_vl.mrope import mrope_positions
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.inputs.prompt import ImageRef, PromptBuilder
 from epd.transport.wire.sampling import SamplingParams
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 
 FAMILIES = ["qwen3_vl_moe", "qwen2_5_vl"]
 CONVERSATIONS = MIXED_BATCH
@@ -36,7 +36,7 @@ def _prompt_logits(model_dir: str, messages, images) -> tuple[list[int], torch.T
     info = ModelInfo.from_pretrained(model_dir, hf_config)
     lm = load_language_model(model_dir, hf_config, torch.float32)
     encoder = ImageEncoder(model_dir, hf_config, torch.float32, model_fingerprint=info.fingerprint)
-    prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), encoder.preprocess.geometry, info.image_token_id,
+    prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), encoder.vision.geometry, info.image_token_id,
                             prompt_format=QWEN_VL_FORMAT)
     prompt = prompts.build(messages, [ImageRef(*read_image_size(b), encoder.mm_hash(b)) for b in images])
     ids, n = prompt.token_ids, len(prompt.token_ids)

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from epd.engine.loader import load_language_model
-from epd.encoders.loader import load_vision_tower
+from epd.families.qwen_vl.vision import load_vision_tower
 from epd.transport.weights.checkpoint import CheckpointError
 
 

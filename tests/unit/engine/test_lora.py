@@ -126,10 +126,10 @@ def test_the_shapes_from_the_config_are_the_engines(tiny_model, shapes):
     from transformers import AutoConfig
 
     from epd.engine.lora.adapter import ProjectionShapes
-    from epd.engine.models.registry import family_of
+    from epd.families.qwen_vl.text_configs import text_config
 
     hf_config = AutoConfig.from_pretrained(tiny_model)
-    assert shapes == ProjectionShapes.of(family_of(hf_config).text_config(hf_config))
+    assert shapes == ProjectionShapes.of(text_config(hf_config))
 
 
 def _copy(adapter: str, tmp_path, config_changes=None) -> str:

@@ -16,7 +16,8 @@ from unit.engine import test_cuda_graphs
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
-from epd.engine.models.positions import MRopePositions, RopePositions
+from epd.engine.models.positions import RopePositions
+from epd.families.qwen_vl.positions import MRopePositions
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.request import Request
 from epd.transport.wire.mm_span import MMSpan

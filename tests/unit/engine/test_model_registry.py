@@ -7,7 +7,7 @@ import pytest
 from testkit.family_checkpoints import SUPPORTED
 from testkit.family_checkpoints import config_only_checkpoint as _checkpoint
 
-from epd.engine.models.registry import FAMILIES, UnsupportedModelError, check_family
+from epd.families.registry import FAMILIES, UnsupportedModelError, check_family
 
 @pytest.mark.parametrize("model_type, architecture", [
     ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
@@ -37,15 +37,16 @@ def test_unsupported_family_names_the_supported_ones(tmp_path, config):
 def test_every_new_preset_is_a_config_our_models_accept(preset):
     """The presets' configs (no weights: the published shapes are far too big
     here) are accepted by transformers and parse into our decoder and tower."""
-    from epd.encoders.loader import TOWERS
-    from epd.engine.models.registry import family_of
+    from epd.families.qwen_vl.vision import TOWERS
+    from epd.families.qwen_vl.text_configs import text_config
+    from epd.families.registry import family_of
     from epd.tools.make_model import PRESETS, SPECIAL_TOKENS, _hf_config
 
     p = PRESETS[preset]
     config_cls, _, kwargs = _hf_config(p, {t: i for i, t in enumerate(SPECIAL_TOKENS)}, p.vocab_size or 1024)
     hf_config = config_cls(**kwargs)
     family = family_of(hf_config)
-    text = family.text_config(hf_config)
+    text = text_config(hf_config)
     assert family.model_type == p.family and text.hidden_size == p.hidden_size
     assert text.num_heads * text.head_dim == (p.hidden_size if p.family == "qwen2_5_vl" else p.num_heads * p.head_dim)
     assert 2 * sum(text.mrope_section) == text.head_dim

@@ -13,11 +13,11 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.loader import load_language_model
 from epd.engine.model_info import ModelInfo
-from epd.engine.models.mrope import mrope_positions
+from epd.families.qwen_vl.mrope import mrope_positions
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.transport.wire.sampling import SamplingParams
 from epd.inputs.prompt import ImageRef, PromptBuilder
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 
 CASES = CHATS  # text only, one image, two images, multi-turn (tests/testkit/media.py)
 
@@ -32,7 +32,7 @@ class OurModel:
         self.info = ModelInfo.from_pretrained(model_dir, hf_config)
         self.lm = load_language_model(model_dir, hf_config, torch.float32)
         self.encoder = ImageEncoder(model_dir, hf_config, torch.float32, model_fingerprint=self.info.fingerprint)
-        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), self.encoder.preprocess.geometry,
+        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(model_dir), self.encoder.vision.geometry,
                                      self.info.image_token_id, prompt_format=QWEN_VL_FORMAT)
 
     @torch.inference_mode()

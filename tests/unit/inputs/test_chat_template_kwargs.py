@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from epd.api.protocol import parse_chat_request
 from epd.inputs.prompt import PromptBuilder
 from epd.requests import RequestError
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% if thinking is defined and not thinking %}"

@@ -211,7 +211,7 @@ def test_text_only_checkpoint_offline(tiny_model, tmp_path):
     assert text
     # what an encoder worker (or the aggregated worker's encoder) of this checkpoint holds: nothing, refusing
     encoder = ImageEncoder(model, files.hf_config, torch.float32)
-    assert encoder.preprocess is None and encoder.tower is None
+    assert encoder.vision is None and encoder.tower is None
     with pytest.raises(ImageError, match="preprocessor_config.json"):
         encoder.encode([image_bytes(32, 32, seed=1)])
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}

@@ -16,7 +16,7 @@ from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
 from epd.inputs.video_header import plan_video
 from epd.tools.make_model import make_model
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 from testkit.family_checkpoints import family_checkpoint
 from testkit.media import IMG_A, IMG_B, image_part
 from testkit.release_templates import BY_MODEL_TYPE

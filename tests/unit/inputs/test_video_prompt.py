@@ -1,5 +1,5 @@
 """A video's placeholders in the prompt (epd/inputs/prompt.py) and its M-RoPE
-positions (engine/models/mrope.py): Qwen3-VL's `<t seconds>` + vision_start +
+positions (epd/families/qwen_vl/mrope.py): Qwen3-VL's `<t seconds>` + vision_start +
 pads + vision_end per temporal group, one span per group; Qwen2.5-VL's one run
 with its temporal step on the span; positions equal to transformers'
 get_rope_index on the same token ids and grids."""
@@ -13,10 +13,10 @@ import torch
 from transformers import AutoTokenizer
 
 from epd.transport.media.image_geometry import ImageGeometry
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.media.video_keys import group_mm_hash
-from epd.engine.models.mrope import mrope_positions
+from epd.families.qwen_vl.mrope import mrope_positions
 from epd.inputs.prompt import ImageRef, PromptBuilder, VideoRef
 from epd.transport.wire.mm_span import MMSpan
 

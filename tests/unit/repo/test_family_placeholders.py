@@ -1,15 +1,15 @@
 """A family's placeholders belong to its prompt format: the generic prompt and
 serving code (epd/inputs, epd/serve) names none of the Qwen-VL families'
-placeholder strings; they are written once, in transport/media/qwen_vl_format.py,
+placeholder strings; they are written once, in epd/families/qwen_vl/prompt_format.py,
 and reach the generic code through `ModelFamily.prompt_format`
-(engine/models/registry.py). Comments and docstrings count: a reader who finds
+(epd/families/registry.py). Comments and docstrings count: a reader who finds
 `<|image_pad|>` in generic code takes it for the engine's assumption."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from epd.engine.models.registry import FAMILIES
-from epd.transport.media.qwen_vl_format import QWEN_VL_FORMAT, VISION_END, VISION_START
+from epd.families.registry import FAMILIES
+from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT, VISION_END, VISION_START
 
 ROOT = Path(__file__).resolve().parents[3]
 GENERIC_DIRS = ("epd/inputs", "epd/serve")

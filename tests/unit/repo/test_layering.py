@@ -2,8 +2,9 @@
 checked on every import statement.
 
     transport  imports nothing of ours
-    encoders   imports transport only
-    engine     imports transport only
+    encoders   imports transport, and the family registry (epd/families/registry.py)
+    engine     imports transport, and the family registry
+    families   (epd/families/) import transport, engine and encoders: the layers they are built from
     bench      talks to the server over HTTP (the offline benchmark, and the mode
                comparison and the planner, which launch servers, aside)
     epd        wires everything; only the CLI reaches into bench
@@ -27,7 +28,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # repository folder -> installed package
 PACKAGES = {"epd": "epd", "engine": "epd.engine", "transport": "epd.transport",
             "encoders": "epd.encoders", "bench": "epd.bench"}
-LAYERS = ("epd.engine", "epd.transport", "epd.encoders", "epd.bench")
+LAYERS = ("epd.engine", "epd.transport", "epd.encoders", "epd.bench", "epd.families")
+# what the engine and the encoders may import of the families: the registry, which names the rest by string
+FAMILY_DOOR = ("epd.families.registry", "epd.families.model_family")
 
 # layer -> the other layers of ours it may import
 ALLOWED = {
@@ -35,6 +38,7 @@ ALLOWED = {
     "epd.encoders": {"epd.transport"},
     "epd.engine": {"epd.transport"},
     "epd.bench": set(),
+    "epd.families": {"epd.transport", "epd.engine", "epd.encoders"},
 }
 # bench modules that run our code in-process, and why
 BENCH_IN_PROCESS = {
@@ -98,6 +102,8 @@ def test_no_module_crosses_the_layering_rule():
                 continue
             if own == "epd.bench" and module in BENCH_IN_PROCESS:
                 continue
+            if own in ("epd.engine", "epd.encoders") and target.startswith(FAMILY_DOOR):
+                continue
             if dep not in ALLOWED[own]:
                 violations.append(f"{where} ({own} may import {sorted(ALLOWED[own]) or 'nothing of ours'})")
     assert not violations, "\n".join(violations)
@@ -128,13 +134,26 @@ def test_the_walker_sees_a_violation(tmp_path):
     assert "epd.engine" not in ALLOWED["epd.transport"]
 
 
+def test_a_familys_vision_side_loads_no_engine_code():
+    """The encoders build a family's vision side (`ModelFamily.vision`): it must not pull the engine in."""
+    code = ("import sys\n"
+            "from epd.families.registry import FAMILIES\n"
+            "from epd.families.model_family import resolve\n"
+            "for family in FAMILIES.values():\n"
+            "    resolve(family.vision)\n"
+            "engine = [m for m in sys.modules if m.startswith('epd.engine')]\n"
+            "assert not engine, engine\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("entry", ["epd.api.server", "epd.serve.orchestrator"])
 def test_the_api_process_does_not_load_model_code(entry):
     """The API converts spans, reads headers and routes: it needs no model, no
     engine worker and no vision tower in its process."""
     code = (f"import sys, {entry}\n"
-            "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker.loop', 'epd.engine.models.qwen',"
-            " 'epd.engine.layers', 'epd.engine.model_runner', 'epd.encoders.vision_tower',"
+            "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker.loop', 'epd.families.qwen_vl.text_model',"
+            " 'epd.engine.layers', 'epd.engine.model_runner', 'epd.families.qwen_vl.vision_tower',"
             " 'epd.encoders.image_encoder', 'epd.encoders.encoder_worker'))]\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")

@@ -32,7 +32,7 @@ def test_the_wheel_holds_only_the_epd_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"epd", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
-    for module in ("epd/engine/scheduler.py", "epd/transport/wire/messages.py", "epd/encoders/vision_tower.py",
+    for module in ("epd/engine/scheduler.py", "epd/transport/wire/messages.py", "epd/families/qwen_vl/vision_tower.py",
                    "epd/bench/serve.py", "epd/api/server.py", "epd/engine/attention/torch_attention.py",
                    "epd/cli/__init__.py", "epd/cli/__main__.py", "epd/api/fast_path.py"):
         assert module in names

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from epd.encoders.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
+from epd.families.qwen_vl.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ multimodal RoPE and deepstack injection: the vision tower's intermediate
 features are added to the hidden states of image tokens after the first
 `num_deepstack` layers. The same modules serve Qwen3-VL-MoE (sparse MoE
 blocks in `moe_layer_ids`, layers/moe.py) and Qwen2.5-VL (q/k/v biases, no
-q/k norm, contiguous M-RoPE sections, no deepstack); engine/models/registry.py
+q/k norm, contiguous M-RoPE sections, no deepstack); epd/families/registry.py
 maps each family's config onto `TextConfig`. Built from the shared layers of
 engine/layers/. Tokens arrive flattened `[num_tokens]` for a whole engine
 step (prefill chunks and decodes mixed); attention reads and writes the paged

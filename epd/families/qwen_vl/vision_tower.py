@@ -70,7 +70,7 @@ class VisionOutput:
 def deepstack_extras(deepstack: torch.Tensor) -> dict[str, torch.Tensor]:
     """One item's deepstack features [num_deepstack, n, out_hidden] as its entry's
     extras: "deepstack.{i}" -> view [n, out_hidden], each a frame no larger than
-    the embeddings' (engine/models/qwen3_vl.py reads them back in order)."""
+    the embeddings' (epd/families/qwen_vl/text_model.py reads them back in order)."""
     return {f"deepstack.{i}": d for i, d in enumerate(deepstack.unbind(0))}
 
 

@@ -1,0 +1,40 @@
+"""`CausalLM`: what the engine uses of a family's language model, and nothing more.
+
+A family builds its model over engine/layers/ (epd/families/<name>/text_model.py);
+the runner, the KV-cache sizer, CUDA graphs and the proposers hold it as this.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from epd.engine.layers.forward_batch import ForwardBatch
+from epd.engine.models.positions import PositionRule
+
+
+class TextShape(Protocol):
+    """The sizes the engine reads: KV-cache geometry, logits, hidden states."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+
+class CausalLM(Protocol):
+    cfg: TextShape
+    positions: PositionRule  # where its tokens sit (models/positions.py)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [num_tokens] -> final hidden states [num_tokens, hidden]."""
+
+    def forward_with_aux(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward, plus the residual stream entering each layer of `aux_layer_ids`
+        (id 0: the embeddings), [num_tokens, hidden] each: what an EAGLE-3 head reads."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""

@@ -1,0 +1,14 @@
+"""The model families EPD serves: one package per family, one registry.
+
+    model_family.py  `ModelFamily`: what a family gives the API, the engine and the encoders
+    registry.py      the families, told apart by a checkpoint's config.json (one line adds one)
+    qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
+
+A family's package holds everything that is its own: its registry entries
+(torch-free), its prompt format and image geometry (torch-free, the API's),
+its language model over engine/layers/ and its checkpoint names, its vision
+tower and image processor (encoder side), its position rule. The engine and
+the encoders reach a family only through `registry.py`, which names the heavy
+parts as "module:attr" strings imported on first use; they never name a
+family themselves (docs/decisions/family-packages.md).
+"""

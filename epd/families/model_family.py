@@ -1,0 +1,47 @@
+"""`ModelFamily`: what one family gives the API, the engine and the encoders.
+
+The API process reads `prompt_format` (torch-free); the engine builds the
+language model with `load_text_model` and asks `positions` where its tokens
+sit; the encoders build the vision side with `load_vision`. The heavy parts
+are "module:attr" names, imported when first used, so that reading the
+registry never loads torch or a model's code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Callable
+
+from epd.transport.media.prompt_format import PromptFormat
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is of a model family EPD does not serve, or has a part of one EPD cannot serve."""
+
+
+def resolve(name: str):
+    """The object a "package.module:attr" name points at."""
+    module, _, attr = name.partition(":")
+    return getattr(import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # as people call it: "Qwen3-VL-MoE"
+    model_type: str  # config.json "model_type"
+    architecture: str  # config.json "architectures" entry (transformers' class)
+    prompt_format: PromptFormat  # its placeholders, their expansion, its image geometry (torch-free)
+    # "module:attr" of (model_dir, hf_config, dtype, device) -> its language model, filled, in eval mode:
+    # `cfg` (num_layers, num_heads, num_kv_heads, head_dim, hidden_size, vocab_size), `positions`,
+    # forward(input_ids, batch), forward_with_aux(input_ids, batch, aux_layer_ids), compute_logits(hidden)
+    text_model: str
+    # "module:attr" of (model_dir, hf_config, dtype, device, processor_kwargs) -> its vision side:
+    # `geometry`, patches(width, height), preprocess(images) -> (input, metas), forward(input, metas) -> [MMEntry]
+    vision: str
+    positions: Callable[[object], object]  # hf config -> its PositionRule (engine/models/positions.py)
+
+    def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
+        return resolve(self.text_model)(model_dir, hf_config, dtype, device)
+
+    def load_vision(self, model_dir, hf_config, dtype, device="cpu", processor_kwargs=None):
+        return resolve(self.vision)(model_dir, hf_config, dtype, device, processor_kwargs)

@@ -1,0 +1,112 @@
+"""Builds a Qwen family's language model and fills it from safetensors.
+
+Checkpoint names follow transformers' layouts (`model.language_model.*`, or
+`model.*` as Qwen2.5-VL checkpoints have it, and `lm_head.weight`); q/k/v
+(weights and biases) and gate/up are stacked into fused parameters; a tied
+or absent `lm_head` takes the embedding. MoE experts come fused per layer
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) in either orientation:
+the published one ([experts, hidden, 2 * inter]) or transformers' in-memory
+one ([experts, 2 * inter, hidden]); both are read into ours (the latter).
+No transformers modeling code is used: only its config class.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from epd.families.qwen_vl.family import mrope_positions
+from epd.families.qwen_vl.text_configs import text_config
+from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
+from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
+
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _text_rule(name: str):
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return "lm_head.weight", None
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            break
+    else:
+        return None  # vision tower or other heads: not ours
+    if _EXPERTS.match(rest):
+        return None  # filled by _load_experts
+    m = re.match(r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", rest)
+    if m:
+        return f"model.layers.{m[1]}.self_attn.qkv_proj.{m[3]}", _QKV[m[2]]
+    m = re.match(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.weight$", rest)
+    if m:
+        return f"model.layers.{m[1]}.mlp.gate_up_proj.weight", _GATE_UP[m[2]]
+    return "model." + rest, None
+
+
+def _describe(param: str, shard: int | None) -> str:
+    """The checkpoint name expected for (our parameter, fused piece)."""
+    if param == "lm_head.weight":
+        return param
+    name = "model.language_model." + param[len("model."):]
+    if shard is not None:
+        old = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
+        pieces = list(_QKV) if old == "qkv_proj" else list(_GATE_UP)
+        name = name.replace(old, pieces[shard])
+    return name
+
+
+def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
+                        device: str | torch.device = "cpu") -> Qwen3VLForCausalLM:
+    cfg = text_config(hf_config)
+    with torch.device("meta"):
+        model = Qwen3VLForCausalLM(cfg, mrope_positions(hf_config))
+    model = materialize(model, device, dtype)
+    model.model.rotary = rotary_embedding(cfg, device=device)  # float32 tables, not weights
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = {}
+    for i in range(cfg.num_layers):
+        fused[f"model.layers.{i}.self_attn.qkv_proj.weight"] = [q, kv, kv]
+        if cfg.attention_bias:
+            fused[f"model.layers.{i}.self_attn.qkv_proj.bias"] = [q, kv, kv]
+        fused[f"model.layers.{i}.mlp.gate_up_proj.weight"] = [cfg.intermediate_size] * 2
+    load_weights(model, model_dir, _text_rule, fused=fused,
+                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
+    if cfg.moe_layer_ids:
+        _load_experts(model, model_dir)
+    return model.eval()
+
+
+def _load_experts(model: Qwen3VLForCausalLM, model_dir: str | Path) -> None:
+    """Fills every MoE layer's `w13` / `w2` buffers from the fused expert tensors."""
+    layers = model.model.layers
+    filled = set()
+
+    def accept(name: str) -> bool:
+        return not name.startswith(_VISION_PREFIXES) and _EXPERTS.search(name) is not None
+
+    for name, tensor in iter_tensors(model_dir, accept=accept):
+        m = _EXPERTS.search(name)
+        layer = int(m[1])
+        if layer >= len(layers) or not layers[layer].is_moe:
+            raise CheckpointError(f"tensor {name!r}: layer {layer} has no MoE block")
+        target = layers[layer].mlp.w13 if m[2] == "gate_up_proj" else layers[layer].mlp.w2
+        if tuple(tensor.shape) != tuple(target.shape):
+            if tensor.ndim == 3 and tuple(tensor.transpose(1, 2).shape) == tuple(target.shape):
+                tensor = tensor.transpose(1, 2)  # the published [experts, in, out] orientation
+            else:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                      f"{tuple(target.shape)} or its last two dims swapped")
+        target.copy_(tensor.to(target.dtype))
+        filled.add((layer, m[2]))
+    for i, layer in enumerate(layers):
+        for kind in ("gate_up_proj", "down_proj"):
+            if layer.is_moe and (i, kind) not in filled:
+                raise CheckpointError(f"checkpoint {model_dir} is missing tensor "
+                                      f"'model.language_model.layers.{i}.mlp.experts.{kind}'")
