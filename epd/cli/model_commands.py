@@ -10,12 +10,12 @@ from epd.engine.config import EngineConfig
 
 def add_model_parsers(sub) -> None:
     from epd.tools.make_eagle3 import EAGLE3_PRESETS
-    from epd.tools.make_model import PRESETS
+    from epd.tools.make_model import all_presets
 
-    p = sub.add_parser("make-model", help="write a random-weight checkpoint (Qwen3-VL, Qwen3-VL-MoE, Qwen2.5-VL) "
-                                          "or EAGLE-3 draft head (the *-eagle3 presets)")
+    p = sub.add_parser("make-model", help="write a random-weight checkpoint of a family EPD serves (its "
+                                          "presets) or an EAGLE-3 draft head (the *-eagle3 presets)")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS) + list(EAGLE3_PRESETS))
+    p.add_argument("--preset", default="tiny", choices=list(all_presets()) + list(EAGLE3_PRESETS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-of", default=None, metavar="TARGET",
                    help="instead of a preset: a draft model for --speculative-config's draft_model, the TARGET "

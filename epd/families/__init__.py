@@ -2,7 +2,9 @@
 
     model_family.py  `ModelFamily`: what a family gives the API, the engine and the encoders
     registry.py      the families, told apart by a checkpoint's config.json (one line adds one)
+    random_checkpoints.py  what every family's `epd make-model` presets share (tokenizer, logit scale)
     qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
+    glm4v/           GLM-4.1V and GLM-4.5V
 
 A family's package holds everything that is its own: its registry entries
 (torch-free), its prompt format and image geometry (torch-free, the API's),

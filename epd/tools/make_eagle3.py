@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.tools.make_model import LOGIT_STD, PRESETS, build_tokenizer
+from epd.families.qwen_vl.presets import PRESETS, qwen_tokenizer
+from epd.families.random_checkpoints import LOGIT_STD
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def make_eagle3(out_dir: str | Path, preset: str = "tiny-eagle3", seed: int = 0)
         raise ValueError(f"unknown EAGLE-3 preset {preset!r}; choose one of {', '.join(EAGLE3_PRESETS)}")
     e = EAGLE3_PRESETS[preset]
     target = PRESETS[e.target]
-    vocab_size = target.vocab_size or len(build_tokenizer(target.tokenizer_vocab))
+    vocab_size = target.vocab_size or len(qwen_tokenizer(target.tokenizer_vocab))
     cfg = Eagle3Config(
         hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
         intermediate_size=e.intermediate_size, num_layers=e.num_layers, num_heads=e.num_heads,

@@ -11,7 +11,8 @@ import shutil
 import tempfile
 from functools import lru_cache
 
-from epd.tools.make_model import PRESETS, make_model
+from epd.families.qwen_vl.presets import PRESETS
+from epd.tools.make_model import make_model
 
 FAMILY_VARIANTS = {
     # 5 query heads over 1 KV head, 6 experts with 3 active, layer 1 dense, one deepstack layer.

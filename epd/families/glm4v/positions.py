@@ -7,13 +7,13 @@ per frame group (`<|begin_of_image|>` placeholders `<|end_of_image|>` then the
 group's timestamp as text), and get_rope_index splits its grid (t, h, w) into
 t grids (1, h, w): each group is placed like an image, at the running position
 where it stands. That is M-RoPE's rule over one (1, h, w) span per image or
-frame group (engine/models/mrope.py, as Qwen3-VL's video groups), which this
+frame group (epd/families/qwen_vl/mrope.py, as Qwen3-VL's video groups), which this
 rule reuses; GLM's spans carry "grid_thw" only, so the Qwen-only metadata
 ("second_per_grid_t", "first_group") is refused at the engine's door.
 """
 from __future__ import annotations
 
-from epd.engine.models.positions import MRopePositions
+from epd.families.qwen_vl.positions import MRopePositions
 
 # span metadata M-RoPE reads that GLM-4.1V never sends
 _QWEN_ONLY = ("second_per_grid_t", "first_group")

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
+
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -126,19 +128,10 @@ CLASSES = {"glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration"),
 ROUTER_LOGIT_STD = 4.0
 
 
-def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: int = 0) -> Path:
-    """Writes a random-weight GLM-4.1V checkpoint to `out_dir` and returns its path.
-    `preset` is a name from PRESETS or a `Preset` (tests build variants)."""
+def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
+    """Writes preset `p`'s random-weight checkpoint into the directory `out` (epd/tools/make_model.py)."""
     import torch
     import transformers
-
-    from epd.tools.make_model import LOGIT_STD, build_tokenizer
-
-    if isinstance(preset, str) and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = build_tokenizer(p.tokenizer_vocab, SPECIAL_TOKENS, eos_token="<|endoftext|>",
                                 pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
@@ -176,9 +169,8 @@ def make_glm4v(out_dir: str | Path, preset: str | Preset = "glm4v-tiny", seed: i
         eos_token_id=[ids[t] for t in EOS_TOKENS], pad_token_id=ids["<|endoftext|>"], do_sample=False,
     ).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    _embed_chat_template(out)
+    embed_chat_template(out, CHAT_TEMPLATE)
     write_processor_configs(out, p)
-    return out
 
 
 def _config(p: Preset, ids: dict[str, int], vocab_size: int) -> dict:
@@ -204,14 +196,6 @@ def _config(p: Preset, ids: dict[str, int], vocab_size: int) -> dict:
                 image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
                 image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
                 video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
-
-
-def _embed_chat_template(out: Path) -> None:
-    """The chat template inside tokenizer_config.json too (where vLLM and older transformers look)."""
-    path = out / "tokenizer_config.json"
-    cfg = json.loads(path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_processor_configs(out: Path, p: Preset) -> None:

@@ -11,4 +11,5 @@
     vision_tower.py          Qwen3-VL's vision tower (deepstack)
     qwen2_5_vision_tower.py  Qwen2.5-VL's vision tower (windowed attention)
     image_processor.py       decoded images -> the tower's input (the checkpoint's image processor)
+    presets.py               `epd make-model` presets: random checkpoints written with transformers' classes
 """

@@ -44,11 +44,11 @@ def _head_for_another_target(tmp_path, tiny_model, tiny_draft) -> tuple[str, str
 
 def _draft_with_another_vocabulary(tmp_path, tiny_model, tiny_draft) -> tuple[str, str]:
     """The tiny target's real draft model, its tokenizer replaced by another (2048 tokens)."""
-    from epd.tools.make_model import build_tokenizer
+    from epd.families.qwen_vl.presets import qwen_tokenizer
 
     draft = tmp_path / "draft"
     shutil.copytree(tiny_draft, draft)
-    build_tokenizer(2048).save_pretrained(str(draft))
+    qwen_tokenizer(2048).save_pretrained(str(draft))
     return (json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}),
             f"the draft model {draft} has another vocabulary than the target's")
 

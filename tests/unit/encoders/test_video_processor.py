@@ -11,7 +11,7 @@ from epd.transport.media.video_geometry import VideoGeometry, VideoOptions
 from epd.encoders.video_io import VideoError, decode_frames
 from epd.encoders.video_processor import VideoPreprocessor, frame_resizer, resize_frames
 from epd.inputs.video_header import plan_video
-from epd.tools.make_model import PRESETS, write_processor_configs
+from epd.families.qwen_vl.presets import PRESETS, write_processor_configs
 from testkit.video_reference import hf_video_outputs, reference_available
 from testkit.videos import encode_video, synthetic_frames
 

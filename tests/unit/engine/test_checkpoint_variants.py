@@ -10,7 +10,8 @@ from testkit.hf_reference import hf_greedy
 from testkit.media import image_bytes, image_part
 
 from epd.transport.wire.sampling import SamplingParams
-from epd.tools.make_model import PRESETS, make_model
+from epd.families.qwen_vl.presets import PRESETS
+from epd.tools.make_model import make_model
 
 VARIANTS = {
     "tied_mqa_padded_vocab": dict(tie_word_embeddings=True, num_kv_heads=1, vocab_size=1100,

@@ -140,7 +140,8 @@ def test_sampled_requests_get_drafts_and_draw_nothing_from_the_default_generator
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny_model, tmp_path):
-    from epd.tools.make_model import PRESETS, make_model
+    from epd.families.qwen_vl.presets import PRESETS
+    from epd.tools.make_model import make_model
 
     other = make_model(tmp_path / "other", dataclasses.replace(PRESETS["tiny"], num_layers=1, tokenizer_vocab=900))
     with pytest.raises(ValueError, match="another vocabulary than the target's"):

@@ -12,7 +12,8 @@ from testkit.hf_reference import hf_greedy, hf_prompt_logits
 from safetensors.torch import load_file, save_file
 
 from epd.engine.loader import load_language_model
-from epd.tools.make_model import PRESETS, make_model
+from epd.families.qwen_vl.presets import PRESETS
+from epd.tools.make_model import make_model
 from epd.transport.weights.checkpoint import CheckpointError
 from epd.transport.wire.sampling import SamplingParams
 

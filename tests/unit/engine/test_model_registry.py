@@ -40,7 +40,7 @@ def test_every_new_preset_is_a_config_our_models_accept(preset):
     from epd.families.qwen_vl.vision import TOWERS
     from epd.families.qwen_vl.text_configs import text_config
     from epd.families.registry import family_of
-    from epd.tools.make_model import PRESETS, SPECIAL_TOKENS, _hf_config
+    from epd.families.qwen_vl.presets import PRESETS, SPECIAL_TOKENS, _hf_config
 
     p = PRESETS[preset]
     config_cls, _, kwargs = _hf_config(p, {t: i for i, t in enumerate(SPECIAL_TOKENS)}, p.vocab_size or 1024)

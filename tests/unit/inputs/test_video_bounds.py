@@ -12,7 +12,7 @@ from epd.transport.media.image_geometry import ImageGeometry
 from epd.transport.media.video_geometry import VideoGeometry, VideoOptions, VideoPlan
 from epd.inputs.prompt import PromptBuilder, PromptTooLong, VideoRef
 from epd.inputs.video_header import VideoError, VideoKwargsRefused, plan_video
-from epd.tools.make_model import PRESETS, write_processor_configs
+from epd.families.qwen_vl.presets import PRESETS, write_processor_configs
 from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 from testkit.videos import encode_video, synthetic_frames
 

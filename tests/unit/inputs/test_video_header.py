@@ -12,7 +12,7 @@ import torch
 from epd.transport.media.video_geometry import VideoGeometry, VideoOptions, _torch_arange_int
 from epd.encoders.video_io import decode_frames
 from epd.inputs.video_header import VideoError, plan_video
-from epd.tools.make_model import PRESETS, write_processor_configs
+from epd.families.qwen_vl.presets import PRESETS, write_processor_configs
 from testkit.video_reference import hf_video_outputs, reference_available
 from testkit.videos import claims_hours, claims_size, encode_video, gif_frames, synthetic_frames
 

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 CHECKED = ("epd", "epd/api", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
-           "epd/families", "epd/families/qwen_vl",
+           "epd/families", "epd/families/qwen_vl", "epd/families/glm4v",
            "engine", "engine/spec", "engine/lora", "engine/models", "engine/layers", "engine/attention",
            "engine/worker",
            "encoders", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",

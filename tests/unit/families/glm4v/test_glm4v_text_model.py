@@ -17,7 +17,8 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.families.glm4v.positions import Glm4vPositions
-from epd.families.glm4v.presets import PRESETS, make_glm4v
+from epd.families.glm4v.presets import PRESETS
+from epd.tools.make_model import make_model
 from epd.families.glm4v.text_loader import load_text_model
 from epd.transport.wire.mm_span import MMSpan
 
@@ -44,7 +45,7 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoint(family, tmp_path_factory) -> str:
-    return str(make_glm4v(tmp_path_factory.mktemp(family), VARIANTS[family], seed=5))
+    return str(make_model(tmp_path_factory.mktemp(family), VARIANTS[family], seed=5))
 
 
 @lru_cache(maxsize=2)

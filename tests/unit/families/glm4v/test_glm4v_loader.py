@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from epd.families.glm4v.presets import make_glm4v
+from epd.families.glm4v.presets import PRESETS
 from epd.families.glm4v.text_loader import load_text_model
+from epd.tools.make_model import make_model
 from epd.transport.weights.checkpoint_error import CheckpointError
 
 PREFIX = "model.language_model."
@@ -20,7 +21,7 @@ PREFIX = "model.language_model."
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory) -> str:
-    return str(make_glm4v(tmp_path_factory.mktemp("glm4v-moe"), "glm4v-moe-tiny", seed=2))
+    return str(make_model(tmp_path_factory.mktemp("glm4v-moe"), PRESETS["glm4v-moe-tiny"], seed=2))
 
 
 def _hf_config(model_dir):
