@@ -58,8 +58,8 @@ log = logging.getLogger("epd.worker")
 MAX_ENDED = 4096  # ids of requests failed or aborted here, kept so their late EncodeDones keep nothing
 
 # An in-process encoder (aggregated role): EncodeRequests -> for each, the (key, embeddings or error)
-# pairs its spans wait for: an image's one under its mm_hash, a video's one per entry (a Qwen3-VL
-# temporal group), or one error for a video's first entry (epd/processes/worker_entry.py). It counts
+# pairs its spans wait for: an image's one under its mm_hash, a video's one per entry (its family's
+# layout: one per temporal group, or one for the whole video), or one error for a video's first entry (epd/processes/worker_entry.py). It counts
 # its decoding in the EncoderCounters it is given (frames and seconds, by modality).
 EncodeFn = Callable[[list[EncodeRequest], EncoderCounters], list[list[tuple[str, MMEntry | str]]]]
 

@@ -152,7 +152,7 @@ class Placement:
         for item in prep.items:
             if count:
                 self.metrics.mm_cache_queries += 1
-            # a video is there when every entry its spans name is (Qwen3-VL: one per temporal group)
+            # a video is there when every entry its spans name is (one per temporal group, or one)
             if self._cache_reaches(prefill) and all(self.cache.contains(k) for k in item.entries):
                 if count:  # the prefill worker reads it: no encoder work
                     self.metrics.mm_cache_hits += 1

@@ -29,7 +29,7 @@ class MMSpan:
     `offset` is the index of the item's first placeholder token in the prompt,
     `length` the number of placeholder tokens (= rows of the item's embeddings),
     `meta` the model family's metadata of the item: names to ints, floats or
-    tuples of ints (epd/families/qwen_vl/mrope.py names what Qwen's spans carry).
+    tuples of ints (what each name means is the family's position rule).
     Sent as `[offset, length, mm_hash, meta]`.
     """
 
