@@ -118,7 +118,7 @@ class GroupedMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]: routed experts' sum plus the shared experts'."""
-        logits = F.linear(x.float(), self.gate.weight.float())  # [num_tokens, num_experts]
+        logits = self.gate(x.float())  # [num_tokens, num_experts]; the router is float32 (maybe packed on CPU)
         weights, ids = route_grouped(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
                                      self.topk_groups, self.normalize, self.scaling)
         weights = weights.to(x.dtype)
