@@ -6,6 +6,7 @@ scheduler.py         continuous batching: chunked prefill, preemption, prefill p
 scheduler_config.py  the scheduler's launch-time limits
 scheduler_output.py  what one step hands the model runner, and what `update` returns
 prefill_order.py     the scheduler's order of requests
+span_chunks.py       ChunkSizes: a prefill chunk's size (ledger bound, budget, whole image spans)
 request.py           a request as the engine sees it: tokens, spans, progress, blocks
 block_manager.py     paged KV blocks: reference counts, prefix cache
 kv_cache_sizer.py    how many KV blocks fit

@@ -15,8 +15,10 @@ The decode kernel's split count is fixed per size (it depends on the
 table's width, never on the step), so the launch never changes.
 
 Steps a graph does not take run eagerly: prefill chunks, speculative
-verifications (several query tokens), image rows, LoRA adapters, and more
-sequences than the largest size. Greedy output equals eager's token for
+verifications (several query tokens), image rows, bidirectional ranges,
+LoRA adapters, and more sequences than the largest size. A layer's sliding
+window and soft-cap are constants of its kernel launches (runtime arguments,
+no per-step metadata), so they replay as captured. Greedy output equals eager's token for
 token in float32 (tests/unit/engine/test_cuda_graphs.py, `pytest -m gpu`).
 """
 from __future__ import annotations
@@ -103,8 +105,8 @@ class DecodeGraphs:
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether a graph can run this step: decodes only, at most the largest size,
-        block tables no wider than the static one."""
-        return (meta.is_decode_only and 0 < meta.num_seqs <= self.max_size
+        block tables no wider than the static one, no query in a bidirectional range."""
+        return (meta.is_decode_only and meta.query_key_ends is None and 0 < meta.num_seqs <= self.max_size
                 and meta.block_tables.shape[1] <= self.max_blocks_per_seq)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

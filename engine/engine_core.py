@@ -117,7 +117,8 @@ class EngineCore(EngineAdapters):
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0,
                                    adapter_weights=self.lora.weights_of if self.lora else None,
-                                   early_prefill=self.early_prefill)
+                                   early_prefill=self.early_prefill,
+                                   whole_mm_spans=getattr(model, "bidirectional_mm", False))
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             pack_linears(head[1])

@@ -4,7 +4,10 @@ One flattened variable-length batch per step: every scheduled request
 contributes its chunk of tokens (a prefill chunk or one decode token), with
 its positions (the model's rule, engine/models/positions.py), cache slots and its block table. Image and video
 placeholder tokens take their rows of the span's embeddings (a chunk may
-start or end inside a span) and deepstack features; logits are computed only for the rows that
+start or end inside a span) and deepstack features; a model whose image
+tokens see each other both ways (`bidirectional_mm`) gets each chunk's
+spans as the attention metadata's bidirectional ranges (its scheduler then
+never ends a chunk inside a span); logits are computed only for the rows that
 sample, and for the prompt rows of a request that asked for prompt logprobs
 (`_score_prompt`).
 
@@ -71,6 +74,7 @@ class ModelRunner:
         `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
         self.model = model
         self.positions = model.positions
+        self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model's; Qwen's: False
         self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
         self.images = images  # the engine's: embeddings of the images its requests use
@@ -180,6 +184,7 @@ class ModelRunner:
         mm_mask: list[bool] = []
         mm_rows: list[tuple[MMEntry, int, int]] = []
         q_lens, seq_lens, block_tables, sample_rows, sampling, offsets = [], [], [], [], [], []
+        ranges: list[tuple[tuple[int, int], ...]] = []  # per chunk, its spans' positions (bidirectional_mm)
         chunks = [self._forward_chunk(s) for s in out.scheduled]  # an EAGLE-3 lookbehind row first, maybe
         for s, f in zip(out.scheduled, chunks):
             req, state = s.request, self._state(s.request)
@@ -195,6 +200,8 @@ class ModelRunner:
                 begin = span.offset + first - f.start
                 chunk_mask[begin:begin + last - first] = [True] * (last - first)
             mm_mask += chunk_mask
+            if self.bidirectional_mm:
+                ranges.append(tuple((span.offset, span.end) for span, _, _ in f.mm_slices()))
             q_lens.append(f.num_new_tokens)
             seq_lens.append(f.end)
             block_tables.append(req.block_ids)
@@ -202,7 +209,8 @@ class ModelRunner:
                 sample_rows += range(len(token_ids) - s.num_sample_rows, len(token_ids))
                 sampling.append(s)
 
-        meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device=self.device)
+        meta = AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device=self.device,
+                                       bidirectional_ranges=ranges)
         for s, f, offset in zip(out.scheduled, chunks, offsets):
             if f.start < s.start:  # a lookbehind row: its K/V is in the cache already (maybe a shared block)
                 meta.slot_mapping[offset - 1] = -1

@@ -44,6 +44,7 @@ from epd.engine.prefill_order import PrefillOrder
 from epd.engine.request import Request, RequestStatus
 from epd.engine.scheduler_config import ROLES, SchedulerConfig
 from epd.engine.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from epd.engine.span_chunks import ChunkSizes
 from epd.engine.spec.decode import SpecDecodeStats, add_drafts
 
 @dataclass
@@ -79,19 +80,20 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
                  images: ImageLedger | None = None, max_loras: int = 0,
                  adapter_weights: Callable[[LoRARequest], str | None] | None = None,
-                 early_prefill: EarlyPrefill | None = None) -> None:
+                 early_prefill: EarlyPrefill | None = None, whole_mm_spans: bool = False) -> None:
         """`images`: the engine's image ledger (None: a ledger of its own); `early_prefill`:
         the engine's (None: one of the config's `max_num_image_waits`);
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
         `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
         request's `lora_weights`), None when it is not read: its request waits and the next
-        may start (no callable: every adapter is read, by name and path)."""
+        may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: span_chunks.py."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config, self.max_loras, self.adapter_weights = config, max_loras, adapter_weights
         self.role = role
         self.images = images if images is not None else ImageLedger()
         self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
+        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans and role != "decode")
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.num_cache_tokens = num_blocks * config.block_size
@@ -181,6 +183,7 @@ class Scheduler:
         if self.config.max_model_len is not None and num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens leaves no room for output "
                              f"under max_model_len={self.config.max_model_len}")
+        self.chunks.check(request)
 
     def _register(self, request: Request) -> None:
         if request.max_model_len is None:
@@ -201,13 +204,12 @@ class Scheduler:
         queue; under "cost" running and waiting together by `PrefillOrder.priority`,
         and a request admitted ahead of a running prefill must leave the
         blocks that prefill's next chunk needs. A prompt longer than the
-        remaining budget is chunked at any token, also inside an image span,
-        and never past the ledger's `prefill_bound`: a request blocked there
+        remaining budget is chunked at any token (inside an image span too, unless
+        `ChunkSizes.whole_mm_spans`), never past the ledger's `prefill_bound`: one blocked there
         is skipped and its budget goes to the next. When blocks run out, a
         running request not yet scheduled this step is preempted (see
-        `_allocate_or_preempt`); no waiting request is admitted
-        in a step that preempted, nor after one that did not fit
-        (head-of-line: nobody overtakes the request it is its turn to admit).
+        `_allocate_or_preempt`); no waiting request is admitted in a step that preempted,
+        nor after one that did not fit (head-of-line: nobody overtakes the request it is its turn to admit).
         A decode-role scheduler gives its prefills at most
         `max_local_prefill_tokens` of the budget a step.
         """
@@ -243,9 +245,8 @@ class Scheduler:
             if step.token_budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                num_new_tokens = min(self.images.prefill_bound(request) - request.num_computed_tokens,
-                                     step.token_budget)  # <= 0: waiting for an image, the budget goes on
-                if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, step):
+                num_new_tokens = self.chunks.size(request, request.num_computed_tokens, step.token_budget)
+                if num_new_tokens > 0 and self._allocate_or_preempt(request, num_new_tokens, step):  # <= 0: it waits
                     step.take(self._scheduled(request, num_new_tokens))
             elif step.may_admit and not step.preempted_ids and len(self.running) < self.config.max_num_seqs:
                 self._admit(request, step, order[i + 1:])
@@ -271,9 +272,10 @@ class Scheduler:
             return
         computed_block_ids, num_cached_tokens = self.block_manager.get_computed_blocks(request)
         bound = self.images.prefill_bound(request, num_cached_tokens)
-        num_new_tokens = min(bound - num_cached_tokens, step.token_budget)
-        if num_new_tokens <= 0:
-            return  # its first image is not here: it holds nothing and waits
+        num_new_tokens = self.chunks.size(request, num_cached_tokens, step.token_budget)
+        if num_new_tokens <= 0:  # its first image is not here: it holds nothing and waits; or an image
+            step.may_admit &= bound <= num_cached_tokens  # it must take whole does not fit: its turn stays
+            return
         if bound < request.num_tokens and not self._can_wait_for_images(request, num_cached_tokens):
             return
         reserve = self._blocks_to_go_on(later, step.token_budget - num_new_tokens)
@@ -319,7 +321,7 @@ class Scheduler:
         for request in later:
             if request.status is not RequestStatus.RUNNING or token_budget <= 0:
                 continue
-            num_new_tokens = min(self.images.prefill_bound(request) - request.num_computed_tokens, token_budget)
+            num_new_tokens = self.chunks.size(request, request.num_computed_tokens, token_budget)
             if num_new_tokens > 0:
                 token_budget -= num_new_tokens
                 num_blocks += max(0, self.block_manager.num_blocks_for(request.num_computed_tokens + num_new_tokens)

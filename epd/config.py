@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from epd.engine.config import EngineConfig
+from epd.families.registry import check_family
 from epd.lora_modules import LoRAModule
 from epd.inputs.media import MediaConfig
 from epd.inputs.model_files import ModelFilesConfig
@@ -34,7 +35,9 @@ from epd.transport.wire.addresses import MAX_API_SERVERS, is_tcp_address
 from epd.transport.wire.auth import API, WORKER, PlaneKeyError, PlaneKeys
 from epd.transport.wire.roles import Mode, Role
 
-TOOL_CALL_PARSERS = ("hermes",)  # what epd/api/tool_calls.py parses (Qwen's <tool_call> blocks)
+# vLLM's --tool-call-parser names EPD reads: epd/api/tool_parsers/'s TOOL_PARSERS (a test holds them equal;
+# named here because the orchestrator, which reads this module, imports nothing of the HTTP edge)
+TOOL_CALL_PARSERS = ("hermes", "pythonic", "glm45")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MAX_LOGPROBS = 20  # the wire's bound on logprobs a token (transport/wire/sampling.py)
 # Niceness per role when workers share cores ("shared"). CFS weights fall
@@ -53,6 +56,17 @@ def field_default(cls, name: str) -> Any:
 def _check_checkpoint(model: str) -> None:
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"{model} is not a checkpoint directory (no config.json)")
+
+
+def _tool_parser_hint(model: str) -> str:
+    """The --tool-call-parser the checkpoint's family names, else the list of them."""
+    try:
+        family = check_family(model)
+    except (OSError, ValueError):  # not a checkpoint, or a family EPD does not serve: said later
+        family = None
+    if family is not None and family.tool_call_parser is not None:
+        return f"--tool-call-parser {family.tool_call_parser} for {family.name}"
+    return f"--tool-call-parser one of {', '.join(TOOL_CALL_PARSERS)}"
 
 
 FLAGS = {"down_retry_s": "down-retry-interval"}  # ServingLimits fields whose flag is not their name
@@ -116,8 +130,8 @@ class ServeConfig:
     # vLLM's front-end flags: what each does here is in its help and docs/usage.md
     max_logprobs: int = MAX_LOGPROBS  # logprobs / top_logprobs a request may ask; more is a 400
     trust_remote_code: bool = False  # accepted: EPD never runs a checkpoint's code
-    enable_auto_tool_choice: bool = False  # accepted: tool_choice "auto" is always served (hermes)
-    tool_call_parser: str | None = None  # None or one of TOOL_CALL_PARSERS
+    enable_auto_tool_choice: bool = False  # accepted: tool_choice "auto" is always served
+    tool_call_parser: str | None = None  # None (hermes) or one of TOOL_CALL_PARSERS: tool_choice "auto"'s format
     enable_chunked_prefill: bool | None = None  # always on: True is logged, False refused (None: not given)
     enable_log_requests: bool = False  # one log line per request (id, prompt, sampling)
     disable_log_stats: bool = False  # accepted: EPD logs no periodic stats (/metrics has them)
@@ -159,11 +173,11 @@ class ServeConfig:
             raise ValueError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (EPD returns at most {MAX_LOGPROBS} "
                              f"a token) or -1 (no cap below that), got {self.max_logprobs}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-            raise ValueError(f"--tool-call-parser {self.tool_call_parser}: EPD parses tool calls as hermes "
-                             f"<tool_call> blocks only (Qwen's format); use --tool-call-parser hermes")
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser}: EPD reads tool calls with the parsers "
+                             f"{', '.join(TOOL_CALL_PARSERS)} (vLLM's names)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (as in vLLM): "
-                             "--tool-call-parser hermes")
+            raise ValueError(f"--enable-auto-tool-choice requires --tool-call-parser (as in vLLM): "
+                             f"{_tool_parser_hint(self.model)}")
         if self.enable_chunked_prefill is False:
             raise ValueError("--no-enable-chunked-prefill: EPD always prefills in chunks "
                              "(--max-num-batched-tokens a step)")

@@ -4,7 +4,9 @@ Both backends expose the same calls, made by the model runner: once, before its 
   prepare(k_cache, num_q_heads)   (one layer's cache: its device, dtype and layout)
 and per layer:
   store_kv(key, value, k_cache, v_cache, slot_mapping)
-  attention(query, k_cache, v_cache, meta, scale) -> out
+  attention(query, k_cache, v_cache, meta, scale, window=None, softcap=None) -> out
+(`window`: the layer's sliding window, `softcap`: its attention logit soft-cap; the
+metadata's bidirectional ranges apply in every layer).
 `torch` is the reference and the CPU path; `triton` the GPU path (imported
 lazily, so CPU-only installs and TRITON_INTERPRET set late both work).
 
@@ -35,7 +37,7 @@ class AttentionBackend:
     name: str
     prepare: Callable[[torch.Tensor, int], None]
     store_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+    attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, meta, scale, window=None, softcap=None)
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -96,20 +96,23 @@ def _load():
         return None
     fn = lib.epd_paged_decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, ctypes.c_int]
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, p,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
 
 def decode_attention(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_ids: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> None:
     """Writes `out`'s rows of the sequences `seq_ids` (int64); every tensor float32 / int32 on CPU and
-    contiguous (`query` and `out` [num_tokens, Hq, D], caches [num_blocks, block_size, Hkv, D])."""
+    contiguous (`query` and `out` [num_tokens, Hq, D], caches [num_blocks, block_size, Hkv, D]).
+    `window`, `softcap`: the layer's sliding window and attention logit soft-cap (None: off)."""
     num_q_heads, head_dim = query.shape[1:]
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     rc = fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(),
-            num_q_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads())
+            num_q_heads, num_kv_heads, head_dim, block_size, window or 0, scale, softcap or 0.0, out.data_ptr(),
+            torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU attention kernel: no memory for its scores")

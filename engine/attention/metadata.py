@@ -30,6 +30,14 @@ class AttentionMetadata:
     0..that position, all read from the paged cache through
     `block_tables[b]` (so `store_kv` must run before `attention`).
 
+    Two options of a layer narrow or widen that (the backend's `attention`
+    takes them as arguments, and every backend applies them the same way):
+    a sliding window W hides keys at or before `position - W` (query i sees
+    keys j with i - W < j <= its last key); bidirectional ranges (below) let
+    the tokens of one range see each other both ways, in every layer, the
+    window still applied (transformers' Gemma 3 masks: AND(window, OR(causal,
+    same image))).
+
     Fields:
       slot_mapping  [num_tokens] int64: cache slot of each new token's K/V;
                     a slot < 0 is padding and is not written.
@@ -40,6 +48,14 @@ class AttentionMetadata:
       max_seqlen_q  max query length of the batch (host int: grid sizes).
       max_seqlen_k  max of `seq_lens` (host int).
       is_decode_only  every sequence has exactly one query token.
+      bidirectional_ranges  per sequence, the [start, end) ranges of absolute
+                    positions whose tokens see each other both ways (an
+                    image's placeholder tokens, for a model that asks for it);
+                    empty: causal only.
+      query_key_ends  [num_tokens] int32, or None when no range widens a query
+                    of this step: the end (exclusive) of the keys each query
+                    row sees, its position + 1, or the end of the range that
+                    holds it. Derived from `bidirectional_ranges` by `build`.
       plans         a backend's own per-step work derived from the fields above
                     (e.g. how the torch backend groups the sequences), made by
                     the first layer that needs it and reused by the others;
@@ -53,6 +69,8 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_decode_only: bool
+    bidirectional_ranges: tuple[tuple[tuple[int, int], ...], ...] = ()
+    query_key_ends: torch.Tensor | None = None
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -62,13 +80,15 @@ class AttentionMetadata:
     @classmethod
     def build(cls, q_lens: Sequence[int], seq_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device | str = "cpu") -> AttentionMetadata:
+              device: torch.device | str = "cpu",
+              bidirectional_ranges: Sequence[Sequence[tuple[int, int]]] = ()) -> AttentionMetadata:
         """Builds the tensors from host lists (one entry per sequence).
 
         `block_tables[b]` lists the physical blocks of sequence b in order and
         must cover `seq_lens[b]` tokens; the new tokens' slots are derived
         from it. Padding tokens (slot -1) are the runner's business: append
         them to `slot_mapping` yourself if a fixed token count is needed.
+        `bidirectional_ranges[b]`: sequence b's ranges (sorted, disjoint; none: causal).
         """
         if not (len(q_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("q_lens, seq_lens and block_tables need one entry per sequence")
@@ -85,6 +105,10 @@ class AttentionMetadata:
         cu = [0]
         for q_len in q_lens:
             cu.append(cu[-1] + q_len)
+        ranges = tuple(tuple((int(a), int(z)) for a, z in r) for r in bidirectional_ranges)
+        if ranges and len(ranges) != len(q_lens):
+            raise ValueError("bidirectional_ranges needs one entry per sequence")
+        key_ends = _query_key_ends(q_lens, seq_lens, ranges)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
@@ -93,7 +117,32 @@ class AttentionMetadata:
             max_seqlen_q=max(q_lens, default=0),
             max_seqlen_k=max(seq_lens, default=0),
             is_decode_only=all(q == 1 for q in q_lens),
+            bidirectional_ranges=ranges if any(ranges) else (),
+            query_key_ends=None if key_ends is None else torch.tensor(key_ends, dtype=torch.int32, device=device),
         )
+
+
+def _query_key_ends(q_lens: Sequence[int], seq_lens: Sequence[int],
+                    ranges: tuple[tuple[tuple[int, int], ...], ...]) -> list[int] | None:
+    """Each query row's key end (see `AttentionMetadata.query_key_ends`); None when every one is
+    its position + 1 (no range widens a query of this step: the causal kernels serve it)."""
+    ends: list[int] = []
+    widened = False
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        first = seq_len - q_len
+        row_ends = list(range(first + 1, seq_len + 1))
+        for start, end in ranges[b] if ranges else ():
+            if not 0 <= start < end:
+                raise ValueError(f"bad bidirectional range [{start}, {end})")
+            if end > seq_len and start < seq_len:
+                raise ValueError(f"bidirectional range [{start}, {end}) runs past the context ({seq_len} tokens): "
+                                 "a chunk must take a range whole")
+            for pos in range(max(start, first), min(end, seq_len)):
+                if end > pos + 1:
+                    row_ends[pos - first] = end
+                    widened = True
+        ends += row_ends
+    return ends if widened else None
 
 
 def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -119,3 +168,11 @@ def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if meta.block_tables.shape[1] * k_cache.shape[1] < meta.max_seqlen_k:
         raise ValueError(f"block_tables width {meta.block_tables.shape[1]} x block_size {k_cache.shape[1]} "
                          f"< max_seqlen_k {meta.max_seqlen_k}")
+
+
+def check_options(window: int | None, softcap: float | None) -> None:
+    """A layer's attention options, as every backend takes them."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap!r}")

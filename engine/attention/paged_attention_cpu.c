@@ -15,7 +15,9 @@
  *   seq_lens       [num_seqs] int32: context length after this step
  *   cu_seqlens_q   [num_seqs + 1] int32: the sequence's query rows
  *   seq_ids        [num_work] int64: which sequences to attend
- * Query row j of a sequence with q_len rows and context L sees keys 0 .. L - q_len + j.
+ * Query row j of a sequence with q_len rows and context L sits at position p = L - q_len + j and sees
+ * keys 0 .. p, or with a sliding window W > 0 keys p - W + 1 .. p; with a soft-cap c > 0 its scores
+ * s become c * tanh(s / c) before the softmax.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,8 +27,8 @@
 typedef struct {
     const float *query, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens, *cu_seqlens_q;
-    int64_t table_width, num_q_heads, num_kv_heads, head_dim, block_size;
-    float scale;
+    int64_t table_width, num_q_heads, num_kv_heads, head_dim, block_size, window;
+    float scale, softcap;
     float *out;
 } Args;
 
@@ -59,6 +61,9 @@ static inline int attend(const Args *a, int64_t b, int64_t h0, int64_t h1, const
     const int64_t per_head = q_len * G, heads = h1 - h0, rows = heads * per_head;
     const int64_t stride = Hkv * D; /* floats from one token's keys to the next token's in a block */
     const int32_t *table = a->block_tables + b * a->table_width;
+    /* the first key any row sees (row 0's window), from the start of its block */
+    const int64_t first_key = a->window > 0 && L - q_len - a->window + 1 > 0 ? L - q_len - a->window + 1 : 0;
+    const int64_t first_block = first_key / bs * bs;
     /* rows score vectors of L, then rows accumulators of D, then rows sums */
     float *s = scratch_for(rows * L + rows * D + rows);
     if (s == NULL) return -1;
@@ -69,7 +74,7 @@ static inline int attend(const Args *a, int64_t b, int64_t h0, int64_t h1, const
             for (int64_t g = 0; g < G; g++)
                 q[(hh * q_len + j) * G + g] = a->query + ((q_start + j) * a->num_q_heads + (h0 + hh) * G + g) * D;
     /* scores, four keys at a time: four independent sums per query row hide the FMA latency */
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    for (int64_t t0 = first_block; t0 < L; t0 += bs) {
         const float *kb = a->k_cache + (int64_t)table[t0 / bs] * bs * stride + h0 * D;
         const int64_t n = L - t0 < bs ? L - t0 : bs;
         const float *next_k = t0 + bs < L ? a->k_cache + (int64_t)table[t0 / bs + 1] * bs * stride + h0 * D : NULL;
@@ -111,17 +116,22 @@ static inline int attend(const Args *a, int64_t b, int64_t h0, int64_t h1, const
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t visible = L - q_len + (r % per_head) / G + 1;
-        float *sr = s + r * L, m = sr[0], sum = 0.f;
-        for (int64_t t = 1; t < visible; t++) m = sr[t] > m ? sr[t] : m;
-        for (int64_t t = 0; t < visible; t++) {
+        const int64_t lo = a->window > 0 && visible - a->window > 0 ? visible - a->window : 0;
+        float *sr = s + r * L, sum = 0.f;
+        if (a->softcap > 0.f)
+            for (int64_t t = lo; t < visible; t++) sr[t] = a->softcap * tanhf(sr[t] / a->softcap);
+        float m = sr[lo];
+        for (int64_t t = lo + 1; t < visible; t++) m = sr[t] > m ? sr[t] : m;
+        for (int64_t t = lo; t < visible; t++) {
             sr[t] = expf(sr[t] - m);
             sum += sr[t];
         }
+        for (int64_t t = first_block; t < lo; t++) sr[t] = 0.f;
         for (int64_t t = visible; t < L; t++) sr[t] = 0.f;
         sums[r] = sum;
     }
     memset(acc, 0, (size_t)(rows * D) * sizeof(float));
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    for (int64_t t0 = first_block; t0 < L; t0 += bs) {
         const float *vb = a->v_cache + (int64_t)table[t0 / bs] * bs * stride + h0 * D;
         const int64_t n = L - t0 < bs ? L - t0 : bs;
         const float *next_v = t0 + bs < L ? a->v_cache + (int64_t)table[t0 / bs + 1] * bs * stride + h0 * D : NULL;
@@ -157,9 +167,9 @@ int epd_paged_decode_attention(const float *query, const float *k_cache, const f
                                const int32_t *block_tables, int64_t table_width, const int32_t *seq_lens,
                                const int32_t *cu_seqlens_q, const int64_t *seq_ids, int64_t num_work,
                                int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, float *out, int num_threads) {
+                               int64_t window, float scale, float softcap, float *out, int num_threads) {
     const Args a = {query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, table_width,
-                    num_q_heads, num_kv_heads, head_dim, block_size, scale, out};
+                    num_q_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, out};
     int (*fn)(const Args *, int64_t, int64_t, int64_t) =
         head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
     /* a work item is a whole sequence (its blocks read once, in order) when there are enough

@@ -64,11 +64,14 @@ def decode_query_lens(num_groups: int) -> list[int]:
 
 
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal paged attention over a mixed batch; see `AttentionMetadata`.
+              meta: AttentionMetadata, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """Causal paged attention over a mixed batch; see `AttentionMetadata` (a step with
+    bidirectional ranges runs the prefill kernel); `window`, `softcap`: the layer's options.
 
     query [num_tokens, num_q_heads, head_dim] -> out of the same shape/dtype.
     """
-    if meta.is_decode_only or uses_decode_kernel(meta.max_seqlen_q, query.shape[1] // k_cache.shape[2]):
-        return paged_decode_attention(query, k_cache, v_cache, meta, scale)
-    return paged_prefill_attention(query, k_cache, v_cache, meta, scale)
+    if meta.query_key_ends is None and (
+            meta.is_decode_only or uses_decode_kernel(meta.max_seqlen_q, query.shape[1] // k_cache.shape[2])):
+        return paged_decode_attention(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
+    return paged_prefill_attention(query, k_cache, v_cache, meta, scale, window=window, softcap=softcap)

@@ -6,7 +6,11 @@ group) for each of the sequence's query tokens (one for a decode; the last
 token and its draft when speculative decoding verifies one, causal among
 them: rows (token j, group g), token j sees keys up to seq_len - q_len + j),
 and streams its share of the sequence's keys (1/num_splits of them) from
-the paged cache with an online softmax in float32. With one split it
+the paged cache with an online softmax in float32; with a sliding window
+the splits share only the keys the window shows (from the first row's
+first visible key), and a soft-cap squashes scores before the mask, both
+runtime arguments as in triton_prefill.py. Bidirectional ranges are the
+prefill kernel's. With one split it
 writes the output directly; otherwise it writes an unnormalised partial
 (acc, running max, running sum) and a second kernel merges the splits.
 Decode is memory bound: splits keep the GPU busy when
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
-from epd.engine.attention.triton_prefill import check_kernel_layout, load_kv_tile
+from epd.engine.attention.triton_prefill import check_kernel_layout, kernel_options, load_kv_tile, soft_cap
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -34,11 +38,13 @@ MIN_KEYS_PER_SPLIT = 128
 
 
 # the block tables' width changes step to step: one compiled variant for every width
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "softcap_log2"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,  # [num_tokens, Hq, NUM_SPLITS, D] / [num_tokens, Hq, NUM_SPLITS]
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    window,  # the layer's sliding window (NO_WINDOW: global)
+    softcap_log2,  # the layer's soft-cap in base 2 (0: none)
     scale_log2,  # softmax scale * log2(e): scores live in base 2
     stride_qt, stride_qh,  # query [num_tokens, Hq, D]
     stride_ot, stride_oh,  # out [num_tokens, Hq, D]
@@ -61,8 +67,9 @@ def _decode_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first_key = tl.maximum(seq_len - q_len - window + 1, 0)  # the first row's first visible key
+    split_len = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first_key + split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: empty split (short sequence)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -90,7 +97,11 @@ def _decode_kernel(
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                             BLOCK_SIZE, UPCAST)  # [N, D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [R, N]
-        s = tl.where(mask_n[None, :] & (offs_n[None, :] <= last_key[:, None]), s, float("-inf"))
+        if softcap_log2 > 0:
+            s = soft_cap(s, softcap_log2)
+        visible = mask_n[None, :] & (offs_n[None, :] <= last_key[:, None]) \
+            & (offs_n[None, :] > last_key[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: p = 0, no NaN
         alpha = tl.exp2(m_i - m_safe)
@@ -127,16 +138,18 @@ def _merge_splits_kernel(
     m = tl.load(part_max_ptr + part)  # [S], -inf for empty splits
     l = tl.load(part_sum_ptr + part)  # [S]
     acc = tl.load(part_acc_ptr + part[:, None] * head_dim + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-    m_all = tl.max(m, axis=0)  # finite: split 0 always holds key 0
+    m_all = tl.max(m, axis=0)  # finite: some split holds the row's own key
     w = tl.exp2(m - m_all)  # [S]
     o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)  # [D]
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, num_splits: int | None = None,
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Paged attention for a batch of decodes: every sequence has at most
-    MAX_QUERY_LEN query tokens (1, or a draft's verification).
+    MAX_QUERY_LEN query tokens (1, or a draft's verification), none in a
+    bidirectional range; the layer's `window` and `softcap` as the torch backend's.
 
     query [num_tokens, num_q_heads, head_dim] -> out, same shape and dtype.
     `num_splits` (a power of two) overrides the split-K heuristic; pass a
@@ -147,6 +160,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if meta.max_seqlen_q > MAX_QUERY_LEN:
         raise ValueError(f"paged_decode_attention takes at most {MAX_QUERY_LEN} query tokens a sequence, "
                          f"got {meta.max_seqlen_q}")
+    if meta.query_key_ends is not None:
+        raise ValueError("bidirectional ranges are the prefill kernel's (paged_prefill_attention)")
+    num_keys = meta.max_seqlen_k if window is None else min(meta.max_seqlen_k, window + meta.max_seqlen_q)
+    window, softcap_log2 = kernel_options(window, softcap)
     out = torch.empty_like(query)
     num_seqs = meta.num_seqs
     if num_seqs == 0:
@@ -155,7 +172,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_groups = num_q_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs * num_kv_heads, meta.max_seqlen_k, query.device)
+        num_splits = choose_num_splits(num_seqs * num_kv_heads, num_keys, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -172,6 +189,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query, k_cache, v_cache, out,
         part_acc, part_max, part_sum,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        window, softcap_log2,
         scale * LOG2E,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),

@@ -4,8 +4,13 @@ Grid: (query tiles, sequences, q heads). A program takes BLOCK_M query rows
 of one sequence and one q head, and streams that sequence's keys, cached
 prefix and new tokens alike, from the paged cache in BLOCK_N tiles with an
 online softmax in float32. Query row j of sequence b sits at absolute
-position seq_len - q_len + j and sees keys 0..that position. Any q_len works
-(decodes in a mixed batch included). Reference:
+position seq_len - q_len + j and sees keys 0..that position, or to the end
+of the bidirectional range holding it (`meta.query_key_ends`), and within a
+sliding window only keys after position - window (the loop starts at the
+tile's first visible key); a soft-cap squashes scores before the mask. The
+options are runtime arguments, not compile-time ones: no extra compiled
+variants, and a CUDA graph replays them as constants of the layer. Any
+q_len works (decodes in a mixed batch included). Reference:
 `engine.attention.torch_attention.attention`.
 """
 from __future__ import annotations
@@ -17,11 +22,24 @@ import torch
 import triton
 import triton.language as tl
 
-from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs
+from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs, check_options
 
 # The interpreter multiplies bf16 as raw uint16 in tl.dot: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.0 / math.log(2.0)
+NO_WINDOW = 1 << 30  # the window of a global layer: every key is inside it
+
+
+def kernel_options(window: int | None, softcap: float | None) -> tuple[int, float]:
+    """A layer's options as the kernels take them: (window, soft-cap in base 2, 0 for none)."""
+    check_options(window, softcap)
+    return (NO_WINDOW if window is None else window), (0.0 if softcap is None else softcap * LOG2E)
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1): exp's overflow gives +-1, no NaN."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
 
 
 @triton.jit
@@ -44,10 +62,14 @@ def load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d
 
 
 # the block tables' width changes step to step: one compiled variant for every width
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "has_key_ends", "window", "softcap_log2"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
+    key_ends_ptr,  # [num_tokens] int32: meta.query_key_ends, read when has_key_ends
+    has_key_ends,
+    window,  # the layer's sliding window (NO_WINDOW: global)
+    softcap_log2,  # the layer's soft-cap in base 2 (0: none)
     scale_log2,  # softmax scale * log2(e): scores live in base 2
     stride_qt, stride_qh,  # query [num_tokens, Hq, D]
     stride_ot, stride_oh,  # out [num_tokens, Hq, D]
@@ -84,42 +106,57 @@ def _prefill_kernel(
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [M, D]
     if UPCAST:
         q = q.to(tl.float32)
-    positions = prefix_len + offs_m  # [M] absolute positions; padded rows see every key: no empty row
+    positions = prefix_len + offs_m  # [M] absolute positions
+    last = positions  # [M] the last key each row sees (padded rows: as if causal)
+    kv_end = tl.minimum(seq_len, prefix_len + (pid_m + 1) * BLOCK_M)  # last tile row's causal limit
+    if has_key_ends:  # bidirectional ranges: a row in one sees to its end
+        last = tl.where(mask_m, tl.load(key_ends_ptr + rows, mask=mask_m, other=1) - 1, positions)
+        kv_end = tl.minimum(seq_len, tl.max(last, axis=0) + 1)
+    kv_start = tl.maximum(prefix_len + pid_m * BLOCK_M - window + 1, 0)  # the first row's first key
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kv_end = tl.minimum(seq_len, prefix_len + (pid_m + 1) * BLOCK_M)  # last tile row's causal limit
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, BLOCK_N):
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + offs_n0
         mask_n = offs_n < kv_end
         k, v = load_kv_tile(table, k_cache_ptr, v_cache_ptr, offs_n, mask_n, offs_d, mask_d, kv_head,
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                             BLOCK_SIZE, UPCAST)  # [N, D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
-        visible = (offs_n[None, :] <= positions[:, None]) & mask_n[None, :]
+        if softcap_log2 > 0:
+            s = soft_cap(s, softcap_log2)
+        visible = (offs_n[None, :] <= last[:, None]) & (offs_n[None, :] > positions[:, None] - window) \
+            & mask_n[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: p = 0, no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i = 0: a padded row, not stored
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal paged attention for any batch (prefill chunks, decodes, mixed).
+                            meta: AttentionMetadata, scale: float, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
+    """Causal paged attention for any batch (prefill chunks, decodes, mixed), with the
+    metadata's bidirectional ranges and the layer's `window` and `softcap` (as the torch backend).
 
     query [num_tokens, num_q_heads, head_dim] -> out, same shape and dtype.
     """
     check_attention_inputs(query, k_cache, v_cache, meta)
     check_kernel_layout(query, k_cache, v_cache, meta)
+    window, softcap_log2 = kernel_options(window, softcap)
+    key_ends = meta.query_key_ends
+    if key_ends is not None and (key_ends.dtype != torch.int32 or key_ends.device != query.device):
+        raise ValueError("meta.query_key_ends must be int32 on the query's device")
     out = torch.empty_like(query)
     num_seqs = meta.num_seqs
     if query.shape[0] == 0 or num_seqs == 0:
@@ -133,6 +170,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _prefill_kernel[grid](
         query, k_cache, v_cache, out,
         meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        meta.seq_lens if key_ends is None else key_ends, int(key_ends is not None), window, softcap_log2,
         scale * LOG2E,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),

@@ -1,8 +1,11 @@
 """The shared layers a language model is built from (engine/models/ holds the models).
 
     forward_batch.py  ForwardBatch: what one forward pass needs besides token ids
-    attention.py      paged attention: fused qkv, optional q/k norms or q/k/v biases, rotary, GQA
-    rotary.py         the rotary embedding for 1 or 3 position rows, apply_rotary, rotate_half
+    attention.py      paged attention: fused qkv, optional q/k norms or q/k/v biases, rotary, GQA,
+                      a sliding window and a logit soft-cap per layer
+    rotary.py         the rotary embedding for 1 or 3 position rows (or plain 1-D with its own base and
+                      "linear" scaling), apply_rotary, rotate_half
+    softcap.py        soft-capping (a final-logit cap in a model's compute_logits)
     norm.py           RMSNorm
     mlp.py            the dense SwiGLU MLP, and pack_cpu_linears for CPU float32
     moe.py            the sparse mixture-of-experts MLP, routed experts only

@@ -1,8 +1,9 @@
 """The paged attention layer: q, k and v from one fused projection, optional
 per-head RMSNorm on q and k (Qwen3) or q/k/v biases (Qwen2.5, GLM), rotary
 (on the whole head or its first `rotary_dim` dims, halves or adjacent pairs:
-layers/rotary.py), GQA. The KV cache is read and written through the backend
-in the `ForwardBatch` (engine/attention/)."""
+layers/rotary.py), GQA, and per layer an optional sliding window and attention
+logit soft-cap. The KV cache is read and written through the backend in the
+`ForwardBatch` (engine/attention/)."""
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,14 @@ from epd.transport.weights.cpu_linear import linear_add
 
 class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
-                 rms_norm_eps: float, bias: bool = False, qk_norm: bool = True, rotary_dim: int | None = None,
-                 rotary_pairs: bool = False):
-        """`rotary_dim`: the leading dims of each head that rotate (None: all); `rotary_pairs`: they
-        rotate as adjacent pairs (GLM-4.1V) rather than halves."""
+                 rms_norm_eps: float, bias: bool = False, qk_norm: bool = True,
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 rotary_dim: int | None = None, rotary_pairs: bool = False):
+        """`sliding_window`: this layer's window W (transformers' `sliding_window`: a query at
+        position i sees keys j > i - W), None: global; `softcap`: its attention logit soft-cap
+        (scores s -> softcap * tanh(s / softcap)), None: none; `rotary_dim`: the leading dims of
+        each head that rotate (None: all); `rotary_pairs`: they rotate as adjacent pairs (GLM-4.1V)
+        rather than halves."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -34,6 +39,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(head_dim, rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, rms_norm_eps)
         self.scale = head_dim ** -0.5
+        self.sliding_window, self.softcap = sliding_window, softcap
         self.rotary_dim = rotary_dim or head_dim
         self.rotate = apply_rotary_pairs if rotary_pairs else apply_rotary
 
@@ -52,7 +58,8 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [N, Hq, D], [N, Hkv, D]
         k_cache, v_cache = batch.kv_caches[self.layer_idx]
         batch.backend.store_kv(k, v, k_cache, v_cache, batch.attn_meta.slot_mapping)
-        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale)  # [N, Hq, D]
+        o = batch.backend.attention(q, k_cache, v_cache, batch.attn_meta, self.scale,
+                                    window=self.sliding_window, softcap=self.softcap)  # [N, Hq, D]
         if residual is None:
             return self.o_proj(o.reshape(n, self.q_size))
         return linear_add(self.o_proj, o.reshape(n, self.q_size), residual)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from epd.api.errors import error_body
 from epd.requests import Delta, RequestError
-from epd.api.tool_calls import ParsedDelta, ToolCallParser, ToolChoice
+from epd.api.tool_calls import DEFAULT_TOOL_PARSER, ParsedDelta, ToolCallParser, ToolChoice
 from epd.transport.wire.sampling import TokenLogprobs
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -161,11 +161,14 @@ class _Format:
 
 class ChatFormat(_Format):
     """`tool_choice` (auto, required, a named function) turns the text into tool calls
-    (epd/api/tool_calls.py), streamed as OpenAI's tool-call deltas."""
+    (epd/api/tool_calls.py; auto in the `tool_parser` format), streamed as OpenAI's tool-call deltas."""
 
-    def __init__(self, *args, tool_choice: ToolChoice | None = None, **kwargs):
+    def __init__(self, *args, tool_choice: ToolChoice | None = None, tools: list[dict] | None = None,
+                 tool_parser: str = DEFAULT_TOOL_PARSER, **kwargs):
         super().__init__(*args, **kwargs)
         self.tool_choice = tool_choice if tool_choice is not None and tool_choice.mode != "none" else None
+        self.tools = tools  # the request's (a format may read a value by its parameter's type)
+        self.tool_parser = tool_parser  # auto's format: --tool-call-parser
         self._parsers: dict[int, ToolCallParser] = {}  # streamed: one per choice
 
     def opening_chunks(self, index: int, first: Delta) -> list[dict]:
@@ -207,7 +210,9 @@ class ChatFormat(_Format):
         return self._chunk(index, {"content": text}, None, None)
 
     def _tool_delta_chunk(self, index: int, delta: Delta, logprobs: dict | None) -> dict | None:
-        parser = self._parsers.setdefault(index, ToolCallParser(self.tool_choice))
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._new_parser()
         parsed = parser.feed(delta.text)
         if delta.finish_reason is not None:
             end = parser.finish()
@@ -221,6 +226,9 @@ class ChatFormat(_Format):
             body["tool_calls"] = parsed.tool_calls
         return self._chunk(index, body, _finish_reason(parser, delta.finish_reason), logprobs, delta)
 
+    def _new_parser(self) -> ToolCallParser:
+        return ToolCallParser(self.tool_choice, self.tools, self.tool_parser)
+
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
         return {**self._envelope("chat.completion.chunk", []), "usage": usage(outputs, self.extras.n)}
 
@@ -231,7 +239,7 @@ class ChatFormat(_Format):
             message: dict = {"role": self.extras.role, "content": text}
             finish_reason = o.finish_reason
             if self.tool_choice is not None:  # the same parser as streaming, fed the whole text
-                parser = ToolCallParser(self.tool_choice)
+                parser = self._new_parser()
                 content = parser.feed(text).content + parser.finish().content
                 message["content"] = content or (None if parser.calls else "")
                 if parser.calls:

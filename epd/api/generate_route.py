@@ -139,7 +139,8 @@ class GenerateRoute:
             self._checked(request, "top_logprobs")
             extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
             return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
-                                         extras, tool_choice=request.tool_choice)
+                                         extras, tool_choice=request.tool_choice, tools=request.tools,
+                                         tool_parser=self.settings.tool_call_parser)
         request_id = internal_request_id(scope, "cmpl")
         check_max_tokens(body.max_tokens, "max_tokens", max_model_len)
         requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from epd.api.tool_calls import DEFAULT_TOOL_PARSER
 from epd.inputs.sampling_defaults import SamplingDefaults
 from epd.lora_modules import LoRAModule, LoRARegistry
 from epd.transport.wire.lora_request import LoRARequest
@@ -23,6 +24,7 @@ class ApiSettings:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     max_logprobs: int = 20  # --max-logprobs: logprobs / top_logprobs a request may ask (-1: the wire's 20)
     log_requests: bool = False  # --enable-log-requests: one log line per generation request
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser: tool_choice "auto"'s format (epd/api/tool_parsers/)
     # CORS (--allowed-origins ...): no origins, no CORS middleware
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)

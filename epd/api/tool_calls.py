@@ -1,26 +1,23 @@
 """Tool calls: `tools` / `tool_choice` checked and turned into a constraint, and the
 model's text turned into OpenAI `tool_calls`, streamed or whole.
 
-Qwen writes calls as hermes blocks (vLLM's `hermes` parser):
-
-    some text<tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
 `tool_choice`:
   none       the text is content, never parsed;
-  auto       hermes blocks become tool calls, the text before the first is content;
+  auto       the text is read in the server's `--tool-call-parser` format
+             (epd/api/tool_parsers/: hermes, pythonic, glm45; hermes when the flag
+             is not given): the text before the first call is content;
   required   the output is constrained to a JSON array of {"name", "parameters"}
              (one of the tools each, vLLM's form) and every item is a call;
   a name     the output is constrained to that function's parameters schema and
              is the call's arguments.
+`required` and a named function are the same JSON whatever the format.
 
-Cut short (`finish_reason` "length", or an unclosed block at the end), every
+Cut short (`finish_reason` "length", or an unclosed call at the end), every
 mode answers alike: a call whose name was generated is returned with the
 arguments text generated so far (not valid JSON then), and `finish_reason`
 stays "length" — what vLLM does for a named function; a call cut before its
-name is dropped (auto, as vLLM's hermes parser) or the text is content
-(required). See docs/decisions/tool-calls.md.
+name is dropped (auto) or the text is content (required). See
+docs/decisions/tool-calls.md.
 
 A `ToolCallParser` per choice turns text deltas into content deltas and call
 deltas; the whole answer is the same parser fed the whole text at once, so
@@ -34,10 +31,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from epd.api.tool_parsers import Found, ToolParser, tool_parser
+from epd.api.tool_parsers.base import arguments_json, begun_json_call
 from epd.requests import ToolChoice  # noqa: F401 (re-exported)
 
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
+DEFAULT_TOOL_PARSER = "hermes"  # auto's format when --tool-call-parser is not given
 
 
 class ToolError(ValueError):
@@ -109,9 +107,7 @@ def new_call_id() -> str:
 
 
 def _call(name: str, arguments: Any) -> dict:
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments_json(arguments)}}
 
 
 @dataclass
@@ -124,14 +120,16 @@ class ParsedDelta:
 
 
 class ToolCallParser:
-    """One choice's text -> content and tool calls, incrementally (`feed`, then `finish`)."""
+    """One choice's text -> content and tool calls, incrementally (`feed`, then `finish`).
+    `parser`: auto's format (a --tool-call-parser name); `tools`: the request's, for
+    formats that read a value by its parameter's type."""
 
-    def __init__(self, choice: ToolChoice):
+    def __init__(self, choice: ToolChoice, tools: list[dict] | None = None, parser: str = DEFAULT_TOOL_PARSER):
         self.choice = choice
-        self.buffer = ""  # text not yet turned into content or calls
-        self.in_calls = False  # auto: a <tool_call> was seen, later text is calls only
+        self.buffer = ""  # required: the JSON array, parsed at the end
         self.calls: list[dict] = []  # complete calls, OpenAI's non-streamed form
         self._named_id: str | None = None
+        self._auto: ToolParser | None = tool_parser(parser, tools) if choice.mode == "auto" else None
 
     def feed(self, text: str) -> ParsedDelta:
         mode = self.choice.mode
@@ -139,17 +137,17 @@ class ToolCallParser:
             return ParsedDelta(content=text)
         if mode == "named":
             return self._named(text)
-        self.buffer += text
         if mode == "required":
+            self.buffer += text
             return ParsedDelta()  # one JSON array: parsed at the end
-        return self._auto(final=False)
+        return self._found(self._auto.feed(text))
 
     def finish(self) -> ParsedDelta:
         mode = self.choice.mode
         if mode == "required":
             return self._required()
         if mode == "auto":
-            return self._auto(final=True)
+            return self._found(self._auto.finish())
         if mode == "named" and self._named_id is None:
             return self._named("")
         return ParsedDelta()
@@ -178,43 +176,8 @@ class ToolCallParser:
                 return ParsedDelta(content=text)  # not even a name: the text as content
         return self._add(calls)
 
-    def _auto(self, final: bool) -> ParsedDelta:
-        out = ParsedDelta()
-        while True:
-            if not self.in_calls:
-                start = self.buffer.find(TOOL_CALL_START)
-                if start < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, TOOL_CALL_START)
-                    out.content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    return out
-                out.content += self.buffer[:start]
-                self.buffer = self.buffer[start:]
-                self.in_calls = True
-            start = self.buffer.find(TOOL_CALL_START)
-            if start < 0:  # text between or after calls: dropped, as vLLM's hermes parser does
-                self.buffer = "" if final else self.buffer[len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALL_START):]
-                return out
-            end = self.buffer.find(TOOL_CALL_END, start)
-            if end < 0:
-                if final:  # an unclosed last block (cut by max_tokens or EOS): the call as far as it got
-                    block, self.buffer = self.buffer[start + len(TOOL_CALL_START):], ""
-                    out.tool_calls += self._block(block, cut=True).tool_calls
-                return out
-            block = self.buffer[start + len(TOOL_CALL_START):end]
-            self.buffer = self.buffer[end + len(TOOL_CALL_END):]
-            out.tool_calls += self._block(block).tool_calls
-
-    def _block(self, block: str, cut: bool = False) -> ParsedDelta:
-        try:
-            obj = json.loads(block)
-            name, arguments = obj["name"], obj.get("arguments", obj.get("parameters", {}))
-            if not isinstance(name, str):
-                raise TypeError
-        except (ValueError, TypeError, KeyError, AttributeError):
-            begun = _begun_call(block, 0, "arguments") if cut else None
-            return self._add([begun]) if begun else ParsedDelta()  # not a call: dropped (as vLLM's parser)
-        return self._add([_call(name, arguments)])
+    def _found(self, found: Found) -> ParsedDelta:
+        return ParsedDelta(content=found.content, tool_calls=self._add([_call(*c) for c in found.calls]).tool_calls)
 
     def _add(self, calls: list[dict]) -> ParsedDelta:
         deltas = []
@@ -240,23 +203,5 @@ def _begun_calls(text: str) -> list[dict]:
             item, pos = decoder.raw_decode(text, pos)
             calls.append(_call(item["name"], item["parameters"]))
         except (ValueError, TypeError, KeyError):
-            begun = _begun_call(text, pos, "parameters")
-            return calls + ([begun] if begun else [])
-
-
-def _begun_call(text: str, pos: int, arguments_key: str) -> dict | None:
-    """A call object cut short at `pos`: `{"name": "...", "<arguments_key>": ` and what followed it,
-    as the call's (incomplete) arguments; None when the name itself was cut."""
-    head = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + arguments_key + r'"\s*:\s*')
-    match = head.match(text, pos)
-    if match is None:
-        return None
-    return _call(json.loads(match.group(1)), text[match.end():].rstrip())
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that begins `marker` (held back: it may grow into it)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
+            begun = begun_json_call(text, pos, "parameters")
+            return calls + ([_call(*begun)] if begun else [])

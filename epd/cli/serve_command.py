@@ -86,10 +86,12 @@ def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
                    help="most logprobs (completions) or top_logprobs (chat) a request may ask; more is a 400; "
                         "-1: no cap below the 20 EPD returns at most")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted (needs --tool-call-parser hermes): EPD always serves tool_choice \"auto\"")
+                   help="accepted (needs --tool-call-parser, as in vLLM): EPD always serves tool_choice \"auto\"")
     p.add_argument("--tool-call-parser", default=None, metavar="|".join(TOOL_CALL_PARSERS),
-                   help="how tool calls are read from the model's text: hermes <tool_call> blocks "
-                        "(Qwen's format), the only one EPD has")
+                   help="how tool_choice \"auto\" reads tool calls from the model's text (vLLM's names): "
+                        "hermes <tool_call> JSON blocks (Qwen; the default), pythonic [f(x=1)] lists "
+                        "(Llama 3.2, Gemma 3), glm45 <tool_call> blocks of <arg_key>/<arg_value> tags "
+                        "(GLM-4.1V, GLM-4.5V)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted and logged: EPD never runs code from a checkpoint")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -331,7 +333,7 @@ def accepted_flag_notes(config: ServeConfig) -> list[str]:
                      "(its own model code and transformers' config, tokenizer and image processor)")
     if config.enable_auto_tool_choice:
         notes.append(f"--enable-auto-tool-choice --tool-call-parser {config.tool_call_parser}: tool_choice "
-                     "\"auto\" is always served, parsing hermes <tool_call> blocks")
+                     "\"auto\" is always served, reading the model's calls in that format")
     if config.enable_chunked_prefill:
         notes.append("--enable-chunked-prefill: accepted; EPD always prefills in chunks of at most "
                      f"--max-num-batched-tokens ({config.engine.scheduler.max_num_batched_tokens}) a step")

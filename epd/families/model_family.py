@@ -39,6 +39,9 @@ class ModelFamily:
     # `geometry`, patches(width, height), preprocess(images) -> (input, metas), forward(input, metas) -> [MMEntry]
     vision: str
     positions: Callable[[object], object]  # hf config -> its PositionRule (engine/models/positions.py)
+    # vLLM's --tool-call-parser name of its chat template's tool calls (epd/api/tool_parsers/); None: not known.
+    # Named in the error when --enable-auto-tool-choice comes without --tool-call-parser.
+    tool_call_parser: str | None = None
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)

@@ -123,7 +123,8 @@ class InputProcessor:
         for data in raw_images:
             try:
                 width, height = read_image_size(data, max_image_pixels)
-                t, h, w = self.files.geometry.grid_thw(width, height)  # refuses aspect ratios the processor refuses
+                patches = self.files.geometry.patches(width, height)  # refuses sizes the processor refuses
+                num_tokens = self.files.geometry.num_image_tokens(width, height)
             except (ImageError, ValueError) as exc:
                 raise RequestError(status=400, message=str(exc), param="messages") from None
             num_pixels += width * height
@@ -134,6 +135,6 @@ class InputProcessor:
             key = mm_hash(data, self.info.fingerprint, self.processor_config)
             if tower_digest is not None:
                 key = adapted_mm_hash(key, tower_digest)
-            images.append(MediaItem(key, data, t * h * w))
+            images.append(MediaItem(key, data, patches, num_tokens))
             refs.append(ImageRef(width, height, key))
         return images, refs

@@ -19,7 +19,8 @@ class MediaItem:
 
     key: str  # at the API (cache lookup, router): an image's or video's mm_hash, a chunk's first entry's
     data: bytes  # the raw bytes, never pixels
-    num_patches: int  # the encoder's work (its router's cost): t x h x w, a video's over its temporal groups
+    num_patches: int  # the encoder's work (its router's cost): an image's patches, a video's over its groups
+    num_tokens: int  # its embeddings' rows in the prompt: what a cache hit saves the prefill
     video: VideoPlan | None = None  # a video's or chunk's plan: the frames to decode and their size (None: an image)
     entry_keys: tuple[str, ...] = ()  # a video's or chunk's: the keys of the entries it writes, in prompt order
     video_hash: str | None = None  # a chunk's: its video's mm_hash, which its EncodeRequest carries

@@ -256,12 +256,11 @@ class PromptBuilder:
     def _image_span(self, offset: int, length: int, img: ImageRef | None) -> MMSpan:
         if img is None:
             raise ValueError("the prompt holds more image placeholders than images")
-        grid = self.geometry.grid_thw(img.width, img.height)
-        t, h, w = grid
-        expected = t * h * w // self.geometry.merge_size ** 2
+        expected = self.geometry.num_image_tokens(img.width, img.height)
         if length != expected:
             raise ValueError(f"image placeholder run of {length} tokens, expected {expected}")
-        return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash, meta=span_meta(grid))
+        return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash,
+                      meta=self.geometry.span_meta(img.width, img.height))
 
 
 def span_meta(grid_thw: tuple[int, int, int], second_per_grid_t: float = 0.0, first_group: int = 0) -> dict:

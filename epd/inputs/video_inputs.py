@@ -81,7 +81,7 @@ class PlannedVideo:
 
     def items(self, data: bytes) -> list[MediaItem]:
         """Its EncodeRequests' items: the whole video, or each chunk (--video-chunk-frames)."""
-        return [MediaItem(piece.key, data, piece.num_patches, piece.plan, tuple(self.piece_entries(piece)),
+        return [MediaItem(piece.key, data, piece.num_patches, piece.plan.num_tokens, piece.plan, tuple(self.piece_entries(piece)),
                           None if piece.key == self.mm_hash else self.mm_hash) for piece in self.pieces()]
 
 

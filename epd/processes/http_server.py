@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from epd.api.settings import ApiSettings
+from epd.api.tool_calls import DEFAULT_TOOL_PARSER
 from epd.config import ServeConfig
 from epd.inputs.sampling_defaults import SamplingDefaults
 
@@ -21,6 +22,7 @@ def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None
                        metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name,
                        sampling_defaults=sampling_defaults or SamplingDefaults(),
                        max_logprobs=config.max_logprobs, log_requests=config.enable_log_requests,
+                       tool_call_parser=config.tool_call_parser or DEFAULT_TOOL_PARSER,
                        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
                        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
                        lora_modules=config.lora_modules,

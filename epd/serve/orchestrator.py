@@ -87,7 +87,7 @@ class Orchestrator:
         self.attempts: dict[str, Attempt] = {}  # attempt id -> the try its TokenOutputs go to
         self.preparer = Preparer(config, self.info, self.files, self.max_model_len, self.metrics)
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,
-                                   self.info.spatial_merge_size, api_index)
+                                   api_index)
         self.encoder_router = self.placement.encoder_router  # told of every encoder's Ready
         self.collector = Collector(self.registry, self.attempts, self.encoder_router, self.placement.open_cache)
         # the supervisor's and the encoder pool's word that a worker exited or was removed

@@ -57,16 +57,15 @@ class Placement:
     """Routers, the embedding cache lookup and the sends that start an attempt."""
 
     def __init__(self, config: ServeConfig, info: ModelInfo, registry: WorkerRegistry, metrics: WorkerMetrics,
-                 attempts: dict[str, Attempt], mm_cache_dir: str, merge_size: int, api_index: int = 0):
+                 attempts: dict[str, Attempt], mm_cache_dir: str, api_index: int = 0):
         """`attempts`: the orchestrator's tries in flight (read for the prompts each
-        worker is prefilling). `merge_size`: the vision merge (patches per image token)."""
+        worker is prefilling)."""
         self.config = config
         self.info = info
         self.registry = registry
         self.metrics = metrics
         self.attempts = attempts
         self.mm_cache_dir = mm_cache_dir
-        self.merge_size = merge_size
         self.api_index = api_index
         self.host = socket.gethostname()
         self.prefill_router = make_router(config.router)
@@ -156,7 +155,7 @@ class Placement:
             if self._cache_reaches(prefill) and all(self.cache.contains(k) for k in item.entries):
                 if count:  # the prefill worker reads it: no encoder work
                     self.metrics.mm_cache_hits += 1
-                    self.metrics.mm_cache_hit_tokens += item.num_patches // self.merge_size ** 2
+                    self.metrics.mm_cache_hit_tokens += item.num_tokens
             else:
                 misses.append(item)
         return misses

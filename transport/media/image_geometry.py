@@ -100,3 +100,12 @@ class ImageGeometry:
         """Placeholder tokens the image takes in the prompt (merged patches)."""
         t, h, w = self.grid_thw(width, height)
         return t * h * w // self.merge_size ** 2
+
+    def patches(self, width: int, height: int) -> int:
+        """The tower's patches (t x h x w)."""
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w
+
+    def span_meta(self, width: int, height: int) -> dict:
+        """{"grid_thw": (t, h, w)}: what M-RoPE places the image's tokens by."""
+        return {"grid_thw": self.grid_thw(width, height)}

@@ -23,16 +23,19 @@ from epd.transport.media.video_geometry import VideoPlan
 
 
 class ItemGeometry(Protocol):
-    """An image's placeholder count from its width and height alone (no pixels decoded)."""
-
-    merge_size: int  # patches a side per placeholder token: the grid -> tokens rule of today's spans
-
-    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
-        """The image's vision grid in patches (t, h, w); ValueError for a size the processor refuses."""
-        ...
+    """What an image's width and height alone give (no pixels decoded), exactly as the
+    family's processor; each call raises ValueError for a size the processor refuses."""
 
     def num_image_tokens(self, width: int, height: int) -> int:
         """The placeholder tokens the image takes in the prompt."""
+        ...
+
+    def patches(self, width: int, height: int) -> int:
+        """The image's work for the tower (its patches): what encoder batches and routing count."""
+        ...
+
+    def span_meta(self, width: int, height: int) -> dict:
+        """The family's metadata of the image's span (MMSpan.meta: what its position rule reads)."""
         ...
 
 

@@ -62,8 +62,7 @@ class QwenVision:
 
     def patches(self, width: int, height: int) -> int:
         """The image's tower patches (ValueError for a size the processor refuses)."""
-        t, h, w = self.geometry.grid_thw(width, height)
-        return t * h * w
+        return self.geometry.patches(width, height)
 
     def preprocess(self, images: list) -> tuple[torch.Tensor, list[dict]]:
         pixel_values, grids = self.preprocessor(images)

@@ -296,8 +296,9 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
     (["--limit-mm-per-prompt", '{"audio": 1}'], "EPD serves image, video, not audio"),
     (["--limit-mm-per-prompt", '{"image": -1}'], "image must be a count"),
     (["--limit-mm-per-prompt", "images=2"], None),
-    (["--tool-call-parser", "mistral"], "hermes <tool_call> blocks only"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--tool-call-parser", "mistral"], "with the parsers hermes, pythonic, glm45"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser (as in vLLM): "
+                                    "--tool-call-parser hermes for Qwen3-VL"),  # the family's parser
     (["--no-enable-chunked-prefill"], "EPD always prefills in chunks"),
     (["--max-logprobs", "21"], "--max-logprobs must be in 0..20"),
     (["--mm-processor-kwargs", '{"size_divisor": 2}'],
@@ -417,3 +418,9 @@ def test_max_request_worker_deaths_bounds_a_poison_request(tiny_model):
         .limits.max_request_worker_deaths == 3
     with pytest.raises(ValueError, match="--max-request-worker-deaths must be at least 1, got 0"):
         serve_config(parse(["serve", tiny_model, "--max-request-worker-deaths", "0"]))
+
+
+def test_auto_tool_choice_without_a_parser_lists_them_when_the_family_names_none(tmp_path):
+    """The family's parser is suggested (above); a directory of no known family gets the list."""
+    with pytest.raises(ValueError, match=re.escape("--tool-call-parser one of hermes, pythonic, glm45")):
+        ServeConfig(model=str(tmp_path), enable_auto_tool_choice=True)

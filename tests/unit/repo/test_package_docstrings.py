@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-CHECKED = ("epd", "epd/api", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
+CHECKED = ("epd", "epd/api", "epd/api/tool_parsers", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
            "epd/families", "epd/families/qwen_vl", "epd/families/glm4v",
            "engine", "engine/spec", "engine/lora", "engine/models", "engine/layers", "engine/attention",
            "engine/worker",

@@ -28,7 +28,7 @@ def tokenizer(tiny_model):
 
 
 def _stream(tokenizer, images: dict | None = None) -> tuple[AttemptStream, WorkerMetrics, list[int]]:
-    prep = Prepared(list(PROMPT), [], [MediaItem(key, data, 0) for key, data in (images or {}).items()], max_tokens=16)
+    prep = Prepared(list(PROMPT), [], [MediaItem(key, data, 0, 0) for key, data in (images or {}).items()], max_tokens=16)
     metrics, released = WorkerMetrics(WorkerRegistry()), []
     stream = AttemptStream(tokenizer, prep, SamplingParams(max_tokens=16), metrics, timeout_s=5.0,
                            release_images=lambda: released.append(1))
