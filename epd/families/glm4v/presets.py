@@ -153,7 +153,7 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
         # transformers inits biases to 0 and norms to 1: drawn here, so a misplaced one changes the logits
         for name, param in model.model.language_model.named_parameters():
             if name.endswith("bias"):
-                param.normal_(0.0, 0.5)
+                param.normal_(0.0, 0.05)
             elif name.endswith("layernorm.weight"):
                 param.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):  # decisive routing: router logit std ~ ROUTER_LOGIT_STD

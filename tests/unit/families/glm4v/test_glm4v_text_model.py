@@ -7,45 +7,27 @@ image and video placeholders carry injected embeddings at 3-D positions, in
 one prefill and in several chunks."""
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 
 import pytest
 import torch
+from testkit.family_checkpoints import family_checkpoint
 
 from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.families.glm4v.positions import Glm4vPositions
-from epd.families.glm4v.presets import PRESETS
-from epd.tools.make_model import make_model
 from epd.families.glm4v.text_loader import load_text_model
 from epd.transport.wire.mm_span import MMSpan
 
-VARIANTS = {
-    # head_dim 80 / 5 = 16: 8 rotary dims, sections of 1, 1 and 2 frequencies; 5 query heads over 1 KV
-    # head; a vocabulary padded beyond the tokenizer.
-    "glm4v": dataclasses.replace(PRESETS["glm4v-tiny"], hidden_size=80, num_heads=5, num_kv_heads=1,
-                                 intermediate_size=96, mrope_section=(1, 1, 2), vocab_size=1100),
-    # head_dim 24 (not 80 / 5), 12 rotary dims; two dense layers then two MoE layers of 12 experts in 3
-    # groups (2 of them open), 3 active, 2 shared; a tied head.
-    "glm4v_moe": dataclasses.replace(PRESETS["glm4v-moe-tiny"], hidden_size=80, num_layers=4, num_heads=5,
-                                     num_kv_heads=1, head_dim=24, mrope_section=(2, 2, 2), vocab_size=1100,
-                                     first_k_dense_replace=2, num_experts=12, num_experts_per_tok=3,
-                                     num_expert_groups=3, topk_expert_groups=2, num_shared_experts=2,
-                                     moe_intermediate_size=24, tie_word_embeddings=True),
-}
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def family(request) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def checkpoint(family, tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp(family), VARIANTS[family], seed=5))
+@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
+def checkpoint(request) -> str:
+    """GLM-4.1V: 5 query heads over 1 KV head, 8 rotary dims; GLM-4.5V: head_dim 24 (not hidden / heads),
+    two dense then two MoE layers, grouped routing, shared experts, a tied head (testkit/family_checkpoints.py)."""
+    return family_checkpoint(request.param)
 
 
 @lru_cache(maxsize=2)
