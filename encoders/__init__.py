@@ -13,4 +13,5 @@ video_processor.py       decoded frames -> the tower's input
 tower_adapter.py         a LoRA adapter's tower weights, read and checked (torch-free)
 tower_lora.py            LoRA on the vision tower (--enable-tower-lora)
 tower_lora_layer.py      the tower's adapter step (one slot on every row) and its wrapping
+layers/                  pieces the towers share: segment attention, RMSNorm, the 2-D rotary
 """

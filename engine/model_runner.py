@@ -74,7 +74,7 @@ class ModelRunner:
         `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
         self.model = model
         self.positions = model.positions
-        self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model's; Qwen's: False
+        self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model says (default False: causal only)
         self.eagle3 = eagle3
         self.lora = lora  # --enable-lora: the adapters' slots (None: the base model only)
         self.images = images  # the engine's: embeddings of the images its requests use

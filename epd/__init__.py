@@ -9,6 +9,7 @@ processes/               the process plane: start, supervise, scale and stop the
 families/                the model families served: one package each, one registry
 inputs/                  request inputs: media fetching, prompts, the checkpoint's files
 cli/                     the `epd` command
+families/                the model families, one package each
 tools/                   `epd make-model` and the speculative heads' makers
 llm.py                   offline inference (`LLM`)
 requests.py              the types the HTTP edge and the orchestrator speak

@@ -35,7 +35,7 @@ class AttentionMetadata:
     a sliding window W hides keys at or before `position - W` (query i sees
     keys j with i - W < j <= its last key); bidirectional ranges (below) let
     the tokens of one range see each other both ways, in every layer, the
-    window still applied (transformers' Gemma 3 masks: AND(window, OR(causal,
+    window still applied (the mask is AND(window, OR(causal,
     same image))).
 
     Fields:

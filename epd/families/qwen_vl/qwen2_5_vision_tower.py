@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from epd.encoders.layers.vision_norm import RMSNorm
+from epd.encoders.layers.vision_rotary import merge_block_positions, rotary_cos_sin, rotary_inv_freq
 from epd.families.qwen_vl.vision_tower import VisionAttention, VisionOutput, VisionTowerShape, _activation
 
 
@@ -31,19 +33,6 @@ class Qwen2_5VisionConfig(VisionTowerShape):
     def from_hf(cls, vc) -> "Qwen2_5VisionConfig":
         return cls(**cls.fields_from_hf(vc), window_size=vc.window_size,
                    fullatt_block_indexes=tuple(vc.fullatt_block_indexes))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class GatedMLP(nn.Module):
@@ -85,14 +74,6 @@ class Merger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged_size))
 
 
-def block_order_rows_cols(t: int, h: int, w: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of every patch in the order the image processor emits
-    them: (block_row, block_col, in_row, in_col) for merge size m, each frame."""
-    rows = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-    cols = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-    return rows.permute(0, 2, 1, 3).reshape(-1).repeat(t), cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-
-
 def window_index(grid_thw: list[tuple[int, int, int]], spatial_merge_size: int,
                  merger_window: int) -> tuple[torch.Tensor, list[int]]:
     """(merged-token order window by window [num_merged], patches per window).
@@ -127,9 +108,7 @@ class Qwen2_5VisionTower(nn.Module):
 
     def reset_rotary(self, device) -> None:
         """The 2-D rotary table: float32 whatever the tower's dtype (not a weight)."""
-        half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
-        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/layers/rotary.py RotaryEmbedding
+        self.inv_freq = rotary_inv_freq(self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, device)
 
     def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -142,10 +121,8 @@ class Qwen2_5VisionTower(nn.Module):
         """pixel_values: [num_patches, C*t*p*p] for all images; grid_thw: one (t, h, w) per image."""
         c, device = self.cfg, pixel_values.device
         unit = c.spatial_merge_size ** 2
-        rows, cols = zip(*(block_order_rows_cols(t, h, w, c.spatial_merge_size, device) for t, h, w in grid_thw))
-        freqs = torch.cat([torch.cat(rows)[:, None].float() * self.inv_freq,
-                           torch.cat(cols)[:, None].float() * self.inv_freq], -1)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [num_patches, head_dim]
+        rows, cols = zip(*(merge_block_positions(t, h, w, c.spatial_merge_size, device) for t, h, w in grid_thw))
+        cos, sin = rotary_cos_sin(torch.cat(rows), torch.cat(cols), self.inv_freq)  # [num_patches, head_dim]
 
         order, window_lens = window_index(grid_thw, c.spatial_merge_size,
                                           c.window_size // c.spatial_merge_size // c.patch_size)
@@ -155,7 +132,7 @@ class Qwen2_5VisionTower(nn.Module):
             return x.view(-1, unit, x.shape[-1])[order].view(-1, x.shape[-1])
 
         x = by_window(self._embed(pixel_values))  # [num_patches, hidden], window order
-        cos, sin = by_window(emb.cos()), by_window(emb.sin())
+        cos, sin = by_window(cos), by_window(sin)
         image_lens = [t * h * w for t, h, w in grid_thw]
         # full attention is within one temporal group (a video's frames pair), as transformers'
         # cu_seqlens; windows never cross groups

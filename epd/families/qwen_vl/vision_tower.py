@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.encoders.layers.segment_attention import segment_attention
+from epd.encoders.layers.vision_rotary import apply_rotary, merge_block_positions, rotary_cos_sin, rotary_inv_freq
 from epd.transport.weights.checkpoint import unfilled_embedding
 
 
@@ -84,43 +86,6 @@ def _activation(name: str):
     raise ValueError(f"unsupported vision activation {name!r}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _equal_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
-    """Consecutive equal lengths as (length, count): [64, 64, 64, 40] -> [(64, 3), (40, 1)]."""
-    runs: list[tuple[int, int]] = []
-    for n in seq_lens:
-        if runs and runs[-1][0] == n:
-            runs[-1] = (n, runs[-1][1] + 1)
-        else:
-            runs.append((n, 1))
-    return runs
-
-
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-    """Non-causal attention within each segment (an image, a video's temporal
-    group, a window): q, k, v [n, H, D] with n = sum(seq_lens) -> [n, H, D].
-
-    Each run of equal-length segments is one batched call on 4-D [B, H, len, D]
-    views: torch's flash kernels (the CPU one; flash or memory-efficient on CUDA)
-    need 4-D inputs and hold O(len) per head, where a 3-D call falls back to the
-    math path and materialises the H x len x len scores, twice (one 24,128-patch
-    group, 16 heads: 18.6 GB per copy in bfloat16).
-    """
-    heads, dim = q.shape[1:]
-    outs = []
-    runs = _equal_runs(seq_lens)
-    splits = [n * count for n, count in runs]
-    for (n, count), qi, ki, vi in zip(runs, q.split(splits), k.split(splits), v.split(splits)):
-        qi, ki, vi = (x.view(count, n, heads, dim).transpose(1, 2) for x in (qi, ki, vi))  # [B, H, len, D]
-        o = F.scaled_dot_product_attention(qi, ki, vi)
-        outs.append(o.transpose(1, 2).reshape(n * count, heads, dim))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -147,10 +112,7 @@ class VisionAttention(nn.Module):
                 seq_lens: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [n, H, D] each
-        dtype = q.dtype
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.proj(segment_attention(q, k, v, seq_lens).reshape(n, -1))
 
 
@@ -217,21 +179,9 @@ class VisionTower(nn.Module):
     def reset_rotary(self, device) -> None:
         """The 2-D rotary table: a plain float32 tensor (not a weight, so it keeps
         float32 whatever the tower's dtype)."""
-        half = (self.cfg.hidden_size // self.cfg.num_heads) // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half))
-        self.inv_freq = inv_freq.to(device)  # computed on the CPU: see engine/layers/rotary.py RotaryEmbedding
+        self.inv_freq = rotary_inv_freq(self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, device)
 
     # -- per-patch geometry, in spatial-merge-block order ----------------------
-
-    def _block_order_rows_cols(self, t: int, h: int, w: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row and column of every patch in the order the image processor emits
-        them: (block_row, block_col, in_row, in_col), repeated for each frame."""
-        m = self.cfg.spatial_merge_size
-        rows = torch.arange(h, device=device).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-        cols = torch.arange(w, device=device).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-        rows = rows.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        cols = cols.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        return rows, cols
 
     def _interpolated_pos_embed(self, rows, cols, h: int, w: int) -> torch.Tensor:
         """Bilinear (align_corners=True) resampling of the square learned table
@@ -252,25 +202,20 @@ class VisionTower(nn.Module):
                 out = out + weight[r_idx * side + c_idx] * (r_w * c_w)[:, None].to(weight.dtype)
         return out
 
-    def _rotary(self, rows, cols) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.cat([rows[:, None].float() * self.inv_freq, cols[:, None].float() * self.inv_freq], -1)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [num_patches, head_dim]
-        return emb.cos(), emb.sin()
-
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionOutput:
         """pixel_values: [num_patches, C*t*p*p] for all images; grid_thw: one (t, h, w) per image."""
         device = pixel_values.device
         rows, cols, pos = [], [], []
         for t, h, w in grid_thw:
-            r, c = self._block_order_rows_cols(t, h, w, device)
+            r, c = merge_block_positions(t, h, w, self.cfg.spatial_merge_size, device)
             rows.append(r)
             cols.append(c)
             pos.append(self._interpolated_pos_embed(r, c, h, w))
         rows_all, cols_all = torch.cat(rows), torch.cat(cols)
         x = self.patch_embed(pixel_values)  # [num_patches, hidden]
         x = x + torch.cat(pos).to(x.dtype)
-        cos, sin = self._rotary(rows_all, cols_all)
+        cos, sin = rotary_cos_sin(rows_all, cols_all, self.inv_freq)
         seq_lens = [t * h * w for t, h, w in grid_thw]
         # attention is within one temporal group (a video's frames pair), as transformers' cu_seqlens
         frame_lens = [h * w for t, h, w in grid_thw for _ in range(t)]

@@ -9,12 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from epd.families.registry import FAMILIES
+from epd.families.glm4v.prompt_format import BEGIN_IMAGE, END_IMAGE, GLM4V_FORMAT
 from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT, VISION_END, VISION_START
 
 ROOT = Path(__file__).resolve().parents[3]
 GENERIC_DIRS = ("epd/inputs", "epd/serve")
 QWEN_STRINGS = (QWEN_VL_FORMAT.image_placeholder, *QWEN_VL_FORMAT.video_placeholders, QWEN_VL_FORMAT.image_token,
                 QWEN_VL_FORMAT.video_token, VISION_START, VISION_END)
+GLM4V_STRINGS = (GLM4V_FORMAT.image_placeholder, *GLM4V_FORMAT.video_placeholders, BEGIN_IMAGE, END_IMAGE)
 
 
 def _named(text: str) -> list[str]:
@@ -37,3 +39,11 @@ def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
 def test_the_qwen_families_register_the_qwen_format():
     assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_VL_FORMAT} == \
         {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}
+
+
+def test_generic_prompt_and_serving_code_names_no_glm4v_placeholder():
+    assert set(GLM4V_STRINGS) == {"<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>"}
+    files = [p for d in GENERIC_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    named = {str(p.relative_to(ROOT)): found for p in files
+             if (found := sorted({s for s in GLM4V_STRINGS if s in p.read_text()}))}
+    assert named == {}

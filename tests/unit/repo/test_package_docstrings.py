@@ -17,7 +17,7 @@ CHECKED = ("epd", "epd/api", "epd/api/tool_parsers", "epd/cli", "epd/inputs", "e
            "epd/families", "epd/families/qwen_vl", "epd/families/glm4v",
            "engine", "engine/spec", "engine/lora", "engine/models", "engine/layers", "engine/attention",
            "engine/worker",
-           "encoders", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",
+           "encoders", "encoders/layers", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",
            "transport/media", "transport/host", "bench", "bench/dev")
 # a bare `name.py` or `name/`: not a path into another folder (`epd/requests.py`)
 NAMED = re.compile(r"(?<![\w/.])(\w+)(\.py\b|/)")

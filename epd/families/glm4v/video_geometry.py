@@ -1,0 +1,112 @@
+"""GLM-4.1V's video plan from the container's header alone, torch-free: which
+frames Glm4vVideoProcessor samples, the size it resizes them to, the grid and
+tokens they take and the time its processor writes after each temporal group.
+
+    frames      `fps` a second (2 by default) over the video's duration, each
+                index rounded up; past `max_duration` (300 s) that many
+                seconds' worth spread over the whole video; repeats dropped,
+                the last frame repeated to an even count
+    size        prompt_format.smart_resize with the frames' count (the pixel
+                bounds cover every sampled frame: size.shortest_edge /
+                longest_edge of video_preprocessor_config.json)
+    groups      two frames each; a group's time is its first frame's
+                (Glm4vProcessor: `timestamps[::2]`), written in whole seconds
+                by prompt_format.expand_video
+
+Of a request's video keys only `fps` and `do_sample_frames` apply: the
+processor ignores `num_frames` (its sample_frames takes fps only) and does not
+know min / max_pixels or min / max_frames (it logs them as unused). The encoder
+resizes, normalises and patchifies the planned frames as for Qwen2-VL
+(encoders/video_processor.py: the same operations and patch order).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from epd.families.glm4v.prompt_format import smart_resize
+from epd.transport.media.video_geometry import (VideoMeta, VideoOptions, VideoPlan, VideoPlanError,
+                                                load_video_config)
+
+# Glm4vVideoProcessor's class defaults, where the checkpoint's config is silent
+DEFAULTS = dict(patch_size=14, merge_size=2, temporal_patch_size=2, fps=2, max_duration=300,
+                do_sample_frames=True, size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 30000})
+
+
+@dataclass(frozen=True)
+class Glm4vVideoGeometry:
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int  # size.shortest_edge, over all sampled frames
+    max_pixels: int  # size.longest_edge
+    fps: float
+    max_duration: int  # seconds sampled at `fps`; a longer video gets that many frames, spread
+    do_sample_frames: bool
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Glm4vVideoGeometry":
+        """From video_preprocessor_config.json, else preprocessor_config.json, as transformers reads them."""
+        return cls.from_config(load_video_config(model_dir))
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "Glm4vVideoGeometry":
+        get = lambda key: cfg.get(key, DEFAULTS[key])  # noqa: E731
+        size = {**DEFAULTS["size"], **(cfg.get("size") or {})}
+        return cls(patch_size=int(get("patch_size")), merge_size=int(get("merge_size")),
+                   temporal_patch_size=int(get("temporal_patch_size")), min_pixels=int(size["shortest_edge"]),
+                   max_pixels=int(size["longest_edge"]), fps=float(get("fps")),
+                   max_duration=int(get("max_duration")), do_sample_frames=bool(get("do_sample_frames")))
+
+    def sample_frames(self, meta: VideoMeta, fps: float | None = None) -> list[int]:
+        """Glm4vVideoProcessor.sample_frames: the frame indices, an even count."""
+        if not meta.fps:
+            raise VideoPlanError("sampling by fps needs the video's frame rate, which its header lacks")
+        fps = self.fps if fps is None else fps
+        last = meta.num_frames - 1
+        duration = meta.duration_s or round(last / meta.fps) + 1
+        if duration <= self.max_duration:
+            count = max(int(math.floor(duration * fps)), 1)
+            indices = [min(last, int(math.ceil(i * meta.fps / fps))) for i in range(count)]
+        elif int(self.max_duration * fps) >= meta.num_frames:
+            indices = list(range(meta.num_frames))
+        else:
+            seconds = np.linspace(0, duration, int(self.max_duration * fps), endpoint=True)
+            indices = [min(last, int(math.ceil(s * meta.fps))) for s in seconds]
+        indices = list(dict.fromkeys(indices))  # repeats dropped, order kept
+        if len(indices) % 2:
+            indices.append(indices[-1])
+        return indices
+
+    def plan(self, meta: VideoMeta, options: VideoOptions = VideoOptions(),
+             loaded: list[int] | None = None) -> VideoPlan:
+        """The sampled frames, their resized size, grid, tokens and group times;
+        VideoPlanError where transformers' processor would raise. `options`: its
+        fps and do_sample_frames. `loaded`: frames a loader took before the
+        processor, used as they are."""
+        if meta.num_frames < 1:
+            raise VideoPlanError("the video has no frames")
+        if meta.width < 1 or meta.height < 1:
+            raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
+        do_sample = self.do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
+        if loaded is not None:
+            indices = list(loaded)
+        else:
+            indices = self.sample_frames(meta, options.fps) if do_sample else list(range(meta.num_frames))
+        tps = self.temporal_patch_size
+        if len(indices) < tps:
+            raise VideoPlanError(f"{len(indices)} frame(s); the model needs at least {tps}")
+        try:
+            height, width = smart_resize(len(indices), meta.height, meta.width, tps,
+                                         self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        except ValueError as exc:
+            raise VideoPlanError(str(exc).replace("image", "video")) from None
+        t = -(-len(indices) // tps)  # the last frame repeats to fill a group
+        grid = (t, height // self.patch_size, width // self.patch_size)
+        per_group = grid[1] * grid[2] // self.merge_size ** 2
+        padded = indices + [indices[-1]] * (t * tps - len(indices))
+        times = tuple(i / (meta.fps or 24) for i in padded[::tps])  # Glm4vProcessor: 24 fps without a rate
+        return VideoPlan(tuple(indices), height, width, grid, t * per_group, per_group, times)
