@@ -38,9 +38,11 @@ def _corpus(seed: int = 0) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, special_tokens: list[str], eos_token: str, pad_token: str,
-                    chat_template: str):
+                    chat_template: str, **named_tokens: str):
     """Trains a byte-level BPE tokenizer locally and wraps it for transformers
-    (`special_tokens[0]` is the pad/BOS token and is not listed as "additional")."""
+    (`special_tokens[0]` is the pad/BOS token and is not listed as "additional");
+    `named_tokens`: more of them by name, as a release's tokenizer names them
+    (`bos_token`, or a family's own such as Gemma 3's `boi_token`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,6 +63,7 @@ def build_tokenizer(vocab_size: int, special_tokens: list[str], eos_token: str, 
         additional_special_tokens=special_tokens[1:],
         model_max_length=131072,
         clean_up_tokenization_spaces=False,
+        **named_tokens,
     )
     fast.chat_template = chat_template
     return fast

@@ -15,10 +15,10 @@ def glm4v_positions(hf_config):
     return positions(hf_config)
 
 
-# GLM-4.1V's release template writes no tools; GLM-4.5V's are vLLM's glm45 format
+# tool calls: vLLM's glm45 format (epd/api/tool_parsers/glm45.py)
 FAMILIES = (
     ModelFamily("GLM-4.1V", "glm4v", "Glm4vForConditionalGeneration", GLM4V_FORMAT, TEXT_MODEL, VISION,
-                glm4v_positions),
+                glm4v_positions, tool_call_parser="glm45"),
     ModelFamily("GLM-4.5V", "glm4v_moe", "Glm4vMoeForConditionalGeneration", GLM4V_FORMAT, TEXT_MODEL, VISION,
                 glm4v_positions, tool_call_parser="glm45"),
 )

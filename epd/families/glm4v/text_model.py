@@ -128,7 +128,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.post_norms:  # GLM-4.1V: each output normed before its residual add
-            x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
+            x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, None))
             return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
         # the residual adds ride on o_proj's and down_proj's calls where those are packed (cpu_linear.py)
         x = self.self_attn(self.input_layernorm(x), cos, sin, batch, residual=x)

@@ -1,6 +1,6 @@
 """A family's placeholders belong to its prompt format: the generic prompt and
-serving code (epd/inputs, epd/serve) names none of the Qwen-VL families'
-placeholder strings; they are written once, in epd/families/qwen_vl/prompt_format.py,
+serving code (epd/inputs, epd/serve) names none of the Qwen-VL families' or
+Gemma 3's placeholder strings; they are written once, in each family's prompt_format.py,
 and reach the generic code through `ModelFamily.prompt_format`
 (epd/families/registry.py). Comments and docstrings count: a reader who finds
 `<|image_pad|>` in generic code takes it for the engine's assumption."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epd.families.gemma3.prompt_format import EOI_TOKEN, GEMMA3_FORMAT
 from epd.families.registry import FAMILIES
 from epd.families.glm4v.prompt_format import BEGIN_IMAGE, END_IMAGE, GLM4V_FORMAT
 from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT, VISION_END, VISION_START
@@ -16,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[3]
 GENERIC_DIRS = ("epd/inputs", "epd/serve")
 QWEN_STRINGS = (QWEN_VL_FORMAT.image_placeholder, *QWEN_VL_FORMAT.video_placeholders, QWEN_VL_FORMAT.image_token,
                 QWEN_VL_FORMAT.video_token, VISION_START, VISION_END)
+GEMMA3_STRINGS = (GEMMA3_FORMAT.image_placeholder, GEMMA3_FORMAT.image_token, EOI_TOKEN)
 GLM4V_STRINGS = (GLM4V_FORMAT.image_placeholder, *GLM4V_FORMAT.video_placeholders, BEGIN_IMAGE, END_IMAGE)
 
 
 def _named(text: str) -> list[str]:
-    return sorted({s for s in QWEN_STRINGS if s in text})
+    return sorted({s for s in QWEN_STRINGS + GEMMA3_STRINGS if s in text})
 
 
 def test_the_strings_are_qwens_placeholders():
@@ -34,6 +36,11 @@ def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
     assert len(files) > 10  # the walk found the code
     named = {str(p.relative_to(ROOT)): found for p in files if (found := _named(p.read_text()))}
     assert named == {}
+
+
+def test_the_gemma3_strings_are_its_placeholders():
+    assert set(GEMMA3_STRINGS) == {"<start_of_image>", "<image_soft_token>", "<end_of_image>"}
+    assert FAMILIES["gemma3"].prompt_format is GEMMA3_FORMAT
 
 
 def test_the_qwen_families_register_the_qwen_format():

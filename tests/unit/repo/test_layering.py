@@ -154,7 +154,8 @@ def test_the_api_process_does_not_load_model_code(entry):
     code = (f"import sys, {entry}\n"
             "heavy = [m for m in sys.modules if m.startswith(('epd.engine.worker.loop', 'epd.families.qwen_vl.text_model',"
             " 'epd.engine.layers', 'epd.engine.model_runner', 'epd.families.qwen_vl.vision_tower',"
-            " 'epd.encoders.image_encoder', 'epd.encoders.encoder_worker'))]\n"
+            " 'epd.encoders.image_encoder', 'epd.encoders.encoder_worker', 'epd.families.gemma3.text_model',"
+            " 'epd.families.gemma3.vision'))]\n"
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "tests")
     assert result.returncode == 0, result.stderr

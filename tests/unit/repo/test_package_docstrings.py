@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 CHECKED = ("epd", "epd/api", "epd/api/tool_parsers", "epd/cli", "epd/inputs", "epd/tools", "epd/serve", "epd/processes",
-           "epd/families", "epd/families/qwen_vl", "epd/families/glm4v",
+           "epd/families", "epd/families/qwen_vl", "epd/families/glm4v", "epd/families/gemma3",
            "engine", "engine/spec", "engine/lora", "engine/models", "engine/layers", "engine/attention",
            "engine/worker",
            "encoders", "encoders/layers", "transport", "transport/wire", "transport/embedding_cache", "transport/weights",
