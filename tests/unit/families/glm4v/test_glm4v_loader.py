@@ -1,7 +1,7 @@
 """GLM's language-model loader on release layouts (epd/families/glm4v/text_loader.py):
 GLM-4.5V's checkpoint split over shards with its multi-token-prediction layer
 loads to the same logits; a missing expert, a misshaped tensor and an
-unsupported rope are refused naming what is wrong."""
+unsupported rope are refused naming what is wrong; the release's config keys read as the made ones."""
 from __future__ import annotations
 
 import json
@@ -92,3 +92,22 @@ def test_an_unsupported_rope_is_refused(moe_checkpoint):
     config.text_config.rope_parameters = {**config.text_config.rope_parameters, "rope_type": "yarn"}
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         load_text_model(moe_checkpoint, config, torch.float32)
+
+
+def test_the_release_config_keys_give_the_same_text_config():
+    """GLM-4.1V-9B's config.json keeps partial_rotary_factor and rope_theta beside the text config's other
+    keys and the sections under rope_scaling ("type"); transformers folds them into rope_parameters."""
+    from transformers import Glm4vConfig
+
+    from epd.families.glm4v.text_model import TextConfig
+
+    text = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, num_hidden_layers=40,
+                intermediate_size=13696, vocab_size=151552, max_position_embeddings=65536, rms_norm_eps=1e-5)
+    release = Glm4vConfig(text_config=dict(text, partial_rotary_factor=0.5, rope_theta=10000,
+                                           rope_scaling={"type": "default", "mrope_section": [8, 12, 12]}))
+    made = Glm4vConfig(text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5,
+                                                               "mrope_section": [8, 12, 12]}))
+    cfg = TextConfig.from_hf(release)
+    assert cfg == TextConfig.from_hf(made)
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.mrope_section, cfg.rope_theta) == (128, 64, (8, 12, 12), 10000.0)
