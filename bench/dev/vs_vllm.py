@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--image-size", default="448x448", help="WxH of the image rows' images")
     p.add_argument("--greedy-tokens", type=int, default=24, help="tokens per greedy-text prompt")
+    p.add_argument("--greedy-only", action="store_true",
+                   help="only the greedy texts (a family's check against vLLM): no offline, served or goodput rows")
     p.add_argument("--offline-concurrency", type=int, default=32, help="offline row's requests; 0: no offline row")
     p.add_argument("--offline-rounds", type=int, default=None, help="offline rounds (default: --rounds)")
     p.add_argument("--offline-threads", type=int, default=None, help="torch threads of both engines (default: CPUs)")
@@ -318,14 +320,17 @@ def main(args) -> dict:
     cpus = cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = offline_rows(args, cpus, out_dir)
+    rows = [] if args.greedy_only else offline_rows(args, cpus, out_dir)
     servers, models, startup = start_servers(args, cpus, out_dir)
     steal: dict[str, float | None] = {}
+    goodput, goodput_runs = [], {}
     try:
         greedy = greedy_texts(args, servers, models)
-        rows += served_rows(args, servers, models, out_dir, steal)
-        goodput, goodput_runs = vs_vllm_goodput.goodput_rows(args, servers, models, out_dir, _slug)
-        rows += goodput
+        print("\n".join(greedy_lines(greedy)), flush=True)
+        if not args.greedy_only:
+            rows += served_rows(args, servers, models, out_dir, steal)
+            goodput, goodput_runs = vs_vllm_goodput.goodput_rows(args, servers, models, out_dir, _slug)
+            rows += goodput
     finally:
         for server in servers.values():
             server.stop()

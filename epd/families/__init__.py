@@ -4,6 +4,7 @@
     registry.py      the families, told apart by a checkpoint's config.json (one line adds one)
     random_checkpoints.py  what every family's `epd make-model` presets share (tokenizer, logit scale)
     qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
+    internvl/        InternVL (InternVL3.5, InternVL3)
     glm4v/           GLM-4.1V and GLM-4.5V
     gemma3/          Gemma 3
 

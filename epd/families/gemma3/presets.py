@@ -115,6 +115,16 @@ PRESETS: dict[str, Gemma3Preset] = {
         image_size=64, patch_size=8, mm_tokens_per_image=16, tokenizer_vocab=1024,
         max_position_embeddings=8192,
     ),
+    # For CPU benchmarks and vLLM's CPU build (head_dim 64: a size its attention takes): ~110M
+    # parameters, a global layer after every five sliding ones, a 448x448 image -> 256 tokens.
+    "gemma3-small": Gemma3Preset(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2304,
+        query_pre_attn_scalar=64, sliding_window=512,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12)),
+        vision_layers=8, vision_hidden=512, vision_heads=8, vision_intermediate=1536,
+        image_size=448, patch_size=14, mm_tokens_per_image=256, tokenizer_vocab=8192,
+        max_position_embeddings=32768,
+    ),
     # Published shapes of gemma-3-4b-it (5 sliding layers per global one), for GPU runs.
     "gemma3-4b": Gemma3Preset(
         hidden_size=2560, num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, intermediate_size=10240,

@@ -1,6 +1,6 @@
 """A family's placeholders belong to its prompt format: the generic prompt and
 serving code (epd/inputs, epd/serve) names none of the Qwen-VL families' or
-Gemma 3's placeholder strings; they are written once, in each family's prompt_format.py,
+Gemma 3's or InternVL's placeholder strings; they are written once, in each family's prompt_format.py,
 and reach the generic code through `ModelFamily.prompt_format`
 (epd/families/registry.py). Comments and docstrings count: a reader who finds
 `<|image_pad|>` in generic code takes it for the engine's assumption."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epd.families.internvl.prompt_format import IMG_END, IMG_START, INTERNVL_FORMAT
 from epd.families.gemma3.prompt_format import EOI_TOKEN, GEMMA3_FORMAT
 from epd.families.registry import FAMILIES
 from epd.families.glm4v.prompt_format import BEGIN_IMAGE, END_IMAGE, GLM4V_FORMAT
@@ -18,17 +19,19 @@ GENERIC_DIRS = ("epd/inputs", "epd/serve")
 QWEN_STRINGS = (QWEN_VL_FORMAT.image_placeholder, *QWEN_VL_FORMAT.video_placeholders, QWEN_VL_FORMAT.image_token,
                 QWEN_VL_FORMAT.video_token, VISION_START, VISION_END)
 GEMMA3_STRINGS = (GEMMA3_FORMAT.image_placeholder, GEMMA3_FORMAT.image_token, EOI_TOKEN)
+INTERNVL_STRINGS = (INTERNVL_FORMAT.image_placeholder, *INTERNVL_FORMAT.video_placeholders, IMG_START, IMG_END)
 GLM4V_STRINGS = (GLM4V_FORMAT.image_placeholder, *GLM4V_FORMAT.video_placeholders, BEGIN_IMAGE, END_IMAGE)
 
 
 def _named(text: str) -> list[str]:
-    return sorted({s for s in QWEN_STRINGS + GEMMA3_STRINGS if s in text})
+    return sorted({s for s in QWEN_STRINGS + GEMMA3_STRINGS + INTERNVL_STRINGS if s in text})
 
 
 def test_the_strings_are_qwens_placeholders():
     assert {"<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"} <= set(QWEN_STRINGS)
     assert _named("a <|vision_start|><|image_pad|><|vision_end|> b") == \
         ["<|image_pad|>", "<|vision_end|>", "<|vision_start|>"]
+    assert _named("<img><IMG_CONTEXT></img>") == ["</img>", "<IMG_CONTEXT>", "<img>"]
 
 
 def test_generic_prompt_and_serving_code_names_no_qwen_placeholder():
@@ -46,6 +49,10 @@ def test_the_gemma3_strings_are_its_placeholders():
 def test_the_qwen_families_register_the_qwen_format():
     assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_VL_FORMAT} == \
         {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}
+
+
+def test_internvl_registers_its_format():
+    assert {name for name, family in FAMILIES.items() if family.prompt_format is INTERNVL_FORMAT} == {"internvl"}
 
 
 def test_generic_prompt_and_serving_code_names_no_glm4v_placeholder():
