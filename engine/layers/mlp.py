@@ -14,9 +14,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden] normed -> residual + MLP output [N, hidden]."""
-        return linear_add(self.down_proj, swiglu(self.gate_up_proj, x, self.intermediate_size), residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden] normed -> residual + MLP output [N, hidden] (without a residual: the output alone)."""
+        h = swiglu(self.gate_up_proj, x, self.intermediate_size)
+        if residual is None:
+            return self.down_proj(h)
+        return linear_add(self.down_proj, h, residual)
 
 
 def pack_cpu_linears(model: nn.Module) -> None:

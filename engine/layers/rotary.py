@@ -1,4 +1,4 @@
-"""Rotary position embedding for 1 or 3 position rows, half-split as transformers lays it out.
+"""Rotary position embedding for 1 or 3 position rows.
 
 With three rows (time, height, width) each frequency is rotated by one row,
 chosen by `sections` (how many frequencies each row drives), laid out either
@@ -10,6 +10,12 @@ with its own base and scaling: a model whose layers rotate with different
 bases (Gemma 3: local layers 10,000, global ones `rope_theta` scaled
 "linear") holds one per kind, built from transformers' `rope_parameters`
 (`from_rope_parameters`).
+
+`rotary_dim` (default: the whole head) is how many leading dims of a head
+rotate (GLM's `partial_rotary_factor`); the rest pass through. Two layouts
+of the rotated dims: halves (`apply_rotary`: dim j pairs with j + D/2, as
+Qwen and most models) or adjacent pairs (`apply_rotary_pairs`: 2j with
+2j + 1, as GLM-4.1V); the attention layer picks one (layers/attention.py).
 """
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ class RotaryEmbedding:
     """Not an nn.Module: its float32 tables must not follow the model's dtype."""
 
     def __init__(self, head_dim: int, rope_theta: float, sections: tuple[int, int, int] | None = None,
-                 interleaved: bool = False, device: str | torch.device = "cpu", factor: float = 1.0):
+                 interleaved: bool = False, device: str | torch.device = "cpu", factor: float = 1.0,
+                 rotary_dim: int | None = None):
         """`sections`: frequencies each of three position rows drives (None: one row only);
-        `factor`: transformers' "linear" scaling (the frequencies divided by it; 1: "default")."""
-        dim = head_dim
+        `factor`: transformers' "linear" scaling (the frequencies divided by it; 1: "default");
+        `rotary_dim`: the leading dims of a head that rotate (None: all of them)."""
+        dim = rotary_dim or head_dim
         # computed on the CPU, then placed: on "meta" (a model being built for loading) an op like
         # arange runs torch's reference op, whose first use imports torch._dynamo (seconds of start-up)
         inv_freq = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
@@ -57,7 +65,7 @@ class RotaryEmbedding:
         return axis
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [3 or 1, num_tokens] -> cos, sin [num_tokens, 1, head_dim / 2] (float32): one half
+        """positions [3 or 1, num_tokens] -> cos, sin [num_tokens, 1, rotary_dim / 2] (float32): one half
         of transformers' tables, whose two halves are equal; `apply_rotary` takes them."""
         if positions.shape[0] == 1:  # plain RoPE: the one row drives every frequency
             pos = positions.expand(self.inv_freq.shape[0], -1)  # [half, N]
@@ -81,3 +89,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     element, without the rotated copy of x or the doubled tables."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def apply_rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated by RoPE on adjacent pairs (GPT-J, GLM-4.1V): dims 2j and 2j + 1 by
+    frequency j, cos, sin [N, 1, D / 2]. transformers' `x * cos2 + rotate_half_llm(x) * sin2`
+    (cos2, sin2: each frequency repeated twice), the same products and sums per element."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

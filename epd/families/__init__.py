@@ -5,7 +5,7 @@
     random_checkpoints.py  what every family's `epd make-model` presets share (tokenizer, logit scale)
     qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
     internvl/        InternVL (InternVL3.5, InternVL3)
-    glm4v/           GLM-4.1V and GLM-4.5V (the vision side so far)
+    glm4v/           GLM-4.1V and GLM-4.5V
     gemma3/          Gemma 3
 
 A family's package holds everything that is its own: its registry entries

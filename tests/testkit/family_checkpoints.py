@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from functools import lru_cache
 
+from epd.families.glm4v.presets import PRESETS as GLM_PRESETS
 from epd.families.qwen_vl.presets import PRESETS
 from epd.tools.make_model import make_model
 
@@ -26,6 +27,18 @@ FAMILY_VARIANTS = {
         PRESETS["qwen2.5-vl-tiny"], hidden_size=80, num_heads=5, num_kv_heads=1, head_dim=16,
         intermediate_size=96, mrope_section=(2, 2, 4), vocab_size=1100, vision_depth=3, vision_hidden=48,
         vision_heads=3, vision_intermediate=72, window_size=84, fullatt_block_indexes=(0, 2)),
+    # head_dim 80 / 5 = 16: 8 rotary dims, sections of 1, 1 and 2 frequencies; 5 query heads over 1 KV head.
+    "glm4v": dataclasses.replace(
+        GLM_PRESETS["glm4v-tiny"], hidden_size=80, num_heads=5, num_kv_heads=1, intermediate_size=96,
+        mrope_section=(1, 1, 2), vocab_size=1100, vision_depth=2, vision_hidden=48, vision_heads=3,
+        vision_intermediate=72),
+    # head_dim 24 (not 80 / 5), 12 rotary dims; two dense layers then two MoE layers of 12 experts in 3
+    # groups (2 of them open), 3 active, 2 shared; a tied head.
+    "glm4v_moe": dataclasses.replace(
+        GLM_PRESETS["glm4v-moe-tiny"], hidden_size=80, num_layers=4, num_heads=5, num_kv_heads=1, head_dim=24,
+        mrope_section=(2, 2, 2), vocab_size=1100, first_k_dense_replace=2, num_experts=12, num_experts_per_tok=3,
+        num_expert_groups=3, topk_expert_groups=2, num_shared_experts=2, moe_intermediate_size=24,
+        tie_word_embeddings=True, vision_depth=2, vision_hidden=48, vision_heads=3, vision_intermediate=72),
 }
 
 
@@ -39,7 +52,8 @@ def family_checkpoint(family: str) -> str:
 # How start-up names the supported families when a checkpoint is of none of them.
 SUPPORTED = ("Qwen3-VL (model_type 'qwen3_vl')", "Qwen3-VL-MoE (model_type 'qwen3_vl_moe')",
              "Qwen2.5-VL (model_type 'qwen2_5_vl')", "Gemma 3 (model_type 'gemma3')",
-             "InternVL (model_type 'internvl')")
+             "InternVL (model_type 'internvl')", "GLM-4.1V (model_type 'glm4v')",
+             "GLM-4.5V (model_type 'glm4v_moe')")
 
 
 def config_only_checkpoint(path, config: dict) -> str:

@@ -19,7 +19,11 @@ REFERENCE_CLASSES = {  # model_type -> transformers' class
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
 }
+# model_type -> the token its processor repeats once per image placeholder position (Qwen's by default)
+IMAGE_PADS = {"glm4v": "<|image|>", "glm4v_moe": "<|image|>"}
 
 
 @lru_cache(maxsize=4)
@@ -73,8 +77,9 @@ def hf_inputs(model_dir: str, messages: list[dict], images: list[bytes], videos=
     else:
         if images:
             merge = ip.merge_size ** 2
-            pieces = text.split("<|image_pad|>")
-            text = pieces[0] + "".join("<|image_pad|>" * int(g.prod() // merge) + p
+            pad = IMAGE_PADS.get(model.config.model_type, "<|image_pad|>")
+            pieces = text.split(pad)
+            text = pieces[0] + "".join(pad * int(g.prod() // merge) + p
                                        for g, p in zip(px["image_grid_thw"], pieces[1:]))
         ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     inputs["input_ids"] = ids
