@@ -137,6 +137,26 @@ PRESETS: dict[str, Gemma3Preset] = {
 }
 
 
+def _release_tower_names(out: Path) -> None:
+    """The tower's tensors under the releases' `vision_tower.vision_model.*` (transformers saves
+    `vision_tower.*`; vLLM reads only the releases' names, transformers and EPD read both)."""
+    from safetensors.torch import load_file, save_file
+
+    def release(name: str) -> str:
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            return "vision_tower.vision_model." + name[len("vision_tower."):]
+        return name
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        save_file({release(k): v for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        cfg = json.loads(index.read_text())
+        cfg["weight_map"] = {release(k): v for k, v in cfg["weight_map"].items()}
+        index.write_text(json.dumps(cfg, indent=2))
+
+
 def gemma3_tokenizer(vocab_size: int):
     """A byte-level BPE with Gemma's special tokens (pad 0, eos 1, bos 2 as in the release), the
     release's named image tokens, and its runs of newlines as single tokens ("\n" .. "\n\n\n\n",
@@ -191,6 +211,7 @@ def write_checkpoint(out: Path, p: Gemma3Preset, seed: int) -> None:
         torch.set_default_dtype(previous)
     _randomize(model, p)
     model.save_pretrained(out, safe_serialization=True)
+    _release_tower_names(out)
 
     GenerationConfig(bos_token_id=ids["<bos>"], eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
                      pad_token_id=ids["<pad>"], do_sample=False).save_pretrained(out)
