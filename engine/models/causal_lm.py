@@ -2,12 +2,15 @@
 
 A family builds its model over engine/layers/ (epd/families/<name>/text_model.py);
 the runner, the KV-cache sizer, CUDA graphs and the proposers hold it as this.
+`DecoderForCausalLM` is the usual way to meet it: a family's decoder stack plus
+the output head.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.models.positions import PositionRule
@@ -38,3 +41,29 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
+
+
+class DecoderForCausalLM(nn.Module):
+    """A family's decoder (`model`: input_ids, batch, aux_layer_ids -> (final hidden states,
+    the residual stream entering each aux layer)) and its output head `lm_head`.
+
+    `positions`: where its tokens sit, the family's rule (given by its loader)."""
+
+    def __init__(self, cfg: TextShape, model: nn.Module, positions: PositionRule | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.positions = positions
+        self.model = model
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward, plus the residual stream entering the layers `aux_layer_ids` (id 0: the embeddings)."""
+        return self.model(input_ids, batch, aux_layer_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
+        return self.lm_head(hidden).float()

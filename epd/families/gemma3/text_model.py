@@ -29,6 +29,7 @@ from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
 from epd.engine.layers.softcap import softcap
+from epd.engine.models.causal_lm import DecoderForCausalLM
 from epd.engine.models.positions import PositionRule
 from epd.transport.weights.checkpoint import unfilled_embedding
 
@@ -157,7 +158,7 @@ class Gemma3TextModel(nn.Module):
         return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     """Language model + tied output head (the vision side is vision.py's).
 
     `positions`: where its tokens sit (engine/models/positions.py RopePositions), given by the
@@ -166,19 +167,7 @@ class Gemma3ForCausalLM(nn.Module):
     bidirectional_mm = True  # an image's tokens attend to each other both ways (the engine asks)
 
     def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
-        super().__init__()
-        self.cfg = cfg
-        self.positions = positions
-        self.model = Gemma3TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, batch)[0]
-
-    def forward_with_aux(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The forward, plus the residual stream entering the layers `aux_layer_ids`."""
-        return self.model(input_ids, batch, aux_layer_ids)
+        super().__init__(cfg, Gemma3TextModel(cfg), positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32), soft-capped

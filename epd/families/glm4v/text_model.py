@@ -29,6 +29,7 @@ from epd.engine.layers.mlp import MLP
 from epd.engine.layers.moe import GroupedMoeBlock
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
+from epd.engine.models.causal_lm import DecoderForCausalLM
 from epd.engine.models.positions import PositionRule
 from epd.transport.weights.checkpoint import unfilled_embedding
 
@@ -163,26 +164,10 @@ class Glm4vTextModel(nn.Module):
         return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 
-class Glm4vForCausalLM(nn.Module):
+class Glm4vForCausalLM(DecoderForCausalLM):
     """Language model + output head (the vision tower is the encoder side's: vision.py).
 
     `positions`: where its tokens sit (positions.py), what the engine asks for a request's positions."""
 
     def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
-        super().__init__()
-        self.cfg = cfg
-        self.positions = positions
-        self.model = Glm4vTextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, batch)[0]
-
-    def forward_with_aux(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                         aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The forward, plus the residual stream entering the layers `aux_layer_ids` (see the text model)."""
-        return self.model(input_ids, batch, aux_layer_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
-        return self.lm_head(hidden).float()
+        super().__init__(cfg, Glm4vTextModel(cfg), positions)
