@@ -9,6 +9,7 @@ naming the tensor.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,6 +21,29 @@ from epd.transport.weights.checkpoint_error import CheckpointError
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
 # Shard index: None for a whole parameter, k for the k-th of the fused pieces.
 NameRule = Callable[[str], "tuple[str, int | None] | None"]
+
+
+# the separate projections a checkpoint holds, in the order our fused parameter stacks them
+FUSED_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_PIECE = re.compile(r"(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)"
+                    r"\.(weight|bias)$")
+
+
+def fused_name(name: str) -> tuple[str, int] | None:
+    """A separate projection's name -> (the fused parameter's name, its piece):
+    "layers.3.self_attn.k_proj.weight" -> ("layers.3.self_attn.qkv_proj.weight", 1),
+    "layers.3.mlp.up_proj.weight" -> ("layers.3.mlp.gate_up_proj.weight", 1); None for any other name."""
+    m = _PIECE.match(name)
+    if m is None:
+        return None
+    fused = next(f for f, pieces in FUSED_PIECES.items() if m[2] in pieces)
+    return f"{m[1]}.{fused}.{m[3]}", FUSED_PIECES[fused].index(m[2])
+
+
+def piece_name(name: str, shard: int) -> str:
+    """A fused parameter's name and piece -> the separate projection's (`fused_name` backwards)."""
+    fused = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+    return name.replace(fused, FUSED_PIECES[fused][shard])
 
 
 def unfilled_embedding(num_embeddings: int, dim: int) -> nn.Embedding:

@@ -8,19 +8,16 @@ checkpoint's own `lm_head.weight`, where one has it, is taken instead).
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from epd.engine.models.positions import RopePositions
 from epd.families.gemma3.text_model import Gemma3ForCausalLM, TextConfig, rotary_embeddings
-from epd.transport.weights.checkpoint import load_weights, materialize
+from epd.transport.weights.checkpoint import fused_name, load_weights, materialize, piece_name
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 _HEADS = ("lm_head.weight", "language_model.lm_head.weight")
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
 def text_rule(name: str):
@@ -31,12 +28,9 @@ def text_rule(name: str):
     if prefix is None:
         return None  # the vision tower and the projector
     rest = name[len(prefix):]
-    m = re.match(r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj)\.weight$", rest)
-    if m:
-        return f"model.layers.{m[1]}.self_attn.qkv_proj.weight", _QKV[m[2]]
-    m = re.match(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.weight$", rest)
-    if m:
-        return f"model.layers.{m[1]}.mlp.gate_up_proj.weight", _GATE_UP[m[2]]
+    fused = fused_name(rest)
+    if fused:
+        return "model." + fused[0], fused[1]
     return "model." + rest, None
 
 
@@ -45,10 +39,7 @@ def _describe(param: str, shard: int | None) -> str:
     if param == "lm_head.weight":
         return param
     name = "model.language_model." + param[len("model."):]
-    if shard is not None:
-        fused, pieces = ("qkv_proj", list(_QKV)) if "qkv_proj" in name else ("gate_up_proj", list(_GATE_UP))
-        name = name.replace(fused, pieces[shard])
-    return name
+    return name if shard is None else piece_name(name, shard)
 
 
 def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,

@@ -22,17 +22,14 @@ from torch import nn
 
 from epd.families.glm4v.positions import positions
 from epd.families.glm4v.text_model import Glm4vForCausalLM, TextConfig, rotary_embedding
-from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
+from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_tensors, load_weights, materialize,
+                                              piece_name)
 
 _TEXT_PREFIX = "model.language_model."
 _LAYER = re.compile(r"layers\.(\d+)\.")
-_QKV = re.compile(r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$")
-_GATE_UP = re.compile(r"layers\.(\d+)\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight$")
 # filled into the MoE blocks' buffers by _load_moe_buffers, not by load_weights
 _BUFFERS = re.compile(r"layers\.(\d+)\.mlp\.(?:experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight"
                       r"|gate\.(e_score_correction_bias))$")
-_QKV_SHARD = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP_SHARD = {"gate_proj": 0, "up_proj": 1}
 
 
 def _rule_for(num_layers: int):
@@ -47,10 +44,9 @@ def _rule_for(num_layers: int):
         layer = _LAYER.match(rest)
         if (layer and int(layer[1]) >= num_layers) or _BUFFERS.match(rest):
             return None  # a multi-token-prediction layer; or an MoE buffer
-        if m := _QKV.match(rest):
-            return f"model.layers.{m[1]}.self_attn.qkv_proj.{m[3]}", _QKV_SHARD[m[2]]
-        if m := _GATE_UP.match(rest):
-            return f"model.layers.{m[1]}.mlp.{m[2] or ''}gate_up_proj.weight", _GATE_UP_SHARD[m[3]]
+        fused = fused_name(rest)  # q/k/v, and gate/up of the dense and the shared-expert MLPs
+        if fused:
+            return "model." + fused[0], fused[1]
         return "model." + rest, None
 
     return rule
@@ -61,11 +57,7 @@ def _describe(param: str, shard: int | None) -> str:
     if param == "lm_head.weight":
         return param
     name = _TEXT_PREFIX + param[len("model."):]
-    if shard is None:
-        return name
-    if "qkv_proj" in name:
-        return name.replace("qkv_proj", list(_QKV_SHARD)[shard])
-    return name.replace("gate_up_proj", list(_GATE_UP_SHARD)[shard])
+    return name if shard is None else piece_name(name, shard)
 
 
 def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,

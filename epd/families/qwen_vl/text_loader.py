@@ -19,13 +19,12 @@ import torch
 from epd.families.qwen_vl.family import mrope_positions
 from epd.families.qwen_vl.text_configs import text_config
 from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
-from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
+from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_tensors, load_weights, materialize,
+                                              piece_name)
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _VISION_PREFIXES = ("model.visual.", "visual.")
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
 def _text_rule(name: str):
@@ -41,12 +40,9 @@ def _text_rule(name: str):
         return None  # vision tower or other heads: not ours
     if _EXPERTS.match(rest):
         return None  # filled by _load_experts
-    m = re.match(r"layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$", rest)
-    if m:
-        return f"model.layers.{m[1]}.self_attn.qkv_proj.{m[3]}", _QKV[m[2]]
-    m = re.match(r"layers\.(\d+)\.mlp\.(gate_proj|up_proj)\.weight$", rest)
-    if m:
-        return f"model.layers.{m[1]}.mlp.gate_up_proj.weight", _GATE_UP[m[2]]
+    fused = fused_name(rest)
+    if fused:
+        return "model." + fused[0], fused[1]
     return "model." + rest, None
 
 
@@ -55,11 +51,7 @@ def _describe(param: str, shard: int | None) -> str:
     if param == "lm_head.weight":
         return param
     name = "model.language_model." + param[len("model."):]
-    if shard is not None:
-        old = "qkv_proj" if "qkv_proj" in name else "gate_up_proj"
-        pieces = list(_QKV) if old == "qkv_proj" else list(_GATE_UP)
-        name = name.replace(old, pieces[shard])
-    return name
+    return name if shard is None else piece_name(name, shard)
 
 
 def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
