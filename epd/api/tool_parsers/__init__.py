@@ -1,7 +1,8 @@
 """Tool-call formats by vLLM's `--tool-call-parser` names: the model's text under
 `tool_choice` "auto" -> content and calls (epd/api/tool_calls.py uses them).
 
-    base.py      `ToolParser` (feed / finish -> `Found`), the rules every format keeps
+    base.py      `ToolParser` (feed / finish -> `Found`), the rules every format keeps;
+                 `TaggedBlockParser`: calls in <tool_call> blocks (hermes, glm45)
     hermes.py    `hermes`: JSON objects in <tool_call> blocks (Qwen)
     pythonic.py  `pythonic`: a Python list of calls, read with `ast` (Llama 3.2, Gemma 3)
     glm45.py     `glm45`: a name and <arg_key>/<arg_value> tags in <tool_call> blocks (GLM-4.1V, GLM-4.5V)

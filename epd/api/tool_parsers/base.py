@@ -82,3 +82,57 @@ def begun_json_call(text: str, pos: int, arguments_key: str) -> tuple[str, str] 
     if match is None:
         return None
     return json.loads(match.group(1)), text[match.end():].rstrip()
+
+
+class TaggedBlockParser(ToolParser):
+    """Calls written in `start` ... `end` blocks (hermes', GLM-4.5's `<tool_call>`): the text
+    before the first block is content, text between or after blocks is dropped, a closed
+    block becomes `closed_calls(block)`, an unclosed last one `cut_calls(block)`."""
+
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self.buffer = ""  # text not yet turned into content or calls
+        self.in_calls = False  # a block was seen: later text is calls only
+
+    def feed(self, text: str) -> Found:
+        self.buffer += text
+        return self._parse(final=False)
+
+    def finish(self) -> Found:
+        return self._parse(final=True)
+
+    @abstractmethod
+    def closed_calls(self, block: str) -> list[tuple[str, str]]:
+        """The calls of a closed block's text (none when it is not a call)."""
+
+    @abstractmethod
+    def cut_calls(self, block: str) -> list[tuple[str, str]]:
+        """An unclosed last block (cut by max_tokens or EOS): its call as far as it got, or none."""
+
+    def _parse(self, final: bool) -> Found:
+        out = Found()
+        while True:
+            start = self.buffer.find(self.start)
+            if start < 0:
+                keep = 0 if final else partial_suffix(self.buffer, self.start)
+                if not self.in_calls:
+                    out.content += self.buffer[:len(self.buffer) - keep]
+                self.buffer = self.buffer[len(self.buffer) - keep:]  # in calls: text between blocks is dropped
+                return out
+            if not self.in_calls:
+                out.content += self.buffer[:start]
+                self.in_calls = True
+            end = self.buffer.find(self.end, start)
+            if end < 0:
+                self.buffer = self.buffer[start:]
+                if final:
+                    block, self.buffer = self.buffer[len(self.start):], ""
+                    out.calls += self.cut_calls(block)
+                return out
+            block = self.buffer[start + len(self.start):end]
+            self.buffer = self.buffer[end + len(self.end):]
+            out.calls += self.closed_calls(block)
+

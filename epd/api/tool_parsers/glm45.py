@@ -23,55 +23,19 @@ import json
 import re
 from typing import Any
 
-from epd.api.tool_parsers.base import Found, ToolParser, partial_suffix
+from epd.api.tool_parsers.base import TaggedBlockParser, partial_suffix
 
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
 ARG_KEY, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "<arg_value>", "</arg_value>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _BEGUN_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.DOTALL)
 
 
-class Glm45Parser(ToolParser):
+class Glm45Parser(TaggedBlockParser):
     name = "glm45"
 
-    def __init__(self, tools: list[dict] | None = None):
-        super().__init__(tools)
-        self.buffer = ""  # text not yet turned into content or calls
-        self.in_calls = False  # a <tool_call> was seen: later text is calls only
-
-    def feed(self, text: str) -> Found:
-        self.buffer += text
-        return self._parse(final=False)
-
-    def finish(self) -> Found:
-        return self._parse(final=True)
-
-    def _parse(self, final: bool) -> Found:
-        out = Found()
-        while True:
-            start = self.buffer.find(TOOL_CALL_START)
-            if start < 0:
-                keep = 0 if final else partial_suffix(self.buffer, TOOL_CALL_START)
-                if not self.in_calls:
-                    out.content += self.buffer[:len(self.buffer) - keep]
-                self.buffer = self.buffer[len(self.buffer) - keep:]  # in calls: text between calls is dropped
-                return out
-            if not self.in_calls:
-                out.content += self.buffer[:start]
-                self.in_calls = True
-            end = self.buffer.find(TOOL_CALL_END, start)
-            if end < 0:
-                self.buffer = self.buffer[start:]
-                if final:  # an unclosed last block (cut by max_tokens or EOS): the call as far as it got
-                    block, self.buffer = self.buffer[len(TOOL_CALL_START):], ""
-                    out.calls += self._cut_call(block)
-                return out
-            block = self.buffer[start + len(TOOL_CALL_START):end]
-            self.buffer = self.buffer[end + len(TOOL_CALL_END):]
-            name, body = _name(block, closed=True)
-            if name:
-                out.calls.append((name, "{" + ", ".join(self._pairs(name, body)) + "}"))
+    def closed_calls(self, block: str) -> list[tuple[str, str]]:
+        name, body = _name(block, closed=True)
+        return [(name, "{" + ", ".join(self._pairs(name, body)) + "}")] if name else []
 
     def _pairs(self, name: str, body: str) -> list[str]:
         """`"key": value` JSON of each whole key/value pair."""
@@ -96,7 +60,7 @@ class Glm45Parser(ToolParser):
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return text.strip()
 
-    def _cut_call(self, block: str) -> list[tuple[str, str]]:
+    def cut_calls(self, block: str) -> list[tuple[str, str]]:
         """An unclosed block: its call with the arguments so far, none when the name was cut."""
         name, body = _name(block, closed=False)
         if not name:
