@@ -103,5 +103,7 @@ def test_served_pan_and_scan_equals_transformers(gemma3_model, tmp_path):
             torch.testing.assert_close(torch.tensor([[lp for _, lp in step] for step in got]),
                                        torch.tensor([[lp for _, lp in step] for step in expected[name]]),
                                        rtol=0, atol=1e-4)
+        # each image counted once, however many runs it is written as
+        assert (srv.metric_sum("epd:request_images_count"), srv.metric_sum("epd:request_images_sum")) == (2, 3)
     finally:
         assert srv.stop() == 0, srv.log()
