@@ -62,8 +62,9 @@ class PanAndScan:
         return cls(values[MIN_CROP_SIZE], values[MAX_NUM_CROPS], float(ratio))
 
     def num_crops(self, width: int, height: int) -> int:
-        """The crops Gemma3ImageProcessor.pan_and_scan_batched cuts an image into (0: none, the
-        image is its original alone), its arithmetic step for step."""
+        """The crops Gemma3ImageProcessor's pan_and_scan (pan_and_scan_batched in its torchvision
+        backend) cuts an image into (0: none, the image is its original alone), its arithmetic
+        step for step."""
         long_side, short_side = max(width, height), min(width, height)
         if long_side / short_side < self.min_ratio_to_activate:
             return 0

@@ -4,7 +4,8 @@ processor's own for many sizes and settings, the prompt is Gemma3Processor's tok
 (an image: "Here is the original image", its run, "and here are some crops ...", a run per
 crop), the embeddings are `get_image_features`' for the original and every crop, and the
 offline `LLM` gives transformers' greedy tokens and top-5 logprobs (float32) for the mixed
-batch (one and two images, cut or too square to be) over several prefill chunks."""
+batch (one and two images, cut or too square to be) over several prefill chunks, and again
+from the prefix cache."""
 from __future__ import annotations
 
 import io
@@ -149,8 +150,15 @@ def test_the_llm_with_pan_and_scan_equals_transformers(gemma3_model, gemma3_refe
     batch = [MIXED_BATCH[i] for i in (0, 1, 2, 6, 7)]  # text; one image; two; one too square; two
     expected = [_reference(model, processor, c) for c in batch]
     llm = LLM(gemma3_model, max_num_batched_tokens=40, max_num_seqs=8, dtype="float32", mm_processor_kwargs=KWARGS)
-    outs = llm.chat(batch, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
-    for out, (tokens, top_ids, top_logprobs) in zip(outs, expected):
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    outs = llm.chat(batch, greedy)
+    hits = llm.stats()["prefix_cache_hits"]
+    outs += llm.chat([batch[2]], greedy)  # again: its KV from the prefix cache, past its images' runs
+    expected.append(expected[2])
+    image_token = llm.engine.info.image_token_id
+    assert llm.stats()["prefix_cache_hits"] - hits >= max(
+        i for i, t in enumerate(outs[-1].prompt_token_ids) if t == image_token) + 1
+    for out, (tokens, top_ids, top_logprobs) in zip(outs, expected, strict=True):
         got = out.outputs[0]
         assert got.token_ids == tokens
         for step, (ids, values) in enumerate(zip(top_ids, top_logprobs)):
