@@ -40,13 +40,13 @@ def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: 
 
     Covers the parent block's hash (so equal blocks match only after equal
     prefixes, and with the same adapter: `root_block_hash`), the block's token ids, and for every image span overlapping
-    the block its `mm_hash` plus the overlap range relative to the span: all
-    images share one placeholder token id, so token ids alone would let the
-    same text with a different image match.
+    the block its `mm_hash` plus the overlap range as rows of the item's entry
+    (`MMSpan.first_row` on): all images share one placeholder token id, so token ids
+    alone would let the same text with a different image match.
     """
     block_end = block_start + len(token_ids)
-    mm_keys = [[span.mm_hash, max(span.offset, block_start) - span.offset,
-                min(span.end, block_end) - span.offset]
+    mm_keys = [[span.mm_hash, span.first_row + max(span.offset, block_start) - span.offset,
+                span.first_row + min(span.end, block_end) - span.offset]
                for span in mm_spans if span.offset < block_end and span.end > block_start]
     # msgpack of ints/strings is byte-stable across processes (Python's hash() is not).
     payload = msgpack.packb([list(token_ids), mm_keys])

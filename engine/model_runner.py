@@ -196,7 +196,7 @@ class ModelRunner:
                 emb = self.images.get(span.mm_hash)
                 if emb is None:
                     raise RuntimeError(f"request {req.request_id}: no embedding for image {span.mm_hash}")
-                mm_rows.append((emb, first, last))
+                mm_rows.append((emb, span.first_row + first, span.first_row + last))  # the entry's rows
                 begin = span.offset + first - f.start
                 chunk_mask[begin:begin + last - first] = [True] * (last - first)
             mm_mask += chunk_mask

@@ -72,8 +72,8 @@ class ScheduledRequest:
         """Image spans overlapping this chunk, as (span, first, last + 1).
 
         `first`/`last + 1` index the span's placeholder tokens (0..span.length),
-        i.e. the rows of that image's embeddings this chunk needs. A chunk
-        may start or end in the middle of an image.
+        i.e. the rows of that image's embeddings this chunk needs, from the
+        span's `first_row` on. A chunk may start or end in the middle of an image.
         """
         return [(span, max(span.offset, self.start) - span.offset,
                  min(span.end, self.end) - span.offset)

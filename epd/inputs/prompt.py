@@ -221,19 +221,36 @@ class PromptBuilder:
         for pad, piece in zip(pads, pieces[2::2]):
             if pad == fmt.image_placeholder:
                 img = next(image_it)
-                expanded.append(fmt.expand_image(self.geometry.num_image_tokens(img.width, img.height)))
+                runs = self._runs(img)
+                expanded.append(fmt.expand_image(runs[0]) if fmt.expand_image_runs is None
+                                else fmt.expand_image_runs(runs))
             else:
                 expanded.append(fmt.expand_video(next(video_it).plan, pad))
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
         return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos))
 
+    def _runs(self, img: ImageRef) -> tuple[int, ...]:
+        """The lengths of an image's runs of pads: one run unless the format writes several."""
+        if self.format.expand_image_runs is None:
+            return (self.geometry.num_image_tokens(img.width, img.height),)
+        return self.geometry.image_runs(img.width, img.height)
+
+    def _image_runs(self, images: list[ImageRef]):
+        """(image, its entry's first row, length) of each run of image pads, in prompt order."""
+        for img in images:
+            row = 0
+            for length in self._runs(img):
+                yield img, row, length
+                row += length
+
     def spans(self, token_ids: list[int], images: list[ImageRef], videos: list[VideoRef] = ()) -> list[MMSpan]:
-        """One span per run of image pads (one image) and per run of video pads (a
-        Qwen3-VL temporal group, or a whole Qwen2.5-VL video), in prompt order."""
+        """One span per run of image pads (one image, or one of its runs: a Gemma 3 pan-and-scan
+        crop's) and per run of video pads (a Qwen3-VL temporal group, or a whole Qwen2.5-VL
+        video), in prompt order."""
         spans = []
         i, n = 0, len(token_ids)
-        image_it, video_runs = iter(images), iter(_video_runs(videos))
+        image_it, video_runs = self._image_runs(images), iter(_video_runs(videos))
         while i < n:
             token = token_ids[i]
             if token != self.image_token_id and token != self.video_token_id:
@@ -253,14 +270,14 @@ class PromptBuilder:
             raise ValueError("fewer video placeholders in the prompt than the videos take")
         return spans
 
-    def _image_span(self, offset: int, length: int, img: ImageRef | None) -> MMSpan:
-        if img is None:
+    def _image_span(self, offset: int, length: int, run: tuple[ImageRef, int, int] | None) -> MMSpan:
+        if run is None:
             raise ValueError("the prompt holds more image placeholders than images")
-        expected = self.geometry.num_image_tokens(img.width, img.height)
+        img, first_row, expected = run
         if length != expected:
             raise ValueError(f"image placeholder run of {length} tokens, expected {expected}")
         return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash,
-                      meta=self.geometry.span_meta(img.width, img.height))
+                      meta=self.geometry.span_meta(img.width, img.height), first_row=first_row)
 
 
 def span_meta(grid_thw: tuple[int, int, int], second_per_grid_t: float = 0.0, first_group: int = 0) -> dict:

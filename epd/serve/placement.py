@@ -147,7 +147,8 @@ class Placement:
         lookups go into the cache metrics."""
         misses = []
         if count and prep.mm_spans:
-            self.metrics.request_images.observe(len(prep.mm_spans))
+            # an item written as several runs (first_row > 0 after its first) counts once
+            self.metrics.request_images.observe(sum(1 for span in prep.mm_spans if span.first_row == 0))
         for item in prep.items:
             if count:
                 self.metrics.mm_cache_queries += 1

@@ -7,7 +7,9 @@ generic code names no placeholder of its own.
     placeholders   what the chat template writes for one image or video (`image_placeholder`,
                    `video_placeholders`), found in the rendered text
     expansion      the text that replaces one of them, given the item's token count or video plan
-                   (`expand_image`, `expand_video`)
+                   (`expand_image`, `expand_video`); an image written as several runs of placeholders
+                   with text between them (Gemma 3's pan-and-scan crops), given its runs' lengths
+                   (`expand_image_runs`)
     tokens         the token each of an item's placeholder positions holds (`image_token`,
                    `video_token`: config.json's image / video token id when it has one)
     geometry       how an image's size gives its token count, from the checkpoint's processor files
@@ -38,6 +40,11 @@ class ItemGeometry(Protocol):
         """The family's metadata of the image's span (MMSpan.meta: what its position rule reads)."""
         ...
 
+    def image_runs(self, width: int, height: int) -> tuple[int, ...]:
+        """The lengths of the image's runs of placeholders, in prompt order, summing to its
+        `num_image_tokens`; asked only of a format with `expand_image_runs` (one run otherwise)."""
+        ...
+
 
 @dataclass(frozen=True)
 class PromptFormat:
@@ -53,6 +60,8 @@ class PromptFormat:
     image_geometry: Callable[[str | Path, dict | None], ItemGeometry]
     image_kwargs: tuple[str, ...] = ()  # the --mm-processor-kwargs keys its image processor and geometry take
     check_image_kwargs: Callable[[dict], None] = lambda kwargs: None  # ValueError: a key or value refused
+    # an image's runs' lengths -> the text replacing `image_placeholder` (None: every image is one run)
+    expand_image_runs: Callable[[tuple[int, ...]], str] | None = None
 
     @property
     def placeholders(self) -> tuple[str, ...]:

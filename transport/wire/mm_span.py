@@ -27,32 +27,39 @@ class MMSpan:
     """`length` placeholder tokens of item `mm_hash`, starting at prompt token `offset`.
 
     `offset` is the index of the item's first placeholder token in the prompt,
-    `length` the number of placeholder tokens (= rows of the item's embeddings),
+    `length` the number of placeholder tokens (= the rows of the item's embeddings it takes),
     `meta` the model family's metadata of the item: names to ints, floats or
     tuples of ints (what each name means is the family's position rule).
-    Sent as `[offset, length, mm_hash, meta]`.
+    An item written as several runs of placeholders with text between them
+    (an image and its crops) has a span per run, all with its `mm_hash`:
+    `first_row` is the entry's row of the run's first token (0: the item's
+    first run, or its only one), so the run takes rows first_row..+length.
+    Sent as `[offset, length, mm_hash, meta]`, with `first_row` fifth when not 0.
     """
 
     offset: int
     length: int
     mm_hash: str
     meta: Mapping[str, MetaValue] = field(default_factory=dict)
+    first_row: int = 0
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
     def to_list(self) -> list:
-        return [self.offset, self.length, self.mm_hash, meta_to_wire(self.meta)]
+        item = [self.offset, self.length, self.mm_hash, meta_to_wire(self.meta)]
+        return item + [self.first_row] if self.first_row else item
 
     @staticmethod
     def from_list(item: Any) -> MMSpan:
         """The inverse of `to_list`; ValueError for anything else."""
-        if not (isinstance(item, list) and len(item) == 4 and type(item[0]) is int
-                and type(item[1]) is int and type(item[2]) is str):
+        if not (isinstance(item, list) and len(item) in (4, 5) and type(item[0]) is int
+                and type(item[1]) is int and type(item[2]) is str
+                and (len(item) == 4 or (type(item[4]) is int and item[4] > 0))):
             raise ValueError(f"bad mm span {item!r:.80}")
         try:
-            return MMSpan(item[0], item[1], item[2], meta_from_wire(item[3]))
+            return MMSpan(item[0], item[1], item[2], meta_from_wire(item[3]), *item[4:])
         except ValueError as e:
             raise ValueError(f"bad mm span {item[:3]!r:.80}: {e}") from None
 

@@ -7,8 +7,10 @@ MLP), a final LayerNorm. The projector (Gemma3MultiModalProjector) pools the
 patch grid to `mm_tokens_per_image` tokens (average over square windows),
 normalises them with Gemma's RMSNorm (x * (1 + w)) and projects them to the
 text hidden size with one matrix (`mm_input_projection_weight`,
-[vision hidden, text hidden]). Every image is one fixed-size crop, so each gives
-the same number of tokens, all of them the image's embeddings, with no extras.
+[vision hidden, text hidden]). Every crop is of the tower's fixed size, so each
+gives the same number of tokens; an image is its original alone, or with
+pan-and-scan the original and its crops, and its entry holds their tokens in
+that order (the prompt's runs), with no extras.
 
 Imports nothing of the engine: the encoder worker, the aggregated worker and
 the offline LLM load it through `load_vision`.
@@ -186,17 +188,22 @@ class Gemma3Vision:
         self.geometry: Gemma3Geometry = processor.geometry
 
     def preprocess(self, images: list) -> tuple[torch.Tensor, list[dict]]:
-        """Images -> (pixel_values [B, C, S, S], one span metadata dict per image: none)."""
-        return self.processor(images), [{} for _ in images]
+        """Images -> (pixel_values [crops, C, S, S]: each image's original, then its crops;
+        one span metadata dict per image: its crop count, when it has crops)."""
+        return self.processor(images), [self.geometry.span_meta(*image.size) for image in images]
 
     def forward(self, pixel_values: torch.Tensor, metas: list[dict]) -> list[MMEntry]:
-        """One entry per image: its `mm_tokens_per_image` embeddings [tokens, text hidden]."""
+        """One entry per image: the embeddings of its original and its crops, in that order
+        [(1 + num_crops) * mm_tokens_per_image, text hidden]."""
         param = self.tower.projector.mm_input_projection_weight
-        out = self.tower(pixel_values.to(param.device, param.dtype))
-        return [MMEntry(embeddings=out[i], meta=dict(meta)) for i, meta in enumerate(metas)]
+        out = self.tower(pixel_values.to(param.device, param.dtype))  # [crops, tokens, text hidden]
+        counts = [1 + meta.get("num_crops", 0) for meta in metas]
+        assert sum(counts) == out.shape[0], (counts, out.shape)
+        return [MMEntry(embeddings=crops.flatten(0, 1), meta=dict(meta))
+                for crops, meta in zip(out.split(counts), metas)]
 
     def patches(self, width: int, height: int) -> int:
-        """An image's cost for batching: the tower's patches (every image is one crop)."""
+        """An image's cost for batching: the tower's patches, for its original and each crop."""
         return self.geometry.patches(width, height)
 
 

@@ -152,6 +152,9 @@ def test_block_hash_is_stable_and_covers_image_overlap():
     # Same tokens and image, but the block sees other placeholder rows.
     shifted = MMSpan(offset=1, length=8, mm_hash="cat", meta={"grid_thw": (1, 4, 8)})
     assert digest != hash_block(b"", token_ids, 0, [shifted])
+    # Same tokens and image at the same place, but another run of it: other rows of its entry.
+    later_run = MMSpan(offset=2, length=8, mm_hash="cat", meta={"grid_thw": (1, 4, 8)}, first_row=8)
+    assert digest != hash_block(b"", token_ids, 0, [later_run])
 
 
 def test_cached_free_blocks_are_evicted_least_recently_used():

@@ -15,7 +15,8 @@ def test_a_setting_of_some_family_passes_before_the_checkpoint_is_known():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"size_divisor": 2}, "size_divisor cannot be applied here"),
-    ({"do_pan_and_scan": True}, "pan-and-scan crops. is not supported"),  # Gemma 3's key, a value it refuses
+    ({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0},  # Gemma 3's keys, a value it refuses
+     "pan_and_scan_min_crop_size 0: a positive integer"),
     ({"min_pixels": 64, "crop_to_patches": True}, "cannot be applied here"),  # no one family takes both
 ])
 def test_a_setting_no_family_takes_is_refused_before_the_checkpoint(kwargs, message):

@@ -14,6 +14,17 @@ def test_a_span_round_trips_with_any_family_metadata():
     assert MMSpan.from_list([0, 1, HASH, {}]) == MMSpan(0, 1, HASH)  # a family with no metadata
 
 
+def test_a_later_run_of_an_item_carries_its_first_row():
+    span = MMSpan(40, 16, HASH, {"num_crops": 2}, first_row=32)  # the item's third run
+    assert span.to_list() == [40, 16, HASH, {"num_crops": 2}, 32]
+    assert MMSpan.from_list(span.to_list()) == span
+    for bad in (0, -16, 1.5, "32", None):  # 0 is sent as no fifth item
+        with pytest.raises(ValueError, match="bad mm span"):
+            MMSpan.from_list([40, 16, HASH, {}, bad])
+    with pytest.raises(ValueError, match="bad mm span"):
+        MMSpan.from_list([40, 16, HASH, {}, 32, 0])
+
+
 @pytest.mark.parametrize("meta", [
     [1, 8, 8],                                         # not a map
     {"grid": [1, 8.0, 8]},                             # a list holds ints only

@@ -71,8 +71,9 @@ def test_mixed_batch_with_preemption_and_chunks_equals_transformers(gemma3_model
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks
 
 
-@pytest.mark.parametrize("kwargs, named", [({"do_pan_and_scan": True}, "do_pan_and_scan")])
-def test_pan_and_scan_stops_the_llm_by_name(gemma3_model, kwargs, named):
+@pytest.mark.parametrize("kwargs, named", [({"do_pan_and_scan": 1}, "do_pan_and_scan"),
+                                           ({"pan_and_scan_min_crop_size": 0}, "pan_and_scan_min_crop_size")])
+def test_a_bad_pan_and_scan_setting_stops_the_llm_by_name(gemma3_model, kwargs, named):
     from epd import LLM
 
     with pytest.raises(ValueError, match=named):
