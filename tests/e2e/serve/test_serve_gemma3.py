@@ -77,7 +77,7 @@ def served_top5(srv, messages: list[dict]) -> list[list[tuple[int, float]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["e-p-d", "e-pd", "aggregated"])
+@pytest.mark.parametrize("mode", ["e-pd", "aggregated"])  # e-p-d: with pan-and-scan, below
 def test_served_text_equals_transformers(gemma3_model, mode, tmp_path):
     expected = {n: reference_text(gemma3_model, *CHATS[n]) for n in CHAT_NAMES}
     assert all(expected.values())
@@ -95,8 +95,12 @@ def test_served_text_equals_transformers(gemma3_model, mode, tmp_path):
 def test_served_pan_and_scan_equals_transformers(gemma3_model, tmp_path):
     names = ["one_image", "two_images"]
     expected = {n: reference_top5(gemma3_model, *CHATS[n]) for n in names}
+    expected_text = reference_text(gemma3_model, *CHATS["text_only"])
     srv = start_server(gemma3_model, tmp_path, "e-p-d", "--mm-processor-kwargs", json.dumps(PAN_AND_SCAN))
     try:
+        assert expected_text
+        assert chat_text(srv, CHATS["text_only"][0], MAX_TOKENS) == expected_text
+        assert chat_text(srv, CHATS["text_only"][0], MAX_TOKENS, stream=True) == expected_text
         for name in names:
             got = served_top5(srv, CHATS[name][0])
             assert [[i for i, _ in step] for step in got] == [[i for i, _ in step] for step in expected[name]], name
