@@ -58,3 +58,26 @@ def test_a_language_model_adapter_gives_peft_tokens(model_and_adapter):
     assert ProjectionShapes.from_hf(AutoConfig.from_pretrained(model_dir)) == ProjectionShapes.of(
         llm.engine.runner.model.cfg)
 
+
+
+@pytest.mark.parametrize("family", ["glm4v", "glm4v_moe", "internvl-tiny", "internvl-moe-tiny"])
+def test_the_api_sees_the_models_shapes_and_moe_layers(family, tmp_path):
+    """ProjectionShapes.from_hf (the API process: no torch) equals the engine's text config's:
+    GLM-4.1V's head_dim (hidden / heads whatever head_dim says), the MoE layers of GLM-4.5V
+    (after first_k_dense_replace) and of InternVL on Qwen3-MoE, where gate/up/down are refused."""
+    from transformers import AutoConfig
+
+    from epd.engine.lora.adapter import ProjectionShapes
+    from epd.families.glm4v.text_model import TextConfig as GlmTextConfig
+    from epd.families.internvl.text_model import text_config
+    from testkit.family_checkpoints import family_checkpoint
+
+    if family.startswith("internvl"):
+        config = AutoConfig.from_pretrained(make_model(tmp_path / "ckpt", family, seed=0))
+        cfg = text_config(config)
+    else:
+        config = AutoConfig.from_pretrained(family_checkpoint(family))
+        cfg = GlmTextConfig.from_hf(config)
+    shapes = ProjectionShapes.from_hf(config)
+    assert shapes == ProjectionShapes.of(cfg)
+    assert bool(shapes.moe_layer_ids) == ("moe" in family)
