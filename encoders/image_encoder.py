@@ -57,7 +57,10 @@ class ImageEncoder:
                        if has_processor else None)
         self.tower = None if self.vision is None else self.vision.tower  # what tower LoRA wraps
         # the projections wrapped before the packing, which then reaches the base inside each wrapper
-        self.lora = TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora else None
+        # a family whose tower takes no adapter: none wrapped, and an adapter for it refused by name (`adapted`)
+        self.family_name = None if family.tower_lora else family.name
+        self.lora = (TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora and family.tower_lora
+                     else None)
         if self.tower is not None:
             pack_linears(self.tower)  # CPU float32: oneDNN with packed weights (transport/weights/cpu_linear.py)
         self.device = device
@@ -83,6 +86,9 @@ class ImageEncoder:
         if lora is None:
             yield
             return
+        if self.lora is None and self.family_name is not None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: it adapts {self.family_name}'s vision tower, which "
+                             f"tower LoRA (--enable-tower-lora) does not cover yet")
         if self.lora is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: tower LoRA is not enabled on this encoder "
                              f"(--enable-tower-lora)")

@@ -62,17 +62,37 @@ def check_lora_modules(modules: tuple[LoRAModule, ...], served_model_name: str, 
     """Every adapter read and checked against the checkpoint (torch-free); ValueError naming
     the adapter and the field (r above --max-lora-rank, a target the model lacks, another base).
     `enable_tower_lora`: its vision tower weights are checked against the tower too (else
-    they are ignored, with a warning)."""
+    they are ignored, with a warning); on a family whose tower takes no adapter an adapter
+    with tower weights is refused, naming it."""
     from epd.encoders.tower_adapter import TowerShapes, read_tower_adapter
     from epd.engine.lora.adapter import ProjectionShapes, read_adapter
+    from epd.families.registry import family_of
 
     shapes = ProjectionShapes.from_hf(hf_config)
+    family = family_of(hf_config)
     for module in modules:
         if module.name == served_model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the served model's own name")
         read_adapter(module.name, module.path, shapes, max_lora_rank, tower=enable_tower_lora)
-        if enable_tower_lora and getattr(hf_config, "vision_config", None) is not None:
+        if not enable_tower_lora or getattr(hf_config, "vision_config", None) is None:
+            continue
+        if family.tower_lora:
             read_tower_adapter(module.name, module.path, TowerShapes.from_hf(hf_config), max_lora_rank)
+        else:
+            refuse_tower_tensors(module.name, module.path, family.name, max_lora_rank)
+
+
+def refuse_tower_tensors(name: str, path: str, family: str, max_lora_rank: int) -> None:
+    """A LoRAAdapterError naming the adapter and a tensor when it adapts the vision tower
+    of `family`, whose tower takes no adapter (--enable-tower-lora covers the Qwen towers)."""
+    from epd.transport.weights.lora_files import LoRAAdapterError, read_lora_files
+
+    files = read_lora_files(name, path, max_lora_rank)
+    keys = files.tower_keys()
+    if keys:
+        raise LoRAAdapterError(f"{files.where}: tensor {keys[0]!r} (and {len(keys) - 1} more) adapts {family}'s "
+                               f"vision tower, which tower LoRA (--enable-tower-lora) does not cover yet; "
+                               f"without --enable-tower-lora its tower tensors are ignored, as vLLM does")
 
 
 class TowerAdapters:

@@ -3,7 +3,10 @@
 A PEFT adapter is a directory with `adapter_config.json` (`r`, `lora_alpha`,
 `use_rslora`, `target_modules`, ...) and `adapter_model.safetensors` holding,
 per targeted projection, `...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`
-[r, in_features] and `lora_B.weight` [out_features, r]. The delta it adds to a
+[r, in_features] and `lora_B.weight` [out_features, r]. A model whose
+transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
+adapters on the fused projection: one A, and a B over both halves
+(`split_fused` gives each half its own pair, the same delta). The delta it adds to a
 projection's output is `x @ A^T @ B^T * scaling`, with `scaling = lora_alpha / r`
 (`lora_alpha / sqrt(r)` with `use_rslora`); transport/weights/lora_files.py reads the
 files and checks what both sides share.
@@ -28,14 +31,18 @@ from pathlib import Path
 from epd.transport.weights.lora_files import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, check_pairs, check_shape,
                                       is_tower_key, read_lora_files)
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoRAAdapterError", "ProjectionShapes", "AdapterSpec", "read_adapter"]
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "LoRAAdapterError", "ProjectionShapes", "AdapterSpec", "read_adapter",
+           "split_fused"]
 
 log = logging.getLogger("epd.lora")
 
 # The language model's projections an adapter may target (PEFT's module names).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+# a projection transformers' model fuses, as PEFT targets it -> the pieces it stands for, in its output's
+# order (GLM-4.1V's MLP: gate then up; vLLM's glm4_1v packs "gate_up_proj" as itself)
+FUSED_MODULES = {"gate_up_proj": ("gate_proj", "up_proj")}
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + tuple(FUSED_MODULES)
 # The last name of a vision tower's linear projections (Qwen3-VL: blocks' qkv, proj, linear_fc1/2 and the
 # mergers' linear_fc1/2; Qwen2.5-VL: qkv, proj, gate/up/down_proj, the merger's mlp.0 / mlp.2)
 TOWER_MODULE_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2", "0", "2") + MLP_MODULES
@@ -58,7 +65,8 @@ class ProjectionShapes:
         h, i = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return cls(cfg.num_layers, {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                                    "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)},
+                                    "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+                                    "gate_up_proj": (h, 2 * i)},
                    frozenset(cfg.moe_layer_ids))
 
     def max_adapter_bytes(self, rank: int) -> int:
@@ -66,20 +74,24 @@ class ProjectionShapes:
         of every layer in the widest dtype (8 bytes), twice over for its vision tower's (smaller
         than the language model in every family served). A larger file (padded, sparse, or
         tensors nothing reads) is refused before any worker reads it."""
-        return 2 * 8 * rank * self.num_layers * sum(i + o for i, o in self.sizes.values())
+        pieces = (sizes for module, sizes in self.sizes.items() if module not in FUSED_MODULES)
+        return 2 * 8 * rank * self.num_layers * sum(i + o for i, o in pieces)
 
     @classmethod
     def from_hf(cls, hf_config) -> ProjectionShapes:
         """From a transformers config without loading model code (the API process has no
-        torch): the engine's rules for head_dim and MoE layers (models/qwen2_5_vl.py,
-        qwen3_vl_moe.py), checked equal to `of(TextConfig)` by the tests."""
+        torch): the families' text models' rules for head_dim and MoE layers (Qwen2.5-VL's and
+        GLM-4.1V's head_dim, the MoE layers of Qwen3-VL-MoE, InternVL on Qwen3-MoE and GLM-4.5V),
+        checked equal to `of(TextConfig)` by the tests."""
         tc = hf_config.text_config
         model_type = getattr(hf_config, "model_type", "")
         head_dim = tc.hidden_size // tc.num_attention_heads
-        if model_type != "qwen2_5_vl":
+        if model_type not in ("qwen2_5_vl", "glm4v"):  # theirs is hidden / heads, whatever head_dim says
             head_dim = getattr(tc, "head_dim", None) or head_dim
         moe: tuple[int, ...] = ()
-        if model_type == "qwen3_vl_moe":
+        if model_type == "glm4v_moe":
+            moe = tuple(range(tc.first_k_dense_replace, tc.num_hidden_layers))
+        elif model_type == "qwen3_vl_moe" or getattr(tc, "model_type", "") == "qwen3_moe":
             mlp_only = set(getattr(tc, "mlp_only_layers", None) or ())
             step = int(getattr(tc, "decoder_sparse_step", 1) or 1)
             moe = tuple(i for i in range(tc.num_hidden_layers) if i not in mlp_only and (i + 1) % step == 0)
@@ -161,6 +173,10 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
                     "--enable-tower-lora: %d tensors of the vision tower (%s, ...) will be ignored",
                     where, len(tower_keys), tower_keys[0])
     check_pairs(found, where, lambda k: f"layer {k[0]} {k[1]}")
+    for (layer, module) in found:
+        twice = [p for p in FUSED_MODULES.get(module, ()) if (layer, p) in found]
+        if twice:
+            raise LoRAAdapterError(f"{where}: layer {layer} is adapted both as {module} and as {', '.join(twice)}")
     if not found and not (tower and tower_keys):
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weight of the language model"
                                + (" (its vision tower weights need --enable-tower-lora)" if tower_keys else ""))
@@ -175,8 +191,19 @@ def _check_tensor(key: str, meta: dict, layer: int, module: str, which: str, sha
     if layer >= shapes.num_layers:
         raise LoRAAdapterError(f"{where}: tensor {key!r} is for layer {layer}, but the model has "
                                f"{shapes.num_layers} layers (an adapter for another base model?)")
-    if module in MLP_MODULES and layer in shapes.moe_layer_ids:
+    if (module in MLP_MODULES or module in FUSED_MODULES) and layer in shapes.moe_layer_ids:
         raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module} of layer {layer}, "
                                f"a mixture-of-experts layer without that projection")
     in_features, out_features = shapes.sizes[module]
     check_shape(key, meta, which, in_features, out_features, rank, module, where)
+
+
+def split_fused(weights: dict[tuple[int, str], tuple]) -> dict[tuple[int, str], tuple]:
+    """(layer, module) -> (A, B) with each fused module's pair given as its pieces': the
+    same A, and B's rows cut in equal parts in order (x A^T B^T, cut by output rows)."""
+    out = {}
+    for (layer, module), (a, b) in weights.items():
+        pieces = FUSED_MODULES.get(module, (module,))
+        rows = b.shape[0] // len(pieces)
+        out.update({(layer, piece): (a, b[k * rows:(k + 1) * rows]) for k, piece in enumerate(pieces)})
+    return out

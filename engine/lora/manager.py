@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from epd.engine.lora.adapter import WEIGHTS_FILE, AdapterSpec, LoRAAdapterError, ProjectionShapes, read_adapter
+from epd.engine.lora.adapter import (WEIGHTS_FILE, AdapterSpec, LoRAAdapterError, ProjectionShapes, read_adapter,
+                                     split_fused)
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.lora.layers import LoRAStep, wrap_model
 from epd.engine.lora.step_rows import StepRows, step_rows
@@ -207,7 +208,8 @@ class LoRAManager:
                 tensors = load_file(f"{lora.lora_path}/{WEIGHTS_FILE}")
             except Exception as exc:  # a torn or truncated file
                 raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} is unreadable ({exc})") from None
-            entry = _HostAdapter(spec, {k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()}, digest)
+            weights = split_fused({k: (tensors[a], tensors[b]) for k, (a, b) in spec.tensors.items()})
+            entry = _HostAdapter(spec, weights, digest)
             with self._lock:  # evicted by the step thread (`keep_read`), never here: see there
                 self._host[lora.key] = entry
                 self.num_loads += 1

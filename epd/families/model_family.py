@@ -42,6 +42,9 @@ class ModelFamily:
     # vLLM's --tool-call-parser name of its chat template's tool calls (epd/api/tool_parsers/); None: not known.
     # Named in the error when --enable-auto-tool-choice comes without --tool-call-parser.
     tool_call_parser: str | None = None
+    # whether an adapter's vision tower tensors can run on its tower (--enable-tower-lora: the names and
+    # (in, out) of encoders/tower_adapter.py TowerShapes); False: such an adapter is refused by name
+    tower_lora: bool = False
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)

@@ -9,8 +9,12 @@ model's adapters (engine/lora/adapter.py) and the vision tower's
 `read_lora_files` checks the config (a rank above --max-lora-rank, options
 that change the math beyond `x @ A^T @ B^T * scaling`) and reads the
 safetensors header; each side then pairs and checks its own tensors. A
-tensor of the vision tower is one whose name has a `visual.` component
-(PEFT's names on transformers' model: `...model.visual.blocks.N.attn.qkv...`).
+tensor of the vision tower (or its projector) is one whose name has a component
+by which a family's transformers model or release names it (PEFT's names on
+transformers' model: Qwen's and GLM's `...model.visual.blocks.N.attn.qkv...`,
+Gemma 3's and InternVL's `vision_tower.` and `multi_modal_projector.`,
+InternVL's original `vision_model.` and `mlp1.`), so none is ever read as a
+language-model layer's (SigLIP's `encoder.layers.N.self_attn.q_proj`).
 The header is bounded before it is parsed (`MAX_HEADER_BYTES`), and every
 tensor's offsets are checked against its dtype, shape and the file's size
 (safetensors' layout: the data ends where the file ends), so a sparse or
@@ -35,7 +39,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # a tensor of the vision tower: (module path inside the tower, "A" or "B")
 TOWER_KEY = re.compile(r"(?:^|\.)visual\.(.+?)\.lora_([AB])(?:\.default)?\.weight$")
-_TOWER_COMPONENT = re.compile(r"(?:^|\.)visual\.")
+_TOWER_COMPONENT = re.compile(r"(?:^|\.)(?:visual|vision_tower|vision_model|multi_modal_projector|mlp1)\.")
 # An adapter's header: ~150 bytes a tensor, so 2 MiB is ~14k tensors, 9x the ~1,500 of an adapter on
 # every projection of an 80-layer model (7 a layer, A and B) and its tower's. safetensors allows 100 MB
 # (78 MB took 11 s); json.loads holds the GIL, so even off the event loop a header stalls the API

@@ -13,8 +13,10 @@ def rope_positions(hf_config):
     return RopePositions()
 
 
+# tool calls: its language model's (Qwen3, Qwen2) <tool_call> JSON blocks, vLLM's hermes; vLLM has no
+# InternVL parser, and a template without tools needs --chat-template (docs/decisions/internvl-family.md)
 FAMILIES = (
     ModelFamily("InternVL", "internvl", "InternVLForConditionalGeneration", INTERNVL_FORMAT,
                 "epd.families.internvl.text_loader:load_text_model", "epd.families.internvl.vision:load_vision",
-                rope_positions),
+                rope_positions, tool_call_parser="hermes"),
 )

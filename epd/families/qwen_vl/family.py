@@ -18,9 +18,9 @@ def mrope_positions(hf_config):
 
 FAMILIES = (
     ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="hermes"),
+                mrope_positions, tool_call_parser="hermes", tower_lora=True),
     ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes"),
+                VISION, mrope_positions, tool_call_parser="hermes", tower_lora=True),
     ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes"),
+                VISION, mrope_positions, tool_call_parser="hermes", tower_lora=True),
 )

@@ -39,6 +39,7 @@ def test_the_config_names_every_parser_and_the_families_name_known_ones():
     assert TOOL_CALL_PARSERS == tuple(TOOL_PARSERS)
     assert {f.tool_call_parser for f in FAMILIES.values()} - {None} <= set(TOOL_PARSERS)
     assert FAMILIES["qwen3_vl"].tool_call_parser == "hermes"
+    assert FAMILIES["internvl"].tool_call_parser == "hermes"  # a Qwen3 (or Qwen2) language model
 
 
 PYTHONIC = [

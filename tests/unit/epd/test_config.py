@@ -424,3 +424,13 @@ def test_auto_tool_choice_without_a_parser_lists_them_when_the_family_names_none
     """The family's parser is suggested (above); a directory of no known family gets the list."""
     with pytest.raises(ValueError, match=re.escape("--tool-call-parser one of hermes, pythonic, glm45")):
         ServeConfig(model=str(tmp_path), enable_auto_tool_choice=True)
+
+
+def test_auto_tool_choice_without_a_parser_names_hermes_for_internvl(tmp_path):
+    """InternVL's language model (Qwen3, Qwen2) writes Qwen's <tool_call> blocks: vLLM's hermes."""
+    from testkit.family_checkpoints import config_only_checkpoint
+
+    model = config_only_checkpoint(tmp_path, {"model_type": "internvl",
+                                              "architectures": ["InternVLForConditionalGeneration"]})
+    with pytest.raises(ValueError, match=re.escape("--tool-call-parser hermes for InternVL")):
+        ServeConfig(model=model, enable_auto_tool_choice=True)
