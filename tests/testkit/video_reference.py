@@ -70,7 +70,9 @@ def hf_processor_inputs(model_dir: str, text: str, clips: VideoClips, images: li
     Qwen2_5_VLProcessor), in one child process, on the WHOLE chat text with the
     videos (and the images, for their placeholders), as a user runs it:
     `input_ids` [1, L], `pixel_values_videos`, `video_grid_thw`,
-    `second_per_grid_ts` (Qwen2.5-VL; else None) and `image_grid_thw` (or None)."""
+    `second_per_grid_ts` (Qwen2.5-VL; else None), `image_grid_thw` (or None),
+    `pixel_values` (InternVL: its images' tiles and its videos' frames in prompt order; else
+    the images' or None) and `mm_token_type_ids` (GLM-4.1V's: 1 image, 2 video; or None)."""
     work = clips.work
     work.mkdir(parents=True, exist_ok=True)
     videos = []
@@ -109,8 +111,10 @@ def _processor_main(job: dict) -> None:
                     return_tensors="pt", **job["kwargs"])
     spgt = out.get("second_per_grid_ts")
     grids = out.get("image_grid_thw")
+    types = out.get("mm_token_type_ids")
     torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
-                "video_grid_thw": out.get("video_grid_thw"),
+                "video_grid_thw": out.get("video_grid_thw"), "pixel_values": out.get("pixel_values"),
+                "mm_token_type_ids": None if types is None else torch.as_tensor(types),
                 "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
                 "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, job["out"])
 
