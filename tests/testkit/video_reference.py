@@ -38,7 +38,8 @@ def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list
     frames (all of them, uint8 [N, H, W, 3]) with its header `meta` (VideoMeta),
     once per kwargs of its calls. Each result has pixel_values_videos,
     video_grid_thw, frames_indices, the Qwen3-VL group timestamps and the
-    sampled fps, or `error` (the message transformers raised)."""
+    sampled fps (InternVL's: no grid, no timestamps), or `error` (the message
+    transformers raised)."""
     work.mkdir(parents=True, exist_ok=True)
     jobs = []
     for i, (frames, meta, calls) in enumerate(videos):
@@ -151,12 +152,14 @@ def _result(processor, frames, out) -> dict:
     metadata = out["video_metadata"][0]
     indices = (list(range(len(frames))) if metadata.frames_indices is None
                else [int(i) for i in metadata.frames_indices])
-    timestamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), metadata.fps,
-                                                        processor.temporal_patch_size)
+    tps = getattr(processor, "temporal_patch_size", None)  # None: frames, no groups (InternVL)
+    timestamps = [] if tps is None else Qwen3VLProcessor._calculate_timestamps(None, list(indices), metadata.fps,
+                                                                               tps)
+    grid = out.get("video_grid_thw")
     return {"pixel_values_videos": out["pixel_values_videos"],
-            "video_grid_thw": [int(v) for v in out["video_grid_thw"][0]],
+            "video_grid_thw": None if grid is None else [int(v) for v in grid[0]],
             "frames_indices": indices, "timestamps": [float(t) for t in timestamps],
-            "sampled_fps": float(metadata.sampled_fps), "merge_size": processor.merge_size,
+            "sampled_fps": float(metadata.sampled_fps), "merge_size": getattr(processor, "merge_size", None),
             "processor_class": type(processor).__name__}
 
 
