@@ -25,9 +25,11 @@ import torch
 from PIL import Image
 
 from testkit.hf_reference import _template_messages
-from testkit.video_reference import VideoClips, hf_processor_inputs
+from testkit.video_reference import VideoClips, hf_processor_inputs_many
 
 TOP = 5
+Chat = tuple[list[dict], list[bytes], VideoClips]  # messages, the images' bytes, the video's frames
+Greedy = tuple[list[int], list[int], list[list]]  # prompt ids, greedy tokens, each step's top-5 (token, logprob)
 
 
 def _chat_text(tok, messages: list[dict]) -> str:
@@ -42,13 +44,16 @@ def _step(ids: torch.Tensor, logits: torch.Tensor, tokens: list, tops: list) -> 
 
 
 @torch.no_grad()
-def glm4v_greedy(model_dir: str, messages: list[dict], images: list[bytes], clips: VideoClips,
-                 num_tokens: int) -> tuple[list[int], list[int], list[list]]:
-    """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) of GLM-4.1V / GLM-4.5V."""
+def glm4v_greedy(model_dir: str, chats: list[Chat], num_tokens: int) -> list[Greedy]:
+    """Each chat's (prompt ids, greedy tokens, top-5 logprobs) by GLM-4.1V / GLM-4.5V."""
     from testkit.hf_reference import _load
 
     model, tok, ip = _load(model_dir)
-    out = hf_processor_inputs(model_dir, _chat_text(tok, messages), clips, images)
+    outs = hf_processor_inputs_many(model_dir, [(_chat_text(tok, m), clips, images) for m, images, clips in chats])
+    return [_glm4v_one(model, ip, out, images, num_tokens) for (_, images, _), out in zip(chats, outs)]
+
+
+def _glm4v_one(model, ip, out: dict, images: list[bytes], num_tokens: int) -> Greedy:
     ids, types = out["input_ids"], out["mm_token_type_ids"]
     video_grid = out["video_grid_thw"]
     embeds = {2: torch.cat(model.model.get_video_features(out["pixel_values_videos"], video_grid).pooler_output)}
@@ -75,19 +80,24 @@ def glm4v_greedy(model_dir: str, messages: list[dict], images: list[bytes], clip
 
 
 @torch.no_grad()
-def internvl_greedy(model_dir: str, messages: list[dict], images: list[bytes], clips: VideoClips,
-                    num_tokens: int) -> tuple[list[int], list[int], list[list]]:
-    """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) of InternVL, one video."""
+def internvl_greedy(model_dir: str, chats: list[Chat], num_tokens: int) -> list[Greedy]:
+    """Each chat's (prompt ids, greedy tokens, top-5 logprobs) by InternVL; one video a chat."""
     from testkit.internvl_reference import _load
 
-    assert len(clips.videos) == 1, "one video: its frames are what the images' tiles leave"
     model, tok, ip, _ = _load(model_dir)
-    text = _chat_text(tok, messages)
-    out = hf_processor_inputs(model_dir, text, clips, images)
+    texts = [_chat_text(tok, messages) for messages, _, _ in chats]
+    outs = hf_processor_inputs_many(model_dir, [(text, clips, images)
+                                                for text, (_, images, clips) in zip(texts, chats)])
+    return [_internvl_one(model, tok, ip, text, out, images, num_tokens)
+            for text, (_, images, _), out in zip(texts, chats, outs)]
+
+
+def _internvl_one(model, tok, ip, text: str, out: dict, images: list[bytes], num_tokens: int) -> Greedy:
+    assert text.count(tok.video_token) == 1, "one video: its frames are what the images' tiles leave"
     ids, merged = out["input_ids"], out["pixel_values"]
     tiles = [ip(images=[Image.open(io.BytesIO(b)).convert("RGB")], crop_to_patches=True, return_tensors="pt")
              ["pixel_values"] for b in images]
-    num_frames = merged.shape[0] - sum(t.shape[0] for t in tiles)
+    num_frames = merged.shape[0] - sum(t.shape[0] for t in tiles)  # one video: what the tiles leave
     pieces, row, image_it = [], 0, iter(tiles)
     for kind in re.findall(rf"{re.escape(tok.context_image_token)}|{re.escape(tok.video_token)}", text):
         piece = next(image_it) if kind == tok.context_image_token else merged[row:row + num_frames]

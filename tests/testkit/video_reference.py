@@ -74,24 +74,31 @@ def hf_processor_inputs(model_dir: str, text: str, clips: VideoClips, images: li
     `second_per_grid_ts` (Qwen2.5-VL; else None), `image_grid_thw` (or None),
     `pixel_values` (InternVL: its images' tiles and its videos' frames in prompt order; else
     the images' or None) and `mm_token_type_ids` (GLM-4.1V's: 1 image, 2 video; or None)."""
-    work = clips.work
-    work.mkdir(parents=True, exist_ok=True)
-    videos = []
-    for i, (frames, meta) in enumerate(clips.videos):
-        np.save(work / f"frames{i}.npy", frames)
-        videos.append({"frames": str(work / f"frames{i}.npy"), "meta": _meta(meta)})
-    image_paths = []
-    for i, data in enumerate(images):
-        (work / f"image{i}").write_bytes(data)
-        image_paths.append(str(work / f"image{i}"))
-    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"), "text": text,
-                                               "videos": videos, "kwargs": clips.kwargs, "images": image_paths,
-                                               "processor": True}))
-    proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
-                          timeout=240)
+    return hf_processor_inputs_many(model_dir, [(text, clips, images)])[0]
+
+
+def hf_processor_inputs_many(model_dir: str, calls: list[tuple[str, VideoClips, list[bytes]]]) -> list[dict]:
+    """`hf_processor_inputs` of several (text, clips, images) calls, in one child process."""
+    jobs = []
+    for text, clips, images in calls:
+        work = clips.work
+        work.mkdir(parents=True, exist_ok=True)
+        videos = []
+        for i, (frames, meta) in enumerate(clips.videos):
+            np.save(work / f"frames{i}.npy", frames)
+            videos.append({"frames": str(work / f"frames{i}.npy"), "meta": _meta(meta)})
+        image_paths = []
+        for i, data in enumerate(images):
+            (work / f"image{i}").write_bytes(data)
+            image_paths.append(str(work / f"image{i}"))
+        jobs.append({"out": str(work / "out.pt"), "text": text, "videos": videos, "kwargs": clips.kwargs,
+                     "images": image_paths})
+    job_path = calls[0][1].work / "job.json"
+    job_path.write_text(json.dumps({"model_dir": model_dir, "calls": jobs, "processor": True}))
+    proc = subprocess.run([sys.executable, __file__, str(job_path)], capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise RuntimeError(f"reference process failed:\n{proc.stderr[-4000:]}")
-    return torch.load(work / "out.pt")
+    return [torch.load(job["out"]) for job in jobs]
 
 
 def _meta(meta) -> dict:
@@ -105,19 +112,20 @@ def _processor_main(job: dict) -> None:
     from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(job["model_dir"])
-    images = [Image.open(path).convert("RGB") for path in job["images"]] or None
-    videos = [np.load(video["frames"]) for video in job["videos"]] or None
-    metadata = [VideoMetadata(**video["meta"]) for video in job["videos"]] or None
-    out = processor(text=[job["text"]], images=images, videos=videos, video_metadata=metadata,
-                    return_tensors="pt", **job["kwargs"])
-    spgt = out.get("second_per_grid_ts")
-    grids = out.get("image_grid_thw")
-    types = out.get("mm_token_type_ids")
-    torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
-                "video_grid_thw": out.get("video_grid_thw"), "pixel_values": out.get("pixel_values"),
-                "mm_token_type_ids": None if types is None else torch.as_tensor(types),
-                "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
-                "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, job["out"])
+    for call in job["calls"]:
+        images = [Image.open(path).convert("RGB") for path in call["images"]] or None
+        videos = [np.load(video["frames"]) for video in call["videos"]] or None
+        metadata = [VideoMetadata(**video["meta"]) for video in call["videos"]] or None
+        out = processor(text=[call["text"]], images=images, videos=videos, video_metadata=metadata,
+                        return_tensors="pt", **call["kwargs"])
+        spgt = out.get("second_per_grid_ts")
+        grids = out.get("image_grid_thw")
+        types = out.get("mm_token_type_ids")
+        torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
+                    "video_grid_thw": out.get("video_grid_thw"), "pixel_values": out.get("pixel_values"),
+                    "mm_token_type_ids": None if types is None else torch.as_tensor(types),
+                    "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
+                    "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, call["out"])
 
 
 def _main(job_path: str) -> None:

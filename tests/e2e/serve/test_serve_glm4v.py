@@ -62,7 +62,7 @@ def _video_reference(model_dir: str, work: str) -> tuple[list[int], list[int], l
     messages, clip = _video_chat()
     meta = read_video_meta(clip)
     clips = VideoClips([(decode_frames(clip, range(meta.num_frames)), meta)], {}, Path(work))
-    return glm4v_greedy(model_dir, messages, [IMG_A], clips, NUM_TOKENS)
+    return glm4v_greedy(model_dir, [(messages, [IMG_A], clips)], NUM_TOKENS)[0]
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def _video_reference(model_dir: str, work) -> tuple[list[dict], tuple]:
     messages = [{"role": "user", "content": [image_part(IMG_A), video, {"type": "text", "text": "What happens?"}]}]
     meta = read_video_meta(clip)
     clips = VideoClips([(decode_frames(clip, range(meta.num_frames)), meta)], VIDEO_KWARGS, work)
-    return messages, internvl_greedy(model_dir, messages, [IMG_A], clips, MAX_TOKENS)
+    return messages, internvl_greedy(model_dir, [(messages, [IMG_A], clips)], MAX_TOKENS)[0]
 CHAT_NAMES = ["text_only", "two_images", "multi_turn"]
 
 

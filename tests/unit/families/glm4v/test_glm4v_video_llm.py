@@ -39,9 +39,9 @@ def test_video_chats_equal_transformers(tmp_path):
                 for name, (parts, _) in chats.items()}
     outs = llm.chat(list(messages.values()),
                     SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP))
-    for (name, (_, images)), out in zip(chats.items(), outs):
-        prompt, tokens, tops = glm4v_greedy(model_dir, messages[name], images,
-                                            VideoClips([(frames, meta)], {}, tmp_path / name), NUM_TOKENS)
+    expected = glm4v_greedy(model_dir, [(messages[name], images, VideoClips([(frames, meta)], {}, tmp_path / name))
+                                        for name, (_, images) in chats.items()], NUM_TOKENS)
+    for name, out, (prompt, tokens, tops) in zip(chats, outs, expected):
         assert out.prompt_token_ids == prompt, name
         assert out.outputs[0].token_ids == tokens, name
         got = [lp.top for lp in out.outputs[0].logprobs]

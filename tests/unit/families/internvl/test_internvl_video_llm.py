@@ -1,6 +1,6 @@
 """InternVL video as frames through the offline `LLM`: the header plan
-(InternVLVideoProcessor's frames: every one, or sampled with num_frames from half
-a step in), each frame one tile with "Frame{i}:" and `<img>`..`</img>` around
+(InternVLVideoProcessor's frames: every one, or sampled by fps or num_frames from
+half a step in), each frame one tile with "Frame{i}:" and `<img>`..`</img>` around
 it, the frames' entries told from an image's by the placeholders' order, gives
 transformers' prompt ids, greedy tokens and top-5 logprobs (float32; its whole
 InternVLProcessor and InternVLForConditionalGeneration,
@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(not reference_available(), reason="scripts/env.s
 NUM_TOKENS = 6
 # (the request's mm_processor_kwargs, transformers' processor kwargs, with an image)
 CASES = {"every_frame": (None, {}, False),
+         "fps_sampled": ({"do_sample_frames": True, "fps": 2}, {"do_sample_frames": True, "fps": 2}, False),
          "image_and_sampled_frames": ({"do_sample_frames": True, "num_frames": 3},
                                       {"do_sample_frames": True, "num_frames": 3}, True)}
 
@@ -38,15 +39,17 @@ def test_video_chats_equal_transformers(tmp_path):
     meta = read_video_meta(data)
     frames = decode_frames(data, range(meta.num_frames))
 
+    chats = {name: [{"role": "user", "content": [*([image_part(IMG_A)] if with_image else []), video,
+                                                 {"type": "text", "text": "What happens?"}]}]
+             for name, (_, _, with_image) in CASES.items()}
+    expected = internvl_greedy(model_dir, [(chats[name], [IMG_A] if with_image else [],
+                                            VideoClips([(frames, meta)], theirs, tmp_path / name))
+                                           for name, (_, theirs, with_image) in CASES.items()], NUM_TOKENS)
     llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=24)  # chunks cut the frames
-    for name, (ours, theirs, with_image) in CASES.items():
-        parts = [image_part(IMG_A), video] if with_image else [video]
-        messages = [{"role": "user", "content": [*parts, {"type": "text", "text": "What happens?"}]}]
-        [out] = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
-                                                  logprobs=TOP), mm_processor_kwargs=ours)
-        prompt, tokens, tops = internvl_greedy(model_dir, messages, [IMG_A] if with_image else [],
-                                               VideoClips([(frames, meta)], theirs, tmp_path / name), NUM_TOKENS)
-        num_frames = 3 if ours else meta.num_frames
+    for (name, (ours, _, with_image)), (prompt, tokens, tops) in zip(CASES.items(), expected):
+        [out] = llm.chat(chats[name], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True,
+                                                     logprobs=TOP), mm_processor_kwargs=ours)
+        num_frames = {"every_frame": meta.num_frames, "fps_sampled": 2, "image_and_sampled_frames": 3}[name]
         assert out.prompt_token_ids.count(llm.tokenizer.convert_tokens_to_ids("<img>")) == num_frames + with_image
         assert out.prompt_token_ids == prompt, name
         assert out.outputs[0].token_ids == tokens, name
