@@ -6,10 +6,15 @@ video_header.py): it decodes exactly `plan.frame_indices`
 processor (encoders/video_processor.py) and runs the same vision tower as for
 images with grid (t, h, w), t temporal groups; it never re-plans.
 
+The plan's rules are the checkpoint family's (`PromptFormat.video_geometry`,
+the API's too); the tower's input from the normalised frames is the
+patchified groups (Qwen, GLM-4.1V), or what the family's vision side makes of
+them (`vision.video_input(frames, plan)`: InternVL's frames as tiles).
+
 Output: `(mm_hash, MMEntry)` pairs in prompt order, keyed as
-transport/media/video_keys.py says: one per temporal group for Qwen3-VL (grid
-(1, h, w), deepstack included), one for the whole video for Qwen2.5-VL
-(grid (t, h, w)). Groups are independent tower inputs, so a long video runs
+transport/media/video_keys.py says: one per temporal group for Qwen3-VL,
+GLM-4.1V and InternVL (grid (1, h, w), deepstack included), one for the whole
+video for Qwen2.5-VL (grid (t, h, w)). Groups are independent tower inputs, so a long video runs
 through preprocessing and the tower a few groups at a time
 (`max_batch_patches`), which bounds their memory, and gives the same rows
 as one pass (encoders/video_processor.py's steps, applied per chunk of groups:
@@ -29,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-from epd.transport.media.video_geometry import VideoGeometry, VideoPlan
+from epd.families.registry import check_family
+from epd.transport.media.prompt_format import VideoRules
+from epd.transport.media.video_geometry import VideoPlan
 from epd.encoders.video_io import decode_frames
 from epd.transport.media.video_keys import entry_hashes
 from epd.encoders.video_processor import frame_resizer, normalize_frames, patchify, resize_frames
@@ -42,11 +49,12 @@ DEFAULT_MAX_BATCH_PATCHES = 16384
 
 class VideoEncoder:
     def __init__(self, model_dir: str | Path, vision, device: str = "cpu",
-                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES):
+                 max_batch_patches: int = DEFAULT_MAX_BATCH_PATCHES, geometry: VideoRules | None = None):
         """`vision`: the family's vision side, shared with the ImageEncoder
-        (`ImageEncoder.vision`); the video settings come from the checkpoint's
-        video_preprocessor_config.json (else preprocessor_config.json, as transformers)."""
-        self.geometry = VideoGeometry.from_pretrained(model_dir)
+        (`ImageEncoder.vision`); `geometry`: the checkpoint's video rules, else read as its
+        family reads them from video_preprocessor_config.json (else preprocessor_config.json,
+        as transformers); FileNotFoundError when there is none or the family takes no video."""
+        self.geometry = geometry or video_rules(model_dir)
         self.vision = vision
         self.device = device
         self.max_batch_patches = max_batch_patches
@@ -85,11 +93,9 @@ class VideoEncoder:
             start = time.perf_counter()
             part = resize_frames(video[first * tps:(first + n) * tps].contiguous(),
                                  plan.resized_height, plan.resized_width)
-            pixels, grid = patchify(normalize_frames(part, self.geometry), self.geometry)  # [n*h*w, C*tps*p*p]
-            assert grid == (n, h, w), (grid, plan.grid_thw)
+            pixels, metas = self._tower_input(normalize_frames(part, self.geometry), n, plan)
             preprocessed = time.perf_counter()
-            # one (1, h, w) grid per group: the same rows as (n, h, w), cut at the groups
-            entries += self.vision.forward(pixels, [{"grid_thw": (1, h, w)} for _ in range(n)])
+            entries += self.vision.forward(pixels, metas)
             if on_done is not None and str(self.device).startswith("cuda"):
                 torch.cuda.synchronize(self.device)  # the forward's time, not its launch's
             preprocess_s += preprocessed - start
@@ -97,7 +103,28 @@ class VideoEncoder:
         if on_done is not None:
             on_done(preprocess_s, forward_s)
         keys = entry_hashes(mm_hash, plan)
+        assert len(entries) == t, (len(entries), plan.grid_thw)
         if len(keys) == t:  # one entry per group
             return list(zip(keys, entries))
         extras = {name: torch.cat([e.extras[name] for e in entries]) for name in entries[0].extras}
         return [(keys[0], MMEntry(torch.cat([e.embeddings for e in entries]), extras, {"grid_thw": (t, h, w)}))]
+
+    def _tower_input(self, frames: torch.Tensor, n: int, plan: VideoPlan) -> tuple[torch.Tensor, list[dict]]:
+        """n temporal groups' normalised frames [n * tps, C, H, W] -> the tower's input and one meta per group."""
+        video_input = getattr(self.vision, "video_input", None)
+        if video_input is not None:  # the family's own layout (InternVL: each frame a tile)
+            return video_input(frames, plan)
+        t, h, w = plan.grid_thw
+        pixels, grid = patchify(frames, self.geometry)  # [n*h*w, C*tps*p*p]
+        assert grid == (n, h, w), (grid, plan.grid_thw)
+        # one (1, h, w) grid per group: the same rows as (n, h, w), cut at the groups
+        return pixels, [{"grid_thw": (1, h, w)} for _ in range(n)]
+
+
+def video_rules(model_dir: str | Path) -> VideoRules:
+    """The checkpoint's video rules as its family reads them; FileNotFoundError when the
+    family takes no video or the checkpoint has no video processor config."""
+    family = check_family(model_dir)
+    if family.prompt_format.video_geometry is None:
+        raise FileNotFoundError(f"{family.name} takes no video input")
+    return family.prompt_format.video_geometry(model_dir)

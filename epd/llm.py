@@ -96,8 +96,8 @@ class LLM:
         self.encoder = None if self.files.no_images_reason else ImageEncoder(
             model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint,
             processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
-        self.video = None if self.encoder is None else VideoEncoder(
-            model, self.encoder.vision, self.engine.device)
+        self.video = None if self.encoder is None or self.files.video_geometry is None else VideoEncoder(
+            model, self.encoder.vision, self.engine.device, geometry=self.files.video_geometry)
         # chat messages -> prompt, spans and media items, as the server's (no media flags: the caller's own files)
         self.inputs = InputProcessor(self.files, info, TowerAdapters(self.config.lora.enable_tower_lora))
         # offline: the caller's own files; videos under their own cap, errors naming "video"

@@ -11,7 +11,9 @@ weights, opened once at start-up: `ModelFiles.open(model_dir, ModelFilesConfig)`
     generation_config.json   the sampling defaults (epd/inputs/sampling_defaults.py)
     preprocessor_config.json optional: without it the checkpoint serves text only
     video_preprocessor_config.json  optional: a video's sampling and size rules (else
-                             preprocessor_config.json's, as transformers reads them; neither: no video)
+                             preprocessor_config.json's, as transformers reads them; neither: no video),
+                             read by the family's `PromptFormat.video_geometry` (None: the family
+                             takes no video)
 
 A checkpoint that cannot be served raises `CheckpointError` (a ValueError: the
 CLI prints its one line and exits 2); one that serves less (no chat template,
@@ -26,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
-from epd.transport.media.prompt_format import ItemGeometry
-from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoGeometry, VideoOptions
+from epd.transport.media.prompt_format import ItemGeometry, PromptFormat, VideoRules
+from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoOptions
 from epd.families.registry import FAMILIES, check_family, family_of
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
@@ -127,8 +129,9 @@ class ModelFiles:
     sampling_defaults: SamplingDefaults
     processor_config: dict | None  # preprocessor_config.json; None: text only
     geometry: ItemGeometry | None = field(default=None)  # the family's image geometry; None: text only
-    video_geometry: VideoGeometry | None = field(default=None)  # None: no video
+    video_geometry: VideoRules | None = field(default=None)  # the family's video plan rules; None: no video
     video_processor_config: dict | None = field(default=None)  # the file the video rules came from: in mm_hash
+    no_video: str = NO_VIDEO_PROCESSOR  # why videos are refused, when `video_geometry` is None
 
     @classmethod
     def open(cls, model_dir: str | Path, config: ModelFilesConfig | None = None) -> ModelFiles:
@@ -159,11 +162,13 @@ class ModelFiles:
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
             processor_config = {**processor_config, **kwargs}  # what the encoder runs with: part of mm_hash
-        video_geometry, video_config = _video_rules(directory)
+        family = family_of(hf_config)
+        video_geometry, video_config = _video_rules(directory, family.prompt_format)
+        no_video = NO_VIDEO_PROCESSOR if family.prompt_format.video_geometry else f"{family.name} takes no video input"
         return cls(model_dir=str(directory), hf_config=hf_config, tokenizer=tokenizer,
                    chat_template=resolve_chat_template(tokenizer_dir, tokenizer, config.chat_template),
                    sampling_defaults=defaults, processor_config=processor_config, geometry=geometry,
-                   video_geometry=video_geometry, video_processor_config=video_config)
+                   video_geometry=video_geometry, video_processor_config=video_config, no_video=no_video)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -178,7 +183,7 @@ class ModelFiles:
     @property
     def no_video_reason(self) -> str | None:
         """Why video inputs are refused (None: they are served)."""
-        return None if self.video_geometry is not None else NO_VIDEO_PROCESSOR
+        return None if self.video_geometry is not None else self.no_video
 
     @property
     def no_chat_reason(self) -> str | None:
@@ -194,13 +199,16 @@ class ModelFiles:
         return out
 
 
-def _video_rules(directory: Path) -> tuple[VideoGeometry | None, dict | None]:
-    """The checkpoint's video processor rules and the config they came from (None, None: no video)."""
+def _video_rules(directory: Path, prompt_format: PromptFormat) -> tuple[VideoRules | None, dict | None]:
+    """The checkpoint's video processor rules, as its family reads them, and the config they
+    came from (None, None: no video: the family takes none, or neither file is there)."""
+    if prompt_format.video_geometry is None:
+        return None, None
     for name in (VIDEO_CONFIG, IMAGE_CONFIG):
         if (directory / name).is_file():
             try:
                 config = read_json_object(directory / name)
-                return VideoGeometry.from_config(config), config
+                return prompt_format.video_geometry(directory), config
             except (ValueError, TypeError, KeyError) as exc:
                 raise CheckpointError(f"{directory / name}: not a video processor config we can read ({exc})") \
                     from None

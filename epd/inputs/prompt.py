@@ -9,8 +9,9 @@ video's from its `VideoPlan` (made from the header,
 transport/media/video_geometry.py). Image parts are recognised in the OpenAI
 form (`image_url`) and in transformers' (`image`, `image_pil`), video parts as
 `video_url` and `video`. Spans: one per image, one per run of a video's pads
-(a temporal group between timestamps, or a video or chunk of one run;
-`VideoRef.chunks`).
+(a temporal group between timestamps or frame labels, or a video or chunk of
+one run; `VideoRef.chunks`). Where a video's positions hold the image token
+(GLM-4.1V, InternVL), the placeholders' order says which runs are whose.
 """
 from __future__ import annotations
 
@@ -162,6 +163,8 @@ class PromptBuilder:
         self._placeholders = re.compile("(" + "|".join(re.escape(p) for p in self.format.placeholders) + ")")
         self.video_token_id = token_id(tokenizer, self.format.video_token) if video_token_id is None \
             else video_token_id
+        if self.format.video_token == self.format.image_token:  # GLM-4.1V, InternVL: a video's positions
+            self.video_token_id = image_token_id  # hold the image token, whatever config.json names
         self.chat_template = chat_template
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -228,7 +231,8 @@ class PromptBuilder:
                 expanded.append(fmt.expand_video(next(video_it).plan, pad))
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
-        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos))
+        kinds = ["image" if pad == fmt.image_placeholder else "video" for pad in pads]
+        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos, kinds))
 
     def _runs(self, img: ImageRef) -> tuple[int, ...]:
         """The lengths of an image's runs of pads: one run unless the format writes several."""
@@ -244,13 +248,20 @@ class PromptBuilder:
                 yield img, row, length
                 row += length
 
-    def spans(self, token_ids: list[int], images: list[ImageRef], videos: list[VideoRef] = ()) -> list[MMSpan]:
+    def spans(self, token_ids: list[int], images: list[ImageRef], videos: list[VideoRef] = (),
+              kinds: list[str] | None = None) -> list[MMSpan]:
         """One span per run of image pads (one image, or one of its runs: a Gemma 3 pan-and-scan
-        crop's) and per run of video pads (a Qwen3-VL temporal group, or a whole Qwen2.5-VL
-        video), in prompt order."""
+        crop's) and per run of video pads (a temporal group between text, or a whole Qwen2.5-VL
+        video), in prompt order. `kinds`: "image" or "video" per placeholder, in prompt order;
+        what tells the runs apart where a video's positions hold the image token (GLM-4.1V,
+        InternVL; their images are one run each)."""
         spans = []
         i, n = 0, len(token_ids)
         image_it, video_runs = self._image_runs(images), iter(_video_runs(videos))
+        shared = self.video_token_id == self.image_token_id
+        if shared and kinds is None:
+            raise ValueError("images and videos share a token here: their order must be given")
+        run_kinds = iter(_run_kinds(kinds, videos)) if shared else None
         while i < n:
             token = token_ids[i]
             if token != self.image_token_id and token != self.video_token_id:
@@ -259,7 +270,7 @@ class PromptBuilder:
             j = i
             while j < n and token_ids[j] == token:
                 j += 1
-            if token == self.image_token_id:
+            if token == self.image_token_id and (run_kinds is None or next(run_kinds, "image") == "image"):
                 spans.append(self._image_span(i, j - i, next(image_it, None)))
             else:
                 spans += _video_spans(i, j - i, video_runs)
@@ -308,6 +319,18 @@ def _video_spans(offset: int, length: int, video_runs) -> list[MMSpan]:
     if span.continues:
         raise ValueError(f"video placeholder run of {length} tokens is shorter than the video's")
     return spans
+
+
+def _run_kinds(kinds: list[str], videos: list[VideoRef]):
+    """"image" or "video" for each run of placeholder tokens, in order: an image is one run, a
+    video one per temporal group where text parts its groups (timestamps, frame labels), else one."""
+    video_it = iter(videos)
+    for kind in kinds:
+        if kind == "image":
+            yield "image"
+            continue
+        plan = next(video_it).plan
+        yield from ["video"] * (plan.grid_thw[0] if plan.group_timestamps_s else 1)
 
 
 @dataclass(frozen=True)

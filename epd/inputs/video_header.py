@@ -2,8 +2,9 @@
 
 The API process never decodes a video's pixels: it reads the header (frame
 count, average rate, size; encoders/video_io.py), lets the checkpoint's video
-processor rules choose the sampled frames and their size
-(transport/media/video_geometry.py) and counts the tokens. The resulting `VideoPlan`
+processor rules (its family's `VideoRules`, transport/media/prompt_format.py;
+Qwen's transport/media/video_geometry.py) choose the sampled frames and their
+size and counts the tokens. The resulting `VideoPlan`
 is what the encoder decodes and preprocesses, so both sides agree by
 construction. Torch-free.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from epd.transport.media.video_geometry import (VideoGeometry, VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
-                                         VideoPlanError)
+from epd.transport.media.prompt_format import VideoRules
+from epd.transport.media.video_geometry import (VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
+                                                VideoPlanError)
 from epd.encoders.video_io import TooManyFrames, VideoError, read_video_meta
 
 __all__ = ["VideoError", "VideoKwargsRefused", "VideoMeta", "VideoOptions", "VideoPlan", "loader_frames", "plan_video"]
@@ -22,7 +24,7 @@ class VideoKwargsRefused(VideoError):
     """A request's mm_processor_kwargs past the video or the server's budget (a 400 naming them)."""
 
 
-def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = VideoOptions(),
+def plan_video(data: bytes, geometry: VideoRules, options: VideoOptions = VideoOptions(),
                max_frames: int | None = None, max_frame_pixels: int | None = None,
                loader_num_frames: int = -1, request: VideoOptions | None = None,
                server: VideoOptions = VideoOptions(), max_group_pixels: int | None = None
@@ -34,7 +36,7 @@ def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = Vid
 
     `request`: the request's own mm_processor_kwargs (inside `options`, which
     holds `server`'s beneath them), checked against the video and the server's
-    budget before any planning (VideoGeometry.check_request); then a temporal
+    budget before any planning (the rules' check_request); then a temporal
     group's frames may not hold more pixels than `max_group_pixels` (the image
     processor's budget per image) or than the server's own settings give this
     video, whichever is more: a request's kwargs never buy a larger group."""
@@ -62,7 +64,7 @@ def plan_video(data: bytes, geometry: VideoGeometry, options: VideoOptions = Vid
     return meta, plan
 
 
-def _check_group(plan: VideoPlan, geometry: VideoGeometry, meta: VideoMeta, server: VideoOptions,
+def _check_group(plan: VideoPlan, geometry: VideoRules, meta: VideoMeta, server: VideoOptions,
                  loaded: list[int] | None, max_group_pixels: int) -> None:
     pixels = plan.resized_height * plan.resized_width  # one frame of a temporal group
     if pixels <= max_group_pixels:

@@ -1,14 +1,15 @@
 """A request's videos made ready for the workers from their container headers
 alone (the API process decodes no pixel): `VideoInputs`.
 
-    settings      the checkpoint's video rules, --mm-processor-kwargs' video keys, then the
+    settings      the checkpoint's video rules (its family's: ModelFiles.video_geometry),
+                  --mm-processor-kwargs' video keys, then the
                   request's own mm_processor_kwargs (vLLM's), as `VideoOptions`
     plan          header -> sampled frames (--media-io-kwargs video.num_frames first), resized
                   size, tokens                                   epd/inputs/video_header.plan_video
     limits        --max-video-frames (container), --max-image-pixels (a frame),
                   --max-request-video-pixels (what the encoder will decode, all videos together);
                   the request's own kwargs within the video and the server's budget, a temporal
-                  group's frame within the image budget (VideoGeometry.check_request, plan_video)
+                  group's frame within the image budget (the rules' check_request, plan_video)
     keys          the video's mm_hash over its bytes, the video processor config and the plan's
                   frames and size (the same video sampled otherwise is another entry), and the
                   keys of the entries its spans name: one per temporal group for Qwen3-VL
@@ -26,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epd.transport.media.video_chunks import split_plan
-from epd.transport.media.video_geometry import VideoGeometry, VideoMeta, VideoOptions, VideoPlan
+from epd.transport.media.prompt_format import VideoRules
+from epd.transport.media.video_geometry import VideoMeta, VideoOptions, VideoPlan
 from epd.transport.media.video_keys import entry_hashes, video_mm_hash
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
@@ -130,14 +132,14 @@ class VideoInputs:
                                     tuple(chunks) if len(chunks) > 1 else ()))
         return out
 
-    def _plan(self, data: bytes, geometry: VideoGeometry, options: VideoOptions,
+    def _plan(self, data: bytes, geometry: VideoRules, options: VideoOptions,
               request_kwargs: dict | None) -> tuple[VideoMeta, VideoPlan]:
         """One video's header and plan, within the server's limits (none offline)."""
         try:
             if self.media is None:
                 return plan_video(data, geometry, options)
             request = _request_options(request_kwargs)  # its own kwargs, without the server's: what is bounded
-            image_budget = self.files.geometry.max_pixels if self.files.geometry is not None else None
+            image_budget = getattr(self.files.geometry, "max_pixels", None)  # a family's whose images have one
             return plan_video(data, geometry, options, max_frames=self.media.max_video_frames,
                               max_frame_pixels=self.media.max_image_pixels,
                               loader_num_frames=self.media.video_num_frames, request=request,

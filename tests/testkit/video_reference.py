@@ -38,7 +38,8 @@ def hf_video_outputs(model_dir: str, videos: list[tuple[np.ndarray, object, list
     frames (all of them, uint8 [N, H, W, 3]) with its header `meta` (VideoMeta),
     once per kwargs of its calls. Each result has pixel_values_videos,
     video_grid_thw, frames_indices, the Qwen3-VL group timestamps and the
-    sampled fps, or `error` (the message transformers raised)."""
+    sampled fps (InternVL's: no grid, no timestamps), or `error` (the message
+    transformers raised)."""
     work.mkdir(parents=True, exist_ok=True)
     jobs = []
     for i, (frames, meta, calls) in enumerate(videos):
@@ -70,25 +71,34 @@ def hf_processor_inputs(model_dir: str, text: str, clips: VideoClips, images: li
     Qwen2_5_VLProcessor), in one child process, on the WHOLE chat text with the
     videos (and the images, for their placeholders), as a user runs it:
     `input_ids` [1, L], `pixel_values_videos`, `video_grid_thw`,
-    `second_per_grid_ts` (Qwen2.5-VL; else None) and `image_grid_thw` (or None)."""
-    work = clips.work
-    work.mkdir(parents=True, exist_ok=True)
-    videos = []
-    for i, (frames, meta) in enumerate(clips.videos):
-        np.save(work / f"frames{i}.npy", frames)
-        videos.append({"frames": str(work / f"frames{i}.npy"), "meta": _meta(meta)})
-    image_paths = []
-    for i, data in enumerate(images):
-        (work / f"image{i}").write_bytes(data)
-        image_paths.append(str(work / f"image{i}"))
-    (work / "job.json").write_text(json.dumps({"model_dir": model_dir, "out": str(work / "out.pt"), "text": text,
-                                               "videos": videos, "kwargs": clips.kwargs, "images": image_paths,
-                                               "processor": True}))
-    proc = subprocess.run([sys.executable, __file__, str(work / "job.json")], capture_output=True, text=True,
-                          timeout=240)
+    `second_per_grid_ts` (Qwen2.5-VL; else None), `image_grid_thw` (or None),
+    `pixel_values` (InternVL: its images' tiles and its videos' frames in prompt order; else
+    the images' or None) and `mm_token_type_ids` (GLM-4.1V's: 1 image, 2 video; or None)."""
+    return hf_processor_inputs_many(model_dir, [(text, clips, images)])[0]
+
+
+def hf_processor_inputs_many(model_dir: str, calls: list[tuple[str, VideoClips, list[bytes]]]) -> list[dict]:
+    """`hf_processor_inputs` of several (text, clips, images) calls, in one child process."""
+    jobs = []
+    for text, clips, images in calls:
+        work = clips.work
+        work.mkdir(parents=True, exist_ok=True)
+        videos = []
+        for i, (frames, meta) in enumerate(clips.videos):
+            np.save(work / f"frames{i}.npy", frames)
+            videos.append({"frames": str(work / f"frames{i}.npy"), "meta": _meta(meta)})
+        image_paths = []
+        for i, data in enumerate(images):
+            (work / f"image{i}").write_bytes(data)
+            image_paths.append(str(work / f"image{i}"))
+        jobs.append({"out": str(work / "out.pt"), "text": text, "videos": videos, "kwargs": clips.kwargs,
+                     "images": image_paths})
+    job_path = calls[0][1].work / "job.json"
+    job_path.write_text(json.dumps({"model_dir": model_dir, "calls": jobs, "processor": True}))
+    proc = subprocess.run([sys.executable, __file__, str(job_path)], capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise RuntimeError(f"reference process failed:\n{proc.stderr[-4000:]}")
-    return torch.load(work / "out.pt")
+    return [torch.load(job["out"]) for job in jobs]
 
 
 def _meta(meta) -> dict:
@@ -102,17 +112,20 @@ def _processor_main(job: dict) -> None:
     from transformers.video_utils import VideoMetadata
 
     processor = AutoProcessor.from_pretrained(job["model_dir"])
-    images = [Image.open(path).convert("RGB") for path in job["images"]] or None
-    videos = [np.load(video["frames"]) for video in job["videos"]] or None
-    metadata = [VideoMetadata(**video["meta"]) for video in job["videos"]] or None
-    out = processor(text=[job["text"]], images=images, videos=videos, video_metadata=metadata,
-                    return_tensors="pt", **job["kwargs"])
-    spgt = out.get("second_per_grid_ts")
-    grids = out.get("image_grid_thw")
-    torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
-                "video_grid_thw": out.get("video_grid_thw"),
-                "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
-                "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, job["out"])
+    for call in job["calls"]:
+        images = [Image.open(path).convert("RGB") for path in call["images"]] or None
+        videos = [np.load(video["frames"]) for video in call["videos"]] or None
+        metadata = [VideoMetadata(**video["meta"]) for video in call["videos"]] or None
+        out = processor(text=[call["text"]], images=images, videos=videos, video_metadata=metadata,
+                        return_tensors="pt", **call["kwargs"])
+        spgt = out.get("second_per_grid_ts")
+        grids = out.get("image_grid_thw")
+        types = out.get("mm_token_type_ids")
+        torch.save({"input_ids": out["input_ids"], "pixel_values_videos": out.get("pixel_values_videos"),
+                    "video_grid_thw": out.get("video_grid_thw"), "pixel_values": out.get("pixel_values"),
+                    "mm_token_type_ids": None if types is None else torch.as_tensor(types),
+                    "second_per_grid_ts": None if spgt is None else torch.as_tensor(spgt),
+                    "image_grid_thw": None if grids is None else torch.as_tensor(grids)}, call["out"])
 
 
 def _main(job_path: str) -> None:
@@ -147,12 +160,14 @@ def _result(processor, frames, out) -> dict:
     metadata = out["video_metadata"][0]
     indices = (list(range(len(frames))) if metadata.frames_indices is None
                else [int(i) for i in metadata.frames_indices])
-    timestamps = Qwen3VLProcessor._calculate_timestamps(None, list(indices), metadata.fps,
-                                                        processor.temporal_patch_size)
+    tps = getattr(processor, "temporal_patch_size", None)  # None: frames, no groups (InternVL)
+    timestamps = [] if tps is None else Qwen3VLProcessor._calculate_timestamps(None, list(indices), metadata.fps,
+                                                                               tps)
+    grid = out.get("video_grid_thw")
     return {"pixel_values_videos": out["pixel_values_videos"],
-            "video_grid_thw": [int(v) for v in out["video_grid_thw"][0]],
+            "video_grid_thw": None if grid is None else [int(v) for v in grid[0]],
             "frames_indices": indices, "timestamps": [float(t) for t in timestamps],
-            "sampled_fps": float(metadata.sampled_fps), "merge_size": processor.merge_size,
+            "sampled_fps": float(metadata.sampled_fps), "merge_size": getattr(processor, "merge_size", None),
             "processor_class": type(processor).__name__}
 
 

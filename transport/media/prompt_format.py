@@ -13,7 +13,8 @@ generic code names no placeholder of its own.
     tokens         the token each of an item's placeholder positions holds (`image_token`,
                    `video_token`: config.json's image / video token id when it has one)
     geometry       how an image's size gives its token count, from the checkpoint's processor files
-                   (`image_geometry`: an `ItemGeometry`)
+                   (`image_geometry`: an `ItemGeometry`), and a video's plan from its header
+                   (`video_geometry`: `VideoRules`; None: the family takes no video)
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from epd.transport.media.video_geometry import VideoPlan
+from epd.transport.media.video_geometry import VideoMeta, VideoOptions, VideoPlan
 
 
 class ItemGeometry(Protocol):
@@ -46,6 +47,26 @@ class ItemGeometry(Protocol):
         ...
 
 
+class VideoRules(Protocol):
+    """A family's video processor rules, read from the checkpoint's files: a video's plan from
+    its header alone (sampled frames, their size, temporal groups, tokens), exactly as the
+    family's processor does after decoding. Its `VideoPlan` is what the encoder executes."""
+
+    temporal_patch_size: int  # frames a temporal group holds (a chunk is whole groups)
+    image_mean: tuple[float, float, float]  # the encoder's normalisation of a frame
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+
+    def check_request(self, meta: VideoMeta, request: VideoOptions, server: VideoOptions) -> None:
+        """VideoKwargsError naming a request's own key whose value would cost more than the server allows."""
+        ...
+
+    def plan(self, meta: VideoMeta, options: VideoOptions, loaded: list[int] | None = None) -> VideoPlan:
+        """The plan; VideoPlanError where the processor would refuse. `loaded`: frames a loader
+        took before the processor (vLLM's --media-io-kwargs video.num_frames), used as they are."""
+        ...
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """One family's placeholders, their expansion and its image geometry."""
@@ -62,6 +83,9 @@ class PromptFormat:
     check_image_kwargs: Callable[[dict], None] = lambda kwargs: None  # ValueError: a key or value refused
     # an image's runs' lengths -> the text replacing `image_placeholder` (None: every image is one run)
     expand_image_runs: Callable[[tuple[int, ...]], str] | None = None
+    # the checkpoint's directory -> its video rules (FileNotFoundError: no video processor config; ValueError,
+    # TypeError, KeyError: one it cannot read); None: the family takes no video, a request with one is refused
+    video_geometry: Callable[[str | Path], VideoRules] | None = None
 
     @property
     def placeholders(self) -> tuple[str, ...]:

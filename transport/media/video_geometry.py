@@ -1,7 +1,10 @@
 """Which frames of a video are sampled, what size they are resized to and how
 many placeholder tokens they take, from the container's header alone: the rules
 of transformers' Qwen3-VL and Qwen2-VL video processors (Qwen2.5-VL uses the
-latter), read from the checkpoint's video_preprocessor_config.json.
+latter), read from the checkpoint's video_preprocessor_config.json: the Qwen
+families' `VideoRules` (transport/media/prompt_format.py; another family's are
+in its package, e.g. epd/families/glm4v/video_geometry.py). The plan and the
+errors here are every family's.
 
 Torch-free: the API process plans a video here from its header (epd/inputs/
 video_header.py) and never decodes a pixel; the encoder decodes exactly the
@@ -111,7 +114,9 @@ class VideoPlan:
     grid_thw: tuple[int, int, int]  # in patches; t counts temporal groups
     num_tokens: int  # placeholder tokens in all (t * h * w / merge**2)
     tokens_per_group: int  # placeholder tokens of one temporal group
-    # Qwen3-VL: the time (s) its processor writes before each temporal group
+    # each temporal group's time (s), where the family's prompt parts its groups with text (one span and
+    # entry per group: transport/media/video_keys.py): Qwen3-VL's written before each group, GLM-4.1V's
+    # after it, InternVL's frames' times (its prompt labels the frames instead); () : one run of pads
     group_timestamps_s: tuple[float, ...] = field(default=())
     # Qwen2.5-VL: seconds one temporal group spans (its temporal M-RoPE step)
     second_per_grid_t: float = 0.0

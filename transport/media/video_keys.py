@@ -5,9 +5,10 @@ Both sides derive them the same way: the API when it writes the prompt's spans
 (epd/inputs/prompt.py), the encoder when it stores what it encoded
 (encoders/video_encoder.py), so the engine finds each span's rows by key.
 
-A plan with timestamps (Qwen3-VL) has text between its temporal groups
-(`<t seconds><|vision_start|>` ... `<|vision_end|>`), so each group is its
-own placeholder run, span and entry, keyed by `group_mm_hash`; its M-RoPE
+A plan with timestamps (Qwen3-VL, GLM-4.1V, InternVL) has text between its
+temporal groups (Qwen3-VL's `<t seconds><|vision_start|>` ... `<|vision_end|>`,
+GLM-4.1V's times, InternVL's frame labels), so each group is its own
+placeholder run, span and entry, keyed by `group_mm_hash`; its M-RoPE
 positions are those of a one-frame grid (1, h, w), as transformers splits the
 video's grid. A plan without (Qwen2.5-VL) is one run, one span, one entry of
 grid (t, h, w); cut into chunks (transport/media/video_chunks.py), one span and one

@@ -11,17 +11,19 @@ video's placeholder positions hold the image token too.
 
 The geometry is Glm4vImageProcessor's `smart_resize` (its own: the pixel
 bounds count both frames of a temporal patch, and a side shorter than one
-merged patch is first scaled up), from the checkpoint's
-preprocessor_config.json (`size`: shortest_edge / longest_edge, in pixels);
-the encoder resizes by the same rule (image_processor.py checks it).
+merged patch is first scaled up; video_geometry.py holds it, the video
+processor's rule too), from the checkpoint's preprocessor_config.json
+(`size`: shortest_edge / longest_edge, in pixels); the encoder resizes by the
+same rule (image_processor.py checks it). A video's plan is
+`Glm4vVideoGeometry` (video_geometry.py).
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from epd.families.glm4v.video_geometry import Glm4vVideoGeometry, smart_resize
 from epd.transport.media.prompt_format import PromptFormat
 from epd.transport.media.video_geometry import VideoPlan
 
@@ -29,7 +31,6 @@ IMAGE_TOKEN = "<|image|>"
 VIDEO_TOKEN = "<|video|>"
 BEGIN_IMAGE = "<|begin_of_image|>"
 END_IMAGE = "<|end_of_image|>"
-MAX_ASPECT_RATIO = 200  # the processor refuses anything longer
 # the processor's defaults (Glm4vImageProcessor), where preprocessor_config.json is silent
 DEFAULT_SIZE = {"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000}
 # --mm-processor-kwargs keys the image processor takes and the geometry models
@@ -48,31 +49,6 @@ def check_processor_kwargs(kwargs: dict) -> None:
     for key, value in size.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--mm-processor-kwargs: size.{key} must be a positive integer, got {value!r}")
-
-
-def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                 min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Glm4vImageProcessor's `smart_resize`: (height, width) as multiples of
-    `factor`, num_frames x height x width within [min_pixels, max_pixels], the
-    aspect kept as near as may be. ValueError for an aspect ratio over 200."""
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height = int(height * scale)
-        width = int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 @dataclass(frozen=True)
@@ -155,4 +131,5 @@ GLM4V_FORMAT = PromptFormat(
     image_geometry=Glm4vImageGeometry.from_pretrained,
     image_kwargs=PROCESSOR_KWARGS,
     check_image_kwargs=check_processor_kwargs,
+    video_geometry=Glm4vVideoGeometry.from_pretrained,
 )

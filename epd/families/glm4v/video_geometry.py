@@ -6,9 +6,10 @@ tokens they take and the time its processor writes after each temporal group.
                 index rounded up; past `max_duration` (300 s) that many
                 seconds' worth spread over the whole video; repeats dropped,
                 the last frame repeated to an even count
-    size        prompt_format.smart_resize with the frames' count (the pixel
-                bounds cover every sampled frame: size.shortest_edge /
-                longest_edge of video_preprocessor_config.json)
+    size        `smart_resize` with the frames' count (the pixel bounds cover
+                every sampled frame: size.shortest_edge / longest_edge of
+                video_preprocessor_config.json; Glm4vImageProcessor's rule too,
+                with a still image's two frames: prompt_format.py)
     groups      two frames each; a group's time is its first frame's
                 (Glm4vProcessor: `timestamps[::2]`), written in whole seconds
                 by prompt_format.expand_video
@@ -27,13 +28,43 @@ from pathlib import Path
 
 import numpy as np
 
-from epd.families.glm4v.prompt_format import smart_resize
 from epd.transport.media.video_geometry import (VideoMeta, VideoOptions, VideoPlan, VideoPlanError,
                                                 load_video_config)
 
+MAX_ASPECT_RATIO = 200  # the processor refuses anything longer
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD: the processor's defaults
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+                 min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Glm4vImageProcessor's `smart_resize`: (height, width) as multiples of
+    `factor`, num_frames x height x width within [min_pixels, max_pixels], the
+    aspect kept as near as may be. ValueError for an aspect ratio over 200."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height = int(height * scale)
+        width = int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 # Glm4vVideoProcessor's class defaults, where the checkpoint's config is silent
 DEFAULTS = dict(patch_size=14, merge_size=2, temporal_patch_size=2, fps=2, max_duration=300,
-                do_sample_frames=True, size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 30000})
+                do_sample_frames=True, size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 30000},
+                image_mean=CLIP_MEAN, image_std=CLIP_STD, rescale_factor=1 / 255)
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,9 @@ class Glm4vVideoGeometry:
     fps: float
     max_duration: int  # seconds sampled at `fps`; a longer video gets that many frames, spread
     do_sample_frames: bool
+    image_mean: tuple[float, float, float] = CLIP_MEAN  # the encoder's normalisation of a frame
+    image_std: tuple[float, float, float] = CLIP_STD
+    rescale_factor: float = 1 / 255
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "Glm4vVideoGeometry":
@@ -59,7 +93,13 @@ class Glm4vVideoGeometry:
         return cls(patch_size=int(get("patch_size")), merge_size=int(get("merge_size")),
                    temporal_patch_size=int(get("temporal_patch_size")), min_pixels=int(size["shortest_edge"]),
                    max_pixels=int(size["longest_edge"]), fps=float(get("fps")),
-                   max_duration=int(get("max_duration")), do_sample_frames=bool(get("do_sample_frames")))
+                   max_duration=int(get("max_duration")), do_sample_frames=bool(get("do_sample_frames")),
+                   image_mean=tuple(get("image_mean")), image_std=tuple(get("image_std")),
+                   rescale_factor=float(get("rescale_factor")))
+
+    def check_request(self, meta: VideoMeta, request: VideoOptions, server: VideoOptions = VideoOptions()) -> None:
+        """Nothing to bound: of a request's keys only `fps` and `do_sample_frames` apply, and
+        the frames sampled never pass the container's (repeats are dropped)."""
 
     def sample_frames(self, meta: VideoMeta, fps: float | None = None) -> list[int]:
         """Glm4vVideoProcessor.sample_frames: the frame indices, an even count."""

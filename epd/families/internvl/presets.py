@@ -181,7 +181,9 @@ def write_checkpoint(out: Path, p: InternVLPreset, seed: int) -> None:
 
 def write_processor_configs(out: Path, p: InternVLPreset) -> None:
     """preprocessor_config.json (GotOcr2's image processor, as the releases: crop_to_patches false
-    there, the processor crops) and processor_config.json (tokens per tile)."""
+    there, the processor crops), video_preprocessor_config.json (InternVLVideoProcessor: each
+    frame resized to one tile, every frame unless sampling is asked for) and
+    processor_config.json (tokens per tile)."""
     image = {
         "image_processor_type": "GotOcr2ImageProcessorFast", "processor_class": "InternVLProcessor",
         "crop_to_patches": False, "min_patches": 1, "max_patches": p.max_patches,
@@ -190,5 +192,12 @@ def write_processor_configs(out: Path, p: InternVLPreset) -> None:
         "size": {"height": p.tile_size, "width": p.tile_size},
     }
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2) + "\n")
+    video = {
+        "video_processor_type": "InternVLVideoProcessor", "processor_class": "InternVLProcessor",
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD, "resample": 3,
+        "size": {"height": p.tile_size, "width": p.tile_size}, "do_sample_frames": False, "initial_shift": True,
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     processor = {"processor_class": "InternVLProcessor", "image_seq_length": p.tokens_per_tile}
     (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")

@@ -10,8 +10,10 @@ the whole image when the grid has more than one tile); `TileGeometry` counts
 them from the width and height alone, with the processor's settings
 (preprocessor_config.json's size and min/max patches, processor_config.json's
 `image_seq_length`; InternVLProcessor crops unless told not to, whatever
-the image processor's own file says). Video (frames each as one tile) is not
-served yet and is refused by name.
+the image processor's own file says). A video's `<video>` becomes its frames,
+each one tile's tokens inside `<img>`, `</img>` after "Frame{i}: ", a newline
+apart (InternVLProcessor); which frames is `InternVLVideoGeometry`
+(video_geometry.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from epd.families.internvl.video_geometry import InternVLVideoGeometry
 from epd.transport.media.prompt_format import PromptFormat
 from epd.transport.media.video_geometry import VideoPlan
 
@@ -135,17 +138,21 @@ def expand_image(num_tokens: int) -> str:
 
 
 def expand_video(plan: VideoPlan, placeholder: str) -> str:
-    raise ValueError("video input is not supported for InternVL yet (images only)")
+    """The template's `<video>` -> each frame as one tile's image, labelled, a newline apart
+    (InternVLProcessor.replace_video_token)."""
+    return "\n".join(f"Frame{i + 1}: {IMG_START}{IMG_CONTEXT * plan.tokens_per_group}{IMG_END}"
+                     for i in range(plan.grid_thw[0]))
 
 
 INTERNVL_FORMAT = PromptFormat(
     image_placeholder=IMG_CONTEXT,
     video_placeholders=(VIDEO,),
     image_token=IMG_CONTEXT,
-    video_token=VIDEO,
+    video_token=IMG_CONTEXT,  # a video's frames are images (InternVLProcessor)
     expand_image=expand_image,
     expand_video=expand_video,
     image_geometry=TileGeometry.from_pretrained,
     image_kwargs=PROCESSOR_KWARGS,
     check_image_kwargs=check_processor_kwargs,
+    video_geometry=InternVLVideoGeometry.from_pretrained,
 )

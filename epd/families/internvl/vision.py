@@ -298,6 +298,14 @@ class InternVLVision(nn.Module):
         """An image's cost for batching: its tiles' tower tokens."""
         return self.geometry.patches(width, height)
 
+    def video_input(self, frames: torch.Tensor, plan) -> tuple[torch.Tensor, list[dict]]:
+        """A video's normalised frames [n, 3, size, size] -> the tower's input: each frame one
+        tile (InternVLProcessor hands them to the model as images), one entry per frame."""
+        if tuple(frames.shape[-2:]) != (self.cfg.image_size, self.cfg.image_size):
+            raise ValueError(f"video frames of {frames.shape[-1]}x{frames.shape[-2]} are not the tower's "
+                             f"{self.cfg.image_size}-pixel tiles (the video processor's size)")
+        return frames, [{"num_tiles": 1} for _ in range(frames.shape[0])]
+
     def embed_tiles(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[tiles, 3, size, size] -> [tiles, tokens_per_tile, text hidden]: transformers' get_image_features."""
         x = self.vision_tower.features(pixel_values)[:, 1:]  # drop CLS: [tiles, patches, hidden]

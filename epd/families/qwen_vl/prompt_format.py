@@ -11,12 +11,13 @@ it: a plan with timestamps (Qwen3-VL) replaces the template's whole wrapper
 with `<{t:.1f} seconds>` + `<|vision_start|>` + the group's pads +
 `<|vision_end|>` per temporal group (Qwen3VLProcessor and vLLM drop the outer
 pair); one without (Qwen2.5-VL) keeps the wrapper around one run of pads.
+The plan is `VideoGeometry`'s (transport/media/video_geometry.py).
 """
 from __future__ import annotations
 
 from epd.transport.media.image_geometry import PROCESSOR_KWARGS, ImageGeometry, check_processor_kwargs
 from epd.transport.media.prompt_format import PromptFormat
-from epd.transport.media.video_geometry import VideoPlan
+from epd.transport.media.video_geometry import VideoGeometry, VideoPlan
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -51,4 +52,5 @@ QWEN_VL_FORMAT = PromptFormat(
     image_geometry=ImageGeometry.from_pretrained,
     image_kwargs=PROCESSOR_KWARGS,
     check_image_kwargs=check_processor_kwargs,
+    video_geometry=VideoGeometry.from_pretrained,  # Qwen3-VL's or Qwen2-VL's video processor, as its config says
 )

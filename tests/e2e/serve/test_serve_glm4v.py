@@ -2,15 +2,21 @@
 cutting through the images): a two-image chat and a text chat give
 transformers' prompt token ids, every prompt token's logprob, greedy tokens
 and each step's top-5 logprobs, through the aggregated worker and across
-e-p-d's three processes (embeddings from the encoder, the KV handed over)."""
+e-p-d's three processes (embeddings from the encoder, the KV handed over);
+GLM-4.1V's chat with an image and a video its prompt ids, greedy tokens and
+top-5 logprobs (the video encoded in-process, or by the encoder worker a
+temporal group an entry; testkit/family_video_reference.py)."""
 from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 from testkit.family_checkpoints import family_checkpoint
 from testkit.hf_reference import _load, _mm_token_types, hf_inputs
-from testkit.media import CHATS
+from testkit.media import CHATS, IMG_A, data_url, image_part
 from testkit.server import start_server
 
 NUM_TOKENS = 6
@@ -38,11 +44,35 @@ def _reference(model_dir: str, case: str) -> tuple[list[int], torch.Tensor, list
     return prompt, prompt_logprobs, tokens, tops
 
 
+def _video_chat() -> tuple[list[dict], bytes]:
+    from testkit.videos import encode_video, synthetic_frames
+
+    clip = encode_video(synthetic_frames(12, 60, 90, seed=4), "mp4", fps=5)  # 2 fps: 4 frames, 2 groups
+    video = {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}
+    return [{"role": "user", "content": [image_part(IMG_A), video, {"type": "text", "text": "What happens?"}]}], clip
+
+
+@lru_cache(maxsize=None)
+def _video_reference(model_dir: str, work: str) -> tuple[list[int], list[int], list[list]]:
+    from testkit.family_video_reference import glm4v_greedy
+    from testkit.video_reference import VideoClips
+
+    from epd.encoders.video_io import decode_frames, read_video_meta
+
+    messages, clip = _video_chat()
+    meta = read_video_meta(clip)
+    clips = VideoClips([(decode_frames(clip, range(meta.num_frames)), meta)], {}, Path(work))
+    return glm4v_greedy(model_dir, [(messages, [IMG_A], clips)], NUM_TOKENS)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "mode"), [("glm4v", "aggregated"), ("glm4v", "e-p-d"), ("glm4v_moe", "e-p-d")])
 def test_served_glm_equals_transformers(family, mode, tmp_path):
     model_dir = family_checkpoint(family)
     expected = {case: _reference(model_dir, case) for case in CASES}
+    with_video = family == "glm4v"  # GLM-4.5V's vision side and prompt are GLM-4.1V's
+    if with_video:
+        video_prompt, video_tokens, video_tops = _video_reference(model_dir, str(tmp_path.parent / "glm-video-ref"))
     srv = start_server(model_dir, tmp_path, mode, "--max-num-batched-tokens", "16")
     try:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -61,6 +91,14 @@ def test_served_glm_equals_transformers(family, mode, tmp_path):
             assert choice.model_extra["token_ids"] == tokens, case
             served = [[t.logprob for t in step.top_logprobs] for step in choice.logprobs.content]
             torch.testing.assert_close(served, tops, atol=1e-4, rtol=0)
+        if with_video:
+            r = client.chat.completions.create(
+                model=model, messages=_video_chat()[0], max_tokens=NUM_TOKENS, temperature=0, logprobs=True,
+                top_logprobs=TOP, extra_body={"return_token_ids": True, "ignore_eos": True})
+            assert r.model_extra["prompt_token_ids"] == video_prompt
+            assert r.choices[0].model_extra["token_ids"] == video_tokens
+            served = [[t.logprob for t in step.top_logprobs] for step in r.choices[0].logprobs.content]
+            torch.testing.assert_close(served, [[v for _, v in top] for top in video_tops], atol=1e-4, rtol=0)
     finally:
         assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"

@@ -96,3 +96,20 @@ def test_not_a_video_and_no_video_config(files, tiny_model, tmp_path):
         (bare / name).unlink()
     message = refused(inputs(ModelFiles.open(bare))).message
     assert "no video_preprocessor_config.json (nor preprocessor_config.json)" in message
+
+
+def test_the_video_rules_are_the_checkpoints_familys(tmp_path):
+    """ModelFiles asks the family for its video rules: GLM-4.1V's plan, not Qwen's; a family that
+    takes no video (Gemma 3) refuses a video by its name, a 400, before any header is read."""
+    from testkit.family_checkpoints import family_checkpoint
+
+    from epd.families.glm4v.video_geometry import Glm4vVideoGeometry
+    from epd.tools.make_model import make_model
+
+    glm = ModelFiles.open(family_checkpoint("glm4v"))
+    assert isinstance(glm.video_geometry, Glm4vVideoGeometry)
+    assert inputs(glm).plan([CLIP], None)[0].plan.group_timestamps_s == (0.0, 1.0)  # 2 fps of 2.2 s: 2 groups
+    gemma = ModelFiles.open(make_model(tmp_path / "gemma3", "gemma3-tiny", seed=0))
+    assert gemma.video_geometry is None and gemma.geometry is not None
+    error = refused(inputs(gemma), b"not even read")
+    assert error.message == "Gemma 3 takes no video input" and error.param == "messages"

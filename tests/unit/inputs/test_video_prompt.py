@@ -153,3 +153,30 @@ def test_split_plan_cuts_whole_groups():
         [((2, 4, 6), 12, 0, 4), ((2, 4, 6), 12, 2, 4)]
     three = split_plan(QWEN3_PLAN, 2, 1)  # fewer frames than a group: a group a chunk
     assert [c.group_timestamps_s for c in three] == [(0.3,), (1.7,)]
+
+
+def test_where_a_video_holds_the_image_token_the_placeholders_order_tells_the_runs_apart():
+    """GLM-4.1V: a video's groups are runs of `<|image|>` like an image's; image, video, image
+    give the first image's span, the video's two group spans, then the second image's, whatever
+    token id config.json names for video (`<|video|>`: never in the expanded prompt)."""
+    from testkit.family_checkpoints import family_checkpoint
+
+    from epd.families.glm4v.prompt_format import GLM4V_FORMAT, Glm4vImageGeometry
+
+    model_dir = family_checkpoint("glm4v")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    glm = PromptBuilder(tokenizer, Glm4vImageGeometry.from_pretrained(model_dir),
+                        tokenizer.convert_tokens_to_ids("<|image|>"),
+                        video_token_id=tokenizer.convert_tokens_to_ids("<|video|>"), prompt_format=GLM4V_FORMAT)
+    plan = VideoPlan(frame_indices=(0, 3, 5, 8), resized_height=56, resized_width=84, grid_thw=(2, 4, 6),
+                     num_tokens=12, tokens_per_group=6, group_timestamps_s=(0.0, 1.0))
+    image = ImageRef(56, 56, H1)
+    per_image = glm.geometry.num_image_tokens(56, 56)
+    prompt = glm.build(_messages(IMAGE, VIDEO, IMAGE), [image, ImageRef(56, 56, H3)], videos=[VideoRef(plan, H2)])
+    spans = prompt.mm_spans
+    assert [s.mm_hash for s in spans] == [H1, group_mm_hash(H2, 0), group_mm_hash(H2, 1), H3]
+    assert [s.length for s in spans] == [per_image, 6, 6, per_image]
+    assert [s.meta["grid_thw"] for s in spans[1:3]] == [(1, 4, 6), (1, 4, 6)]
+    assert glm.tokenizer.decode(prompt.token_ids[spans[1].end:spans[2].offset]) == "<|end_of_image|>0<|begin_of_image|>"
+    video_first = glm.build(_messages(VIDEO, IMAGE), [image], videos=[VideoRef(plan, H2)]).mm_spans
+    assert [s.mm_hash for s in video_first] == [group_mm_hash(H2, 0), group_mm_hash(H2, 1), H1]

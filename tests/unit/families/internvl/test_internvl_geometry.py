@@ -61,5 +61,11 @@ def test_processor_kwargs_are_checked(kwargs, message):
 
 def test_an_image_becomes_its_tokens_inside_img_and_end():
     assert INTERNVL_FORMAT.expand_image(3) == "<img><IMG_CONTEXT><IMG_CONTEXT><IMG_CONTEXT></img>"
-    with pytest.raises(ValueError, match="video input is not supported for InternVL"):
-        INTERNVL_FORMAT.expand_video(None, "<video>")
+
+def test_a_video_becomes_its_frames_each_one_tile_labelled():
+    """InternVLProcessor.replace_video_token: "Frame{i}: " + a tile's image, frames a newline apart."""
+    from epd.transport.media.video_geometry import VideoPlan
+
+    plan = VideoPlan((0, 2), 64, 64, (2, 4, 4), 8, 4, (0.0, 0.4))
+    tile = "<img>" + "<IMG_CONTEXT>" * 4 + "</img>"
+    assert INTERNVL_FORMAT.expand_video(plan, "<video>") == f"Frame1: {tile}\nFrame2: {tile}"
