@@ -16,14 +16,15 @@ from epd.families.model_family import ModelFamily, UnsupportedModelError
 __all__ = ["FAMILIES", "ModelFamily", "UnsupportedModelError", "check_family", "family_of", "get_family",
            "supported_families"]
 
-PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v")
+PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v", "qwen3_5")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for package in PACKAGES
                                     for f in import_module(f"epd.families.{package}.family").FAMILIES}
 
 
 def supported_families() -> str:
-    return ", ".join(f"{f.name} (model_type {f.model_type!r})" for f in FAMILIES.values())
+    return ", ".join(f"{f.name} (model_type {f.model_type!r}" + ("; not served yet)" if f.not_served else ")")
+                     for f in FAMILIES.values())
 
 
 def get_family(model_type: str | None, architectures=()) -> ModelFamily:
@@ -40,7 +41,8 @@ def get_family(model_type: str | None, architectures=()) -> ModelFamily:
 def check_family(model_dir: str | Path) -> ModelFamily:
     """Reads config.json itself (before transformers, which may not know the
     type either) and returns the checkpoint's family, or raises
-    UnsupportedModelError naming the supported ones."""
+    UnsupportedModelError naming the supported ones (or, for a family known
+    but not served yet, the reason)."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
@@ -51,7 +53,11 @@ def check_family(model_dir: str | Path) -> ModelFamily:
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{path}: not a JSON object")
     archs = cfg.get("architectures") or []
-    return get_family(cfg.get("model_type"), tuple(a for a in archs if isinstance(a, str)))
+    family = get_family(cfg.get("model_type"), tuple(a for a in archs if isinstance(a, str)))
+    if family.not_served:
+        raise UnsupportedModelError(f"{family.name} (model_type {family.model_type!r}) is not served yet: "
+                                    f"{family.not_served}")
+    return family
 
 
 def family_of(hf_config) -> ModelFamily:
