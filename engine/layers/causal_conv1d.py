@@ -23,8 +23,9 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor,
         conv_state = x.new_zeros(channels, state_len)
     assert conv_state.shape == (channels, state_len), (conv_state.shape, channels, state_len)
     window = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)  # [channels, state_len + num_tokens]
-    out = F.conv1d(window.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=channels)
-    out = F.silu(out[0]).t().to(x.dtype)  # [num_tokens, channels]
+    # each output's kernel taps side by side: [channels, num_tokens, kernel] (a grouped conv1d is slow on CPU)
+    taps = window.to(weight.dtype).unfold(-1, state_len + 1, 1)
+    out = F.silu((taps * weight[:, None, :]).sum(-1)).t().to(x.dtype)  # [num_tokens, channels]
     return out, window[:, -state_len:].clone()
 
 
@@ -36,5 +37,4 @@ def causal_conv1d_decode(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     assert conv_states.shape == (num_seqs, channels, state_len), (conv_states.shape, x.shape, weight.shape)
     window = torch.cat([conv_states, x.unsqueeze(-1).to(conv_states.dtype)], dim=-1)  # [num_seqs, channels, kernel]
     conv_states.copy_(window[:, :, 1:])
-    out = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), groups=channels)  # [num_seqs, channels, 1]
-    return F.silu(out[:, :, 0]).to(x.dtype)
+    return F.silu((window.to(weight.dtype) * weight).sum(-1)).to(x.dtype)  # [num_seqs, channels]

@@ -42,8 +42,6 @@ class ModelFamily:
     # vLLM's --tool-call-parser name of its chat template's tool calls (epd/api/tool_parsers/); None: not known.
     # Named in the error when --enable-auto-tool-choice comes without --tool-call-parser.
     tool_call_parser: str | None = None
-    # Why a family known here is not served yet (None: served); start-up refuses it with this reason.
-    not_served: str | None = None
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)

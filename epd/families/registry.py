@@ -23,8 +23,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for package in PACKAGES
 
 
 def supported_families() -> str:
-    return ", ".join(f"{f.name} (model_type {f.model_type!r}" + ("; not served yet)" if f.not_served else ")")
-                     for f in FAMILIES.values())
+    return ", ".join(f"{f.name} (model_type {f.model_type!r})" for f in FAMILIES.values())
 
 
 def get_family(model_type: str | None, architectures=()) -> ModelFamily:
@@ -41,8 +40,7 @@ def get_family(model_type: str | None, architectures=()) -> ModelFamily:
 def check_family(model_dir: str | Path) -> ModelFamily:
     """Reads config.json itself (before transformers, which may not know the
     type either) and returns the checkpoint's family, or raises
-    UnsupportedModelError naming the supported ones (or, for a family known
-    but not served yet, the reason)."""
+    UnsupportedModelError naming the supported ones."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{model_dir} is not a checkpoint directory (no config.json)")
@@ -53,11 +51,7 @@ def check_family(model_dir: str | Path) -> ModelFamily:
     if not isinstance(cfg, dict):
         raise UnsupportedModelError(f"{path}: not a JSON object")
     archs = cfg.get("architectures") or []
-    family = get_family(cfg.get("model_type"), tuple(a for a in archs if isinstance(a, str)))
-    if family.not_served:
-        raise UnsupportedModelError(f"{family.name} (model_type {family.model_type!r}) is not served yet: "
-                                    f"{family.not_served}")
-    return family
+    return get_family(cfg.get("model_type"), tuple(a for a in archs if isinstance(a, str)))
 
 
 def family_of(hf_config) -> ModelFamily:

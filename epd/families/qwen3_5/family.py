@@ -11,13 +11,10 @@ from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 QWEN3_5_FORMAT = dataclasses.replace(QWEN_VL_FORMAT)
 
 TEXT_MODEL = "epd.families.qwen3_5.text_loader:load_text_model"
-# Its Gated DeltaNet layers carry a recurrent and a conv state per request, which the engine
-# does not cache yet: refused by name rather than served wrong.
-NOT_SERVED = "its Gated DeltaNet layers carry per-request state, which the engine does not cache yet"
 
 FAMILIES = (
     ModelFamily("Qwen3.5", "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="hermes", not_served=NOT_SERVED),
+                mrope_positions, tool_call_parser="hermes"),
     ModelFamily("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes", not_served=NOT_SERVED),
+                VISION, mrope_positions, tool_call_parser="hermes"),
 )
