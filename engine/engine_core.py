@@ -48,7 +48,7 @@ from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.ngram import NgramProposer
-from epd.engine.state_cache import bytes_per_slot, state_shapes, stateful_scheduler_config
+from epd.engine.state_cache import bytes_per_slot, check_stateful_engine, state_shapes, stateful_scheduler_config
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
@@ -91,6 +91,9 @@ class EngineCore(EngineAdapters):
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
+        if shapes:
+            check_stateful_engine(role, config.speculative_config is not None, config.lora.enable_lora)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
@@ -111,9 +114,8 @@ class EngineCore(EngineAdapters):
             block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
-        shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
         if shapes:
-            sched_cfg = stateful_scheduler_config(sched_cfg, role, spec is not None)
+            sched_cfg = stateful_scheduler_config(sched_cfg)
         num_state_slots = sched_cfg.max_num_seqs if shapes else 0
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device),

@@ -30,18 +30,25 @@ def state_shapes(model) -> StateShapes:
     return declared() if declared is not None else []
 
 
-def stateful_scheduler_config(config: SchedulerConfig, role: str, speculative: bool) -> SchedulerConfig:
-    """The scheduler's configuration for a model with per-request state: ValueError for what it
-    cannot run yet (the prefill -> decode hand-over carries no state; speculation would need the
-    state rolled back on rejection); prefix caching turned off, said in the log (a hit would skip
-    tokens whose state no slot holds)."""
-    if role not in ("pd",):
+def check_stateful_engine(role: str, speculative: bool, lora: bool) -> None:
+    """ValueError for what an engine cannot run yet with a model whose layers carry per-request
+    state: the prefill and decode roles (the hand-over carries no state), speculation (the state
+    is not rolled back on rejection), LoRA (adapters do not know the stateful layers' projections)."""
+    if role != "pd":
         raise ValueError(f"a model whose layers carry per-request state runs only where one engine prefills and "
                          f"decodes (aggregated, e-pd, offline), not in the {role} role: the hand-over carries "
                          "no state yet")
     if speculative:
         raise ValueError("speculative decoding is not supported yet for a model whose layers carry per-request "
                          "state (the state is not rolled back on rejection); leave --speculative-config out")
+    if lora:
+        raise ValueError("LoRA adapters are not supported yet for a model whose layers carry per-request state; "
+                         "leave --enable-lora out")
+
+
+def stateful_scheduler_config(config: SchedulerConfig) -> SchedulerConfig:
+    """The scheduler's configuration for a model with per-request state: prefix caching off, said
+    in the log (a hit would skip tokens whose state no slot holds)."""
     if config.enable_prefix_caching:
         log.warning("prefix caching is off: this model's layers carry per-request state, and a cache hit "
                     "would skip tokens whose state no slot holds")
