@@ -42,6 +42,9 @@ class ModelFamily:
     # vLLM's --tool-call-parser name of its chat template's tool calls (epd/api/tool_parsers/); None: not known.
     # Named in the error when --enable-auto-tool-choice comes without --tool-call-parser.
     tool_call_parser: str | None = None
+    # Its language model carries per-request state beside the KV (engine/state_cache.py), which the
+    # prefill -> decode hand-over does not carry yet: `epd serve` refuses it in e-p-d at start-up.
+    per_request_state: bool = False
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)

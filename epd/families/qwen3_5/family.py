@@ -14,7 +14,7 @@ TEXT_MODEL = "epd.families.qwen3_5.text_loader:load_text_model"
 
 FAMILIES = (
     ModelFamily("Qwen3.5", "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="hermes"),
+                mrope_positions, tool_call_parser="hermes", per_request_state=True),
     ModelFamily("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes"),
+                VISION, mrope_positions, tool_call_parser="hermes", per_request_state=True),
 )

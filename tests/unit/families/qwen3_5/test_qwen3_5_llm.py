@@ -82,3 +82,12 @@ def test_disaggregated_roles_are_refused_by_name(qwen3_5_model):
     for role in ("prefill", "decode"):
         with pytest.raises(ValueError, match=f"not in the {role} role: the hand-over carries no state"):
             EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
+
+
+def test_serve_refuses_e_p_d_at_start_up_and_takes_the_modes_it_runs_in(qwen3_5_model):
+    from epd.config import ServeConfig
+
+    with pytest.raises(ValueError, match=r"--mode e-p-d: Qwen3\.5(-MoE)?'s layers carry per-request state"):
+        ServeConfig(model=qwen3_5_model)  # e-p-d is the default mode
+    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("aggregated", "e-pd")] == \
+        ["aggregated", "e-pd"]
