@@ -432,3 +432,13 @@ class EngineCore(EngineAdapters):
 
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        """The per-request state cache's slots (engine/state_cache.py); 0: the model has KV only."""
+        cache = self.runner.state_cache
+        return 0 if cache is None else cache.num_slots
+
+    def num_free_state_slots(self) -> int:
+        cache = self.runner.state_cache
+        return 0 if cache is None else cache.num_free

@@ -87,6 +87,10 @@ class StateCache:
                 self._free.append(slot)
 
     @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
     def usage(self) -> float:
         """The share of slots held, 0..1."""
         return len(self._slots) / self.num_slots
