@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense and MoE) through the offline `LLM`: the engine's scheduler, paged KV and state
+"""Qwen3.5 through the offline `LLM`: the engine's scheduler, paged KV and state
 cache give transformers' greedy tokens and top-5 logprobs (float32) for text prompts of
 different lengths run together (prefill chunks and decodes in one step), prompts prefilled over
 several chunks through their state slots, and requests preempted and recomputed; every slot
@@ -30,6 +30,8 @@ def _reference(model, ids: list[int]) -> tuple[list[int], list[list[int]], torch
     return out.sequences[0, len(ids):].tolist(), top.indices.tolist(), top.values
 
 
+# the dense preset: the MoE decoder over the same slots is test_qwen3_5_text_model.py's (CI time)
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
 def test_concurrent_chunked_preempted_requests_equal_transformers(qwen3_5_model, qwen3_5_reference):
     from epd import LLM
 
