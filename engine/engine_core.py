@@ -48,6 +48,7 @@ from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.ngram import NgramProposer
+from epd.engine.state_cache import bytes_per_slot, check_stateful_engine, state_shapes, stateful_scheduler_config
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
@@ -90,6 +91,9 @@ class EngineCore(EngineAdapters):
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
+        if shapes:
+            check_stateful_engine(role, config.speculative_config is not None, config.lora.enable_lora)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
@@ -108,10 +112,14 @@ class EngineCore(EngineAdapters):
             block_bytes += Eagle3Proposer.bytes_per_block(head[0], config.scheduler.block_size, self.dtype)
         if draft is not None:
             block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
-        num_blocks = num_kv_blocks(config, block_bytes, self.device,
-                                   profile_forward=lambda: profile_forward(model, config, self.device))
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
+        if shapes:
+            sched_cfg = stateful_scheduler_config(sched_cfg)
+        num_state_slots = sched_cfg.max_num_seqs if shapes else 0
+        num_blocks = num_kv_blocks(config, block_bytes, self.device,
+                                   profile_forward=lambda: profile_forward(model, config, self.device),
+                                   reserved_bytes=num_state_slots * bytes_per_slot(shapes, self.dtype))
         self.images = ImageLedger()  # the images of the requests in the engine
         self.early_prefill = EarlyPrefill.of(config)
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
@@ -127,7 +135,7 @@ class EngineCore(EngineAdapters):
                                     spec.num_speculative_tokens, torch.device(self.device), self.dtype)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device, lora=self.lora, eagle3=eagle3)
+                                  self.device, lora=self.lora, eagle3=eagle3, num_state_slots=num_state_slots)
         self.num_blocks = num_blocks
         self.graph_capture_s = self._capture_decode_graphs(role, sched_cfg, eagle3)
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
@@ -157,9 +165,10 @@ class EngineCore(EngineAdapters):
         if not self.device.startswith("cuda") or config.enforce_eager or role == "prefill" \
                 or config.resolved_backend(self.device) != "triton":
             return None
-        if self.lora is not None or eagle3 is not None:
+        if self.lora is not None or eagle3 is not None or self.runner.state_cache is not None:
             log.info("decode steps run eagerly: CUDA graphs do not take %s yet",
-                     "LoRA adapters" if self.lora is not None else "an EAGLE-3 head")
+                     "LoRA adapters" if self.lora is not None else "an EAGLE-3 head" if eagle3 is not None
+                     else "per-request state slots")
             return None
         sizes = capture_sizes(sched_cfg.max_num_seqs, config.max_cudagraph_capture_size)
         if not sizes:
@@ -324,6 +333,7 @@ class EngineCore(EngineAdapters):
         parked = [rid for rid in request_ids if self._preparing.pop(rid, None) is not None]
         aborted = parked + self.scheduler.abort(request_ids)
         self.images.remove(aborted)
+        self.runner.free_states(aborted)
         return aborted
 
     # -- one step --------------------------------------------------------------------
@@ -352,7 +362,9 @@ class EngineCore(EngineAdapters):
             request_ids = [s.request_id for s in out.scheduled]
             self.abort(request_ids)
             raise StepFailed(request_ids, failed) from exc
-        self.images.remove(u.request_id for u in updates if u.is_finished)
+        finished = [u.request_id for u in updates if u.is_finished]
+        self.images.remove(finished)
+        self.runner.free_states(finished)  # now, not at the next step: the slots' usage is true between steps
         logprobs = {u.request_id: runner_out.logprobs[u.request_id][:len(u.new_token_ids)]  # none after a stop
                     for u in updates if u.request_id in runner_out.logprobs}
         return StepResult(updates, logprobs, out.num_batched_tokens,
@@ -420,3 +432,13 @@ class EngineCore(EngineAdapters):
 
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
+
+    @property
+    def num_state_slots(self) -> int:
+        """The per-request state cache's slots (engine/state_cache.py); 0: the model has KV only."""
+        cache = self.runner.state_cache
+        return 0 if cache is None else cache.num_slots
+
+    def num_free_state_slots(self) -> int:
+        cache = self.runner.state_cache
+        return 0 if cache is None else cache.num_free

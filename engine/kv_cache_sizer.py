@@ -15,12 +15,14 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
 
 
 def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
-                  profile_forward=None) -> int:
+                  profile_forward=None, reserved_bytes: int = 0) -> int:
     """The number of KV blocks to allocate.
 
     `profile_forward()` runs the largest forward pass the engine will run
     (max_num_batched_tokens) so its peak activation memory is counted before
     the GPU budget is split; it is only called on CUDA without an explicit size.
+    `reserved_bytes` come out of the budget first: the state cache's slots
+    (engine/state_cache.py), which share it with the KV blocks.
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -46,6 +48,11 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
                              "other processes hold the rest; lower --gpu-memory-utilization or set --kv-cache-gb")
     else:
         budget = int(DEFAULT_CPU_KV_CACHE_GB * (1 << 30))
+    if reserved_bytes and budget - reserved_bytes < block_bytes:
+        raise ValueError(f"the per-request state cache takes {reserved_bytes / (1 << 30):.2f} GiB (one slot per "
+                         f"--max-num-seqs) of a {budget / (1 << 30):.2f} GiB cache budget, leaving no room for KV "
+                         "blocks; lower --max-num-seqs or raise --kv-cache-gb / --gpu-memory-utilization")
+    budget -= reserved_bytes
     blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(f"no room for a single KV block ({block_bytes} bytes) in a budget of {budget} bytes; "
@@ -62,6 +69,7 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
     from epd.engine.layers.forward_batch import ForwardBatch
+    from epd.engine.state_cache import StateCache, state_shapes
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
@@ -70,7 +78,9 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     batch = ForwardBatch(positions=torch.zeros(model.positions.position_dims, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
                          backend=get_backend(config.resolved_backend(device)),
-                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)])
+                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)],
+                         state_caches=StateCache(state_shapes(model), 1, dtype, torch.device(device)).layers,
+                         state_slots=[0])
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)
     spec = config.speculative_config
     rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)  # a draft's rows are sampled too

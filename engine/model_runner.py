@@ -12,7 +12,10 @@ sample, and for the prompt rows of a request that asked for prompt logprobs
 (`_score_prompt`).
 
 The runner owns the KV cache: `read_blocks` / `write_blocks` move whole
-blocks in and out (KV transfer). Image embeddings it reads from the
+blocks in and out (KV transfer). For a model whose layers carry per-request
+state it owns the state cache too (engine/state_cache.py): a slot per
+running request, given at its first step, taken back when it finishes or is
+preempted. Image embeddings it reads from the
 engine's `ImageLedger`, which holds them while a request uses them.
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_lo
                                 make_generator)
 from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.spec.verify import Draft, verify_drafts
+from epd.engine.state_cache import StateCache, state_shapes
 from epd.engine.structured_output import CompiledConstraints, GrammarState, allocate_bitmask
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -69,9 +73,10 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
-                 lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None):
+                 lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None, num_state_slots: int = 0):
         """`model.positions` places each request's tokens (engine/models/positions.py);
-        `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py)."""
+        `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py);
+        `num_state_slots`: the state cache's slots, for a model that declares per-request state."""
         self.model = model
         self.positions = model.positions
         self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model says (default False: causal only)
@@ -90,6 +95,8 @@ class ModelRunner:
                                     cfg.head_dim, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
         self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
+        shapes = state_shapes(model)
+        self.state_cache = StateCache(shapes, num_state_slots, dtype, self.device) if shapes else None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (`capture_graphs`)
         self._states: dict[str, _RunnerState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
@@ -163,6 +170,11 @@ class ModelRunner:
             self._grammars.pop(rid, None)
             self._bad_words.pop(rid, None)
 
+    def free_states(self, request_ids) -> None:
+        """Takes back the state slots of requests that left or were preempted (no state cache: nothing)."""
+        if self.state_cache is not None:
+            self.state_cache.free(request_ids)
+
     def add_constraints(self, request: Request, prepared: CompiledConstraints) -> None:
         """A request's compiled grammar and tokenized bad words (engine/structured_output.py);
         kept until it finishes, across preemptions."""
@@ -177,6 +189,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.drop(out.finished_request_ids)
+        self.free_states([*out.finished_request_ids, *out.preempted_request_ids])  # before this step's take theirs
         if out.is_empty:
             return RunnerOutput()
         token_ids: list[int] = []
@@ -216,6 +229,9 @@ class ModelRunner:
                 meta.slot_mapping[offset - 1] = -1
         batch = ForwardBatch(positions=torch.cat(positions, dim=1), attn_meta=meta, backend=self.backend,
                              kv_caches=self.kv_caches)
+        if self.state_cache is not None:
+            batch.state_caches = self.state_cache.layers
+            batch.state_slots = [self.state_cache.slot(s.request_id) for s in out.scheduled]
         if mm_rows:
             batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
             batch.mm_embeds = torch.cat([e.embeddings[a:b] for e, a, b in mm_rows]).to(self.device)

@@ -10,4 +10,8 @@
     mlp.py            the dense SwiGLU MLP, and pack_cpu_linears for CPU float32
     moe.py            the sparse mixture-of-experts MLP, routed experts only
     triton_moe.py     fused MoE in Triton (GPU)
+    gated_delta.py    the gated delta rule of a Gated DeltaNet layer: chunked (prefill, from a carried
+                      state) and recurrent (decode), torch
+    causal_conv1d.py  the short causal depthwise conv of a Gated DeltaNet layer, with its carried conv state
+    gated_deltanet.py the Gated DeltaNet layer (Qwen3.5's linear attention) over per-request state slots
 """

@@ -13,6 +13,11 @@ class ForwardBatch:
     `backend` provides `store_kv(k, v, k_cache, v_cache, slot_mapping)` and
     `attention(q, k_cache, v_cache, meta, scale)`; `kv_caches[layer]` is that
     layer's `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    A model whose layers carry per-request state (a Gated DeltaNet layer: layers/gated_deltanet.py)
+    reads `state_caches[i]`, its i-th such layer's `(conv_states, recurrent_states)`, each
+    `[num_slots, ...]`, at the rows `state_slots[b]` of sequence b (the sequences in `attn_meta`'s
+    order); a sequence whose context is all new this step (q_len == seq_len) starts from zeros.
     """
 
     positions: torch.Tensor  # [position_dims, num_tokens]: the model's `positions` rule (models/positions.py)
@@ -25,3 +30,6 @@ class ForwardBatch:
     # the entries' named extras (MMEntry.extras), name -> [num_mm_tokens, ...]; Qwen3-VL's deepstack
     # features are "deepstack.0", "deepstack.1", ..., each [num_mm_tokens, hidden]
     mm_extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per-request state of the layers that carry it, and each sequence's slot in it.
+    state_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    state_slots: list[int] = field(default_factory=list)  # [num_seqs]

@@ -422,4 +422,5 @@ class EngineWorker(KVHandover, WorkerIO):
             num_free_blocks=self.core.num_free_blocks(), num_total_blocks=self.core.num_blocks,
             queue_depth=self.arrivals.num_pending, engine=self.counters, encoder=self.encoder_counters,
             session=self.session, cache=None if self.cache is None else self.cache.faults(),
-            lora=self.core.lora_state()))
+            lora=self.core.lora_state(), num_state_slots=self.core.num_state_slots,
+            num_free_state_slots=self.core.num_free_state_slots()))

@@ -6,6 +6,7 @@
     qwen_vl/         Qwen3-VL, Qwen3-VL-MoE and Qwen2.5-VL
     internvl/        InternVL (InternVL3.5, InternVL3)
     glm4v/           GLM-4.1V and GLM-4.5V
+    qwen3_5/         Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet: per-request state)
     gemma3/          Gemma 3
 
 A family's package holds everything that is its own: its registry entries

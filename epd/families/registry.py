@@ -16,7 +16,7 @@ from epd.families.model_family import ModelFamily, UnsupportedModelError
 __all__ = ["FAMILIES", "ModelFamily", "UnsupportedModelError", "check_family", "family_of", "get_family",
            "supported_families"]
 
-PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v")
+PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v", "qwen3_5")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for package in PACKAGES
                                     for f in import_module(f"epd.families.{package}.family").FAMILIES}

@@ -240,6 +240,8 @@ class WorkerMetrics:
         running = GaugeMetricFamily("epd:num_requests_running", "Requests running on a worker.", labels=LABELS)
         waiting = GaugeMetricFamily("epd:num_requests_waiting", "Requests waiting on a worker.", labels=LABELS)
         usage = GaugeMetricFamily("epd:kv_cache_usage_perc", "KV cache usage (1 = full).", labels=LABELS)
+        state_usage = GaugeMetricFamily("epd:state_cache_usage_perc", "Per-request state cache usage (1 = every "
+                                        "slot held by a running request).", labels=LABELS)
         engine = _Families(ENGINE_COUNTERS, ENGINE_SUMMARIES)
         positions = _SpecDecodePositions()
         encoder = _Families(ENCODER_COUNTERS, ENCODER_SUMMARIES, ENCODER_HISTOGRAMS, ENCODER_GAUGES)
@@ -256,6 +258,8 @@ class WorkerMetrics:
             waiting.add_metric(labels, s.num_waiting)
             if s.num_total_blocks:
                 usage.add_metric(labels, 1.0 - s.num_free_blocks / s.num_total_blocks)
+            if s.num_state_slots:  # a model with per-request state (engine/state_cache.py)
+                state_usage.add_metric(labels, 1.0 - s.num_free_state_slots / s.num_state_slots)
             if s.engine is not None:
                 engine.add(labels, s.engine)
                 positions.add(labels, s.engine)
@@ -271,6 +275,7 @@ class WorkerMetrics:
         yield running
         yield waiting
         yield usage
+        yield state_usage
         yield from engine
         yield from positions
         yield from encoder

@@ -23,6 +23,8 @@ REFERENCE_CLASSES = {  # model_type -> transformers' class
     "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 # model_type -> the token its processor repeats once per image placeholder position (Qwen's by default)
 IMAGE_PADS = {"glm4v": "<|image|>", "glm4v_moe": "<|image|>"}

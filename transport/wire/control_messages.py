@@ -31,7 +31,7 @@ class WorkerStats(Message):
     """Worker -> API, every few hundred ms: load for the router, counters for /metrics."""
 
     TYPE: ClassVar[str] = "worker_stats"
-    VERSION: ClassVar[int] = 4  # 2: session, 3: cache, 4: lora
+    VERSION: ClassVar[int] = 5  # 2: session, 3: cache, 4: lora, 5: state slots
     worker_id: str
     role: str
     num_running: int
@@ -44,6 +44,9 @@ class WorkerStats(Message):
     session: str = ""  # the sender's session token (its Ready's): the registry takes stats only from it
     cache: CacheFaults | None = None  # its embedding cache's faults; None: it has no cache
     lora: LoRAState | None = None  # its adapters (engine roles with --enable-lora); None: LoRA off
+    # its per-request state cache (engine/state_cache.py): slots, and those free; 0 and 0: none
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
     def _fields(self):
         return {"worker_id": self.worker_id, "role": self.role, "num_running": self.num_running,
@@ -52,19 +55,22 @@ class WorkerStats(Message):
                 "engine": None if self.engine is None else self.engine.to_map(),
                 "encoder": None if self.encoder is None else self.encoder.to_map(), "session": self.session,
                 "cache": None if self.cache is None else self.cache.to_map(),
-                "lora": None if self.lora is None else self.lora.to_map()}
+                "lora": None if self.lora is None else self.lora.to_map(),
+                "num_state_slots": self.num_state_slots, "num_free_state_slots": self.num_free_state_slots}
 
     @classmethod
     def _build(cls, f, payload):
         engine, encoder, cache, lora = f.opt_map("engine"), f.opt_map("encoder"), f.opt_map("cache"), f.opt_map("lora")
         counts = [f.int(name) for name in ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks",
                                             "queue_depth")]
+        slots = [f.int("num_state_slots"), f.int("num_free_state_slots")]
+        need(0 <= slots[1] <= slots[0] < 2 ** 40, cls.TYPE, f"state slots must be 0 <= free <= total, got {slots}")
         need(all(0 <= n < 2 ** 40 for n in counts), cls.TYPE, f"counts must be in [0, 2^40), got {counts}")
         return cls(f.str("worker_id"), f.one_of("role", tuple(Role)), *counts,
                    None if engine is None else EngineCounters.from_map(engine),
                    None if encoder is None else EncoderCounters.from_map(encoder), _session(f),
                    None if cache is None else CacheFaults.from_map(cache),
-                   None if lora is None else LoRAState.from_map(lora))
+                   None if lora is None else LoRAState.from_map(lora), *slots)
 
 
 @dataclass

@@ -25,6 +25,9 @@ TOWERS = {
     "qwen3_vl": (VisionConfig, VisionTower),
     "qwen3_vl_moe": (VisionConfig, VisionTower),
     "qwen2_5_vl": (Qwen2_5VisionConfig, Qwen2_5VisionTower),
+    # Qwen3.5's tower is Qwen3-VL's without deepstack (epd/families/qwen3_5/)
+    "qwen3_5": (VisionConfig, VisionTower),
+    "qwen3_5_moe": (VisionConfig, VisionTower),
 }
 
 

@@ -58,7 +58,7 @@ class VisionConfig(VisionTowerShape):
     @classmethod
     def from_hf(cls, vc) -> "VisionConfig":
         return cls(**cls.fields_from_hf(vc), num_position_embeddings=vc.num_position_embeddings,
-                   deepstack_indexes=tuple(vc.deepstack_visual_indexes))
+                   deepstack_indexes=tuple(getattr(vc, "deepstack_visual_indexes", None) or ()))
 
 
 @dataclass

@@ -203,3 +203,18 @@ def test_lora_requests_info_as_vllms_per_engine_worker():
         {"running_lora_adapters": "chat,sql", "waiting_lora_adapters": "math", "max_lora": "2"}
     assert info["prefill-0"].labels["running_lora_adapters"] == "" and info["prefill-0"].labels["max_lora"] == "2"
     assert before - 1 <= info["decode-0"].value <= time.time() + 1  # the report's time, as vLLM's gauge
+
+
+def test_a_worker_with_a_state_cache_shows_its_usage_and_the_wire_keeps_its_slots():
+    import pytest
+
+    from epd.transport.wire.codec import WireError
+
+    stats = WorkerStats("pd-0", "pd", 1, 0, 8, 8, 0, engine=ENGINE, num_state_slots=4, num_free_state_slots=3)
+    assert WorkerStats.from_wire(stats.to_wire()) == stats
+    samples = _render(stats, WorkerStats("decode-0", "decode", 3, 1, 24, 32, 0, engine=ENGINE))
+    assert samples["pd-0"]["epd:state_cache_usage_perc"] == 0.25  # 1 of 4 slots held
+    assert "epd:state_cache_usage_perc" not in samples["decode-0"]  # a model with KV only
+    bad = WorkerStats("pd-0", "pd", 1, 0, 8, 8, 0, num_state_slots=2, num_free_state_slots=3)
+    with pytest.raises(WireError, match="state slots"):
+        WorkerStats.from_wire(bad.to_wire())

@@ -1,0 +1,96 @@
+"""The state cache beside the paged KV: one slot per running request of every state-carrying layer.
+
+A model whose layers carry per-request state (a Gated DeltaNet layer's conv and recurrent state)
+declares it: `state_shapes()` lists, per such layer, one request's (conv state, recurrent state)
+shapes. The cache holds `num_slots` of each, allocated once beside the KV cache and budgeted
+with it (`bytes_per_slot`). The runner gives a request a slot the first step it runs and takes
+it back when the request finishes, is aborted or released, or is preempted (recomputed from
+its first token, it starts again from zeros); the layers read and write the slots named in the
+step's `ForwardBatch`. There are as many slots as `max_num_seqs`, and the scheduler never runs
+more requests than that, so a request it admits always finds one (docs/decisions/state-cache.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from math import prod
+
+import torch
+
+from epd.engine.scheduler_config import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+StateShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]  # per layer: (conv state, recurrent state) of one request
+
+
+def state_shapes(model) -> StateShapes:
+    """The model's per-request state shapes; [] for a model with KV only."""
+    declared = getattr(model, "state_shapes", None)
+    return declared() if declared is not None else []
+
+
+def check_stateful_engine(role: str, speculative: bool, lora: bool) -> None:
+    """ValueError for what an engine cannot run yet with a model whose layers carry per-request
+    state: the prefill and decode roles (the hand-over carries no state), speculation (the state
+    is not rolled back on rejection), LoRA (adapters do not know the stateful layers' projections)."""
+    if role != "pd":
+        raise ValueError(f"a model whose layers carry per-request state runs only where one engine prefills and "
+                         f"decodes (aggregated, e-pd, offline), not in the {role} role: the hand-over carries "
+                         "no state yet")
+    if speculative:
+        raise ValueError("speculative decoding is not supported yet for a model whose layers carry per-request "
+                         "state (the state is not rolled back on rejection); leave --speculative-config out")
+    if lora:
+        raise ValueError("LoRA adapters are not supported yet for a model whose layers carry per-request state; "
+                         "leave --enable-lora out")
+
+
+def stateful_scheduler_config(config: SchedulerConfig) -> SchedulerConfig:
+    """The scheduler's configuration for a model with per-request state: prefix caching off, said
+    in the log (a hit would skip tokens whose state no slot holds)."""
+    if config.enable_prefix_caching:
+        log.warning("prefix caching is off: this model's layers carry per-request state, and a cache hit "
+                    "would skip tokens whose state no slot holds")
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+def bytes_per_slot(shapes: StateShapes, dtype: torch.dtype) -> int:
+    """One request's state in every layer: the conv state in the model's dtype, the recurrent one in float32."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return sum(element * prod(conv) + 4 * prod(rec) for conv, rec in shapes)
+
+
+class StateCache:
+    def __init__(self, shapes: StateShapes, num_slots: int, dtype: torch.dtype, device: torch.device):
+        # per layer: conv states [num_slots, *conv] (model dtype), recurrent states [num_slots, *rec] (float32)
+        self.layers = [(torch.zeros(num_slots, *conv, dtype=dtype, device=device),
+                        torch.zeros(num_slots, *rec, dtype=torch.float32, device=device)) for conv, rec in shapes]
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._slots: dict[str, int] = {}  # request id -> its slot
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot, given now if it has none (its state is then whatever the slot
+        held: the layers start a sequence's first chunk from zeros, never from the slot)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            assert self._free, "more running requests than state slots (max_num_seqs)"
+            slot = self._slots[request_id] = self._free.pop()
+        return slot
+
+    def free(self, request_ids) -> None:
+        """Takes back the slots of requests that finished, left or were preempted (unknown ids: nothing)."""
+        for request_id in request_ids:
+            slot = self._slots.pop(request_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """The share of slots held, 0..1."""
+        return len(self._slots) / self.num_slots

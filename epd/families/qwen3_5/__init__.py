@@ -1,0 +1,10 @@
+"""Qwen3.5 and Qwen3.5-MoE (Qwen3.6 alike): hybrid Gated DeltaNet / gated attention decoders.
+
+    family.py       the two families' registry entries (torch-free)
+    text_model.py   the language model over engine/layers/: Gated DeltaNet and gated attention layers,
+                    dense or shared-expert MoE MLPs
+    text_loader.py  the language model built and filled from the release's tensor names
+    presets.py      `epd make-model` presets: random checkpoints written with transformers' classes
+
+The prompt format, M-RoPE positions and vision tower are Qwen3-VL's (epd/families/qwen_vl/).
+"""

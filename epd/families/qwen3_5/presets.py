@@ -1,0 +1,173 @@
+"""`epd make-model` presets of Qwen3.5 (`qwen3_5`) and Qwen3.5-MoE (`qwen3_5_moe`), and their writer.
+
+A random-weight checkpoint in the release's layout: config.json through transformers'
+Qwen3_5Config / Qwen3_5MoeConfig (layer_types, partial rotary and interleaved M-RoPE in the
+text config's rope parameters), safetensors written by transformers' own model class
+(`model.language_model.*`, `model.visual.*`), Qwen's special tokens and chat template (those
+of qwen_vl/presets.py) and Qwen3-VL's image processor files. The (1 + w) norms are random, not
+the release's zeros, so a loader reading them as plain norms fails its tests; each linear
+layer's decay A is drawn in (0.05, 1) so its state lasts over many tokens; the final norm is
+scaled for peaked logits (epd/families/random_checkpoints.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from epd.families.qwen_vl.presets import (PRESETS as QWEN_VL_PRESETS, ROUTER_LOGIT_STD, SPECIAL_TOKENS,
+                                          qwen_tokenizer, write_processor_configs)
+from epd.families.random_checkpoints import LOGIT_STD, embed_chat_template
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Architecture of one Qwen3.5 checkpoint preset (hybrid text decoder + Qwen3-VL-style tower)."""
+
+    hidden_size: int
+    num_layers: int
+    full_attention_interval: int  # every n-th layer is full attention, the others Gated DeltaNet
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    linear_num_k_heads: int
+    linear_num_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    mrope_section: tuple[int, int, int]  # sums to head_dim / 8 (a quarter of each head rotates)
+    vocab_size: int | None  # None: exactly the tokenizer's size
+    tie_word_embeddings: bool
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    num_position_embeddings: int
+    min_pixels: int
+    max_pixels: int
+    tokenizer_vocab: int
+    dtype: str  # dtype the weights are stored in
+    linear_conv_kernel: int = 4
+    rope_theta: float = 10_000_000.0
+    max_position_embeddings: int = 262_144
+    family: str = "qwen3_5"  # model_type: qwen3_5 or qwen3_5_moe
+    # qwen3_5_moe: every layer's MLP is routed experts plus a shared expert
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    patch_size: int = 16
+
+
+_TINY = Preset(
+    hidden_size=64, num_layers=4, full_attention_interval=4, num_heads=4, num_kv_heads=2, head_dim=32,
+    intermediate_size=128, linear_num_k_heads=2, linear_num_v_heads=4, linear_k_dim=16, linear_v_dim=16,
+    mrope_section=(2, 1, 1), vocab_size=None, tie_word_embeddings=False, vision_depth=2, vision_hidden=32,
+    vision_heads=2, vision_intermediate=64, num_position_embeddings=64, min_pixels=32 * 32,
+    max_pixels=256 * 256, tokenizer_vocab=1024, dtype="float32", max_position_embeddings=4096,
+)
+
+PRESETS: dict[str, Preset] = {
+    # For tests: three Gated DeltaNet layers then one full-attention layer; loads in well under a second.
+    "qwen3_5-tiny": _TINY,
+    # The same with every MLP routed over 8 experts (2 active) plus a shared expert.
+    "qwen3_5-moe-tiny": dataclasses.replace(_TINY, family="qwen3_5_moe", num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=32, shared_expert_intermediate_size=48),
+}
+
+
+def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
+    """The preset's random-weight checkpoint, tokenizer and processor files in `out`
+    (epd/tools/make_model.py `make_model`)."""
+    import torch
+    from transformers import GenerationConfig
+
+    tokenizer = qwen_tokenizer(p.tokenizer_vocab)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = p.vocab_size or len(tokenizer)
+    assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
+    config_cls, model_cls, config = _hf_config(p, ids, vocab_size)
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, p.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_cls(config_cls(**config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        _randomize(model, p)
+    model.save_pretrained(out, safe_serialization=True)
+
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    from epd.families.qwen_vl.presets import CHAT_TEMPLATE
+
+    embed_chat_template(out, CHAT_TEMPLATE)
+    write_processor_configs(out, dataclasses.replace(QWEN_VL_PRESETS["tiny"], min_pixels=p.min_pixels,
+                                                     max_pixels=p.max_pixels, patch_size=p.patch_size))
+
+
+def _randomize(model, p: Preset) -> None:
+    """Random (1 + w) norms and gated norms, slow decays, decisive routing, peaked logits."""
+    import torch
+
+    lm = model.model.language_model
+    for name, param in lm.named_parameters():
+        if name.endswith("norm.weight") and name != "norm.weight":
+            param.normal_(0.0, 0.1)
+            if ".linear_attn.norm." in name:
+                param.add_(1.0)  # the gated norm is a plain one (x * w)
+        elif name.endswith("A_log"):
+            param.copy_(torch.empty_like(param).uniform_(0.05, 1.0).log())
+        elif name.endswith("dt_bias"):
+            param.normal_(0.0, 0.5)
+    for layer in lm.layers:
+        router = getattr(layer.mlp, "gate", None)
+        if isinstance(router, torch.nn.Module):  # router logit std ~ ROUTER_LOGIT_STD
+            router.weight.mul_(ROUTER_LOGIT_STD / (router.weight.float().std().item() * p.hidden_size ** 0.5))
+    init_std = model.lm_head.weight.float().std().item()
+    lm.norm.weight.fill_(LOGIT_STD / (init_std * p.hidden_size ** 0.5) - 1.0)  # (1 + w) x the logit scale
+
+
+def _hf_config(p: Preset, ids: dict[str, int], vocab_size: int):
+    """(transformers config class, model class, config kwargs) for the preset's family."""
+    import transformers
+
+    layer_types = ["full_attention" if (i + 1) % p.full_attention_interval == 0 else "linear_attention"
+                   for i in range(p.num_layers)]
+    text = dict(
+        vocab_size=vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads, head_dim=p.head_dim,
+        linear_num_key_heads=p.linear_num_k_heads, linear_num_value_heads=p.linear_num_v_heads,
+        linear_key_head_dim=p.linear_k_dim, linear_value_head_dim=p.linear_v_dim,
+        linear_conv_kernel_dim=p.linear_conv_kernel, layer_types=layer_types,
+        max_position_embeddings=p.max_position_embeddings, rms_norm_eps=1e-6,
+        tie_word_embeddings=p.tie_word_embeddings, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta, partial_rotary_factor=0.25,
+                             mrope_section=list(p.mrope_section), mrope_interleaved=True),
+    )
+    vision = dict(depth=p.vision_depth, hidden_size=p.vision_hidden, intermediate_size=p.vision_intermediate,
+                  num_heads=p.vision_heads, patch_size=p.patch_size, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=p.hidden_size, num_position_embeddings=p.num_position_embeddings)
+    top = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+               tie_word_embeddings=p.tie_word_embeddings)
+    if p.family == "qwen3_5_moe":
+        text.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
+                    moe_intermediate_size=p.moe_intermediate_size,
+                    shared_expert_intermediate_size=p.shared_expert_intermediate_size)
+        return (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration,
+                dict(text_config=text, vision_config=vision, **top))
+    if p.family != "qwen3_5":
+        raise ValueError(f"unknown family {p.family!r}; choose qwen3_5 or qwen3_5_moe")
+    text.update(intermediate_size=p.intermediate_size)
+    return (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration,
+            dict(text_config=text, vision_config=vision, **top))

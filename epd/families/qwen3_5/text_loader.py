@@ -1,0 +1,122 @@
+"""Builds Qwen3.5's language model and fills it from the release's tensor names.
+
+`model.language_model.*` is the text model, `lm_head.weight` its head (a tied or absent head
+takes the embedding); `model.visual.*` is the vision tower's (not ours) and `mtp.*` the release's
+multi-token-prediction layers, read by nothing yet. A full-attention layer's q_proj (query and
+gate rows), k_proj and v_proj stack into one `qkv_proj`; gate/up projections (the dense MLP's,
+the shared expert's) into `gate_up_proj`. MoE experts come one tensor each, as the release
+and transformers' save have them (`mlp.experts.<e>.gate_proj.weight`, ...), or fused per layer
+(`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, either orientation); both stack into
+the layer's `w13` / `w2`.
+No transformers modeling code is used: only its config class.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from epd.families.qwen3_5.text_model import Qwen3_5ForCausalLM, TextConfig, rotary_embedding
+from epd.families.qwen_vl.family import mrope_positions
+from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
+
+_TEXT_PREFIX = "model.language_model."
+# fused per layer ("gate_up_proj", "down_proj") or one expert's ("0.gate_proj.weight", ...)
+_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|(\d+)\.(gate_proj|up_proj|down_proj)\.weight)$")
+_PIECES = re.compile(r"(layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q_proj|k_proj|v_proj|gate_proj|up_proj)"
+                     r"\.weight$")
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_ROUTER = re.compile(r"(layers\.\d+\.mlp)\.gate\.weight$")
+
+
+def _text_rule(name: str):
+    if name == "lm_head.weight":
+        return "lm_head.weight", None
+    if not name.startswith(_TEXT_PREFIX):
+        return None  # model.visual.* (the vision side's), mtp.* (not read yet)
+    rest = name[len(_TEXT_PREFIX):]
+    if _EXPERTS.match(rest):
+        return None  # filled by _load_experts
+    if m := _ROUTER.match(rest):
+        return f"model.{m[1]}.experts.gate.weight", None
+    if m := _PIECES.match(rest):
+        fused, piece = _FUSED[m[2]]
+        return f"model.{m[1]}.{fused}.weight", piece
+    return "model." + rest, None
+
+
+def _describe(param: str, shard: int | None) -> str:
+    """The checkpoint name expected for (our parameter, fused piece)."""
+    if param == "lm_head.weight":
+        return param
+    name = _TEXT_PREFIX + param[len("model."):].replace(".mlp.experts.gate.", ".mlp.gate.")
+    if shard is None:
+        return name
+    fused = "qkv_proj" if ".qkv_proj." in name else "gate_up_proj"
+    return name.replace(fused, next(p for p, (f, s) in _FUSED.items() if f == fused and s == shard))
+
+
+def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> Qwen3_5ForCausalLM:
+    cfg = TextConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg, mrope_positions(hf_config))
+    model = materialize(model, device, dtype)
+    model.model.rotary = rotary_embedding(cfg, device=device)  # float32 tables, not weights
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    fused = {}
+    for i, layer in enumerate(model.model.layers):
+        if not layer.is_linear:
+            fused[f"model.layers.{i}.self_attn.qkv_proj.weight"] = [2 * q, kv, kv]
+        if layer.is_moe:
+            fused[f"model.layers.{i}.mlp.shared_expert.gate_up_proj.weight"] = [cfg.shared_expert_intermediate_size] * 2
+        else:
+            fused[f"model.layers.{i}.mlp.gate_up_proj.weight"] = [cfg.intermediate_size] * 2
+    load_weights(model, model_dir, _text_rule, fused=fused,
+                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
+    if cfg.num_experts:
+        _load_experts(model, model_dir)
+    return model.eval()
+
+
+def _load_experts(model: Qwen3_5ForCausalLM, model_dir: str | Path) -> None:
+    """Fills every layer's `w13` [experts, 2 x inter, hidden] / `w2` [experts, hidden, inter]
+    from per-expert or fused expert tensors; every expert's every piece must be there."""
+    layers = model.model.layers
+    num_experts, inter = model.cfg.num_experts, model.cfg.moe_intermediate_size
+    filled = set()
+
+    def accept(name: str) -> bool:
+        return name.startswith(_TEXT_PREFIX) and _EXPERTS.match(name[len(_TEXT_PREFIX):]) is not None
+
+    for name, tensor in iter_tensors(model_dir, accept=accept):
+        m = _EXPERTS.match(name[len(_TEXT_PREFIX):])
+        layer = int(m[1])
+        if layer >= len(layers):
+            raise CheckpointError(f"tensor {name!r}: the model has {len(layers)} layers")
+        experts = layers[layer].mlp.experts
+        if m[3] is None:  # fused: every expert of the layer at once
+            target = experts.w13 if m[2] == "gate_up_proj" else experts.w2
+            if tuple(tensor.shape) != tuple(target.shape) and tensor.ndim == 3:
+                tensor = tensor.transpose(1, 2)  # the published [experts, in, out] orientation
+            keys = [(layer, e, piece) for e in range(num_experts)
+                    for piece in (("gate_proj", "up_proj") if m[2] == "gate_up_proj" else ("down_proj",))]
+        else:
+            expert, piece = int(m[3]), m[4]
+            if expert >= num_experts:
+                raise CheckpointError(f"tensor {name!r}: the model has {num_experts} experts")
+            target = {"gate_proj": experts.w13[expert, :inter], "up_proj": experts.w13[expert, inter:],
+                      "down_proj": experts.w2[expert]}[piece]
+            keys = [(layer, expert, piece)]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor.to(target.dtype))
+        filled.update(keys)
+    for i in range(len(layers)):
+        for e in range(num_experts):
+            for piece in ("gate_proj", "up_proj", "down_proj"):
+                if (i, e, piece) not in filled:
+                    raise CheckpointError(f"checkpoint {model_dir} is missing tensor "
+                                          f"'{_TEXT_PREFIX}layers.{i}.mlp.experts.{e}.{piece}.weight'")

@@ -1,0 +1,95 @@
+"""Qwen3.5 through the offline `LLM`: the engine's scheduler, paged KV and state
+cache give transformers' greedy tokens and top-5 logprobs (float32) for text prompts of
+different lengths run together (prefill chunks and decodes in one step), prompts prefilled over
+several chunks through their state slots, and requests preempted and recomputed; every slot
+and block is back at the end. What the engine cannot do yet for a model with per-request state
+is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epd.transport.wire.sampling import SamplingParams
+
+NUM_TOKENS = 6
+PROMPT_LENS = (5, 19, 33, 47, 61)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(16, 1000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def _reference(model, ids: list[int]) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """transformers' greedy (tokens, top-5 ids per token, their logprobs [NUM_TOKENS, 5])."""
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    top = logprobs.topk(5)
+    return out.sequences[0, len(ids):].tolist(), top.indices.tolist(), top.values
+
+
+# the dense preset: the MoE decoder over the same slots is test_qwen3_5_text_model.py's (CI time)
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+def test_concurrent_chunked_preempted_requests_equal_transformers(qwen3_5_model, qwen3_5_reference):
+    from epd import LLM
+
+    prompts = _prompts()
+    expected = [_reference(qwen3_5_reference, ids) for ids in prompts]
+    llm = LLM(qwen3_5_model, num_kv_blocks=7, max_num_batched_tokens=24, max_num_seqs=4, dtype="float32",
+              enable_prefix_caching=True)
+    assert llm.engine.scheduler.config.enable_prefix_caching is False  # turned off: a hit would skip state
+    steps = []
+    original = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = original()
+        steps.append([(s.start, s.end, s.request.num_prompt_tokens) for s in out.scheduled])
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
+    for out, (tokens, top_ids, top_logprobs) in zip(outs, expected):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, (ids, values) in enumerate(zip(top_ids, top_logprobs)):
+            top = got.logprobs[step].top  # [(token id, logprob)], most likely first
+            assert [i for i, _ in top] == ids, step
+            torch.testing.assert_close(torch.tensor([lp for _, lp in top]), values, rtol=0, atol=1e-4)
+    assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
+    assert any(0 < start and end < n for step in steps for start, end, n in step), "a prompt over several chunks"
+    assert any(any(end > n for _, end, n in step) and any(end <= n for _, end, n in step) for step in steps), \
+        "a step of decodes and prefill chunks together"
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+    assert llm.engine.runner.state_cache.usage == 0  # every slot back
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+    ({"enable_lora": True}, "LoRA adapters are not supported yet"),
+])
+def test_what_a_stateful_model_cannot_do_yet_is_refused_by_name(qwen3_5_model, kwargs, named):
+    from epd import LLM
+
+    with pytest.raises(ValueError, match=named):
+        LLM(qwen3_5_model, dtype="float32", **kwargs)
+
+
+def test_disaggregated_roles_are_refused_by_name(qwen3_5_model):
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import EngineCore
+
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"not in the {role} role: the hand-over carries no state"):
+            EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
+
+
+def test_serve_refuses_e_p_d_at_start_up_and_takes_the_modes_it_runs_in(qwen3_5_model):
+    from epd.config import ServeConfig
+
+    with pytest.raises(ValueError, match=r"--mode e-p-d: Qwen3\.5(-MoE)?'s layers carry per-request state"):
+        ServeConfig(model=qwen3_5_model)  # e-p-d is the default mode
+    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("aggregated", "e-pd")] == \
+        ["aggregated", "e-pd"]
