@@ -1,20 +1,15 @@
 """Qwen3.5 and Qwen3.5-MoE: Qwen3-VL's prompt format, positions and tower over a hybrid decoder."""
 from __future__ import annotations
 
-import dataclasses
-
 from epd.families.model_family import ModelFamily
 from epd.families.qwen_vl.family import VISION, mrope_positions
 from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 
-# Qwen3-VL's placeholders, expansion and geometry (the releases ship Qwen3VLProcessor), as its own value
-QWEN3_5_FORMAT = dataclasses.replace(QWEN_VL_FORMAT)
-
 TEXT_MODEL = "epd.families.qwen3_5.text_loader:load_text_model"
 
 FAMILIES = (
-    ModelFamily("Qwen3.5", "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="hermes", per_request_state=True),
-    ModelFamily("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes", per_request_state=True),
+    ModelFamily("Qwen3.5", "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL, VISION,
+                mrope_positions, per_request_state=True),
+    ModelFamily("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
+                VISION, mrope_positions, per_request_state=True),
 )

@@ -48,7 +48,7 @@ def test_the_gemma3_strings_are_its_placeholders():
 
 def test_the_qwen_families_register_the_qwen_format():
     assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_VL_FORMAT} == \
-        {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}
+        {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"}  # Qwen3.5 ships Qwen3VLProcessor
 
 
 def test_internvl_registers_its_format():
