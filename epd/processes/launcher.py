@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import sys
 
@@ -114,7 +115,14 @@ def run_external_worker(config: WorkerConfig) -> int:
                           mm_processor_kwargs=config.mm_processor_kwargs, decode_limits=media.decode_limits())
     print(f"EPD worker {spec.worker_id}: inbox {spec.inbox} (CURVE), registering with {config.api}", flush=True)
     try:
-        run_worker(launch, spawned=False)
+        try:
+            run_worker(launch, spawned=False)
+        finally:
+            # Stopped (Ctrl-C, or the API's Shutdown that `epd serve` sends as it stops): what is left
+            # is the interpreter's exit, which gives a Python-handled SIGINT its default action back
+            # (death: exit -2) before it tears torch down, seconds on a busy host. A Ctrl-C that finds
+            # the worker stopping on its own must not turn its clean stop into -2; SIGTERM still ends it.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
         pass
     return 0

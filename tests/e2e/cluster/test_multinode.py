@@ -111,7 +111,8 @@ def test_epd_worker_over_tcp_between_namespaces(net, tiny_model, tmp_path, expec
         assert api.settled_sum("epd:encoder_inline_images_total") == 3
     finally:
         codes = [api.stop()] + [w.stop() for w in workers]
-    assert codes[0] == 0, api.log()
+    # every one stopped cleanly, a worker that the API's Shutdown stopped before its Ctrl-C came too
+    assert codes == [0] * len(codes), (codes, api.log(), *(w.log() for w in workers))
     assert not api.group_alive() and not any(w.group_alive() for w in workers)
 
 

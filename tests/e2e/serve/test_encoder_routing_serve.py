@@ -41,7 +41,8 @@ def cluster(tiny_model, tmp_path_factory):
         yield api
     finally:
         codes = [api.stop()] + [w.stop() for w in workers]
-    assert codes[0] == 0, api.log()
+    # every one stopped cleanly, a worker that the API's Shutdown stopped before its Ctrl-C came too
+    assert codes == [0] * len(codes), (codes, api.log(), *(w.log() for w in workers))
     assert not api.group_alive() and not any(w.group_alive() for w in workers)
 
 

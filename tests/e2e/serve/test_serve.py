@@ -9,6 +9,7 @@ import math
 import os
 import time
 import re
+import signal
 import subprocess
 import sys
 
@@ -379,9 +380,8 @@ def test_external_workers_over_tcp(tiny_model, tmp_path, expected_texts):
             time.sleep(0.5)
         assert health.status_code == 503 and health.json()["missing_roles"] == ["encoder"]
     finally:
-        api.stop()
-        encoder.stop()
-        pd.stop()
+        codes = [api.stop(), encoder.stop(), pd.stop()]
+    assert codes == [0, -signal.SIGKILL, 0], (codes, api.log(), pd.log())  # the encoder was killed above
     assert not api.group_alive() and not encoder.group_alive() and not pd.group_alive()
 
 
