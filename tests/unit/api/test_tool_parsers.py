@@ -40,6 +40,7 @@ def test_the_config_names_every_parser_and_the_families_name_known_ones():
     assert {f.tool_call_parser for f in FAMILIES.values()} - {None} <= set(TOOL_PARSERS)
     assert FAMILIES["qwen3_vl"].tool_call_parser == "hermes"
     assert FAMILIES["internvl"].tool_call_parser == "hermes"  # a Qwen3 (or Qwen2) language model
+    assert FAMILIES["qwen3_5"].tool_call_parser == FAMILIES["qwen3_5_moe"].tool_call_parser == "qwen3_coder"
 
 
 PYTHONIC = [
