@@ -37,7 +37,7 @@ from epd.transport.wire.roles import Mode, Role
 
 # vLLM's --tool-call-parser names EPD reads: epd/api/tool_parsers/'s TOOL_PARSERS (a test holds them equal;
 # named here because the orchestrator, which reads this module, imports nothing of the HTTP edge)
-TOOL_CALL_PARSERS = ("hermes", "pythonic", "glm45")
+TOOL_CALL_PARSERS = ("hermes", "pythonic", "glm45", "qwen3_coder")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 MAX_LOGPROBS = 20  # the wire's bound on logprobs a token (transport/wire/sampling.py)
 # Niceness per role when workers share cores ("shared"). CFS weights fall

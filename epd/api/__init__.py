@@ -6,7 +6,7 @@
     protocol.py            OpenAI request bodies -> the orchestrator's types (epd/requests.py)
     chat_messages.py       chat messages checked at the edge: roles, content parts, images, videos
     tool_calls.py          `tools` / `tool_choice` as a constraint, and tool calls parsed from the output
-    tool_parsers/          tool_choice "auto"'s formats by vLLM's --tool-call-parser names (hermes, pythonic, glm45)
+    tool_parsers/          tool_choice "auto"'s formats by vLLM's --tool-call-parser names (hermes, pythonic, glm45, qwen3_coder)
     vllm_fields.py         every request field vLLM knows: served, or a 400 naming it
     completions_format.py  the completions endpoints' answers: chat.completion(.chunk), text_completion, SSE
     merged_streams.py      the `n` sequences of one request, merged into one stream

@@ -4,7 +4,7 @@ model's text turned into OpenAI `tool_calls`, streamed or whole.
 `tool_choice`:
   none       the text is content, never parsed;
   auto       the text is read in the server's `--tool-call-parser` format
-             (epd/api/tool_parsers/: hermes, pythonic, glm45; hermes when the flag
+             (epd/api/tool_parsers/: hermes, pythonic, glm45, qwen3_coder; hermes when the flag
              is not given): the text before the first call is content;
   required   the output is constrained to a JSON array of {"name", "parameters"}
              (one of the tools each, vLLM's form) and every item is a call;

@@ -91,7 +91,8 @@ def _add_api_flags(p: argparse.ArgumentParser, serve: dict) -> None:
                    help="how tool_choice \"auto\" reads tool calls from the model's text (vLLM's names): "
                         "hermes <tool_call> JSON blocks (Qwen; the default), pythonic [f(x=1)] lists "
                         "(Llama 3.2, Gemma 3), glm45 <tool_call> blocks of <arg_key>/<arg_value> tags "
-                        "(GLM-4.1V, GLM-4.5V)")
+                        "(GLM-4.1V, GLM-4.5V), qwen3_coder <tool_call> blocks of <function=...>/<parameter=...> "
+                        "tags (Qwen3.5, Qwen3.6)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted and logged: EPD never runs code from a checkpoint")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

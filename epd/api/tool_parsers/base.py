@@ -54,10 +54,15 @@ class ToolParser(ABC):
 
     def parameter_type(self, function: str, parameter: str) -> Any:
         """The JSON schema "type" of a function's parameter, None when the tools do not say."""
+        schema = self.parameter_schema(function, parameter)
+        return schema.get("type") if schema is not None else None
+
+    def parameter_schema(self, function: str, parameter: str) -> dict | None:
+        """The JSON schema of a function's parameter, None when the tools do not say."""
         for tool in self.tools:
             if tool["function"]["name"] == function:
                 schema = tool["function"]["parameters"].get("properties", {}).get(parameter)
-                return schema.get("type") if isinstance(schema, dict) else None
+                return schema if isinstance(schema, dict) else None
         return None
 
 
@@ -87,15 +92,18 @@ def begun_json_call(text: str, pos: int, arguments_key: str) -> tuple[str, str] 
 class TaggedBlockParser(ToolParser):
     """Calls written in `start` ... `end` blocks (hermes', GLM-4.5's `<tool_call>`): the text
     before the first block is content, text between or after blocks is dropped, a closed
-    block becomes `closed_calls(block)`, an unclosed last one `cut_calls(block)`."""
+    block becomes `closed_calls(block)`, an unclosed last one `cut_calls(block)`. With
+    `unread_block_is_content`, a closed block of no call before any call is content, as written."""
 
     start = "<tool_call>"
     end = "</tool_call>"
+    unread_block_is_content = False  # else a closed block of no call is dropped
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
         self.buffer = ""  # text not yet turned into content or calls
         self.in_calls = False  # a block was seen: later text is calls only
+        self.calls_given = False  # a closed block gave a call
 
     def feed(self, text: str) -> Found:
         self.buffer += text
@@ -134,5 +142,10 @@ class TaggedBlockParser(ToolParser):
                 return out
             block = self.buffer[start + len(self.start):end]
             self.buffer = self.buffer[end + len(self.end):]
-            out.calls += self.closed_calls(block)
+            calls = self.closed_calls(block)
+            if not calls and self.unread_block_is_content and not self.calls_given:
+                out.content += self.start + block + self.end  # not a call: the text goes on as content
+                self.in_calls = False
+            self.calls_given = self.calls_given or bool(calls)
+            out.calls += calls
 

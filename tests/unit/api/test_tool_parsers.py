@@ -40,6 +40,7 @@ def test_the_config_names_every_parser_and_the_families_name_known_ones():
     assert {f.tool_call_parser for f in FAMILIES.values()} - {None} <= set(TOOL_PARSERS)
     assert FAMILIES["qwen3_vl"].tool_call_parser == "hermes"
     assert FAMILIES["internvl"].tool_call_parser == "hermes"  # a Qwen3 (or Qwen2) language model
+    assert FAMILIES["qwen3_5"].tool_call_parser == FAMILIES["qwen3_5_moe"].tool_call_parser == "qwen3_coder"
 
 
 PYTHONIC = [
@@ -114,11 +115,85 @@ def test_glm45_text_without_a_call_is_content(text):
     assert _parse("glm45", text) == (text, [])
 
 
+QWEN3 = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n"
+         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\nthen\n<tool_call>\n<function=get_time>\n"
+         "</function>\n</tool_call>")
+TYPED = validate_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
+    "o": {"type": "object"}, "a": {"type": "array"}, "z": {"type": ["integer", "null"]},
+    "e": {"enum": [1, 2]}, "u": {"anyOf": [{"type": "boolean"}, {"type": "string"}]}, "x": {}}}}}])
+
+
+def _qwen3_call(parameters: str) -> str:
+    return f"<tool_call>\n<function=f>\n{parameters}</function>\n</tool_call>"
+
+
+def test_qwen3_coder_two_calls_after_text_typed_by_the_schema():
+    """vLLM's qwen3_coder: a string parameter keeps its text ("123"), an integer is read;
+    text between calls is dropped; without tools every value is its text."""
+    calls = [("get_weather", '{"city": "123", "days": 3}'), ("get_time", "{}")]
+    assert _parse("qwen3_coder", QWEN3) == ("Let me check.\n", calls)
+    assert _parse("qwen3_coder", QWEN3, tools=[]) == ("Let me check.\n", [("get_weather", '{"city": "123", "days": "3"}'),
+                                                                          ("get_time", "{}")])
+
+
+@pytest.mark.parametrize("key, value, read", [
+    ("s", " 12 \n", " 12 \n"), ("s", "null", "null"), ("i", "7", 7), ("i", "seven", "seven"), ("n", "2.0", 2),
+    ("n", "-0.5", -0.5), ("n", "1e999", "1e999"), ("b", "True", True), ("b", "0", False), ("b", "yes", "yes"),
+    ("o", '{"k": [1, null]}', {"k": [1, None]}), ("a", "[1, 2]", [1, 2]), ("a", "[1,", "[1,"),
+    ("z", "null", None), ("z", "4", 4), ("e", "2", 2), ("u", "false", False), ("u", "maybe", "maybe"),
+    ("x", "5", "5"),  # a schema of no type: a string
+    ("absent", "5", "5"),  # a parameter absent from the schema: its text
+])
+def test_qwen3_coder_values_by_the_parameters_schema(key, value, read):
+    [(name, arguments)] = _parse("qwen3_coder", _qwen3_call(f"<parameter={key}>\n{value}\n</parameter>\n"), TYPED)[1]
+    assert name == "f" and json.loads(arguments) == {key: read}
+
+
+def test_qwen3_coder_a_block_of_several_functions_and_parameters_left_open():
+    """Several functions in one block; `</function>` left out; a parameter ended by the next one
+    or by its function's end; one line break trimmed at each end of a value, no more."""
+    text = ("<tool_call>\n<function=f>\n<parameter=s>\n\n two\n\n<parameter=i>\n1\n</function>\n"
+            "<function=get_time>\n<parameter=zone>UTC</parameter>\n</tool_call>")
+    assert _parse("qwen3_coder", text, TYPED + TOOLS) == ("", [("f", '{"s": "\\n two\\n", "i": 1}'),
+                                                                ("get_time", '{"zone": "UTC"}')])
+
+
+@pytest.mark.parametrize("text, content", [
+    ("x<tool_call>\nnot a call\n</tool_call> y", "x<tool_call>\nnot a call\n</tool_call> y"),  # kept as text
+    ("<tool_call><function=>\n</function></tool_call>", "<tool_call><function=>\n</function></tool_call>"),
+    ("no calls here", "no calls here"), ("ends with <tool_", "ends with <tool_"),
+])
+def test_qwen3_coder_text_of_no_call_is_content(text, content):
+    assert _parse("qwen3_coder", text) == (content, [])
+
+
+def test_qwen3_coder_a_malformed_block_after_a_call_is_dropped():
+    text = "a<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\noops\n</tool_call>b"
+    assert _parse("qwen3_coder", text) == ("a", [("get_time", "{}")])
+
+
+@pytest.mark.parametrize("text, calls", [
+    ("x<tool_call>\n<function=get_weather>\n<parameter=city>\nPa</param", [("get_weather", '{"city": "Pa')]),
+    ('x<tool_call>\n<function=get_weather>\n<parameter=city>\na"b\n', [("get_weather", '{"city": "a\\"b')]),
+    ("x<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3",
+     [("get_weather", '{"city": "Oslo", "days": 3')]),
+    ("x<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<para", [("get_weather", '{"city": "Oslo')]),
+    ("x<tool_call>\n<function=get_weather>\n<parameter=ci", [("get_weather", "")]),
+    ("x<tool_call>\n<function=get_time>\n</function>\n<function=get_wea", [("get_time", "{}")]),  # name cut: dropped
+    ("x<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n",
+     [("get_time", "{}"), ("get_weather", "")]),
+])
+def test_qwen3_coder_cut_short_gives_the_arguments_so_far(text, calls):
+    assert _parse("qwen3_coder", text) == ("x", calls)
+
+
 HERMES = ('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
 
 
-@pytest.mark.parametrize("name, text", [("hermes", HERMES), ("glm45", GLM), ("pythonic", PYTHONIC[0][0])])
+@pytest.mark.parametrize("name, text", [("hermes", HERMES), ("glm45", GLM), ("pythonic", PYTHONIC[0][0]),
+                                        ("qwen3_coder", QWEN3)])
 def test_chat_format_streams_what_it_answers_whole_in_every_format(name, text):
     """Through ChatFormat as the route builds it: the streamed deltas (one character a token)
     give the whole answer's content and calls, and finish_reason tool_calls."""

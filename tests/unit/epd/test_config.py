@@ -434,3 +434,13 @@ def test_auto_tool_choice_without_a_parser_names_hermes_for_internvl(tmp_path):
                                               "architectures": ["InternVLForConditionalGeneration"]})
     with pytest.raises(ValueError, match=re.escape("--tool-call-parser hermes for InternVL")):
         ServeConfig(model=model, enable_auto_tool_choice=True)
+
+
+def test_auto_tool_choice_without_a_parser_names_qwen3_coder_for_qwen3_5(tmp_path):
+    """Qwen3.5's chat template writes <function=...>/<parameter=...> calls: vLLM's qwen3_coder."""
+    from testkit.family_checkpoints import config_only_checkpoint
+
+    model = config_only_checkpoint(tmp_path, {"model_type": "qwen3_5",
+                                              "architectures": ["Qwen3_5ForConditionalGeneration"]})
+    with pytest.raises(ValueError, match=re.escape("--tool-call-parser qwen3_coder for Qwen3.5")):
+        ServeConfig(model=model, enable_auto_tool_choice=True)
