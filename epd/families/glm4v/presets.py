@@ -114,6 +114,13 @@ PRESETS: dict[str, Preset] = {
         vision_depth=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
         min_pixels=28 * 28, max_pixels=224 * 224,
     ),
+    # For CPU benchmarks and the vLLM check (like gemma3-small / internvl-small): head_dim 64 (32 rotary dims,
+    # GLM-4.1V-9B's sections halved), 448x448 images of 256 tokens, the 9B's 336-pixel position grid.
+    "glm4v-small": Preset(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2304, mrope_section=(4, 6, 6),
+        vision_depth=8, vision_hidden=512, vision_heads=8, vision_intermediate=1536, vision_image_size=336,
+        min_pixels=112 * 112, max_pixels=448 * 448, tokenizer_vocab=8192, max_position_embeddings=32768,
+    ),
     # GLM-4.5V's shape: one dense layer, then MoE layers of 8 experts in 2 groups, 2 active, one shared.
     "glm4v-moe-tiny": Preset(
         hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128,
