@@ -21,6 +21,7 @@ vllm_ec_proxy.py      the front of vLLM's encoder disaggregation (1E + 1PD)
 vllm_offline_peer.py  vLLM's side of the offline rows, run by vLLM's own Python
 offline_cpu_time.py   CPU seconds of one offline workload, EPD's LLM or vLLM's
 gemma3_image_mask.py  whose Gemma 3 image texts follow transformers' bidirectional image attention
+greedy_reference.py   whose greedy texts of a vs_vllm run are transformers', the logit gap where not
 
 What one feature or flag costs:
 overhead.py           served against offline tokens/s; the API process's CPU per token

@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--image-size", default="448x448", help="WxH of the image rows' images")
-    p.add_argument("--greedy-tokens", type=int, default=24, help="tokens per greedy-text prompt")
+    p.add_argument("--greedy-tokens", type=int, default=24, help="tokens per greedy-text prompt (0: no greedy texts)")
     p.add_argument("--greedy-only", action="store_true",
                    help="only the greedy texts (a family's check against vLLM): no offline, served or goodput rows")
     p.add_argument("--offline-concurrency", type=int, default=32, help="offline row's requests; 0: no offline row")
@@ -325,7 +325,7 @@ def main(args) -> dict:
     steal: dict[str, float | None] = {}
     goodput, goodput_runs = [], {}
     try:
-        greedy = greedy_texts(args, servers, models)
+        greedy = greedy_texts(args, servers, models) if args.greedy_tokens else {}
         print("\n".join(greedy_lines(greedy)), flush=True)
         if not args.greedy_only:
             rows += served_rows(args, servers, models, out_dir, steal)

@@ -3,13 +3,14 @@
 A random-weight checkpoint in the release's layout: config.json through
 transformers' Glm4vConfig / Glm4vMoeConfig (partial rotary and contiguous
 M-RoPE sections in the text config's rope parameters, as transformers reads
-the release's), safetensors with the release's tensor names (transformers'
-own model class saves them; GLM-4.5V's experts one tensor each), GLM's
-special tokens (`[gMASK]<sop>`, roles, `<|begin_of_image|> <|image|>
-<|end_of_image|>`, the video ones) on a locally trained byte-level BPE, the
-release's chat template, and the image and video processor files the release
-ships (Glm4vImageProcessor / Glm4vVideoProcessor, CLIP's normalisation,
-14-pixel patches), with small pixel bounds for tests.
+the release's; `attention_bias` true, as the releases say), safetensors with
+the release's tensor names (transformers' own model class saves them;
+GLM-4.5V's experts one tensor each), GLM's special tokens (`[gMASK]<sop>`,
+roles, `<|begin_of_image|> <|image|> <|end_of_image|>`, the video ones) on a
+locally trained byte-level BPE, the release's chat template, and the image
+and video processor files the release ships (Glm4vImageProcessor /
+Glm4vVideoProcessor, CLIP's normalisation, 14-pixel patches), with small
+pixel bounds for tests.
 """
 from __future__ import annotations
 
@@ -113,6 +114,13 @@ PRESETS: dict[str, Preset] = {
         vision_depth=2, vision_hidden=32, vision_heads=2, vision_intermediate=64,
         min_pixels=28 * 28, max_pixels=224 * 224,
     ),
+    # For CPU benchmarks and the vLLM check (like gemma3-small / internvl-small): head_dim 64 (32 rotary dims,
+    # GLM-4.1V-9B's sections halved), 448x448 images of 256 tokens, the 9B's 336-pixel position grid.
+    "glm4v-small": Preset(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2304, mrope_section=(4, 6, 6),
+        vision_depth=8, vision_hidden=512, vision_heads=8, vision_intermediate=1536, vision_image_size=336,
+        min_pixels=112 * 112, max_pixels=448 * 448, tokenizer_vocab=8192, max_position_embeddings=32768,
+    ),
     # GLM-4.5V's shape: one dense layer, then MoE layers of 8 experts in 2 groups, 2 active, one shared.
     "glm4v-moe-tiny": Preset(
         hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128,
@@ -179,11 +187,14 @@ def _config(p: Preset, ids: dict[str, int], vocab_size: int) -> dict:
         vocab_size=vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
         num_hidden_layers=p.num_layers, num_attention_heads=p.num_heads, num_key_value_heads=p.num_kv_heads,
         max_position_embeddings=p.max_position_embeddings, rms_norm_eps=1e-5, pad_token_id=ids["<|endoftext|>"],
+        # q/k/v biases, as the releases' config.json says: transformers' GLM-4.1V has them whatever the key
+        # says; vLLM's reads them only where it says so (without it, it drops them and serves other text)
+        attention_bias=True,
         rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta,
                              partial_rotary_factor=p.partial_rotary_factor, mrope_section=list(p.mrope_section)),
     )
     if p.family == "glm4v_moe":
-        text.update(head_dim=p.head_dim or p.hidden_size // p.num_heads, attention_bias=True,
+        text.update(head_dim=p.head_dim or p.hidden_size // p.num_heads,
                     first_k_dense_replace=p.first_k_dense_replace, n_routed_experts=p.num_experts,
                     num_experts_per_tok=p.num_experts_per_tok, moe_intermediate_size=p.moe_intermediate_size,
                     n_shared_experts=p.num_shared_experts, n_group=p.num_expert_groups,

@@ -1,7 +1,8 @@
 """GLM's language-model loader on release layouts (epd/families/glm4v/text_loader.py):
 GLM-4.5V's checkpoint split over shards with its multi-token-prediction layer
 loads to the same logits; a missing expert, a misshaped tensor and an
-unsupported rope are refused naming what is wrong; the release's config keys read as the made ones."""
+unsupported rope are refused naming what is wrong; the release's config keys read as the made ones,
+and the presets write the release's attention_bias."""
 from __future__ import annotations
 
 import json
@@ -111,3 +112,14 @@ def test_the_release_config_keys_give_the_same_text_config():
     cfg = TextConfig.from_hf(release)
     assert cfg == TextConfig.from_hf(made)
     assert (cfg.head_dim, cfg.rotary_dim, cfg.mrope_section, cfg.rope_theta) == (128, 64, (8, 12, 12), 10000.0)
+
+
+@pytest.mark.parametrize("preset", ["glm4v-tiny", "glm4v-moe-tiny"])
+def test_the_presets_config_says_attention_bias_as_the_releases_do(preset, tmp_path):
+    """The releases' text config says `attention_bias: true`. transformers' GLM-4.1V has q/k/v biases
+    whatever it says; vLLM's reads them only where it says so, and without the key served other text."""
+    from epd.families.glm4v.presets import _config
+
+    ids = {t: i for i, t in enumerate(["<|endoftext|>", "<|image|>", "<|video|>", "<|begin_of_image|>",
+                                       "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"])}
+    assert _config(PRESETS[preset], ids, vocab_size=1024)["text_config"]["attention_bias"] is True
