@@ -15,6 +15,8 @@ them in either orientation.
 CPU path (`fused_moe_torch`): the (token, expert) pairs are sorted by expert
 and each expert that got tokens runs once on its rows. GPU path: the Triton
 kernel in layers/triton_moe.py, tested against this one.
+
+`add_mlp`: a decoder layer's residual plus its MLP, dense or either MoE block.
 """
 from __future__ import annotations
 
@@ -22,8 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.mlp import MLP
 
+
+def add_mlp(mlp: nn.Module, h: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """residual + mlp(h), h [N, hidden] normed. A dense `MLP` adds the residual on down_proj's
+    call (where it is packed, cpu_linear.py); a MoE block runs the fused Triton kernel where
+    the attention runs in Triton too (GPU)."""
+    if isinstance(mlp, MLP):
+        return mlp(h, residual=residual)
+    return residual + mlp(h, use_triton=batch.backend.name == "triton")
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [num_tokens, num_experts] -> (topk_weights, topk_ids), each [num_tokens, top_k]."""

@@ -1,6 +1,7 @@
 """What every family's `epd make-model` presets share (their presets.py files use it):
 a byte-level BPE tokenizer trained on a built-in corpus with the family's
-special tokens, its chat template kept where vLLM looks, and the logit scale
+special tokens, its chat template kept where vLLM looks, the model drawn from a
+seed in the preset's dtype (`random_model`), and the logit scale
 that keeps greedy decoding decided far above float32 noise (`LOGIT_STD`: a
 preset scales its final norm so the output logits have this deviation).
 """
@@ -76,3 +77,17 @@ def embed_chat_template(out: Path, chat_template: str) -> None:
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = chat_template
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def random_model(build, dtype: str, seed: int):
+    """`build()`'s model in eval mode, its weights drawn after `torch.manual_seed(seed)` with
+    `dtype` ("float32", "bfloat16", ...) the default dtype (restored afterwards)."""
+    import torch
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        return build().eval()
+    finally:
+        torch.set_default_dtype(previous)

@@ -32,6 +32,18 @@ Chat = tuple[list[dict], list[bytes], VideoClips]  # messages, the images' bytes
 Greedy = tuple[list[int], list[int], list[list]]  # prompt ids, greedy tokens, each step's top-5 (token, logprob)
 
 
+def assert_same_greedy(out, expected: Greedy, name: str) -> None:
+    """The LLM's output `out` (top-5 logprobs asked for) has the reference's prompt ids, greedy
+    tokens, each step's top token ids in order and their logprobs within 1e-4; `name` in the failure."""
+    prompt, tokens, tops = expected
+    assert out.prompt_token_ids == prompt, name
+    assert out.outputs[0].token_ids == tokens, name
+    got = [lp.top for lp in out.outputs[0].logprobs]
+    assert [[t for t, _ in top] for top in got] == [[t for t, _ in top] for top in tops], name
+    torch.testing.assert_close([[v for _, v in top] for top in got], [[v for _, v in top] for top in tops],
+                               atol=1e-4, rtol=0)
+
+
 def _chat_text(tok, messages: list[dict]) -> str:
     return tok.apply_chat_template(_template_messages(messages), tokenize=False, add_generation_prompt=True)
 

@@ -130,6 +130,34 @@ def hf_greedy(model_dir: str, messages: list[dict], images: list[bytes], num_tok
 
 
 @torch.no_grad()
+def hf_greedy_logprobs(model, inputs: dict, num_tokens: int, top: int) -> tuple[list[int], list[int], list[list]]:
+    """(prompt ids, greedy tokens, each step's `top` most likely (token, logprob)) by transformers'
+    `model` on its processor's `inputs`: one full forward a token, EOS ignored."""
+    ids = inputs["input_ids"]
+    prompt, tokens, logprobs = ids[0].tolist(), [], []
+    for _ in range(num_tokens):
+        logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=_mm_token_types(model, ids))).logits[0, -1]
+        tokens.append(int(logits.argmax()))
+        best = torch.log_softmax(logits.float(), -1).topk(top)
+        logprobs.append(list(zip(best.indices.tolist(), best.values.tolist())))
+        ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return prompt, tokens, logprobs
+
+
+def assert_greedy_matches(outs, expected, atol: float = 1e-4) -> None:
+    """Each of the LLM's `outs` (top logprobs asked for) has its reference's greedy tokens and,
+    at every step, its top token ids in order and their logprobs within `atol`. `expected`:
+    one (tokens, [top ids a step], [logprobs tensor a step]) an output."""
+    for out, (tokens, top_ids, top_logprobs) in zip(outs, expected, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        for step, (ids, values) in enumerate(zip(top_ids, top_logprobs)):
+            top = got.logprobs[step].top  # [(token id, logprob)], most likely first
+            assert [i for i, _ in top] == ids, step
+            torch.testing.assert_close(torch.tensor([lp for _, lp in top]), values, rtol=0, atol=atol)
+
+
+@torch.no_grad()
 def hf_generate_text(model_dir: str, messages: list[dict], images: list[bytes], max_new_tokens: int,
                      videos=None) -> str:
     """transformers' generate(), greedy, stopping at EOS like a user would run it."""

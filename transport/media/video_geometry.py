@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,15 +214,8 @@ class VideoGeometry:
         where transformers' processor would raise. `loaded`: the frames a loader
         took before the processor (vLLM's --media-io-kwargs video.num_frames),
         which the processor then uses as they are, sampling none."""
-        if meta.num_frames < 1:
-            raise VideoPlanError("the video has no frames")
-        if meta.width < 1 or meta.height < 1:
-            raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
-        do_sample = self.do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
-        if loaded is not None:
-            indices = list(loaded)
-        else:
-            indices = self.sample_frames(meta, options) if do_sample else list(range(meta.num_frames))
+        indices = frame_indices(meta, options, loaded, self.do_sample_frames,
+                                lambda: self.sample_frames(meta, options))
         height, width = self.resized_size(len(indices), meta.height, meta.width, options)
         t = -(-len(indices) // self.temporal_patch_size)  # the last frame repeats to fill a group
         grid = (t, height // self.patch_size, width // self.patch_size)
@@ -310,6 +304,14 @@ def _smart_resize_qwen3(num_frames: int, height: int, width: int, temporal_facto
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     _check_aspect(height, width)
+    return fit_frames(num_frames, height, width, temporal_factor, factor, min_pixels, max_pixels)
+
+
+def fit_frames(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+               min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) as multiples of `factor` with num_frames x height x width within
+    [min_pixels, max_pixels], the aspect kept as near as may be: the rule Qwen3-VL's video
+    processor and GLM-4.1V's `smart_resize` share past their own checks."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
@@ -322,6 +324,22 @@ def _smart_resize_qwen3(num_frames: int, height: int, width: int, temporal_facto
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def frame_indices(meta: VideoMeta, options: VideoOptions, loaded: list[int] | None, do_sample_frames: bool,
+                  sample: Callable[[], list[int]]) -> list[int]:
+    """The frames a plan takes, every family's rule: VideoPlanError for a video with no frames or
+    an empty dimension; `loaded` (frames a loader took before the processor) as they are; else
+    `sample()` where sampling is on (the request's do_sample_frames, else the processor's
+    `do_sample_frames`); else every frame."""
+    if meta.num_frames < 1:
+        raise VideoPlanError("the video has no frames")
+    if meta.width < 1 or meta.height < 1:
+        raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
+    if loaded is not None:
+        return list(loaded)
+    do_sample = do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
+    return sample() if do_sample else list(range(meta.num_frames))
 
 
 def _smart_resize_qwen2(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

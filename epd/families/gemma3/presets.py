@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template, random_model
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
                   "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
@@ -193,7 +193,6 @@ def hf_config(p: Gemma3Preset, ids: dict[str, int], vocab_size: int):
 def write_checkpoint(out: Path, p: Gemma3Preset, seed: int) -> None:
     """The preset's random-weight checkpoint, tokenizer and processor files in `out`
     (epd/tools/make_model.py `make_model`)."""
-    import torch
     from transformers import GenerationConfig, Gemma3ForConditionalGeneration
 
     tokenizer = gemma3_tokenizer(p.tokenizer_vocab)
@@ -202,13 +201,7 @@ def write_checkpoint(out: Path, p: Gemma3Preset, seed: int) -> None:
     assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
     config = hf_config(p, ids, vocab_size)
 
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, p.dtype))
-    try:
-        model = Gemma3ForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(lambda: Gemma3ForConditionalGeneration(config), p.dtype, seed)
     _randomize(model, p)
     model.save_pretrained(out, safe_serialization=True)
     _release_tower_names(out)

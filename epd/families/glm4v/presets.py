@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template, random_model
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
@@ -149,14 +149,7 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
     config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[p.family])
     config = config_cls(**_config(p, ids, vocab_size))
 
-    torch.manual_seed(seed)
-    dtype = getattr(torch, p.dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = model_cls(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(lambda: model_cls(config), p.dtype, seed)
     with torch.no_grad():
         # transformers inits biases to 0 and norms to 1: drawn here, so a misplaced one changes the logits
         for name, param in model.model.language_model.named_parameters():

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from epd.transport.media.video_geometry import (VideoMeta, VideoOptions, VideoPlan, VideoPlanError,
-                                                load_video_config)
+                                                fit_frames, frame_indices, load_video_config)
 
 MAX_ASPECT_RATIO = 200  # the processor refuses anything longer
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / _STD: the processor's defaults
@@ -47,18 +47,7 @@ def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int,
         width = int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ValueError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return fit_frames(num_frames, height, width, temporal_factor, factor, min_pixels, max_pixels)
 
 
 # Glm4vVideoProcessor's class defaults, where the checkpoint's config is silent
@@ -127,15 +116,8 @@ class Glm4vVideoGeometry:
         VideoPlanError where transformers' processor would raise. `options`: its
         fps and do_sample_frames. `loaded`: frames a loader took before the
         processor, used as they are."""
-        if meta.num_frames < 1:
-            raise VideoPlanError("the video has no frames")
-        if meta.width < 1 or meta.height < 1:
-            raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
-        do_sample = self.do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
-        if loaded is not None:
-            indices = list(loaded)
-        else:
-            indices = self.sample_frames(meta, options.fps) if do_sample else list(range(meta.num_frames))
+        indices = frame_indices(meta, options, loaded, self.do_sample_frames,
+                                lambda: self.sample_frames(meta, options.fps))
         tps = self.temporal_patch_size
         if len(indices) < tps:
             raise VideoPlanError(f"{len(indices)} frame(s); the model needs at least {tps}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from epd.families.internvl.prompt_format import IMG_CONTEXT, IMG_END, IMG_START, VIDEO
-from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template, random_model
 
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 IMAGE_TOKENS = {"start_image_token": IMG_START, "end_image_token": IMG_END,
@@ -151,13 +151,7 @@ def write_checkpoint(out: Path, p: InternVLPreset, seed: int) -> None:
     tokenizer = internvl_tokenizer(p.tokenizer_vocab)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = hf_config(p, ids, len(tokenizer))
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, p.dtype))
-    try:
-        model = InternVLForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(lambda: InternVLForConditionalGeneration(config), p.dtype, seed)
     with torch.no_grad():
         lm = model.model.language_model
         init_std = model.lm_head.weight.float().std().item()

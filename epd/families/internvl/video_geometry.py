@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from epd.transport.media.video_geometry import (VideoKwargsError, VideoMeta, VideoOptions, VideoPlan,
-                                                VideoPlanError, load_video_config)
+                                                VideoPlanError, frame_indices, load_video_config)
 
 # InternVLVideoProcessor's class defaults, where the checkpoint's config is silent (OPENAI_CLIP_MEAN / _STD)
 DEFAULTS = dict(size={"height": 384, "width": 384}, image_mean=(0.48145466, 0.4578275, 0.40821073),
@@ -110,15 +110,8 @@ class InternVLVideoGeometry:
              loaded: list[int] | None = None) -> VideoPlan:
         """The frames, their size and tokens; VideoPlanError where transformers' processor would
         raise. `loaded`: frames a loader took before the processor, used as they are."""
-        if meta.num_frames < 1:
-            raise VideoPlanError("the video has no frames")
-        if meta.width < 1 or meta.height < 1:
-            raise VideoPlanError(f"the video has an empty dimension ({meta.width}x{meta.height})")
-        do_sample = self.do_sample_frames if options.do_sample_frames is None else options.do_sample_frames
-        if loaded is not None:
-            indices = list(loaded)
-        else:
-            indices = self.sample_frames(meta, options) if do_sample else list(range(meta.num_frames))
+        indices = frame_indices(meta, options, loaded, self.do_sample_frames,
+                                lambda: self.sample_frames(meta, options))
         side = self.merge_size * int(round(self.tokens_per_frame ** 0.5))  # a frame's patches a side
         times = tuple(i / (meta.fps or 24) for i in indices)
         return VideoPlan(tuple(indices), self.height, self.width, (len(indices), side, side),

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.families.qwen_vl.presets import (PRESETS as QWEN_VL_PRESETS, ROUTER_LOGIT_STD, SPECIAL_TOKENS,
-                                          qwen_tokenizer, write_processor_configs)
-from epd.families.random_checkpoints import LOGIT_STD, embed_chat_template
+from epd.families.qwen_vl.presets import (PRESETS as QWEN_VL_PRESETS, ROUTER_LOGIT_STD, qwen_tokenizer_ids,
+                                          write_processor_configs, write_qwen_text_files)
+from epd.families.random_checkpoints import LOGIT_STD, random_model
 
 
 @dataclass(frozen=True)
@@ -80,36 +80,15 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
     """The preset's random-weight checkpoint, tokenizer and processor files in `out`
     (epd/tools/make_model.py `make_model`)."""
     import torch
-    from transformers import GenerationConfig
 
-    tokenizer = qwen_tokenizer(p.tokenizer_vocab)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = p.vocab_size or len(tokenizer)
-    assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
+    tokenizer, ids, vocab_size = qwen_tokenizer_ids(p.tokenizer_vocab, p.vocab_size)
     config_cls, model_cls, config = _hf_config(p, ids, vocab_size)
 
-    torch.manual_seed(seed)
-    dtype = getattr(torch, p.dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = model_cls(config_cls(**config)).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(lambda: model_cls(config_cls(**config)), p.dtype, seed)
     with torch.no_grad():
         _randomize(model, p)
     model.save_pretrained(out, safe_serialization=True)
-
-    GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    from epd.families.qwen_vl.presets import CHAT_TEMPLATE
-
-    embed_chat_template(out, CHAT_TEMPLATE)
+    write_qwen_text_files(out, tokenizer, ids)
     write_processor_configs(out, dataclasses.replace(QWEN_VL_PRESETS["tiny"], min_pixels=p.min_pixels,
                                                      max_pixels=p.max_pixels, patch_size=p.patch_size))
 

@@ -19,7 +19,7 @@ from epd.engine.layers.attention import Attention
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.gated_deltanet import GatedDeltaNet
 from epd.engine.layers.mlp import MLP
-from epd.engine.layers.moe import SparseMoeBlock
+from epd.engine.layers.moe import SparseMoeBlock, add_mlp
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
 from epd.engine.models.causal_lm import DecoderForCausalLM
@@ -165,10 +165,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h, batch) if self.is_linear else self.self_attn(h, cos, sin, batch))
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            return x + self.mlp(h, use_triton=batch.backend.name == "triton")
-        return self.mlp(h, residual=x)
+        return add_mlp(self.mlp, self.post_attention_layernorm(x), x, batch)
 
 
 class Qwen3_5TextModel(nn.Module):

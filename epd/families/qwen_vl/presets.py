@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template
+from epd.families.random_checkpoints import LOGIT_STD, build_tokenizer, embed_chat_template, random_model
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -237,28 +237,41 @@ def qwen_tokenizer(vocab_size: int):
                            chat_template=CHAT_TEMPLATE)
 
 
+def qwen_tokenizer_ids(tokenizer_vocab: int, vocab_size: int | None):
+    """(Qwen's tokenizer of `tokenizer_vocab` tokens, its special tokens' ids, the model's vocab size:
+    `vocab_size`, else exactly the tokenizer's)."""
+    tokenizer = qwen_tokenizer(tokenizer_vocab)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = vocab_size or len(tokenizer)
+    assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
+    return tokenizer, ids, vocab_size
+
+
+def write_qwen_text_files(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    """generation_config.json (greedy; Qwen's EOS and pad ids), the tokenizer and its chat template in `out`."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    embed_chat_template(out, CHAT_TEMPLATE)
+
+
 def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
     """The preset's random-weight checkpoint, tokenizer and processor files in `out`
     (epd/tools/make_model.py `make_model`)."""
     import torch
-    from transformers import GenerationConfig
 
     if p.family not in PROCESSOR_CLASS:
         raise ValueError(f"unknown family {p.family!r}; choose one of {', '.join(PROCESSOR_CLASS)}")
-    tokenizer = qwen_tokenizer(p.tokenizer_vocab)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = p.vocab_size or len(tokenizer)
-    assert vocab_size >= len(tokenizer), "the model's vocab must cover the tokenizer"
+    tokenizer, ids, vocab_size = qwen_tokenizer_ids(p.tokenizer_vocab, p.vocab_size)
     config_cls, model_cls, config = _hf_config(p, ids, vocab_size)
 
-    torch.manual_seed(seed)
-    dtype = getattr(torch, p.dtype)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = model_cls(config_cls(**config)).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = random_model(lambda: model_cls(config_cls(**config)), p.dtype, seed)
     with torch.no_grad():
         # Peaked logits: logit std = norm_scale * init_std * sqrt(hidden).
         init_std = model.lm_head.weight.float().std().item()
@@ -269,16 +282,7 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
             if isinstance(router, torch.nn.Module):  # decisive routing: router logit std ~ ROUTER_LOGIT_STD
                 router.weight.mul_(ROUTER_LOGIT_STD / (router.weight.float().std().item() * p.hidden_size ** 0.5))
     model.save_pretrained(out, safe_serialization=True)
-
-    GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
-    ).save_pretrained(out)
-
-    tokenizer.save_pretrained(out)
-    embed_chat_template(out, CHAT_TEMPLATE)
+    write_qwen_text_files(out, tokenizer, ids)
     write_processor_configs(out, p)
 
 

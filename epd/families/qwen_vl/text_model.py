@@ -21,7 +21,7 @@ from torch import nn
 from epd.engine.layers.attention import Attention
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.mlp import MLP
-from epd.engine.layers.moe import SparseMoeBlock
+from epd.engine.layers.moe import SparseMoeBlock, add_mlp
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
 from epd.engine.models.causal_lm import DecoderForCausalLM
@@ -98,10 +98,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
         # the residual adds ride on o_proj's and down_proj's calls where those are packed (cpu_linear.py)
         x = self.self_attn(self.input_layernorm(x), cos, sin, batch, residual=x)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:  # the fused Triton kernel where the attention runs in Triton too (GPU)
-            return x + self.mlp(h, use_triton=batch.backend.name == "triton")
-        return self.mlp(h, residual=x)
+        return add_mlp(self.mlp, self.post_attention_layernorm(x), x, batch)
 
 
 class Qwen3VLTextModel(nn.Module):

@@ -17,7 +17,7 @@ from epd.encoders.video_io import decode_frames, read_video_meta
 from epd.tools.make_model import make_model
 from epd.transport.wire.sampling import SamplingParams
 from testkit.family_checkpoints import family_checkpoint
-from testkit.hf_reference import _load, _mm_token_types, hf_inputs
+from testkit.hf_reference import _load, hf_greedy_logprobs, hf_inputs
 from testkit.media import IMG_A, image_part
 from testkit.video_reference import VideoClips, reference_available
 from testkit.videos import encode_video, synthetic_frames
@@ -34,22 +34,12 @@ def qwen25_model(tmp_path_factory) -> str:
     return str(make_model(tmp_path_factory.mktemp("ckpt") / "qwen25", preset="qwen2.5-vl-tiny", seed=3))
 
 
-@torch.no_grad()
 def _hf_greedy_logprobs(model_dir, messages, images, videos) -> tuple[list[int], list[int], list[list], torch.Tensor]:
     """(prompt ids, greedy tokens, each step's top-5 (token, logprob), video grids) by transformers,
     one full forward per token."""
     model, _, _ = _load(model_dir)
     inputs = hf_inputs(model_dir, messages, images, videos)
-    ids = inputs["input_ids"]
-    prompt, tokens, logprobs = ids[0].tolist(), [], []
-    for _ in range(NUM_TOKENS):
-        logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=_mm_token_types(model, ids))).logits[0, -1]
-        token = int(logits.argmax())
-        tokens.append(token)
-        top = torch.log_softmax(logits.float(), -1).topk(TOP)
-        logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return prompt, tokens, logprobs, inputs["video_grid_thw"]
+    return (*hf_greedy_logprobs(model, inputs, NUM_TOKENS, TOP), inputs["video_grid_thw"])
 
 
 def _video_part(path) -> dict:

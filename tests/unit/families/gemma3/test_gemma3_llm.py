@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 from PIL import Image
+from testkit.hf_reference import assert_greedy_matches
 from testkit.media import MIXED_BATCH, images_of
 
 from epd.transport.wire.sampling import SamplingParams
@@ -58,14 +59,7 @@ def test_mixed_batch_with_preemption_and_chunks_equals_transformers(gemma3_model
 
     llm.engine.scheduler.schedule = recording_schedule
     outs = llm.chat(MIXED_BATCH, SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
-    for out, (tokens, top_ids, top_logprobs) in zip(outs, expected):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        for step, (ids, values) in enumerate(zip(top_ids, top_logprobs)):
-            top = got.logprobs[step].top  # [(token id, logprob)], most likely first
-            assert [i for i, _ in top] == ids, step
-            torch.testing.assert_close(torch.tensor([lp for _, lp in top]), values, rtol=0,
-                                       atol=1e-4 if device == "cpu" else 1e-3)
+    assert_greedy_matches(outs, expected, atol=1e-4 if device == "cpu" else 1e-3)
     assert llm.stats()["num_preemptions"] > 0, "the KV budget was meant to force preemption"
     assert chunked, "the token budget was meant to prefill a prompt over several chunks"
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks

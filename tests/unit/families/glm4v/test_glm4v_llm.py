@@ -10,7 +10,7 @@ from functools import lru_cache
 import pytest
 import torch
 from testkit.family_checkpoints import family_checkpoint
-from testkit.hf_reference import _load, _mm_token_types, hf_greedy, hf_inputs
+from testkit.hf_reference import _load, hf_greedy, hf_greedy_logprobs, hf_inputs
 from testkit.media import CHATS, MIXED_BATCH, images_of
 
 from epd.transport.wire.sampling import SamplingParams
@@ -25,17 +25,7 @@ def _hf_greedy_logprobs(model_dir: str, case: str) -> tuple[list[int], list[int]
     """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) by transformers, one full forward a token."""
     messages, images = CHATS[case]
     model, _, _ = _load(model_dir)
-    inputs = hf_inputs(model_dir, messages, images)
-    ids = inputs["input_ids"]
-    prompt, tokens, logprobs = ids[0].tolist(), [], []
-    with torch.no_grad():
-        for _ in range(NUM_TOKENS):
-            logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=_mm_token_types(model, ids))).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-            top = torch.log_softmax(logits.float(), -1).topk(TOP)
-            logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-    return prompt, tokens, logprobs
+    return hf_greedy_logprobs(model, hf_inputs(model_dir, messages, images), NUM_TOKENS, TOP)
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [2048, 16], ids=["one-prefill", "chunks"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from testkit.hf_reference import _mm_token_types, hf_inputs
+from testkit.hf_reference import hf_greedy_logprobs, hf_inputs
 from testkit.media import IMG_A, image_part
 from testkit.video_reference import VideoClips, reference_available
 from testkit.videos import encode_video, synthetic_frames
@@ -20,19 +20,9 @@ pytestmark = pytest.mark.skipif(not reference_available(), reason="scripts/env.s
 NUM_TOKENS, TOP = 5, 5
 
 
-@torch.no_grad()
 def _hf_greedy_logprobs(model, model_dir, messages, images, videos) -> tuple[list[int], list[int], list[list]]:
     """(prompt ids, greedy tokens, each step's top-5 (token, logprob)) by transformers, one full forward a token."""
-    inputs = hf_inputs(model_dir, messages, images, videos)
-    ids = inputs["input_ids"]
-    prompt, tokens, logprobs = ids[0].tolist(), [], []
-    for _ in range(NUM_TOKENS):
-        logits = model(**dict(inputs, input_ids=ids, mm_token_type_ids=_mm_token_types(model, ids))).logits[0, -1]
-        tokens.append(int(logits.argmax()))
-        top = torch.log_softmax(logits.float(), -1).topk(TOP)
-        logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-        ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
-    return prompt, tokens, logprobs
+    return hf_greedy_logprobs(model, hf_inputs(model_dir, messages, images, videos), NUM_TOKENS, TOP)
 
 
 @pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
