@@ -175,6 +175,24 @@ class ModelRunner:
         if self.state_cache is not None:
             self.state_cache.free(request_ids)
 
+    def check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """ValueError unless `state` is one request's named state of this model ({} for one with KV only)."""
+        if self.state_cache is None:
+            if state:
+                raise ValueError(f"per-request state {sorted(state)[:4]} for a model whose layers carry none")
+        elif not state:
+            raise ValueError("no per-request state came with the KV, and this model's layers carry it")
+        else:
+            self.state_cache.check(state)
+
+    def put_state(self, request_id: str, state: dict[str, torch.Tensor]) -> None:
+        """A request prefilled elsewhere: its slot starts from `state` (engine/state_cache.py `put`)."""
+        self.state_cache.put(request_id, state)
+
+    def export_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A prefilled request's named state on the CPU, its slot taken back ({}: no state cache)."""
+        return self.state_cache.export(request_id) if self.state_cache is not None else {}
+
     def add_constraints(self, request: Request, prepared: CompiledConstraints) -> None:
         """A request's compiled grammar and tokenized bad words (engine/structured_output.py);
         kept until it finishes, across preemptions."""

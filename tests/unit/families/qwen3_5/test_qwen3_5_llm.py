@@ -3,7 +3,7 @@ cache give transformers' greedy tokens and top-5 logprobs (float32) for text pro
 different lengths run together (prefill chunks and decodes in one step), prompts prefilled over
 several chunks through their state slots, and requests preempted and recomputed; every slot
 and block is back at the end. What the engine cannot do yet for a model with per-request state
-is refused by name."""
+is refused by name; every serving mode and engine role is taken."""
 from __future__ import annotations
 
 import pytest
@@ -77,19 +77,13 @@ def test_what_a_stateful_model_cannot_do_yet_is_refused_by_name(qwen3_5_model, k
         LLM(qwen3_5_model, dtype="float32", **kwargs)
 
 
-def test_disaggregated_roles_are_refused_by_name(qwen3_5_model):
+def test_serve_takes_every_mode_and_the_engine_every_role(qwen3_5_model):
+    from epd.config import ServeConfig
     from epd.engine.config import EngineConfig
     from epd.engine.engine_core import EngineCore
 
+    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("e-p-d", "aggregated", "e-pd")] == \
+        ["e-p-d", "aggregated", "e-pd"]  # the hand-over carries the state (test_qwen3_5_handover.py)
     for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=f"not in the {role} role: the hand-over carries no state"):
-            EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
-
-
-def test_serve_refuses_e_p_d_at_start_up_and_takes_the_modes_it_runs_in(qwen3_5_model):
-    from epd.config import ServeConfig
-
-    with pytest.raises(ValueError, match=r"--mode e-p-d: Qwen3\.5(-MoE)?'s layers carry per-request state"):
-        ServeConfig(model=qwen3_5_model)  # e-p-d is the default mode
-    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("aggregated", "e-pd")] == \
-        ["aggregated", "e-pd"]
+        core = EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
+        assert core.runner.state_cache.num_slots == core.scheduler.config.max_num_seqs
