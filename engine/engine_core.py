@@ -40,6 +40,7 @@ from epd.engine.lora.engine_adapters import EngineAdapters
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
+from epd.engine.models.causal_lm import num_kv_layers
 from epd.engine.request import Request
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears
@@ -104,7 +105,7 @@ class EngineCore(EngineAdapters):
         # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
-        block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
+        block_bytes = bytes_per_block(num_kv_layers(model), self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         head = None  # EAGLE-3: its KV shares the target's blocks, so it counts in each block's bytes
         if spec is not None and spec.method == "eagle3":

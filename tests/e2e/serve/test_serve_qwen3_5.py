@@ -55,11 +55,12 @@ def served_top5(srv, messages: list[dict]) -> tuple[list[list[tuple[int, float]]
 
 
 def handover_bytes(model_dir: str, num_prompt_tokens: int) -> int:
-    """One request's KV blocks (every layer's, float32) and its Gated DeltaNet layers' state:
-    conv [conv_dim, kernel - 1] and recurrent [value heads, k_dim, v_dim], float32."""
+    """One request's KV blocks (its full-attention layers' only, float32) and its Gated DeltaNet
+    layers' state: conv [conv_dim, kernel - 1] and recurrent [value heads, k_dim, v_dim], float32."""
     c = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
     num_blocks = -(-num_prompt_tokens // BLOCK_SIZE)
-    kv = 2 * c["num_hidden_layers"] * num_blocks * BLOCK_SIZE * c["num_key_value_heads"] * c["head_dim"] * 4
+    kv = 2 * c["layer_types"].count("full_attention") * num_blocks * BLOCK_SIZE * c["num_key_value_heads"] \
+        * c["head_dim"] * 4
     conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] \
         + c["linear_num_value_heads"] * c["linear_value_head_dim"]
     per_layer = conv_dim * (c["linear_conv_kernel_dim"] - 1) \

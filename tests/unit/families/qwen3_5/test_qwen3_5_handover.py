@@ -83,7 +83,8 @@ def test_a_missing_unknown_or_misshapen_state_is_refused_by_name(qwen3_5_model):
     decode = _core(qwen3_5_model, "decode", num_kv_blocks=4)
     names = decode.runner.state_cache.names()  # name -> (shape, dtype)
     state = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in names.items()}
-    shape = (decode.info.num_layers, 2, 16, decode.info.num_kv_heads, decode.info.head_dim)
+    num_layers, block_size, num_kv_heads, head_dim = decode.runner.block_shape  # the full-attention layers'
+    shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
     k, v = torch.zeros(shape), torch.zeros(shape)
     bad = [({}, "no per-request state came with the KV"),
            ({**state, "conv.9": torch.zeros(2)}, r"unknown \['conv.9'\]"),
