@@ -171,7 +171,7 @@ class PrefillRequest(Message):
 class KVTransfer(Message):
     """Prefill -> decode: a prefilled request and its KV blocks.
 
-    Two frames for all layers at once (one gather + one copy on the sender):
+    Two frames for all KV-holding layers at once (one gather + one copy on the sender):
     k_blocks and v_blocks, each [num_layers, num_blocks, block_size,
     num_kv_heads, head_dim], blocks in token order, covering every prompt token.
     With an EAGLE-3 head (speculative decoding), three more: `draft_state`, the
