@@ -14,7 +14,7 @@ scheduler, this class and the worker loop (`early_prefill`).
 
 It is the only door into the engine: callers use the verbs below
 (`add_request`, `add_embedding`, `fail_image`, `abort_overdue`,
-`add_prefilled`, `export_kv`, `export_draft_state`, `release`, `abort`, `step`, `get_embedding`,
+`add_prefilled`, `export_kv`, `export_draft_state`, `export_state`, `release`, `abort`, `step`, `get_embedding`,
 `load_lora`, `prefetch_lora`, `unload_lora`, the counts), never its scheduler or runner.
 The adapter verbs are in engine/lora/engine_adapters.py (`EngineAdapters`, mixed in).
 """
@@ -40,6 +40,7 @@ from epd.engine.lora.engine_adapters import EngineAdapters
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
+from epd.engine.models.causal_lm import num_kv_layers
 from epd.engine.request import Request
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears
@@ -93,7 +94,7 @@ class EngineCore(EngineAdapters):
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
         if shapes:
-            check_stateful_engine(role, config.speculative_config is not None, config.lora.enable_lora)
+            check_stateful_engine(config.speculative_config is not None, config.lora.enable_lora)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
@@ -104,7 +105,7 @@ class EngineCore(EngineAdapters):
         # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
-        block_bytes = bytes_per_block(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim,
+        block_bytes = bytes_per_block(num_kv_layers(model), self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         head = None  # EAGLE-3: its KV shares the target's blocks, so it counts in each block's bytes
         if spec is not None and spec.method == "eagle3":
@@ -251,16 +252,20 @@ class EngineCore(EngineAdapters):
         return self.abort(late) if late else []
 
     def add_prefilled(self, request: Request, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                      draft_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+                      draft_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      state: dict[str, torch.Tensor] | None = None) -> bool:
         """Decode role: takes a request prefilled elsewhere with its prompt KV
         (k/v each [num_layers, num_blocks, block_size, num_kv_heads, head_dim],
         blocks in token order) and `output_token_ids` holding its first token;
-        `draft_state`: the EAGLE-3 head's blocks and features (`export_draft_state`).
+        `draft_state`: the EAGLE-3 head's blocks and features (`export_draft_state`);
+        `state`: its named per-request state (`export_state`), which a model whose
+        layers carry state needs and any other refuses.
         False, changing nothing, when there is no room now: retry later.
-        ValueError when it can never be taken (bad KV shape, duplicate id, too long)."""
+        ValueError when it can never be taken (bad KV or state, duplicate id, too long)."""
         self.runner.positions.check_spans(request.mm_spans)
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         self.runner.check_blocks(k_blocks, v_blocks, num_blocks)
+        self.runner.check_state(state or {})
         eagle3 = self.runner.eagle3
         if eagle3 is not None and draft_state is not None:
             eagle3.check_import(*draft_state, num_blocks)
@@ -285,6 +290,8 @@ class EngineCore(EngineAdapters):
         if block_ids is None:
             return False
         self.runner.write_blocks(block_ids, k_blocks, v_blocks)
+        if state:
+            self.runner.put_state(request.request_id, state)
         if eagle3 is not None and draft_state is not None:  # without it: no drafts until it catches up
             eagle3.import_state(request, block_ids, *draft_state)
         if prepared is not None:  # its matcher catches up on the first token at the next sample
@@ -316,6 +323,14 @@ class EngineCore(EngineAdapters):
             return None
         num_blocks = -(-request.num_prompt_tokens // self.config.scheduler.block_size)
         return self.runner.eagle3.export(request_id, request.block_ids[:num_blocks], request.num_prompt_tokens)
+
+    def export_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        """Prefill role: a prefilled request's per-request state after its prompt, by name, on
+        the CPU for the wire beside the KV ({}: the model has KV only). Its slot is taken back
+        now: the request runs no more here."""
+        if self.scheduler.get_request(request_id) is None:
+            raise KeyError(f"request {request_id!r} is not held")
+        return self.runner.export_state(request_id)
 
     def release(self, request_id: str) -> bool:
         """Prefill role: frees a prefilled request's blocks once the decode

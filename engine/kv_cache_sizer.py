@@ -9,7 +9,7 @@ from epd.engine.config import DEFAULT_CPU_KV_CACHE_GB, EngineConfig
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                     dtype: torch.dtype) -> int:
-    """K and V of every layer for one block of tokens."""
+    """K and V of every KV-holding layer for one block of tokens."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
@@ -69,16 +69,18 @@ def profile_forward(model, config: EngineConfig, device: str) -> torch.Tensor:
     from epd.engine.attention import get_backend
     from epd.engine.attention.metadata import AttentionMetadata
     from epd.engine.layers.forward_batch import ForwardBatch
+    from epd.engine.models.causal_lm import num_kv_layers
     from epd.engine.state_cache import StateCache, state_shapes
 
     cfg, n, bs = model.cfg, config.scheduler.max_num_batched_tokens, config.scheduler.block_size
     blocks = n // bs + 1
     dtype = model.model.embed_tokens.weight.dtype  # lm_head may be a PackedLinear (no .weight)
-    cache = torch.zeros(2, cfg.num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    num_layers = num_kv_layers(model)
+    cache = torch.zeros(2, num_layers, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
     batch = ForwardBatch(positions=torch.zeros(model.positions.position_dims, n, dtype=torch.long, device=device),
                          attn_meta=AttentionMetadata.build([n], [n], [list(range(blocks))], bs, device=device),
                          backend=get_backend(config.resolved_backend(device)),
-                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(cfg.num_layers)],
+                         kv_caches=[(cache[0, i], cache[1, i]) for i in range(num_layers)],
                          state_caches=StateCache(state_shapes(model), 1, dtype, torch.device(device)).layers,
                          state_slots=[0])
     hidden = model(torch.zeros(n, dtype=torch.long, device=device), batch)

@@ -33,7 +33,7 @@ from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.lora.manager import LoRAManager
-from epd.engine.models.causal_lm import CausalLM
+from epd.engine.models.causal_lm import CausalLM, num_kv_layers
 from epd.engine.request import Request
 from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_logprobs, is_greedy_params,
                                 make_generator)
@@ -90,10 +90,11 @@ class ModelRunner:
         self.sampler = Sampler()
         cfg = model.cfg
         dtype = model.model.embed_tokens.weight.dtype
+        num_layers = num_kv_layers(model)  # the layers that hold KV
         # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation.
-        self.kv_cache = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+        self.kv_cache = torch.zeros(2, num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(cfg.num_layers)]
+        self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(num_layers)]
         self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
         shapes = state_shapes(model)
         self.state_cache = StateCache(shapes, num_state_slots, dtype, self.device) if shapes else None
@@ -174,6 +175,24 @@ class ModelRunner:
         """Takes back the state slots of requests that left or were preempted (no state cache: nothing)."""
         if self.state_cache is not None:
             self.state_cache.free(request_ids)
+
+    def check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """ValueError unless `state` is one request's named state of this model ({} for one with KV only)."""
+        if self.state_cache is None:
+            if state:
+                raise ValueError(f"per-request state {sorted(state)[:4]} for a model whose layers carry none")
+        elif not state:
+            raise ValueError("no per-request state came with the KV, and this model's layers carry it")
+        else:
+            self.state_cache.check(state)
+
+    def put_state(self, request_id: str, state: dict[str, torch.Tensor]) -> None:
+        """A request prefilled elsewhere: its slot starts from `state` (engine/state_cache.py `put`)."""
+        self.state_cache.put(request_id, state)
+
+    def export_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A prefilled request's named state on the CPU, its slot taken back ({}: no state cache)."""
+        return self.state_cache.export(request_id) if self.state_cache is not None else {}
 
     def add_constraints(self, request: Request, prepared: CompiledConstraints) -> None:
         """A request's compiled grammar and tokenized bad words (engine/structured_output.py);

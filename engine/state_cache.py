@@ -8,6 +8,11 @@ it back when the request finishes, is aborted or released, or is preempted (reco
 its first token, it starts again from zeros); the layers read and write the slots named in the
 step's `ForwardBatch`. There are as many slots as `max_num_seqs`, and the scheduler never runs
 more requests than that, so a request it admits always finds one (docs/decisions/state-cache.md).
+
+Between workers (e-p-d) a request's state travels as named tensors (`names`: `conv.<i>` and
+`recurrent.<i>` of its i-th such layer): the prefill worker `export`s it when the prompt is done
+(its slot taken back: the request runs no more there), the decode worker `put`s it, checked,
+and the slot the request gets at its first step starts from it.
 """
 from __future__ import annotations
 
@@ -30,14 +35,10 @@ def state_shapes(model) -> StateShapes:
     return declared() if declared is not None else []
 
 
-def check_stateful_engine(role: str, speculative: bool, lora: bool) -> None:
+def check_stateful_engine(speculative: bool, lora: bool) -> None:
     """ValueError for what an engine cannot run yet with a model whose layers carry per-request
-    state: the prefill and decode roles (the hand-over carries no state), speculation (the state
-    is not rolled back on rejection), LoRA (adapters do not know the stateful layers' projections)."""
-    if role != "pd":
-        raise ValueError(f"a model whose layers carry per-request state runs only where one engine prefills and "
-                         f"decodes (aggregated, e-pd, offline), not in the {role} role: the hand-over carries "
-                         "no state yet")
+    state: speculation (the state is not rolled back on rejection), LoRA (adapters do not know the
+    stateful layers' projections)."""
     if speculative:
         raise ValueError("speculative decoding is not supported yet for a model whose layers carry per-request "
                          "state (the state is not rolled back on rejection); leave --speculative-config out")
@@ -69,22 +70,70 @@ class StateCache:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._slots: dict[str, int] = {}  # request id -> its slot
+        self._arrived: dict[str, dict[str, torch.Tensor]] = {}  # request id -> state from a prefill worker (`put`)
 
     def slot(self, request_id: str) -> int:
-        """The request's slot, given now if it has none (its state is then whatever the slot
-        held: the layers start a sequence's first chunk from zeros, never from the slot)."""
+        """The request's slot, given now if it has none (its state is then the one `put` for it,
+        or whatever the slot held: the layers start a sequence's first chunk from zeros, never
+        from the slot)."""
         slot = self._slots.get(request_id)
         if slot is None:
             assert self._free, "more running requests than state slots (max_num_seqs)"
             slot = self._slots[request_id] = self._free.pop()
+            arrived = self._arrived.pop(request_id, None)
+            if arrived is not None:
+                for i, (conv, rec) in enumerate(self.layers):
+                    conv[slot] = arrived[f"conv.{i}"]
+                    rec[slot] = arrived[f"recurrent.{i}"]
         return slot
 
     def free(self, request_ids) -> None:
         """Takes back the slots of requests that finished, left or were preempted (unknown ids: nothing)."""
         for request_id in request_ids:
+            self._arrived.pop(request_id, None)
             slot = self._slots.pop(request_id, None)
             if slot is not None:
                 self._free.append(slot)
+
+    def names(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """One request's state tensors by name: `conv.<i>`, `recurrent.<i>` of the i-th layer -> (shape, dtype)."""
+        named = {}
+        for i, (conv, rec) in enumerate(self.layers):
+            named[f"conv.{i}"] = (tuple(conv.shape[1:]), conv.dtype)
+            named[f"recurrent.{i}"] = (tuple(rec.shape[1:]), rec.dtype)
+        return named
+
+    def export(self, request_id: str) -> dict[str, torch.Tensor]:
+        """The request's state on the CPU, by name (`names`), and its slot taken back. KeyError
+        if it holds none (it never ran)."""
+        slot = self._slots[request_id]
+        state = {}
+        for i, (conv, rec) in enumerate(self.layers):
+            state[f"conv.{i}"] = conv[slot].cpu()
+            state[f"recurrent.{i}"] = rec[slot].cpu()
+        self.free([request_id])
+        return state
+
+    def check(self, state: dict[str, torch.Tensor]) -> None:
+        """ValueError unless `state` holds exactly this cache's named tensors (`names`), each
+        of its shape and a floating dtype (e.g. a prefill worker of another model)."""
+        want = self.names()
+        if set(state) != set(want):
+            missing, unknown = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+            raise ValueError(f"the per-request state does not fit this model's: missing {missing[:4]}"
+                             f"{'...' if len(missing) > 4 else ''}, unknown {unknown[:4]}"
+                             f"{'...' if len(unknown) > 4 else ''}")
+        for name, (shape, _) in want.items():
+            t = state[name]
+            if tuple(t.shape) != shape or not t.dtype.is_floating_point:
+                raise ValueError(f"per-request state {name!r} is {t.dtype} {list(t.shape)}: "
+                                 f"want a floating tensor {list(shape)}")
+
+    def put(self, request_id: str, state: dict[str, torch.Tensor]) -> None:
+        """A request's state from a prefill worker (`check`ed first): the slot it gets at its
+        first step (`slot`) starts from it; gone if it leaves before."""
+        self.check(state)
+        self._arrived[request_id] = {name: t.to(self.layers[0][0].device) for name, t in state.items()}
 
     @property
     def num_free(self) -> int:

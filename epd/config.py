@@ -69,18 +69,6 @@ def _tool_parser_hint(model: str) -> str:
     return f"--tool-call-parser one of {', '.join(TOOL_CALL_PARSERS)}"
 
 
-def _check_mode_for_state(model: str, mode: Mode) -> None:
-    """e-p-d hands a request from a prefill to a decode worker with its KV only: a family whose
-    model carries per-request state (ModelFamily.per_request_state) is refused there, by name."""
-    try:
-        family = check_family(model)
-    except (OSError, ValueError):  # not a checkpoint, or a family EPD does not serve: said later
-        return
-    if mode is Mode.E_P_D and family.per_request_state:
-        raise ValueError(f"--mode e-p-d: {family.name}'s layers carry per-request state, which the prefill -> "
-                         "decode hand-over does not carry yet; serve it with --mode aggregated or --mode e-pd")
-
-
 FLAGS = {"down_retry_s": "down-retry-interval"}  # ServingLimits fields whose flag is not their name
 
 
@@ -208,7 +196,6 @@ class ServeConfig:
         if self.ray is not None and self.worker_keys:
             _check_keys(self.worker_keys, API, "--cluster ray")
         _check_checkpoint(self.model)
-        _check_mode_for_state(self.model, self.mode)
         if self.lora_modules and not self.engine.lora.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.allow_runtime_lora_updating and not self.engine.lora.enable_lora:

@@ -11,8 +11,9 @@ class ForwardBatch:
     """Everything one forward pass needs besides token ids; passed explicitly.
 
     `backend` provides `store_kv(k, v, k_cache, v_cache, slot_mapping)` and
-    `attention(q, k_cache, v_cache, meta, scale)`; `kv_caches[layer]` is that
-    layer's `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    `attention(q, k_cache, v_cache, meta, scale)`; `kv_caches[i]` is the i-th KV-holding
+    layer's `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads, head_dim]` (every
+    layer holds KV unless the model says otherwise: engine/models/causal_lm.py `num_kv_layers`).
 
     A model whose layers carry per-request state (a Gated DeltaNet layer: layers/gated_deltanet.py)
     reads `state_caches[i]`, its i-th such layer's `(conv_states, recurrent_states)`, each

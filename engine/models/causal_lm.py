@@ -43,6 +43,14 @@ class CausalLM(Protocol):
         """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32)."""
 
 
+def num_kv_layers(model) -> int:
+    """How many of the model's layers hold paged KV: every layer, unless the model says fewer with
+    a `num_kv_layers` attribute (Qwen3.5: its full-attention layers; its Gated DeltaNet layers carry
+    per-request state instead), whose attention layers then index `ForwardBatch.kv_caches` by their
+    place among the KV-holding ones. The KV cache, its block budget and the hand-over hold those only."""
+    return getattr(model, "num_kv_layers", model.cfg.num_layers)
+
+
 class DecoderForCausalLM(nn.Module):
     """A family's decoder (`model`: input_ids, batch, aux_layer_ids -> (final hidden states,
     the residual stream entering each aux layer)) and its output head `lm_head`.

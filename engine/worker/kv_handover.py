@@ -1,11 +1,13 @@
 """`KVHandover`: a request's KV from the prefill worker to the decode worker, as an
 engine worker (engine/worker/loop.py `EngineWorker`, which it is mixed into) does it.
 
-    prefill role  `_send_kv`: a prefilled request's blocks (and EAGLE-3's head state) in a
-                  KVTransfer to the decode worker its PrefillRequest named; `_on_kv_ack`:
-                  the decode worker has them, the request leaves this worker
+    prefill role  `_send_kv`: a prefilled request's blocks (EAGLE-3's head state, the
+                  model's named per-request state) in a KVTransfer to the decode worker
+                  its PrefillRequest named; `_on_kv_ack`: the decode worker has them,
+                  the request leaves this worker
     decode role   `_on_kv_transfer`: the KV waits in the request's state;
-                  `_admit_transfers`: written into fresh blocks when they are free, acked
+                  `_admit_transfers`: written into fresh blocks when they are free (the
+                  per-request state into the slot of its first step), acked
 
 It uses the worker's request records (`requests`, `_track`, `_forget`), its engine
 (`core`), sockets (`inbox`, `outbox`, `_send_output`) and counters.
@@ -37,7 +39,7 @@ class KVHandover:
                               lora_request=msg.lora)
             request.output_token_ids.append(msg.first_token_id)
             try:
-                admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks, msg.draft_state)
+                admitted = self.core.add_prefilled(request, msg.k_blocks, msg.v_blocks, msg.draft_state, msg.state)
             except ValueError as exc:
                 self.outbox.send(msg.reply_to, KVAck(msg.request_id, ok=False, error=str(exc)))
                 self._send_output(TokenOutput(msg.request_id, [], finished=True, finish_reason="error",
@@ -62,7 +64,8 @@ class KVHandover:
             request.request_id, list(request.prompt_token_ids), request.output_token_ids[0],
             request.sampling_params, list(request.eos_token_ids), list(request.mm_spans),
             k, v, reply_to=self.inbox.address, api_index=state.api_index or 0, lora=request.lora_request,
-            draft_state=self.core.export_draft_state(request.request_id)))  # EAGLE-3's head, or None
+            draft_state=self.core.export_draft_state(request.request_id),  # EAGLE-3's head, or None
+            state=self.core.export_state(request.request_id)))  # named per-request state, or {}
 
     def _on_kv_ack(self, msg: KVAck) -> None:
         """Prefill role: the decode worker has the KV; the request leaves this worker."""

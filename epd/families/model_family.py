@@ -45,9 +45,6 @@ class ModelFamily:
     # whether an adapter's vision tower tensors can run on its tower (--enable-tower-lora: the names and
     # (in, out) of encoders/tower_adapter.py TowerShapes); False: such an adapter is refused by name
     tower_lora: bool = False
-    # Its language model carries per-request state beside the KV (engine/state_cache.py), which the
-    # prefill -> decode hand-over does not carry yet: `epd serve` refuses it in e-p-d at start-up.
-    per_request_state: bool = False
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)

@@ -171,17 +171,20 @@ class PrefillRequest(Message):
 class KVTransfer(Message):
     """Prefill -> decode: a prefilled request and its KV blocks.
 
-    Two frames for all layers at once (one gather + one copy on the sender):
+    Two frames for all KV-holding layers at once (one gather + one copy on the sender):
     k_blocks and v_blocks, each [num_layers, num_blocks, block_size,
     num_kv_heads, head_dim], blocks in token order, covering every prompt token.
     With an EAGLE-3 head (speculative decoding), three more: `draft_state`, the
     head's k and v blocks ([head_layers, num_blocks, block_size, head_kv_heads,
     head_dim], the same blocks) and its fused features of the last prompt
     position ([hidden]), so the decode worker drafts at once (engine/spec/eagle3_proposer.py).
+    With a model whose layers carry per-request state (engine/state_cache.py), its named
+    per-request state tensors after those (`state`: names in the header, one frame each, in
+    that order): the state after the prompt, which the decode step goes on from.
     """
 
     TYPE: ClassVar[str] = "kv_transfer"
-    VERSION: ClassVar[int] = 2  # 2: spans carry a family's metadata
+    VERSION: ClassVar[int] = 3  # 2: spans carry a family's metadata; 3: named per-request state
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     prompt_token_ids: list[int]
@@ -195,6 +198,7 @@ class KVTransfer(Message):
     api_index: int = 0  # the PrefillRequest's: where the decode worker sends the TokenOutputs
     lora: LoRARequest | None = None  # the PrefillRequest's adapter: decode goes on with it
     draft_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # EAGLE-3: head k, v, features
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # named per-request state ({}: KV only)
 
     @property
     def num_layers(self) -> int:
@@ -206,7 +210,7 @@ class KVTransfer(Message):
 
     @property
     def num_bytes(self) -> int:
-        """The tensors' bytes on the wire (the KV, and an EAGLE-3 head's state)."""
+        """The tensors' bytes on the wire (the KV, an EAGLE-3 head's state, the per-request state)."""
         return sum(t.nbytes for t in self._payload())
 
     def _fields(self):
@@ -214,17 +218,22 @@ class KVTransfer(Message):
                 "first_token_id": self.first_token_id, "sampling": sampling_to_map(self.sampling),
                 "eos_token_ids": list(self.eos_token_ids),
                 "mm_spans": [s.to_list() for s in self.mm_spans], "reply_to": self.reply_to,
-                "api_index": self.api_index, "lora": _lora_to_wire(self.lora)}
+                "api_index": self.api_index, "lora": _lora_to_wire(self.lora), "state": list(self.state)}
 
     def _payload(self):
-        return [self.k_blocks, self.v_blocks, *(self.draft_state or ())]
+        return [self.k_blocks, self.v_blocks, *(self.draft_state or ()), *self.state.values()]
 
     @classmethod
     def _build(cls, f, payload):
-        need(len(payload) in (2, 5) and all(isinstance(p, torch.Tensor) for p in payload),
-             cls.TYPE, "needs k and v tensor frames (and an EAGLE-3 head's k, v and features)")
+        names = f.list_of("state", str)
+        need(len(set(names)) == len(names) and all(names), cls.TYPE, "state: distinct non-empty names")
+        num_kv = len(payload) - len(names)
+        need(num_kv in (2, 5) and all(isinstance(p, torch.Tensor) for p in payload),
+             cls.TYPE, "needs k and v tensor frames (and an EAGLE-3 head's k, v and features), "
+             "then one per name of `state`")
         k, v = payload[:2]
-        draft_state = tuple(payload[2:]) or None
+        state = dict(zip(names, payload[num_kv:]))
+        draft_state = tuple(payload[2:num_kv]) or None
         if draft_state is not None:
             hk, hv, features = draft_state
             need(hk.ndim == 5 and hk.shape == hv.shape and hk.shape[1] == k.shape[1] and features.ndim == 1,
@@ -239,7 +248,7 @@ class KVTransfer(Message):
         return cls(f.str("request_id"), prompt, first_token_id, sampling_from_map(f.map("sampling")),
                    f.token_ids("eos_token_ids"), _spans(f, "mm_spans", len(prompt)), k, v,
                    read_address(f, "reply_to", optional=True) or "", read_api_index(f),
-                   _lora(f, "lora"), draft_state)
+                   _lora(f, "lora"), draft_state, state)
 
 
 @dataclass

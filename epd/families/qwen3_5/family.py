@@ -10,7 +10,7 @@ TEXT_MODEL = "epd.families.qwen3_5.text_loader:load_text_model"
 
 FAMILIES = (
     ModelFamily("Qwen3.5", "qwen3_5", "Qwen3_5ForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="qwen3_coder", per_request_state=True),
+                mrope_positions, tool_call_parser="qwen3_coder"),
     ModelFamily("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="qwen3_coder", per_request_state=True),
+                VISION, mrope_positions, tool_call_parser="qwen3_coder"),
 )

@@ -97,6 +97,11 @@ class TextConfig:
     def linear_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        """The full-attention layers: the only ones holding KV (`ForwardBatch.kv_caches` in this order)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
 
 def rotary_embedding(cfg: TextConfig, device: str | torch.device = "cpu") -> RotaryEmbedding:
     """Interleaved M-RoPE on the first `rotary_dim` dims of each head."""
@@ -156,7 +161,7 @@ class DecoderLayer(nn.Module):
                                              cfg.linear_k_dim, cfg.linear_v_dim, cfg.linear_conv_kernel,
                                              cfg.rms_norm_eps, cfg.linear_layer_ids.index(layer_idx))
         else:
-            self.self_attn = GatedAttention(cfg, layer_idx)
+            self.self_attn = GatedAttention(cfg, cfg.full_layer_ids.index(layer_idx))  # its KV's place
         self.is_moe = cfg.num_experts > 0
         self.mlp = SharedExpertMoe(cfg) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
@@ -195,10 +200,12 @@ class Qwen3_5TextModel(nn.Module):
 
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Language model + output head. `state_shapes()`: per Gated DeltaNet layer, one request's
-    (conv state, recurrent state) shapes: what the engine's state cache holds per slot."""
+    (conv state, recurrent state) shapes: what the engine's state cache holds per slot;
+    `num_kv_layers`: the full-attention layers, the only ones holding paged KV."""
 
     def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
         super().__init__(cfg, Qwen3_5TextModel(cfg), positions)
+        self.num_kv_layers = len(cfg.full_layer_ids)
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [layer.linear_attn.state_shapes() for layer in self.model.layers if layer.is_linear]

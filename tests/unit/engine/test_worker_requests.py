@@ -37,7 +37,7 @@ class FakeCore:
     def add_request(self, request, embeddings=None, pending=frozenset()):
         self.added.append(request.request_id)
 
-    def add_prefilled(self, request, k_blocks, v_blocks, draft_state=None) -> bool:
+    def add_prefilled(self, request, k_blocks, v_blocks, draft_state=None, state=None) -> bool:
         if self.room:
             self.added.append(request.request_id)
         return self.room
@@ -47,6 +47,9 @@ class FakeCore:
 
     def export_draft_state(self, request_id):
         return None  # no EAGLE-3 head
+
+    def export_state(self, request_id):
+        return {}  # a model with KV only
 
     def release(self, request_id) -> bool:
         self.released.append(request_id)

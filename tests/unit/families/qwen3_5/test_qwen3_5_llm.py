@@ -3,7 +3,8 @@ cache give transformers' greedy tokens and top-5 logprobs (float32) for text pro
 different lengths run together (prefill chunks and decodes in one step), prompts prefilled over
 several chunks through their state slots, and requests preempted and recomputed; every slot
 and block is back at the end. What the engine cannot do yet for a model with per-request state
-is refused by name."""
+is refused by name; every serving mode and engine role is taken; KV is allocated for the
+full-attention layers only, the block budget computed accordingly."""
 from __future__ import annotations
 
 import pytest
@@ -72,19 +73,30 @@ def test_what_a_stateful_model_cannot_do_yet_is_refused_by_name(qwen3_5_model, k
         LLM(qwen3_5_model, dtype="float32", **kwargs)
 
 
-def test_disaggregated_roles_are_refused_by_name(qwen3_5_model):
+def test_serve_takes_every_mode_and_the_engine_every_role(qwen3_5_model):
+    from epd.config import ServeConfig
     from epd.engine.config import EngineConfig
     from epd.engine.engine_core import EngineCore
 
+    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("e-p-d", "aggregated", "e-pd")] == \
+        ["e-p-d", "aggregated", "e-pd"]  # the hand-over carries the state (test_qwen3_5_handover.py)
     for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=f"not in the {role} role: the hand-over carries no state"):
-            EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
+        core = EngineCore(qwen3_5_model, EngineConfig(dtype="float32", num_kv_blocks=8), role=role)
+        assert core.runner.state_cache.num_slots == core.scheduler.config.max_num_seqs
 
 
-def test_serve_refuses_e_p_d_at_start_up_and_takes_the_modes_it_runs_in(qwen3_5_model):
-    from epd.config import ServeConfig
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+def test_kv_is_allocated_for_the_full_attention_layers_only(qwen3_5_model):
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import EngineCore
+    from epd.engine.kv_cache_sizer import bytes_per_block
+    from epd.engine.state_cache import bytes_per_slot, state_shapes
 
-    with pytest.raises(ValueError, match=r"--mode e-p-d: Qwen3\.5(-MoE)?'s layers carry per-request state"):
-        ServeConfig(model=qwen3_5_model)  # e-p-d is the default mode
-    assert [ServeConfig(model=qwen3_5_model, mode=mode).mode.value for mode in ("aggregated", "e-pd")] == \
-        ["aggregated", "e-pd"]
+    core = EngineCore(qwen3_5_model, EngineConfig.from_flat(kv_cache_gb=0.01, max_num_seqs=4, dtype="float32"))
+    model = core.runner.model
+    cfg, num_full = model.cfg, model.cfg.layer_types.count("full_attention")
+    assert 0 < num_full < cfg.num_layers and core.runner.kv_cache.shape[1] == num_full
+    budget = int(0.01 * (1 << 30)) - 4 * bytes_per_slot(state_shapes(model), torch.float32)
+    assert core.num_blocks == budget // bytes_per_block(num_full, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32)
+    every_layer = budget // bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32)
+    assert core.num_blocks >= (cfg.num_layers // num_full) * every_layer  # the linear layers' share back to KV
