@@ -57,3 +57,15 @@ def test_a_config_served_wrong_is_refused_by_name(key, value, message):
     setattr(config.text_config, key, value)
     with pytest.raises(ValueError, match=message):
         TextConfig.from_hf(config)
+
+
+@pytest.mark.parametrize("preset", ["qwen3_5-tiny", "qwen3_5-moe-tiny"])
+def test_the_api_reads_the_projection_shapes(preset):
+    """`epd serve` checks --lora-modules against ProjectionShapes.from_hf before any worker starts;
+    Qwen3.5-MoE's text config has no intermediate_size, and every one of its layers is routed."""
+    from epd.engine.lora.adapter import ProjectionShapes
+
+    shapes = ProjectionShapes.from_hf(_config(preset))
+    moe = PRESETS[preset].family == "qwen3_5_moe"
+    assert shapes.moe_layer_ids == frozenset(range(4) if moe else ())
+    assert shapes.sizes["up_proj"] == (64, 0 if moe else 128)
