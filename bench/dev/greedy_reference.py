@@ -2,7 +2,7 @@
 `bench.dev.vs_vllm --greedy-only` run are transformers', and how close transformers' choice was
 where a server's text leaves it.
 
-transformers (the family's `AutoModelForImageTextToText` class, float32) runs the run's three
+transformers (the family's `AutoModelForImageTextToText` class, float32 or `--dtype`) runs the run's three
 chats again (the text prompt, the one- and two-image prompts, rebuilt from the seed as
 vs_vllm.greedy_texts draws them) and decodes greedily. For each server and prompt it prints
 whether the text is transformers', else the first step where it leaves transformers' and the
@@ -18,7 +18,8 @@ import json
 
 # model_type -> the image token the template writes once and the processor repeats once per merged patch,
 # for the families whose processor needs torchvision (its video processor) to load
-IMAGE_TOKENS = {"glm4v": "<|image|>", "glm4v_moe": "<|image|>"}
+IMAGE_TOKENS = {"glm4v": "<|image|>", "glm4v_moe": "<|image|>", "qwen3_5": "<|image_pad|>",
+                "qwen3_5_moe": "<|image_pad|>"}
 
 
 def model_inputs(model, model_dir: str, request) -> dict:
@@ -88,7 +89,7 @@ def main(args) -> None:
     size = [tuple(int(x) for x in config["image_size"].split("x"))]
     tokenizer = load_tokenizer(args.checkpoint)
     hf_tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    model = AutoModelForImageTextToText.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(args.checkpoint, dtype=getattr(torch, args.dtype)).eval()
     n, seed = config["greedy_tokens"], config["seed"]
     requests = sample_random(1, 32, n, seed=seed, tokenizer=tokenizer)  # vs_vllm.greedy_texts' order
     for k in (1, 2):
@@ -112,4 +113,6 @@ if __name__ == "__main__":
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("vs_vllm_json")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="transformers' dtype: bfloat16 where the servers ran in it (vLLM's CPU Gated DeltaNet)")
     main(parser.parse_args())

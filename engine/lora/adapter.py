@@ -81,7 +81,7 @@ class ProjectionShapes:
     def from_hf(cls, hf_config) -> ProjectionShapes:
         """From a transformers config without loading model code (the API process has no
         torch): the families' text models' rules for head_dim and MoE layers (Qwen2.5-VL's and
-        GLM-4.1V's head_dim, the MoE layers of Qwen3-VL-MoE, InternVL on Qwen3-MoE and GLM-4.5V),
+        GLM-4.1V's head_dim, the MoE layers of Qwen3-VL-MoE, InternVL on Qwen3-MoE, GLM-4.5V and Qwen3.5-MoE),
         checked equal to `of(TextConfig)` by the tests."""
         tc = hf_config.text_config
         model_type = getattr(hf_config, "model_type", "")
@@ -95,7 +95,10 @@ class ProjectionShapes:
             mlp_only = set(getattr(tc, "mlp_only_layers", None) or ())
             step = int(getattr(tc, "decoder_sparse_step", 1) or 1)
             moe = tuple(i for i in range(tc.num_hidden_layers) if i not in mlp_only and (i + 1) % step == 0)
-        return cls.of(_Dims(tc.hidden_size, tc.intermediate_size, tc.num_attention_heads,
+        elif model_type == "qwen3_5_moe":  # every layer routed (its loader refuses mlp_only_layers)
+            moe = tuple(range(tc.num_hidden_layers))
+        intermediate_size = getattr(tc, "intermediate_size", 0) or 0  # none in Qwen3.5-MoE's config
+        return cls.of(_Dims(tc.hidden_size, intermediate_size, tc.num_attention_heads,
                             tc.num_key_value_heads or tc.num_attention_heads, head_dim, tc.num_hidden_layers, moe))
 
 

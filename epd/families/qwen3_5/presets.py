@@ -2,7 +2,8 @@
 
 A random-weight checkpoint in the release's layout: config.json through transformers'
 Qwen3_5Config / Qwen3_5MoeConfig (layer_types, partial rotary and interleaved M-RoPE in the
-text config's rope parameters), safetensors written by transformers' own model class
+text config's rope parameters; the release's attn_output_gate, full_attention_interval,
+mamba_ssm_dtype, mlp_only_layers and deepstack_visual_indexes keys, which vLLM reads), safetensors written by transformers' own model class
 (`model.language_model.*`, `model.visual.*`), Qwen's special tokens and chat template (those
 of qwen_vl/presets.py) and Qwen3-VL's image processor files. The (1 + w) norms are random, not
 the release's zeros, so a loader reading them as plain norms fails its tests; each linear
@@ -66,6 +67,13 @@ _TINY = Preset(
     vision_heads=2, vision_intermediate=64, num_position_embeddings=64, min_pixels=32 * 32,
     max_pixels=256 * 256, tokenizer_vocab=1024, dtype="float32", max_position_embeddings=4096,
 )
+_SMALL = Preset(
+    hidden_size=768, num_layers=12, full_attention_interval=4, num_heads=8, num_kv_heads=2, head_dim=128,
+    intermediate_size=2304, linear_num_k_heads=6, linear_num_v_heads=12, linear_k_dim=64, linear_v_dim=64,
+    mrope_section=(6, 5, 5), vocab_size=None, tie_word_embeddings=False, vision_depth=8, vision_hidden=512,
+    vision_heads=8, vision_intermediate=1536, num_position_embeddings=2304, min_pixels=64 * 64,
+    max_pixels=512 * 512, tokenizer_vocab=8192, dtype="float32", max_position_embeddings=32768,
+)
 
 PRESETS: dict[str, Preset] = {
     # For tests: three Gated DeltaNet layers then one full-attention layer; loads in well under a second.
@@ -73,6 +81,13 @@ PRESETS: dict[str, Preset] = {
     # The same with every MLP routed over 8 experts (2 active) plus a shared expert.
     "qwen3_5-moe-tiny": dataclasses.replace(_TINY, family="qwen3_5_moe", num_experts=8, num_experts_per_tok=2,
                                             moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    # For CPU benchmarks and the vLLM check (like glm4v-small): nine Gated DeltaNet and three full-attention
+    # layers, head_dim 128 (32 rotary dims, Qwen3.5's sections scaled), the release's 16-pixel patches
+    # (a 448x448 image is 196 tokens, 512x512 256) and 48x48 position grid.
+    "qwen3_5-small": _SMALL,
+    # The same with every MLP routed over 16 experts (4 active) plus a shared expert.
+    "qwen3_5-moe-small": dataclasses.replace(_SMALL, family="qwen3_5_moe", num_experts=16, num_experts_per_tok=4,
+                                             moe_intermediate_size=384, shared_expert_intermediate_size=768),
 }
 
 
@@ -130,19 +145,22 @@ def _hf_config(p: Preset, ids: dict[str, int], vocab_size: int):
         max_position_embeddings=p.max_position_embeddings, rms_norm_eps=1e-6,
         tie_word_embeddings=p.tie_word_embeddings, bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
+        # keys the releases write and vLLM reads (gated attention output, the SSM state's dtype)
+        attn_output_gate=True, full_attention_interval=p.full_attention_interval, mamba_ssm_dtype="float32",
         rope_parameters=dict(rope_type="default", rope_theta=p.rope_theta, partial_rotary_factor=0.25,
                              mrope_section=list(p.mrope_section), mrope_interleaved=True),
     )
     vision = dict(depth=p.vision_depth, hidden_size=p.vision_hidden, intermediate_size=p.vision_intermediate,
                   num_heads=p.vision_heads, patch_size=p.patch_size, spatial_merge_size=2, temporal_patch_size=2,
-                  out_hidden_size=p.hidden_size, num_position_embeddings=p.num_position_embeddings)
+                  out_hidden_size=p.hidden_size, num_position_embeddings=p.num_position_embeddings,
+                  deepstack_visual_indexes=[])  # as the releases say: Qwen3.5 has no deepstack
     top = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                tie_word_embeddings=p.tie_word_embeddings)
     if p.family == "qwen3_5_moe":
         text.update(num_experts=p.num_experts, num_experts_per_tok=p.num_experts_per_tok,
                     moe_intermediate_size=p.moe_intermediate_size,
-                    shared_expert_intermediate_size=p.shared_expert_intermediate_size)
+                    shared_expert_intermediate_size=p.shared_expert_intermediate_size, mlp_only_layers=[])
         return (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration,
                 dict(text_config=text, vision_config=vision, **top))
     if p.family != "qwen3_5":

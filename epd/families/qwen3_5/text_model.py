@@ -72,6 +72,11 @@ class TextConfig:
                              f"{tc.num_hidden_layers} layers, got {list(layer_types)}")
         if getattr(tc, "attention_bias", False):
             raise ValueError("attention_bias is not supported for Qwen3.5")
+        if not getattr(tc, "attn_output_gate", True):
+            raise ValueError("Qwen3.5's full attention has a gated output; attn_output_gate false is not supported")
+        if getattr(tc, "mlp_only_layers", None):
+            raise ValueError(f"mlp_only_layers {list(tc.mlp_only_layers)}: every Qwen3.5-MoE layer is routed here; "
+                             "dense layers among them are not supported")
         head_dim = tc.head_dim or tc.hidden_size // tc.num_attention_heads
         tie = getattr(hf_config, "tie_word_embeddings", None)
         is_moe = getattr(tc, "num_experts", 0) > 0
