@@ -77,16 +77,16 @@ _SMALL = Preset(
 
 PRESETS: dict[str, Preset] = {
     # For tests: three Gated DeltaNet layers then one full-attention layer; loads in well under a second.
-    "qwen3_5-tiny": _TINY,
+    "qwen3.5-tiny": _TINY,
     # The same with every MLP routed over 8 experts (2 active) plus a shared expert.
-    "qwen3_5-moe-tiny": dataclasses.replace(_TINY, family="qwen3_5_moe", num_experts=8, num_experts_per_tok=2,
+    "qwen3.5-moe-tiny": dataclasses.replace(_TINY, family="qwen3_5_moe", num_experts=8, num_experts_per_tok=2,
                                             moe_intermediate_size=32, shared_expert_intermediate_size=48),
     # For CPU benchmarks and the vLLM check (like glm4v-small): nine Gated DeltaNet and three full-attention
     # layers, head_dim 128 (32 rotary dims, Qwen3.5's sections scaled), the release's 16-pixel patches
     # (a 448x448 image is 196 tokens, 512x512 256) and 48x48 position grid.
-    "qwen3_5-small": _SMALL,
+    "qwen3.5-small": _SMALL,
     # The same with every MLP routed over 16 experts (4 active) plus a shared expert.
-    "qwen3_5-moe-small": dataclasses.replace(_SMALL, family="qwen3_5_moe", num_experts=16, num_experts_per_tok=4,
+    "qwen3.5-moe-small": dataclasses.replace(_SMALL, family="qwen3_5_moe", num_experts=16, num_experts_per_tok=4,
                                              moe_intermediate_size=384, shared_expert_intermediate_size=768),
 }
 

@@ -28,7 +28,7 @@ E_P_D = ("--max-num-batched-tokens", "16", "--max-local-prefill-tokens", "0")  #
 def qwen3_5_checkpoint(tmp_path_factory) -> str:
     from epd.tools.make_model import make_model
 
-    return str(make_model(tmp_path_factory.mktemp("ckpt") / "qwen3_5-tiny", "qwen3_5-tiny", seed=0))
+    return str(make_model(tmp_path_factory.mktemp("ckpt") / "qwen3.5-tiny", "qwen3.5-tiny", seed=0))
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ def test_a_qwen3_5_image_prompt_has_one_pad_per_merged_patch_and_decodes(tmp_pat
 
     from epd.tools.make_model import make_model
 
-    ckpt = str(make_model(tmp_path / "q35", "qwen3_5-tiny", seed=0))
+    ckpt = str(make_model(tmp_path / "q35", "qwen3.5-tiny", seed=0))
     model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
     request = sample_random_mm(1, 32, 4, images_per_request=2, image_sizes=[(96, 64)], seed=1,
                                tokenizer=load_tokenizer(ckpt))[0]

@@ -1,11 +1,11 @@
-"""Tiny random Qwen3.5 checkpoints (epd make-model's "qwen3_5-tiny" and "qwen3_5-moe-tiny",
+"""Tiny random Qwen3.5 checkpoints (epd make-model's "qwen3.5-tiny" and "qwen3.5-moe-tiny",
 presets.py), made once per session, and transformers' own model on each (the reference)."""
 from __future__ import annotations
 
 import pytest
 
 
-@pytest.fixture(scope="session", params=["qwen3_5-tiny", "qwen3_5-moe-tiny"])
+@pytest.fixture(scope="session", params=["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def qwen3_5_model(request, tmp_path_factory) -> str:
     from epd.tools.make_model import make_model
 

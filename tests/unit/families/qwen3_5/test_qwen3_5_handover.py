@@ -17,7 +17,7 @@ from epd.transport.wire.sampling import SamplingParams
 NUM_TOKENS = 5
 PROMPT_LENS = (19, 47)  # over 2 and 3 chunks of 16 tokens
 TOP5 = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
-pytestmark = pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+pytestmark = pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 
 
 def _core(model: str, role: str, num_kv_blocks: int = 16) -> EngineCore:

@@ -26,7 +26,7 @@ def _reference(model, model_dir: str, messages: list[dict]) -> tuple[list[int], 
     return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), top.indices.tolist(), top.values
 
 
-@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)  # the tower is the same for MoE
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)  # the tower is the same for MoE
 def test_mixed_batch_with_images_equals_transformers(qwen3_5_model, qwen3_5_reference):
     from epd import LLM
 

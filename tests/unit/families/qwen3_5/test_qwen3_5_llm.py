@@ -33,7 +33,7 @@ def _reference(model, ids: list[int]) -> tuple[list[int], list[list[int]], torch
 
 
 # the dense preset: the MoE decoder over the same slots is test_qwen3_5_text_model.py's (CI time)
-@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 def test_concurrent_chunked_preempted_requests_equal_transformers(qwen3_5_model, qwen3_5_reference):
     from epd import LLM
 
@@ -85,7 +85,7 @@ def test_serve_takes_every_mode_and_the_engine_every_role(qwen3_5_model):
         assert core.runner.state_cache.num_slots == core.scheduler.config.max_num_seqs
 
 
-@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 def test_kv_is_allocated_for_the_full_attention_layers_only(qwen3_5_model):
     from epd.engine.config import EngineConfig
     from epd.engine.engine_core import EngineCore

@@ -36,7 +36,7 @@ def test_the_presets_config_says_the_release_keys(preset):
         assert text["mlp_only_layers"] == []
 
 
-@pytest.mark.parametrize("preset", ["qwen3_5-small", "qwen3_5-moe-small"])
+@pytest.mark.parametrize("preset", ["qwen3.5-small", "qwen3.5-moe-small"])
 def test_small_presets_shape(preset):
     """~768 hidden, 12 layers (3 full attention), a quarter of each head rotating over M-RoPE's
     three sections, 16-pixel patches merged 2x2: a 512x512 image is 256 tokens."""
@@ -53,13 +53,13 @@ def test_small_presets_shape(preset):
     ("mlp_only_layers", [0], "mlp_only_layers"),
 ])
 def test_a_config_served_wrong_is_refused_by_name(key, value, message):
-    config = _config("qwen3_5-moe-tiny")
+    config = _config("qwen3.5-moe-tiny")
     setattr(config.text_config, key, value)
     with pytest.raises(ValueError, match=message):
         TextConfig.from_hf(config)
 
 
-@pytest.mark.parametrize("preset", ["qwen3_5-tiny", "qwen3_5-moe-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3.5-tiny", "qwen3.5-moe-tiny"])
 def test_the_api_reads_the_projection_shapes(preset):
     """`epd serve` checks --lora-modules against ProjectionShapes.from_hf before any worker starts;
     Qwen3.5-MoE's text config has no intermediate_size, and every one of its layers is routed."""

@@ -25,7 +25,7 @@ def _hf_greedy_logprobs(model, model_dir, messages, images, videos) -> tuple[lis
     return hf_greedy_logprobs(model, hf_inputs(model_dir, messages, images, videos), NUM_TOKENS, TOP)
 
 
-@pytest.mark.parametrize("qwen3_5_model", ["qwen3_5-tiny"], indirect=True)
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 def test_llm_chat_with_video_equals_transformers(qwen3_5_model, qwen3_5_reference, tmp_path):
     from epd import LLM
     from epd.encoders.video_io import decode_frames, read_video_meta
