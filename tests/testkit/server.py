@@ -48,6 +48,20 @@ def chat_text(server: ServerProcess, messages: list[dict], max_tokens: int, stre
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def served_top5(server: ServerProcess, messages: list[dict], max_tokens: int) -> tuple[list[list[tuple[int, float]]], int]:
+    """A greedy chat's steps (each one's top-5 (token id, logprob), the greedy token first; checked
+    greedy) and its prompt's length in tokens."""
+    model = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    steps = r.json()["choices"][0]["logprobs"]["content"]
+    assert [s["token"] for s in steps] == [s["top_logprobs"][0]["token"] for s in steps]  # greedy
+    top5 = [[(int(t["token"].removeprefix("token_id:")), t["logprob"]) for t in s["top_logprobs"]] for s in steps]
+    return top5, r.json()["usage"]["prompt_tokens"]
+
+
 def assert_refused_for_a_down_role(server: ServerProcess, body: dict) -> None:
     """`body` sent while its role is down: a 503 at admission (not after --request-timeout),
     Retry-After, and the reason in an OpenAI error body."""

@@ -11,12 +11,11 @@ from __future__ import annotations
 import io
 import json
 
-import httpx
 import pytest
 import torch
 from PIL import Image
 from testkit.media import CHATS
-from testkit.server import chat_text, start_server
+from testkit.server import chat_text, served_top5, start_server
 
 MAX_TOKENS = 10
 CHAT_NAMES = ["text_only", "two_images"]
@@ -64,18 +63,6 @@ def reference_top5(model_dir: str, messages: list[dict], images: list[bytes]) ->
     return [list(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist())]
 
 
-def served_top5(srv, messages: list[dict]) -> list[list[tuple[int, float]]]:
-    """The server's greedy steps: each step's top-5 (token id, logprob)."""
-    model = httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
-    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    steps = r.json()["choices"][0]["logprobs"]["content"]
-    assert [s["token"] for s in steps] == [s["top_logprobs"][0]["token"] for s in steps]  # greedy
-    return [[(int(t["token"].removeprefix("token_id:")), t["logprob"]) for t in s["top_logprobs"]] for s in steps]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["e-pd", "aggregated"])  # e-p-d: with pan-and-scan, below
 def test_served_text_equals_transformers(gemma3_model, mode, tmp_path):
@@ -102,7 +89,7 @@ def test_served_pan_and_scan_equals_transformers(gemma3_model, tmp_path):
         assert chat_text(srv, CHATS["text_only"][0], MAX_TOKENS) == expected_text
         assert chat_text(srv, CHATS["text_only"][0], MAX_TOKENS, stream=True) == expected_text
         for name in names:
-            got = served_top5(srv, CHATS[name][0])
+            got, _ = served_top5(srv, CHATS[name][0], MAX_TOKENS)
             assert [[i for i, _ in step] for step in got] == [[i for i, _ in step] for step in expected[name]], name
             torch.testing.assert_close(torch.tensor([[lp for _, lp in step] for step in got]),
                                        torch.tensor([[lp for _, lp in step] for step in expected[name]]),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from testkit.hf_reference import _load, hf_generate_text, hf_inputs
 from testkit.media import CHATS
-from testkit.server import chat_text, start_server
+from testkit.server import chat_text, served_top5, start_server
 
 MAX_TOKENS = 10
 CHAT_NAMES = ["text_only", "two_images"]
@@ -39,19 +39,6 @@ def reference_top5(model_dir: str, messages: list[dict], images: list[bytes]) ->
                          min_new_tokens=MAX_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
     top = torch.log_softmax(torch.cat(out.logits).float(), dim=-1).topk(5)  # [MAX_TOKENS, 5]
     return [list(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist())]
-
-
-def served_top5(srv, messages: list[dict]) -> tuple[list[list[tuple[int, float]]], int]:
-    """The server's greedy steps (each one's top-5 (token id, logprob)) and the prompt's length."""
-    model = httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "logprobs": True, "top_logprobs": 5, "return_tokens_as_token_ids": True}
-    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    steps = r.json()["choices"][0]["logprobs"]["content"]
-    assert [s["token"] for s in steps] == [s["top_logprobs"][0]["token"] for s in steps]  # greedy
-    top5 = [[(int(t["token"].removeprefix("token_id:")), t["logprob"]) for t in s["top_logprobs"]] for s in steps]
-    return top5, r.json()["usage"]["prompt_tokens"]
 
 
 def handover_bytes(model_dir: str, num_prompt_tokens: int) -> int:
@@ -85,7 +72,7 @@ def test_served_text_equals_transformers(qwen3_5_checkpoint, mode, tmp_path):
         if mode == "e-p-d":
             for name in CHAT_NAMES:
                 before = srv.settled_sum("epd:kv_transfer_bytes_total")
-                got, num_prompt_tokens = served_top5(srv, CHATS[name][0])
+                got, num_prompt_tokens = served_top5(srv, CHATS[name][0], MAX_TOKENS)
                 assert num_prompt_tokens > 16  # over several chunks
                 for step, (g, want) in enumerate(zip(got, reference_top5(qwen3_5_checkpoint, *CHATS[name]))):
                     assert [t for t, _ in g] == [t for t, _ in want], (name, step)
