@@ -3,7 +3,7 @@
 A family builds its model over engine/layers/ (epd/families/<name>/text_model.py);
 the runner, the KV-cache sizer, CUDA graphs and the proposers hold it as this.
 `DecoderForCausalLM` is the usual way to meet it: a family's decoder stack plus
-the output head.
+the output head; `DecoderStack` is that stack where every layer takes one rotary table.
 """
 from __future__ import annotations
 
@@ -49,6 +49,35 @@ def num_kv_layers(model) -> int:
     per-request state instead), whose attention layers then index `ForwardBatch.kv_caches` by their
     place among the KV-holding ones. The KV cache, its block budget and the hand-over hold those only."""
     return getattr(model, "num_kv_layers", model.cfg.num_layers)
+
+
+class DecoderStack(nn.Module):
+    """A decoder stack whose layers take (x, cos, sin, batch): the token embeddings with the image
+    rows put in place, one rotary table for every layer, the layers, the final norm. A family
+    builds the pieces (its `text_model.py`) and hands them over; their names are the checkpoint's."""
+
+    def __init__(self, cfg, embed_tokens: nn.Module, layers: nn.ModuleList, norm: nn.Module, rotary):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.rotary = rotary
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids [num_tokens] -> (final hidden states [num_tokens, hidden], the residual
+        stream entering each layer of `aux_layer_ids` (id 0: the embeddings), [num_tokens, hidden] each)."""
+        x = self.embed_tokens(input_ids)
+        if batch.mm_mask is not None:
+            x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the vision output
+        cos, sin = self.rotary(batch.positions)
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layer_ids:
+                aux[i] = x  # the layers make new tensors: nothing writes into it
+            x = layer(x, cos, sin, batch)
+        return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -29,7 +29,7 @@ from epd.engine.layers.mlp import MLP
 from epd.engine.layers.moe import GroupedMoeBlock, add_mlp
 from epd.engine.layers.norm import RMSNorm
 from epd.engine.layers.rotary import RotaryEmbedding
-from epd.engine.models.causal_lm import DecoderForCausalLM
+from epd.engine.models.causal_lm import DecoderForCausalLM, DecoderStack
 from epd.engine.models.positions import PositionRule
 from epd.transport.weights.checkpoint import unfilled_embedding
 
@@ -136,29 +136,11 @@ class DecoderLayer(nn.Module):
         return add_mlp(self.mlp, self.post_attention_layernorm(x), x, batch)
 
 
-class Glm4vTextModel(nn.Module):
+class Glm4vTextModel(DecoderStack):
     def __init__(self, cfg: TextConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = rotary_embedding(cfg, device=self.embed_tokens.weight.device)
-
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids [num_tokens] -> (final hidden states [num_tokens, hidden], the residual
-        stream entering each layer of `aux_layer_ids` (id 0: the embeddings), [num_tokens, hidden] each)."""
-        x = self.embed_tokens(input_ids)
-        if batch.mm_mask is not None:
-            x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the vision output
-        cos, sin = self.rotary(batch.positions)
-        aux = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layer_ids:
-                aux[i] = x  # the layers make new tensors: nothing writes into it
-            x = layer(x, cos, sin, batch)
-        return self.norm(x), [aux[i] for i in aux_layer_ids]
+        embed_tokens = unfilled_embedding(cfg.vocab_size, cfg.hidden_size)
+        super().__init__(cfg, embed_tokens, nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers)),
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), rotary_embedding(cfg, device=embed_tokens.weight.device))
 
 
 class Glm4vForCausalLM(DecoderForCausalLM):
