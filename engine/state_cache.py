@@ -82,9 +82,8 @@ class StateCache:
             slot = self._slots[request_id] = self._free.pop()
             arrived = self._arrived.pop(request_id, None)
             if arrived is not None:
-                for i, (conv, rec) in enumerate(self.layers):
-                    conv[slot] = arrived[f"conv.{i}"]
-                    rec[slot] = arrived[f"recurrent.{i}"]
+                for name, slots in self._named():
+                    slots[slot] = arrived[name]
         return slot
 
     def free(self, request_ids) -> None:
@@ -97,20 +96,19 @@ class StateCache:
 
     def names(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """One request's state tensors by name: `conv.<i>`, `recurrent.<i>` of the i-th layer -> (shape, dtype)."""
-        named = {}
+        return {name: (tuple(slots.shape[1:]), slots.dtype) for name, slots in self._named()}
+
+    def _named(self):
+        """(name, every slot's tensor) of each state tensor: `conv.<i>`, `recurrent.<i>` of the i-th layer."""
         for i, (conv, rec) in enumerate(self.layers):
-            named[f"conv.{i}"] = (tuple(conv.shape[1:]), conv.dtype)
-            named[f"recurrent.{i}"] = (tuple(rec.shape[1:]), rec.dtype)
-        return named
+            yield f"conv.{i}", conv
+            yield f"recurrent.{i}", rec
 
     def export(self, request_id: str) -> dict[str, torch.Tensor]:
         """The request's state on the CPU, by name (`names`), and its slot taken back. KeyError
         if it holds none (it never ran)."""
         slot = self._slots[request_id]
-        state = {}
-        for i, (conv, rec) in enumerate(self.layers):
-            state[f"conv.{i}"] = conv[slot].cpu()
-            state[f"recurrent.{i}"] = rec[slot].cpu()
+        state = {name: slots[slot].cpu() for name, slots in self._named()}
         self.free([request_id])
         return state
 
