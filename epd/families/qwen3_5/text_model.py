@@ -99,6 +99,16 @@ class TextConfig:
         )
 
     @property
+    def attn_output_gate(self) -> bool:
+        """q_proj gives each head's query and its output gate (from_hf refuses a config without the gate)."""
+        return True
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """qwen3_5_moe: every layer's MLP is routed (from_hf refuses mlp_only_layers)."""
+        return tuple(range(self.num_layers)) if self.num_experts else ()
+
+    @property
     def linear_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
 
