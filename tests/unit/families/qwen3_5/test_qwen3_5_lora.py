@@ -54,9 +54,14 @@ def test_an_adapter_on_both_layer_kinds_gives_peft_tokens_and_logprobs(qwen3_5_m
     prompts = _prompts()
     hf_model = type(qwen3_5_reference).from_pretrained(qwen3_5_model, dtype=torch.float32)  # the session's untouched
     peft_model = PeftModel.from_pretrained(hf_model, adapter, adapter_name="sql").eval()
-    with_adapter = [_peft_reference(peft_model, ids) for ids in prompts]
-    with peft_model.disable_adapter():
-        base = [_peft_reference(peft_model, ids) for ids in prompts]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is many times faster than several on a shared CPU
+    try:
+        with_adapter = [_peft_reference(peft_model, ids) for ids in prompts]
+        with peft_model.disable_adapter():
+            base = [_peft_reference(peft_model, ids) for ids in prompts]
+    finally:
+        torch.set_num_threads(threads)
     assert [t for t, *_ in with_adapter] != [t for t, *_ in base], "the adapter was meant to change the answers"
     llm = LLM(qwen3_5_model, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=32,
               max_num_batched_tokens=16)
