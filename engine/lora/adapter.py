@@ -49,6 +49,9 @@ FUSED_MODULES = {"gate_up_proj": ("gate_proj", "up_proj")}
 # packs in_proj_qkv + in_proj_z and in_proj_b + in_proj_a, here each is its own projection
 LINEAR_ATTENTION_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + tuple(FUSED_MODULES) + LINEAR_ATTENTION_MODULES
+# modules of the language model PEFT can adapt and EPD does not: refused by name
+UNADAPTED_MODULES = {"conv1d": "the Gated DeltaNet layers' causal convolution", "gate": "a mixture of experts' router",
+                     "shared_expert_gate": "a mixture of experts' shared-expert gate"}
 # The last name of a vision tower's linear projections (Qwen3-VL: blocks' qkv, proj, linear_fc1/2 and the
 # mergers' linear_fc1/2; Qwen2.5-VL: qkv, proj, gate/up/down_proj, the merger's mlp.0 / mlp.2)
 TOWER_MODULE_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2", "0", "2") + MLP_MODULES
@@ -177,6 +180,10 @@ def _check_target_names(targets, where: str) -> None:
     tower (a regex string, PEFT's other form, is checked through the tensors it produced)."""
     if not isinstance(targets, list):
         return
+    unadapted = [t for t in targets if t in UNADAPTED_MODULES]
+    if unadapted:
+        raise LoRAAdapterError(f"{where}: target_modules {unadapted}: EPD does not adapt "
+                               f"{', '.join(UNADAPTED_MODULES[t] for t in unadapted)}")
     lacking = [t for t in targets if t not in SUPPORTED_MODULES and str(t).rsplit(".", 1)[-1] not in TOWER_MODULE_NAMES]
     if lacking:
         raise LoRAAdapterError(f"{where}: target_modules {lacking} are not projections this model's language "
@@ -220,6 +227,9 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
 
 def _check_tensor(key: str, meta: dict, layer: int, module: str, which: str, shapes: ProjectionShapes,
                   rank: int, where: str) -> None:
+    if module in UNADAPTED_MODULES:
+        raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module!r}, "
+                               f"{UNADAPTED_MODULES[module]}, which EPD does not adapt")
     if module not in SUPPORTED_MODULES:
         raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module!r}, which this model's "
                                f"language model lacks (supported: {', '.join(SUPPORTED_MODULES)})")

@@ -3,7 +3,8 @@
 Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj gives transformers + peft's greedy tokens
 and top-5 logprobs (float32), beside the base model in one batch, over prompts prefilled in
 several chunks through their state slots. On Qwen3.5-MoE the shared expert's projections,
-which PEFT's gate_proj/up_proj/down_proj reach, are refused by name; the API process's shapes
+which PEFT's gate_proj/up_proj/down_proj reach, are refused by name, as is the Gated DeltaNet's
+causal convolution (PEFT adapts a Conv1d); the API process's shapes
 (from the config, no torch) are the engine's."""
 from __future__ import annotations
 
@@ -90,3 +91,7 @@ def test_the_api_sees_the_engines_shapes_and_refuses_the_shared_expert(tmp_path)
     shared = make_adapter(model_dir, tmp_path / "shared", ("q_proj", "gate_proj"), r=2, seed=1)
     with pytest.raises(LoRAAdapterError, match="shared expert of layer 0's mixture of experts"):
         read_adapter("shared", shared, shapes, 8)
+    # the depthwise conv: PEFT adapts it with a rank its groups divide (conv_dim = 2 x 32 + 64 = 128)
+    conv = make_adapter(model_dir, tmp_path / "conv", ("conv1d",), r=128, seed=1)
+    with pytest.raises(LoRAAdapterError, match="EPD does not adapt the Gated DeltaNet layers' causal convolution"):
+        read_adapter("conv", conv, shapes, 128)
