@@ -6,7 +6,8 @@ per targeted projection, `...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`
 [r, in_features] and `lora_B.weight` [out_features, r] (a Gated DeltaNet layer's
 `...layers.<i>.linear_attn.<proj>`: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
 out_proj; its full-attention layers' q_proj gives each head's query and output gate, so
-its B has twice the query's rows). A model whose
+its B has twice the query's rows; a MoE layer's shared expert `...mlp.shared_expert.<proj>`).
+A model whose
 transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
 adapters on the fused projection: one A, and a B over both halves
 (`split_fused` gives each half its own pair, the same delta). The delta it adds to a
@@ -48,6 +49,9 @@ FUSED_MODULES = {"gate_up_proj": ("gate_proj", "up_proj")}
 # a Gated DeltaNet layer's projections (Qwen3.5's linear attention), as transformers names them; vLLM
 # packs in_proj_qkv + in_proj_z and in_proj_b + in_proj_a, here each is its own projection
 LINEAR_ATTENTION_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# a MoE layer's shared expert (Qwen3.5-MoE's `mlp.shared_expert.<proj>`): a dense SwiGLU MLP, adapted as
+# one (its routed experts are not); named apart from the dense MLP's
+SHARED_EXPERT_MODULES = tuple(f"shared_expert.{m}" for m in MLP_MODULES)
 SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + tuple(FUSED_MODULES) + LINEAR_ATTENTION_MODULES
 # modules of the language model PEFT can adapt and EPD does not: refused by name
 UNADAPTED_MODULES = {"conv1d": "the Gated DeltaNet layers' causal convolution", "gate": "a mixture of experts' router",
@@ -55,17 +59,18 @@ UNADAPTED_MODULES = {"conv1d": "the Gated DeltaNet layers' causal convolution", 
 # The last name of a vision tower's linear projections (Qwen3-VL: blocks' qkv, proj, linear_fc1/2 and the
 # mergers' linear_fc1/2; Qwen2.5-VL: qkv, proj, gate/up/down_proj, the merger's mlp.0 / mlp.2)
 TOWER_MODULE_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2", "0", "2") + MLP_MODULES
-_LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+?)\.lora_([AB])(?:\.default)?\.weight$")
-_MOE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(shared_expert|experts)\.")  # PEFT's gate_proj, ... inside a MoE
+_LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp\.shared_expert|mlp|linear_attn)\.(\w+?)"
+                       r"\.lora_([AB])(?:\.default)?\.weight$")
+_EXPERTS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.")  # routed experts' tensors (PEFT's target_parameters)
 
 
 @dataclass(frozen=True)
 class ProjectionShapes:
     """What an adapter must fit: (in_features, out_features) of each projection,
     the number of layers, the layers whose MLP is a mixture of experts
-    (no adapter on their gate/up/down: the experts have no such projection), and
-    the Gated DeltaNet layers (their own projections, LINEAR_ATTENTION_MODULES,
-    in place of q/k/v/o)."""
+    (no adapter on their gate/up/down: the experts have no such projection; a
+    shared expert's, SHARED_EXPERT_MODULES, where `sizes` has them), and the Gated
+    DeltaNet layers (their own projections, LINEAR_ATTENTION_MODULES, in place of q/k/v/o)."""
 
     num_layers: int
     sizes: dict[str, tuple[int, int]]
@@ -81,6 +86,10 @@ class ProjectionShapes:
         q_rows = 2 * q if getattr(cfg, "attn_output_gate", False) else q  # each head's query, then its gate
         sizes = {"q_proj": (h, q_rows), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0)  # every MoE layer's shared expert
+        if shared:
+            sizes.update({"shared_expert.gate_proj": (h, shared), "shared_expert.up_proj": (h, shared),
+                          "shared_expert.down_proj": (shared, h)})
         linear = frozenset(getattr(cfg, "linear_layer_ids", ()))
         if linear:
             keys, values = cfg.linear_num_k_heads * cfg.linear_k_dim, cfg.linear_num_v_heads * cfg.linear_v_dim
@@ -122,6 +131,7 @@ class ProjectionShapes:
         if model_type in ("qwen3_5", "qwen3_5_moe"):  # gated attention, Gated DeltaNet layers
             linear = tuple(i for i, kind in enumerate(tc.layer_types) if kind == "linear_attention")
             dims = replace(dims, attn_output_gate=True, linear_layer_ids=linear,
+                           shared_expert_intermediate_size=getattr(tc, "shared_expert_intermediate_size", 0) or 0,
                            linear_num_k_heads=tc.linear_num_key_heads, linear_k_dim=tc.linear_key_head_dim,
                            linear_num_v_heads=tc.linear_num_value_heads, linear_v_dim=tc.linear_value_head_dim)
         return cls.of(dims)
@@ -142,6 +152,7 @@ class _Dims:
     linear_k_dim: int = 0
     linear_num_v_heads: int = 0
     linear_v_dim: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,14 +211,14 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
         if is_tower_key(key):
             continue
         m = _LORA_KEY.search(key)
-        if m is None and (moe := _MOE_KEY.search(key)):
-            raise LoRAAdapterError(f"{where}: tensor {key!r} adapts the {moe[2].replace('_', ' ')} of layer "
-                                   f"{moe[1]}'s mixture of experts, which EPD does not adapt (target the "
-                                   f"attention's or the linear attention's projections)")
+        if m is None and (moe := _EXPERTS_KEY.search(key)):
+            raise LoRAAdapterError(f"{where}: tensor {key!r} adapts the routed experts of layer {moe[1]}'s "
+                                   f"mixture of experts, which EPD does not adapt")
         if m is None:
             raise LoRAAdapterError(f"{where}: tensor {key!r} is not a LoRA weight of a language-model "
                                    f"projection (target_modules may only be {', '.join(SUPPORTED_MODULES)})")
-        layer, module, which = int(m[1]), m[3], m[4]
+        layer, which = int(m[1]), m[4]
+        module = f"shared_expert.{m[3]}" if m[2] == "mlp.shared_expert" else m[3]
         _check_tensor(key, meta, layer, module, which, shapes, rank, where)
         found.setdefault((layer, module), {})[which] = key
     if tower_keys and not tower:  # vLLM's warning, one line per adapter rather than per module
@@ -227,6 +238,15 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
 
 def _check_tensor(key: str, meta: dict, layer: int, module: str, which: str, shapes: ProjectionShapes,
                   rank: int, where: str) -> None:
+    if module in SHARED_EXPERT_MODULES:
+        if module not in shapes.sizes:
+            raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts a shared expert, which "
+                                   f"this model's language model lacks")
+        if layer >= shapes.num_layers or layer not in shapes.moe_layer_ids:
+            raise LoRAAdapterError(f"{where}: tensor {key!r} is for layer {layer}, which has no shared expert")
+        in_features, out_features = shapes.sizes[module]
+        check_shape(key, meta, which, in_features, out_features, rank, module, where)
+        return
     if module in UNADAPTED_MODULES:
         raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module!r}, "
                                f"{UNADAPTED_MODULES[module]}, which EPD does not adapt")

@@ -2,7 +2,8 @@
 
 `wrap_model` wraps each of the decoder's `nn.Linear`s (qkv_proj, o_proj,
 gate_up_proj, down_proj; a Gated DeltaNet layer's in_proj_qkv, in_proj_z, in_proj_b,
-in_proj_a and out_proj in place of the attention's) in a `LoRALinear` (transport/weights/lora_linear.py:
+in_proj_a and out_proj in place of the attention's; a MoE layer's shared expert, not its routed
+experts) in a `LoRALinear` (transport/weights/lora_linear.py:
 the slots' A and B, one pair of matmuls for q, k and v or gate and up), which
 adds to the rows of each adapter's tokens
 
@@ -96,7 +97,11 @@ def wrap_model(model: nn.Module, num_slots: int, max_rank: int, step: LoRAStep) 
         else:
             wrapped += [(i, wrap(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))),
                         (i, wrap(layer.self_attn, "o_proj", ("o_proj",)))]
-        if layer.is_moe:
+        if layer.is_moe:  # the routed experts as they are; a shared expert (Qwen3.5-MoE) is a dense MLP
+            shared = getattr(layer.mlp, "shared_expert", None)
+            if shared is not None:
+                wrapped += [(i, wrap(shared, "gate_up_proj", ("shared_expert.gate_proj", "shared_expert.up_proj"))),
+                            (i, wrap(shared, "down_proj", ("shared_expert.down_proj",)))]
             continue
         wrapped += [(i, wrap(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))),
                     (i, wrap(layer.mlp, "down_proj", ("down_proj",)))]

@@ -1,11 +1,10 @@
 """LoRA on Qwen3.5's hybrid layers: one PEFT adapter on the full-attention layers' q/k/v/o
-(q_proj's rows each head's query and its output gate), the dense MLP's gate/up/down and the
-Gated DeltaNet layers' in_proj_qkv/z/b/a and out_proj gives transformers + peft's greedy tokens
-and top-5 logprobs (float32), beside the base model in one batch, over prompts prefilled in
-several chunks through their state slots. On Qwen3.5-MoE the shared expert's projections,
-which PEFT's gate_proj/up_proj/down_proj reach, are refused by name, as is the Gated DeltaNet's
-causal convolution (PEFT adapts a Conv1d); the API process's shapes
-(from the config, no torch) are the engine's."""
+(q_proj's rows each head's query and its output gate), gate/up/down (the dense MLP's; on
+Qwen3.5-MoE the shared expert's, which PEFT's names reach there) and the Gated DeltaNet layers'
+in_proj_qkv/z/b/a and out_proj gives transformers + peft's greedy tokens and top-5 logprobs
+(float32), beside the base model in one batch, over prompts prefilled in several chunks through
+their state slots. The Gated DeltaNet's causal convolution (PEFT adapts a Conv1d) is refused
+by name; the API process's shapes (from the config, no torch) are the engine's."""
 from __future__ import annotations
 
 import pytest
@@ -37,7 +36,6 @@ def _peft_reference(model, ids: list[int]) -> tuple[list[int], list[list[int]], 
     return out.sequences[0, len(ids):].tolist(), top.indices.tolist(), top.values
 
 
-@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 def test_an_adapter_on_both_layer_kinds_gives_peft_tokens_and_logprobs(qwen3_5_model, qwen3_5_reference,
                                                                         tmp_path):
     from peft import PeftModel
@@ -50,6 +48,8 @@ def test_an_adapter_on_both_layer_kinds_gives_peft_tokens_and_logprobs(qwen3_5_m
         keys = list(f.keys())
         q_b = next(f.get_tensor(k) for k in keys if ".self_attn.q_proj.lora_B" in k)
     assert any(".linear_attn.in_proj_qkv." in k for k in keys) and any(".linear_attn.out_proj." in k for k in keys)
+    is_moe = "moe" in qwen3_5_model
+    assert any(".mlp.shared_expert.up_proj." in k for k in keys) == is_moe  # PEFT's up_proj on a MoE layer
     cfg = qwen3_5_reference.config.text_config
     assert q_b.shape[0] == 2 * cfg.num_attention_heads * cfg.head_dim  # query and gate rows
     prompts = _prompts()
@@ -74,7 +74,7 @@ def test_an_adapter_on_both_layer_kinds_gives_peft_tokens_and_logprobs(qwen3_5_m
     assert llm.engine.runner.state_cache.usage == 0  # every slot back
 
 
-def test_the_api_sees_the_engines_shapes_and_refuses_the_shared_expert(tmp_path):
+def test_the_api_sees_the_engines_shapes_and_refuses_the_convolution(tmp_path):
     from transformers import AutoConfig
 
     from epd.engine.lora.adapter import LoRAAdapterError, ProjectionShapes, read_adapter
@@ -86,11 +86,12 @@ def test_the_api_sees_the_engines_shapes_and_refuses_the_shared_expert(tmp_path)
     shapes = ProjectionShapes.from_hf(config)
     assert shapes == ProjectionShapes.of(TextConfig.from_hf(config))
     assert shapes.linear_layer_ids == {0, 1, 2} and shapes.moe_layer_ids == {0, 1, 2, 3}
-    ok = make_adapter(model_dir, tmp_path / "attention", ATTENTION + LINEAR_ATTENTION, r=2, seed=1)
-    assert {module for _, module in read_adapter("ok", ok, shapes, 8).tensors} == set(ATTENTION + LINEAR_ATTENTION)
-    shared = make_adapter(model_dir, tmp_path / "shared", ("q_proj", "gate_proj"), r=2, seed=1)
-    with pytest.raises(LoRAAdapterError, match="shared expert of layer 0's mixture of experts"):
-        read_adapter("shared", shared, shapes, 8)
+    ok = make_adapter(model_dir, tmp_path / "all", ATTENTION + LINEAR_ATTENTION + MLP, r=2, seed=1)
+    assert {module for _, module in read_adapter("ok", ok, shapes, 8).tensors} == \
+        set(ATTENTION + LINEAR_ATTENTION) | {f"shared_expert.{m}" for m in MLP}
+    dense = ProjectionShapes.from_hf(AutoConfig.from_pretrained(make_model(tmp_path / "dense", "qwen3.5-tiny")))
+    with pytest.raises(LoRAAdapterError, match="adapts a shared expert, which this model's language model lacks"):
+        read_adapter("shared", ok, dense, 8)
     # the depthwise conv: PEFT adapts it with a rank its groups divide (conv_dim = 2 x 32 + 64 = 128)
     conv = make_adapter(model_dir, tmp_path / "conv", ("conv1d",), r=128, seed=1)
     with pytest.raises(LoRAAdapterError, match="EPD does not adapt the Gated DeltaNet layers' causal convolution"):
