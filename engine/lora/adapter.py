@@ -7,8 +7,7 @@ per targeted projection, `...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`
 `...layers.<i>.linear_attn.<proj>`: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
 out_proj; its full-attention layers' q_proj gives each head's query and output gate, so
 its B has twice the query's rows; a MoE layer's shared expert `...mlp.shared_expert.<proj>`).
-A model whose
-transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
+A model whose transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
 adapters on the fused projection: one A, and a B over both halves
 (`split_fused` gives each half its own pair, the same delta). The delta it adds to a
 projection's output is `x @ A^T @ B^T * scaling`, with `scaling = lora_alpha / r`
