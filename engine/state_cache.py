@@ -35,16 +35,12 @@ def state_shapes(model) -> StateShapes:
     return declared() if declared is not None else []
 
 
-def check_stateful_engine(speculative: bool, lora: bool) -> None:
+def check_stateful_engine(speculative: bool) -> None:
     """ValueError for what an engine cannot run yet with a model whose layers carry per-request
-    state: speculation (the state is not rolled back on rejection), LoRA (adapters do not know the
-    stateful layers' projections)."""
+    state: speculation (the state is not rolled back on rejection)."""
     if speculative:
         raise ValueError("speculative decoding is not supported yet for a model whose layers carry per-request "
                          "state (the state is not rolled back on rejection); leave --speculative-config out")
-    if lora:
-        raise ValueError("LoRA adapters are not supported yet for a model whose layers carry per-request state; "
-                         "leave --enable-lora out")
 
 
 def stateful_scheduler_config(config: SchedulerConfig) -> SchedulerConfig:

@@ -3,8 +3,11 @@
 A PEFT adapter is a directory with `adapter_config.json` (`r`, `lora_alpha`,
 `use_rslora`, `target_modules`, ...) and `adapter_model.safetensors` holding,
 per targeted projection, `...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`
-[r, in_features] and `lora_B.weight` [out_features, r]. A model whose
-transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
+[r, in_features] and `lora_B.weight` [out_features, r] (a Gated DeltaNet layer's
+`...layers.<i>.linear_attn.<proj>`: Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+out_proj; its full-attention layers' q_proj gives each head's query and output gate, so
+its B has twice the query's rows; a MoE layer's shared expert `...mlp.shared_expert.<proj>`).
+A model whose transformers class fuses gate and up (GLM-4.1V's `mlp.gate_up_proj`) gets
 adapters on the fused projection: one A, and a B over both halves
 (`split_fused` gives each half its own pair, the same delta). The delta it adds to a
 projection's output is `x @ A^T @ B^T * scaling`, with `scaling = lora_alpha / r`
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from epd.transport.weights.lora_files import (CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError, check_pairs, check_shape,
@@ -42,32 +45,56 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 # a projection transformers' model fuses, as PEFT targets it -> the pieces it stands for, in its output's
 # order (GLM-4.1V's MLP: gate then up; vLLM's glm4_1v packs "gate_up_proj" as itself)
 FUSED_MODULES = {"gate_up_proj": ("gate_proj", "up_proj")}
-SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + tuple(FUSED_MODULES)
+# a Gated DeltaNet layer's projections (Qwen3.5's linear attention), as transformers names them; vLLM
+# packs in_proj_qkv + in_proj_z and in_proj_b + in_proj_a, here each is its own projection
+LINEAR_ATTENTION_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# a MoE layer's shared expert (Qwen3.5-MoE's `mlp.shared_expert.<proj>`): a dense SwiGLU MLP, adapted as
+# one (its routed experts are not); named apart from the dense MLP's
+SHARED_EXPERT_MODULES = tuple(f"shared_expert.{m}" for m in MLP_MODULES)
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES + tuple(FUSED_MODULES) + LINEAR_ATTENTION_MODULES
+# modules of the language model PEFT can adapt and EPD does not: refused by name
+UNADAPTED_MODULES = {"conv1d": "the Gated DeltaNet layers' causal convolution", "gate": "a mixture of experts' router",
+                     "shared_expert_gate": "a mixture of experts' shared-expert gate"}
 # The last name of a vision tower's linear projections (Qwen3-VL: blocks' qkv, proj, linear_fc1/2 and the
 # mergers' linear_fc1/2; Qwen2.5-VL: qkv, proj, gate/up/down_proj, the merger's mlp.0 / mlp.2)
 TOWER_MODULE_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2", "0", "2") + MLP_MODULES
-_LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_([AB])(?:\.default)?\.weight$")
+_LORA_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp\.shared_expert|mlp|linear_attn)\.(\w+?)"
+                       r"\.lora_([AB])(?:\.default)?\.weight$")
+_EXPERTS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.")  # routed experts' tensors (PEFT's target_parameters)
 
 
 @dataclass(frozen=True)
 class ProjectionShapes:
     """What an adapter must fit: (in_features, out_features) of each projection,
-    the number of layers, and the layers whose MLP is a mixture of experts
-    (no adapter on their gate/up/down: the experts have no such projection)."""
+    the number of layers, the layers whose MLP is a mixture of experts
+    (no adapter on their gate/up/down: the experts have no such projection; a
+    shared expert's, SHARED_EXPERT_MODULES, where `sizes` has them), and the Gated
+    DeltaNet layers (their own projections, LINEAR_ATTENTION_MODULES, in place of q/k/v/o)."""
 
     num_layers: int
     sizes: dict[str, tuple[int, int]]
     moe_layer_ids: frozenset[int] = frozenset()
+    linear_layer_ids: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, cfg) -> ProjectionShapes:
-        """From the engine's `TextConfig` (or anything with its fields)."""
+        """From the engine's `TextConfig` (or anything with its fields; a gated attention's
+        `attn_output_gate` and a hybrid model's `linear_layer_ids` and `linear_*` sizes if it has them)."""
         h, i = cfg.hidden_size, cfg.intermediate_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return cls(cfg.num_layers, {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                                    "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-                                    "gate_up_proj": (h, 2 * i)},
-                   frozenset(cfg.moe_layer_ids))
+        q_rows = 2 * q if getattr(cfg, "attn_output_gate", False) else q  # each head's query, then its gate
+        sizes = {"q_proj": (h, q_rows), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "gate_up_proj": (h, 2 * i)}
+        shared = getattr(cfg, "shared_expert_intermediate_size", 0)  # every MoE layer's shared expert
+        if shared:
+            sizes.update({"shared_expert.gate_proj": (h, shared), "shared_expert.up_proj": (h, shared),
+                          "shared_expert.down_proj": (shared, h)})
+        linear = frozenset(getattr(cfg, "linear_layer_ids", ()))
+        if linear:
+            keys, values = cfg.linear_num_k_heads * cfg.linear_k_dim, cfg.linear_num_v_heads * cfg.linear_v_dim
+            sizes.update(in_proj_qkv=(h, 2 * keys + values), in_proj_z=(h, values), out_proj=(values, h),
+                         in_proj_b=(h, cfg.linear_num_v_heads), in_proj_a=(h, cfg.linear_num_v_heads))
+        return cls(cfg.num_layers, sizes, frozenset(cfg.moe_layer_ids), linear)
 
     def max_adapter_bytes(self, rank: int) -> int:
         """The most data an adapter of rank `rank` may hold: lora_A and lora_B of every projection
@@ -98,8 +125,15 @@ class ProjectionShapes:
         elif model_type == "qwen3_5_moe":  # every layer routed (its loader refuses mlp_only_layers)
             moe = tuple(range(tc.num_hidden_layers))
         intermediate_size = getattr(tc, "intermediate_size", 0) or 0  # none in Qwen3.5-MoE's config
-        return cls.of(_Dims(tc.hidden_size, intermediate_size, tc.num_attention_heads,
-                            tc.num_key_value_heads or tc.num_attention_heads, head_dim, tc.num_hidden_layers, moe))
+        dims = _Dims(tc.hidden_size, intermediate_size, tc.num_attention_heads,
+                     tc.num_key_value_heads or tc.num_attention_heads, head_dim, tc.num_hidden_layers, moe)
+        if model_type in ("qwen3_5", "qwen3_5_moe"):  # gated attention, Gated DeltaNet layers
+            linear = tuple(i for i, kind in enumerate(tc.layer_types) if kind == "linear_attention")
+            dims = replace(dims, attn_output_gate=True, linear_layer_ids=linear,
+                           shared_expert_intermediate_size=getattr(tc, "shared_expert_intermediate_size", 0) or 0,
+                           linear_num_k_heads=tc.linear_num_key_heads, linear_k_dim=tc.linear_key_head_dim,
+                           linear_num_v_heads=tc.linear_num_value_heads, linear_v_dim=tc.linear_value_head_dim)
+        return cls.of(dims)
 
 
 @dataclass(frozen=True)
@@ -111,6 +145,13 @@ class _Dims:
     head_dim: int
     num_layers: int
     moe_layer_ids: tuple[int, ...]
+    attn_output_gate: bool = False
+    linear_layer_ids: tuple[int, ...] = ()
+    linear_num_k_heads: int = 0
+    linear_k_dim: int = 0
+    linear_num_v_heads: int = 0
+    linear_v_dim: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -149,6 +190,10 @@ def _check_target_names(targets, where: str) -> None:
     tower (a regex string, PEFT's other form, is checked through the tensors it produced)."""
     if not isinstance(targets, list):
         return
+    unadapted = [t for t in targets if t in UNADAPTED_MODULES]
+    if unadapted:
+        raise LoRAAdapterError(f"{where}: target_modules {unadapted}: EPD does not adapt "
+                               f"{', '.join(UNADAPTED_MODULES[t] for t in unadapted)}")
     lacking = [t for t in targets if t not in SUPPORTED_MODULES and str(t).rsplit(".", 1)[-1] not in TOWER_MODULE_NAMES]
     if lacking:
         raise LoRAAdapterError(f"{where}: target_modules {lacking} are not projections this model's language "
@@ -165,10 +210,14 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
         if is_tower_key(key):
             continue
         m = _LORA_KEY.search(key)
+        if m is None and (moe := _EXPERTS_KEY.search(key)):
+            raise LoRAAdapterError(f"{where}: tensor {key!r} adapts the routed experts of layer {moe[1]}'s "
+                                   f"mixture of experts, which EPD does not adapt")
         if m is None:
             raise LoRAAdapterError(f"{where}: tensor {key!r} is not a LoRA weight of a language-model "
                                    f"projection (target_modules may only be {', '.join(SUPPORTED_MODULES)})")
-        layer, module, which = int(m[1]), m[3], m[4]
+        layer, which = int(m[1]), m[4]
+        module = f"shared_expert.{m[3]}" if m[2] == "mlp.shared_expert" else m[3]
         _check_tensor(key, meta, layer, module, which, shapes, rank, where)
         found.setdefault((layer, module), {})[which] = key
     if tower_keys and not tower:  # vLLM's warning, one line per adapter rather than per module
@@ -188,12 +237,30 @@ def _pair_tensors(header: dict[str, dict], shapes: ProjectionShapes, rank: int, 
 
 def _check_tensor(key: str, meta: dict, layer: int, module: str, which: str, shapes: ProjectionShapes,
                   rank: int, where: str) -> None:
+    if module in SHARED_EXPERT_MODULES:
+        if module not in shapes.sizes:
+            raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts a shared expert, which "
+                                   f"this model's language model lacks")
+        if layer >= shapes.num_layers or layer not in shapes.moe_layer_ids:
+            raise LoRAAdapterError(f"{where}: tensor {key!r} is for layer {layer}, which has no shared expert")
+        in_features, out_features = shapes.sizes[module]
+        check_shape(key, meta, which, in_features, out_features, rank, module, where)
+        return
+    if module in UNADAPTED_MODULES:
+        raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module!r}, "
+                               f"{UNADAPTED_MODULES[module]}, which EPD does not adapt")
     if module not in SUPPORTED_MODULES:
         raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module!r}, which this model's "
                                f"language model lacks (supported: {', '.join(SUPPORTED_MODULES)})")
     if layer >= shapes.num_layers:
         raise LoRAAdapterError(f"{where}: tensor {key!r} is for layer {layer}, but the model has "
                                f"{shapes.num_layers} layers (an adapter for another base model?)")
+    if module in LINEAR_ATTENTION_MODULES and layer not in shapes.linear_layer_ids:
+        raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module} of layer {layer}, "
+                               f"which is not a Gated DeltaNet (linear attention) layer")
+    if module in ATTENTION_MODULES and layer in shapes.linear_layer_ids:
+        raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module} of layer {layer}, "
+                               f"a Gated DeltaNet (linear attention) layer without that projection")
     if (module in MLP_MODULES or module in FUSED_MODULES) and layer in shapes.moe_layer_ids:
         raise LoRAAdapterError(f"{where}: target_modules: tensor {key!r} adapts {module} of layer {layer}, "
                                f"a mixture-of-experts layer without that projection")

@@ -1,7 +1,9 @@
 """The low-rank delta on the decoder's (fused) projections, for a batch of mixed adapters.
 
 `wrap_model` wraps each of the decoder's `nn.Linear`s (qkv_proj, o_proj,
-gate_up_proj, down_proj) in a `LoRALinear` (transport/weights/lora_linear.py:
+gate_up_proj, down_proj; a Gated DeltaNet layer's in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a and out_proj in place of the attention's; a MoE layer's shared expert, not its routed
+experts) in a `LoRALinear` (transport/weights/lora_linear.py:
 the slots' A and B, one pair of matmuls for q, k and v or gate and up), which
 adds to the rows of each adapter's tokens
 
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from epd.engine.lora.adapter import LINEAR_ATTENTION_MODULES, ProjectionShapes
 from epd.engine.lora.step_rows import SlotRows, StepRows
 from epd.transport.weights.lora_linear import LoRALinear
 
@@ -80,20 +83,26 @@ class LoRAStep:
 def wrap_model(model: nn.Module, num_slots: int, max_rank: int, step: LoRAStep) -> list[tuple[int, LoRALinear]]:
     """Replaces the targeted projections of every decoder layer by `LoRALinear`s
     (a MoE layer's MLP keeps its experts as they are); returns (layer, wrapper) pairs."""
-    cfg = model.cfg
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sizes = ProjectionShapes.of(model.cfg).sizes
+
+    def wrap(owner: nn.Module, attr: str, names: tuple[str, ...]) -> LoRALinear:
+        wrapper = LoRALinear(getattr(owner, attr), names, [sizes[n][1] for n in names], num_slots, max_rank, step)
+        setattr(owner, attr, wrapper)
+        return wrapper
+
     wrapped = []
     for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        attn.qkv_proj = LoRALinear(attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), [q, kv, kv],
-                                   num_slots, max_rank, step)
-        attn.o_proj = LoRALinear(attn.o_proj, ("o_proj",), [cfg.hidden_size], num_slots, max_rank, step)
-        wrapped += [(i, attn.qkv_proj), (i, attn.o_proj)]
-        if layer.is_moe:
+        if getattr(layer, "is_linear", False):  # a Gated DeltaNet layer: its own projections, one by one
+            wrapped += [(i, wrap(layer.linear_attn, name, (name,))) for name in LINEAR_ATTENTION_MODULES]
+        else:
+            wrapped += [(i, wrap(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))),
+                        (i, wrap(layer.self_attn, "o_proj", ("o_proj",)))]
+        if layer.is_moe:  # the routed experts as they are; a shared expert (Qwen3.5-MoE) is a dense MLP
+            shared = getattr(layer.mlp, "shared_expert", None)
+            if shared is not None:
+                wrapped += [(i, wrap(shared, "gate_up_proj", ("shared_expert.gate_proj", "shared_expert.up_proj"))),
+                            (i, wrap(shared, "down_proj", ("shared_expert.down_proj",)))]
             continue
-        mlp = layer.mlp
-        mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2,
-                                      num_slots, max_rank, step)
-        mlp.down_proj = LoRALinear(mlp.down_proj, ("down_proj",), [cfg.hidden_size], num_slots, max_rank, step)
-        wrapped += [(i, mlp.gate_up_proj), (i, mlp.down_proj)]
+        wrapped += [(i, wrap(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))),
+                    (i, wrap(layer.mlp, "down_proj", ("down_proj",)))]
     return wrapped

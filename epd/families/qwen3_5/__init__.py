@@ -5,6 +5,7 @@
                     dense or shared-expert MoE MLPs
     text_loader.py  the language model built and filled from the release's tensor names
     presets.py      `epd make-model` presets: random checkpoints written with transformers' classes
+    chat_template.py  the releases' chat template (its thinking switch), which the presets write
 
-The prompt format, M-RoPE positions and vision tower are Qwen3-VL's (epd/families/qwen_vl/).
+The image and video placeholders, M-RoPE positions and vision tower are Qwen3-VL's (epd/families/qwen_vl/).
 """

@@ -4,8 +4,9 @@ A random-weight checkpoint in the release's layout: config.json through transfor
 Qwen3_5Config / Qwen3_5MoeConfig (layer_types, partial rotary and interleaved M-RoPE in the
 text config's rope parameters; the release's attn_output_gate, full_attention_interval,
 mamba_ssm_dtype, mlp_only_layers and deepstack_visual_indexes keys, which vLLM reads), safetensors written by transformers' own model class
-(`model.language_model.*`, `model.visual.*`), Qwen's special tokens and chat template (those
-of qwen_vl/presets.py) and Qwen3-VL's image processor files. The (1 + w) norms are random, not
+(`model.language_model.*`, `model.visual.*`), Qwen's special tokens (those of qwen_vl/presets.py),
+the release's chat template with its thinking switch (chat_template.py) and Qwen3-VL's image
+and video processor files. The (1 + w) norms are random, not
 the release's zeros, so a loader reading them as plain norms fails its tests; each linear
 layer's decay A is drawn in (0.05, 1) so its state lasts over many tokens; the final norm is
 scaled for peaked logits (epd/families/random_checkpoints.py).
@@ -16,9 +17,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from epd.families.qwen3_5.chat_template import CHAT_TEMPLATE
 from epd.families.qwen_vl.presets import (PRESETS as QWEN_VL_PRESETS, ROUTER_LOGIT_STD, qwen_tokenizer_ids,
                                           write_processor_configs, write_qwen_text_files)
-from epd.families.random_checkpoints import LOGIT_STD, random_model
+from epd.families.random_checkpoints import LOGIT_STD, embed_chat_template, random_model
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,22 @@ _SMALL = Preset(
     max_pixels=512 * 512, tokenizer_vocab=8192, dtype="float32", max_position_embeddings=32768,
 )
 
+# The releases' shapes (config.json of Qwen3.5-27B and Qwen3.5-35B-A3B; Qwen3.6-35B-A3B is the latter's
+# topology), for runs on a lent GPU: bfloat16 random weights (27B: ~54 GB, 35B-A3B: ~70 GB written), the
+# release's vocab and image bounds, Qwen3.5's vision tower (27 blocks of 1152, 16-pixel patches).
+_27B = Preset(
+    hidden_size=5120, num_layers=64, full_attention_interval=4, num_heads=24, num_kv_heads=4, head_dim=256,
+    intermediate_size=17408, linear_num_k_heads=16, linear_num_v_heads=48, linear_k_dim=128, linear_v_dim=128,
+    mrope_section=(11, 11, 10), vocab_size=248320, tie_word_embeddings=False, vision_depth=27, vision_hidden=1152,
+    vision_heads=16, vision_intermediate=4304, num_position_embeddings=2304, min_pixels=65536,
+    max_pixels=16777216, tokenizer_vocab=8192, dtype="bfloat16",
+)
+_35B_A3B = dataclasses.replace(
+    _27B, hidden_size=2048, num_layers=40, num_heads=16, num_kv_heads=2, intermediate_size=0,
+    linear_num_v_heads=32, family="qwen3_5_moe", num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+)
+
 PRESETS: dict[str, Preset] = {
     # For tests: three Gated DeltaNet layers then one full-attention layer; loads in well under a second.
     "qwen3.5-tiny": _TINY,
@@ -88,6 +106,10 @@ PRESETS: dict[str, Preset] = {
     # The same with every MLP routed over 16 experts (4 active) plus a shared expert.
     "qwen3.5-moe-small": dataclasses.replace(_SMALL, family="qwen3_5_moe", num_experts=16, num_experts_per_tok=4,
                                              moe_intermediate_size=384, shared_expert_intermediate_size=768),
+    # The releases' shapes (lent GPU only): 64 layers of 5120; 40 of 2048 over 256 experts (8 active).
+    "qwen3.5-27b": _27B,
+    "qwen3.5-35b-a3b": _35B_A3B,
+    "qwen3.6-35b-a3b": _35B_A3B,
 }
 
 
@@ -104,6 +126,8 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
         _randomize(model, p)
     model.save_pretrained(out, safe_serialization=True)
     write_qwen_text_files(out, tokenizer, ids)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the release's, where transformers 5 saves it
+    embed_chat_template(out, CHAT_TEMPLATE)
     write_processor_configs(out, dataclasses.replace(QWEN_VL_PRESETS["tiny"], min_pixels=p.min_pixels,
                                                      max_pixels=p.max_pixels, patch_size=p.patch_size))
 

@@ -3,7 +3,7 @@
 `layer_types` says each layer's token mixer: "linear_attention" (layers/gated_deltanet.py, a
 per-request recurrent and conv state) or "full_attention": the paged attention with q/k
 RMSNorm (1 + w), rotary on the first quarter of each head (interleaved M-RoPE sections) and an
-output gate, sigmoid(gate) per head from a second half of q_proj's rows. Every norm is the
+output gate, sigmoid(gate) per head from the second half of each head's q_proj rows. Every norm is the
 (1 + w) RMSNorm. The MLP is dense SwiGLU, or (qwen3_5_moe) routed experts plus a shared expert
 scaled by sigmoid(shared_expert_gate(x)). Tokens arrive flattened `[num_tokens]` for a whole
 engine step, as in every family's model.
@@ -97,6 +97,16 @@ class TextConfig:
             moe_intermediate_size=tc.moe_intermediate_size if is_moe else 0,
             shared_expert_intermediate_size=tc.shared_expert_intermediate_size if is_moe else 0,
         )
+
+    @property
+    def attn_output_gate(self) -> bool:
+        """q_proj gives each head's query and its output gate (from_hf refuses a config without the gate)."""
+        return True
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """qwen3_5_moe: every layer's MLP is routed (from_hf refuses mlp_only_layers)."""
+        return tuple(range(self.num_layers)) if self.num_experts else ()
 
     @property
     def linear_layer_ids(self) -> tuple[int, ...]:

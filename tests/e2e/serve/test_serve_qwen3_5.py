@@ -4,7 +4,8 @@ images encoded in-process) and in e-p-d (embeddings from an encoder worker into 
 worker, which hands each request's KV and Gated DeltaNet state to the decode worker; prompts
 over several chunks of 16 tokens, none prefilled on the decode worker). In e-p-d the top-5
 logprobs of each step are transformers' too, and `epd:kv_transfer_bytes` counts each
-request's state beside its KV blocks. /metrics shows each engine worker's state cache usage.
+request's state beside its KV blocks. A response_format json_schema answer holds its schema
+in both modes (in e-p-d the grammar's state crosses the hand-over with the request's). /metrics shows each engine worker's state cache usage.
 (e-pd, the encoder worker into one prefill+decode engine, runs no path e-p-d does not.)"""
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def handover_bytes(model_dir: str, num_prompt_tokens: int) -> int:
     return kv + 4 * per_layer * c["layer_types"].count("linear_attention")
 
 
+def structured_chat(srv) -> str:
+    """A greedy chat answered under response_format json_schema (vLLM's structured outputs)."""
+    model = httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    body = {"model": model, "messages": CHATS["text_only"][0], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "digit", "schema": schema}}}
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["aggregated", "e-p-d"])
 def test_served_text_equals_transformers(qwen3_5_checkpoint, mode, tmp_path):
@@ -65,6 +77,7 @@ def test_served_text_equals_transformers(qwen3_5_checkpoint, mode, tmp_path):
         for name in CHAT_NAMES:
             assert chat_text(srv, CHATS[name][0], MAX_TOKENS) == expected[name], name
             assert chat_text(srv, CHATS[name][0], MAX_TOKENS, stream=True) == expected[name], name
+        assert json.loads(structured_chat(srv))["n"] in range(10)  # the grammar holds across the hand-over
         usage = [line for line in httpx.get(srv.base_url + "/metrics", timeout=30).text.splitlines()
                  if line.startswith("epd:state_cache_usage_perc{")]
         num_engines = 2 if mode == "e-p-d" else 1  # a prefill and a decode worker: each its slots

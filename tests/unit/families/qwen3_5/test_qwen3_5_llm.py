@@ -64,7 +64,6 @@ def test_concurrent_chunked_preempted_requests_equal_transformers(qwen3_5_model,
 
 @pytest.mark.parametrize("kwargs, named", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
-    ({"enable_lora": True}, "LoRA adapters are not supported yet"),
 ])
 def test_what_a_stateful_model_cannot_do_yet_is_refused_by_name(qwen3_5_model, kwargs, named):
     from epd import LLM

@@ -17,7 +17,8 @@ def _config(preset: str):
 
     ids = {t: i for i, t in enumerate(["<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>",
                                        "<|vision_start|>", "<|vision_end|>"])}
-    config_cls, _, kwargs = _hf_config(PRESETS[preset], ids, vocab_size=PRESETS[preset].tokenizer_vocab + 64)
+    p = PRESETS[preset]
+    config_cls, _, kwargs = _hf_config(p, ids, vocab_size=p.vocab_size or p.tokenizer_vocab + 64)
     assert config_cls in (transformers.Qwen3_5Config, transformers.Qwen3_5MoeConfig)
     return config_cls(**kwargs)
 
@@ -69,3 +70,72 @@ def test_the_api_reads_the_projection_shapes(preset):
     moe = PRESETS[preset].family == "qwen3_5_moe"
     assert shapes.moe_layer_ids == frozenset(range(4) if moe else ())
     assert shapes.sizes["up_proj"] == (64, 0 if moe else 128)
+
+
+# config.json values of the releases (Qwen3.6-35B-A3B has Qwen3.5-35B-A3B's topology)
+RELEASES = {
+    "qwen3.5-27b": dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        head_dim=256, intermediate_size=17408, linear_num_key_heads=16, linear_num_value_heads=48,
+                        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
+    "qwen3.5-35b-a3b": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320),
+}
+RELEASE_VISION = dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16,
+                      num_position_embeddings=2304)
+
+
+@pytest.mark.parametrize("preset, release", [("qwen3.5-27b", "qwen3.5-27b"), ("qwen3.5-35b-a3b", "qwen3.5-35b-a3b"),
+                                             ("qwen3.6-35b-a3b", "qwen3.5-35b-a3b")])
+def test_real_shape_presets_have_the_releases_shapes(preset, release):
+    """The config only (their weights are tens of GB: written on a lent GPU's host, never here)."""
+    from epd.engine.lora.adapter import ProjectionShapes
+
+    p = PRESETS[preset]
+    config = _config(preset)
+    text, vision = config.to_dict()["text_config"], config.to_dict()["vision_config"]
+    want = RELEASES[release]
+    assert {k: text[k] for k in want} == want
+    assert {k: vision[k] for k in RELEASE_VISION} == RELEASE_VISION and vision["out_hidden_size"] == p.hidden_size
+    cfg = TextConfig.from_hf(config)
+    assert (cfg.layer_types.count(FULL), cfg.rotary_dim, cfg.mrope_section) == (p.num_layers // 4, 64, (11, 11, 10))
+    assert ProjectionShapes.from_hf(config) == ProjectionShapes.of(cfg)
+    assert p.dtype == "bfloat16" and p.family == ("qwen3_5_moe" if "a3b" in preset else "qwen3_5")
+
+
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
+def test_the_release_template_and_its_thinking_switch(qwen3_5_model, tmp_path):
+    """The preset writes the release's template: a generation prompt that opens `<think>`, or with
+    chat_template_kwargs {"enable_thinking": false} (vLLM's way) an empty thinking block; the
+    release's sampling defaults are read from its generation_config.json."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from epd import LLM
+    from epd.families.qwen3_5.chat_template import CHAT_TEMPLATE
+    from epd.inputs.sampling_defaults import SamplingDefaults
+    from epd.transport.wire.sampling import SamplingParams
+
+    assert (Path(qwen3_5_model) / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    llm = LLM(qwen3_5_model, dtype="float32", num_kv_blocks=16)
+    decode = AutoTokenizer.from_pretrained(qwen3_5_model).decode
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    thinking = decode(llm.chat(messages, params)[0].prompt_token_ids)
+    off = decode(llm.chat(messages, params, chat_template_kwargs={"enable_thinking": False})[0].prompt_token_ids)
+    assert thinking == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+                       "<|im_start|>assistant\n<think>\n"
+    assert off == thinking + "\n</think>\n\n"
+    release = {"do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95}  # Qwen3.5's generation_config
+    copy = tmp_path / "release"
+    copy.mkdir()
+    for path in Path(qwen3_5_model).iterdir():
+        if path.name != "generation_config.json":
+            (copy / path.name).symlink_to(path)
+    gen = json.loads((Path(qwen3_5_model) / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**gen, **release}))
+    # temperature 1.0 is vLLM's default already: only what differs from it is overridden
+    assert SamplingDefaults.load(str(copy)).overridden() == {"top_k": 20, "top_p": 0.95}
