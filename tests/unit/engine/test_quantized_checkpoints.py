@@ -158,6 +158,33 @@ def test_greedy_tokens_equal_the_dequantized_float_checkpoints(quantized, tmp_pa
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
 
 
+# W8A8 quantizes each token's activations to int8 at run time: not the dequantized float
+# checkpoint's math. Stated tolerance on the tiny preset (logits of std 8): the first token's
+# top-1 equal and its top-5 logprobs within 0.5 of the float model's on held prompts.
+W8A8_LOGPROB_TOLERANCE = 0.5
+
+
+def test_w8a8_runs_int8_within_its_tolerance(quantized, tmp_path):
+    from epd import LLM, SamplingParams
+    from epd.transport.weights.quant.int8_linear import Int8Linear
+
+    reference = _dequantized_copy(quantized["w8a8"], "w8a8", tmp_path / "float")
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    prompts = ["The quick brown fox", "Describe this image in detail.", "Numbers: 0 1 2 3", "def main(): return"]
+    runs = []
+    for model_dir in (quantized["w8a8"], reference):
+        llm = LLM(str(model_dir))
+        kinds = {type(m) for m in llm.engine.runner.model.model.layers[0].modules()}
+        assert (Int8Linear in kinds) == (model_dir == quantized["w8a8"])  # the float copy stays float
+        runs.append([o.outputs[0].logprobs[0] for o in llm.generate(prompts, params)])
+        del llm
+    for got, want in zip(*runs):
+        assert got.top[0][0] == want.top[0][0]
+        want_top = dict(want.top)
+        close = [abs(lp - want_top[t]) for t, lp in got.top if t in want_top]
+        assert len(close) >= 4 and max(close) < W8A8_LOGPROB_TOLERANCE, (got.top, want.top)
+
+
 def test_a_format_not_served_stops_start_up_naming_it(quantized, tmp_path):
     from epd import LLM
 
