@@ -10,10 +10,11 @@ release format, with the tensor names and config keys the releases use.
   awq          AutoAWQ's GEMM layout: 4-bit, zero points, float16 scales per group
   gptq         AutoGPTQ's layout: 4-bit, symmetric, desc_act false
 
-Quantized: every 2-D `*_proj.weight` of the language model's layers; the vision tower,
+Quantized: every 2-D `*_proj.weight` of the language model's layers, MoE experts written
+apart first as the releases store them; the vision tower,
 embeddings, norms, `lm_head` and MoE routers stay as they were (and are listed as left
 out, as the releases list them). The group size of the 4-bit formats is 128 where every
-quantized linear's input size divides by it, else the largest of 64, 32, 16 that does
+quantized linear's input size divides by it, else the largest of 64, 32, 16, 8 that does
 (a tiny preset's 64-wide layers). The exact values are whatever rounding gives: the
 loader's dequantization is the reference a test compares with.
 """
@@ -46,8 +47,12 @@ def quantize_model(model_dir: str | Path, scheme: str) -> None:
     model_dir = Path(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     shards = {path: load_file(str(path)) for path in files}
+    shards = {path: _experts_apart(tensors) for path, tensors in shards.items()}
     in_sizes = {t.shape[1] for shard in shards.values() for n, t in shard.items() if is_quantized_linear(n, t)}
-    group = next(g for g in (128, 64, 32, 16) if all(size % g == 0 for size in in_sizes))
+    group = next((g for g in (128, 64, 32, 16, 8) if all(size % g == 0 for size in in_sizes)), None)
+    if group is None and scheme in ("w4a16", "awq", "gptq"):
+        raise ValueError(f"--quantize {scheme}: the linears' input sizes {sorted(in_sizes)} share no group size "
+                         f"of 8 or more")
     weight_map = {}
     for path, tensors in shards.items():
         out = {}
@@ -68,6 +73,25 @@ def quantize_model(model_dir: str | Path, scheme: str) -> None:
     config = json.loads(config_path.read_text())
     config["quantization_config"] = quantization_config(scheme, group)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _experts_apart(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused MoE experts (`mlp.experts.gate_up_proj` [E, 2 * inter, hidden], `down_proj`
+    [E, hidden, inter]: transformers' in-memory orientation, what make-model writes) as the
+    quantized releases store them: `mlp.experts.<e>.{gate,up,down}_proj.weight`, [out, in] each."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.endswith(".mlp.experts.gate_up_proj") and not name.endswith(".mlp.experts.down_proj"):
+            out[name] = tensor
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        for e, expert in enumerate(tensor):
+            if name.endswith("gate_up_proj"):
+                gate, up = expert.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = expert
+    return out
 
 
 def quantization_config(scheme: str, group: int) -> dict:

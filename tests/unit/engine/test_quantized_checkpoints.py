@@ -223,3 +223,29 @@ def test_a_quantized_module_the_config_leaves_in_float_is_refused(quantized, tmp
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="leaves .*layers.1.mlp.down_proj.* in float"):
         load_language_model(bad, AutoConfig.from_pretrained(bad), torch.float32)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "w8a8", "w4a16"])
+def test_moe_experts_are_read_apart_as_the_releases_store_them(scheme, tmp_path):
+    from testkit.family_checkpoints import family_checkpoint
+    from transformers import AutoConfig
+
+    from epd.engine.loader import load_language_model
+
+    model_dir = tmp_path / scheme
+    shutil.copytree(family_checkpoint("qwen3_vl_moe"), model_dir)
+    quantize_model(model_dir, scheme)
+    stored = _tensors(model_dir)
+    assert PREFIX + "mlp.experts.5.up_proj.weight_scale" + ("_inv" if scheme == "fp8-block" else "") in stored
+    model = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
+    moe = model.model.layers[0].mlp
+    inter = moe.w2.shape[2]
+    for e in (0, 5):
+        expert = f"{PREFIX}mlp.experts.{e}."
+        assert torch.equal(moe.w13[e, :inter], _reference(stored, expert + "gate_proj", scheme))
+        assert torch.equal(moe.w13[e, inter:], _reference(stored, expert + "up_proj", scheme))
+        assert torch.equal(moe.w2[e], _reference(stored, expert + "down_proj", scheme))
+    stored = {k: v for k, v in stored.items() if not k.startswith(PREFIX + "mlp.experts.3.down_proj")}
+    save_file(stored, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing tensor '.*layers\.0\.mlp\.experts\.3\.down_proj\.weight'"):
+        load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
