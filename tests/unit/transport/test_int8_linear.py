@@ -41,3 +41,14 @@ def test_only_exact_linears_are_replaced():
         model[0].weight.copy_(q * 0.01)
     assert int8_linears(model) == 1
     assert type(model[0]) is Int8Linear and type(model[1]) is nn.Linear
+
+
+def test_a_row_whose_largest_value_is_below_127_is_found_too():
+    q = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
+    q[:, 0] = 127
+    q[3] = torch.randint(-90, 91, (32,), dtype=torch.int8)  # one row whose largest |q| is 90
+    q[3, 0] = 90
+    scale = torch.rand(8) + 0.1
+    found = exact_int8(q.float() * scale[:, None])
+    assert found is not None
+    assert torch.allclose(found[0].float() * found[1][:, None], q.float() * scale[:, None], rtol=1e-6)

@@ -15,11 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# a row's largest |q|: 127, or 128 where its negative extreme took -128 (compressed-tensors' observer,
-# scale max|w| / 127.5, rounds -127.5 to -128 and clamps +127.5 to 127)
-_DIVISORS = (127.0, 128.0)
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, k] -> (int8 [rows, k], float32 scale [rows, 1]): symmetric, per row."""
     scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127
@@ -59,16 +54,28 @@ class Int8Linear(nn.Module):
 
 
 def exact_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 [out, in], scale [out]) whose product is `weight` (to float32 rounding), or None."""
+    """(int8 [out, in], scale [out]) whose product is `weight` (to float32 rounding), or None.
+    A row's scale is max|w| / k for k its largest |q|: 127 or 128 from the usual observers
+    (128 where compressed-tensors' max|w| / 127.5 rounded the negative extreme to -128),
+    else searched down from 126 for the few rows that need it (a GPTQ-made row)."""
     w = weight.detach().float()
-    amax = w.abs().amax(dim=1).clamp(min=1e-30)
-    for divisor in _DIVISORS:
-        scale = amax / divisor
-        r = w / scale[:, None]
-        q = r.round()
-        if (r - q).abs().max() < 1e-3 and q.min() >= -128 and q.max() <= 127:
-            return q.to(torch.int8), scale
-    return None
+    amax = w.abs().amax(dim=1).clamp(min=1e-30)  # [out]
+    scale = torch.zeros_like(amax)
+    todo = torch.ones_like(amax, dtype=torch.bool)
+    for k in (127, 128, *range(126, 0, -1)):
+        rows = todo.nonzero().squeeze(1)
+        if rows.numel() == 0:
+            break
+        r = w[rows] * (k / amax[rows, None])
+        fits = ((r - r.round()).abs().amax(dim=1) < 1e-3) & (r.round().amin(dim=1) >= -128) \
+            & (r.round().amax(dim=1) <= 127)
+        scale[rows[fits]] = amax[rows[fits]] / k
+        todo[rows[fits]] = False
+        if k == 128 and todo.sum() * 2 > w.shape[0]:
+            return None  # most rows fit no usual scale: a float weight (lm_head), not searched further
+    if todo.any():
+        return None
+    return (w / scale[:, None]).round().to(torch.int8), scale
 
 
 def int8_linears(model: nn.Module) -> int:
