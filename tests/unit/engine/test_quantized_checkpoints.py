@@ -249,3 +249,23 @@ def test_moe_experts_are_read_apart_as_the_releases_store_them(scheme, tmp_path)
     save_file(stored, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"missing tensor '.*layers\.0\.mlp\.experts\.3\.down_proj\.weight'"):
         load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
+
+
+def test_zero_points_of_a_symmetric_scheme_are_read_only_when_zero(quantized, tmp_path):
+    from transformers import AutoConfig
+
+    from epd.engine.loader import load_language_model
+
+    model_dir = tmp_path / "zero-points"
+    shutil.copytree(quantized["w8a8"], model_dir)
+    stored = _tensors(model_dir)
+    module = PREFIX + "mlp.up_proj"
+    stored[module + ".weight_zero_point"] = torch.zeros(stored[module + ".weight_scale"].shape, dtype=torch.int8)
+    save_file(stored, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    model = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
+    inter = model.model.layers[0].mlp.intermediate_size
+    assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight[inter:], _reference(stored, module, "w8a8"))
+    stored[module + ".weight_zero_point"][0] = 3
+    save_file(stored, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="nonzero zero points"):
+        load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)

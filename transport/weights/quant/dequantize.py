@@ -19,13 +19,14 @@ from epd.transport.weights.checkpoint_error import CheckpointError
 from epd.transport.weights.quant.int_packing import AWQ_ORDER, unpack_int4
 from epd.transport.weights.quant.quant_config import QuantConfig
 
-# scheme -> (the tensors of one quantized linear, by suffix; the extra tensors read and dropped)
+# scheme -> (the tensors of one quantized linear, by suffix; the extra tensors read and dropped:
+# older compressed-tensors releases store the symmetric schemes' zero points, all zero)
 PARTS = {
     "fp8-block": (("weight", "weight_scale_inv"), ("input_scale",)),
     "fp8-tensor": (("weight", "weight_scale"), ("input_scale",)),
-    "fp8-dynamic": (("weight", "weight_scale"), ()),
-    "w8a8": (("weight", "weight_scale"), ()),
-    "w8a16": (("weight", "weight_scale"), ()),
+    "fp8-dynamic": (("weight", "weight_scale"), ("weight_zero_point",)),
+    "w8a8": (("weight", "weight_scale"), ("weight_zero_point",)),
+    "w8a16": (("weight", "weight_scale"), ("weight_zero_point",)),
     "w4a16": (("weight_packed", "weight_scale", "weight_shape"), ()),
     "awq": (("qweight", "qzeros", "scales"), ()),
     "gptq": (("qweight", "qzeros", "scales"), ("g_idx",)),
@@ -67,8 +68,10 @@ def dequantized(stream: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig
             yield name, tensor  # not quantized: a norm, an embedding, a linear left in float
             continue
         module, suffix = split
+        if suffix == "weight_zero_point" and suffix in dropped and bool(tensor.any()):
+            raise CheckpointError(f"tensor {name!r}: nonzero zero points in a symmetric {quant.scheme} checkpoint")
         if suffix in dropped:
-            continue  # static activation scales (computed per token instead), GPTQ's trivial g_idx
+            continue  # static activation scales (computed per token instead), GPTQ's trivial g_idx, zero zero points
         if quant.is_ignored(module):
             raise CheckpointError(f"tensor {name!r} is quantized, but quantization_config leaves {module!r} "
                                   f"in float (modules_to_not_convert / ignore)")
