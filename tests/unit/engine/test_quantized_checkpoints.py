@@ -1,6 +1,7 @@
 """Quantized checkpoints in the release layouts (`epd make-model --quantize`): the engine's
 weights are each format's dequantization, done here again in plain Python over the stored
-tensors; FP8 blocks as transformers dequantizes them; greedy tokens as on the dequantized
+tensors; FP8 blocks as transformers dequantizes them, compressed-tensors' as its package
+does; greedy tokens as on the dequantized
 float checkpoint; what is not served, or a checkpoint missing a tensor, refused by name."""
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from testkit.compressed_tensors_reference import decompressed_weights, reference_available
 
 from epd.tools.make_model import QUANTIZE_SCHEMES
 from epd.tools.quantize_model import SCHEMES, quantize_model
@@ -269,3 +272,21 @@ def test_zero_points_of_a_symmetric_scheme_are_read_only_when_zero(quantized, tm
     save_file(stored, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="nonzero zero points"):
         load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
+
+
+@pytest.mark.skipif(not reference_available(), reason="scripts/env.sh dev installs the reference")
+def test_compressed_tensors_weights_are_what_the_package_decompresses(quantized, tmp_path):
+    from transformers import AutoConfig
+
+    from epd.engine.loader import load_language_model
+
+    names = [PREFIX + "self_attn.q_proj", PREFIX + "self_attn.v_proj", PREFIX + "mlp.down_proj"]
+    schemes = ("fp8-dynamic", "w8a8", "w4a16")
+    refs = decompressed_weights([quantized[s] for s in schemes], names, tmp_path)
+    for scheme, ref in zip(schemes, refs):
+        model_dir = quantized[scheme]
+        layer = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32).model.layers[0]
+        q, v = ref[names[0]], ref[names[1]]
+        assert torch.equal(layer.self_attn.qkv_proj.weight[:q.shape[0]], q), scheme
+        assert torch.equal(layer.self_attn.qkv_proj.weight[-v.shape[0]:], v), scheme
+        assert torch.equal(layer.mlp.down_proj.weight, ref[names[2]]), scheme
