@@ -36,6 +36,12 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/scri
         # torchvision, torchaudio and datasets, so it too goes to its own folder, without its
         # dependencies: nothing in the venv changes and no torch is downloaded.
         pip install -q --no-deps --upgrade --target "$ROOT/.venv/reference-speculators" "speculators==0.9.0"
+        # compressed-tensors (with loguru, its logger): transformers decompresses a compressed-tensors
+        # checkpoint with it, the reference the quantized-checkpoint tests read ours against
+        # (tests/testkit/compressed_tensors_reference.py). In the venv transformers would take it up for
+        # every test; in its own folder only the reference's child process does.
+        pip install -q --no-deps --upgrade --target "$ROOT/.venv/reference-compressed-tensors" \
+            "compressed-tensors==0.20.0" "loguru==0.8.0"
     fi
     python -c "import epd, torch; print('epd env ready: torch', torch.__version__)"
     touch "$STAMP"

@@ -25,6 +25,7 @@ greedy_reference.py   whose greedy texts of a vs_vllm run are transformers', the
 
 What one feature or flag costs:
 overhead.py           served against offline tokens/s; the API process's CPU per token
+quant_decode.py       offline decode tokens/s of quantized checkpoints against their float original
 light_client.py       a client light enough not to be the bottleneck (overhead's)
 lora.py               multi-LoRA's tokens/s with 1, 4, 16 adapters against the base
 spec_decode.py        speculative decoding's tokens/s and TPOT per method, offline

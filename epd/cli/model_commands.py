@@ -10,13 +10,16 @@ from epd.engine.config import EngineConfig
 
 def add_model_parsers(sub) -> None:
     from epd.tools.make_eagle3 import EAGLE3_PRESETS
-    from epd.tools.make_model import all_presets
+    from epd.tools.make_model import QUANTIZE_SCHEMES, all_presets
 
     p = sub.add_parser("make-model", help="write a random-weight checkpoint of a family EPD serves (its "
                                           "presets) or an EAGLE-3 draft head (the *-eagle3 presets)")
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=list(all_presets()) + list(EAGLE3_PRESETS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", default=None, choices=QUANTIZE_SCHEMES,
+                   help="write the language model's linears in a release format: fp8-block (Qwen's FP8), "
+                        "fp8-dynamic, w8a8, w4a16 (RedHat's compressed-tensors), awq (GEMM), gptq")
     p.add_argument("--draft-of", default=None, metavar="TARGET",
                    help="instead of a preset: a draft model for --speculative-config's draft_model, the TARGET "
                         "checkpoint cut to its first --num-layers decoder layers (same tokenizer)")
@@ -59,8 +62,8 @@ def _make_model(args) -> int:
     if args.preset in EAGLE3_PRESETS:
         out = make_eagle3(args.dir, preset=args.preset, seed=args.seed)
     else:
-        out = make_model(args.dir, preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint to {out}")
+        out = make_model(args.dir, preset=args.preset, seed=args.seed, quantize=args.quantize)
+    print(f"wrote {args.preset}{' ' + args.quantize if args.quantize else ''} checkpoint to {out}")
     return 0
 
 

@@ -34,6 +34,7 @@ from epd.families.registry import FAMILIES, check_family, family_of
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 from epd.transport.weights.checkpoint_error import CheckpointError
+from epd.transport.weights.quant.quant_config import read_quant_config
 
 # transformers' processor order: a "chat_template" key in processor_config.json, then the files
 PROCESSOR_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja")
@@ -276,9 +277,11 @@ def _hf_config(directory: Path):
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint directory (no config.json)")
     try:
-        json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if isinstance(raw, dict):
+        read_quant_config(raw)  # a quantization EPD does not serve is refused here, by name
     check_family(directory)  # UnsupportedModelError (a ValueError) names the families we serve
     try:
         return AutoConfig.from_pretrained(str(directory))

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from epd.families.registry import PACKAGES
 
+# `--quantize`: the release formats a made checkpoint can be written in (epd/tools/quantize_model.py)
+QUANTIZE_SCHEMES = ("fp8-block", "fp8-dynamic", "w8a8", "w4a16", "awq", "gptq")
+
 def _preset_modules():
     for package in PACKAGES:
         try:
@@ -31,9 +34,11 @@ def all_presets() -> dict[str, object]:
     return {name: preset for module in _preset_modules() for name, preset in module.PRESETS.items()}
 
 
-def make_model(out_dir: str | Path, preset="tiny", seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, preset="tiny", seed: int = 0, quantize: str | None = None) -> Path:
     """Writes a random-weight checkpoint to `out_dir` and returns its path.
-    `preset` is a preset's name or a family's preset object (tests build variants)."""
+    `preset` is a preset's name or a family's preset object (tests build variants);
+    `quantize`: a release format its language model's linears are then written in
+    (epd/tools/quantize_model.py)."""
     if isinstance(preset, str):
         presets = all_presets()
         if preset not in presets:
@@ -42,4 +47,8 @@ def make_model(out_dir: str | Path, preset="tiny", seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sys.modules[type(preset).__module__].write_checkpoint(out, preset, seed)
+    if quantize is not None:
+        from epd.tools.quantize_model import quantize_model
+
+        quantize_model(out, quantize)
     return out

@@ -5,4 +5,5 @@ checkpoint_error.py  CheckpointError, the one error for a checkpoint that cannot
 lora_files.py        a PEFT LoRA adapter's files, read and checked without torch
 lora_linear.py       LoRALinear: a projection plus a low-rank delta per adapter slot (engine and tower)
 cpu_linear.py        linear layers on the CPU through oneDNN with pre-packed weights
+quant/               quantized checkpoints: their formats read (as float weights) and written
 """

@@ -4,7 +4,8 @@ Shared by the encoder (vision tower) and the engine (language model), which
 each give a rule mapping checkpoint names to their parameters, optionally
 into a shard of a fused parameter (q/k/v -> qkv_proj). Every parameter must
 be filled exactly once with the right shape, or loading fails with a message
-naming the tensor.
+naming the tensor. A quantized checkpoint's linears are read as float weights
+(transport/weights/quant/).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from epd.transport.weights.checkpoint_error import CheckpointError
+from epd.transport.weights.quant.dequantize import dequantized, float_name
+from epd.transport.weights.quant.quant_config import QuantConfig, read_quant_config
 
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
 # Shard index: None for a whole parameter, k for the k-th of the fused pieces.
@@ -88,8 +91,31 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def quant_config_of(model_dir: str | Path) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json's quantization_config); None: float."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    return read_quant_config(config) if isinstance(config, dict) else None
+
+
 def iter_tensors(model_dir: str | Path, accept: Callable[[str], bool] = lambda _: True
                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every accepted tensor; a quantized checkpoint's linears come as
+    the float checkpoint's `<module>.weight` (transport/weights/quant/dequantize.py), and
+    `accept` sees those names."""
+    quant = quant_config_of(model_dir)
+    if quant is None:
+        yield from _read_tensors(model_dir, accept)
+        return
+    yield from dequantized(_read_tensors(model_dir, lambda n: accept(float_name(n, quant))), quant)
+
+
+def _read_tensors(model_dir: str | Path, accept: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in checkpoint_files(model_dir):

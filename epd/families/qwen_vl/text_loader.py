@@ -6,7 +6,9 @@ Checkpoint names follow transformers' layouts (`model.language_model.*`, or
 or absent `lm_head` takes the embedding. MoE experts come fused per layer
 (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) in either orientation:
 the published one ([experts, hidden, 2 * inter]) or transformers' in-memory
-one ([experts, 2 * inter, hidden]); both are read into ours (the latter).
+one ([experts, 2 * inter, hidden]); both are read into ours (the latter). The
+quantized releases store each expert's projections apart
+(`mlp.experts.<e>.gate_proj.weight`, ...), read into the same buffers.
 No transformers modeling code is used: only its config class.
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _VISION_PREFIXES = ("model.visual.", "visual.")
 _EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# one expert's projection, as the quantized releases store them (Qwen's FP8: each with its weight_scale_inv)
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _text_rule(name: str):
@@ -38,7 +42,7 @@ def _text_rule(name: str):
             break
     else:
         return None  # vision tower or other heads: not ours
-    if _EXPERTS.match(rest):
+    if _EXPERTS.match(rest) or _EXPERT.match(rest):
         return None  # filled by _load_experts
     fused = fused_name(rest)
     if fused:
@@ -76,18 +80,23 @@ def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
 
 
 def _load_experts(model: Qwen3VLForCausalLM, model_dir: str | Path) -> None:
-    """Fills every MoE layer's `w13` / `w2` buffers from the fused expert tensors."""
+    """Fills every MoE layer's `w13` / `w2` buffers from the fused expert tensors, or from
+    each expert's gate / up / down projection where the checkpoint stores them apart."""
     layers = model.model.layers
     filled = set()
 
     def accept(name: str) -> bool:
-        return not name.startswith(_VISION_PREFIXES) and _EXPERTS.search(name) is not None
+        return not name.startswith(_VISION_PREFIXES) and (_EXPERTS.search(name) or _EXPERT.search(name)) is not None
 
     for name, tensor in iter_tensors(model_dir, accept=accept):
-        m = _EXPERTS.search(name)
+        m = _EXPERTS.search(name) or _EXPERT.search(name)
         layer = int(m[1])
         if layer >= len(layers) or not layers[layer].is_moe:
             raise CheckpointError(f"tensor {name!r}: layer {layer} has no MoE block")
+        if m.re is _EXPERT:
+            _fill_expert(layers[layer].mlp, name, int(m[2]), m[3], tensor)
+            filled.add((layer, m[3], int(m[2])))
+            continue
         target = layers[layer].mlp.w13 if m[2] == "gate_up_proj" else layers[layer].mlp.w2
         if tuple(tensor.shape) != tuple(target.shape):
             if tensor.ndim == 3 and tuple(tensor.transpose(1, 2).shape) == tuple(target.shape):
@@ -98,7 +107,25 @@ def _load_experts(model: Qwen3VLForCausalLM, model_dir: str | Path) -> None:
         target.copy_(tensor.to(target.dtype))
         filled.add((layer, m[2]))
     for i, layer in enumerate(layers):
-        for kind in ("gate_up_proj", "down_proj"):
-            if layer.is_moe and (i, kind) not in filled:
-                raise CheckpointError(f"checkpoint {model_dir} is missing tensor "
-                                      f"'model.language_model.layers.{i}.mlp.experts.{kind}'")
+        if not layer.is_moe:
+            continue
+        for kind, pieces in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            apart = [(piece, e) for piece in pieces for e in range(layer.mlp.num_experts)
+                     if (i, piece, e) not in filled]
+            if (i, kind) not in filled and apart:
+                piece, e = apart[0]
+                raise CheckpointError(f"checkpoint {model_dir} is missing tensor 'model.language_model.layers.{i}."
+                                      + (f"mlp.experts.{kind}'" if len(apart) == len(pieces) * layer.mlp.num_experts
+                                         else f"mlp.experts.{e}.{piece}.weight'"))
+
+
+def _fill_expert(moe, name: str, expert: int, piece: str, tensor) -> None:
+    """One expert's [out, in] projection into its rows of `w13` (gate, then up) or its `w2`."""
+    inter = moe.w2.shape[2]
+    if expert >= moe.num_experts:
+        raise CheckpointError(f"tensor {name!r}: expert {expert} of {moe.num_experts}")
+    target = {"gate_proj": moe.w13[expert, :inter], "up_proj": moe.w13[expert, inter:],
+              "down_proj": moe.w2[expert]}[piece]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor.to(target.dtype))
