@@ -94,7 +94,8 @@ class EngineCore(EngineAdapters):
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
         if shapes:
-            check_stateful_engine(config.speculative_config is not None, config.lora.enable_lora)
+            check_stateful_engine(config.speculative_config and config.speculative_config.method,
+                                  config.lora.enable_lora)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
