@@ -1,8 +1,9 @@
 """Speculative decoding on Qwen3.5 (dense and MoE): n-gram drafts verified over the Gated DeltaNet
 state. The tokens are transformers' greedy ones (the engine's without speculation:
 test_qwen3_5_llm.py) while drafts are both accepted and rejected: a rejected draft's state is rolled back to the last accepted token
-(engine/state_cache.py roll_back), so a wrong rollback changes the tokens that follow. A draft's
-per-position state checkpoints equal one-token-at-a-time decoding's states."""
+(engine/state_cache.py roll_back), so a wrong rollback changes the tokens that follow; so too on
+a decode engine whose state came from a prefill engine (e-p-d). A draft's per-position state
+checkpoints equal one-token-at-a-time decoding's states."""
 from __future__ import annotations
 
 import pytest
@@ -94,3 +95,46 @@ def test_a_drafts_checkpoints_are_the_states_of_decoding_one_token_at_a_time(qwe
     for (conv, rec), (conv_want, rec_want) in zip(together.layers, accepted.layers):
         torch.testing.assert_close(conv[0], conv_want[0], rtol=0, atol=0)
         torch.testing.assert_close(rec[0], rec_want[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
+def test_a_decode_engine_speculates_from_a_handed_over_state(qwen3_5_model):
+    """e-p-d without the processes: the prefill engine's state crosses in a KVTransfer, the decode
+    engine verifies n-gram drafts from it, rolling back on rejection: the aggregated tokens."""
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import EngineCore
+    from epd.engine.request import Request
+    from epd.transport.wire.messages import KVTransfer, decode_message
+
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    plain = cpu_llm(qwen3_5_model)
+    first = [o.outputs[0].token_ids for o in plain.generate(PHRASES, params)]
+    prompts = {f"r{i}": phrase + out[:8] + phrase for i, (phrase, out) in enumerate(zip(PHRASES, first))}
+    expected = dict(zip(prompts, (o.outputs[0].token_ids for o in plain.generate(list(prompts.values()), params))))
+
+    def core(role, **spec):
+        return EngineCore(qwen3_5_model, EngineConfig.from_flat(num_kv_blocks=32, max_num_batched_tokens=16,
+                                                                 dtype="float32", device="cpu", **spec), role=role)
+
+    prefill, decode = core("prefill"), core("decode", speculative_config=SPEC)
+    for rid, prompt in prompts.items():
+        prefill.add_request(Request(rid, list(prompt), params))
+    got = {}
+    while prefill.has_unfinished():
+        for update in prefill.step().updates:
+            rid, token = update.request_id, update.new_token_ids[0]
+            sent = KVTransfer(rid, prompts[rid], token, params, [], [], *prefill.export_kv(rid),
+                              state=prefill.export_state(rid))
+            msg = decode_message([bytes(f) for f in sent.to_wire()])
+            request = Request(rid, list(prompts[rid]), params)
+            request.output_token_ids.append(token)
+            assert decode.add_prefilled(request, msg.k_blocks, msg.v_blocks, msg.draft_state, msg.state)
+            assert prefill.release(rid)
+            got[rid] = [token]
+    while decode.has_unfinished():
+        for update in decode.step().updates:
+            got[update.request_id] += update.new_token_ids
+    assert got == expected
+    stats = decode.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert decode.runner.state_cache.usage == 0 and decode.num_free_blocks() == decode.num_blocks
