@@ -296,8 +296,11 @@ class ModelRunner:
     def _forward_chunk(self, s: ScheduledRequest) -> ScheduledRequest:
         """The chunk the forward runs for `s`: `s` itself, or with position start - 1 before it when
         the EAGLE-3 head needs that position's features (`Eagle3Proposer.needs_lookbehind`) and its
-        token's input is here (an image placeholder's embedding may not be: the head then skips a slot)."""
+        token's input is here (an image placeholder's embedding may not be: the head then skips a slot)
+        and the model carries no per-request state (running it again would advance the state)."""
         if self.eagle3 is None or not self.eagle3.needs_lookbehind(s.request_id, s.start):
+            return s
+        if self.state_cache is not None:  # the position would pass the state again: the head skips a slot
             return s
         f = dataclasses.replace(s, start=s.start - 1, num_new_tokens=s.num_new_tokens + 1)
         if any(self.images.get(span.mm_hash) is None for span, _, _ in f.mm_slices()):

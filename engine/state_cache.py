@@ -36,14 +36,14 @@ def state_shapes(model) -> StateShapes:
     return declared() if declared is not None else []
 
 
-STATEFUL_SPEC_METHODS = ("ngram",)  # speculation whose proposer holds no state of the target's to roll back
+STATEFUL_SPEC_METHODS = ("ngram", "mtp")  # speculation verified with the state rolled back (roll_back)
 
 
 def check_stateful_engine(spec_method: str | None, lora: bool) -> None:
     """ValueError for what an engine cannot run yet with a model whose layers carry per-request
-    state: speculation other than STATEFUL_SPEC_METHODS (an EAGLE-3 head or a draft model keeps
-    per-request state of its own that nothing rolls back yet), LoRA (adapters do not know the
-    stateful layers' projections)."""
+    state: speculation other than STATEFUL_SPEC_METHODS (not tested over such a model yet: a draft
+    model of this kind would carry state of its own that nothing rolls back), LoRA (adapters do
+    not know the stateful layers' projections)."""
     if spec_method is not None and spec_method not in STATEFUL_SPEC_METHODS:
         raise ValueError(f"speculative decoding with method {spec_method!r} is not supported yet for a model whose "
                          f"layers carry per-request state; use {' or '.join(STATEFUL_SPEC_METHODS)}")

@@ -2,7 +2,7 @@
 
 `model.language_model.*` is the text model, `lm_head.weight` its head (a tied or absent head
 takes the embedding); `model.visual.*` is the vision tower's (not ours) and `mtp.*` the release's
-multi-token-prediction layers, read by nothing yet. A full-attention layer's q_proj (query and
+multi-token-prediction layers, read only when speculation's method mtp asks (mtp.py). A full-attention layer's q_proj (query and
 gate rows), k_proj and v_proj stack into one `qkv_proj`; gate/up projections (the dense MLP's,
 the shared expert's) into `gate_up_proj`. MoE experts come one tensor each, as the release
 and transformers' save have them (`mlp.experts.<e>.gate_proj.weight`, ...), or fused per layer
@@ -13,10 +13,12 @@ No transformers modeling code is used: only its config class.
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from epd.families.qwen3_5.mtp import load_mtp_head
 from epd.families.qwen3_5.text_model import Qwen3_5ForCausalLM, TextConfig, rotary_embedding
 from epd.families.qwen_vl.family import mrope_positions
 from epd.transport.weights.checkpoint import CheckpointError, iter_tensors, load_weights, materialize
@@ -35,7 +37,7 @@ def _text_rule(name: str):
     if name == "lm_head.weight":
         return "lm_head.weight", None
     if not name.startswith(_TEXT_PREFIX):
-        return None  # model.visual.* (the vision side's), mtp.* (not read yet)
+        return None  # model.visual.* (the vision side's), mtp.* (mtp.py's)
     rest = name[len(_TEXT_PREFIX):]
     if _EXPERTS.match(rest):
         return None  # filled by _load_experts
@@ -78,6 +80,7 @@ def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
                  fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
     if cfg.num_experts:
         _load_experts(model, model_dir)
+    model.load_mtp_head = partial(load_mtp_head, model)  # the `mtp.*` layers, read when speculation asks
     return model.eval()
 
 
