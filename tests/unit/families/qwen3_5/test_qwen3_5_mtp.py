@@ -2,7 +2,8 @@
 the releases ship them) draft through the EAGLE-3 proposer's paged KV; the tokens are the ones
 without speculation while the random layers' drafts are mostly rejected (the state rolled back),
 and all of them accepted when the layers agree with the target (`write_mtp_layers(agree=True)`).
-A checkpoint without MTP layers is refused by name at start-up; vLLM's older spellings parse."""
+A checkpoint without MTP layers is refused by name at start-up; vLLM's older spellings parse;
+`epd make-model --mtp-agree` takes a dense Qwen3.5 preset only."""
 from __future__ import annotations
 
 import shutil
@@ -69,3 +70,11 @@ def test_vllms_older_spellings_are_mtp(qwen3_5_model):
 
     for method in ("mtp", "qwen3_5_mtp", "qwen3_next_mtp"):
         assert SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 2}).method == "mtp"
+
+
+def test_make_model_mtp_agree_takes_a_dense_qwen3_5_preset_only(qwen3_5_model, tmp_path, capsys):
+    from epd.cli import build_parser
+
+    args = build_parser().parse_args(["make-model", str(tmp_path / "m"), "--preset", "qwen3.5-moe-tiny", "--mtp-agree"])
+    assert args.func(args) == 2 and "--mtp-agree takes a dense qwen3.5 preset" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
