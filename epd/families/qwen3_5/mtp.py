@@ -16,6 +16,7 @@ feeds `normed` back as h with the token just drafted, as vLLM does. Tensors: `mt
 gate rows, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`, `mlp.*`, the two layer norms); the
 text config's `mtp_num_hidden_layers` says how many layers (the releases: 1, the one served).
 
+text_loader.py `load_mtp_head` fills it (the text model's naming rules, under `mtp.`).
 `MTPHead` has the draft-head interface the engine's EAGLE-3 proposer drives
 (engine/spec/eagle3_proposer.py): `combine` (the target's states at `aux_layer_ids` -> h),
 `forward(hidden, embeds, positions, attend)` -> (normed, hidden to feed back), `compute_logits`;
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -34,8 +34,7 @@ from torch import nn
 
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.norm import RMSNorm
-from epd.families.qwen3_5.text_model import FULL, DecoderLayer, Qwen3_5ForCausalLM, TextConfig, rotary_embedding
-from epd.transport.weights.checkpoint import CheckpointError, load_weights, materialize
+from epd.families.qwen3_5.text_model import FULL, DecoderLayer, Qwen3_5ForCausalLM, TextConfig
 
 PREFIX = "mtp."
 
@@ -83,7 +82,7 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, unit_offset=True)
         self._target = (target,)  # a tuple: not a submodule
         self.embed_tokens = None  # the target's (the proposer takes it then)
-        self._rotary = None  # set by load_mtp_head on the head's device (float32 tables, not weights)
+        self.rotary = None  # set by the loader on the head's device (float32 tables, not weights)
 
     def combine(self, aux_hidden_states) -> torch.Tensor:
         """[the residual stream after the target's last layer [N, hidden]] -> h, the final-normed state."""
@@ -95,7 +94,7 @@ class MTPHead(nn.Module):
         """hidden [N, hidden] (h, or the previous step's output), input_embeds [N, hidden] (the next
         tokens'), positions [N] -> (normed [N, hidden], the same to feed back)."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(input_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        cos, sin = self._rotary(positions[None])
+        cos, sin = self.rotary(positions[None])
         batch = ForwardBatch(positions=positions[None], attn_meta=SimpleNamespace(slot_mapping=None),
                              backend=_AttendBackend(attend),
                              kv_caches=[(None, None)])
@@ -109,50 +108,6 @@ class MTPHead(nn.Module):
 
 
 def num_mtp_layers(hf_config) -> int:
+    """The text config's `mtp_num_hidden_layers` (0: none declared)."""
     tc = getattr(hf_config, "text_config", hf_config)
     return int(getattr(tc, "mtp_num_hidden_layers", 0) or 0)
-
-
-def load_mtp_head(target: Qwen3_5ForCausalLM, model_dir: str | Path, hf_config, dtype: torch.dtype,
-                  device: str | torch.device) -> tuple[MTPShape, MTPHead]:
-    """The checkpoint's MTP layers over `target`; ValueError naming what is missing or not served."""
-    cfg = target.cfg
-    if cfg.num_experts:
-        raise ValueError("--speculative-config: method mtp is not served yet for a MoE checkpoint's MTP layers "
-                         "(their routed experts); use ngram")
-    if num_mtp_layers(hf_config) not in (0, 1):
-        raise ValueError(f"--speculative-config: method mtp serves one MTP layer; {model_dir} has "
-                         f"mtp_num_hidden_layers={num_mtp_layers(hf_config)}")
-    with torch.device("meta"):
-        head = MTPHead(cfg, target)
-    head = materialize(head, device, dtype)
-    head._rotary = rotary_embedding(cfg, device=device)
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    fused = {"layers.0.self_attn.qkv_proj.weight": [2 * q, kv, kv],
-             "layers.0.mlp.gate_up_proj.weight": [cfg.intermediate_size] * 2}
-    pieces = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def rule(name: str):
-        if not name.startswith(PREFIX):
-            return None
-        rest = name[len(PREFIX):]
-        parts = rest.split(".")
-        if len(parts) == 5 and parts[3] in pieces and parts[4] == "weight":  # layers.0.<module>.<piece>.weight
-            fused_name, shard = pieces[parts[3]]
-            return f"{'.'.join(parts[:3])}.{fused_name}.weight", shard
-        return rest, None
-
-    def describe(param: str, shard: int | None) -> str:
-        if shard is None:
-            return PREFIX + param
-        fused_name = "qkv_proj" if ".qkv_proj." in param else "gate_up_proj"
-        piece = next(p for p, (f, s) in pieces.items() if f == fused_name and s == shard)
-        return PREFIX + param.replace(fused_name, piece)
-
-    try:
-        load_weights(head, model_dir, rule, fused=fused, describe=describe)
-    except CheckpointError as exc:
-        raise ValueError(f"--speculative-config: method mtp needs the checkpoint's MTP layers (mtp.* tensors): "
-                         f"{exc}") from None
-    return head.cfg, head.eval()

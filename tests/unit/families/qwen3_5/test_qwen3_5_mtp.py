@@ -1,5 +1,5 @@
-"""MTP speculation on Qwen3.5: the checkpoint's own `mtp.*` layers (the dense presets write them, as
-the releases ship them) draft through the EAGLE-3 proposer's paged KV; the tokens are the ones
+"""MTP speculation on Qwen3.5 (dense and MoE): the checkpoint's own `mtp.*` layers (the presets
+write them, as the releases ship them) draft through the EAGLE-3 proposer's paged KV; the tokens are the ones
 without speculation while the random layers' drafts are mostly rejected (the state rolled back),
 and all of them accepted when the layers agree with the target (`write_mtp_layers(agree=True)`).
 A checkpoint without MTP layers is refused by name at start-up; vLLM's older spellings parse;
@@ -16,7 +16,7 @@ from epd.transport.wire.sampling import SamplingParams
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 PROMPTS = [[11, 12, 13, 14, 15] * 4, [300, 301, 302] * 6 + [300]]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-pytestmark = pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
+DENSE = pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 
 
 def _tokens(llm) -> list[list[int]]:
@@ -28,6 +28,8 @@ def _counts(llm) -> tuple[int, int]:
     return stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
 
 
+# MoE here (its MTP layer's routed experts); the dense preset's random layers: test_qwen3_5_spec.py's hand-over
+@pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-moe-tiny"], indirect=True)
 def test_random_mtp_layers_draft_and_the_tokens_stay_the_targets(qwen3_5_model):
     expected = _tokens(cpu_llm(qwen3_5_model))
     spec = cpu_llm(qwen3_5_model, speculative_config=MTP)
@@ -38,6 +40,7 @@ def test_random_mtp_layers_draft_and_the_tokens_stay_the_targets(qwen3_5_model):
     assert spec.engine.runner.state_cache.usage == 0 and spec.engine.num_free_blocks() == spec.engine.num_blocks
 
 
+@DENSE
 def test_mtp_layers_that_agree_with_the_target_are_all_accepted(qwen3_5_model, tmp_path):
     from pathlib import Path
 
@@ -52,6 +55,7 @@ def test_mtp_layers_that_agree_with_the_target_are_all_accepted(qwen3_5_model, t
     assert accepted == drafted > 0
 
 
+@DENSE
 def test_a_checkpoint_without_mtp_layers_is_refused_by_name(qwen3_5_model, tmp_path):
     import json
 
@@ -65,6 +69,7 @@ def test_a_checkpoint_without_mtp_layers_is_refused_by_name(qwen3_5_model, tmp_p
         LLM(str(plain), dtype="float32", speculative_config=MTP)
 
 
+@DENSE
 def test_vllms_older_spellings_are_mtp(qwen3_5_model):
     from epd.engine.spec.config import SpeculativeConfig
 
@@ -72,6 +77,7 @@ def test_vllms_older_spellings_are_mtp(qwen3_5_model):
         assert SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 2}).method == "mtp"
 
 
+@DENSE
 def test_make_model_mtp_agree_takes_a_dense_qwen3_5_preset_only(qwen3_5_model, tmp_path, capsys):
     from epd.cli import build_parser
 
