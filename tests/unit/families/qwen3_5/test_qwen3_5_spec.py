@@ -1,6 +1,6 @@
 """Speculative decoding on Qwen3.5 (dense and MoE): n-gram drafts verified over the Gated DeltaNet
 state. The tokens are transformers' greedy ones (the engine's without speculation:
-test_qwen3_5_llm.py) while drafts are both accepted and rejected: a rejected draft's state is rolled back to the last accepted token
+test_qwen3_5_llm.py) while drafts are both accepted and rejected, and requests preempted: a rejected draft's state is rolled back to the last accepted token
 (engine/state_cache.py roll_back), so a wrong rollback changes the tokens that follow; so too on
 a decode engine whose state came from a prefill engine (e-p-d). A draft's per-position state
 checkpoints equal one-token-at-a-time decoding's states."""
@@ -32,11 +32,14 @@ def test_ngram_greedy_tokens_are_transformers_with_drafts_accepted_and_rejected(
     first = [o.outputs[0].token_ids for o in plain.generate(PHRASES, params)]
     prompts = [phrase + out[:8] + phrase for phrase, out in zip(PHRASES, first)]
     expected = [_transformers_greedy(qwen3_5_reference, ids) for ids in prompts]  # = the engine's without drafts
-    spec = cpu_llm(qwen3_5_model, speculative_config=SPEC, max_num_seqs=4)
+    # a KV budget short of the three: requests preempted (their state recomputed) between drafts
+    spec = cpu_llm(qwen3_5_model, speculative_config=SPEC, max_num_seqs=4, num_kv_blocks=7,
+                   max_num_batched_tokens=16)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
     stats = spec.stats()
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], \
         "the prompts were meant to give drafts accepted and drafts rejected"
+    assert stats["num_preemptions"] > 0, "the KV budget was meant to force preemption"
     assert spec.engine.runner.state_cache.usage == 0 and spec.engine.num_free_blocks() == spec.engine.num_blocks
 
 
