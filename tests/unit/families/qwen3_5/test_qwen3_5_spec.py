@@ -1,9 +1,10 @@
 """Speculative decoding on Qwen3.5 (dense and MoE): n-gram drafts verified over the Gated DeltaNet
 state. The tokens are transformers' greedy ones (the engine's without speculation:
-test_qwen3_5_llm.py) while drafts are both accepted and rejected, and requests preempted: a rejected draft's state is rolled back to the last accepted token
-(engine/state_cache.py roll_back), so a wrong rollback changes the tokens that follow; so too on
-a decode engine whose state came from a prefill engine (e-p-d). A draft's per-position state
-checkpoints equal one-token-at-a-time decoding's states."""
+test_qwen3_5_llm.py) while drafts are both accepted and rejected and requests are preempted: a
+rejected draft's state is rolled back to the last accepted token (engine/state_cache.py
+roll_back), so a wrong rollback changes the tokens that follow; so too on a decode engine whose
+state came from a prefill engine (e-p-d), with n-gram or MTP drafts. A draft's per-position
+state checkpoints equal one-token-at-a-time decoding's states."""
 from __future__ import annotations
 
 import pytest
