@@ -25,14 +25,26 @@ def _transformers_greedy(model, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def test_ngram_greedy_tokens_are_transformers_with_drafts_accepted_and_rejected(qwen3_5_model, qwen3_5_reference):
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def workload(qwen3_5_model) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, the engine's greedy tokens for them without speculation). A prompt is a phrase,
+    the start of the model's own continuation, the phrase again: the n-gram proposer drafts that
+    continuation, which the model follows for a while and then leaves."""
     plain = cpu_llm(qwen3_5_model)
-    # each phrase, the start of the model's own continuation, the phrase again: the n-gram proposer
-    # drafts that continuation, which the model follows for a while and then leaves
-    first = [o.outputs[0].token_ids for o in plain.generate(PHRASES, params)]
+    first = [o.outputs[0].token_ids for o in plain.generate(PHRASES, PARAMS)]
     prompts = [phrase + out[:8] + phrase for phrase, out in zip(PHRASES, first)]
-    expected = [_transformers_greedy(qwen3_5_reference, ids) for ids in prompts]  # = the engine's without drafts
+    return prompts, [o.outputs[0].token_ids for o in plain.generate(prompts, PARAMS)]
+
+
+def test_ngram_greedy_tokens_are_transformers_with_drafts_accepted_and_rejected(qwen3_5_model, qwen3_5_reference,
+                                                                                 workload):
+    params = PARAMS
+    prompts, without = workload
+    expected = [_transformers_greedy(qwen3_5_reference, ids) for ids in prompts]
+    assert without == expected
     # a KV budget short of the three: requests preempted (their state recomputed) between drafts
     spec = cpu_llm(qwen3_5_model, speculative_config=SPEC, max_num_seqs=4, num_kv_blocks=7,
                    max_num_batched_tokens=16)
@@ -103,7 +115,7 @@ def test_a_drafts_checkpoints_are_the_states_of_decoding_one_token_at_a_time(qwe
 
 @pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_a_decode_engine_speculates_from_a_handed_over_state(qwen3_5_model, method):
+def test_a_decode_engine_speculates_from_a_handed_over_state(qwen3_5_model, method, workload):
     """e-p-d without the processes: the prefill engine's state (and, MTP, its head's blocks, as for
     EAGLE-3) crosses in a KVTransfer, the decode engine verifies drafts from it, rolling back on
     rejection: the aggregated tokens."""
@@ -112,11 +124,9 @@ def test_a_decode_engine_speculates_from_a_handed_over_state(qwen3_5_model, meth
     from epd.engine.request import Request
     from epd.transport.wire.messages import KVTransfer, decode_message
 
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    plain = cpu_llm(qwen3_5_model)
-    first = [o.outputs[0].token_ids for o in plain.generate(PHRASES, params)]
-    prompts = {f"r{i}": phrase + out[:8] + phrase for i, (phrase, out) in enumerate(zip(PHRASES, first))}
-    expected = dict(zip(prompts, (o.outputs[0].token_ids for o in plain.generate(list(prompts.values()), params))))
+    params = PARAMS
+    prompts = {f"r{i}": ids for i, ids in enumerate(workload[0])}
+    expected = dict(zip(prompts, workload[1]))
 
     def core(role, **spec):
         return EngineCore(qwen3_5_model, EngineConfig.from_flat(num_kv_blocks=32, max_num_batched_tokens=16,
