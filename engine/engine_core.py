@@ -50,6 +50,7 @@ from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_output import RequestUpdate
 from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
+from epd.engine.spec.mtp import load_mtp_head
 from epd.engine.spec.ngram import NgramProposer
 from epd.engine.state_cache import bytes_per_slot, check_stateful_engine, state_shapes, stateful_scheduler_config
 from epd.engine.structured_output import GrammarCompilerPool
@@ -99,7 +100,7 @@ class EngineCore(EngineAdapters):
             int8_linears(model)  # CPU float32: int8 weights, per-token int8 activations (quant/int8_linear.py)
         shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
         if shapes:
-            check_stateful_engine(config.speculative_config is not None)
+            check_stateful_engine(config.speculative_config and config.speculative_config.method)
         # --enable-lora: the projections wrapped, the adapter slots allocated (before the KV cache takes the rest)
         self.lora = LoRAManager(model, config.lora, use_triton=config.resolved_backend(self.device) == "triton") \
             if config.lora.enable_lora else None
@@ -112,9 +113,10 @@ class EngineCore(EngineAdapters):
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
         block_bytes = bytes_per_block(num_kv_layers(model), self.info.num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
-        head = None  # EAGLE-3: its KV shares the target's blocks, so it counts in each block's bytes
-        if spec is not None and spec.method == "eagle3":
-            head = load_head(spec.model, model.cfg, self.dtype, self.device)
+        head = None  # EAGLE-3 or MTP: its KV shares the target's blocks, so it counts in each block's bytes
+        if spec is not None and spec.method in ("eagle3", "mtp"):
+            head = load_head(spec.model, model.cfg, self.dtype, self.device) if spec.method == "eagle3" \
+                else load_mtp_head(model, model_dir, hf_config, self.dtype, self.device)
             block_bytes += Eagle3Proposer.bytes_per_block(head[0], config.scheduler.block_size, self.dtype)
         if draft is not None:
             block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
@@ -135,7 +137,7 @@ class EngineCore(EngineAdapters):
                                    whole_mm_spans=getattr(model, "bidirectional_mm", False))
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
-            pack_linears(head[1])
+            (pack_linears if spec.method == "eagle3" else pack_cpu_linears)(head[1])  # MTP: the target's layer kind
             embed = model.model.embed_tokens if head[1].embed_tokens is None else head[1].embed_tokens
             eagle3 = Eagle3Proposer(*head, embed, num_blocks, config.scheduler.block_size,
                                     spec.num_speculative_tokens, torch.device(self.device), self.dtype)

@@ -15,8 +15,9 @@ The runner owns the KV cache: `read_blocks` / `write_blocks` move whole
 blocks in and out (KV transfer). For a model whose layers carry per-request
 state it owns the state cache too (engine/state_cache.py): a slot per
 running request, given at its first step, taken back when it finishes or is
-preempted. Image embeddings it reads from the
-engine's `ImageLedger`, which holds them while a request uses them.
+preempted, rolled back to its last accepted token after a draft's verification.
+Image embeddings it reads from the engine's `ImageLedger`, which holds them
+while a request uses them.
 """
 from __future__ import annotations
 
@@ -251,6 +252,7 @@ class ModelRunner:
         if self.state_cache is not None:
             batch.state_caches = self.state_cache.layers
             batch.state_slots = [self.state_cache.slot(s.request_id) for s in out.scheduled]
+            batch.checkpoint_seqs = [b for b, s in enumerate(out.scheduled) if s.draft_token_ids]
         if mm_rows:
             batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
             batch.mm_embeds = torch.cat([e.embeddings[a:b] for e, a, b in mm_rows]).to(self.device)
@@ -275,16 +277,30 @@ class ModelRunner:
                 if state.prompt_logprobs is not None and req.num_output_tokens == 0:
                     result.prompt_logprobs[req.request_id] = state.prompt_logprobs
                     state.prompt_logprobs = None
+        if batch.checkpoint_seqs:
+            self._roll_back_states(out.scheduled, batch, result)
         if self.eagle3 is not None:
             self.eagle3.catch_up([_catch_up(s, f, offset, result.sampled_token_ids.get(s.request_id, []))
                                   for s, f, offset in zip(out.scheduled, chunks, offsets)], aux)
         return result
 
+    def _roll_back_states(self, scheduled: list[ScheduledRequest], batch: ForwardBatch, result: RunnerOutput) -> None:
+        """A verified draft's state slot keeps the state after its last accepted token, not after
+        the rejected ones the forward ran (its positions 0..d: the last token, then the d drafts)."""
+        for row, b in enumerate(batch.checkpoint_seqs):
+            s = scheduled[b]
+            num_accepted = len(result.sampled_token_ids[s.request_id]) - 1
+            if num_accepted < len(s.draft_token_ids):
+                self.state_cache.roll_back(batch.state_slots[b], batch.state_checkpoints, row, num_accepted)
+
     def _forward_chunk(self, s: ScheduledRequest) -> ScheduledRequest:
         """The chunk the forward runs for `s`: `s` itself, or with position start - 1 before it when
         the EAGLE-3 head needs that position's features (`Eagle3Proposer.needs_lookbehind`) and its
-        token's input is here (an image placeholder's embedding may not be: the head then skips a slot)."""
+        token's input is here (an image placeholder's embedding may not be: the head then skips a slot)
+        and the model carries no per-request state (running it again would advance the state)."""
         if self.eagle3 is None or not self.eagle3.needs_lookbehind(s.request_id, s.start):
+            return s
+        if self.state_cache is not None:  # the position would pass the state again: the head skips a slot
             return s
         f = dataclasses.replace(s, start=s.start - 1, num_new_tokens=s.num_new_tokens + 1)
         if any(self.images.get(span.mm_hash) is None for span, _, _ in f.mm_slices()):

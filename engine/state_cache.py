@@ -6,7 +6,8 @@ shapes. The cache holds `num_slots` of each, allocated once beside the KV cache 
 with it (`bytes_per_slot`). The runner gives a request a slot the first step it runs and takes
 it back when the request finishes, is aborted or released, or is preempted (recomputed from
 its first token, it starts again from zeros); the layers read and write the slots named in the
-step's `ForwardBatch`. There are as many slots as `max_num_seqs`, and the scheduler never runs
+step's `ForwardBatch`. A step that verifies drafts keeps each draft's state after each of its
+positions, and the runner `roll_back`s a slot to the last accepted one. There are as many slots as `max_num_seqs`, and the scheduler never runs
 more requests than that, so a request it admits always finds one (docs/decisions/state-cache.md).
 
 Between workers (e-p-d) a request's state travels as named tensors (`names`: `conv.<i>` and
@@ -35,12 +36,16 @@ def state_shapes(model) -> StateShapes:
     return declared() if declared is not None else []
 
 
-def check_stateful_engine(speculative: bool) -> None:
+STATEFUL_SPEC_METHODS = ("ngram", "mtp")  # speculation verified with the state rolled back (roll_back)
+
+
+def check_stateful_engine(spec_method: str | None) -> None:
     """ValueError for what an engine cannot run yet with a model whose layers carry per-request
-    state: speculation (the state is not rolled back on rejection)."""
-    if speculative:
-        raise ValueError("speculative decoding is not supported yet for a model whose layers carry per-request "
-                         "state (the state is not rolled back on rejection); leave --speculative-config out")
+    state: speculation other than STATEFUL_SPEC_METHODS (not tested over such a model yet: a draft
+    model of this kind would carry state of its own that nothing rolls back)."""
+    if spec_method is not None and spec_method not in STATEFUL_SPEC_METHODS:
+        raise ValueError(f"speculative decoding with method {spec_method!r} is not supported yet for a model whose "
+                         f"layers carry per-request state; use {' or '.join(STATEFUL_SPEC_METHODS)}")
 
 
 def stateful_scheduler_config(config: SchedulerConfig) -> SchedulerConfig:
@@ -89,6 +94,15 @@ class StateCache:
             slot = self._slots.pop(request_id, None)
             if slot is not None:
                 self._free.append(slot)
+
+    def roll_back(self, slot: int, checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]], row: int,
+                  position: int) -> None:
+        """Sets `slot` to the state after `position` (0-based, < the draft's length d) of a verified
+        draft: `checkpoints` are the step's (`ForwardBatch.state_checkpoints`: layer -> (conv,
+        recurrent), each [num_drafts, longest d, ...]), `row` the draft's among them. Speculative
+        decoding calls it when the target rejects the draft's tokens after `position`."""
+        for i, (conv, rec) in enumerate(self.layers):
+            conv[slot], rec[slot] = checkpoints[i][0][row, position], checkpoints[i][1][row, position]
 
     def names(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """One request's state tensors by name: `conv.<i>`, `recurrent.<i>` of the i-th layer -> (shape, dtype)."""

@@ -10,7 +10,9 @@ EngineCore, so no HTTP or detokenizing in the clock), each for exactly
   draft_model  {"method": "draft_model", "model": --draft, "num_speculative_tokens": k}
   rejected     the same with --wrong-draft, a draft the target (nearly) never accepts
                (`epd make-model DIR --draft-of MODEL --disagree`): what a fully rejected draft costs
-  NAME         any other `--spec NAME=JSON` (e.g. eagle3 once served)
+  NAME         any other `--spec NAME=JSON` (e.g. mtp='{"method": "mtp", "num_speculative_tokens": 3}' on a
+               Qwen3.5 checkpoint; `epd make-model DIR --preset qwen3.5-small --mtp-agree` makes MTP
+               layers that agree with their target)
 
 Once every request has its first token, the engine's steps are timed:
 decode tokens/s = tokens those steps emitted / their wall time; TPOT = per

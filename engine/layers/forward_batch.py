@@ -19,6 +19,10 @@ class ForwardBatch:
     reads `state_caches[i]`, its i-th such layer's `(conv_states, recurrent_states)`, each
     `[num_slots, ...]`, at the rows `state_slots[b]` of sequence b (the sequences in `attn_meta`'s
     order); a sequence whose context is all new this step (q_len == seq_len) starts from zeros.
+    The sequences `checkpoint_seqs` verify a draft (speculative decoding): such a layer keeps their
+    state after each of their positions but the last (the slot holds that one) in
+    `state_checkpoints[i]`, (conv, recurrent) each `[len(checkpoint_seqs), longest draft, ...]`,
+    so the runner can keep the accepted one.
     """
 
     positions: torch.Tensor  # [position_dims, num_tokens]: the model's `positions` rule (models/positions.py)
@@ -34,3 +38,6 @@ class ForwardBatch:
     # Per-request state of the layers that carry it, and each sequence's slot in it.
     state_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     state_slots: list[int] = field(default_factory=list)  # [num_seqs]
+    checkpoint_seqs: list[int] = field(default_factory=list)  # sequences verifying a draft, by batch index
+    # filled by the layers: state layer i -> (conv, recurrent) after each position of each checkpoint_seqs
+    state_checkpoints: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)

@@ -6,7 +6,11 @@ gated delta rule (gated_delta.py) on the sequence's recurrent state, then a per-
 the output gated by silu(z) and the output projection. A sequence's state lives in the slot
 `batch.state_slots[b]` of this layer's `batch.state_caches[state_idx]`: prefill chunks run the
 chunked rule from it (from zeros when the chunk starts the sequence) and write the final state
-back; decode tokens run the recurrent rule on their slots in one batch.
+back; decode tokens run the recurrent rule on their slots in one batch. A draft being verified
+(speculative decoding: the sequences `batch.checkpoint_seqs`) runs token by token with the decodes,
+as decoding one token at a time would, and the state after each of its positions is kept in
+`batch.state_checkpoints[state_idx]`: the runner keeps the one after the last accepted token
+(docs/decisions/state-rollback.md).
 """
 from __future__ import annotations
 
@@ -75,17 +79,11 @@ class GatedDeltaNet(nn.Module):
         cu, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         out = x.new_empty(n, self.num_v_heads, self.v_dim)
 
-        decodes = [b for b in range(len(seq_lens)) if cu[b + 1] - cu[b] == 1 and seq_lens[b] > 1]
-        if decodes:  # one token each, from their slots, in one batch
-            rows = torch.tensor([cu[b] for b in decodes], device=x.device)
-            slots = torch.tensor([batch.state_slots[b] for b in decodes], device=x.device)
-            conv = conv_states[slots]
-            q, k, v = self._split(causal_conv1d_decode(mixed[rows], weight, conv))
-            conv_states[slots] = conv
-            rec = rec_states[slots]
-            out[rows] = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], rec)
-            rec_states[slots] = rec
-        for b in sorted(set(range(len(seq_lens))) - set(decodes)):  # prefill chunks, one sequence at a time
+        drafts = list(batch.checkpoint_seqs)  # first: their checkpoints' rows are theirs, in this order
+        steps = drafts + [b for b in range(len(seq_lens)) if cu[b + 1] - cu[b] == 1 and seq_lens[b] > 1]
+        if steps:
+            self._token_by_token(steps, len(drafts), mixed, g, beta, out, batch)
+        for b in sorted(set(range(len(seq_lens))) - set(steps)):  # prefill chunks, one sequence at a time
             lo, hi = cu[b], cu[b + 1]
             slot, is_fresh = batch.state_slots[b], hi - lo == seq_lens[b]
             q_k_v, conv = causal_conv1d_prefill(mixed[lo:hi], weight, None if is_fresh else conv_states[slot])
@@ -95,6 +93,38 @@ class GatedDeltaNet(nn.Module):
                                                                   None if is_fresh else rec_states[slot])
         out = self.norm(out, z).reshape(n, self.value_size)
         return self.out_proj(out)
+
+    def _token_by_token(self, seqs: list[int], num_drafts: int, mixed: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
+        """Sequences `seqs` of the batch (the first `num_drafts` verifying a draft, the others one
+        decode token each) position by position from their slots, in one batch per position: the
+        recurrent rule and the conv's one-token update, as decoding does. Each draft's state after
+        each of its positions but the last (that one is its slot's) goes to
+        `batch.state_checkpoints[state_idx]`: (conv [num_drafts, max_positions, conv_dim, kernel - 1],
+        recurrent [num_drafts, max_positions, Hv, k_dim, v_dim]), max_positions the longest draft's d."""
+        conv_states, rec_states = batch.state_caches[self.state_idx]
+        weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
+        cu = batch.attn_meta.cu_seqlens_q.tolist()
+        lens = [cu[b + 1] - cu[b] for b in seqs]
+        slots = torch.tensor([batch.state_slots[b] for b in seqs], device=mixed.device)
+        conv, rec = conv_states[slots], rec_states[slots]  # [S, ...] copies, written back at the end
+        if num_drafts:
+            max_positions = max(lens[:num_drafts]) - 1  # after the last position: the slot itself
+            checkpoints = (conv.new_empty(num_drafts, max_positions, *conv.shape[1:]),
+                           rec.new_empty(num_drafts, max_positions, *rec.shape[1:]))
+            batch.state_checkpoints[self.state_idx] = checkpoints
+        for j in range(max(lens)):
+            active = [i for i, n in enumerate(lens) if n > j]
+            rows = torch.tensor([cu[seqs[i]] + j for i in active], device=mixed.device)
+            every = len(active) == len(seqs)
+            c, r = (conv, rec) if every else (conv[active], rec[active])
+            q, k, v = self._split(causal_conv1d_decode(mixed[rows], weight, c))
+            out[rows] = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], r)
+            if not every:
+                conv[active], rec[active] = c, r
+            if num_drafts and j < max_positions:  # a draft shorter than j + 1 copies its last state: never read
+                checkpoints[0][:, j], checkpoints[1][:, j] = conv[:num_drafts], rec[:num_drafts]
+        conv_states[slots], rec_states[slots] = conv, rec
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[M, conv_dim] -> q, k [M, Hk, k_dim], v [M, Hv, v_dim]."""

@@ -67,7 +67,8 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids [num_tokens] -> (final hidden states [num_tokens, hidden], the residual
-        stream entering each layer of `aux_layer_ids` (id 0: the embeddings), [num_tokens, hidden] each)."""
+        stream entering each layer of `aux_layer_ids` (id 0: the embeddings; id num_layers: after the
+        last layer, before the final norm, what MTP layers read), [num_tokens, hidden] each)."""
         x = self.embed_tokens(input_ids)
         if batch.mm_mask is not None:
             x[batch.mm_mask] = batch.mm_embeds.to(x.dtype)  # image placeholders take the vision output
@@ -77,6 +78,7 @@ class DecoderStack(nn.Module):
             if i in aux_layer_ids:
                 aux[i] = x  # the layers make new tensors: nothing writes into it
             x = layer(x, cos, sin, batch)
+        aux[len(self.layers)] = x  # id num_layers: the stream after the last layer, before the final norm
         return self.norm(x), [aux[i] for i in aux_layer_ids]
 
 

@@ -11,4 +11,5 @@ scores them in one forward, the verifier keeps a prefix.
     eagle3_config.py    `Eagle3Config`: an EAGLE-3 head's config.json, and whether it fits (no torch)
     eagle3.py           the EAGLE-3 head: loader and forward
     eagle3_proposer.py  `Eagle3Proposer`: the head's paged KV, catch-up and drafts in the engine
+    mtp.py              a release's own MTP layers as the proposer's head (`load_mtp_head`)
 """

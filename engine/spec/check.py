@@ -27,6 +27,10 @@ def check_speculative_model(spec: SpeculativeConfig | None, model_dir: str | Pat
         text = hf_config.text_config
         head_config(spec.model, text.num_hidden_layers).check_fits(spec.model, text.hidden_size, text.vocab_size,
                                                                    text.num_hidden_layers)
+    elif spec.method == "mtp":
+        from epd.engine.spec.mtp import check_mtp_layers
+
+        check_mtp_layers(hf_config)
     elif spec.method == "draft_model":
         from epd.families.registry import check_family
 

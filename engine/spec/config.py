@@ -4,6 +4,7 @@
     {"method": "eagle3", "model": "/path/to/head", "num_speculative_tokens": 3}
 
     {"method": "draft_model", "model": "/ckpt/small", "num_speculative_tokens": 3}
+    {"method": "mtp", "num_speculative_tokens": 3}      (the target's own MTP layers)
 
 Keys and defaults are vLLM's (`vllm/config/speculative.py`): `method` may be
 left out when `model` is "ngram" or "[ngram]" (any other `model`: a draft model); an n-gram config without
@@ -25,7 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "eagle3", "draft_model")  # served now
+METHODS = ("ngram", "eagle3", "draft_model", "mtp")  # served now
+# vLLM's older spellings of a method -> the method
+ALIASES = {"[ngram]": "ngram", "qwen3_5_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 MODEL_METHODS = ("eagle3", "draft_model")  # need `model`: the head's or the draft's directory
 VLLM_METHODS = ("ngram", "eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "mtp", "suffix")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
@@ -46,7 +49,9 @@ class SpeculativeConfig:
     eagle3: `model` is an EAGLE-3 head in Speculators' format (engine/spec/eagle3.py),
     drafting from the target's hidden states (engine/spec/eagle3_proposer.py).
     draft_model: the greedy continuation of `model`, a checkpoint directory with
-    the target's tokenizer (engine/spec/draft_model.py)."""
+    the target's tokenizer (engine/spec/draft_model.py).
+    mtp: the target checkpoint's own MTP layers (engine/spec/mtp.py); "qwen3_5_mtp" and
+    "qwen3_next_mtp" are read as "mtp"."""
 
     method: str
     num_speculative_tokens: int
@@ -95,8 +100,7 @@ class SpeculativeConfig:
         method = fields.pop("method", None)
         if method is None:  # vLLM infers it from the model name
             method = "ngram" if fields.get("model") in ("ngram", "[ngram]") else "draft_model"
-        if method == "[ngram]":
-            method = "ngram"
+        method = ALIASES.get(method, method)
         if "num_speculative_tokens" not in fields:
             raise ValueError("--speculative-config: num_speculative_tokens is required")
         low, high = fields.pop("prompt_lookup_min", None), fields.pop("prompt_lookup_max", None)

@@ -83,7 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'{\"method\": \"eagle3\", \"model\": HEAD_DIR, \"num_speculative_tokens\": 3}' "
                         "(an EAGLE-3 head in Speculators' format) or "
                         "'{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 3}' "
-                        "(a small model with the target's tokenizer); default: none")
+                        "(a small model with the target's tokenizer) or "
+                        "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (the checkpoint's own MTP layers: "
+                        "Qwen3.5); default: none")
     _add_lora_args(p, defaults)
 
 

@@ -26,6 +26,9 @@ def add_model_parsers(sub) -> None:
     p.add_argument("--num-layers", type=int, default=1, help="--draft-of: decoder layers kept")
     p.add_argument("--disagree", action="store_true",
                    help="--draft-of: roll the draft's output head by one id, so the target rejects its drafts")
+    p.add_argument("--mtp-agree", action="store_true",
+                   help="a dense qwen3.5 preset made a bigram target (every layer's output projection zeroed, "
+                        "each layer still computed) whose MTP layers predict its tokens: MTP acceptance benchmarks")
     p.set_defaults(func=_make_model)
 
     p = sub.add_parser("chat", help="one user turn (images, videos, then the text); prints the completion")
@@ -62,7 +65,17 @@ def _make_model(args) -> int:
     if args.preset in EAGLE3_PRESETS:
         out = make_eagle3(args.dir, preset=args.preset, seed=args.seed)
     else:
+        if args.mtp_agree and (not args.preset.startswith("qwen3.5-") or "-moe-" in args.preset):
+            print(f"epd make-model: --mtp-agree takes a dense qwen3.5 preset, not {args.preset!r}", file=sys.stderr)
+            return 2
+        if args.mtp_agree and args.quantize:
+            print("epd make-model: --mtp-agree writes a float checkpoint; leave --quantize out", file=sys.stderr)
+            return 2
         out = make_model(args.dir, preset=args.preset, seed=args.seed, quantize=args.quantize)
+        if args.mtp_agree:
+            from epd.families.qwen3_5.presets import write_mtp_layers
+
+            write_mtp_layers(Path(out), args.seed, agree=True)
     print(f"wrote {args.preset}{' ' + args.quantize if args.quantize else ''} checkpoint to {out}")
     return 0
 

@@ -4,9 +4,10 @@ A random-weight checkpoint in the release's layout: config.json through transfor
 Qwen3_5Config / Qwen3_5MoeConfig (layer_types, partial rotary and interleaved M-RoPE in the
 text config's rope parameters; the release's attn_output_gate, full_attention_interval,
 mamba_ssm_dtype, mlp_only_layers and deepstack_visual_indexes keys, which vLLM reads), safetensors written by transformers' own model class
-(`model.language_model.*`, `model.visual.*`), Qwen's special tokens (those of qwen_vl/presets.py),
-the release's chat template with its thinking switch (chat_template.py) and Qwen3-VL's image
-and video processor files. The (1 + w) norms are random, not
+(`model.language_model.*`, `model.visual.*`, and the release's `mtp.*` MTP layers, random:
+`write_mtp_layers`), Qwen's special tokens (those of qwen_vl/presets.py), the release's chat
+template with its thinking switch (chat_template.py) and Qwen3-VL's image and video processor
+files. The (1 + w) norms are random, not
 the release's zeros, so a loader reading them as plain norms fails its tests; each linear
 layer's decay A is drawn in (0.05, 1) so its state lasts over many tokens; the final norm is
 scaled for peaked logits (epd/families/random_checkpoints.py).
@@ -125,11 +126,63 @@ def write_checkpoint(out: Path, p: Preset, seed: int) -> None:
     with torch.no_grad():
         _randomize(model, p)
     model.save_pretrained(out, safe_serialization=True)
+    write_mtp_layers(out, seed)
     write_qwen_text_files(out, tokenizer, ids)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # the release's, where transformers 5 saves it
     embed_chat_template(out, CHAT_TEMPLATE)
     write_processor_configs(out, dataclasses.replace(QWEN_VL_PRESETS["tiny"], min_pixels=p.min_pixels,
                                                      max_pixels=p.max_pixels, patch_size=p.patch_size))
+
+
+def write_mtp_layers(out: Path, seed: int, agree: bool = False) -> None:
+    """The release's MTP layers added to the checkpoint at `out` (`mtp.*` in model.safetensors,
+    the text config's `mtp_num_hidden_layers`: 1): random, one full-attention layer of the
+    target's kind made by transformers' class. With `agree`, MTP layers that predict what the
+    target predicts, made so by turning the target into a bigram model: every layer's output
+    projection (o_proj, out_proj, down_proj) zeroed, so its logits depend on the last token only,
+    and the MTP layers pass the next token's normed embedding to the target's final norm and head.
+    Every layer still runs its full cost: for measuring MTP's acceptance and speed-up (dense only:
+    a MoE's routed experts would still mix in)."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+
+    text = transformers.AutoConfig.from_pretrained(out).text_config
+    is_moe = getattr(text, "num_experts", 0) > 0
+    assert not (agree and is_moe), "agreeing MTP layers are made for a dense checkpoint"
+    layer_cls = Qwen3_5MoeDecoderLayer if is_moe else Qwen3_5DecoderLayer
+    path = out / "model.safetensors"
+    weights = load_file(path)
+    final_norm = weights["model.language_model.norm.weight"]
+    dtype, hidden = final_norm.dtype, text.hidden_size
+    layer_config = type(text)(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    torch.manual_seed(seed + 1)
+    layer = layer_cls(layer_config, 0)
+    tensors = {f"mtp.layers.0.{name}": t.detach().clone() for name, t in layer.state_dict().items()}
+    for t in tensors.values():  # a bare layer's experts are uninitialised (a model's init fills them)
+        t.normal_(0.0, 0.02 if t.ndim > 1 else 0.1)
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * hidden ** -0.5
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.randn(hidden) * 0.1
+    if agree:
+        for name, t in weights.items():
+            if name.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight")):
+                t.zero_()
+        tensors["mtp.fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)  # (1 + w): a plain RMS norm
+        tensors["mtp.norm.weight"] = final_norm.clone()
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            tensors[f"mtp.layers.0.{name}"].zero_()
+    weights.update({name: t.to(dtype).contiguous() for name, t in tensors.items()})
+    save_file(weights, path, metadata={"format": "pt"})
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _randomize(model, p: Preset) -> None:

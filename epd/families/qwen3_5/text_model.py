@@ -198,7 +198,8 @@ class Qwen3_5TextModel(DecoderStack):
 class Qwen3_5ForCausalLM(DecoderForCausalLM):
     """Language model + output head. `state_shapes()`: per Gated DeltaNet layer, one request's
     (conv state, recurrent state) shapes: what the engine's state cache holds per slot;
-    `num_kv_layers`: the full-attention layers, the only ones holding paged KV."""
+    `num_kv_layers`: the full-attention layers, the only ones holding paged KV; `load_mtp_head`
+    (set by text_loader.py): the release's MTP layers, for speculative decoding's method mtp."""
 
     def __init__(self, cfg: TextConfig, positions: PositionRule | None = None):
         super().__init__(cfg, Qwen3_5TextModel(cfg), positions)
