@@ -94,3 +94,7 @@ class StateSnapshots:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
