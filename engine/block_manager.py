@@ -197,6 +197,12 @@ class BlockManager:
                 return boundary - start
         return num_new_tokens
 
+    def snapshot_stats(self) -> dict[str, int]:
+        """Snapshots written, and prefix hits that resumed from one (0 and 0: none kept)."""
+        snapshots = self.snapshots
+        return {"state_snapshots_saved": 0 if snapshots is None else snapshots.num_saved,
+                "state_snapshot_hits": 0 if snapshots is None else snapshots.num_restored}
+
     def plan_snapshots(self, scheduled: Sequence[ScheduledRequest]) -> SnapshotPlan:
         """The step's state copies: restores of the prefix hits admitted (`allocate`), a save for
         each chunk that ends on a block boundary worth a snapshot (`_take_snapshot`), committed

@@ -431,8 +431,8 @@ class EngineCore(EngineAdapters):
         return self.images.get(mm_hash)
 
     def stats(self) -> dict[str, int | float | list[int]]:
-        """The scheduler's gauges and counters, speculative decoding's among them."""
-        return self.scheduler.stats()
+        """The scheduler's gauges and counters, speculative decoding's and state snapshots' among them."""
+        return {**self.scheduler.stats(), **self.scheduler.block_manager.snapshot_stats()}
 
     @property
     def num_running(self) -> int:

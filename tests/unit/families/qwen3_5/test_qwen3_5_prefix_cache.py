@@ -72,6 +72,7 @@ def test_repeated_prompt_next_turn_and_shared_system_prompt_hit_and_equal_transf
     _run(llm, system + _tokens(10, seed=4), 0)  # shares 32 tokens of KV, no state there yet: snapshotted now
     third = system + _tokens(10, seed=5)
     _run(llm, third, 32, _reference(qwen3_5_reference, third))
+    assert llm.stats()["state_snapshot_hits"] == 3  # the repeat, the next turn, the third system prompt
     _assert_whole(llm.engine)
 
 
