@@ -391,3 +391,4 @@ class BlockManager:
         self._cached_free_block_ids.clear()
         if self.snapshots is not None:
             self.snapshots.clear()
+            self._pending_snapshots.clear()

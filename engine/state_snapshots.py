@@ -69,9 +69,12 @@ class StateSnapshots:
         return index
 
     def commit(self, block_hash: bytes) -> None:
-        """The step's forward ran and this block's snapshot was written: later hits may resume there."""
-        self._cached[block_hash] = self._pending.pop(block_hash)
-        self.num_saved += 1
+        """The step's forward ran and this block's snapshot was written: later hits may resume there
+        (not pending: nothing, e.g. after `clear`)."""
+        index = self._pending.pop(block_hash, None)
+        if index is not None:
+            self._cached[block_hash] = index
+            self.num_saved += 1
 
     def drop_pending(self) -> None:
         """A step failed before `commit`: its pending indices go back, unwritten."""

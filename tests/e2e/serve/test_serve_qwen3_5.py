@@ -4,7 +4,8 @@ images encoded in-process) and in e-p-d (embeddings from an encoder worker into 
 worker, which hands each request's KV and Gated DeltaNet state to the decode worker; prompts
 over several chunks of 16 tokens, none prefilled on the decode worker). In e-p-d the top-5
 logprobs of each step are transformers' too, and `epd:kv_transfer_bytes` counts each
-request's state beside its KV blocks. /metrics shows each engine worker's state cache usage.
+request's state beside its KV blocks. /metrics shows each engine worker's state cache usage, and
+the repeated chats' prefix hits resumed from state snapshots (the e-p-d top-5 are a hit's).
 (e-pd, the encoder worker into one prefill+decode engine, runs no path e-p-d does not.)"""
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def test_served_text_equals_transformers(qwen3_5_checkpoint, mode, tmp_path):
                                                rtol=0, atol=1e-4)
                 assert srv.settled_sum("epd:kv_transfer_bytes_total") - before == \
                     handover_bytes(qwen3_5_checkpoint, num_prompt_tokens), name
+        # each chat's repeats were prefix hits (on the prefill worker in e-p-d), resumed from state snapshots
+        assert srv.settled_sum("epd:state_snapshot_hits_total") > 0
     finally:
         assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"

@@ -109,3 +109,16 @@ def test_without_snapshots_nothing_is_cut_or_copied():
     scheduler = _scheduler(num_state_snapshots=0)
     chunk, out = _first_step(scheduler, make_request(prompt_token_ids=list(range(100, 110))))
     assert chunk == (0, 10) and not out.snapshots.saves and scheduler.block_manager.snapshots is None
+
+
+def test_a_reset_prefix_cache_forgets_the_snapshots():
+    scheduler = _scheduler()
+    prompt = list(range(100, 110))
+    scheduler.add_request(make_request(prompt_token_ids=prompt, request_id="a"))
+    run_until_done(scheduler)
+    scheduler.block_manager.reset_prefix_cache()
+    assert scheduler.block_manager.snapshots.num_cached == 0
+    chunk, out = _first_step(scheduler, make_request(prompt_token_ids=prompt, request_id="b"))
+    assert chunk == (0, 8) and not out.snapshots.restores
+    run_until_done(scheduler)
+    _assert_pool_whole(scheduler)
