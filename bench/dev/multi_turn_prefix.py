@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.report import write_result
+from epd.bench.report import write_result
 
 
 def _workload(args, llm) -> tuple[dict, list[list[int]]]:
