@@ -10,7 +10,8 @@ span_chunks.py       ChunkSizes: a prefill chunk's size (ledger bound, budget, w
 request.py           a request as the engine sees it: tokens, spans, progress, blocks
 block_manager.py     paged KV blocks: reference counts, prefix cache
 kv_cache_sizer.py    how many KV blocks fit
-state_cache.py       per-request state beside the KV (Gated DeltaNet layers): one slot per running request
+state_cache.py       per-request state beside the KV (Gated DeltaNet layers): one slot per running request, snapshots
+state_snapshots.py   which block boundaries hold a state snapshot, where a stateful model's prefix hits resume
 image_ledger.py      every image the engine knows, by content key: present, waiting, failed
 early_prefill.py     EarlyPrefill: prefill before every image is here, its settings and bound
 model_runner.py      one step into tensors, the language model run, tokens sampled

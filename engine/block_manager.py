@@ -17,6 +17,10 @@ Invariants
   (speculative decoding) never count as computed, so a hash covers accepted
   tokens only; `shrink` hands back the blocks allocated for them.
 * Once every request is freed, `num_free_blocks == num_blocks`.
+* With state snapshots (a model whose layers carry per-request state,
+  engine/state_snapshots.py) a prefix hit ends at a block boundary that has
+  a committed snapshot: the KV blocks past the last such boundary are not
+  hits (their tokens are computed again, from the snapshot's state).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from collections.abc import Sequence
 import msgpack
 
 from epd.engine.request import Request
+from epd.engine.scheduler_output import ScheduledRequest
+from epd.engine.state_snapshots import SnapshotPlan, StateSnapshots
 from epd.transport.wire.mm_span import MMSpan
 
 # Parent hash of a prompt's first block: any fixed value works, it only has to
@@ -74,11 +80,14 @@ class BlockManager:
       3. after each model step: `cache_blocks(r)` (registers newly full blocks),
          and `shrink(r, r.num_tokens)` after a step that verified a draft;
       4. finish, abort or preemption: `free(r)`.
-    `allocate` either succeeds completely or changes nothing.
+    `allocate` either succeeds completely or changes nothing. With
+    `num_state_snapshots` (and prefix caching on) it also decides where the
+    per-request state is snapshotted (`snapshot_cut`, `plan_snapshots`;
+    docs/decisions/state-snapshots.md).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, num_state_snapshots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, "
                              f"got {num_blocks} and {block_size}")
@@ -99,6 +108,14 @@ class BlockManager:
 
         self.prefix_cache_queries = 0  # tokens looked up, counted per admission
         self.prefix_cache_hits = 0  # tokens found
+
+        # A model with per-request state: where its state was snapshotted, by block hash.
+        self.snapshots = StateSnapshots(num_state_snapshots) \
+            if num_state_snapshots and enable_prefix_caching else None
+        self._shared_ends: dict[str, int] = {}  # request id -> the end of the prefix its KV hit shares
+        self._latest_snapshots: dict[str, bytes] = {}  # request id -> its latest snapshot past its prompt
+        self._restores: dict[str, int] = {}  # admitted since the last plan: request id -> the snapshot it resumes from
+        self._pending_snapshots: dict[str, bytes] = {}  # request id -> the snapshot its step is writing
 
     # ------------------------------------------------------------------ state
 
@@ -133,11 +150,16 @@ class BlockManager:
             return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         block_ids = []
-        for block_hash in self._get_block_hashes(request, max_num_blocks):
+        block_hashes = self._get_block_hashes(request, max_num_blocks)
+        for block_hash in block_hashes:
             block_id = self._block_id_by_hash.get(block_hash)
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self.snapshots is not None:  # the state resumes only where a snapshot holds it
+            self._shared_ends[request.request_id] = len(block_ids) * self.block_size
+            while block_ids and block_hashes[len(block_ids) - 1] not in self.snapshots:
+                block_ids.pop()
         return block_ids, len(block_ids) * self.block_size
 
     def _get_block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
@@ -151,6 +173,71 @@ class BlockManager:
                 block_hashes.append(hash_block(parent, token_ids[start:start + self.block_size],
                                                start, request.mm_spans))
         return block_hashes[:num_full_blocks]
+
+    # -------------------------------------------------------- state snapshots
+
+    def _snapshot_targets(self, request: Request) -> set[int]:
+        """Where the request's prompt state is snapshotted: the last block boundary before its
+        last token (an equal prompt hits up to there) and the end of the prefix its KV hit shared
+        with an earlier request (a shared system prompt: the next one resumes there)."""
+        last = (request.num_tokens - 1) // self.block_size * self.block_size
+        return {b for b in (last, self._shared_ends.get(request.request_id, 0)) if b > 0}
+
+    def _boundary_hash(self, request: Request, boundary: int) -> bytes:
+        return self._get_block_hashes(request, boundary // self.block_size)[-1]
+
+    def snapshot_cut(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """`num_new_tokens` of a prefill chunk from `start`, ended at the first snapshot target
+        inside it that has no snapshot yet (its state is copied after the step)."""
+        if self.snapshots is None:
+            return num_new_tokens
+        for boundary in sorted(self._snapshot_targets(request)):
+            if start < boundary < start + num_new_tokens \
+                    and not self.snapshots.has(self._boundary_hash(request, boundary)):
+                return boundary - start
+        return num_new_tokens
+
+    def snapshot_stats(self) -> dict[str, int]:
+        """Snapshots written, and prefix hits that resumed from one (0 and 0: none kept)."""
+        snapshots = self.snapshots
+        return {"state_snapshots_saved": 0 if snapshots is None else snapshots.num_saved,
+                "state_snapshot_hits": 0 if snapshots is None else snapshots.num_restored}
+
+    def plan_snapshots(self, scheduled: Sequence[ScheduledRequest]) -> SnapshotPlan:
+        """The step's state copies: restores of the prefix hits admitted (`allocate`), a save for
+        each chunk that ends on a block boundary worth a snapshot (`_take_snapshot`), committed
+        as its request's blocks are hashed after the step (`cache_blocks`)."""
+        if self.snapshots is None:
+            return SnapshotPlan()
+        self.snapshots.drop_pending()  # a failed step's, never written
+        self._pending_snapshots.clear()
+        restores, self._restores = self._restores, {}
+        saves = {s.request_id: self._take_snapshot(s.request, s.end) for s in scheduled if not s.draft_token_ids}
+        return SnapshotPlan(restores, {request_id: index for request_id, index in saves.items() if index is not None})
+
+    def _take_snapshot(self, request: Request, end: int) -> int | None:
+        """The snapshot index to copy the request's state into after a step that computes it up
+        to `end`, None when none is taken: `end` must be a block boundary, one of its prompt's
+        targets or past its prompt (then it replaces the request's previous one there: a
+        conversation's next turn resumes from the latest)."""
+        if end % self.block_size or end == 0:
+            return None
+        is_past_prompt = end >= request.num_prompt_tokens
+        if not is_past_prompt and end not in self._snapshot_targets(request):
+            return None
+        block_hash = self._boundary_hash(request, end)
+        if self.snapshots.has(block_hash):
+            return None
+        index = self.snapshots.take(block_hash)
+        if index is None:
+            return None
+        self._pending_snapshots[request.request_id] = block_hash
+        if is_past_prompt:
+            previous = self._latest_snapshots.get(request.request_id)
+            if previous is not None:
+                self.snapshots.discard(previous)
+            self._latest_snapshots[request.request_id] = block_hash
+        return index
 
     # ------------------------------------------------------------- allocation
 
@@ -184,6 +271,9 @@ class BlockManager:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(computed_block_ids) * self.block_size
+            if self.snapshots is not None and computed_block_ids:  # its state resumes from the hit's snapshot
+                block_hash = self._request_block_hashes[request.request_id][len(computed_block_ids) - 1]
+                self._restores[request.request_id] = self.snapshots.restore(block_hash)
         for _ in range(num_missing_blocks):
             request.block_ids.append(self._pop_free_block())
         return True
@@ -236,6 +326,9 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
+        pending = self._pending_snapshots.pop(request.request_id, None)
+        if pending is not None:  # the state the step left in its slot was copied: findable now
+            self.snapshots.commit(pending)
         num_full_blocks = min(request.num_computed_tokens // self.block_size,
                               len(request.block_ids))
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
@@ -283,6 +376,8 @@ class BlockManager:
         request.block_ids.clear()
         self._request_block_hashes.pop(request.request_id, None)
         self._num_hashed_blocks.pop(request.request_id, None)
+        self._shared_ends.pop(request.request_id, None)
+        self._latest_snapshots.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
         """Forget every block hash (e.g. after new weights are loaded).
@@ -294,3 +389,6 @@ class BlockManager:
         self._block_id_by_hash.clear()
         self._free_block_ids.extend(self._cached_free_block_ids)
         self._cached_free_block_ids.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+            self._pending_snapshots.clear()

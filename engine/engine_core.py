@@ -52,7 +52,7 @@ from epd.engine.spec.draft_model import DraftModelProposer, load_draft_model
 from epd.engine.spec.eagle3_proposer import Eagle3Proposer, load_head
 from epd.engine.spec.mtp import load_mtp_head
 from epd.engine.spec.ngram import NgramProposer
-from epd.engine.state_cache import bytes_per_slot, check_stateful_engine, state_shapes, stateful_scheduler_config
+from epd.engine.state_cache import bytes_per_slot, check_stateful_engine, num_state_snapshots, state_shapes
 from epd.engine.structured_output import GrammarCompilerPool
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
@@ -122,19 +122,20 @@ class EngineCore(EngineAdapters):
             block_bytes += DraftModelProposer.bytes_per_block(draft, config.scheduler.block_size)
         sched_cfg = dataclasses.replace(config.scheduler,
                                         max_model_len=config.resolved_max_model_len(self.info.max_model_len))
-        if shapes:
-            sched_cfg = stateful_scheduler_config(sched_cfg)
         num_state_slots = sched_cfg.max_num_seqs if shapes else 0
+        num_snapshots = num_state_snapshots(sched_cfg) if shapes else 0  # prefix hits resume from these
         num_blocks = num_kv_blocks(config, block_bytes, self.device,
                                    profile_forward=lambda: profile_forward(model, config, self.device),
-                                   reserved_bytes=num_state_slots * bytes_per_slot(shapes, self.dtype))
+                                   reserved_bytes=(num_state_slots + num_snapshots)
+                                   * bytes_per_slot(shapes, self.dtype))
         self.images = ImageLedger()  # the images of the requests in the engine
         self.early_prefill = EarlyPrefill.of(config)
         self.scheduler = Scheduler(sched_cfg, num_blocks, role=role, images=self.images,
                                    max_loras=config.lora.max_loras if self.lora else 0,
                                    adapter_weights=self.lora.weights_of if self.lora else None,
                                    early_prefill=self.early_prefill,
-                                   whole_mm_spans=getattr(model, "bidirectional_mm", False))
+                                   whole_mm_spans=getattr(model, "bidirectional_mm", False),
+                                   num_state_snapshots=num_snapshots)
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             (pack_linears if spec.method == "eagle3" else pack_cpu_linears)(head[1])  # MTP: the target's layer kind
@@ -143,7 +144,8 @@ class EngineCore(EngineAdapters):
                                     spec.num_speculative_tokens, torch.device(self.device), self.dtype)
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
-                                  self.device, lora=self.lora, eagle3=eagle3, num_state_slots=num_state_slots)
+                                  self.device, lora=self.lora, eagle3=eagle3, num_state_slots=num_state_slots,
+                                  num_state_snapshots=num_snapshots)
         self.num_blocks = num_blocks
         self.graph_capture_s = self._capture_decode_graphs(role, sched_cfg, eagle3)
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
@@ -436,8 +438,8 @@ class EngineCore(EngineAdapters):
         return self.images.get(mm_hash)
 
     def stats(self) -> dict[str, int | float | list[int]]:
-        """The scheduler's gauges and counters, speculative decoding's among them."""
-        return self.scheduler.stats()
+        """The scheduler's gauges and counters, speculative decoding's and state snapshots' among them."""
+        return {**self.scheduler.stats(), **self.scheduler.block_manager.snapshot_stats()}
 
     @property
     def num_running(self) -> int:

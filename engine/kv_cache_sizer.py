@@ -21,8 +21,8 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
     `profile_forward()` runs the largest forward pass the engine will run
     (max_num_batched_tokens) so its peak activation memory is counted before
     the GPU budget is split; it is only called on CUDA without an explicit size.
-    `reserved_bytes` come out of the budget first: the state cache's slots
-    (engine/state_cache.py), which share it with the KV blocks.
+    `reserved_bytes` come out of the budget first: the state cache's slots and
+    snapshots (engine/state_cache.py), which share it with the KV blocks.
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -50,7 +50,7 @@ def num_kv_blocks(config: EngineConfig, block_bytes: int, device: str,
         budget = int(DEFAULT_CPU_KV_CACHE_GB * (1 << 30))
     if reserved_bytes and budget - reserved_bytes < block_bytes:
         raise ValueError(f"the per-request state cache takes {reserved_bytes / (1 << 30):.2f} GiB (one slot per "
-                         f"--max-num-seqs) of a {budget / (1 << 30):.2f} GiB cache budget, leaving no room for KV "
+                         f"--max-num-seqs, and as many prefix-cache snapshots) of a {budget / (1 << 30):.2f} GiB cache budget, leaving no room for KV "
                          "blocks; lower --max-num-seqs or raise --kv-cache-gb / --gpu-memory-utilization")
     budget -= reserved_bytes
     blocks = budget // block_bytes

@@ -15,9 +15,11 @@ The runner owns the KV cache: `read_blocks` / `write_blocks` move whole
 blocks in and out (KV transfer). For a model whose layers carry per-request
 state it owns the state cache too (engine/state_cache.py): a slot per
 running request, given at its first step, taken back when it finishes or is
-preempted, rolled back to its last accepted token after a draft's verification.
-Image embeddings it reads from the engine's `ImageLedger`, which holds them
-while a request uses them.
+preempted, rolled back to its last accepted token after a draft's verification,
+and its snapshots for prefix hits (`SnapshotPool`: a slot copied into one after a
+step, one copied into a resuming request's slot before it, as the scheduler's
+output names them). Image embeddings it reads from the engine's `ImageLedger`,
+which holds them while a request uses them.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from epd.engine.sampler import (Sampler, SamplingBatch, SamplingInput, gather_lo
                                 make_generator)
 from epd.engine.spec.eagle3_proposer import CatchUp, Eagle3Proposer
 from epd.engine.spec.verify import Draft, verify_drafts
-from epd.engine.state_cache import StateCache, state_shapes
+from epd.engine.state_cache import SnapshotPool, StateCache, state_shapes
 from epd.engine.structured_output import CompiledConstraints, GrammarState, allocate_bitmask
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -74,10 +76,12 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int,
                  image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
-                 lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None, num_state_slots: int = 0):
+                 lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         """`model.positions` places each request's tokens (engine/models/positions.py);
         `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py);
-        `num_state_slots`: the state cache's slots, for a model that declares per-request state."""
+        `num_state_slots`: the state cache's slots, for a model that declares per-request state;
+        `num_state_snapshots`: copies of them kept at block boundaries for prefix hits."""
         self.model = model
         self.positions = model.positions
         self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model says (default False: causal only)
@@ -99,6 +103,8 @@ class ModelRunner:
         self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
         shapes = state_shapes(model)
         self.state_cache = StateCache(shapes, num_state_slots, dtype, self.device) if shapes else None
+        self.snapshots = SnapshotPool(self.state_cache, num_state_snapshots) \
+            if shapes and num_state_snapshots else None
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (`capture_graphs`)
         self._states: dict[str, _RunnerState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher
@@ -253,6 +259,9 @@ class ModelRunner:
             batch.state_caches = self.state_cache.layers
             batch.state_slots = [self.state_cache.slot(s.request_id) for s in out.scheduled]
             batch.checkpoint_seqs = [b for b, s in enumerate(out.scheduled) if s.draft_token_ids]
+            for s, slot in zip(out.scheduled, batch.state_slots):  # a prefix hit resumes from a snapshot
+                if s.request_id in out.snapshots.restores:
+                    self.snapshots.restore(out.snapshots.restores[s.request_id], slot)
         if mm_rows:
             batch.mm_mask = torch.tensor(mm_mask, dtype=torch.bool, device=self.device)
             batch.mm_embeds = torch.cat([e.embeddings[a:b] for e, a, b in mm_rows]).to(self.device)
@@ -267,6 +276,9 @@ class ModelRunner:
                 hidden, aux = self.model(input_ids, batch), []  # [num_tokens, hidden]
             else:
                 hidden, aux = self.model.forward_with_aux(input_ids, batch, self.eagle3.aux_layer_ids)
+        for s, slot in zip(out.scheduled, batch.state_slots):  # the state at a block boundary, kept
+            if s.request_id in out.snapshots.saves:
+                self.snapshots.save(slot, out.snapshots.saves[s.request_id])
         self._score_prompt(out.scheduled, offsets, hidden)
         result = RunnerOutput()
         if sample_rows:

@@ -80,27 +80,27 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, role: str = "pd",
                  images: ImageLedger | None = None, max_loras: int = 0,
                  adapter_weights: Callable[[LoRARequest], str | None] | None = None,
-                 early_prefill: EarlyPrefill | None = None, whole_mm_spans: bool = False) -> None:
+                 early_prefill: EarlyPrefill | None = None, whole_mm_spans: bool = False,
+                 num_state_snapshots: int = 0) -> None:
         """`images`: the engine's image ledger (None: a ledger of its own); `early_prefill`:
         the engine's (None: one of the config's `max_num_image_waits`);
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
         `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
         request's `lora_weights`), None when it is not read: its request waits and the next
-        may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: span_chunks.py."""
+        may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: span_chunks.py;
+        `num_state_snapshots`: a model with per-request state resumes prefix hits from these (block_manager.py)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config, self.max_loras, self.adapter_weights = config, max_loras, adapter_weights
-        self.role = role
+        self.config, self.role, self.max_loras, self.adapter_weights = config, role, max_loras, adapter_weights
         self.images = images if images is not None else ImageLedger()
         self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
-        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans and role != "decode")
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, num_state_snapshots)
+        self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans and role != "decode",
+                                 self.block_manager.snapshot_cut)
         self.num_cache_tokens = num_blocks * config.block_size
-        # A sequence longer than the whole cache could never be scheduled
-        # again, so the cache bounds the model length too.
-        self.max_model_len = min(config.max_model_len or self.num_cache_tokens,
-                                 self.num_cache_tokens)
+        # A sequence longer than the whole cache could never be scheduled again: the cache bounds the model length too.
+        self.max_model_len = min(config.max_model_len or self.num_cache_tokens, self.num_cache_tokens)
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -258,7 +258,7 @@ class Scheduler:
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
         return SchedulerOutput(scheduled=step.scheduled, num_batched_tokens=num_batched_tokens,
                                preempted_request_ids=step.preempted_ids, finished_request_ids=finished_ids,
-                               dropped_request_ids=dropped_ids)
+                               dropped_request_ids=dropped_ids, snapshots=self.block_manager.plan_snapshots(step.scheduled))
 
     def _admit(self, request: Request, step: _Step, later: list[Request]) -> None:
         """Move a waiting request to `running` with its first chunk (from its

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.engine.request import Request
+from epd.engine.state_snapshots import SnapshotPlan
 from epd.transport.wire.mm_span import MMSpan
 
 
@@ -91,6 +92,9 @@ class SchedulerOutput:
     both. `dropped_request_ids` (also finished) were aborted by this step:
     they held blocks, needed one more and could not be recomputed here
     (`Scheduler._drop_stalled`); the caller answers them with an error.
+    `snapshots` (a model with per-request state, prefix caching on) names the
+    scheduled requests whose state slot starts from, or is copied into, a
+    state snapshot (engine/state_snapshots.py).
     """
 
     scheduled: list[ScheduledRequest]
@@ -98,6 +102,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
     dropped_request_ids: list[str] = field(default_factory=list)
+    snapshots: SnapshotPlan = field(default_factory=SnapshotPlan)
 
     @property
     def is_empty(self) -> bool:

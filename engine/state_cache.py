@@ -14,18 +14,20 @@ Between workers (e-p-d) a request's state travels as named tensors (`names`: `co
 `recurrent.<i>` of its i-th such layer): the prefill worker `export`s it when the prompt is done
 (its slot taken back: the request runs no more there), the decode worker `put`s it, checked,
 and the slot the request gets at its first step starts from it.
+
+For prefix caching a `SnapshotPool` keeps copies of slots at block boundaries: the scheduler's
+block manager picks where (engine/state_snapshots.py, docs/decisions/state-snapshots.md), the
+runner copies a slot into a snapshot after a step and a snapshot into the slot of a request
+whose prefix hit resumes there, before the step.
 """
 from __future__ import annotations
 
-import dataclasses
-import logging
 from math import prod
 
 import torch
 
 from epd.engine.scheduler_config import SchedulerConfig
 
-log = logging.getLogger(__name__)
 
 StateShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]  # per layer: (conv state, recurrent state) of one request
 
@@ -48,13 +50,11 @@ def check_stateful_engine(spec_method: str | None) -> None:
                          f"layers carry per-request state; use {' or '.join(STATEFUL_SPEC_METHODS)}")
 
 
-def stateful_scheduler_config(config: SchedulerConfig) -> SchedulerConfig:
-    """The scheduler's configuration for a model with per-request state: prefix caching off, said
-    in the log (a hit would skip tokens whose state no slot holds)."""
-    if config.enable_prefix_caching:
-        log.warning("prefix caching is off: this model's layers carry per-request state, and a cache hit "
-                    "would skip tokens whose state no slot holds")
-    return dataclasses.replace(config, enable_prefix_caching=False)
+def num_state_snapshots(config: SchedulerConfig) -> int:
+    """How many state snapshots (`SnapshotPool`) a model with per-request state keeps for prefix
+    caching: one per slot (`max_num_seqs`), so each running request's prompt snapshot can outlive
+    it; 0 with prefix caching off."""
+    return config.max_num_seqs if config.enable_prefix_caching else 0
 
 
 def bytes_per_slot(shapes: StateShapes, dtype: torch.dtype) -> int:
@@ -151,3 +151,28 @@ class StateCache:
     def usage(self) -> float:
         """The share of slots held, 0..1."""
         return len(self._slots) / self.num_slots
+
+
+class SnapshotPool:
+    """Copies of state slots at block boundaries, for prefix hits (engine/state_snapshots.py
+    says which index holds which block's): `num_snapshots` of each of a `StateCache`'s tensors,
+    budgeted with it (`bytes_per_slot` each)."""
+
+    def __init__(self, cache: StateCache, num_snapshots: int):
+        # per layer: conv [num_snapshots, *conv], recurrent [num_snapshots, *rec], as the cache's
+        self.layers = [(conv.new_zeros(num_snapshots, *conv.shape[1:]), rec.new_zeros(num_snapshots, *rec.shape[1:]))
+                       for conv, rec in cache.layers]
+        self.cache = cache
+        self.num_snapshots = num_snapshots
+
+    def save(self, slot: int, index: int) -> None:
+        """Snapshot `index` := the state in `slot`."""
+        for (conv, rec), (snap_conv, snap_rec) in zip(self.cache.layers, self.layers):
+            snap_conv[index] = conv[slot]
+            snap_rec[index] = rec[slot]
+
+    def restore(self, index: int, slot: int) -> None:
+        """The state in `slot` := snapshot `index`."""
+        for (conv, rec), (snap_conv, snap_rec) in zip(self.cache.layers, self.layers):
+            conv[slot] = snap_conv[index]
+            rec[slot] = snap_rec[index]

@@ -31,6 +31,7 @@ lora.py               multi-LoRA's tokens/s with 1, 4, 16 adapters against the b
 spec_decode.py        speculative decoding's tokens/s and TPOT per method, offline
 video_chunks.py       one long video's TTFT, whole against in chunks over 1, 2, 4 encoders
 cache_hit.py          a cached image's TTFT against a text prompt of the same length
+multi_turn_prefix.py  prefix caching's hit rate and time on a multi-turn workload, on against off
 encoder_routing.py    encoder routers side by side on one trace
 body_memory.py        the API process's memory and time for large request bodies
 api_servers.sh        `--api-servers 1` against 2 under many short streams

@@ -416,6 +416,8 @@ class EngineWorker(KVHandover, WorkerIO):
         self.counters.spec_decode_num_draft_tokens = stats["spec_decode_num_draft_tokens"]
         self.counters.spec_decode_num_accepted_tokens = stats["spec_decode_num_accepted_tokens"]
         self.counters.spec_decode_num_accepted_tokens_per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+        self.counters.state_snapshots_saved = stats["state_snapshots_saved"]
+        self.counters.state_snapshot_hits = stats["state_snapshot_hits"]
         self.publish(WorkerStats(
             self.spec.worker_id, self.spec.role, num_running=self.core.num_running,
             num_waiting=self.core.num_waiting + self.arrivals.num_pending + self._num_incoming,

@@ -39,6 +39,11 @@ ENGINE_COUNTERS: list[tuple[str, str, Callable[[EngineCounters], int]]] = [
      lambda c: c.spec_decode_num_drafts),
     ("epd:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda c: c.spec_decode_num_draft_tokens),
     ("epd:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lambda c: c.spec_decode_num_accepted_tokens),
+    # a model with per-request state: its prefix hits resume from snapshots of it (engine/state_snapshots.py)
+    ("epd:state_snapshots_saved", "Per-request state snapshots written at block boundaries.",
+     lambda c: c.state_snapshots_saved),
+    ("epd:state_snapshot_hits", "Prefix-cache hits that resumed from a per-request state snapshot.",
+     lambda c: c.state_snapshot_hits),
 ]
 ENGINE_SUMMARIES: list[tuple[str, str, Callable[[EngineCounters], tuple[int, float]]]] = [
     ("epd:kv_transfer_seconds", "Prefill-to-decode KV transfer time, send to ack.",

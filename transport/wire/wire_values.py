@@ -110,6 +110,10 @@ class EngineCounters:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # a model with per-request state (engine/state_snapshots.py): snapshots of it written at block
+    # boundaries, and prefix hits that resumed from one
+    state_snapshots_saved: int = 0
+    state_snapshot_hits: int = 0
 
     def to_map(self) -> dict[str, Any]:
         return {"num_preemptions": self.num_preemptions, "prefix_cache_queries": self.prefix_cache_queries,
@@ -118,7 +122,8 @@ class EngineCounters:
                 "num_aborted": self.num_aborted, "spec_decode_num_drafts": self.spec_decode_num_drafts,
                 "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
+                "state_snapshots_saved": self.state_snapshots_saved, "state_snapshot_hits": self.state_snapshot_hits}
 
     @staticmethod
     def from_map(m: Fields) -> EngineCounters:
@@ -129,7 +134,8 @@ class EngineCounters:
             num_aborted=m.int("num_aborted"), spec_decode_num_drafts=m.int("spec_decode_num_drafts"),
             spec_decode_num_draft_tokens=m.int("spec_decode_num_draft_tokens"),
             spec_decode_num_accepted_tokens=m.int("spec_decode_num_accepted_tokens"),
-            spec_decode_num_accepted_tokens_per_pos=m.list_of("spec_decode_num_accepted_tokens_per_pos", int))
+            spec_decode_num_accepted_tokens_per_pos=m.list_of("spec_decode_num_accepted_tokens_per_pos", int),
+            state_snapshots_saved=m.int("state_snapshots_saved"), state_snapshot_hits=m.int("state_snapshot_hits"))
         m.reject_unknown(out.to_map())
         return out
 

@@ -5,7 +5,9 @@ worker, which hands each request's KV and Gated DeltaNet state to the decode wor
 over several chunks of 16 tokens, none prefilled on the decode worker). In e-p-d the top-5
 logprobs of each step are transformers' too, and `epd:kv_transfer_bytes` counts each
 request's state beside its KV blocks. A response_format json_schema answer holds its schema
-in both modes (in e-p-d the grammar's state crosses the hand-over with the request's). /metrics shows each engine worker's state cache usage.
+in both modes (in e-p-d the grammar's state crosses the hand-over with the request's). /metrics
+shows each engine worker's state cache usage, and the repeated chats' prefix hits resumed from
+state snapshots (the e-p-d top-5 are a hit's).
 (e-pd, the encoder worker into one prefill+decode engine, runs no path e-p-d does not.)"""
 from __future__ import annotations
 
@@ -93,6 +95,8 @@ def test_served_text_equals_transformers(qwen3_5_checkpoint, mode, tmp_path):
                                                rtol=0, atol=1e-4)
                 assert srv.settled_sum("epd:kv_transfer_bytes_total") - before == \
                     handover_bytes(qwen3_5_checkpoint, num_prompt_tokens), name
+        # each chat's repeats were prefix hits (on the prefill worker in e-p-d), resumed from state snapshots
+        assert srv.settled_sum("epd:state_snapshot_hits_total") > 0
     finally:
         assert srv.stop() == 0, srv.log()
     assert not srv.group_alive(), "a server process survived Ctrl-C"

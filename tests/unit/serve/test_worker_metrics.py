@@ -14,7 +14,8 @@ from epd.transport.wire.wire_values import CacheFaults, EncoderCounters, EngineC
 ENGINE = EngineCounters(num_preemptions=2, prefix_cache_queries=3, prefix_cache_hits=5, kv_transfer_bytes=7,
                         num_kv_transfers=11, kv_transfer_seconds_sum=13.5, spec_decode_num_drafts=83,
                         spec_decode_num_draft_tokens=89, spec_decode_num_accepted_tokens=97,
-                        spec_decode_num_accepted_tokens_per_pos=[101, 103])
+                        spec_decode_num_accepted_tokens_per_pos=[101, 103], state_snapshots_saved=107,
+                        state_snapshot_hits=109)
 ENCODER = EncoderCounters(num_images=17, num_errors=19, num_cache_skips=23, encode_seconds_sum=29.5,
                           num_aborted=41, num_requests_received=43, num_queued_patches=47, cache_hit_tokens=53,
                           cache_evictions=59, cache_entries=61, cache_bytes=67,

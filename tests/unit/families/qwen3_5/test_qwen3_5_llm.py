@@ -41,7 +41,7 @@ def test_concurrent_chunked_preempted_requests_equal_transformers(qwen3_5_model,
     expected = [_reference(qwen3_5_reference, ids) for ids in prompts]
     llm = LLM(qwen3_5_model, num_kv_blocks=7, max_num_batched_tokens=24, max_num_seqs=4, dtype="float32",
               enable_prefix_caching=True)
-    assert llm.engine.scheduler.config.enable_prefix_caching is False  # turned off: a hit would skip state
+    assert llm.engine.scheduler.block_manager.snapshots is not None  # prefix hits resume from state snapshots
     steps = []
     original = llm.engine.scheduler.schedule
 
@@ -94,7 +94,8 @@ def test_kv_is_allocated_for_the_full_attention_layers_only(qwen3_5_model):
     from epd.engine.kv_cache_sizer import bytes_per_block
     from epd.engine.state_cache import bytes_per_slot, state_shapes
 
-    core = EngineCore(qwen3_5_model, EngineConfig.from_flat(kv_cache_gb=0.01, max_num_seqs=4, dtype="float32"))
+    core = EngineCore(qwen3_5_model, EngineConfig.from_flat(kv_cache_gb=0.01, max_num_seqs=4, dtype="float32",
+                                                            enable_prefix_caching=False))  # no state snapshots
     model = core.runner.model
     cfg, num_full = model.cfg, model.cfg.layer_types.count("full_attention")
     assert 0 < num_full < cfg.num_layers and core.runner.kv_cache.shape[1] == num_full
