@@ -6,7 +6,9 @@ gated delta rule (gated_delta.py) on the sequence's recurrent state, then a per-
 the output gated by silu(z) and the output projection. A sequence's state lives in the slot
 `batch.state_slots[b]` of this layer's `batch.state_caches[state_idx]`: prefill chunks run the
 chunked rule from it (from zeros when the chunk starts the sequence) and write the final state
-back; decode tokens run the recurrent rule on their slots in one batch.
+back; decode tokens run the recurrent rule on their slots in one batch. On CPU one call of
+gated_delta_cpu.py's fused kernel runs all of a step's sequences in place in their slots (these
+torch ops where it is not built).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.engine.layers import gated_delta_cpu
 from epd.engine.layers.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -65,39 +68,87 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [N, hidden] normed -> the layer's output [N, hidden]."""
         n = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [N, conv_dim]
-        z = self.in_proj_z(x).view(n, self.num_v_heads, self.v_dim)
-        beta = self.in_proj_b(x).sigmoid()  # [N, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, Hv] float32
+        mixed = self.in_proj_qkv(x).contiguous()  # [N, conv_dim]
+        z = self.in_proj_z(x).contiguous()  # [N, Hv * v_dim]
+        a, b = self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous()  # [N, Hv]
         conv_states, rec_states = batch.state_caches[self.state_idx]
-        weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
         meta = batch.attn_meta
-        cu, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
-        out = x.new_empty(n, self.num_v_heads, self.v_dim)
+        out = x.new_empty(n, self.value_size)  # the gated, normed rule's output
+        kernel = _cpu_kernel(mixed, rec_states, self.k_dim, self.v_dim, self.conv_kernel)
+        if kernel is not None:  # every sequence in one call, in place in the slots
+            gated_delta_cpu.gated_delta(kernel, mixed, a, b, z, conv_states, self.conv1d.weight[:, 0], rec_states,
+                                        self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                                        *_kernel_plan(meta, batch.state_slots), self.num_k_heads, out)
+            return self.out_proj(out)
 
-        decodes = [b for b in range(len(seq_lens)) if cu[b + 1] - cu[b] == 1 and seq_lens[b] > 1]
+        cu, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+        decodes = [s for s in range(len(seq_lens)) if cu[s + 1] - cu[s] == 1 and seq_lens[s] > 1]
+        prefills = sorted(set(range(len(seq_lens))) - set(decodes))
         if decodes:  # one token each, from their slots, in one batch
-            rows = torch.tensor([cu[b] for b in decodes], device=x.device)
-            slots = torch.tensor([batch.state_slots[b] for b in decodes], device=x.device)
-            conv = conv_states[slots]
-            q, k, v = self._split(causal_conv1d_decode(mixed[rows], weight, conv))
-            conv_states[slots] = conv
-            rec = rec_states[slots]
-            out[rows] = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], rec)
-            rec_states[slots] = rec
-        for b in sorted(set(range(len(seq_lens))) - set(decodes)):  # prefill chunks, one sequence at a time
-            lo, hi = cu[b], cu[b + 1]
-            slot, is_fresh = batch.state_slots[b], hi - lo == seq_lens[b]
-            q_k_v, conv = causal_conv1d_prefill(mixed[lo:hi], weight, None if is_fresh else conv_states[slot])
-            conv_states[slot] = conv
-            q, k, v = self._split(q_k_v)
-            out[lo:hi], rec_states[slot] = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi],
-                                                                  None if is_fresh else rec_states[slot])
-        out = self.norm(out, z).reshape(n, self.value_size)
+            rows = torch.tensor([cu[s] for s in decodes], device=x.device)
+            slots = torch.tensor([batch.state_slots[s] for s in decodes], device=x.device)
+            out[rows] = self._decode_torch(mixed[rows], a[rows], b[rows], z[rows], conv_states, rec_states, slots)
+        if prefills:  # prefill chunks, one sequence at a time
+            core = x.new_empty(n, self.num_v_heads, self.v_dim)
+            beta, g = self._gates(a, b)
+            for s in prefills:
+                lo, hi = cu[s], cu[s + 1]
+                slot, is_fresh = batch.state_slots[s], hi - lo == seq_lens[s]
+                q_k_v, conv = causal_conv1d_prefill(mixed[lo:hi], self.conv1d.weight[:, 0],
+                                                    None if is_fresh else conv_states[slot])
+                conv_states[slot] = conv
+                q, k, v = self._split(q_k_v)
+                core[lo:hi], rec_states[slot] = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi],
+                                                                       None if is_fresh else rec_states[slot])
+            z = z.view(n, self.num_v_heads, self.v_dim)
+            if not decodes:
+                out = self.norm(core, z).reshape(n, self.value_size)
+            else:
+                rows = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in prefills]).to(x.device)
+                out[rows] = self.norm(core[rows], z[rows]).reshape(-1, self.value_size)
         return self.out_proj(out)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [M, Hv] -> beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) (float32)."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _decode_torch(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+                      conv_states: torch.Tensor, rec_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The decode kernel's torch reference: one token per sequence, its states gathered from
+        `slots` and written back -> the gated, normed output [M, Hv * v_dim]."""
+        conv = conv_states[slots]
+        q, k, v = self._split(causal_conv1d_decode(mixed, self.conv1d.weight[:, 0], conv))
+        conv_states[slots] = conv
+        rec = rec_states[slots]
+        beta, g = self._gates(a, b)
+        core = recurrent_gated_delta_rule(q, k, v, g, beta, rec)
+        rec_states[slots] = rec
+        return self.norm(core, z.view(-1, self.num_v_heads, self.v_dim)).reshape(-1, self.value_size)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[M, conv_dim] -> q, k [M, Hk, k_dim], v [M, Hv, v_dim]."""
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         return (q.reshape(-1, self.num_k_heads, self.k_dim), k.reshape(-1, self.num_k_heads, self.k_dim),
                 v.reshape(-1, self.num_v_heads, self.v_dim))
+
+
+use_cpu_kernel = True  # tests switch it off to compare the kernel with the torch path
+
+
+def _cpu_kernel(mixed: torch.Tensor, rec_states: torch.Tensor, k_dim: int, v_dim: int, conv_kernel: int):
+    """gated_delta_cpu.py's function where it applies (CPU, float32 or bfloat16, built), else None."""
+    if not (use_cpu_kernel and gated_delta_cpu.applies(mixed, rec_states, k_dim, v_dim, conv_kernel)):
+        return None
+    return gated_delta_cpu.load()
+
+
+def _kernel_plan(meta, state_slots: list[int]) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-sequence start row, token count, slot (int64) and fresh flag (int32), made by
+    the step's first Gated DeltaNet layer and kept in `meta.plans` for the others."""
+    plan = meta.plans.get("gated_delta_cpu")
+    if plan is None:
+        starts = meta.cu_seqlens_q[:-1].to(torch.int64)
+        num_tokens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).to(torch.int64)
+        fresh = (num_tokens == meta.seq_lens).to(torch.int32)
+        plan = meta.plans["gated_delta_cpu"] = (starts, num_tokens, torch.tensor(state_slots, dtype=torch.int64), fresh)
+    return plan
