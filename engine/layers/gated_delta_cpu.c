@@ -6,7 +6,7 @@
  * (fresh[s]: the sequence starts here, its states from zeros). A decode is one token, a prefill
  * chunk many; both run the recurrent rule token by token, which on CPU costs a small part of the
  * layer's projections (a head's state, Dk x Dv floats, stays in the core's cache):
- *   1. per channel: the causal conv of the mixed q|k|v rows over the conv state, then SiLU; the
+ *   1. per block of channels: the causal conv of the mixed q|k|v rows over the conv state, then SiLU; the
  *      conv state left holding the last K - 1 inputs, in place in its slot;
  *   2. per value head h (key head h / (Hv / Hk)), token by token: q and k L2-normalised, q times
  *      Dk^-0.5, g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), and the gated delta
@@ -54,43 +54,55 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
     return (uint16_t)(c.u >> 16);
 }
 
-static inline float load(const void *p, int64_t i, const int bf16) {
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16) {
     return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void store(void *p, int64_t i, float x, const int bf16) {
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, const int bf16) {
     if (bf16) ((uint16_t *)p)[i] = to_bf16(x);
     else ((float *)p)[i] = x;
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
 
-/* Step 1 for sequence s, channel c: conv_out's rows = silu(conv(window)), the conv state moved on. */
-static inline void conv_channel(const Args *a, int64_t s, int64_t c, const int bf16) {
-    const int64_t C = a->conv_dim, K = a->kernel, L = K - 1, st = (a->slots[s] * C + c) * L;
-    float window[64], w[64]; /* K <= 64 (checked by the wrapper) */
-    for (int64_t j = 0; j < K; j++) w[j] = load(a->conv_weight, c * K + j, bf16);
-    for (int64_t j = 0; j < L; j++) window[j] = a->fresh[s] ? 0.0f : load(a->conv_states, st + j, bf16);
+#define INLINE static inline __attribute__((always_inline))
+#define CONV_BLOCK 64 /* channels per conv work item: the inner loops run across them, vectorised */
+#define MAX_KERNEL 8
+
+/* Step 1 for sequence s, channels c0 .. c0 + CONV_BLOCK - 1 (fewer at the end), token by token:
+ * conv_out's rows = silu(conv(window)), the conv state left holding the last K - 1 inputs. */
+INLINE void conv_block(const Args *a, int64_t s, int64_t c0, const int bf16) {
+    const int64_t C = a->conv_dim, K = a->kernel, L = K - 1, slot = a->slots[s] * C * L;
+    const int64_t nc = C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK;
+    float w[MAX_KERNEL][CONV_BLOCK], win[MAX_KERNEL][CONV_BLOCK], acc[CONV_BLOCK];
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t j = 0; j < K; j++) {
+            w[j][c] = load(a->conv_weight, (c0 + c) * K + j, bf16);
+            if (j < L) win[j][c] = a->fresh[s] ? 0.0f : load(a->conv_states, slot + (c0 + c) * L + j, bf16);
+        }
     for (int64_t t = a->start[s], end = t + a->num_tokens[s]; t < end; t++) {
-        window[L] = load(a->mixed, t * C + c, bf16);
-        float acc = 0.0f;
-        for (int64_t j = 0; j < K; j++) acc += w[j] * window[j];
-        a->conv_out[t * C + c] = silu(acc);
-        for (int64_t j = 0; j < L; j++) window[j] = window[j + 1];
+        for (int64_t c = 0; c < nc; c++) win[L][c] = load(a->mixed, t * C + c0 + c, bf16);
+        for (int64_t c = 0; c < nc; c++) acc[c] = 0.0f;
+        for (int64_t j = 0; j < K; j++)
+            for (int64_t c = 0; c < nc; c++) acc[c] += w[j][c] * win[j][c];
+        float *y = a->conv_out + t * C + c0;
+        for (int64_t c = 0; c < nc; c++) y[c] = acc[c] / (1.0f + expf(-acc[c]));
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t c = 0; c < nc; c++) win[j][c] = win[j + 1][c];
     }
-    for (int64_t j = 0; j < L; j++) store(a->conv_states, st + j, window[j], bf16);
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t j = 0; j < L; j++) store(a->conv_states, slot + (c0 + c) * L + j, win[j][c], bf16);
 }
 
-static inline float inv_norm(const float *x, int64_t n, float eps) {
+INLINE float inv_norm(const float *x, int64_t n, float eps) {
     float ss = 0.0f;
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     return 1.0f / sqrtf(ss + eps);
 }
 
 /* One token t of value head h over the state S in place: steps 2 and 3. */
-static inline void head_token(const Args *a, float *S, int64_t t, int64_t h, const int bf16) {
+INLINE void head_token(const Args *a, float *S, int64_t t, int64_t h, const int bf16) {
     const int64_t Dk = a->k_dim, Dv = a->v_dim, Hv = a->num_v_heads, kh = h / (Hv / a->num_k_heads);
     const int64_t key_size = a->num_k_heads * Dk;
     const float *y = a->conv_out + t * a->conv_dim;
@@ -121,24 +133,27 @@ static inline void head_token(const Args *a, float *S, int64_t t, int64_t h, con
     for (int64_t j = 0; j < Dv; j++) ss += o[j] * o[j];
     const float rms = 1.0f / sqrtf(ss / (float)Dv + a->eps);
     const int64_t base = (t * Hv + h) * Dv;
-    for (int64_t j = 0; j < Dv; j++)
-        store(a->out, base + j, a->norm_weight[j] * o[j] * rms * silu(load(a->z, base + j, bf16)), bf16);
+    for (int64_t j = 0; j < Dv; j++) { /* o <- norm(o) * silu(z) */
+        const float gate = load(a->z, base + j, bf16);
+        o[j] = a->norm_weight[j] * o[j] * rms * gate / (1.0f + expf(-gate));
+    }
+    for (int64_t j = 0; j < Dv; j++) store(a->out, base + j, o[j], bf16);
 }
 
 /* Step 2 and 3 for sequence s, value head h: its tokens in order. */
-static inline void head_step(const Args *a, int64_t s, int64_t h, const int bf16) {
+INLINE void head_step(const Args *a, int64_t s, int64_t h, const int bf16) {
     const int64_t size = a->k_dim * a->v_dim;
     float *S = a->rec_states + (a->slots[s] * a->num_v_heads + h) * size;
     if (a->fresh[s]) memset(S, 0, (size_t)size * sizeof(float));
     for (int64_t t = a->start[s], end = t + a->num_tokens[s]; t < end; t++) head_token(a, S, t, h, bf16);
 }
 
-static inline void run(const Args *a, int num_threads, const int bf16) {
-    const int64_t n = a->num_seqs, Hv = a->num_v_heads;
+INLINE void run(const Args *a, int num_threads, const int bf16) {
+    const int64_t n = a->num_seqs, Hv = a->num_v_heads, blocks = (a->conv_dim + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < n * a->conv_dim; w++) conv_channel(a, w / a->conv_dim, w % a->conv_dim, bf16);
+        for (int64_t w = 0; w < n * blocks; w++) conv_block(a, w / blocks, w % blocks * CONV_BLOCK, bf16);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < n * Hv; w++) head_step(a, w / Hv, w % Hv, bf16);
     }

@@ -22,7 +22,7 @@ import torch
 from epd.engine import c_library
 
 SOURCE = Path(__file__).with_name("gated_delta_cpu.c")
-MAX_HEAD_DIM, MAX_CONV_KERNEL = 256, 64  # the kernel's buffers
+MAX_HEAD_DIM, MAX_CONV_KERNEL = 256, 8  # the kernel's buffers
 _lock = threading.Lock()
 _loaded: list = []  # [the function or None] once load() has run
 
