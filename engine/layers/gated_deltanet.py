@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
 
     def _decode_torch(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
                       conv_states: torch.Tensor, rec_states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The decode kernel's torch reference: one token per sequence, its states gathered from
+        """The torch path of a step's decodes: one token per sequence, its states gathered from
         `slots` and written back -> the gated, normed output [M, Hv * v_dim]."""
         conv = conv_states[slots]
         q, k, v = self._split(causal_conv1d_decode(mixed, self.conv1d.weight[:, 0], conv))
