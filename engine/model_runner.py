@@ -34,6 +34,7 @@ from epd.engine.attention import get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
+from epd.engine.layers import gated_delta_cpu
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.lora.manager import LoRAManager
 from epd.engine.models.causal_lm import CausalLM, num_kv_layers
@@ -105,6 +106,8 @@ class ModelRunner:
         self.state_cache = StateCache(shapes, num_state_slots, dtype, self.device) if shapes else None
         self.snapshots = SnapshotPool(self.state_cache, num_state_snapshots) \
             if shapes and num_state_snapshots else None
+        if shapes and self.device.type == "cpu":  # the Gated DeltaNet kernel built before the first step
+            gated_delta_cpu.load()
         self.graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps (`capture_graphs`)
         self._states: dict[str, _RunnerState] = {}
         self._grammars: dict[str, GrammarState] = {}  # structured outputs: request id -> matcher

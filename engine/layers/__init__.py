@@ -15,4 +15,6 @@
                       state) and recurrent (decode), torch
     causal_conv1d.py  the short causal depthwise conv of a Gated DeltaNet layer, with its carried conv state
     gated_deltanet.py the Gated DeltaNet layer (Qwen3.5's linear attention) over per-request state slots
+    gated_delta_cpu.py  the layer's fused CPU kernel (gated_delta_cpu.c: conv, gates, recurrent rule,
+                      gated norm, in place in the slots), built once, loaded with ctypes
 """

@@ -6,7 +6,9 @@ gated delta rule (gated_delta.py) on the sequence's recurrent state, then a per-
 the output gated by silu(z) and the output projection. A sequence's state lives in the slot
 `batch.state_slots[b]` of this layer's `batch.state_caches[state_idx]`: prefill chunks run the
 chunked rule from it (from zeros when the chunk starts the sequence) and write the final state
-back; decode tokens run the recurrent rule on their slots in one batch. A draft being verified
+back; decode tokens run the recurrent rule on their slots in one batch. On CPU one call of
+gated_delta_cpu.py's fused kernel runs all of a step's sequences in place in their slots (these
+torch ops where it is not built, or where a step verifies a draft). A draft being verified
 (speculative decoding: the sequences `batch.checkpoint_seqs`) runs token by token with the decodes,
 as decoding one token at a time would, and the state after each of its positions is kept in
 `batch.state_checkpoints[state_idx]`: the runner keeps the one after the last accepted token
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epd.engine.layers import gated_delta_cpu
 from epd.engine.layers.causal_conv1d import causal_conv1d_decode, causal_conv1d_prefill
 from epd.engine.layers.forward_batch import ForwardBatch
 from epd.engine.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -69,13 +72,23 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [N, hidden] normed -> the layer's output [N, hidden]."""
         n = x.shape[0]
-        mixed = self.in_proj_qkv(x)  # [N, conv_dim]
-        z = self.in_proj_z(x).view(n, self.num_v_heads, self.v_dim)
-        beta = self.in_proj_b(x).sigmoid()  # [N, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [N, Hv] float32
+        mixed = self.in_proj_qkv(x).contiguous()  # [N, conv_dim]
+        z = self.in_proj_z(x).contiguous()  # [N, Hv * v_dim]
+        a, b = self.in_proj_a(x).contiguous(), self.in_proj_b(x).contiguous()  # [N, Hv]
         conv_states, rec_states = batch.state_caches[self.state_idx]
         weight = self.conv1d.weight[:, 0]  # [conv_dim, kernel]
         meta = batch.attn_meta
+        # the kernel keeps no per-position states: a step verifying a draft takes the torch ops
+        kernel = None if batch.checkpoint_seqs else _cpu_kernel(mixed, rec_states, self.k_dim, self.v_dim,
+                                                                 self.conv_kernel)
+        if kernel is not None:  # every sequence in one call, in place in the slots
+            out = x.new_empty(n, self.value_size)  # the gated, normed rule's output
+            gated_delta_cpu.gated_delta(kernel, mixed, a, b, z, conv_states, weight, rec_states,
+                                        self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                                        *_kernel_plan(meta, batch.state_slots), self.num_k_heads, out)
+            return self.out_proj(out)
+
+        beta, g = self._gates(a, b)
         cu, seq_lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         out = x.new_empty(n, self.num_v_heads, self.v_dim)
 
@@ -91,8 +104,12 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split(q_k_v)
             out[lo:hi], rec_states[slot] = chunk_gated_delta_rule(q, k, v, g[lo:hi], beta[lo:hi],
                                                                   None if is_fresh else rec_states[slot])
-        out = self.norm(out, z).reshape(n, self.value_size)
+        out = self.norm(out, z.view(n, self.num_v_heads, self.v_dim)).reshape(n, self.value_size)
         return self.out_proj(out)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [M, Hv] -> beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) (float32)."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def _token_by_token(self, seqs: list[int], num_drafts: int, mixed: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, out: torch.Tensor, batch: ForwardBatch) -> None:
@@ -131,3 +148,25 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
         return (q.reshape(-1, self.num_k_heads, self.k_dim), k.reshape(-1, self.num_k_heads, self.k_dim),
                 v.reshape(-1, self.num_v_heads, self.v_dim))
+
+
+use_cpu_kernel = True  # tests switch it off to compare the kernel with the torch path
+
+
+def _cpu_kernel(mixed: torch.Tensor, rec_states: torch.Tensor, k_dim: int, v_dim: int, conv_kernel: int):
+    """gated_delta_cpu.py's function where it applies (CPU, float32 or bfloat16, built), else None."""
+    if not (use_cpu_kernel and gated_delta_cpu.applies(mixed, rec_states, k_dim, v_dim, conv_kernel)):
+        return None
+    return gated_delta_cpu.load()
+
+
+def _kernel_plan(meta, state_slots: list[int]) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-sequence start row, token count, slot (int64) and fresh flag (int32), made by
+    the step's first Gated DeltaNet layer and kept in `meta.plans` for the others."""
+    plan = meta.plans.get("gated_delta_cpu")
+    if plan is None:
+        starts = meta.cu_seqlens_q[:-1].to(torch.int64)
+        num_tokens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).to(torch.int64)
+        fresh = (num_tokens == meta.seq_lens).to(torch.int32)
+        plan = meta.plans["gated_delta_cpu"] = (starts, num_tokens, torch.tensor(state_slots, dtype=torch.int64), fresh)
+    return plan

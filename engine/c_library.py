@@ -1,0 +1,75 @@
+"""A plain C source built on first use with the system's C compiler, cached, loaded with ctypes.
+
+The engine's CPU kernels (engine/attention/paged_attention_cpu.c, engine/layers/gated_delta_cpu.c)
+are plain C with OpenMP and no torch headers, so each builds in about a second. A build lands in
+a cache directory (`$EPD_KERNEL_CACHE`, default ~/.cache/epd/kernels) under a name that hashes
+the source, the compiler, the flags and this CPU's features, and is written beside its target
+and renamed, so processes starting at once never load half a file. Without a compiler, or when
+the build fails, `load` logs why once and returns None: the caller keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Compiled with -ffast-math (vectorised sums and expf), linked without it: linked with it, GCC adds
+# crtfastmath, whose loading flushes subnormals to zero in the whole process (torch's sums too).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
+
+
+def _cpu_features() -> str:
+    """This CPU's model and flags: a library built with -march=native for one CPU may not run on another."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def library_path(source: Path, compiler: str) -> Path:
+    cache = Path(os.environ.get("EPD_KERNEL_CACHE") or Path.home() / ".cache" / "epd" / "kernels")
+    parts = [source.read_text(), compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_features()]
+    digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    return cache / f"{source.stem}-{digest[:16]}.so"
+
+
+def _build(source: Path, compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    obj = tmp + ".o"
+    try:
+        for argv in ([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"]):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def load(source: Path, what: str, fallback: str) -> ctypes.CDLL | None:
+    """`source` built (or found in the cache) and loaded, or None with a warning naming `what`
+    was not built and the `fallback` the caller takes instead."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: %s (slower)", fallback)
+        return None
+    path = library_path(source, compiler)
+    try:
+        if not path.exists():
+            _build(source, compiler, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("%s not built (%s): %s (slower)", what, str(detail).strip()[:500], fallback)
+        return None
