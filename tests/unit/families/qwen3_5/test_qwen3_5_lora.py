@@ -70,7 +70,9 @@ def test_an_adapter_on_both_layer_kinds_gives_peft_tokens_and_logprobs(qwen3_5_m
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts * 2],
                         SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5),
                         lora_request=[None, None, lora, lora])
-    assert_greedy_matches(outs, base + with_adapter)
+    # atol 5e-4: the CPU kernel runs the rule token by token where transformers runs it chunked, and
+    # this adapted MoE model carries that float32 rounding to ~3e-4 in a logprob (the torch ops: 3e-5)
+    assert_greedy_matches(outs, base + with_adapter, atol=5e-4)
     assert llm.engine.runner.state_cache.usage == 0  # every slot back
 
 

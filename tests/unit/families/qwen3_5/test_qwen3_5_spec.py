@@ -57,9 +57,14 @@ def test_ngram_greedy_tokens_are_transformers_with_drafts_accepted_and_rejected(
 
 
 @pytest.mark.parametrize("qwen3_5_model", ["qwen3.5-tiny"], indirect=True)
-def test_a_drafts_checkpoints_are_the_states_of_decoding_one_token_at_a_time(qwen3_5_model):
+def test_a_drafts_checkpoints_are_the_states_of_decoding_one_token_at_a_time(qwen3_5_model, monkeypatch):
     """Two sequences in one step: one verifying a 3-token draft, one decoding a token; the draft's
-    state after each position equals the state decoding its tokens one at a time leaves."""
+    state after each position equals the state decoding its tokens one at a time leaves (both on
+    the torch ops: a step with a draft takes them, and the CPU kernel is checked against them in
+    tests/unit/engine/test_gated_delta_cpu.py)."""
+    from epd.engine.layers import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "use_cpu_kernel", False)
     from epd.engine.config import EngineConfig
     from epd.engine.engine_core import EngineCore
     from epd.engine.layers.forward_batch import ForwardBatch
