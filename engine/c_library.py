@@ -6,6 +6,7 @@ a cache directory (`$EPD_KERNEL_CACHE`, default ~/.cache/epd/kernels) under a na
 the source, the compiler, the flags and this CPU's features, and is written beside its target
 and renamed, so processes starting at once never load half a file. Without a compiler, or when
 the build fails, `load` logs why once and returns None: the caller keeps its torch path.
+`Kernel` is one function of such a source, built and typed once per process.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -73,3 +76,34 @@ def load(source: Path, what: str, fallback: str) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("%s not built (%s): %s (slower)", what, str(detail).strip()[:500], fallback)
         return None
+
+
+class Kernel:
+    """One C function of `source`, built, loaded and typed on the first `load()` of the process
+    (thread-safe), or None where it cannot be: `switch` (an environment variable) set to 0, no
+    compiler, a failed build (logged, naming `what` and the `fallback` the caller takes)."""
+
+    def __init__(self, source: Path, symbol: str, argtypes: Sequence, restype, switch: str, what: str,
+                 fallback: str):
+        self.source, self.symbol, self.argtypes, self.restype = source, symbol, list(argtypes), restype
+        self.switch, self.what, self.fallback = switch, what, fallback
+        self._lock = threading.Lock()
+        self._loaded: list = []  # [the function or None] once load() has run
+
+    def load(self):
+        """The ctypes function, or None (decided once)."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self.build())
+            return self._loaded[0]
+
+    def build(self):
+        """The function built and loaded now (not remembered), or None."""
+        if os.environ.get(self.switch, "1") == "0":
+            return None
+        lib = load(self.source, self.what, self.fallback)
+        if lib is None:
+            return None
+        fn = getattr(lib, self.symbol)
+        fn.argtypes, fn.restype = self.argtypes, self.restype
+        return fn

@@ -14,8 +14,6 @@ keeps its gather + SDPA path: same results, slower.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -23,30 +21,23 @@ import torch
 from epd.engine import c_library
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
-_lock = threading.Lock()
-_loaded: list = []  # [the function or None] once load() has run
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_KERNEL = c_library.Kernel(
+    SOURCE, "epd_paged_decode_attention",
+    [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _P,
+     ctypes.c_int], ctypes.c_int,
+    switch="EPD_CPU_ATTENTION_KERNEL", what="CPU attention kernel",
+    fallback="CPU decode attention gathers K/V for SDPA")
 
 
 def load():
     """The kernel's ctypes function, or None where it cannot be built (logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
+    return _KERNEL.load()
 
 
 def _load():
-    if os.environ.get("EPD_CPU_ATTENTION_KERNEL", "1") == "0":
-        return None
-    lib = c_library.load(SOURCE, "CPU attention kernel", "CPU decode attention gathers K/V for SDPA")
-    if lib is None:
-        return None
-    fn = lib.epd_paged_decode_attention
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, p,
-                   ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    """The kernel built now, not remembered (tests: the switch and the no-compiler case)."""
+    return _KERNEL.build()
 
 
 def decode_attention(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -13,8 +13,6 @@ compiler (or with `EPD_CPU_GDN_KERNEL=0`) `load()` returns None and the layer ke
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -23,29 +21,21 @@ from epd.engine import c_library
 
 SOURCE = Path(__file__).with_name("gated_delta_cpu.c")
 MAX_HEAD_DIM, MAX_CONV_KERNEL = 256, 8  # the kernel's buffers
-_lock = threading.Lock()
-_loaded: list = []  # [the function or None] once load() has run
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_KERNEL = c_library.Kernel(
+    SOURCE, "epd_gated_delta",
+    [_P] * 14 + [_I64] * 7 + [ctypes.c_float, _P, _P, ctypes.c_int, ctypes.c_int], None,
+    switch="EPD_CPU_GDN_KERNEL", what="CPU Gated DeltaNet kernel", fallback="Gated DeltaNet layers run torch ops")
 
 
 def load():
     """The kernel's ctypes function, or None where it cannot be built (logged once)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_load())
-        return _loaded[0]
+    return _KERNEL.load()
 
 
 def _load():
-    if os.environ.get("EPD_CPU_GDN_KERNEL", "1") == "0":
-        return None
-    lib = c_library.load(SOURCE, "CPU Gated DeltaNet kernel", "Gated DeltaNet layers run torch ops")
-    if lib is None:
-        return None
-    fn = lib.epd_gated_delta
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p] * 14 + [i64] * 7 + [ctypes.c_float, p, p, ctypes.c_int, ctypes.c_int]
-    fn.restype = None
-    return fn
+    """The kernel built now, not remembered (tests: the switch and the no-compiler case)."""
+    return _KERNEL.build()
 
 
 def applies(mixed: torch.Tensor, rec_states: torch.Tensor, k_dim: int, v_dim: int, kernel: int) -> bool:
