@@ -5,9 +5,9 @@ Each batch goes out as three frames `(topic, seq, payload)`: the topic's
 UTF-8 bytes, an 8-byte big-endian sequence number counting batches from 0,
 and the msgpack `EventBatch` (transport/wire/kv_events.py). A subscriber that
 sees a gap in the numbers asks the replay socket (a ROUTER) for the batches
-from `seq` on: it sends `(b"", seq as 8 bytes big-endian)` from a REQ or
-DEALER socket and gets one `(b"", topic, seq, payload)` per batch still in the
-last `buffer_steps`, then `(b"", b"", -1 as 8 signed bytes, b"")`.
+from `seq` on: it sends `(b"", seq as 8 bytes big-endian)` from a DEALER
+socket and gets one `(b"", topic, seq, payload)` per batch still in the last
+`buffer_steps`, then `(b"", b"", -1 as 8 signed bytes, b"")`.
 
 Batches are sent from the worker's own thread after its step (a PUB socket
 never blocks: past `hwm` queued messages it drops them, as vLLM's does);

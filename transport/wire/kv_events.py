@@ -108,12 +108,17 @@ def _decode_event(wire: dict) -> KVCacheEvent:
         keys = wire.pop("extra_keys", None)
         known = {f.name for f in fields(BlockStored)}
         return BlockStored(**{k: v for k, v in wire.items() if k in known},
-                           extra_keys=None if keys is None else [None if k is None else tuple(k) for k in keys])
+                           extra_keys=None if keys is None else [None if k is None else _untagged(k) for k in keys])
     if kind == "BlockRemoved":
         return BlockRemoved(wire["block_hashes"], wire.get("medium"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event type {kind!r}")
+
+
+def _untagged(keys: list) -> tuple:
+    """One block's extra keys as `BlockStored` holds them: `(mm_hash, offset)` pairs as tuples."""
+    return tuple(tuple(key) if isinstance(key, list) else key for key in keys)
 
 
 PUBLISHERS = ("null", "zmq")
