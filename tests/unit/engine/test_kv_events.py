@@ -8,19 +8,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import zmq
 
 from epd.cli.engine_flags import engine_config_of
+from epd.engine.config import EngineConfig
+from epd.engine.engine_core import EngineCore
 from epd.engine.scheduler import Scheduler
 from epd.engine.scheduler_config import SchedulerConfig
+from epd.engine.worker.loop import EngineWorker
+from epd.transport.wire.addresses import Addresses
+from epd.transport.wire.channels import Receiver, Sender
 from epd.transport.wire.kv_event_publisher import END_SEQ, KVEventPublisher
 from epd.transport.wire.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig,
                                           decode_event_batch, external_block_hash)
 from epd.transport.wire.lora_request import LoRARequest
+from epd.transport.wire.messages import PrefillRequest, Shutdown, TokenOutputs
+from epd.transport.wire.sampling import SamplingParams
+from epd.transport.wire.worker_io import WorkerSpec
 
-from testkit.engine_factories import add_request, fake_run, image_request, make_request
+from testkit.engine_factories import add_request, cpu_llm, fake_run, image_request, make_request
 from testkit.vllm_kv_events_reference import decode_with_vllm, vllm_python
 
 BLOCK_SIZE = 4
@@ -204,3 +213,70 @@ def test_the_config_takes_vllms_keys_and_names_a_wrong_one():
         KVEventsConfig.parse({"buffer_steps": 0})
     with pytest.raises(ValueError, match="not valid JSON"):
         KVEventsConfig.parse("{enable")
+
+
+def test_the_offline_llm_refuses_events_it_could_not_publish(tiny_model):
+    with pytest.raises(ValueError, match="offline LLM has no publisher"):
+        cpu_llm(tiny_model, kv_events_config={"enable_kv_cache_events": True})
+
+
+def test_an_engine_worker_publishes_what_its_engine_caches(tiny_model, tmp_path):
+    """The real worker loop around the real engine (a tiny checkpoint): requests in through its
+    inbox, each step's events out on its PUB socket, rebuilt to the engine's own cached set; the
+    whole stream again from its replay socket (the subscriber may have joined late), the same."""
+    config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/kv",
+              "replay_endpoint": f"ipc://{tmp_path}/kv-replay"}
+    core = EngineCore(tiny_model, EngineConfig.from_flat(dtype="float32", device="cpu", num_kv_blocks=6,
+                                                         kv_events_config=config))  # 16-token blocks: evictions
+    addresses = Addresses.ipc(tmp_path)
+    collector = Receiver(addresses.collector(0))
+    spec = WorkerSpec("pd-0", "pd", addresses.worker("pd", 0), (collector.address,), None, 0)
+    worker = EngineWorker(spec, core)
+    worker.heartbeat.interval_s = 3600.0
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(config["endpoint"])
+    inbox = Sender(spec.inbox)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(config["replay_endpoint"])
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    try:
+        prompts = {"a": list(range(10, 50)), "b": list(range(10, 50)), "c": list(range(60, 100)),
+                   "d": list(range(110, 150)), "e": list(range(10, 45))}  # b and e hit a's blocks
+        frames = []
+        for request_id, token_ids in prompts.items():  # one at a time: a subscriber joins before the first
+            inbox.send(PrefillRequest(request_id, token_ids, [], greedy, [], None))
+            while True:
+                out = collector.recv(timeout_s=30)
+                assert out is not None, "no answer from the worker"
+                if isinstance(out, TokenOutputs) and any(o.finished for o in out.outputs):
+                    break
+            while sub.poll(200):
+                topic, seq, payload = sub.recv_multipart()
+                frames.append((topic, int.from_bytes(seq, "big"), payload))
+        manager = core.scheduler.block_manager
+        assert manager.prefix_cache_hits > 0
+        events = [e for _, _, p in frames for e in decode_event_batch(p)[1]]
+        assert any(isinstance(e, BlockRemoved) for e in events)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # answered by the idle loop
+        replayed = []
+        while True:
+            assert dealer.poll(10_000), "no replay"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            replayed.append((topic, int.from_bytes(seq, "big"), payload))
+        assert [seq for _, seq, _ in replayed] == list(range(len(replayed)))
+        assert frames and set(frames) <= set(replayed) and frames[-1] == replayed[-1]  # live: all but a late join's
+        assert rebuild(replayed) == {external_block_hash(h) for h in manager.cached_block_hashes()}
+    finally:
+        inbox.send(Shutdown())
+        thread.join(timeout=30)
+        inbox.close()
+        dealer.close()
+        sub.close()
+        collector.close()
