@@ -280,3 +280,15 @@ def test_an_engine_worker_publishes_what_its_engine_caches(tiny_model, tmp_path)
         dealer.close()
         sub.close()
         collector.close()
+
+
+def test_each_engine_worker_of_a_deployment_publishes_on_its_own_port(tiny_model, tmp_path):
+    from epd.config import ServeConfig
+    from epd.processes.worker_launches import worker_launches
+
+    events = KVEventsConfig(True, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5600")
+    config = ServeConfig(model=tiny_model, mode="e-pd", num_prefill=2, engine=EngineConfig(kv_events_config=events))
+    launches = worker_launches(config, Addresses.ipc(tmp_path), ("ipc://collector",), str(tmp_path / "mm"))
+    engines = [launch.engine.kv_events_config for launch in launches if launch.spec.role.holds_kv]
+    assert [(e.endpoint, e.replay_endpoint) for e in engines] == [("tcp://*:5557", "tcp://*:5600"),
+                                                                  ("tcp://*:5558", "tcp://*:5601")]
