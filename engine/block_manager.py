@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import msgpack
 
+from epd.engine.kv_event_log import KVEventLog
 from epd.engine.request import Request
 from epd.engine.scheduler_output import ScheduledRequest
 from epd.engine.state_snapshots import SnapshotPlan, StateSnapshots
@@ -83,11 +84,13 @@ class BlockManager:
     `allocate` either succeeds completely or changes nothing. With
     `num_state_snapshots` (and prefix caching on) it also decides where the
     per-request state is snapshotted (`snapshot_cut`, `plan_snapshots`;
-    docs/decisions/state-snapshots.md).
+    docs/decisions/state-snapshots.md). With `kv_events` it records its prefix-cache
+    changes as vLLM's KV events (`kv_events.take()` after each step; engine/kv_event_log.py).
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16,
-                 enable_prefix_caching: bool = True, num_state_snapshots: int = 0) -> None:
+                 enable_prefix_caching: bool = True, num_state_snapshots: int = 0,
+                 kv_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be positive, "
                              f"got {num_blocks} and {block_size}")
@@ -116,6 +119,7 @@ class BlockManager:
         self._latest_snapshots: dict[str, bytes] = {}  # request id -> its latest snapshot past its prompt
         self._restores: dict[str, int] = {}  # admitted since the last plan: request id -> the snapshot it resumes from
         self._pending_snapshots: dict[str, bytes] = {}  # request id -> the snapshot its step is writing
+        self.kv_events = KVEventLog(block_size) if kv_events and enable_prefix_caching else None
 
     # ------------------------------------------------------------------ state
 
@@ -128,6 +132,10 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks in use, 0..1."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """The hashes a prefix lookup can hit now."""
+        return set(self._block_id_by_hash)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -312,6 +320,8 @@ class BlockManager:
         block_hash = self._block_hashes[block_id]
         if block_hash is not None and self._block_id_by_hash.get(block_hash) == block_id:
             del self._block_id_by_hash[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash)
         self._block_hashes[block_id] = None
 
     # ---------------------------------------------------------------- caching
@@ -335,13 +345,17 @@ class BlockManager:
         if num_full_blocks <= num_hashed:
             return
         block_hashes = self._get_block_hashes(request, num_full_blocks)
+        stored = []
         for i in range(num_hashed, num_full_blocks):
             block_id = request.block_ids[i]
             block_hash = block_hashes[i]
             if self._block_hashes[block_id] is None and block_hash not in self._block_id_by_hash:
                 self._block_hashes[block_id] = block_hash
                 self._block_id_by_hash[block_hash] = block_id
+                stored.append(i)
         self._num_hashed_blocks[request.request_id] = num_full_blocks
+        if self.kv_events is not None and stored:
+            self.kv_events.stored(request, block_hashes, stored)
 
     # ------------------------------------------------------------------- free
 
@@ -387,6 +401,8 @@ class BlockManager:
         for block_id in range(self.num_blocks):
             self._block_hashes[block_id] = None
         self._block_id_by_hash.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         self._free_block_ids.extend(self._cached_free_block_ids)
         self._cached_free_block_ids.clear()
         if self.snapshots is not None:

@@ -5,6 +5,8 @@
                                     prefill priority
       speculative_config: SpeculativeConfig | None   speculative decoding (engine/spec/config.py)
       lora: LoRAConfig              enable_lora, max_loras, max_lora_rank, max_cpu_loras
+      kv_events_config: KVEventsConfig | None   vLLM's KV events from the block manager
+                                    (transport/wire/kv_events.py)
 
 `EngineConfig.from_flat(**settings)` takes the flat vLLM names of all three
 (`max_num_seqs=8, device="cpu", enable_lora=True`), as `LLM(...)` and the CLI flags do.
@@ -18,6 +20,7 @@ from typing import Any
 from epd.engine.lora.config import LoRAConfig
 from epd.engine.scheduler_config import SchedulerConfig
 from epd.engine.spec.config import SpeculativeConfig
+from epd.transport.wire.kv_events import KVEventsConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -54,9 +57,12 @@ class EngineConfig:
     # graphs for batches of up to max_cudagraph_capture_size sequences (None: min(2 x max_num_seqs, 512))
     enforce_eager: bool = False
     max_cudagraph_capture_size: int | None = None
+    # vLLM's --kv-events-config: given as its JSON text or a dict, kept typed (None: no events)
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's half, float), got {self.dtype!r}")

@@ -44,6 +44,7 @@ from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.causal_lm import num_kv_layers
 from epd.engine.request import Request
+from epd.transport.wire.kv_events import KVCacheEvent
 from epd.transport.wire.sampling import TokenLogprobs
 from epd.transport.weights.cpu_linear import pack_linears
 from epd.engine.scheduler import Scheduler
@@ -135,7 +136,8 @@ class EngineCore(EngineAdapters):
                                    adapter_weights=self.lora.weights_of if self.lora else None,
                                    early_prefill=self.early_prefill,
                                    whole_mm_spans=getattr(model, "bidirectional_mm", False),
-                                   num_state_snapshots=num_snapshots)
+                                   num_state_snapshots=num_snapshots,
+                                   kv_events=config.kv_events_config is not None and config.kv_events_config.is_on)
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             (pack_linears if spec.method == "eagle3" else pack_cpu_linears)(head[1])  # MTP: the target's layer kind
@@ -453,6 +455,12 @@ class EngineCore(EngineAdapters):
     def num_waiting_for_images(self) -> int:
         """Requests in the engine that cannot go on until an image arrives."""
         return self.scheduler.num_waiting_for_images
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, as vLLM's KV events
+        (none unless --kv-events-config turned them on)."""
+        log = self.scheduler.block_manager.kv_events
+        return [] if log is None else log.take()
 
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks

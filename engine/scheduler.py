@@ -81,21 +81,21 @@ class Scheduler:
                  images: ImageLedger | None = None, max_loras: int = 0,
                  adapter_weights: Callable[[LoRARequest], str | None] | None = None,
                  early_prefill: EarlyPrefill | None = None, whole_mm_spans: bool = False,
-                 num_state_snapshots: int = 0) -> None:
+                 num_state_snapshots: int = 0, kv_events: bool = False) -> None:
         """`images`: the engine's image ledger (None: a ledger of its own); `early_prefill`:
         the engine's (None: one of the config's `max_num_image_waits`);
         `max_loras`: distinct adapters among the running requests at most (0: no limit);
         `adapter_weights(lora_request)`: which weights of an adapter this worker read (the
         request's `lora_weights`), None when it is not read: its request waits and the next
         may start (no callable: every adapter is read, by name and path); `whole_mm_spans`: span_chunks.py;
-        `num_state_snapshots`: a model with per-request state resumes prefix hits from these (block_manager.py)."""
+        `num_state_snapshots` (a stateful model's prefix hits resume there), `kv_events`: block_manager.py's."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.config, self.role, self.max_loras, self.adapter_weights = config, role, max_loras, adapter_weights
         self.images = images if images is not None else ImageLedger()
         self.early_prefill = early_prefill or EarlyPrefill(max_num_image_waits=config.max_num_image_waits)
         self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching, num_state_snapshots)
+                                          config.enable_prefix_caching, num_state_snapshots, kv_events)
         self.chunks = ChunkSizes(self.images, config.max_num_batched_tokens, whole_mm_spans and role != "decode",
                                  self.block_manager.snapshot_cut)
         self.num_cache_tokens = num_blocks * config.block_size

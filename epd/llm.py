@@ -81,6 +81,9 @@ class LLM:
         if config is not None and engine_settings:
             raise TypeError("pass either an EngineConfig or engine settings, not both")
         self.config = config or EngineConfig.from_flat(**engine_settings)
+        if self.config.kv_events_config is not None and self.config.kv_events_config.is_on:  # nobody would take them
+            raise ValueError("kv_events_config: KV events are published by a served engine worker (epd serve, "
+                             "epd worker); the offline LLM has no publisher")
         # config.json, family, tokenizer, chat template, sampling defaults: CheckpointError (ValueError) names
         # what is wrong; an unsupported family fails here too, with the supported ones named
         self.files = ModelFiles.open(model, ModelFilesConfig(

@@ -6,6 +6,8 @@
               KVTransfer to decode, prefill role); with a stream interval N a
               request's tokens are held until N are here (the first and the last go at once)
            -> WorkerStats every `stats_interval_s`
+           -> with --kv-events-config: the step's KV events, one EventBatch on a PUB
+              socket (transport/wire/kv_event_publisher.py); replay requests answered
 
 Roles:
   prefill     computes prompts, streams the first token, ships KV blocks to the
@@ -51,6 +53,7 @@ from epd.transport.host.core_lease import CoreLease
 from epd.transport.embedding_cache.mm_entry import MMEntry
 from epd.transport.wire.wire_values import EncoderCounters, EngineCounters
 from epd.transport.wire.frame_limits import encoder_inbox_frame_bytes, engine_inbox_frame_bytes
+from epd.transport.wire.kv_event_publisher import KVEventPublisher
 from epd.transport.wire.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.worker")
@@ -106,6 +109,8 @@ class EngineWorker(KVHandover, WorkerIO):
         self.encoder_counters = EncoderCounters() if encode_fn is not None else None
         self._last_stats = 0.0
         self._ended: OrderedDict[str, None] = OrderedDict()  # failed or aborted here, newest last
+        kv_events = core.config.kv_events_config
+        self.kv_events = KVEventPublisher(kv_events) if kv_events is not None and kv_events.is_on else None
 
     # ------------------------------------------------------------------ loop
 
@@ -121,14 +126,19 @@ class EngineWorker(KVHandover, WorkerIO):
                     if self.cores is not None:
                         self.cores.take()
                     self._step()
+                    self._publish_kv_events()
                 else:
                     self.core.trim_loras()  # runtime loads read ahead: --max-cpu-loras though no step runs
                     if self.cores is not None:
                         self.cores.release()
                 self._maybe_send_stats()
+                if self.kv_events is not None:
+                    self.kv_events.serve_replays()
         finally:
             if self.cores is not None:
                 self.cores.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.close()
 
     def _drain(self, timeout_s: float) -> None:
@@ -367,6 +377,11 @@ class EngineWorker(KVHandover, WorkerIO):
             except Exception:  # one request fails (the API sends it again elsewhere); the worker serves on
                 log.exception("%s: could not send the KV of %s", self.spec.worker_id, request.request_id)
                 self._fail(request.request_id, "could not send the KV cache to the decode worker", is_internal=True)
+
+    def _publish_kv_events(self) -> None:
+        """The step's prefix-cache changes, one batch (none when events are off or nothing changed)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.take_kv_events())
 
     def _hold(self, state: _RequestState | None, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
         """`out` joined to what is held for its request: returned to be sent when

@@ -13,7 +13,7 @@ ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_n
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
                 "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size")
+                "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size", "kv_events_config")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -86,6 +86,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(a small model with the target's tokenizer) or "
                         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (the checkpoint's own MTP layers: "
                         "Qwen3.5); default: none")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish each engine worker's prefix-cache changes as vLLM's KV events, vLLM's JSON: "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' (also publisher, buffer_steps, hwm, topic); "
+                        "the k-th engine worker of an epd serve adds k to the ports; default: none")
     _add_lora_args(p, defaults)
 
 

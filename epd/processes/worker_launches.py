@@ -3,6 +3,8 @@
 `epd serve` (epd/processes/launcher.py) and `--api-servers N` (epd/processes/api_servers.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from epd.config import ServeConfig
 from epd.processes.worker_entry import WorkerLaunch
 from epd.transport.wire.addresses import Addresses, worker_id
@@ -31,7 +33,11 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
     shares = _core_shares(config, addresses, [role.holds_kv and not engine.device.startswith("cuda")
                                               for (role, _), engine in zip(roles, engines)])
     launches = []
+    num_kv_workers = 0  # the engine workers so far: each publishes its KV events on its own port
     for (role, index), engine, share in zip(roles, engines, shares):
+        if role.holds_kv and engine.kv_events_config is not None:
+            engine = replace(engine, kv_events_config=engine.kv_events_config.for_rank(num_kv_workers))
+            num_kv_workers += 1
         spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
                           mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_blob_bytes)
         if engine.device.startswith("cuda"):

@@ -11,6 +11,8 @@ sampling.py          SamplingParams and TokenLogprobs, torch-free
 lora_request.py      LoRARequest: which adapter a request runs with
 mm_span.py           an item's placeholder run in a prompt, and a family's metadata of it
 histogram.py         a histogram a worker fills and sends whole
+kv_events.py         vLLM's KV cache events (EventBatch, BlockStored...) and --kv-events-config
+kv_event_publisher.py  an engine worker's KV events on a PUB socket, with vLLM's replay socket
 addresses.py         the one place a ZeroMQ address is built
 channels.py          typed channels: the only way our code touches a socket
 auth.py              CURVE keys of the worker plane

@@ -27,7 +27,7 @@ class FakeCore:
     def __init__(self):
         self.info = SimpleNamespace(fingerprint="f", num_layers=1, num_kv_heads=1, head_dim=4, hidden_size=8,
                                     max_model_len=64)
-        self.config = SimpleNamespace(early_prefill=True, resolved_max_model_len=lambda n: n,
+        self.config = SimpleNamespace(early_prefill=True, kv_events_config=None, resolved_max_model_len=lambda n: n,
                                       scheduler=SimpleNamespace(block_size=4))
         self.early_prefill = EarlyPrefill()
         self.room = True  # add_prefilled: whether blocks are free
