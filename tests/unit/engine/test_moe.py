@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from testkit.triton_interpreter import INTERPRETING, run_interpreted
 
+from epd.engine.layers.mlp import pack_cpu_linears
 from epd.engine.layers.moe import SparseMoeBlock, bucket_rows, fused_moe_torch, route, run_experts
 
 HAS_CUDA = torch.cuda.is_available()
@@ -101,7 +102,8 @@ def test_packed_bfloat16_experts_match_the_reference_with_padded_row_counts():
         block.w13.copy_(w13)
         block.w2.copy_(w2)
     plain = fused_moe_torch(x.bfloat16(), block.w13, block.w2, weights.bfloat16(), ids)
-    assert block.pack_experts() and block.w13 is None and block.w2 is None  # the plain copies released
+    pack_cpu_linears(torch.nn.Sequential(block))  # as the engine does after loading
+    assert block.packed is not None and block.w13 is None and block.w2 is None  # the plain copies released
     packed = run_experts(x.bfloat16(), weights.bfloat16(), ids, 8, block.packed)
     ref = dense_reference(x, w13.bfloat16().float(), w2.bfloat16().float(), weights, ids)
     # bfloat16 rounding only: no further from the float32 reference than the plain bfloat16 linears
