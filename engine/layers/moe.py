@@ -99,16 +99,16 @@ PACKED_EXPERT_DTYPES = (torch.bfloat16,)
 
 
 class PackedExperts:
-    """Each expert's gate, up and down projections as oneDNN-packed weights (CPU, inference):
-    the SiLU and the product are post-ops of the gate and up calls. Bare `F.linear` in bfloat16
-    reorders the weight into oneDNN's layout on every call; packed once, it is read as it lies."""
+    """Each expert's fused gate/up and down projections as oneDNN-packed weights (CPU, inference).
+    Bare `F.linear` in bfloat16 reorders the weight into oneDNN's layout on every call; packed
+    once, it is read as it lies. (Gate and up as two calls with the SiLU and the product as
+    post-ops measured 1.06-1.17x slower than one call and two elementwise ops, 8-512 tokens.)"""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
-        inter = w2.shape[2]
+        self.inter = w2.shape[2]
         reorder = torch.ops.mkldnn._reorder_linear_weight
         with torch.no_grad():
-            self.gate = [reorder(w[:inter].contiguous(), None) for w in w13]
-            self.up = [reorder(w[inter:].contiguous(), None) for w in w13]
+            self.gate_up = [reorder(w.contiguous(), None) for w in w13]
             self.down = [reorder(w.contiguous(), None) for w in w2]
 
     def __call__(self, e: int, rows: torch.Tensor) -> torch.Tensor:
@@ -118,9 +118,8 @@ class PackedExperts:
         if padded != n:  # zero rows, dropped below: their outputs touch no real row
             rows = F.pad(rows, (0, 0, 0, padded - n))
         linear = torch.ops.mkldnn._linear_pointwise
-        gate = linear(rows, self.gate[e], None, "swish", [], "")  # silu(rows W_gate^T)
-        h = linear.binary(rows, gate, self.up[e], None, "mul")  # (rows W_up^T) * gate
-        return linear(h, self.down[e], None, "none", [], "")[:n]
+        h = linear(rows, self.gate_up[e], None, "none", [], "")  # [padded, 2 * inter]
+        return linear(F.silu(h[:, :self.inter]) * h[:, self.inter:], self.down[e], None, "none", [], "")[:n]
 
 
 def bucket_rows(n: int) -> int:
