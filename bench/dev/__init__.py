@@ -45,6 +45,7 @@ cuda_graphs.py        CUDA graphs for decode steps, and first-use stalls (GPU)
 cpu_decode_attention.py  the CPU paged decode attention kernel against gather + SDPA
 cpu_linear.py         the CPU GEMM behind every projection against torch's F.linear
 cpu_step_pieces.py    one decoder layer's non-GEMM pieces, eager against fused
+moe_cpu.py            one MoE layer's routed experts on CPU: the old per-expert loop, run_experts, packed
 state_rollback.py     a rejected draft's Gated DeltaNet state: checkpoints against recompute
 gpu_checks.sh         every GPU test and benchmark in one run, on a lent GPU
 

@@ -8,8 +8,8 @@
     softcap.py        soft-capping (a final-logit cap in a model's compute_logits)
     norm.py           RMSNorm
     mlp.py            the dense SwiGLU MLP, and pack_cpu_linears for CPU float32
-    moe.py            the sparse mixture-of-experts MLP, routed experts only; add_mlp, a layer's
-                      residual plus its MLP, dense or MoE
+    moe.py            the sparse mixture-of-experts MLP, routed experts only (on CPU bfloat16 packed
+                      for oneDNN, pack_experts); add_mlp, a layer's residual plus its MLP, dense or MoE
     triton_moe.py     fused MoE in Triton (GPU)
     gated_delta.py    the gated delta rule of a Gated DeltaNet layer: chunked (prefill, from a carried
                       state) and recurrent (decode), torch

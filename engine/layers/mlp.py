@@ -23,11 +23,14 @@ class MLP(nn.Module):
 
 
 def pack_cpu_linears(model: nn.Module) -> None:
-    """CPU float32 (else nothing changes): every dense MLP's gate/up projection as a
+    """CPU float32 (other dtypes: only the MoE experts below): every dense MLP's gate/up projection as a
     `PackedSwiGLU` (the activation and product inside oneDNN's calls), then every other
     `nn.Linear` packed whole (transport/weights/cpu_linear.py). After any LoRA wrapping: a wrapped
-    gate/up is packed whole, its adapter added to the plain projection's output."""
+    gate/up is packed whole, its adapter added to the plain projection's output. CPU bfloat16
+    also: every MoE block's routed experts (moe.py `RoutedExperts.pack_experts`)."""
     for module in model.modules():
         if isinstance(module, MLP):
             pack_swiglu(module, "gate_up_proj", module.intermediate_size)
+        elif hasattr(module, "pack_experts"):  # a MoE block (moe.py imports this module, not it this one)
+            module.pack_experts()  # CPU bfloat16 only
     pack_linears(model)

@@ -12,13 +12,19 @@ Experts are SwiGLU MLPs stored fused as the checkpoints hold them:
 parameters: engine/loader.py fills them itself because checkpoints store
 them in either orientation.
 
-CPU path (`fused_moe_torch`): the (token, expert) pairs are sorted by expert
-and each expert that got tokens runs once on its rows. GPU path: the Triton
-kernel in layers/triton_moe.py, tested against this one.
+CPU path (`run_experts`): the (token, expert) pairs are sorted by expert, the
+rows gathered once, each expert that got tokens runs once on its contiguous
+rows, and one index_add sums them back. `fused_moe_torch` runs the experts as
+plain linears (the reference); in bfloat16, a block's `pack_experts` (called by
+`pack_cpu_linears` after loading) packs each expert's projections for oneDNN
+(`PackedExperts`). GPU path: the Triton kernel in layers/triton_moe.py, tested
+against `fused_moe_torch`.
 
 `add_mlp`: a decoder layer's residual plus its MLP, dense or either MoE block.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,29 +59,114 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
 
 
+def run_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [num_tokens, hidden] -> [num_tokens, hidden]: sum over each token's k experts of
+    weight * expert(e, rows). The rows are gathered once in expert order, each expert that got
+    tokens runs once on its contiguous rows, and one index_add sums them back (in the same order
+    as one index_add per expert would)."""
+    top_k = topk_ids.shape[1]
+    pairs, counts = sort_by_expert(topk_ids, num_experts)
+    tokens = pairs // top_k
+    xs = x[tokens]  # [num_tokens * top_k, hidden], grouped by expert
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:  # never touched: no work for an expert nobody chose
+            continue
+        ys[start:start + n] = expert(e, xs[start:start + n])
+        start += n
+    ys.mul_(topk_weights.flatten()[pairs, None])
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, hidden] -> [num_tokens, hidden]: sum over each token's k
     experts of weight * down(silu(gate(x)) * up(x))."""
-    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     inter = w2.shape[2]
-    pairs, counts = sort_by_expert(topk_ids, num_experts)
-    flat_weights = topk_weights.flatten()
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, n in enumerate(counts.tolist()):
-        if n == 0:  # never touched: no work for an expert nobody chose
-            continue
-        rows = pairs[start:start + n]
-        start += n
-        tokens = rows // top_k
-        h = F.linear(x[tokens], w13[expert])  # [n, 2 * inter]
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[expert])  # [n, hidden]
-        out.index_add_(0, tokens, y * flat_weights[rows, None])
-    return out
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = F.linear(rows, w13[e])  # [n, 2 * inter]
+        return F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e])  # [n, hidden]
+
+    return run_experts(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
-class SparseMoeBlock(nn.Module):
+# Packed on CPU (a measured gain on this project's AMX host; bench/dev/moe_cpu.py). float32 is not: its
+# F.linear runs MKL on the plain weight about as fast.
+PACKED_EXPERT_DTYPES = (torch.bfloat16,)
+
+
+class PackedExperts:
+    """Each expert's fused gate/up and down projections as oneDNN-packed weights (CPU, inference).
+    Bare `F.linear` in bfloat16 reorders the weight into oneDNN's layout on every call; packed
+    once, it is read as it lies. (Gate and up as two calls with the SiLU and the product as
+    post-ops measured 1.06-1.17x slower than one call and two elementwise ops, 8-512 tokens.)"""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor):
+        self.inter = w2.shape[2]
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        with torch.no_grad():
+            self.gate_up = [reorder(w.contiguous(), None) for w in w13]
+            self.down = [reorder(w.contiguous(), None) for w in w2]
+
+    def __call__(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, hidden] -> expert e's output [n, hidden]."""
+        n = rows.shape[0]
+        padded = bucket_rows(n)
+        if padded != n:  # zero rows, dropped below: their outputs touch no real row
+            rows = F.pad(rows, (0, 0, 0, padded - n))
+        linear = torch.ops.mkldnn._linear_pointwise
+        h = linear(rows, self.gate_up[e], None, "none", [], "")  # [padded, 2 * inter]
+        return linear(F.silu(h[:, :self.inter]) * h[:, self.inter:], self.down[e], None, "none", [], "")[:n]
+
+
+def bucket_rows(n: int) -> int:
+    """n rounded up to one of 8 sizes an octave above 16 (at most 1/8 more rows). oneDNN builds a
+    primitive for each row count it meets (1-3 ms each, bench/dev/moe_cpu.py); an expert's row
+    count changes with every prefill chunk, so without buckets a prefill builds a new one per call."""
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def can_pack_experts(w13: torch.Tensor) -> bool:
+    return (w13.device.type == "cpu" and w13.dtype in PACKED_EXPERT_DTYPES and not w13.is_meta
+            and torch.backends.mkldnn.is_available())
+
+
+class RoutedExperts(nn.Module):
+    """What both MoE blocks share: their experts' `w13` / `w2` buffers (or `packed`, once
+    `pack_experts` ran) and how the routed experts run."""
+
+    num_experts: int
+    packed: PackedExperts | None
+
+    def pack_experts(self) -> bool:
+        """The experts as `PackedExperts` where they can be packed (CPU bfloat16; `pack_cpu_linears`
+        calls this after loading); the plain `w13` / `w2` are released (both would double the
+        experts' memory). Returns whether they were packed."""
+        if self.packed is not None or not can_pack_experts(self.w13):
+            return False
+        self.packed = PackedExperts(self.w13, self.w2)
+        self.w13 = self.w2 = None
+        return True
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, use_triton: bool) -> torch.Tensor:
+        """The routed experts' weighted sum on x [num_tokens, hidden]: Triton (GPU), packed (CPU
+        bfloat16), or plain torch."""
+        if use_triton:
+            from epd.engine.layers.triton_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.packed is not None:
+            return run_experts(x, weights, ids, self.num_experts, self.packed)
+        return fused_moe_torch(x, self.w13, self.w2, weights, ids)
+
+
+class SparseMoeBlock(RoutedExperts):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  normalize: bool):
         super().__init__()
@@ -83,15 +174,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
         self.register_buffer("w13", torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.register_buffer("w2", torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packed = None  # pack_experts (CPU bfloat16)
 
     def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
         topk_weights, topk_ids = route(self.gate(x), self.top_k, self.normalize)
-        if use_triton:
-            from epd.engine.layers.triton_moe import fused_moe
-
-            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
-        return fused_moe_torch(x, self.w13, self.w2, topk_weights, topk_ids)
+        return self.routed(x, topk_weights, topk_ids, use_triton)
 
 
 def route_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
@@ -113,7 +201,7 @@ def route_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, to
     return weights * scaling, ids
 
 
-class GroupedMoeBlock(nn.Module):
+class GroupedMoeBlock(RoutedExperts):
     """Routed experts by `route_grouped`, plus shared experts every token goes through."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, num_shared: int,
@@ -125,6 +213,7 @@ class GroupedMoeBlock(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.empty(num_experts))
         self.register_buffer("w13", torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.register_buffer("w2", torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packed = None  # pack_experts (CPU bfloat16)
         self.shared_experts = MLP(hidden_size, intermediate_size * num_shared)
 
     def forward(self, x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
@@ -132,11 +221,4 @@ class GroupedMoeBlock(nn.Module):
         logits = self.gate(x.float())  # [num_tokens, num_experts]; the router is float32 (maybe packed on CPU)
         weights, ids = route_grouped(logits, self.e_score_correction_bias, self.top_k, self.num_groups,
                                      self.topk_groups, self.normalize, self.scaling)
-        weights = weights.to(x.dtype)
-        if use_triton:
-            from epd.engine.layers.triton_moe import fused_moe
-
-            routed = fused_moe(x, self.w13, self.w2, weights, ids)
-        else:
-            routed = fused_moe_torch(x, self.w13, self.w2, weights, ids)
-        return routed + self.shared_experts(x)
+        return self.routed(x, weights.to(x.dtype), ids, use_triton) + self.shared_experts(x)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from testkit.triton_interpreter import INTERPRETING, run_interpreted
 
-from epd.engine.layers.moe import SparseMoeBlock, fused_moe_torch, route
+from epd.engine.layers.mlp import pack_cpu_linears
+from epd.engine.layers.moe import SparseMoeBlock, bucket_rows, fused_moe_torch, route, run_experts
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -89,6 +90,37 @@ def test_block_equals_transformers_sparse_moe_block():
         ours.w2.copy_(ref.experts.down_proj)
         x = torch.randn(1, 50, 32)
         torch.testing.assert_close(ours(x[0]), ref(x)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_packed_bfloat16_experts_match_the_reference_with_padded_row_counts():
+    # 200 tokens x 2 over 8 experts: ~50 rows an expert, padded to a bucket (bucket_rows); expert 5 unused
+    x, w13, w2, weights, ids = make_case(num_tokens=200, unused_expert=5)
+    assert {bucket_rows(n) for n in ids.flatten().bincount().tolist()} - set(ids.flatten().bincount().tolist())
+    block = SparseMoeBlock(32, 24, 8, 2, normalize=True).to(torch.bfloat16)
+    with torch.no_grad():
+        block.w13.copy_(w13)
+        block.w2.copy_(w2)
+    plain = fused_moe_torch(x.bfloat16(), block.w13, block.w2, weights.bfloat16(), ids)
+    pack_cpu_linears(torch.nn.Sequential(block))  # as the engine does after loading
+    assert block.packed is not None and block.w13 is None and block.w2 is None  # the plain copies released
+    packed = run_experts(x.bfloat16(), weights.bfloat16(), ids, 8, block.packed)
+    ref = dense_reference(x, w13.bfloat16().float(), w2.bfloat16().float(), weights, ids)
+    # bfloat16 rounding only: no further from the float32 reference than the plain bfloat16 linears
+    packed_err, plain_err = (packed.float() - ref).abs().max(), (plain.float() - ref).abs().max()
+    assert packed_err <= 1.5 * plain_err and packed_err < 0.05 * ref.abs().max(), (packed_err, plain_err)
+
+
+def test_float32_experts_stay_plain():
+    block = SparseMoeBlock(32, 24, 8, 2, normalize=True)
+    assert not block.pack_experts() and block.packed is None and block.w13 is not None
+
+
+def test_bucket_rows_pads_by_at_most_an_eighth():
+    sizes = [bucket_rows(n) for n in range(1, 4097)]
+    assert sizes[:16] == list(range(1, 17))  # decode-sized counts exact
+    assert all(n <= b <= n + n / 8 for n, b in enumerate(sizes, 1))
+    assert len(set(sizes)) <= 16 + 8 * 8  # a handful of primitives per octave
 
 
 # -- Triton ---------------------------------------------------------------------------
