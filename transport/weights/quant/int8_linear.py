@@ -5,9 +5,11 @@ at run time, the product in int32 (`torch._int_mm`, oneDNN/VNNI where the CPU ha
 of float32's bytes, the lever of a decode step that streams its weights. A row of
 activations x gets its own scale s_x = max|x| / 127 and is rounded to int8; the output
 is (q_x q_w^T) * s_x * s_w. `int8_linear_reference` is that math in float, the kernel's
-test reference. The int8 values come from the checkpoint's W8A8 weights as the loader
-dequantized them (`int8_linears`): a linear whose float weight is not exactly int8 times
-a per-row scale stays float (lm_head, routers, anything the release left out).
+test reference. The int8 values and scales are the checkpoint's own: the loader puts a
+W8A8 linear's stored rows into an `Int8Linear` (transport/weights/checkpoint.py), fused
+projections row by row, with no float copy; what the release left in float (lm_head,
+routers) stays float. `float_linears` turns them back into float `nn.Linear`s, for the
+wrappers that read a float weight (LoRA).
 """
 from __future__ import annotations
 
@@ -49,45 +51,26 @@ class Int8Linear(nn.Module):
             out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] it stands for: int8 x its row's scale (a copy)."""
+        return self.weight_q.float() * self.weight_scale.view(-1, 1)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def exact_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 [out, in], scale [out]) whose product is `weight` (to float32 rounding), or None.
-    A row's scale is max|w| / k for k its largest |q|: 127 or 128 from the usual observers
-    (128 where compressed-tensors' max|w| / 127.5 rounded the negative extreme to -128),
-    else searched down from 126 for the few rows that need it (a GPTQ-made row)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1).clamp(min=1e-30)  # [out]
-    scale = torch.zeros_like(amax)
-    todo = torch.ones_like(amax, dtype=torch.bool)
-    for k in (127, 128, *range(126, 0, -1)):
-        rows = todo.nonzero().squeeze(1)
-        if rows.numel() == 0:
-            break
-        r = w[rows] * (k / amax[rows, None])
-        fits = ((r - r.round()).abs().amax(dim=1) < 1e-3) & (r.round().amin(dim=1) >= -128) \
-            & (r.round().amax(dim=1) <= 127)
-        scale[rows[fits]] = amax[rows[fits]] / k
-        todo[rows[fits]] = False
-        if k == 128 and todo.sum() * 2 > w.shape[0]:
-            return None  # most rows fit no usual scale: a float weight (lm_head), not searched further
-    if todo.any():
-        return None
-    return (w / scale[:, None]).round().to(torch.int8), scale
-
-
-def int8_linears(model: nn.Module) -> int:
-    """Replaces every CPU float32 `nn.Linear` whose weight is exactly int8 x a per-row scale
-    (a W8A8 checkpoint's, dequantized by the loader) by an `Int8Linear`; returns how many."""
+def float_linears(model: nn.Module) -> int:
+    """Replaces every `Int8Linear` under `model` by the float `nn.Linear` of its dequantized
+    weight (int8 x its row's scale, as the checkpoint's format defines it); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
-                continue
-            found = exact_int8(child.weight)
-            if found is not None:
-                setattr(parent, name, Int8Linear(*found, child.bias))
+            if type(child) is Int8Linear:
+                linear = nn.Linear(1, 1, bias=False)  # its shape and tensors are set below
+                linear.in_features, linear.out_features = child.in_features, child.out_features
+                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
                 count += 1
     return count
