@@ -13,9 +13,31 @@ wrappers that read a float weight (LoRA).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+@contextmanager
+def one_thread():
+    """torch's ops inside run on the calling thread alone. The rounding of the activations
+    and the scaling of the int32 products are a few elementwise passes each, each one of
+    torch's parallel regions once a tensor passes 32,768 elements; a region waits for
+    every thread, and on a host whose cores are shared (other workers, spinning threads)
+    that wait cost more than the GEMM: measured on 2 shared cores, 32 rows, a small
+    preset layer's four linears: 20-30 ms in regions against 8 ms on one thread
+    (docs/benchmarks.md, W8A8). The GEMM itself keeps every thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, k] -> (int8 [rows, k], float32 scale [rows, 1]): symmetric, per row."""
@@ -44,11 +66,13 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
         rows = x.reshape(-1, self.in_features)
-        q, s = quantize_rows(rows)
+        with one_thread():
+            q, s = quantize_rows(rows)
         acc = torch._int_mm(q, self.weight_q.t())  # [rows, out] int32; the transposed view is what it runs fastest
-        out = acc.float().mul_(s).mul_(self.weight_scale)
-        if self.bias is not None:
-            out += self.bias
+        with one_thread():
+            out = torch.mul(acc, s).mul_(self.weight_scale)  # int32 * float32 -> float32 in one pass
+            if self.bias is not None:
+                out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
