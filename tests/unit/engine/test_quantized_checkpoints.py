@@ -212,6 +212,21 @@ def test_w8a8_runs_int8_within_its_tolerance(quantized, tmp_path):
         assert len(close) >= 4 and max(close) < W8A8_LOGPROB_TOLERANCE, (got.top, want.top)
 
 
+def test_w8a8_under_lora_runs_its_dequantized_weights(quantized, tmp_path):
+    from epd import LLM, SamplingParams
+    from epd.transport.weights.quant.int8_linear import Int8Linear
+
+    reference = _dequantized_copy(quantized["w8a8"], "w8a8", tmp_path / "float")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    tokens = []
+    for model_dir in (quantized["w8a8"], reference):
+        llm = LLM(str(model_dir), enable_lora=True)
+        assert not any(type(m) is Int8Linear for m in llm.engine.runner.model.modules())  # the adapters wrap floats
+        tokens.append(llm.generate(["The quick brown fox"], params)[0].outputs[0].token_ids)
+        del llm
+    assert tokens[0] == tokens[1]
+
+
 def test_a_format_not_served_stops_start_up_naming_it(quantized, tmp_path):
     from epd import LLM
 
