@@ -29,6 +29,7 @@ from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
 from epd.transport.weights.cpu_linear import pack_linears
+from epd.transport.weights.quant.int8_linear import float_linears
 
 # (images in the batch, decode + preprocessing seconds, ViT forward seconds)
 BatchTimer = Callable[[int, float, float], None]
@@ -59,6 +60,8 @@ class ImageEncoder:
         # the projections wrapped before the packing, which then reaches the base inside each wrapper
         # a family whose tower takes no adapter: none wrapped, and an adapter for it refused by name (`adapted`)
         self.family_name = None if family.tower_lora else family.name
+        if self.tower is not None and tower_lora and family.tower_lora:
+            float_linears(self.tower)  # a W8A8 tower's Int8Linears dequantized: the adapters wrap float linears
         self.lora = (TowerLoRA(self.tower, tower_lora) if self.tower is not None and tower_lora and family.tower_lora
                      else None)
         if self.tower is not None:

@@ -34,8 +34,7 @@ from epd.engine.early_prefill import EarlyPrefill
 from epd.engine.image_ledger import ImageLedger
 from epd.engine.kv_cache_sizer import bytes_per_block, num_kv_blocks, profile_forward
 from epd.engine.layers.mlp import pack_cpu_linears
-from epd.transport.weights.checkpoint import quant_config_of
-from epd.transport.weights.quant.int8_linear import int8_linears
+from epd.transport.weights.quant.int8_linear import float_linears
 from epd.engine.loader import load_language_model, resolve_dtype
 from epd.engine.lora.config import fits_adapter_limit
 from epd.engine.lora.engine_adapters import EngineAdapters
@@ -96,9 +95,8 @@ class EngineCore(EngineAdapters):
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         model = load_language_model(model_dir, hf_config, self.dtype, self.device)
-        quant = quant_config_of(model_dir)
-        if quant is not None and quant.scheme == "w8a8" and not config.lora.enable_lora:
-            int8_linears(model)  # CPU float32: int8 weights, per-token int8 activations (quant/int8_linear.py)
+        if config.lora.enable_lora:
+            float_linears(model)  # W8A8's Int8Linears (transport/weights/quant/int8_linear.py) dequantized to wrap
         shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
         if shapes:
             check_stateful_engine(config.speculative_config and config.speculative_config.method)

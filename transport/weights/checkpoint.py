@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from epd.transport.weights.checkpoint_error import CheckpointError
-from epd.transport.weights.quant.dequantize import dequantized, float_name
+from epd.transport.weights.quant.dequantize import QuantizedWeight, float_name, quantized_weights
+from epd.transport.weights.quant.int8_linear import Int8Linear
 from epd.transport.weights.quant.quant_config import QuantConfig, read_quant_config
 
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
@@ -103,16 +104,17 @@ def quant_config_of(model_dir: str | Path) -> QuantConfig | None:
     return read_quant_config(config) if isinstance(config, dict) else None
 
 
-def iter_tensors(model_dir: str | Path, accept: Callable[[str], bool] = lambda _: True
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every accepted tensor; a quantized checkpoint's linears come as
-    the float checkpoint's `<module>.weight` (transport/weights/quant/dequantize.py), and
-    `accept` sees those names."""
+def iter_tensors(model_dir: str | Path, accept: Callable[[str], bool] = lambda _: True,
+                 quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+    """(name, tensor) for every accepted tensor; a quantized checkpoint's linears come under
+    the float checkpoint's `<module>.weight`, and `accept` sees those names: as their float32
+    weight, or with `quantized` as the stored record (transport/weights/quant/dequantize.py)."""
     quant = quant_config_of(model_dir)
     if quant is None:
         yield from _read_tensors(model_dir, accept)
         return
-    yield from dequantized(_read_tensors(model_dir, lambda n: accept(float_name(n, quant))), quant)
+    for name, tensor in quantized_weights(_read_tensors(model_dir, lambda n: accept(float_name(n, quant))), quant):
+        yield name, (tensor.dequantize() if type(tensor) is QuantizedWeight and not quantized else tensor)
 
 
 def _read_tensors(model_dir: str | Path, accept: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,19 +140,21 @@ def load_weights(module: nn.Module, model_dir: str | Path, rule: NameRule,
     error messages.
     """
     fused = fused or {}
+    int8 = _int8_linears(module, model_dir, rule, fused)  # W8A8 weights' parameter names -> their Int8Linear
     params = dict(module.named_parameters())
-    filled: dict[str, set[int | None]] = {name: set() for name in params}
-    for ckpt_name, tensor in iter_tensors(model_dir, accept=lambda n: rule(n) is not None):
+    filled: dict[str, set[int | None]] = {name: set() for name in [*params, *int8]}
+    for ckpt_name, tensor in iter_tensors(model_dir, accept=lambda n: rule(n) is not None, quantized=True):
         param_name, shard = rule(ckpt_name)
+        if param_name in int8:
+            _fill_int8(int8[param_name], ckpt_name, tensor, _rows(fused, param_name, shard))
+            filled[param_name].add(shard)
+            continue
         if param_name not in params:
             raise CheckpointError(f"tensor {ckpt_name!r} maps to unknown parameter {param_name!r}")
-        param = params[param_name]
-        if shard is None:
-            target = param.data
-        else:
-            sizes = fused[param_name]
-            start = sum(sizes[:shard])
-            target = param.data.narrow(0, start, sizes[shard])
+        if type(tensor) is QuantizedWeight:
+            tensor = tensor.dequantize()
+        rows = _rows(fused, param_name, shard)
+        target = params[param_name].data if rows is None else params[param_name].data.narrow(0, *rows)
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(target.shape)}")
@@ -168,3 +172,60 @@ def load_weights(module: nn.Module, model_dir: str | Path, rule: NameRule,
         names = [describe(name, s) if describe else name for s in missing]
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {names[0]!r}"
                               + (f" and {len(names) - 1} more" if len(names) > 1 else ""))
+
+
+def _rows(fused: dict[str, list[int]], param_name: str, shard: int | None) -> tuple[int, int] | None:
+    """A fused piece's rows of its parameter, (start, count); None: the whole parameter."""
+    if shard is None:
+        return None
+    sizes = fused[param_name]
+    return sum(sizes[:shard]), sizes[shard]
+
+
+def _int8_linears(module: nn.Module, model_dir: str | Path, rule: NameRule,
+                  fused: dict[str, list[int]]) -> dict[str, Int8Linear]:
+    """A W8A8 checkpoint's linears, on the CPU in float32: each `nn.Linear` of `module` whose
+    every piece the checkpoint stores in int8 replaced by an empty `Int8Linear` (its float
+    weight, built but never written, is dropped); by its weight's parameter name. Read from
+    the files' headers, before any tensor."""
+    quant = quant_config_of(model_dir)
+    if quant is None or quant.scheme != "w8a8":
+        return {}
+    from safetensors import safe_open
+
+    pieces: dict[str, set[int | None]] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target = rule(name) if name.endswith(".weight") else None
+                if target is not None and f.get_slice(name).get_dtype() == "I8":
+                    pieces.setdefault(target[0], set()).add(target[1])
+    found = {}
+    for param_name, shards in pieces.items():
+        owner_name, _, leaf = param_name.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_name)
+        except AttributeError:
+            continue  # no such parameter: named when its tensor is read
+        want = set(range(len(fused[param_name]))) if param_name in fused else {None}
+        if leaf != "weight" or shards != want or type(owner) is not nn.Linear \
+                or owner.weight.device.type != "cpu" or owner.weight.dtype != torch.float32:
+            continue  # a float linear, or one only partly int8: read dequantized
+        layer = Int8Linear(torch.empty(owner.out_features, owner.in_features, dtype=torch.int8),
+                           torch.empty(owner.out_features), owner.bias)
+        parent_name, _, attr = owner_name.rpartition(".")
+        setattr(module.get_submodule(parent_name), attr, layer)
+        found[param_name] = layer
+    return found
+
+
+def _fill_int8(layer: Int8Linear, name: str, tensor, rows: tuple[int, int] | None) -> None:
+    """A W8A8 record's int8 rows and scales into `layer`'s rows (all of them, or a fused piece's)."""
+    if type(tensor) is not QuantizedWeight:
+        raise CheckpointError(f"tensor {name!r} is not int8 in a W8A8 checkpoint whose other pieces of it are")
+    q, scale = tensor.int8_rows()
+    start, count = rows or (0, layer.out_features)
+    if tuple(q.shape) != (count, layer.in_features):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(q.shape)}, expected {(count, layer.in_features)}")
+    layer.weight_q[start:start + count].copy_(q)
+    layer.weight_scale[0, start:start + count].copy_(scale)

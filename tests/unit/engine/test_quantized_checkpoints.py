@@ -161,6 +161,30 @@ def test_greedy_tokens_equal_the_dequantized_float_checkpoints(quantized, tmp_pa
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
 
 
+def test_w8a8_linears_hold_the_checkpoints_int8_rows_and_scales(quantized):
+    from transformers import AutoConfig
+
+    from epd.engine.loader import load_language_model
+    from epd.transport.weights.quant.int8_linear import Int8Linear
+
+    model_dir = quantized["w8a8"]
+    model = load_language_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32)
+    stored = _tensors(model_dir)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.language_model.layers.{i}."
+        for fused, pieces in ((layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                              (layer.self_attn.o_proj, ("self_attn.o_proj",)),
+                              (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
+                              (layer.mlp.down_proj, ("mlp.down_proj",))):
+            assert type(fused) is Int8Linear  # no float copy of the weight: int8 and a scale per row
+            want_q = torch.cat([stored[prefix + p + ".weight"] for p in pieces])
+            want_scale = torch.cat([stored[prefix + p + ".weight_scale"].float().reshape(-1) for p in pieces])
+            assert torch.equal(fused.weight_q, want_q) and torch.equal(fused.weight_scale.view(-1), want_scale)
+    assert type(model.lm_head) is not Int8Linear  # left in float by the release
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] > 1
+                   for name, p in model.model.layers.named_parameters())
+
+
 # W8A8 quantizes each token's activations to int8 at run time: not the dequantized float
 # checkpoint's math. Stated tolerance on the tiny preset (logits of std 8): the first token's
 # top-1 equal and its top-5 logprobs within 0.5 of the float model's on held prompts.
@@ -186,6 +210,21 @@ def test_w8a8_runs_int8_within_its_tolerance(quantized, tmp_path):
         want_top = dict(want.top)
         close = [abs(lp - want_top[t]) for t, lp in got.top if t in want_top]
         assert len(close) >= 4 and max(close) < W8A8_LOGPROB_TOLERANCE, (got.top, want.top)
+
+
+def test_w8a8_under_lora_runs_its_dequantized_weights(quantized, tmp_path):
+    from epd import LLM, SamplingParams
+    from epd.transport.weights.quant.int8_linear import Int8Linear
+
+    reference = _dequantized_copy(quantized["w8a8"], "w8a8", tmp_path / "float")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    tokens = []
+    for model_dir in (quantized["w8a8"], reference):
+        llm = LLM(str(model_dir), enable_lora=True)
+        assert not any(type(m) is Int8Linear for m in llm.engine.runner.model.modules())  # the adapters wrap floats
+        tokens.append(llm.generate(["The quick brown fox"], params)[0].outputs[0].token_ids)
+        del llm
+    assert tokens[0] == tokens[1]
 
 
 def test_a_format_not_served_stops_start_up_naming_it(quantized, tmp_path):

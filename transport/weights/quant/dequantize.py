@@ -1,16 +1,20 @@
-"""A quantized checkpoint's linears read back as float weights, one linear at a time.
+"""A quantized checkpoint's linears gathered into one record each, and read back as float weights.
 
-`dequantized(stream, quant)` takes a checkpoint's (name, tensor) stream and gives
-the stream a float checkpoint of the same model would give: each quantized
-linear's tensors (quant_config.py's table) are gathered under their module's name
-and leave as one `<module>.weight` in float32, the moment the last of them has
-been read; every other tensor passes through. So every family's loader reads a
-quantized release as it reads a float one. The math is the formats' own
-(compressed-tensors' `dequantize`, the DeepSeek-V3 block rule, AWQ's and GPTQ's
-unpacking): weight = (q - zero) * scale, the scale per block, row or group.
+`quantized_weights(stream, quant)` takes a checkpoint's (name, tensor) stream and
+gives each quantized linear's tensors (quant_config.py's table), gathered under
+their module's name, as one `QuantizedWeight` under `<module>.weight`, the moment
+the last of them has been read; every other tensor passes through. A loader
+whose parameter holds the format (`Int8Linear`: W8A8's int8 rows and per-row
+scales) takes the stored values as they are; any other reads
+`QuantizedWeight.dequantize()`, the float32 weight a float checkpoint of the same
+model would hold. So every family's loader reads a quantized release as it reads
+a float one. The math is the formats' own (compressed-tensors' `dequantize`, the
+DeepSeek-V3 block rule, AWQ's and GPTQ's unpacking): weight = (q - zero) * scale,
+the scale per block, row or group.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -56,8 +60,36 @@ def float_name(name: str, quant: QuantConfig) -> str:
     return name if split is None else split[0] + ".weight"
 
 
-def dequantized(stream: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized linear's weight as the checkpoint stores it: its tensors by suffix
+    (`parts_of`) and the config that says how to read them."""
+
+    module: str  # the linear's checkpoint name, without `.weight`
+    parts: dict[str, torch.Tensor]
+    quant: QuantConfig
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        try:
+            return dequantize(self.parts, self.quant)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{self.module}: its {self.quant.method} {self.quant.scheme} tensors do not "
+                                  f"fit together ({exc})") from None
+
+    def int8_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W8A8's stored values: (int8 [out, in], float32 scale [out]), a per-tensor scale
+        given to every row; weight = q * scale[:, None] exactly as `dequantize` computes it."""
+        assert self.quant.scheme == "w8a8", self.quant.scheme
+        q, scale = self.parts["weight"], self.parts["weight_scale"].float()
+        if q.ndim != 2 or scale.numel() not in (1, q.shape[0]):
+            raise CheckpointError(f"{self.module}: weight {tuple(q.shape)} and weight_scale {tuple(scale.shape)} "
+                                  f"are not an int8 matrix with one scale per row or one in all")
+        return q, scale.reshape(-1).expand(q.shape[0]).contiguous()
+
+
+def quantized_weights(stream: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig
+                      ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
     need = parts_of(quant)
     dropped = PARTS[quant.scheme][1]
     stored = _STORED.get(quant.scheme)
@@ -79,11 +111,7 @@ def dequantized(stream: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig
         parts[suffix] = tensor
         if all(s in parts for s in need):
             del pending[module]
-            try:
-                yield module + ".weight", dequantize(parts, quant)
-            except (RuntimeError, ValueError) as exc:
-                raise CheckpointError(f"{module}: its {quant.method} {quant.scheme} tensors do not fit "
-                                      f"together ({exc})") from None
+            yield module + ".weight", QuantizedWeight(module, parts, quant)
     for module, parts in pending.items():
         missing = next(s for s in need if s not in parts)
         raise CheckpointError(f"checkpoint is missing tensor {module + '.' + missing!r} "

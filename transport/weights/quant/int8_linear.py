@@ -5,15 +5,39 @@ at run time, the product in int32 (`torch._int_mm`, oneDNN/VNNI where the CPU ha
 of float32's bytes, the lever of a decode step that streams its weights. A row of
 activations x gets its own scale s_x = max|x| / 127 and is rounded to int8; the output
 is (q_x q_w^T) * s_x * s_w. `int8_linear_reference` is that math in float, the kernel's
-test reference. The int8 values come from the checkpoint's W8A8 weights as the loader
-dequantized them (`int8_linears`): a linear whose float weight is not exactly int8 times
-a per-row scale stays float (lm_head, routers, anything the release left out).
+test reference. The int8 values and scales are the checkpoint's own: the loader puts a
+W8A8 linear's stored rows into an `Int8Linear` (transport/weights/checkpoint.py), fused
+projections row by row, with no float copy; what the release left in float (lm_head,
+routers) stays float. `float_linears` turns them back into float `nn.Linear`s, for the
+wrappers that read a float weight (LoRA).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+@contextmanager
+def one_thread():
+    """torch's ops inside run on the calling thread alone. The rounding of the activations
+    and the scaling of the int32 products are a few elementwise passes each, each one of
+    torch's parallel regions once a tensor passes 32,768 elements; a region waits for
+    every thread, and on a host whose cores are shared (other workers, spinning threads)
+    that wait cost more than the GEMM: measured on 2 shared cores, 32 rows, a small
+    preset layer's four linears: 20-30 ms in regions against 8 ms on one thread
+    (docs/benchmarks.md, W8A8). The GEMM itself keeps every thread."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [rows, k] -> (int8 [rows, k], float32 scale [rows, 1]): symmetric, per row."""
@@ -42,52 +66,35 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32."""
         rows = x.reshape(-1, self.in_features)
-        q, s = quantize_rows(rows)
+        with one_thread():
+            q, s = quantize_rows(rows)
         acc = torch._int_mm(q, self.weight_q.t())  # [rows, out] int32; the transposed view is what it runs fastest
-        out = acc.float().mul_(s).mul_(self.weight_scale)
-        if self.bias is not None:
-            out += self.bias
+        with one_thread():
+            out = torch.mul(acc, s).mul_(self.weight_scale)  # int32 * float32 -> float32 in one pass
+            if self.bias is not None:
+                out += self.bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] it stands for: int8 x its row's scale (a copy)."""
+        return self.weight_q.float() * self.weight_scale.view(-1, 1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def exact_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 [out, in], scale [out]) whose product is `weight` (to float32 rounding), or None.
-    A row's scale is max|w| / k for k its largest |q|: 127 or 128 from the usual observers
-    (128 where compressed-tensors' max|w| / 127.5 rounded the negative extreme to -128),
-    else searched down from 126 for the few rows that need it (a GPTQ-made row)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1).clamp(min=1e-30)  # [out]
-    scale = torch.zeros_like(amax)
-    todo = torch.ones_like(amax, dtype=torch.bool)
-    for k in (127, 128, *range(126, 0, -1)):
-        rows = todo.nonzero().squeeze(1)
-        if rows.numel() == 0:
-            break
-        r = w[rows] * (k / amax[rows, None])
-        fits = ((r - r.round()).abs().amax(dim=1) < 1e-3) & (r.round().amin(dim=1) >= -128) \
-            & (r.round().amax(dim=1) <= 127)
-        scale[rows[fits]] = amax[rows[fits]] / k
-        todo[rows[fits]] = False
-        if k == 128 and todo.sum() * 2 > w.shape[0]:
-            return None  # most rows fit no usual scale: a float weight (lm_head), not searched further
-    if todo.any():
-        return None
-    return (w / scale[:, None]).round().to(torch.int8), scale
-
-
-def int8_linears(model: nn.Module) -> int:
-    """Replaces every CPU float32 `nn.Linear` whose weight is exactly int8 x a per-row scale
-    (a W8A8 checkpoint's, dequantized by the loader) by an `Int8Linear`; returns how many."""
+def float_linears(model: nn.Module) -> int:
+    """Replaces every `Int8Linear` under `model` by the float `nn.Linear` of its dequantized
+    weight (int8 x its row's scale, as the checkpoint's format defines it); returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu" or child.weight.dtype != torch.float32:
-                continue
-            found = exact_int8(child.weight)
-            if found is not None:
-                setattr(parent, name, Int8Linear(*found, child.bias))
+            if type(child) is Int8Linear:
+                linear = nn.Linear(1, 1, bias=False)  # its shape and tensors are set below
+                linear.in_features, linear.out_features = child.in_features, child.out_features
+                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
                 count += 1
     return count
