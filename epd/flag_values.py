@@ -7,6 +7,7 @@ import json
 
 from epd.config import field_default
 from epd.inputs.media import MediaConfig
+from epd.transport.wire.flag_json import json_object as read_json_object
 
 MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys
 VIDEO_IO_KEYS = ("num_frames",)  # --media-io-kwargs' video keys EPD applies (vLLM's loader)
@@ -60,15 +61,7 @@ def media_io_kwargs(value: str | None) -> dict[str, int]:
 
 def json_object(flag: str, value: str | None) -> dict:
     """A flag's JSON object ({} when the flag is absent); ValueError naming the flag."""
-    if value is None:
-        return {}
-    try:
-        out = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
-    if not isinstance(out, dict):
-        raise ValueError(f"{flag} takes a JSON object, got {value!r}")
-    return out
+    return {} if value is None else dict(read_json_object(flag, value))
 
 
 def string_list(flag: str, value: str | None, default: tuple[str, ...]) -> tuple[str, ...]:

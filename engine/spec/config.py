@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from epd.transport.wire.flag_json import json_object
+
 METHODS = ("ngram", "eagle3", "draft_model", "mtp")  # served now
 # vLLM's older spellings of a method -> the method
 ALIASES = {"[ngram]": "ngram", "qwen3_5_mtp": "mtp", "qwen3_next_mtp": "mtp"}
@@ -85,13 +87,7 @@ class SpeculativeConfig:
         """From the flag's JSON text, a dict (`LLM`), or itself; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"--speculative-config takes a JSON object, got {value!r}")
+        value = json_object("--speculative-config", value)
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise ValueError(f"--speculative-config: EPD does not read {', '.join(unknown)} "

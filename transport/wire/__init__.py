@@ -13,6 +13,7 @@ mm_span.py           an item's placeholder run in a prompt, and a family's metad
 histogram.py         a histogram a worker fills and sends whole
 kv_events.py         vLLM's KV cache events (EventBatch, BlockStored...) and --kv-events-config
 kv_event_publisher.py  an engine worker's KV events on a PUB socket, with vLLM's replay socket
+flag_json.py         a flag's JSON object (text or, from LLM(...), a mapping), read in one place
 addresses.py         the one place a ZeroMQ address is built
 channels.py          typed channels: the only way our code touches a socket
 auth.py              CURVE keys of the worker plane

@@ -21,12 +21,13 @@ docs/decisions/kv-events.md says why.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import msgpack
+
+from epd.transport.wire.flag_json import json_object
 
 MEDIUM_GPU = "GPU"  # vLLM's name for an engine's own KV cache (the tier a hit costs nothing from)
 
@@ -171,13 +172,7 @@ class KVEventsConfig:
         ValueError naming a key EPD does not read, or a value of the wrong type."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"--kv-events-config takes a JSON object, got {value!r}")
+        value = json_object("--kv-events-config", value)
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(value) - set(known))
         if unknown:
