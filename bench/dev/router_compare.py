@@ -26,7 +26,9 @@ import copy
 import io
 import json
 import re
+import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -112,6 +114,7 @@ def measure(args, layout: str, router: str, out_dir: Path) -> dict:
                           [*flags, "--router", router, *args.server_args.split()], out_dir / f"{layout}-{router}.log")
     try:
         server.wait_ready()
+        print(f"{layout} {router}: ready in {time.monotonic() - server.started_s:.0f} s", file=sys.stderr, flush=True)
         warmup = copy.copy(args)  # other conversations (another seed), one turn each: first-use costs out
         warmup.base_url, warmup.seed, warmup.num_turns, warmup.save_result = server.base_url, args.seed + 1000, 1, None
         warmup.num_conversations = 4
@@ -124,7 +127,9 @@ def measure(args, layout: str, router: str, out_dir: Path) -> dict:
             result = bench_serve.main(run)
         after = prompt_tokens(server.base_url)  # settled: the run's last read of /metrics waited for it
     finally:
+        stop_s = time.monotonic()
         server.stop()
+        print(f"{layout} {router}: stopped in {time.monotonic() - stop_s:.0f} s", file=sys.stderr, flush=True)
     return row(result, {w: after[w] - before.get(w, 0.0) for w in after}, poller.mean_requests())
 
 
