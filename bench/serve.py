@@ -176,8 +176,20 @@ def build_conversations(args: argparse.Namespace) -> list[multi_turn.Conversatio
     if args.dataset_path or args.num_prompts is not None:
         raise ValueError("--dataset multi-turn takes --num-conversations and --num-turns, "
                          "not --num-prompts or --dataset-path")
+    unused = [flag for flag, is_set in (
+        ("--random-range-ratio", getattr(args, "random_range_ratio", 0.0)), ("--random-prefix-len", args.prefix_len),
+        ("--images-range-ratio", args.images_range_ratio), ("--repeat-image-ratio", args.repeat_image_ratio),
+        ("--text-only-ratio", args.text_only_ratio),
+        ("--random-mm-limit-mm-per-prompt", args.max_images is not None or args.max_videos is not None),
+        ("--random-mm-bucket-config", args.image_weights is not None)) if is_set]
+    if unused:
+        raise ValueError(f"--dataset multi-turn does not take {', '.join(unused)} (see --system-prompt-len, "
+                         "--images-every-turn)")
     tokenizer = load_tokenizer(tokenizer_path(args), getattr(args, "trust_remote_code", False))
-    return multi_turn.build_conversations(args, tokenizer)
+    conversations = multi_turn.build_conversations(args, tokenizer)
+    if args.text_first:
+        conversations = [replace(c, turns=tuple(replace(t, text_first=True) for t in c.turns)) for c in conversations]
+    return conversations
 
 
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:

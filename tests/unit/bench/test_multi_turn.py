@@ -52,6 +52,8 @@ def test_bad_multi_turn_flags_are_refused_by_name(fake_server):
         main(parse(*common, "--num-prompts", "4"))
     with pytest.raises(ValueError, match="multi-turn needs the chat endpoint"):
         main(parse(*common, "--backend", "openai"))
+    with pytest.raises(ValueError, match="does not take --random-prefix-len, --text-only-ratio"):
+        main(parse(*common, "--random-prefix-len", "8", "--text-only-ratio", "0.5"))
 
 
 def test_each_turn_resends_the_history_with_the_answers_and_the_session_id(fake_server, tmp_path):
