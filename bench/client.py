@@ -54,7 +54,9 @@ def build_payload(model: str, request: BenchRequest, sampling: dict | None = Non
             raise ValueError("/v1/completions takes no images: use the chat endpoint for image datasets")
         body["prompt"] = request.prompt
     else:
-        body["messages"] = [{"role": "user", "content": _content(request)}]
+        body["messages"] = [*request.history, user_message(request)]
+        if request.session_id is not None:
+            body["user"] = request.session_id  # vLLM's router keys session affinity on it
     return {
         **body,
         "max_tokens": request.output_len,
@@ -65,6 +67,11 @@ def build_payload(model: str, request: BenchRequest, sampling: dict | None = Non
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def user_message(request: BenchRequest) -> dict:
+    """`request`'s user turn as an OpenAI chat message."""
+    return {"role": "user", "content": _content(request)}
 
 
 def _content(request: BenchRequest) -> str | list[dict]:
@@ -91,6 +98,8 @@ async def send_chat_request(http: httpx.AsyncClient, url: str, model: str, reque
     """
     result = RequestResult(num_images=request.num_images)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if request.session_id is not None:
+        headers["x-session-id"] = request.session_id  # what a cache-aware router keys affinity on
     start = time.perf_counter()
     result.start_s = start - run_start_s
     try:

@@ -195,6 +195,8 @@ def main(args) -> dict:
     rates = sorted(float(r) for r in args.rates.split(","))
     if (args.slo_scale is None) == (args.slo_ttft_ms is None or args.slo_tpot_ms is None):
         raise ValueError("give either --slo-ttft-ms and --slo-tpot-ms, or --slo-scale")
+    if args.dataset == "multi-turn":  # its warm-ups and probes are --num-prompts single requests
+        raise ValueError("epd bench compare sweeps single requests: run --dataset multi-turn with epd bench serve")
     cpus = cpu_set(args.cpus)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -54,16 +54,23 @@ _SUFFIX_MIME = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png"
 class BenchRequest:
     """One chat request: a user turn with `image_urls` (data URLs; a `data:video/...`
     one is sent as a video_url part) and `prompt`, the media first unless `text_first`
-    (vLLM's bench sends the text first)."""
+    (vLLM's bench sends the text first). A conversation's later turn (bench/multi_turn.py)
+    sends `history`, the OpenAI messages before it, and its `session_id` as `user` and
+    the `x-session-id` header."""
 
     prompt: str
     output_len: int
     image_urls: tuple[str, ...] = field(default_factory=tuple)
     text_first: bool = False
+    history: tuple[dict, ...] = ()
+    session_id: str | None = None
 
     @property
     def num_images(self) -> int:
-        return len(self.image_urls)
+        """Images and videos sent: this turn's and those the history resends."""
+        resent = sum(p.get("type") in ("image_url", "video_url") for m in self.history
+                     if isinstance(m.get("content"), list) for p in m["content"])
+        return len(self.image_urls) + resent
 
 
 def random_prompt(rng: random.Random, num_tokens: int, tokenizer=None) -> str:

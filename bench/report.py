@@ -6,6 +6,9 @@ and, as in vLLM, in seconds: `ttfts`, `itls` (a list per request),
 `latencies` (E2EL), `start_times` (from the start of the run). A failed
 request has `output_lens` 0, `ttfts` 0.0 and its message in `errors`.
 `num_images` (0 = text-only) lets a reader split results by request kind.
+A multi-turn run (bench/multi_turn.py) adds `conversation_ids` and
+`turn_indices` (1 for a conversation's first turn) to those arrays, and
+`ttft_by_turn` and the `prefix_cache_*` fields to the summary.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from epd.bench.metrics import percentile_key
 
 DETAILED_FIELDS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
                    "generated_texts", "errors", "num_images")
+MULTI_TURN_FIELDS = ("conversation_ids", "turn_indices")  # per-request too, only in a multi-turn result
 _SECTIONS = (("ttft", "TTFT", "Time to First Token"),
              ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
              ("itl", "ITL", "Inter-token Latency"),
@@ -58,7 +62,7 @@ def write_result(path: str | Path, result: dict, save_detailed: bool = False, ap
     """Write `result` as JSON; the per-request arrays only with `save_detailed`.
     `append` (vLLM's --append-result): one more JSON line of the file instead."""
     if not save_detailed:
-        result = {k: v for k, v in result.items() if k not in DETAILED_FIELDS}
+        result = {k: v for k, v in result.items() if k not in DETAILED_FIELDS + MULTI_TURN_FIELDS}
     path = Path(path)
     if path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +111,19 @@ def format_table(result: dict, percentiles: Sequence[float]) -> str:
             for q in percentiles:
                 p = percentile_key(q)
                 row(f"{p.upper()} TTFT (ms):", result[f"{prefix}_{p}_ttft_ms"], ".2f")
+    if "prefix_cache_queries" in result:  # the server reported its prefix cache (multi-turn runs)
+        lines.append("Prefix Cache".center(_WIDTH, "-"))
+        rate = result["prefix_cache_hit_rate"]
+        row("Hit rate (%):", "n/a" if rate is None else 100 * rate, "" if rate is None else ".2f")
+        row("Prompt tokens looked up:", result["prefix_cache_queries"])
+        row("Prompt tokens found:", result["prefix_cache_hits"])
+    for turn in result.get("ttft_by_turn", []):
+        lines.append(f"TTFT, turn {turn['turn']}".center(_WIDTH, "-"))
+        row("Completed:", turn["completed"])
+        row("Median TTFT (ms):", turn["median_ttft_ms"], ".2f")
+        for q in percentiles:
+            p = percentile_key(q)
+            row(f"{p.upper()} TTFT (ms):", turn[f"{p}_ttft_ms"], ".2f")
     if "spec_decode_num_drafts" in result:  # the server reported speculative decoding's counters
         lines.append("Speculative Decoding".center(_WIDTH, "-"))
         rate, length = result["spec_decode_acceptance_rate"], result["spec_decode_mean_acceptance_length"]

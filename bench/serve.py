@@ -4,7 +4,11 @@ Modelled on `vllm bench serve` (openai-chat backend): build the dataset,
 check the server answers, send requests on a Poisson/gamma schedule
 (optionally capped by `--max-concurrency`), then print the summary table and
 write the result JSON (vLLM field names). HTTP only: it works against any
-server that speaks `/v1/chat/completions` with SSE streaming.
+server that speaks `/v1/chat/completions` with SSE streaming. `--dataset
+multi-turn` schedules conversations instead, each sending its turns one after
+another (bench/multi_turn.py). When the server's /metrics has them, the run's
+speculative decoding counters are in the result, and with multi-turn the
+prefix cache's (a read of /metrics waits for the workers' stats to settle).
 """
 from __future__ import annotations
 
@@ -20,14 +24,16 @@ from datetime import datetime
 
 import httpx
 
+from epd.bench import multi_turn
 from epd.bench.arrivals import arrival_times_s, parse_rate
 from epd.bench.client import RequestResult, send_chat_request
 from epd.bench.datasets import (BenchRequest, load_jsonl, load_tokenizer, parse_image_sizes, random_prompt,
                                 sample_random, sample_random_mm, size_label)
 from epd.bench.load import run_load
 from epd.bench.metrics import LATENCY_METRICS, compute_metrics, parse_goodput, parse_percentiles
+from epd.bench.prefix_cache_metrics import hit_rate_fields, parse_prefix_counters
 from epd.bench.report import detailed_fields, format_table, write_result
-from epd.bench.spec_metrics import acceptance_fields, read_counters
+from epd.bench.spec_metrics import acceptance_fields, parse_counters, read_counters
 from epd.bench import vllm_names
 
 DEFAULT_NUM_PROMPTS = 1000  # random datasets; a jsonl file defaults to all its lines
@@ -39,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--dataset", "--dataset-name", dest="dataset", default="random-mm",
-                   choices=["random-mm", "random", "jsonl"])
+                   choices=["random-mm", "random", "jsonl", "multi-turn"],
+                   help="multi-turn: conversations whose turns resend the history (see its flags below)")
     p.add_argument("--dataset-path", default=None, help="the jsonl file for --dataset jsonl")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests to send (default {DEFAULT_NUM_PROMPTS}; jsonl: all lines)")
@@ -47,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests/s, or 'inf' to send all at once (default inf)")
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", "--max-active-conversations", dest="max_concurrency", type=int,
+                   default=None, help="cap on requests in flight (multi-turn: on conversations under way)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory for random prompts of exactly --input-len tokens "
                         "(default: --model when it is a local directory; without one, --input-len words)")
@@ -82,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, seconds")
     p.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true",
                    help="no progress bar on stderr")
+    multi_turn.add_arguments(p)
     vllm_names.add_arguments(p)
 
 
@@ -99,14 +108,19 @@ def main(args: argparse.Namespace) -> dict:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
-    requests = build_requests(args)
-    model, results, duration_s, spec_fields = asyncio.run(_run(args, requests))
+    workload = build_conversations(args) if args.dataset == "multi-turn" else build_requests(args)
+    model, turns, results, duration_s, counter_fields = asyncio.run(_run(args, workload))
+    requests = [turn.request for turn in turns] if turns is not None else workload
     _warn_on_output_lengths(requests, results)
     result = _header(args, model, len(requests), duration_s, slos_ms)
     metrics = compute_metrics(results, duration_s, args.percentiles, slos_ms or None)
     result.update({k: v for k, v in metrics.items() if _reported(k, args.percentile_metrics)})
-    result.update(spec_fields)  # the server's speculative decoding over the run, if it reports it
+    result.update(counter_fields)  # the server's speculative decoding and prefix cache over the run, if reported
+    if turns is not None:
+        result["ttft_by_turn"] = multi_turn.ttft_by_turn(turns, args.percentiles)
     result.update(detailed_fields(results))
+    if turns is not None:
+        result.update(multi_turn.detailed_fields(turns))
     print(format_table(result, args.percentiles))
     if args.save_result:
         write_result(args.save_result, result, save_detailed=args.save_detailed,
@@ -135,6 +149,8 @@ def _header(args: argparse.Namespace, model: str, num_prompts: int, duration_s: 
     }
     if args.dataset != "jsonl":
         result.update(input_len=args.input_len, output_len=args.output_len)
+    if args.dataset == "multi-turn":
+        result.update(multi_turn.header_fields(args))
     if args.dataset == "random-mm":
         result.update(images_per_request=args.images_per_request, images_range_ratio=args.images_range_ratio,
                       image_sizes=[size_label(item) for item in args.image_size], image_format=args.image_format,
@@ -153,6 +169,27 @@ def tokenizer_path(args: argparse.Namespace) -> str | None:
         return args.tokenizer
     model = getattr(args, "model", None)
     return model if model and os.path.isfile(os.path.join(model, "tokenizer_config.json")) else None
+
+
+def build_conversations(args: argparse.Namespace) -> list[multi_turn.Conversation]:
+    """`--dataset multi-turn`'s conversations, seeded by `--seed`."""
+    if args.dataset_path or args.num_prompts is not None:
+        raise ValueError("--dataset multi-turn takes --num-conversations and --num-turns, "
+                         "not --num-prompts or --dataset-path")
+    unused = [flag for flag, is_set in (
+        ("--random-range-ratio", getattr(args, "random_range_ratio", 0.0)), ("--random-prefix-len", args.prefix_len),
+        ("--images-range-ratio", args.images_range_ratio), ("--repeat-image-ratio", args.repeat_image_ratio),
+        ("--text-only-ratio", args.text_only_ratio),
+        ("--random-mm-limit-mm-per-prompt", args.max_images is not None or args.max_videos is not None),
+        ("--random-mm-bucket-config", args.image_weights is not None)) if is_set]
+    if unused:
+        raise ValueError(f"--dataset multi-turn does not take {', '.join(unused)} (see --system-prompt-len, "
+                         "--images-every-turn)")
+    tokenizer = load_tokenizer(tokenizer_path(args), getattr(args, "trust_remote_code", False))
+    conversations = multi_turn.build_conversations(args, tokenizer)
+    if args.text_first:
+        conversations = [replace(c, turns=tuple(replace(t, text_first=True) for t in c.turns)) for c in conversations]
+    return conversations
 
 
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
@@ -193,8 +230,9 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     return requests
 
 
-async def _run(args: argparse.Namespace,
-               requests: list[BenchRequest]) -> tuple[str, list[RequestResult], float, dict]:
+async def _run(args: argparse.Namespace, workload: list) -> tuple[str, list | None, list[RequestResult], float, dict]:
+    """Send `workload` (requests, or multi-turn conversations); (model, the conversations' turns or None,
+    the results in order, the run's seconds, the server's counter fields)."""
     url = args.url
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # httpx caps at 100 otherwise
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -208,14 +246,44 @@ async def _run(args: argparse.Namespace,
                                            sampling=args.sampling)
 
         await _check_ready(send, url, getattr(args, "ready_check_timeout_sec", 0.0))
-        for warmup in requests[:getattr(args, "num_warmups", 0)]:  # vLLM's --num-warmups: first, unmeasured
+        for warmup in _warmups(args, workload):  # vLLM's --num-warmups: first, unmeasured
             await send(warmup)
-        times_s = arrival_times_s(len(requests), args.request_rate, args.burstiness, seed=args.seed)
-        before = await read_counters(http, args.server_root, headers, settle=True)  # warm-ups settled
-        results, duration_s = await run_load(requests, times_s, send, max_concurrency=args.max_concurrency,
-                                             progress=not args.no_progress)
-        after = await read_counters(http, args.server_root, headers, settle=True) if before is not None else None
-    return model, results, duration_s, acceptance_fields(before, after)
+        times_s = arrival_times_s(len(workload), args.request_rate, args.burstiness, seed=args.seed)
+        parse = _parse_counters if args.dataset == "multi-turn" else _parse_spec_counters
+        before = await read_counters(http, args.server_root, headers, settle=True, parse=parse)
+        turns = None
+        if args.dataset == "multi-turn":
+            turns, duration_s = await multi_turn.run_conversations(
+                workload, times_s, send, max_concurrency=args.max_concurrency, progress=not args.no_progress)
+            results = [turn.result for turn in turns]
+        else:
+            results, duration_s = await run_load(workload, times_s, send, max_concurrency=args.max_concurrency,
+                                                 progress=not args.no_progress)
+        after = (await read_counters(http, args.server_root, headers, settle=True, parse=parse)
+                 if before is not None else None)
+    before, after = before or {}, after or {}
+    return model, turns, results, duration_s, {**acceptance_fields(before.get("spec"), after.get("spec")),
+                                               **hit_rate_fields(before.get("prefix"), after.get("prefix"))}
+
+
+def _parse_spec_counters(text: str) -> dict | None:
+    counters = parse_counters(text)
+    return None if counters is None else {"spec": counters}
+
+
+def _parse_counters(text: str) -> dict | None:
+    """The counters the result reports from the server's /metrics: speculative decoding's and the prefix cache's."""
+    counters = {"spec": parse_counters(text), "prefix": parse_prefix_counters(text)}
+    return counters if any(v is not None for v in counters.values()) else None
+
+
+def _warmups(args: argparse.Namespace, workload: list) -> list[BenchRequest]:
+    """The first requests (unmeasured); multi-turn: single random turns, no prefix of the conversations'."""
+    num_warmups = getattr(args, "num_warmups", 0)
+    if args.dataset != "multi-turn":
+        return workload[:num_warmups]
+    rng = random.Random(f"warmup-{args.seed}")
+    return [BenchRequest(random_prompt(rng, args.input_len), args.output_len) for _ in range(num_warmups)]
 
 
 async def _check_ready(send, url: str, timeout_s: float) -> None:

@@ -32,14 +32,15 @@ def parse_counters(text: str) -> dict[str, float] | None:
 
 
 async def read_counters(http: httpx.AsyncClient, server_root: str, headers: dict,
-                        settle: bool = False) -> dict[str, float] | None:
-    """The counters now (None: not served); with `settle`, once two reads agree."""
+                        settle: bool = False, parse=parse_counters):
+    """The counters now (None: not served); with `settle`, once two reads agree.
+    `parse`: what to read from the Prometheus text (None: nothing there)."""
     async def read() -> dict[str, float] | None:
         try:
             response = await http.get(server_root.rstrip("/") + "/metrics", headers=headers)
         except httpx.HTTPError:
             return None
-        return parse_counters(response.text) if response.status_code == 200 else None
+        return parse(response.text) if response.status_code == 200 else None
 
     value = await read()
     for _ in range(_MAX_READS if settle and value is not None else 0):

@@ -99,8 +99,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     opt = _Options(args)
     out.server_root, out.endpoint_path = opt.base_url().rstrip("/"), opt.endpoint_path()
     out.url = out.server_root + out.endpoint_path
-    if opt.is_completions() and args.dataset == "random-mm":
-        raise ValueError("--dataset-name random-mm needs the chat endpoint (--backend openai-chat)")
+    if opt.is_completions() and args.dataset in ("random-mm", "multi-turn"):
+        raise ValueError(f"--dataset-name {args.dataset} needs the chat endpoint (--backend openai-chat)")
     out.sampling = {name: value for name, value in (("temperature", opt.get("temperature")),
                                                     ("top_p", opt.get("top_p")), ("top_k", opt.get("top_k")),
                                                     ("min_p", opt.get("min_p"))) if value is not None}

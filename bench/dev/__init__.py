@@ -33,6 +33,7 @@ video_chunks.py       one long video's TTFT, whole against in chunks over 1, 2, 
 cache_hit.py          a cached image's TTFT against a text prompt of the same length
 multi_turn_prefix.py  prefix caching's hit rate and time on a multi-turn workload, on against off
 encoder_routing.py    encoder routers side by side on one trace
+router_compare.py     every --router on four engine workers (x4, 2P+2D), multi-turn with images
 body_memory.py        the API process's memory and time for large request bodies
 api_servers.sh        `--api-servers 1` against 2 under many short streams
 core_lease.sh         `--core-lease` against fixed threads, e-p-d, text only

@@ -5,8 +5,8 @@ It serves /health (200), /v1/chat/completions and /v1/completions (the same, wit
 `text` chunks), streaming one content chunk per requested token with a small sleep, then
 a finish chunk, a usage chunk (`prompt_tokens` = prompt words +
 TOKENS_PER_IMAGE per image) and `[DONE]`. A prompt containing "FAIL" gets an
-HTTP 400 with an OpenAI error body. It records every request body and the
-peak number of streams in flight.
+HTTP 400 with an OpenAI error body. It records every request body and its
+headers, and the peak number of streams in flight.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class FakeServerState:
     base_url: str = ""
     token_delay_s: float = 0.002
     payloads: list[dict] = field(default_factory=list)
+    headers: list[dict] = field(default_factory=list)  # each request's, lower-case names
     in_flight: int = 0
     peak_in_flight: int = 0
 
@@ -58,6 +59,7 @@ def _app(state: FakeServerState) -> Starlette:
     async def chat(request: Request):
         body = await request.json()
         state.payloads.append(body)
+        state.headers.append(dict(request.headers))
         prompt, num_images = _prompt_of(body)
         if "FAIL" in prompt:
             return JSONResponse({"error": {"message": "bad prompt FAIL", "type": "invalid_request_error",

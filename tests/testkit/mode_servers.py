@@ -23,7 +23,7 @@ SHARING_MODULES = frozenset(f"tests/e2e/{name}.py" for name in (
     "api/test_openai_conformance", "api/test_prompt_logprobs_serve", "api/test_readme_examples",
     "api/test_responses_api", "api/test_structured_serve", "api/test_vllm_conformance",
     "api/test_vllm_conformance_chat", "api/test_vllm_fields", "serve/test_early_prefill_serve",
-    "serve/test_serve", "serve/test_video_serve"))
+    "serve/test_multi_turn_bench", "serve/test_serve", "serve/test_video_serve"))
 SERVED_MODEL = "epd-test"
 MODES = ["aggregated", "e-pd", "e-p-d"]
 STREAM_INTERVALS = {"aggregated": 1, "e-pd": 3, "e-p-d": 4}
