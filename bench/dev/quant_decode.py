@@ -3,6 +3,7 @@ and with `--linears`, one decode layer's linears in each quantized form (bytes, 
 
     python -m bench.dev.quant_decode /tmp/small /tmp/small-w8a8 --streams 32 --rounds 2
     python -m bench.dev.quant_decode --linears --rows 1,8,32,128 --threads 2
+    python -m bench.dev.quant_decode --memory /tmp/small /tmp/small-w8a8 /tmp/small-awq
 
 Each checkpoint (`epd make-model DIR --preset small`, then `--quantize w8a8` on a copy) runs
 `--streams` prompts of `--input-len` tokens to `--output-len` tokens (ignore_eos) through the
@@ -17,6 +18,9 @@ with zero points (AWQ, GPTQ, W4A16), int8 (W8A16) and fp8 e4m3 (FP8 weight-only)
 torch's own CPU ops where it has them: `_weight_int4pack_mm_for_cpu` (int4, group 128, float
 zero points: w = (q - 8) * scale + zero) and `_weight_int8pack_mm` (int8, a scale per row).
 Each call is the median of `--iters` after a warm-up.
+
+`--memory`: each checkpoint's language model loaded alone (`load_language_model`, float32 CPU)
+in a fresh process: the bytes its tensors hold, its RSS after the load and at its peak, in MB.
 """
 from __future__ import annotations
 
@@ -89,9 +93,28 @@ def _linears(rows: list[int], iters: int) -> None:
             total_bytes = sum(per_shape[s][name][1] for s in SHAPES)
             cells = []
             for m in rows:
+                if "torch" in name and m > 32:
+                    cells.append("-")  # hundreds of times float32's already at 32 rows
+                    continue
                 us = sum(_median_us(per_shape[s][name][0], torch.randn(m, SHAPES[s][0]), iters) for s in SHAPES)
                 cells.append(f"{us:,.0f}")
             print(f"| {name} | {total_bytes / 1e6:.2f} MB | " + " | ".join(cells) + " |")
+
+
+def _memory(model: str) -> None:
+    """Prints the RSS of a fresh process after loading `model`'s language model, and its peak."""
+    import subprocess
+    import sys
+
+    code = ("import os, resource, torch; from transformers import AutoConfig; "
+            "from epd.engine.loader import load_language_model; "
+            f"m = load_language_model({model!r}, AutoConfig.from_pretrained({model!r}), torch.float32); "
+            "rss = int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 1e6; "
+            "held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()]) / 1e6; "
+            "print(f'{held:.0f} {rss:.0f} {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f}')")
+    held, rss, peak = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True
+                                     ).stdout.split()[-3:]
+    print(f"{model}: language model loaded: tensors {held} MB, {rss} MB RSS, peak {peak} MB")
 
 
 def _rate(llm, prompts, output_len: int) -> float:
@@ -113,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*")
     parser.add_argument("--linears", action="store_true", help="time one layer's linears in each form instead")
+    parser.add_argument("--memory", action="store_true", help="each model's load RSS in a fresh process instead")
     parser.add_argument("--rows", default="1,8,32,128", help="--linears: rows of x (a step's tokens)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--threads", type=int, default=0, help="torch's threads (0: as it starts)")
@@ -125,6 +149,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.linears:
         _linears([int(r) for r in args.rows.split(",")], args.iters)
+        return
+    if args.memory:
+        for model in args.models:
+            _memory(model)
         return
     prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 10 for j in range(args.input_len)]}
                for i in range(args.streams)]

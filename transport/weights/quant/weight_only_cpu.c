@@ -3,15 +3,16 @@
  * layout, builds and loads this file, and holds the torch reference the tests compare against).
  *
  * W is never expanded into a float copy: for each tile of NT = 32 output columns and each
- * group of G input columns, the tile's G x 32 weights are dequantized into a 16 KB buffer
- * (L1) exactly as the formats define them, then every row of x multiplies it:
+ * group of G <= 256 input columns, the tile's G x 32 weights are dequantized into a buffer of
+ * at most 32 KB (L1) exactly as the formats define them, then every row of x multiplies it:
  *     int4:  w = (q - zero) * scale     q 0..15, zero and scale per group and column (float)
  *     int8:  w = q * scale              q -128..127
  *     fp8:   w = e4m3(q) * scale        q an e4m3 byte (no NaN in a checkpoint's weights)
  * The dequantized values are those of the float reference, bit for bit; only the order of
- * the sums differs (float32 accumulation). Rows run in blocks of ROWS so a decode step's rows
- * share one dequantization of each tile; a prefill's many rows dequantize each tile once per
- * block. Work: one tile of columns per OpenMP iteration, on the caller's threads.
+ * the sums differs (float32 accumulation). A decode step's rows (up to ROW_BLOCK = 64) share
+ * one dequantization of each tile, multiplied ROWS rows at a time from registers; a prefill's
+ * many rows dequantize each tile once per 64 rows. Work: one tile of columns per OpenMP
+ * iteration, on the caller's threads.
  *
  * Layouts (all contiguous; T = N / 32 tiles, K a multiple of G):
  *   x      [M, K] float32;  out [M, N] float32;  bias [N] float32 or NULL
