@@ -260,16 +260,19 @@ def _fill_quantized(layer: "Int8Linear | WeightOnlyLinear", name: str, tensor, r
     start, count = rows or (0, layer.out_features)
     if type(layer) is Int8Linear:
         q, scale = tensor.int8_rows()
-    else:
-        fmt, q, scale, zero = tensor.codes()
-    if tuple(q.shape) != (count, layer.in_features):
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(q.shape)}, expected {(count, layer.in_features)}")
-    if type(layer) is Int8Linear:
+        _check_rows(name, q, count, layer.in_features)
         layer.weight_q[start:start + count].copy_(q)
         layer.weight_scale[0, start:start + count].copy_(scale)
         return
-    groups = layer.in_features // layer.group
-    if scale.shape[0] != count or groups % scale.shape[1] or (zero is not None and zero.shape != scale.shape):
+    _, q, scale, zero = tensor.codes()  # the format is the layer's: both follow the checkpoint's scheme
+    _check_rows(name, q, count, layer.in_features)
+    if scale.shape[0] != count or (layer.in_features // layer.group) % scale.shape[1] \
+            or (zero is not None and zero.shape != scale.shape):
         raise CheckpointError(f"tensor {name!r}: its scales {tuple(scale.shape)} are not one per row and equal "
                               f"group of its {layer.in_features} columns")
     layer.fill(start, q, scale, zero)
+
+
+def _check_rows(name: str, q: torch.Tensor, count: int, in_features: int) -> None:
+    if tuple(q.shape) != (count, in_features):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(q.shape)}, expected {(count, in_features)}")

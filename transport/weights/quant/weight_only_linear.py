@@ -123,10 +123,11 @@ class WeightOnlyLinear(nn.Module):
         if self.fmt == "int4":
             q = torch.cat([q & 15, q >> 4], dim=2)
         q = q.transpose(1, 2).reshape(self.out_features, self.in_features)
-        flat = lambda t: None if t is None else t.transpose(1, 2).reshape(self.out_features, -1)  # noqa: E731
         if self.fmt == "int8":
             q = q.view(torch.int8)
-        return q, flat(self.scale), flat(self.zero)
+        scale = self.scale.transpose(1, 2).reshape(self.out_features, -1)  # [tiles, groups, 32] -> [out, groups]
+        zero = None if self.zero is None else self.zero.transpose(1, 2).reshape(self.out_features, -1)
+        return q, scale, zero
 
     @property
     def weight(self) -> torch.Tensor:
