@@ -361,9 +361,12 @@ def test_weight_only_linears_run_their_bits_with_the_dequantized_tokens(scheme, 
         if kernel == "1":  # 4 bits a weight and a scale and zero point a group, against float32's 32 bits
             held = sum(t.numel() * t.element_size() for m in quantized_linears for t in m.buffers())
             assert held < 0.2 * sum(4 * m.in_features * m.out_features for m in quantized_linears)
-        outs = llm.generate(["The quick brown fox", "Numbers: 0 1 2 3"], params, lora_request=adapter)
+        prompts = ["The quick brown fox", "The quick brown fox" if lora else "Numbers: 0 1 2 3"]
+        outs = llm.generate(prompts, params, lora_request=[adapter, None] if lora else None)
         runs.append([o.outputs[0] for o in outs])
         del llm
+    if lora:
+        assert runs[0][0].token_ids != runs[0][1].token_ids  # the adapter's delta took part
     for got, want in zip(*runs):
         assert got.token_ids == want.token_ids
         for a, b in zip(got.logprobs, want.logprobs):
