@@ -13,8 +13,8 @@ step so streams a quarter (int4: an eighth, plus the groups' scales) of float32'
 (format, q [out, in], scale, zero [out, groups]) form; the loader fills a layer row by row
 (fused q/k/v and gate/up are pieces of its rows) and the layer repacks into tiles once its
 last row is in. `reference` is the math in torch (the stored values dequantized, then
-F.linear), what the tests compare the kernel against; `weight` is that float weight (a copy,
-for the LoRA wrapper's dtype and for `float_linears`). Without a C compiler, or with
+F.linear), what the tests compare the kernel against; `weight` is that float weight (a copy:
+the LoRA wrapper reads its dtype and device, then adds its delta after this layer's output). Without a C compiler, or with
 `EPD_WEIGHT_ONLY_KERNEL=0`, no layer is built and the loader keeps the old path: the weight
 dequantized into a float `nn.Linear`.
 """
