@@ -61,3 +61,34 @@ def test_the_kernels_group_divides_the_formats():
     assert kernel_group(100, 0) == 100 and kernel_group(130, 0) == 130
     assert kernel_group(256, 8) is None  # too small a group to gain from
     assert kernel_group(100, 64) is None  # the format's group does not divide the row
+
+
+def test_the_kernel_built_without_avx_is_the_same(monkeypatch, tmp_path):
+    """Built for plain x86-64 (no AVX-512: 4 rows a register block; no F16C: fp8 bytes widened
+    by building the float's bits), as on a CPU older than this one: the same weights and sums."""
+    import copy
+    import threading
+
+    from epd.transport.weights import c_library
+    from epd.transport.weights.quant import weight_only_linear
+
+    monkeypatch.setenv("EPD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(c_library, "COMPILE_FLAGS",
+                        ["-march=x86-64" if f == "-march=native" else f for f in c_library.COMPILE_FLAGS])
+    kernel = copy.copy(weight_only_linear._KERNEL)
+    kernel._lock, kernel._loaded = threading.Lock(), []
+    monkeypatch.setattr(weight_only_linear, "_KERNEL", kernel)
+    if load() is None:
+        pytest.skip("the compiler cannot build for plain x86-64")
+    assert list(tmp_path.glob("weight_only_cpu-*.so"))  # this build, not the cached native one
+    out, cols = 64, 256
+    for fmt in ("int4", "int8", "fp8"):
+        q, scale, zero = _codes(fmt, out, cols, 2)
+        layer = WeightOnlyLinear(fmt, cols, out, 128, None)
+        layer.fill(0, q, scale, zero)
+        want = dequantize_codes(fmt, q.view(torch.uint8) if fmt == "fp8" else q, scale, zero)
+        assert torch.equal(layer(torch.eye(cols)), want.t()), fmt
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, cols)
+            ref = x @ want.t()
+            assert (layer(x) - ref).abs().max() <= TOLERANCE * ref.abs().max(), (fmt, rows)
