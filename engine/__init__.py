@@ -22,7 +22,6 @@ cuda_graphs.py       CUDA graphs of decode-only steps
 loader.py            the language model built for a checkpoint's family and filled
 model_info.py        facts about a checkpoint found when it is opened
 config.py            EngineConfig: the engine's launch-time configuration
-c_library.py         a CPU kernel's C source built on first use, cached, loaded with ctypes
 models/              the language models, one module per family, and their registry
 layers/              the shared layers the models are built from: attention, rotary, norm, MLP, MoE
 attention/           attention backends: torch (CPU), the C kernel, Triton

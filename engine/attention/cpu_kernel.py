@@ -6,7 +6,7 @@ time at 32 streams (docs/benchmarks_archive.md). The kernel reads K and V
 in place through the block table. No library offers one for torch 2.13 on
 CPU (vLLM's is compiled into vLLM; IPEX's stopped at older torch), so it is
 ours: plain C with OpenMP, no torch headers, so it builds in about a second
-with the system's C compiler on first use (engine/c_library.py: cached under
+with the system's C compiler on first use (transport/weights/c_library.py: cached under
 a name that hashes the source, the flags and this CPU's features). Without a compiler (or with
 `EPD_CPU_ATTENTION_KERNEL=0`) `load()` returns None and the torch backend
 keeps its gather + SDPA path: same results, slower.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from epd.engine import c_library
+from epd.transport.weights import c_library
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -7,7 +7,7 @@ several times the projections. The kernel runs a whole step's sequences, decodes
 chunks alike, in one call: the recurrent rule token by token per head, each sequence's conv and
 recurrent state read and written in place in its slot. The torch path (gated_deltanet.py's:
 causal_conv1d.py, gated_delta.py, GatedRMSNorm) stays the fallback and the reference the tests
-compare against. Built by engine/c_library.py; without a
+compare against. Built by transport/weights/c_library.py; without a
 compiler (or with `EPD_CPU_GDN_KERNEL=0`) `load()` returns None and the layer keeps the torch path.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from epd.engine import c_library
+from epd.transport.weights import c_library
 
 SOURCE = Path(__file__).with_name("gated_delta_cpu.c")
 MAX_HEAD_DIM, MAX_CONV_KERNEL = 256, 8  # the kernel's buffers

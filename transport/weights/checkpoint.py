@@ -4,12 +4,15 @@ Shared by the encoder (vision tower) and the engine (language model), which
 each give a rule mapping checkpoint names to their parameters, optionally
 into a shard of a fused parameter (q/k/v -> qkv_proj). Every parameter must
 be filled exactly once with the right shape, or loading fails with a message
-naming the tensor. A quantized checkpoint's linears are read as float weights
-(transport/weights/quant/).
+naming the tensor. A quantized checkpoint's linears run their stored values on the
+CPU (W8A8: `Int8Linear`; weight-only schemes: `WeightOnlyLinear`), else are read as
+float weights (transport/weights/quant/).
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,6 +23,8 @@ from torch import nn
 from epd.transport.weights.checkpoint_error import CheckpointError
 from epd.transport.weights.quant.dequantize import QuantizedWeight, float_name, quantized_weights
 from epd.transport.weights.quant.int8_linear import Int8Linear
+from epd.transport.weights.quant.weight_only_linear import (TILE, WEIGHT_ONLY_FORMATS, WeightOnlyLinear, kernel_group,
+                                                            load as weight_only_kernel)
 from epd.transport.weights.quant.quant_config import QuantConfig, read_quant_config
 
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
@@ -140,13 +145,13 @@ def load_weights(module: nn.Module, model_dir: str | Path, rule: NameRule,
     error messages.
     """
     fused = fused or {}
-    int8 = _int8_linears(module, model_dir, rule, fused)  # W8A8 weights' parameter names -> their Int8Linear
+    stored = _quantized_linears(module, model_dir, rule, fused)  # parameter names -> the layers of stored values
     params = dict(module.named_parameters())
-    filled: dict[str, set[int | None]] = {name: set() for name in [*params, *int8]}
+    filled: dict[str, set[int | None]] = {name: set() for name in [*params, *stored]}
     for ckpt_name, tensor in iter_tensors(model_dir, accept=lambda n: rule(n) is not None, quantized=True):
         param_name, shard = rule(ckpt_name)
-        if param_name in int8:
-            _fill_int8(int8[param_name], ckpt_name, tensor, _rows(fused, param_name, shard))
+        if param_name in stored:
+            _fill_quantized(stored[param_name], ckpt_name, tensor, _rows(fused, param_name, shard))
             filled[param_name].add(shard)
             continue
         if param_name not in params:
@@ -182,23 +187,32 @@ def _rows(fused: dict[str, list[int]], param_name: str, shard: int | None) -> tu
     return sum(sizes[:shard]), sizes[shard]
 
 
-def _int8_linears(module: nn.Module, model_dir: str | Path, rule: NameRule,
-                  fused: dict[str, list[int]]) -> dict[str, Int8Linear]:
-    """A W8A8 checkpoint's linears, on the CPU in float32: each `nn.Linear` of `module` whose
-    every piece the checkpoint stores in int8 replaced by an empty `Int8Linear` (its float
-    weight, built but never written, is dropped); by its weight's parameter name. Read from
-    the files' headers, before any tensor."""
+_MAIN_PART = {"w4a16": "weight_packed", "awq": "qweight", "gptq": "qweight"}  # else `weight`, int8 or fp8
+_STORED_DTYPES = ("I8", "F8_E4M3")
+
+
+def _quantized_linears(module: nn.Module, model_dir: str | Path, rule: NameRule,
+                       fused: dict[str, list[int]]) -> dict[str, "Int8Linear | WeightOnlyLinear"]:
+    """A quantized checkpoint's linears, on the CPU in float32: each `nn.Linear` of `module` whose
+    every piece the checkpoint stores quantized replaced by an empty layer that runs the stored
+    values (W8A8: `Int8Linear`; a weight-only scheme: `WeightOnlyLinear`, where its kernel builds
+    and the sizes fit its tiles); its float weight, built but never written, is dropped; by its
+    weight's parameter name. Read from the files' headers, before any tensor."""
     quant = quant_config_of(model_dir)
-    if quant is None or quant.scheme != "w8a8":
+    if quant is None or (quant.scheme != "w8a8" and not _weight_only_kernel(quant)):
         return {}
     from safetensors import safe_open
 
+    main = _MAIN_PART.get(quant.scheme, "weight")
     pieces: dict[str, set[int | None]] = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                target = rule(name) if name.endswith(".weight") else None
-                if target is not None and f.get_slice(name).get_dtype() == "I8":
+                if not name.endswith("." + main) or (main == "weight" and f.get_slice(name).get_dtype()
+                                                     not in _STORED_DTYPES):
+                    continue
+                target = rule(float_name(name, quant))
+                if target is not None:
                     pieces.setdefault(target[0], set()).add(target[1])
     found = {}
     for param_name, shards in pieces.items():
@@ -210,22 +224,55 @@ def _int8_linears(module: nn.Module, model_dir: str | Path, rule: NameRule,
         want = set(range(len(fused[param_name]))) if param_name in fused else {None}
         if leaf != "weight" or shards != want or type(owner) is not nn.Linear \
                 or owner.weight.device.type != "cpu" or owner.weight.dtype != torch.float32:
-            continue  # a float linear, or one only partly int8: read dequantized
-        layer = Int8Linear(torch.empty(owner.out_features, owner.in_features, dtype=torch.int8),
-                           torch.empty(owner.out_features), owner.bias)
+            continue  # a float linear, or one only partly quantized: read dequantized
+        layer = _quantized_layer(owner, quant)
+        if layer is None:
+            continue  # sizes the kernel's tiles do not take: read dequantized
         parent_name, _, attr = owner_name.rpartition(".")
         setattr(module.get_submodule(parent_name), attr, layer)
         found[param_name] = layer
     return found
 
 
-def _fill_int8(layer: Int8Linear, name: str, tensor, rows: tuple[int, int] | None) -> None:
-    """A W8A8 record's int8 rows and scales into `layer`'s rows (all of them, or a fused piece's)."""
+def _weight_only_kernel(quant: QuantConfig) -> bool:
+    """Whether a weight-only scheme's linears run in their bits (weight_only_linear.py): the
+    kernel builds and `EPD_WEIGHT_ONLY_KERNEL` is not 0 (read at each load: 0 keeps the
+    dequantized float linears, the reference path)."""
+    return (quant.scheme in WEIGHT_ONLY_FORMATS and os.environ.get("EPD_WEIGHT_ONLY_KERNEL", "1") != "0"
+            and weight_only_kernel() is not None)
+
+
+def _quantized_layer(owner: nn.Linear, quant: QuantConfig) -> "Int8Linear | WeightOnlyLinear | None":
+    out, cols = owner.out_features, owner.in_features
+    if quant.scheme == "w8a8":
+        return Int8Linear(torch.empty(out, cols, dtype=torch.int8), torch.empty(out), owner.bias)
+    group = math.gcd(cols, quant.block_size[1]) if quant.scheme == "fp8-block" else quant.group_size
+    kernel_g = kernel_group(cols, group if group > 0 else 0)
+    if kernel_g is None or out % TILE:
+        return None
+    return WeightOnlyLinear(WEIGHT_ONLY_FORMATS[quant.scheme], cols, out, kernel_g, owner.bias)
+
+
+def _fill_quantized(layer: "Int8Linear | WeightOnlyLinear", name: str, tensor, rows: tuple[int, int] | None) -> None:
+    """A record's stored values into `layer`'s rows (all of them, or a fused piece's)."""
     if type(tensor) is not QuantizedWeight:
-        raise CheckpointError(f"tensor {name!r} is not int8 in a W8A8 checkpoint whose other pieces of it are")
-    q, scale = tensor.int8_rows()
+        raise CheckpointError(f"tensor {name!r} is not quantized in a checkpoint whose other pieces of it are")
     start, count = rows or (0, layer.out_features)
-    if tuple(q.shape) != (count, layer.in_features):
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(q.shape)}, expected {(count, layer.in_features)}")
-    layer.weight_q[start:start + count].copy_(q)
-    layer.weight_scale[0, start:start + count].copy_(scale)
+    if type(layer) is Int8Linear:
+        q, scale = tensor.int8_rows()
+        _check_rows(name, q, count, layer.in_features)
+        layer.weight_q[start:start + count].copy_(q)
+        layer.weight_scale[0, start:start + count].copy_(scale)
+        return
+    _, q, scale, zero = tensor.codes()  # the format is the layer's: both follow the checkpoint's scheme
+    _check_rows(name, q, count, layer.in_features)
+    if scale.shape[0] != count or (layer.in_features // layer.group) % scale.shape[1] \
+            or (zero is not None and zero.shape != scale.shape):
+        raise CheckpointError(f"tensor {name!r}: its scales {tuple(scale.shape)} are not one per row and equal "
+                              f"group of its {layer.in_features} columns")
+    layer.fill(start, q, scale, zero)
+
+
+def _check_rows(name: str, q: torch.Tensor, count: int, in_features: int) -> None:
+    if tuple(q.shape) != (count, in_features):
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(q.shape)}, expected {(count, in_features)}")

@@ -329,3 +329,46 @@ def test_compressed_tensors_weights_are_what_the_package_decompresses(quantized,
         assert torch.equal(layer.self_attn.qkv_proj.weight[:q.shape[0]], q), scheme
         assert torch.equal(layer.self_attn.qkv_proj.weight[-v.shape[0]:], v), scheme
         assert torch.equal(layer.mlp.down_proj.weight, ref[names[2]]), scheme
+
+
+
+@pytest.mark.parametrize("scheme", ["awq", "gptq"])
+def test_weight_only_linears_run_their_bits_with_the_dequantized_tokens(scheme, quantized, tiny_model, tmp_path,
+                                                                       monkeypatch):
+    """The kernel's linears (no float copy) against the same checkpoint read the old way, its
+    weights dequantized into float linears (EPD_WEIGHT_ONLY_KERNEL=0): greedy tokens equal, the
+    logprobs within float32's order of sums. GPTQ runs under a LoRA adapter: its delta is added
+    after the quantized base linear."""
+    from testkit.lora_adapters import make_adapter
+
+    from epd import LLM, SamplingParams
+    from epd.transport.weights.quant.weight_only_linear import WeightOnlyLinear, load
+    from epd.transport.wire.lora_request import LoRARequest
+
+    if load() is None:
+        pytest.skip("no C compiler: the loader keeps the float path")
+    lora = scheme == "gptq"
+    options = dict(enable_lora=True, max_loras=1, max_lora_rank=8) if lora else {}
+    adapter = LoRARequest("a", 1, make_adapter(tiny_model, tmp_path / "adapter", r=4, seed=5)) if lora else None
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
+    runs = []
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("EPD_WEIGHT_ONLY_KERNEL", kernel)
+        llm = LLM(str(quantized[scheme]), **options)
+        layers = llm.engine.runner.model.model.layers
+        quantized_linears = [m for m in layers.modules() if type(m) is WeightOnlyLinear]
+        assert len(quantized_linears) == (4 * len(layers) if kernel == "1" else 0)  # qkv, o, gate_up, down
+        if kernel == "1":  # 4 bits a weight and a scale and zero point a group, against float32's 32 bits
+            held = sum(t.numel() * t.element_size() for m in quantized_linears for t in m.buffers())
+            assert held < 0.2 * sum(4 * m.in_features * m.out_features for m in quantized_linears)
+        prompts = ["The quick brown fox", "The quick brown fox" if lora else "Numbers: 0 1 2 3"]
+        outs = llm.generate(prompts, params, lora_request=[adapter, None] if lora else None)
+        runs.append([o.outputs[0] for o in outs])
+        del llm
+    if lora:
+        assert runs[0][0].token_ids != runs[0][1].token_ids  # the adapter's delta took part
+    for got, want in zip(*runs):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))

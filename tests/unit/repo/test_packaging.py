@@ -35,8 +35,9 @@ def test_the_wheel_holds_only_the_epd_namespace(wheel):
     for module in ("epd/engine/scheduler.py", "epd/transport/wire/messages.py", "epd/families/qwen_vl/vision_tower.py",
                    "epd/bench/serve.py", "epd/api/server.py", "epd/engine/attention/torch_attention.py",
                    "epd/cli/__init__.py", "epd/cli/__main__.py", "epd/api/fast_path.py",
-                   # the CPU kernels' C sources, built where they run (engine/c_library.py)
-                   "epd/engine/attention/paged_attention_cpu.c", "epd/engine/layers/gated_delta_cpu.c"):
+                   # the CPU kernels' C sources, built where they run (transport/weights/c_library.py)
+                   "epd/engine/attention/paged_attention_cpu.c", "epd/engine/layers/gated_delta_cpu.c",
+                   "epd/transport/weights/quant/weight_only_cpu.c"):
         assert module in names
 
 

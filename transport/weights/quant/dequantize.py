@@ -14,6 +14,7 @@ the scale per block, row or group.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -86,6 +87,40 @@ class QuantizedWeight:
             raise CheckpointError(f"{self.module}: weight {tuple(q.shape)} and weight_scale {tuple(scale.shape)} "
                                   f"are not an int8 matrix with one scale per row or one in all")
         return q, scale.reshape(-1).expand(q.shape[0]).contiguous()
+
+    def codes(self) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A weight-only scheme's stored values as (format, q [out, in], scale [out, groups],
+        zero [out, groups] or None) with weight = (q - zero) * scale over equal groups of
+        columns, exactly `dequantize`'s: "int4" q 0..15 (uint8), "int8" q int8, "fp8" q
+        float8_e4m3fn. The kernel's layer (weight_only_linear.py) is filled from these."""
+        p, scheme = self.parts, self.quant.scheme
+        try:
+            if scheme == "w4a16":
+                out, cols = (int(v) for v in p["weight_shape"].tolist())
+                q = unpack_int4(p["weight_packed"], dim=1)[:, :cols]
+                scale = p["weight_scale"].float().reshape(out, -1)
+                zero = torch.full_like(scale, 8.0) if "weight_zero_point" not in p else \
+                    unpack_int4(p["weight_zero_point"], dim=0)[:out].float()  # q - 8 - (zp - 8)
+                return "int4", q, scale, zero
+            if scheme in ("awq", "gptq"):
+                awq = scheme == "awq"
+                q = unpack_int4(p["qweight"], dim=1 if awq else 0, order=AWQ_ORDER if awq else None).t()
+                zero = unpack_int4(p["qzeros"], dim=1, order=AWQ_ORDER if awq else None).float()
+                return "int4", q, p["scales"].float().t(), (zero if awq else zero + 1).t()
+            w, fmt = p["weight"], "int8" if scheme == "w8a16" else "fp8"
+            if scheme == "fp8-block":  # groups of gcd(in, b1) columns: a partial last block is whole groups
+                (b0, b1), (out, cols) = self.quant.block_size, w.shape
+                scale_inv, group = p["weight_scale_inv"].float(), math.gcd(cols, b1)
+                if tuple(scale_inv.shape) != (-(-out // b0), -(-cols // b1)):
+                    raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected "
+                                     f"{(-(-out // b0), -(-cols // b1))}")
+                scale = scale_inv.repeat_interleave(b0, 0)[:out].repeat_interleave(b1 // group, 1)[:, :cols // group]
+                return fmt, w, scale, None
+            scale = p["weight_scale"].float().reshape(-1, 1)
+            return fmt, w, scale.expand(w.shape[0], 1) if scale.numel() == 1 else scale, None
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{self.module}: its {self.quant.method} {self.quant.scheme} tensors do not "
+                                  f"fit together ({exc})") from None
 
 
 def quantized_weights(stream: Iterator[tuple[str, torch.Tensor]], quant: QuantConfig

@@ -1,7 +1,7 @@
 """A plain C source built on first use with the system's C compiler, cached, loaded with ctypes.
 
-The engine's CPU kernels (engine/attention/paged_attention_cpu.c, engine/layers/gated_delta_cpu.c)
-are plain C with OpenMP and no torch headers, so each builds in about a second. A build lands in
+Our CPU kernels (engine/attention/paged_attention_cpu.c, engine/layers/gated_delta_cpu.c,
+transport/weights/quant/weight_only_cpu.c) are plain C with OpenMP and no torch headers, so each builds in about a second. A build lands in
 a cache directory (`$EPD_KERNEL_CACHE`, default ~/.cache/epd/kernels) under a name that hashes
 the source, the compiler, the flags and this CPU's features, and is written beside its target
 and renamed, so processes starting at once never load half a file. Without a compiler, or when
