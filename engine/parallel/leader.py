@@ -1,0 +1,137 @@
+"""Rank 0 of a tensor-parallel group: the language model the rest of the engine holds.
+
+`start_group` starts ranks 1..N-1 (follower.py, one process each), loads rank 0's
+shard, waits until every follower has loaded its own (watching that none died),
+and meets them (comm.py). What it returns, a `TensorParallelLM`, is a `CausalLM`
+(engine/models/causal_lm.py) to the runner: its `cfg` has this rank's head counts
+(the KV cache holds this rank's heads; the block table is rank 0's and the same
+for all), and its `forward` and `compute_logits` first send the followers the
+same call (forward_inputs.py over step_channel.py), then run rank 0's shard; the
+collectives inside the layers (layers.py) join the ranks. The scheduler, block
+manager, sampler and worker plane never know there is a group.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import weakref
+
+import torch
+from torch import nn
+
+from epd.engine.layers.forward_batch import ForwardBatch
+from epd.engine.parallel.comm import GroupComm, GroupFailed, open_store, wait_for
+from epd.engine.parallel.follower import FollowerSpec, load_shard, loaded_key
+from epd.engine.parallel.forward_inputs import forward_step
+from epd.engine.parallel.shard import Shard, TensorParallelError
+from epd.engine.parallel.step_channel import Step, StepSender, StepTimeout
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a collective's deadline: one layer's work on the slowest rank, with a wide margin
+STARTUP_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint
+
+
+def check_supported(config, role: str, device: str) -> None:
+    """TensorParallelError naming what this step of tensor parallelism does not serve yet."""
+    size = config.tensor_parallel_size
+    refused = []
+    if not device.startswith("cpu"):
+        refused.append(f"device {device} (CPU with gloo only so far)")
+    if role in ("prefill", "decode"):
+        refused.append(f"the {role} role (the KV hand-over between sharded workers is not built yet: use a pd or "
+                       "aggregated worker)")
+    if config.lora.enable_lora:
+        refused.append("--enable-lora")
+    if config.speculative_config is not None:
+        refused.append("--speculative-config")
+    if refused:
+        raise TensorParallelError(f"--tensor-parallel-size {size} does not serve " + "; ".join(refused) + " yet")
+
+
+class TensorParallelLM(nn.Module):
+    """Rank 0's shard, with the followers run in step with it."""
+
+    def __init__(self, local: nn.Module, sender: StepSender, followers: list[subprocess.Popen], run_dir: str):
+        super().__init__()
+        self.local = local
+        self.cfg, self.positions, self.model = local.cfg, local.positions, local.model
+        self.bidirectional_mm = getattr(local, "bidirectional_mm", False)
+        self.sender, self.followers = sender, followers
+        self._close = weakref.finalize(self, _stop, sender, followers, run_dir)
+
+    def setup(self, num_blocks: int, block_size: int, attention_backend: str) -> None:
+        """The followers' KV caches: `num_blocks` blocks of `block_size`, as rank 0's."""
+        self._send(Step("setup", {"num_blocks": num_blocks, "block_size": block_size,
+                                  "attention_backend": attention_backend}))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        self._send(forward_step(input_ids, batch))
+        return self.local(input_ids, batch)
+
+    def forward_with_aux(self, input_ids, batch, aux_layer_ids):
+        raise TensorParallelError("an EAGLE-3 or MTP head with --tensor-parallel-size > 1 is not served yet")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_samples, hidden] -> logits [num_samples, vocab] (float32), gathered from every rank."""
+        self._send(Step("logits", tensors={"hidden": hidden}))
+        return self.local.compute_logits(hidden)
+
+    def _send(self, step: Step) -> None:
+        check_followers(self.followers)
+        try:
+            self.sender.send(step)
+        except StepTimeout as exc:
+            raise GroupFailed(str(exc)) from None
+
+    def close(self) -> None:
+        """Stops the followers (also done when this object is collected or the process exits)."""
+        self._close()
+
+
+def check_followers(followers: list[subprocess.Popen]) -> None:
+    """GroupFailed naming the first follower that has exited."""
+    for rank, proc in enumerate(followers, start=1):
+        code = proc.poll()
+        if code is not None:
+            raise GroupFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
+
+
+def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int | None = None,
+                timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallelLM:
+    """Ranks 1..size-1 started, rank 0's shard loaded, the group met: rank 0's model."""
+    run_dir = tempfile.mkdtemp(prefix="epd-tp-")
+    threads = num_threads or torch.get_num_threads()
+    specs = [FollowerSpec(str(model_dir), run_dir, rank, size, str(dtype).removeprefix("torch."), timeout_s,
+                          STARTUP_TIMEOUT_S, threads) for rank in range(1, size)]
+    sender = StepSender(run_dir, size, timeout_s)
+    followers = [subprocess.Popen(spec.to_argv(), env={**os.environ, "PYTHONUNBUFFERED": "1"}) for spec in specs]
+    try:
+        shard = Shard(0, size)
+        local = load_shard(str(model_dir), dtype, shard)
+        store = open_store(run_dir, size, STARTUP_TIMEOUT_S)
+
+        def all_loaded() -> bool:
+            check_followers(followers)
+            return store.check([loaded_key(r) for r in range(1, size)])
+
+        wait_for(all_loaded, STARTUP_TIMEOUT_S, f"loading the {size - 1} other tensor-parallel ranks")
+        shard.comm = GroupComm.connect(store, 0, size, timeout_s)
+    except BaseException:
+        _stop(sender, followers, run_dir)
+        raise
+    return TensorParallelLM(local, sender, followers, run_dir)
+
+
+def _stop(sender: StepSender, followers: list[subprocess.Popen], run_dir: str) -> None:
+    try:
+        sender.send_stop()
+    finally:
+        sender.close()
+    for proc in followers:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(run_dir, ignore_errors=True)
