@@ -193,6 +193,13 @@ class ServeConfig:
             _check_keys(self.worker_keys, API, "--external-workers")
         if self.ray is not None and self.external_workers:
             raise ValueError("--cluster ray starts the workers itself: drop --external-workers")
+        if self.engine.tensor_parallel_size > 1 and self.mode is Mode.E_P_D:
+            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: mode e-p-d hands KV from "
+                             "prefill to decode workers, which sharded workers do not do yet: use --mode aggregated "
+                             "or e-pd")
+        if self.engine.tensor_parallel_size > 1 and self.ray is not None:
+            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size} with --cluster ray is not "
+                             "served yet (a group's ranks would need one node's placement group)")
         if self.ray is not None and self.worker_keys:
             _check_keys(self.worker_keys, API, "--cluster ray")
         _check_checkpoint(self.model)

@@ -45,11 +45,13 @@ class GroupComm:
         self._wait(self.group.allreduce([t]), "all-reduce")
         return t
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `t` (the same shape on each), in rank order."""
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.group.allgather([out], [t]), "all-gather")
-        return out
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """On rank 0 every rank's `t` (the same shape on each), in rank order; None on the others."""
+        out = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self._wait(self.group.gather(out, [t], opts), "gather")
+        return out[0] if self.rank == 0 else None
 
     def _wait(self, work, what: str) -> None:
         try:

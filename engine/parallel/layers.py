@@ -11,7 +11,8 @@ collective is swapped here, keeping the parameter names the checkpoint fills:
   * `VocabParallelEmbedding`: each rank looks up the ids in its vocabulary run,
     zeros elsewhere, and an all-reduce sums them (each row from exactly one rank).
   * `VocabParallelHead` (lm_head): each rank's logits of its run, padded to the
-    longest run, all-gathered and cut to the vocabulary: every rank gets them all.
+    longest run, gathered on rank 0 and cut to the vocabulary (rank 0 samples;
+    a follower's call returns its own run only).
 
 Where a layer kind is not sharded yet (MoE blocks, Gated DeltaNet, LoRA,
 quantized linears) `parallelize` refuses it by name. Packing for oneDNN
@@ -75,7 +76,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The output head's rows of this rank's vocabulary run; every rank gets all the logits."""
+    """The output head's rows of this rank's vocabulary run; rank 0 gets all the logits."""
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: Shard):
         super().__init__()
@@ -85,11 +86,12 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.length, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab]."""
+        """hidden [N, hidden] -> logits [N, vocab] on rank 0 ([N, ceil(vocab / size)], its own run, on the others)."""
         logits = F.linear(hidden, self.weight)
         if self.length < self.per_rank:  # the last run is shorter: padded for the gather, cut after it
             logits = F.pad(logits, (0, self.per_rank - self.length))
-        return torch.cat(self.shard.comm.all_gather(logits.contiguous()), dim=-1)[:, :self.vocab_size]
+        runs = self.shard.comm.gather(logits.contiguous())
+        return logits if runs is None else torch.cat(runs, dim=-1)[:, :self.vocab_size]
 
 
 def parallelize(model: nn.Module, shard: Shard) -> nn.Module:
