@@ -324,6 +324,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
+        if self.engine.tensor_parallel_size > 1 and self.role.value in ("prefill", "decode", "encoder"):
+            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: a {self.role.value} worker "
+                             "is not sharded yet (pd and aggregated workers are)")
         if self.cpu_sharing not in CPU_SHARING:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if not all(is_tcp_address(api) for api in self.api.split(",")):

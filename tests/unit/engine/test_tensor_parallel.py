@@ -3,17 +3,22 @@ Qwen3-VL checkpoint (float32; logprobs within rounding), a follower rank's death
 with an error naming it, and what is not sharded yet is refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 from testkit.media import IMG_A, describe
 
 from epd.engine.config import EngineConfig
 from epd.engine.parallel.comm import GroupFailed
 from epd.engine.parallel.leader import check_supported
 from epd.engine.parallel.shard import Shard, TensorParallelError, check_divisible
+from epd.families.qwen_vl.presets import PRESETS
+from epd.tools.make_model import make_model
 from epd.transport.wire.sampling import SamplingParams
 
 CHATS = [[{"role": "user", "content": "Tell me about lighthouses."}],
@@ -68,7 +73,15 @@ def test_shard_runs_and_replicated_kv_heads():
         check_divisible(cfg, 3)
 
 
-def test_what_is_not_sharded_is_refused_by_name():
+def test_what_is_not_sharded_is_refused_by_name(tiny_model):
+    from epd.config import ServeConfig, WorkerConfig
+
+    tp2 = EngineConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="mode e-p-d hands KV from prefill to decode workers"):
+        ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2)
+    ServeConfig(model=tiny_model, mode="aggregated", engine=tp2)
+    with pytest.raises(ValueError, match="a decode worker is not sharded yet"):
+        WorkerConfig(model=tiny_model, role="decode", api="tcp://127.0.0.1:5555", engine=tp2)
     lora = EngineConfig.from_flat(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(TensorParallelError, match="--enable-lora"):
         check_supported(lora, "pd", "cpu")
@@ -76,3 +89,54 @@ def test_what_is_not_sharded_is_refused_by_name():
         check_supported(EngineConfig(tensor_parallel_size=2), "decode", "cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def _forward_logits(model, backend, num_tokens: int) -> torch.Tensor:
+    """One prefill of `num_tokens` fixed ids through `model` on a fresh KV cache: logits [num_tokens, vocab]."""
+    from epd.engine.attention.metadata import AttentionMetadata
+    from epd.engine.layers.forward_batch import ForwardBatch
+
+    cfg = model.cfg
+    kv = torch.zeros(2, cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim)
+    meta = AttentionMetadata.build([num_tokens], [num_tokens], [[0, 1, 2, 3]], 16)
+    batch = ForwardBatch(positions=torch.arange(num_tokens).expand(3, -1), attn_meta=meta, backend=backend,
+                         kv_caches=[(kv[0, i], kv[1, i]) for i in range(cfg.num_layers)])
+    ids = torch.arange(num_tokens) * 37 % cfg.vocab_size
+    return model.compute_logits(model(ids, batch))
+
+
+@torch.inference_mode()
+def test_qwen2_5_shards_give_the_whole_models_logits(tmp_path):
+    """Qwen2.5-VL (q/k/v biases), one K/V head replicated on both ranks, a tied head and a vocabulary
+    that does not split evenly: two ranks in threads of this process (gloo, their own group) give
+    the unsharded model's logits, each rank having read only its slices."""
+    from transformers import AutoConfig
+
+    from epd.engine.attention import get_backend
+    from epd.engine.loader import load_language_model
+    from epd.engine.parallel.comm import GroupComm, open_store
+    from epd.engine.parallel.follower import load_shard
+
+    preset = dataclasses.replace(PRESETS["qwen2.5-vl-tiny"], num_kv_heads=1, tie_word_embeddings=True, vocab_size=1101)
+    path = str(make_model(tmp_path / "ckpt", preset, seed=4))
+    backend = get_backend("torch")
+    whole = _forward_logits(load_language_model(path, AutoConfig.from_pretrained(path), torch.float32), backend, 20)
+    results = {}
+
+    def rank(r: int) -> None:
+        shard = Shard(r, 2)
+        model = load_shard(path, torch.float32, shard)
+        assert model.model.embed_tokens.weight.shape[0] == (551, 550)[r]
+        assert model.model.layers[0].self_attn.qkv_proj.bias.shape[0] == (2 + 1 + 1) * preset.head_dim
+        shard.comm = GroupComm.connect(open_store(tmp_path, 2, 30), r, 2, 30)
+        with torch.inference_mode():
+            results[r] = _forward_logits(model, backend, 20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results[0].shape == whole.shape == (20, 1101)
+    torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(results[0].argmax(-1), whole.argmax(-1))
