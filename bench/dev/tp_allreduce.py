@@ -1,6 +1,7 @@
-"""The collectives of one tensor-parallel decode step on CPU (gloo, engine/parallel/comm.py), alone:
+"""The collectives of one tensor-parallel decode step on CPU (engine/parallel/comm.py), alone:
 per step of B sequences, 2 all-reduces of [B, hidden] per layer (after o_proj and down_proj), one
-for the embedding, and the head's gather of [B, ceil(vocab / N)] float32; the median µs per step.
+for the embedding, and the head's gather of [B, ceil(vocab / N)] float32; the median µs per step,
+the all-reduces through gloo and through shared memory (shm_allreduce.py), interleaved.
 With --offline, also the offline LLM's decode tokens/s at TP=1 and TP=N on the same checkpoint.
 
     python -m bench.dev.tp_allreduce [--preset small] [--size 2] [--batches 1 8 32] [--offline DIR]
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from epd.engine.parallel import shm_allreduce
 from epd.engine.parallel.comm import GroupComm, open_store
 
 PRESETS = {"tiny": (3, 64, 1024), "small": (14, 768, 151_936)}  # num_layers, hidden, vocab (as make-model's)
@@ -24,8 +26,10 @@ PRESETS = {"tiny": (3, 64, 1024), "small": (14, 768, 151_936)}  # num_layers, hi
 def run_rank(run_dir: str, rank: int, size: int, preset: str, batches: list[int], steps: int) -> None:
     torch.set_num_threads(1)
     comm = GroupComm.connect(open_store(run_dir, size, 60), rank, size, 60)
+    shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(run_dir), rank, size, shm_allreduce.SLOT_BYTES, 60)
     num_layers, hidden, vocab = PRESETS[preset]
-    for b in batches:
+    for b, kind in [(b, kind) for b in batches for kind in ("gloo", "shm", "gloo", "shm")]:
+        comm.shm = shm if kind == "shm" else None
         x, logits = torch.randn(b, hidden), torch.randn(b, -(-vocab // size))
         reduces, gathers = [], []
         for _ in range(steps):
@@ -38,7 +42,7 @@ def run_rank(run_dir: str, rank: int, size: int, preset: str, batches: list[int]
             gathers.append(time.perf_counter() - middle)
         if rank == 0:
             r, g = statistics.median(reduces) * 1e6, statistics.median(gathers) * 1e6
-            print(f"{preset} TP={size} B={b:3d}: {2 * num_layers + 1} all-reduces [B, {hidden}] {r:7.0f} µs "
+            print(f"{preset} TP={size} B={b:3d} {kind}: {2 * num_layers + 1} all-reduces [B, {hidden}] {r:7.0f} µs "
                   f"({r / (2 * num_layers + 1):4.0f} each) + gather [B, {-(-vocab // size)}] {g:7.0f} µs "
                   "per decode step", flush=True)
 
@@ -75,11 +79,13 @@ def main() -> None:
         run_rank(args.run_dir, args.rank, args.size, args.preset, args.batches, args.steps)
         return
     run_dir = tempfile.mkdtemp(prefix="epd-tp-bench-")
+    shm_file = shm_allreduce.create(run_dir, args.size, shm_allreduce.SLOT_BYTES)
     argv = [sys.executable, "-m", "bench.dev.tp_allreduce", "--preset", args.preset, "--size", str(args.size),
             "--steps", str(args.steps), "--run-dir", run_dir, "--batches", *map(str, args.batches)]
     ranks = [subprocess.Popen([*argv, "--rank", str(r)]) for r in range(args.size)]
     for proc in ranks:
         proc.wait()
+    shm_file.unlink()
     if args.offline:
         offline(args.offline, args.size, 8, 64)
 

@@ -4,7 +4,8 @@ The ranks are processes on one host. They meet through a file store in the
 group's run directory (`connect`), then talk through a gloo process group
 made for them alone (`torch.distributed.ProcessGroupGloo`, not torch's
 default group: several engines, e.g. a test's TP=1 and TP=2, live in one
-process). Every collective waits at most `timeout_s`; a rank that died or
+process), and small all-reduces go through shared memory (shm_allreduce.py). Every
+collective waits at most `timeout_s`; a rank that died or
 hangs makes the others' next collective fail with `GroupFailed` rather than
 wait forever. docs/decisions/tensor-parallelism.md says why gloo.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from epd.engine.parallel.shm_allreduce import ShmAllReduce
 
 
 class GroupFailed(RuntimeError):
@@ -29,6 +32,7 @@ STORE_FILE = "tp-store"
 class GroupComm:
     def __init__(self, group, rank: int, size: int):
         self.group, self.rank, self.size = group, rank, size
+        self.shm: ShmAllReduce | None = None  # small all-reduces through shared memory (shm_allreduce.py)
 
     @classmethod
     def connect(cls, store, rank: int, size: int, timeout_s: float) -> "GroupComm":
@@ -41,7 +45,13 @@ class GroupComm:
                               f"within {timeout_s:g} s: {exc}") from None
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `t`, in place (every rank gets the same bits)."""
+        """The sum of every rank's `t`, in place (every rank gets the same bits): through shared
+        memory where it fits a slot (every rank decides alike: the same shapes), else gloo."""
+        if self.shm is not None and self.shm.fits(t):
+            try:
+                return self.shm.all_reduce(t)
+            except TimeoutError as exc:
+                raise GroupFailed(f"tensor-parallel all-reduce on rank {self.rank} of {self.size}: {exc}") from None
         self._wait(self.group.allreduce([t]), "all-reduce")
         return t
 

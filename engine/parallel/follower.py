@@ -55,7 +55,8 @@ def load_shard(model_dir: str, dtype: torch.dtype, shard):
 def run_follower(spec: FollowerSpec) -> None:
     from epd.engine.attention import get_backend
     from epd.engine.models.causal_lm import num_kv_layers
-    from epd.engine.parallel.comm import GroupComm, open_store
+    from epd.engine.parallel import shm_allreduce
+    from epd.engine.parallel.comm import GroupComm, GroupFailed, open_store
     from epd.engine.parallel.forward_inputs import forward_batch
     from epd.engine.parallel.shard import Shard
     from epd.engine.parallel.step_channel import StepReceiver
@@ -68,6 +69,13 @@ def run_follower(spec: FollowerSpec) -> None:
     store = open_store(spec.run_dir, spec.size, spec.startup_timeout_s)
     store.set(loaded_key(spec.rank), "1")
     shard.comm = GroupComm.connect(store, spec.rank, spec.size, spec.timeout_s)
+
+    def watch() -> None:
+        if os.getppid() != parent:
+            raise GroupFailed(f"tensor-parallel rank {spec.rank}: rank 0 is gone")
+
+    shard.comm.shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(spec.run_dir), spec.rank, spec.size,
+                                                shm_allreduce.SLOT_BYTES, spec.timeout_s, watch=watch)
     backend, kv_caches = None, []
     while True:
         step = steps.recv(POLL_MS)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from epd.engine.layers.forward_batch import ForwardBatch
+from epd.engine.parallel import shm_allreduce
 from epd.engine.parallel.comm import GroupComm, GroupFailed, open_store, wait_for
 from epd.engine.parallel.follower import FollowerSpec, load_shard, loaded_key
 from epd.engine.parallel.forward_inputs import forward_step
@@ -104,6 +105,7 @@ def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int 
     threads = num_threads or torch.get_num_threads()
     specs = [FollowerSpec(str(model_dir), run_dir, rank, size, str(dtype).removeprefix("torch."), timeout_s,
                           STARTUP_TIMEOUT_S, threads) for rank in range(1, size)]
+    shm_allreduce.create(run_dir, size, shm_allreduce.SLOT_BYTES)  # before the followers map it
     sender = StepSender(run_dir, size, timeout_s)
     followers = [subprocess.Popen(spec.to_argv(), env={**os.environ, "PYTHONUNBUFFERED": "1"}) for spec in specs]
     try:
@@ -117,6 +119,9 @@ def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int 
 
         wait_for(all_loaded, STARTUP_TIMEOUT_S, f"loading the {size - 1} other tensor-parallel ranks")
         shard.comm = GroupComm.connect(store, 0, size, timeout_s)
+        shard.comm.shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(run_dir), 0, size,
+                                                    shm_allreduce.SLOT_BYTES, timeout_s,
+                                                    watch=lambda: check_followers(followers))
     except BaseException:
         _stop(sender, followers, run_dir)
         raise
@@ -134,4 +139,5 @@ def _stop(sender: StepSender, followers: list[subprocess.Popen], run_dir: str) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    shm_allreduce.shm_path(run_dir).unlink(missing_ok=True)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -140,3 +140,32 @@ def test_qwen2_5_shards_give_the_whole_models_logits(tmp_path):
     assert results[0].shape == whole.shape == (20, 1101)
     torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
     assert torch.equal(results[0].argmax(-1), whole.argmax(-1))
+
+
+def test_shared_memory_all_reduce_sums_alike_and_has_a_deadline(tmp_path):
+    """Two ranks in threads: each call's sum is the same bits on both (slots added in rank order),
+    across calls that alternate the file's halves; a rank that never arrives is named at the deadline."""
+    from epd.engine.parallel import shm_allreduce
+
+    path = tmp_path / "shm"
+    with open(path, "wb") as f:
+        f.truncate(shm_allreduce.file_bytes(2, 4096))
+    inputs = [[torch.randn(3, 5) * (r + 1) + call for call in range(5)] for r in range(2)]
+    results = {}
+
+    def rank(r: int) -> None:
+        comm = shm_allreduce.ShmAllReduce(path, r, 2, 4096, timeout_s=10)
+        results[r] = [comm.all_reduce(x.clone()) for x in inputs[r]]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for call in range(5):
+        assert torch.equal(results[0][call], inputs[0][call] + inputs[1][call])
+        assert torch.equal(results[1][call], results[0][call])
+    alone = shm_allreduce.ShmAllReduce(path, 0, 2, 4096, timeout_s=0.2)
+    assert not alone.fits(torch.zeros(2048))  # 8 KiB: gloo's
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not reach all-reduce 6"):
+        alone.all_reduce(torch.ones(4))
