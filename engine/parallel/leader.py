@@ -53,9 +53,10 @@ def check_supported(config, role: str, device: str) -> None:
 class TensorParallelLM(nn.Module):
     """Rank 0's shard, with the followers run in step with it."""
 
-    def __init__(self, local: nn.Module, sender: StepSender, followers: list[subprocess.Popen], run_dir: str):
+    def __init__(self, local: nn.Module, comm: GroupComm, sender: StepSender, followers: list[subprocess.Popen],
+                 run_dir: str):
         super().__init__()
-        self.local = local
+        self.local, self.comm = local, comm
         self.cfg, self.positions, self.model = local.cfg, local.positions, local.model
         self.bidirectional_mm = getattr(local, "bidirectional_mm", False)
         self.sender, self.followers = sender, followers
@@ -125,7 +126,7 @@ def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int 
     except BaseException:
         _stop(sender, followers, run_dir)
         raise
-    return TensorParallelLM(local, sender, followers, run_dir)
+    return TensorParallelLM(local, shard.comm, sender, followers, run_dir)
 
 
 def _stop(sender: StepSender, followers: list[subprocess.Popen], run_dir: str) -> None:
