@@ -98,8 +98,8 @@ class EngineCore(EngineAdapters):
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
         self.tensor_parallel = config.tensor_parallel_size > 1  # rank 0 of a group (engine/parallel/leader.py)
         if self.tensor_parallel:
-            check_supported(config, role, self.device)
-            model = start_group(model_dir, self.dtype, config.tensor_parallel_size)
+            check_supported(config, self.device)
+            model = start_group(model_dir, self.dtype, config.tensor_parallel_size, self.info.num_kv_heads)
         else:
             model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         if config.lora.enable_lora:

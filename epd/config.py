@@ -193,10 +193,6 @@ class ServeConfig:
             _check_keys(self.worker_keys, API, "--external-workers")
         if self.ray is not None and self.external_workers:
             raise ValueError("--cluster ray starts the workers itself: drop --external-workers")
-        if self.engine.tensor_parallel_size > 1 and self.mode is Mode.E_P_D:
-            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: mode e-p-d hands KV from "
-                             "prefill to decode workers, which sharded workers do not do yet: use --mode aggregated "
-                             "or e-pd")
         if self.engine.tensor_parallel_size > 1 and self.ray is not None:
             raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size} with --cluster ray is not "
                              "served yet (a group's ranks would need one node's placement group)")
@@ -324,9 +320,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
-        if self.engine.tensor_parallel_size > 1 and self.role.value in ("prefill", "decode", "encoder"):
-            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: a {self.role.value} worker "
-                             "is not sharded yet (pd and aggregated workers are)")
+        if self.engine.tensor_parallel_size > 1 and self.role is Role.ENCODER:
+            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: an encoder worker is not "
+                             "sharded (encoders scale by count); engine roles are")
         if self.cpu_sharing not in CPU_SHARING:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if not all(is_tcp_address(api) for api in self.api.split(",")):

@@ -4,7 +4,7 @@ Started by rank 0 (leader.py) as `python -m epd.engine.parallel.follower SPEC_JS
 its slices of the checkpoint, says so in the group's store, meets the others (comm.py), then runs
 what rank 0 sends (step_channel.py): "setup" (its KV cache: the same blocks as rank 0's, its own
 heads), "forward" (the step's forward on its shard), "logits" (its part of the head's gather),
-"stop". It has no scheduler, sampler or sockets to the rest of EPD: rank 0 speaks for the group.
+"read_kv" / "write_kv" (its heads of blocks handed over), "stop". It has no scheduler, sampler or sockets to the rest of EPD: rank 0 speaks for the group.
 It exits when rank 0 is gone (its parent changed) or a collective fails.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def run_follower(spec: FollowerSpec) -> None:
 
     shard.comm.shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(spec.run_dir), spec.rank, spec.size,
                                                 shm_allreduce.SLOT_BYTES, spec.timeout_s, watch=watch)
-    backend, kv_caches = None, []
+    backend, kv, kv_caches = None, None, []
     while True:
         step = steps.recv(POLL_MS)
         if step is None:
@@ -97,6 +97,14 @@ def run_follower(spec: FollowerSpec) -> None:
             model(input_ids, batch)  # its hidden states: rank 0 sends the rows it wants logits of
         elif step.op == "logits":
             model.compute_logits(step.tensors["hidden"])
+        elif step.op == "read_kv":  # this rank's heads of the blocks, to rank 0 (leader.py gather_kv)
+            index = torch.tensor(step.values["block_ids"], dtype=torch.long)
+            shard.comm.gather(torch.stack((kv[0][:, index], kv[1][:, index])).contiguous())
+        elif step.op == "write_kv":  # every head's K/V of the blocks: this rank's heads kept
+            index = torch.tensor(step.values["block_ids"], dtype=torch.long)
+            first, count = shard.kv_heads(step.tensors["k"].shape[-2])
+            kv[0][:, index] = step.tensors["k"][..., first:first + count, :].to(kv.dtype)
+            kv[1][:, index] = step.tensors["v"][..., first:first + count, :].to(kv.dtype)
         else:
             raise RuntimeError(f"tensor-parallel rank {spec.rank}: unknown step {step.op!r}")
 

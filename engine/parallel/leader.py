@@ -33,15 +33,12 @@ COLLECTIVE_TIMEOUT_S = 60.0  # a collective's deadline: one layer's work on the 
 STARTUP_TIMEOUT_S = 600.0  # loading a shard of a large checkpoint
 
 
-def check_supported(config, role: str, device: str) -> None:
+def check_supported(config, device: str) -> None:
     """TensorParallelError naming what this step of tensor parallelism does not serve yet."""
     size = config.tensor_parallel_size
     refused = []
     if not device.startswith("cpu"):
         refused.append(f"device {device} (CPU with gloo only so far)")
-    if role in ("prefill", "decode"):
-        refused.append(f"the {role} role (the KV hand-over between sharded workers is not built yet: use a pd or "
-                       "aggregated worker)")
     if config.lora.enable_lora:
         refused.append("--enable-lora")
     if config.speculative_config is not None:
@@ -53,10 +50,12 @@ def check_supported(config, role: str, device: str) -> None:
 class TensorParallelLM(nn.Module):
     """Rank 0's shard, with the followers run in step with it."""
 
-    def __init__(self, local: nn.Module, comm: GroupComm, sender: StepSender, followers: list[subprocess.Popen],
-                 run_dir: str):
+    def __init__(self, local: nn.Module, shard: Shard, num_kv_heads: int, sender: StepSender,
+                 followers: list[subprocess.Popen], run_dir: str):
+        """`num_kv_heads`: the whole model's (what the KV hand-over carries)."""
         super().__init__()
-        self.local, self.comm = local, comm
+        self.local, self.shard, self.comm = local, shard, shard.comm
+        self.handover_kv_heads = num_kv_heads  # the runner's block_shape: what KVTransfer carries
         self.cfg, self.positions, self.model = local.cfg, local.positions, local.model
         self.bidirectional_mm = getattr(local, "bidirectional_mm", False)
         self.sender, self.followers = sender, followers
@@ -79,6 +78,22 @@ class TensorParallelLM(nn.Module):
         self._send(Step("logits", tensors={"hidden": hidden}))
         return self.local.compute_logits(hidden)
 
+    # -- the KV hand-over: the wire carries every K/V head, each rank holds its own ----------------
+
+    def gather_kv(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's K/V of `block_ids` ([num_layers, n, block_size, its heads, head_dim] each) -> every
+        head's, from the ranks that hold them (the followers read theirs on the same call)."""
+        self._send(Step("read_kv", {"block_ids": block_ids}))
+        runs = self.comm.gather(torch.stack((k, v)).contiguous())  # [2, L, n, bs, local heads, D] each
+        whole = torch.cat([runs[rank] for rank, _, _ in self.shard.holders(self.handover_kv_heads)], dim=-2)
+        return whole[0], whole[1]
+
+    def scatter_kv(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's K/V of `block_ids` -> rank 0's heads of it (the followers write theirs)."""
+        self._send(Step("write_kv", {"block_ids": block_ids}, {"k": k, "v": v}))
+        first, count = self.shard.kv_heads(self.handover_kv_heads)
+        return k[..., first:first + count, :], v[..., first:first + count, :]
+
     def _send(self, step: Step) -> None:
         check_followers(self.followers)
         try:
@@ -99,9 +114,10 @@ def check_followers(followers: list[subprocess.Popen]) -> None:
             raise GroupFailed(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
 
 
-def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int | None = None,
+def start_group(model_dir: str, dtype: torch.dtype, size: int, num_kv_heads: int, num_threads: int | None = None,
                 timeout_s: float = COLLECTIVE_TIMEOUT_S) -> TensorParallelLM:
-    """Ranks 1..size-1 started, rank 0's shard loaded, the group met: rank 0's model."""
+    """Ranks 1..size-1 started, rank 0's shard loaded, the group met: rank 0's model.
+    `num_kv_heads`: the whole model's K/V heads."""
     run_dir = tempfile.mkdtemp(prefix="epd-tp-")
     threads = num_threads or torch.get_num_threads()
     specs = [FollowerSpec(str(model_dir), run_dir, rank, size, str(dtype).removeprefix("torch."), timeout_s,
@@ -126,7 +142,7 @@ def start_group(model_dir: str, dtype: torch.dtype, size: int, num_threads: int 
     except BaseException:
         _stop(sender, followers, run_dir)
         raise
-    return TensorParallelLM(local, shard.comm, sender, followers, run_dir)
+    return TensorParallelLM(local, shard, num_kv_heads, sender, followers, run_dir)
 
 
 def _stop(sender: StepSender, followers: list[subprocess.Popen], run_dir: str) -> None:

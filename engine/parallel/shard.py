@@ -55,6 +55,17 @@ class Shard:
             return self.run(num_kv_heads)
         return self.rank * num_kv_heads // self.size, 1
 
+    def holders(self, num_kv_heads: int) -> list[tuple[int, int, int]]:
+        """(rank, first, count): which rank's cache to take each run of the K/V heads from, in head
+        order, each head once (a replicated head from the first rank that holds it)."""
+        runs, next_head = [], 0
+        for rank in range(self.size):
+            first, count = Shard(rank, self.size).kv_heads(num_kv_heads)
+            if first == next_head:
+                runs.append((rank, first, count))
+                next_head = first + count
+        return runs
+
     def local_config(self, cfg):
         """A family's text config with this rank's head and intermediate counts (vocab_size kept:
         the sampler sees every token; the embedding and head hold their runs, layers.py)."""

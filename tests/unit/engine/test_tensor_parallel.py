@@ -28,17 +28,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
 
 
 @pytest.fixture(scope="module")
-def outputs(tiny_model):
-    """TP=1's and TP=2's outputs of CHATS, and the TP=2 LLM (its group still up)."""
+def llms(tiny_model):
+    """A TP=1 and a TP=2 LLM of the tiny checkpoint."""
     from epd import LLM
 
-    one = LLM(tiny_model, num_kv_blocks=64, dtype="float32", device="cpu").chat(CHATS, GREEDY)
-    two = LLM(tiny_model, num_kv_blocks=64, dtype="float32", device="cpu", tensor_parallel_size=2)
-    return one, two.chat(CHATS, GREEDY), two
+    return (LLM(tiny_model, num_kv_blocks=64, dtype="float32", device="cpu"),
+            LLM(tiny_model, num_kv_blocks=64, dtype="float32", device="cpu", tensor_parallel_size=2))
 
 
-def test_tp2_greedy_tokens_equal_tp1(outputs):
-    one, two, _ = outputs
+def test_tp2_greedy_tokens_equal_tp1(llms):
+    one, two = (llm.chat(CHATS, GREEDY) for llm in llms)
     for a, b in zip(one, two):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert len(b.outputs[0].token_ids) == GREEDY.max_tokens
@@ -47,10 +46,57 @@ def test_tp2_greedy_tokens_equal_tp1(outputs):
             assert [t for t, _ in y.top] == [t for t, _ in x.top]
 
 
-def test_a_stuck_or_dead_rank_fails_the_group_by_name(outputs):
+def _prefill(core, request_id: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`core` prefills PROMPT: (its first token, the prompt's K and V as the hand-over carries them)."""
+    from epd.engine.request import Request
+
+    core.add_request(Request(request_id, list(PROMPT), LONG))
+    first = []
+    while not first:
+        first = [t for u in core.step().updates for t in u.new_token_ids]
+    k, v = core.export_kv(request_id)
+    core.abort([request_id])
+    return first[0], k, v
+
+
+def _decode(core, request_id: str, first: int, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+    """`core` takes the prefilled request and decodes it to its end: every token, the first included."""
+    from epd.engine.request import Request
+
+    request = Request(request_id, list(PROMPT), LONG, eos_token_ids=core.info.eos_token_ids)
+    request.output_token_ids.append(first)
+    assert core.add_prefilled(request, k, v)
+    tokens = [first]
+    while core.has_unfinished():
+        tokens += [t for u in core.step().updates for t in u.new_token_ids]
+    return tokens
+
+
+PROMPT = [(i * 37) % 900 + 10 for i in range(40)]  # 3 blocks of 16, the last one partial
+LONG = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def test_kv_hand_over_between_tp2_and_tp1(llms):
+    """Prefill TP=2 -> decode TP=1 and prefill TP=1 -> decode TP=2: the KV crosses as every head
+    (rank 0 gathers the followers' heads; a receiving group gives each rank its own), and both
+    give the tokens TP=1 gives alone."""
+    one, two = (llm.engine for llm in llms)
+    first_1, k_1, v_1 = _prefill(one, "ref")
+    expected = _decode(one, "ref", first_1, k_1, v_1)
+    assert len(expected) == LONG.max_tokens
+    first_2, k_2, v_2 = _prefill(two, "p2")
+    assert k_2.shape == k_1.shape and k_2.shape[3] == one.info.num_kv_heads == 2  # both ranks' heads
+    torch.testing.assert_close(k_2, k_1, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v_2, v_1, rtol=1e-4, atol=1e-4)
+    assert first_2 == first_1
+    assert _decode(one, "2to1", first_2, k_2, v_2) == expected
+    assert _decode(two, "1to2", first_1, k_1, v_1) == expected
+
+
+def test_a_stuck_or_dead_rank_fails_the_group_by_name(llms):
     """Last in this module: it breaks the group. A follower that stops answering is named at the
     collective's deadline (shortened here from 60 s); one that died, before the next step."""
-    llm = outputs[2]
+    llm = llms[1]
     group = llm.engine.runner.model
     (follower,) = group.followers
     os.kill(follower.pid, signal.SIGSTOP)
@@ -83,16 +129,16 @@ def test_what_is_not_sharded_is_refused_by_name(tiny_model):
     from epd.config import ServeConfig, WorkerConfig
 
     tp2 = EngineConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="mode e-p-d hands KV from prefill to decode workers"):
-        ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2)
-    ServeConfig(model=tiny_model, mode="aggregated", engine=tp2)
-    with pytest.raises(ValueError, match="a decode worker is not sharded yet"):
-        WorkerConfig(model=tiny_model, role="decode", api="tcp://127.0.0.1:5555", engine=tp2)
+    with pytest.raises(ValueError, match="with --cluster ray is not served yet"):
+        ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2, ray=object())
+    ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2)
+    with pytest.raises(ValueError, match="an encoder worker is not sharded"):
+        WorkerConfig(model=tiny_model, role="encoder", api="tcp://127.0.0.1:5555", engine=tp2)
     lora = EngineConfig.from_flat(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(TensorParallelError, match="--enable-lora"):
-        check_supported(lora, "pd", "cpu")
-    with pytest.raises(TensorParallelError, match="the decode role"):
-        check_supported(EngineConfig(tensor_parallel_size=2), "decode", "cpu")
+        check_supported(lora, "cpu")
+    with pytest.raises(TensorParallelError, match=r"device cuda \(CPU with gloo only so far\)"):
+        check_supported(tp2, "cuda")
     with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
         EngineConfig(tensor_parallel_size=0)
 
