@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="paged attention kernels (auto: torch on CPU, triton on GPU)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults["tensor_parallel_size"],
                    help="each engine worker's language model over this many processes on its host (CPU, gloo; "
-                        "dense Qwen3-VL and Qwen2.5-VL; pd and aggregated workers so far)")
+                        "dense Qwen3-VL and Qwen2.5-VL so far)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=defaults["enforce_eager"],
                    help="GPU: run every step eagerly (no CUDA graphs for decode steps)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=defaults["max_cudagraph_capture_size"],
