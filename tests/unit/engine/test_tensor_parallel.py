@@ -132,6 +132,12 @@ def test_what_is_not_sharded_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="with --cluster ray is not served yet"):
         ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2, ray=object())
     ServeConfig(model=tiny_model, mode="e-p-d", engine=tp2)
+    split = ServeConfig(model=tiny_model, mode="e-p-d", decode_tensor_parallel_size=2,
+                        engine=EngineConfig(device="cpu"))  # prefill TP=1 hands over to decode TP=2
+    sizes = {role.value: e.tensor_parallel_size for (role, _), e in zip(split.worker_roles(), split.worker_engines(0))}
+    assert sizes == {"encoder": 1, "prefill": 1, "decode": 2}
+    with pytest.raises(ValueError, match="--prefill-tensor-parallel-size must be at least 1, got 0"):
+        ServeConfig(model=tiny_model, mode="e-p-d", prefill_tensor_parallel_size=0)
     with pytest.raises(ValueError, match="an encoder worker is not sharded"):
         WorkerConfig(model=tiny_model, role="encoder", api="tcp://127.0.0.1:5555", engine=tp2)
     lora = EngineConfig.from_flat(tensor_parallel_size=2, enable_lora=True)
