@@ -55,6 +55,10 @@ class GroupComm:
         self._wait(self.group.allreduce([t]), "all-reduce")
         return t
 
+    def barrier(self) -> None:
+        """Returns once every rank has called it."""
+        self._wait(self.group.barrier(), "barrier")
+
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """On rank 0 every rank's `t` (the same shape on each), in rank order; None on the others."""
         out = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []

@@ -76,6 +76,7 @@ def run_follower(spec: FollowerSpec) -> None:
 
     shard.comm.shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(spec.run_dir), spec.rank, spec.size,
                                                 shm_allreduce.SLOT_BYTES, spec.timeout_s, watch=watch)
+    shard.comm.barrier()  # every rank has mapped the shared file: rank 0 unlinks it
     backend, kv, kv_caches = None, None, []
     while True:
         step = steps.recv(POLL_MS)

@@ -139,6 +139,8 @@ def start_group(model_dir: str, dtype: torch.dtype, size: int, num_kv_heads: int
         shard.comm.shm = shm_allreduce.ShmAllReduce(shm_allreduce.shm_path(run_dir), 0, size,
                                                     shm_allreduce.SLOT_BYTES, timeout_s,
                                                     watch=lambda: check_followers(followers))
+        shard.comm.barrier()  # every rank has mapped the shared file: nothing of it is left on disk
+        shm_allreduce.shm_path(run_dir).unlink()
     except BaseException:
         _stop(sender, followers, run_dir)
         raise

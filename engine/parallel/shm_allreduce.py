@@ -8,6 +8,9 @@ halves by the parity of the call: a rank writing call s + 1 has seen every rank 
 call s, so nobody still reads call s - 1's half. A wait spins (yielding the core) until
 its deadline; a tensor larger than a slot goes to gloo (comm.py decides).
 
+Rank 0 makes the file before starting the others and unlinks it once every rank has mapped
+it (engine/parallel/leader.py): a group killed outright leaves nothing in /dev/shm.
+
 Layout of the file: [size] int64 sequence numbers (one 64-byte line each), then
 2 halves x size slots of `slot_bytes`.
 """
