@@ -27,5 +27,6 @@ layers/              the shared layers the models are built from: attention, rot
 attention/           attention backends: torch (CPU), the C kernel, Triton
 lora/                multi-LoRA on the language model
 spec/                speculative decoding: n-gram, draft model, EAGLE-3
+parallel/            tensor parallelism: a language model over N ranks (rank 0 speaks, followers run shards)
 worker/              the process loop around EngineCore (sockets in, steps, messages out)
 """

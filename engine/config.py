@@ -59,6 +59,8 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None
     # vLLM's --kv-events-config: given as its JSON text or a dict, kept typed (None: no events)
     kv_events_config: KVEventsConfig | None = None
+    # vLLM's --tensor-parallel-size: the engine's language model over this many ranks (engine/parallel/)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 0:
             raise ValueError(f"max_cudagraph_capture_size must be non-negative, got {self.max_cudagraph_capture_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 

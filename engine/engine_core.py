@@ -42,6 +42,8 @@ from epd.engine.lora.manager import LoRAManager
 from epd.engine.model_info import ModelInfo
 from epd.engine.model_runner import ModelRunner
 from epd.engine.models.causal_lm import num_kv_layers
+from epd.engine.parallel.comm import GroupFailed
+from epd.engine.parallel.leader import check_supported, start_group
 from epd.engine.request import Request
 from epd.transport.wire.kv_events import KVCacheEvent
 from epd.transport.wire.sampling import TokenLogprobs
@@ -94,7 +96,12 @@ class EngineCore(EngineAdapters):
         self.device = config.resolved_device()
         torch.manual_seed(config.seed)  # --seed: what unseeded requests draw from (vLLM seeds every worker)
         self.dtype = resolve_dtype(config.dtype, self.info.checkpoint_dtype)
-        model = load_language_model(model_dir, hf_config, self.dtype, self.device)
+        self.tensor_parallel = config.tensor_parallel_size > 1  # rank 0 of a group (engine/parallel/leader.py)
+        if self.tensor_parallel:
+            check_supported(config, self.device)
+            model = start_group(model_dir, self.dtype, config.tensor_parallel_size, self.info.num_kv_heads)
+        else:
+            model = load_language_model(model_dir, hf_config, self.dtype, self.device)
         if config.lora.enable_lora:
             float_linears(model)  # W8A8's Int8Linears (transport/weights/quant/int8_linear.py) dequantized to wrap
         shapes = state_shapes(model)  # per-request state beside the KV: one slot per running request
@@ -110,7 +117,8 @@ class EngineCore(EngineAdapters):
         # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
-        block_bytes = bytes_per_block(num_kv_layers(model), self.info.num_kv_heads, self.info.head_dim,
+        num_kv_heads = model.cfg.num_kv_heads if self.tensor_parallel else self.info.num_kv_heads  # this rank's
+        block_bytes = bytes_per_block(num_kv_layers(model), num_kv_heads, self.info.head_dim,
                                       config.scheduler.block_size, self.dtype)
         head = None  # EAGLE-3 or MTP: its KV shares the target's blocks, so it counts in each block's bytes
         if spec is not None and spec.method in ("eagle3", "mtp"):
@@ -142,6 +150,8 @@ class EngineCore(EngineAdapters):
             embed = model.model.embed_tokens if head[1].embed_tokens is None else head[1].embed_tokens
             eagle3 = Eagle3Proposer(*head, embed, num_blocks, config.scheduler.block_size,
                                     spec.num_speculative_tokens, torch.device(self.device), self.dtype)
+        if self.tensor_parallel:  # the followers' KV caches: the same blocks, their heads
+            model.setup(num_blocks, config.scheduler.block_size, config.resolved_backend(self.device))
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
                                   self.device, lora=self.lora, eagle3=eagle3, num_state_slots=num_state_slots,
@@ -382,6 +392,8 @@ class EngineCore(EngineAdapters):
         try:
             runner_out = self.runner.execute(out)
             updates = self.scheduler.update(out, runner_out.sampled_token_ids)
+        except GroupFailed:  # not this step's requests' fault: the engine cannot go on (its worker stops)
+            raise
         except Exception as exc:
             request_ids = [s.request_id for s in out.scheduled]
             self.abort(request_ids)

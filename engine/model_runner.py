@@ -117,22 +117,28 @@ class ModelRunner:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
-        """(num_layers, block_size, num_kv_heads, head_dim) of one block's K (or V)."""
+        """(num_layers, block_size, num_kv_heads, head_dim) of one block's K (or V) as it is handed
+        over: every K/V head of the model, also where this cache holds a tensor-parallel rank's."""
         _, num_layers, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
-        return num_layers, block_size, num_kv_heads, head_dim
+        return num_layers, block_size, getattr(self.model, "handover_kv_heads", num_kv_heads), head_dim
 
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of K and V of `block_ids`, in that order: each
-        [num_layers, len(block_ids), block_size, num_kv_heads, head_dim]."""
+        [num_layers, len(block_ids), block_size, num_kv_heads, head_dim]. A tensor-parallel
+        model (engine/parallel/leader.py) gathers the other ranks' heads into them."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.kv_cache[0][:, index], self.kv_cache[1][:, index]
+        k, v = self.kv_cache[0][:, index], self.kv_cache[1][:, index]
+        return self.model.gather_kv(block_ids, k, v) if hasattr(self.model, "gather_kv") else (k, v)
 
     def write_blocks(self, block_ids: list[int], k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
         """Writes K/V (shaped as `read_blocks` returns them, at least len(block_ids)
-        blocks; extra blocks are ignored) into `block_ids`, in order."""
+        blocks; extra blocks are ignored) into `block_ids`, in order; a tensor-parallel
+        model's ranks each keep their heads."""
         self.check_blocks(k_blocks, v_blocks, len(block_ids))
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         num_blocks = len(block_ids)
+        if hasattr(self.model, "scatter_kv"):
+            k_blocks, v_blocks = self.model.scatter_kv(block_ids, k_blocks[:, :num_blocks], v_blocks[:, :num_blocks])
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.kv_cache[0][:, index] = k_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
         self.kv_cache[1][:, index] = v_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
 

@@ -141,6 +141,10 @@ class ServeConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # --prefill-tensor-parallel-size / --decode-tensor-parallel-size (e-p-d): those workers' own
+    # engine.tensor_parallel_size (None: the engine's); the KV hand-over joins groups of any sizes
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
     lora_modules: tuple[LoRAModule, ...] = ()  # --lora-modules: the adapters served by name (with --enable-lora)
     allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating: POST /v1/(un)load_lora_adapter
     media: MediaConfig = field(default_factory=MediaConfig)
@@ -193,6 +197,15 @@ class ServeConfig:
             _check_keys(self.worker_keys, API, "--external-workers")
         if self.ray is not None and self.external_workers:
             raise ValueError("--cluster ray starts the workers itself: drop --external-workers")
+        for flag in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            size = getattr(self, flag)
+            if size is not None and size < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {size}")
+        largest = max(self.engine.tensor_parallel_size, self.prefill_tensor_parallel_size or 1,
+                      self.decode_tensor_parallel_size or 1)
+        if largest > 1 and self.ray is not None:
+            raise ValueError(f"--tensor-parallel-size {largest} with --cluster ray is not "
+                             "served yet (a group's ranks would need one node's placement group)")
         if self.ray is not None and self.worker_keys:
             _check_keys(self.worker_keys, API, "--cluster ray")
         _check_checkpoint(self.model)
@@ -276,7 +289,7 @@ class ServeConfig:
         roles = [role for role, _ in self.worker_roles()]
         device = self.engine.device
         if device == "cpu" or (device == "auto" and num_gpus == 0):
-            return [self._cpu_engine()] * len(roles)
+            return [self._role_engine(role, self._cpu_engine()) for role in roles]
         gpus = [device] if device.startswith("cuda:") else [f"cuda:{i}" for i in range(max(1, num_gpus))]
         order = sorted(range(len(roles)), key=lambda i: not roles[i].holds_kv)  # stable
         placed = {worker: gpus[slot % len(gpus)] for slot, worker in enumerate(order)}
@@ -284,9 +297,15 @@ class ServeConfig:
         engines = []
         for i, role in enumerate(roles):
             share = kv_workers[placed[i]] if role.holds_kv else 1
-            engines.append(replace(self.engine, device=placed[i],
+            engines.append(replace(self._role_engine(role, self.engine), device=placed[i],
                                    gpu_memory_utilization=self.engine.gpu_memory_utilization / share))
         return engines
+
+    def _role_engine(self, role: Role, engine: EngineConfig) -> EngineConfig:
+        """`engine` with the role's own --tensor-parallel-size, where one is given."""
+        size = {Role.PREFILL: self.prefill_tensor_parallel_size,
+                Role.DECODE: self.decode_tensor_parallel_size}.get(role)
+        return engine if size is None else replace(engine, tensor_parallel_size=size)
 
 
 @dataclass(frozen=True)
@@ -317,6 +336,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
+        if self.engine.tensor_parallel_size > 1 and self.role is Role.ENCODER:
+            raise ValueError(f"--tensor-parallel-size {self.engine.tensor_parallel_size}: an encoder worker is not "
+                             "sharded (encoders scale by count); engine roles are")
         if self.cpu_sharing not in CPU_SHARING:
             raise ValueError(f"--cpu-sharing must be one of {', '.join(CPU_SHARING)}, got {self.cpu_sharing!r}")
         if not all(is_tcp_address(api) for api in self.api.split(",")):

@@ -48,6 +48,7 @@ cpu_linear.py         the CPU GEMM behind every projection against torch's F.lin
 cpu_step_pieces.py    one decoder layer's non-GEMM pieces, eager against fused
 moe_cpu.py            one MoE layer's routed experts on CPU: the old per-expert loop, run_experts, packed
 state_rollback.py     a rejected draft's Gated DeltaNet state: checkpoints against recompute
+tp_allreduce.py       a tensor-parallel decode step's collectives (gloo) alone, and the offline LLM at TP=1 / TP=N
 gpu_checks.sh         every GPU test and benchmark in one run, on a lent GPU
 
 Faults and reliability:

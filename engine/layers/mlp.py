@@ -33,4 +33,6 @@ def pack_cpu_linears(model: nn.Module) -> None:
             pack_swiglu(module, "gate_up_proj", module.intermediate_size)
         elif hasattr(module, "pack_experts"):  # a MoE block (moe.py imports this module, not it this one)
             module.pack_experts()  # CPU bfloat16 only
+        elif hasattr(module, "pack_weights"):  # a tensor-parallel row-parallel linear (engine/parallel/layers.py)
+            module.pack_weights()
     pack_linears(model)

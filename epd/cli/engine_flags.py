@@ -13,7 +13,8 @@ ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_n
                 "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
                 "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size", "kv_events_config")
+                "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size", "kv_events_config",
+                "tensor_parallel_size")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,6 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=defaults["device"], help="auto, cpu, cuda or cuda:N")
     g.add_argument("--attention-backend", default=defaults["attention_backend"], choices=["auto", "torch", "triton"],
                    help="paged attention kernels (auto: torch on CPU, triton on GPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=defaults["tensor_parallel_size"],
+                   help="each engine worker's language model over this many processes on its host (CPU, gloo; "
+                        "dense Qwen3-VL and Qwen2.5-VL so far)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=defaults["enforce_eager"],
                    help="GPU: run every step eagerly (no CUDA graphs for decode steps)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=defaults["max_cudagraph_capture_size"],

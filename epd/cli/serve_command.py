@@ -56,6 +56,10 @@ def _add_worker_flags(p: argparse.ArgumentParser, serve: dict) -> None:
                    help="MIN-MAX: seconds after one scaling decision before the next")
     p.add_argument("--prefill", type=int, default=serve["num_prefill"], help="prefill (or pd / aggregated) workers")
     p.add_argument("--decode", type=int, default=serve["num_decode"], help="decode workers (e-p-d)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="e-p-d: the prefill workers' --tensor-parallel-size (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="e-p-d: the decode workers' --tensor-parallel-size (default: --tensor-parallel-size)")
     p.add_argument("--host", default=serve["host"], help="address the HTTP server binds")
     p.add_argument("--port", type=int, default=serve["port"], help="HTTP port")
     p.add_argument("--mm-cache-dir", default=serve["mm_cache_dir"],
@@ -263,6 +267,8 @@ def serve_config(args) -> ServeConfig:
         cpu_sharing=args.cpu_sharing, core_lease=args.core_lease, worker_keys=args.worker_keys, ray=ray_config(args),
         api_servers=args.api_servers, stream_interval=args.stream_interval,
         engine=engine_config(args), lora_modules=parse_lora_modules(args.lora_modules),
+        prefill_tensor_parallel_size=args.prefill_tensor_parallel_size,
+        decode_tensor_parallel_size=args.decode_tensor_parallel_size,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         media=MediaConfig(allowed_local_media_path=args.allowed_local_media_path,
                           allowed_media_domains=_domains(args.allowed_media_domains),

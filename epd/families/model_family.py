@@ -45,9 +45,17 @@ class ModelFamily:
     # whether an adapter's vision tower tensors can run on its tower (--enable-tower-lora: the names and
     # (in, out) of encoders/tower_adapter.py TowerShapes); False: such an adapter is refused by name
     tower_lora: bool = False
+    # "module:attr" of (model_dir, hf_config, dtype, device, shard) -> one tensor-parallel rank's part of
+    # its language model (engine/parallel/shard.py `Shard`); None: --tensor-parallel-size > 1 is refused by name
+    text_shard: str | None = None
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)
+
+    def load_text_shard(self, model_dir, hf_config, dtype, device, shard):
+        if self.text_shard is None:
+            raise UnsupportedModelError(f"{self.name} does not run with --tensor-parallel-size > 1 yet")
+        return resolve(self.text_shard)(model_dir, hf_config, dtype, device, shard)
 
     def load_vision(self, model_dir, hf_config, dtype, device="cpu", processor_kwargs=None):
         return resolve(self.vision)(model_dir, hf_config, dtype, device, processor_kwargs)

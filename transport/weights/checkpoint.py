@@ -30,6 +30,9 @@ from epd.transport.weights.quant.quant_config import QuantConfig, read_quant_con
 # A rule maps a checkpoint name to (parameter name, shard index) or None to skip.
 # Shard index: None for a whole parameter, k for the k-th of the fused pieces.
 NameRule = Callable[[str], "tuple[str, int | None] | None"]
+# A narrowing (tensor parallelism) maps (parameter name, piece) to the part of the checkpoint tensor
+# this process reads, (dim, start, length), or None for the whole tensor.
+Narrowing = Callable[[str, "int | None"], "tuple[int, int, int] | None"]
 
 
 # the separate projections a checkpoint holds, in the order our fused parameter stacks them
@@ -110,45 +113,64 @@ def quant_config_of(model_dir: str | Path) -> QuantConfig | None:
 
 
 def iter_tensors(model_dir: str | Path, accept: Callable[[str], bool] = lambda _: True,
-                 quantized: bool = False) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
+                 quantized: bool = False, part: Callable[[str], "tuple[int, int, int] | None"] | None = None,
+                 ) -> Iterator[tuple[str, "torch.Tensor | QuantizedWeight"]]:
     """(name, tensor) for every accepted tensor; a quantized checkpoint's linears come under
     the float checkpoint's `<module>.weight`, and `accept` sees those names: as their float32
-    weight, or with `quantized` as the stored record (transport/weights/quant/dequantize.py)."""
+    weight, or with `quantized` as the stored record (transport/weights/quant/dequantize.py).
+    `part(name)`: (dim, start, length) of a float checkpoint's tensor to read, None: all of it."""
     quant = quant_config_of(model_dir)
     if quant is None:
-        yield from _read_tensors(model_dir, accept)
+        yield from _read_tensors(model_dir, accept, part)
         return
+    if part is not None:
+        raise CheckpointError(f"{model_dir}: a quantized checkpoint is not read in parts")
     for name, tensor in quantized_weights(_read_tensors(model_dir, lambda n: accept(float_name(n, quant))), quant):
         yield name, (tensor.dequantize() if type(tensor) is QuantizedWeight and not quantized else tensor)
 
 
-def _read_tensors(model_dir: str | Path, accept: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(model_dir: str | Path, accept: Callable[[str], bool],
+                  part: Callable[[str], "tuple[int, int, int] | None"] | None = None,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if accept(name):
+                if not accept(name):
+                    continue
+                where = part(name) if part is not None else None
+                if where is None:
                     yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = where  # only these rows (dim 0) or columns (dim 1) are read
+                piece = f.get_slice(name)
+                if len(piece.get_shape()) <= dim or piece.get_shape()[dim] < start + length:
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(piece.get_shape())}: no "
+                                          f"[{start}, {start + length}) along dim {dim} to read")
+                yield name, piece[start:start + length] if dim == 0 else piece[:, start:start + length]
 
 
 def load_weights(module: nn.Module, model_dir: str | Path, rule: NameRule,
                  fused: dict[str, list[int]] | None = None,
                  fallbacks: dict[str, str] | None = None,
-                 describe: Callable[[str, int | None], str] | None = None) -> None:
+                 describe: Callable[[str, int | None], str] | None = None,
+                 narrowing: Narrowing | None = None) -> None:
     """Fills every parameter of `module` from the checkpoint.
 
     `fused[param]` lists the row sizes of the pieces stacked along dim 0 (e.g.
     q, k, v sizes for qkv_proj.weight). `fallbacks[param] = other_param` fills a
     parameter that the checkpoint does not hold from another one (a tied head).
     `describe(param, shard)` gives the checkpoint name expected for a piece, for
-    error messages.
+    error messages. `narrowing` (a tensor-parallel rank's): each tensor read only in the part
+    it names, which fills the parameter (or piece) as a whole tensor would.
     """
     fused = fused or {}
     stored = _quantized_linears(module, model_dir, rule, fused)  # parameter names -> the layers of stored values
     params = dict(module.named_parameters())
     filled: dict[str, set[int | None]] = {name: set() for name in [*params, *stored]}
-    for ckpt_name, tensor in iter_tensors(model_dir, accept=lambda n: rule(n) is not None, quantized=True):
+    part = None if narrowing is None else (lambda n: narrowing(*rule(n)))
+    for ckpt_name, tensor in iter_tensors(model_dir, accept=lambda n: rule(n) is not None, quantized=True, part=part):
         param_name, shard = rule(ckpt_name)
         if param_name in stored:
             _fill_quantized(stored[param_name], ckpt_name, tensor, _rows(fused, param_name, shard))

@@ -6,6 +6,7 @@ from epd.families.qwen_vl.prompt_format import QWEN_VL_FORMAT
 
 TEXT_MODEL = "epd.families.qwen_vl.text_loader:load_text_model"
 VISION = "epd.families.qwen_vl.vision:load_vision"
+TEXT_SHARD = "epd.families.qwen_vl.text_loader:load_text_shard"
 
 
 def mrope_positions(hf_config):
@@ -18,9 +19,9 @@ def mrope_positions(hf_config):
 
 FAMILIES = (
     ModelFamily("Qwen3-VL", "qwen3_vl", "Qwen3VLForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL, VISION,
-                mrope_positions, tool_call_parser="hermes", tower_lora=True),
+                mrope_positions, tool_call_parser="hermes", tower_lora=True, text_shard=TEXT_SHARD),
     ModelFamily("Qwen3-VL-MoE", "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
                 VISION, mrope_positions, tool_call_parser="hermes", tower_lora=True),
     ModelFamily("Qwen2.5-VL", "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", QWEN_VL_FORMAT, TEXT_MODEL,
-                VISION, mrope_positions, tool_call_parser="hermes", tower_lora=True),
+                VISION, mrope_positions, tool_call_parser="hermes", tower_lora=True, text_shard=TEXT_SHARD),
 )

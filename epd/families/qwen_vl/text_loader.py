@@ -10,6 +10,8 @@ one ([experts, 2 * inter, hidden]); both are read into ours (the latter). The
 quantized releases store each expert's projections apart
 (`mlp.experts.<e>.gate_proj.weight`, ...), read into the same buffers.
 No transformers modeling code is used: only its config class.
+`load_text_shard`: one tensor-parallel rank's part of a dense model, reading only
+its slices of the tensors (engine/parallel/).
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import torch
 from epd.families.qwen_vl.family import mrope_positions
 from epd.families.qwen_vl.text_configs import text_config
 from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
+from epd.engine.parallel.layers import parallelize
+from epd.engine.parallel.shard import Shard, TensorParallelError
 from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_tensors, load_weights, materialize,
-                                              piece_name)
+                                              piece_name, quant_config_of)
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 _VISION_PREFIXES = ("model.visual.", "visual.")
@@ -60,9 +64,27 @@ def _describe(param: str, shard: int | None) -> str:
 
 def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
                         device: str | torch.device = "cpu") -> Qwen3VLForCausalLM:
+    return _load(model_dir, hf_config, dtype, device, None)
+
+
+def load_text_shard(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device,
+                    shard: Shard) -> Qwen3VLForCausalLM:
+    """Rank `shard.rank`'s part of the language model: its heads, MLP rows and vocabulary run."""
     cfg = text_config(hf_config)
+    if cfg.moe_layer_ids:
+        raise TensorParallelError("Qwen3-VL-MoE: mixture-of-experts layers are not sharded by tensor parallelism yet")
+    if quant_config_of(model_dir) is not None:
+        raise TensorParallelError("a quantized checkpoint is not sharded by tensor parallelism yet")
+    return _load(model_dir, hf_config, dtype, device, shard)
+
+
+def _load(model_dir, hf_config, dtype, device, shard: Shard | None) -> Qwen3VLForCausalLM:
+    whole = text_config(hf_config)
+    cfg = whole if shard is None else shard.local_config(whole)  # this rank's head and MLP row counts
     with torch.device("meta"):
         model = Qwen3VLForCausalLM(cfg, mrope_positions(hf_config))
+        if shard is not None:
+            parallelize(model, shard)
     model = materialize(model, device, dtype)
     model.model.rotary = rotary_embedding(cfg, device=device)  # float32 tables, not weights
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -73,7 +95,8 @@ def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
             fused[f"model.layers.{i}.self_attn.qkv_proj.bias"] = [q, kv, kv]
         fused[f"model.layers.{i}.mlp.gate_up_proj.weight"] = [cfg.intermediate_size] * 2
     load_weights(model, model_dir, _text_rule, fused=fused,
-                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
+                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe,
+                 narrowing=None if shard is None else shard.narrowing(whole))
     if cfg.moe_layer_ids:
         _load_experts(model, model_dir)
     return model.eval()
