@@ -195,3 +195,55 @@ def test_kv_blocks_that_no_worker_could_send_are_refused():
                 KVBlocks("w0", 0, [("stored", ["x"])])):
         with pytest.raises(WireError):
             decode_message(bad.to_wire())
+
+
+def _placement(model: str, router: str):
+    """A real Placement of an e-p-d deployment (one prefill, two decode workers, registered as their
+    Ready and stats register them), text prompts up to 32 new tokens prefilled on a decode worker."""
+    from epd.config import ServeConfig
+    from epd.engine.config import EngineConfig
+    from epd.engine.scheduler_config import SchedulerConfig
+    from epd.serve.placement import Placement
+    from epd.serve.registry import WorkerRegistry
+    from epd.serve.worker_metrics import WorkerMetrics
+    from epd.transport.wire.messages import Ready
+
+    config = ServeConfig(model=model, mode="e-p-d", num_decode=2, router=router,
+                         engine=EngineConfig(scheduler=SchedulerConfig(max_local_prefill_tokens=32)))
+    registry = WorkerRegistry()
+    for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        registry.on_ready(Ready(worker_id, role, f"ipc:///tmp/x/{worker_id}.sock", "host", None, "ab"))
+        registry.on_stats(WorkerStats(worker_id, role, 0, 0, 100, 100, 0, session="ab"))
+    return Placement(config, None, registry, WorkerMetrics(registry), {}, "/nonexistent")
+
+
+@pytest.mark.parametrize("router", ["cache_aware", "least_loaded"])
+def test_e_p_d_a_chats_next_turn_is_prefilled_where_its_kv_is(tiny_model, router):
+    import asyncio
+
+    from epd.serve.preparer import Prepared
+
+    placement = _placement(tiny_model, router)
+    first = Prepared(list(range(1000, 1100)), [], [])  # 100 tokens: a prefill worker's
+    placed = asyncio.run(placement.place(first, [], 0, deadline=float("inf"), session_id="chat"))
+    assert placed.prefill.worker_id == "prefill-0"
+    # the decode worker's events confirm it holds the prompt's 6 full blocks (its KV arrived, was cached)
+    if placement.prefix_index is not None:
+        query = placement._route_query(first, [], None, None)
+        placement.prefix_index.apply(KVBlocks(placed.decode.worker_id, 0, [("stored", query.block_hashes)], "ab"))
+    follow_up = Prepared(first.token_ids + list(range(5000, 5024)), [], [])  # 124 tokens, 28 past its blocks
+    again = asyncio.run(placement.place(follow_up, [], 0, deadline=float("inf"), session_id="chat"))
+    if router == "cache_aware":  # prefilled where the conversation's KV is: no prefill worker, no KV moved
+        assert again.prefill is placed.decode and again.decode is None
+    else:  # 124 tokens are not short: the whole prompt again on the prefill worker
+        assert again.prefill.worker_id == "prefill-0"
+
+
+def test_a_requests_session_is_its_x_session_id_else_its_user():
+    from epd.api.generate_route import session_id
+    from epd.api.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], user="alice")
+    assert session_id({"headers": [(b"x-session-id", b"chat-7")]}, body) == "chat-7"
+    assert session_id({"headers": []}, body) == "alice"
+    assert session_id({"headers": []}, body.model_copy(update={"user": None})) is None
