@@ -5,7 +5,8 @@ the worker faults it sees: `Collector`.
              attempt waits for: Abort to its worker if the attempt was abandoned)
              WorkerStats / Alive -> the registry (load, heartbeats, working_on)
              KVBlocks -> the prefix index (--router cache_aware), from the registered session only
-             Ready -> the registry, the encoder router, the embedding cache opened
+             Ready -> the registry, the encoder router, the embedding cache opened; a new
+                      process: the prefix index forgets what its predecessor held
              WorkerExited (several API processes: the launcher's word) -> on_worker_exit
     watch_heartbeats(): a worker silent past the heartbeat timeout, or busy past the
              request timeout, is failed over as if it had died
@@ -134,6 +135,8 @@ class Collector:
                 return
             if info is not known:  # registered now; re-announcements of a live worker change nothing
                 self._silent.discard(msg.worker_id)
+                if self.prefix_index is not None:  # a new process: its prefix cache starts empty
+                    self.prefix_index.forget(msg.worker_id)
                 self.encoder_router.on_ready(msg.worker_id)
                 log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
                 self._on_new_worker()
