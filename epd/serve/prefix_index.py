@@ -26,8 +26,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from epd.transport.wire.messages import KVBlocks
+if TYPE_CHECKING:  # the CLI reads the router names without loading the wire's tensor types (torch)
+    from epd.transport.wire.messages import KVBlocks
 
 SPECULATIVE_TTL_S = 5.0  # a routed request's blocks count as held this long before an event confirms them
 
