@@ -89,6 +89,7 @@ class Orchestrator:
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,
                                    api_index)
         self.encoder_router = self.placement.encoder_router  # told of every encoder's Ready
+        self.metrics.prefix_index = self.placement.prefix_index  # /metrics: epd:router_cached_blocks
         self.collector = Collector(self.registry, self.attempts, self.encoder_router, self.placement.open_cache,
                                    self.placement.prefix_index)
         # the supervisor's and the encoder pool's word that a worker exited or was removed

@@ -2,8 +2,9 @@
 multi-turn exchange (each turn resends the history, an image in its first message)
 lands every turn of a conversation on the worker that holds it, as the prefix-cache
 hits the workers count show: every turn after the first finds the whole previous
-prompt cached. The same exchange under round_robin, on a second server started
-beside it, finds less of it. Counters, not times."""
+prompt cached, and the router's index holds the blocks the workers reported. The
+same exchange under round_robin, on a second server started beside it, finds
+less of it. Counters, not times."""
 from __future__ import annotations
 
 import httpx
@@ -75,3 +76,7 @@ def test_every_turn_lands_where_its_conversation_is_cached(servers):
     missed = [(c, t) for c, turns in round_robin.items() for t in range(1, NUM_TURNS)
               if turns[t][1] < turns[t - 1][0] // BLOCK_SIZE * BLOCK_SIZE]
     assert missed, round_robin  # round robin moved some turn away from its conversation's KV
+    # the router knew from the workers' own reports, not only from what it had routed (never reported)
+    assert servers["cache_aware"].metric_sum("epd:router_cached_blocks") >= max(
+        cached for turns in cache_aware.values() for _, cached in turns) // BLOCK_SIZE
+    assert not any(key.startswith("epd:router_cached_blocks") for key in servers["round_robin"].metrics())
