@@ -247,3 +247,14 @@ def test_a_requests_session_is_its_x_session_id_else_its_user():
     assert session_id({"headers": [(b"x-session-id", b"chat-7")]}, body) == "chat-7"
     assert session_id({"headers": []}, body) == "alice"
     assert session_id({"headers": []}, body.model_copy(update={"user": None})) is None
+
+
+def test_an_adapters_blocks_never_match_the_base_models(tiny_model):
+    from epd.serve.preparer import Prepared
+
+    placement = _placement(tiny_model, "cache_aware")
+    prep = Prepared(list(range(1000, 1100)), [], [])
+    base = placement._route_query(prep, [], None, None).block_hashes
+    adapter = placement._route_query(prep, [], "sql", None).block_hashes
+    assert len(base) == len(adapter) == 6 and not set(base) & set(adapter)
+    assert placement._route_query(prep, [7], None, None).block_hashes == base  # a retry: prompt + emitted
