@@ -9,6 +9,7 @@ prefill_order.py     the scheduler's order of requests
 span_chunks.py       ChunkSizes: a prefill chunk's size (ledger bound, budget, whole image spans)
 request.py           a request as the engine sees it: tokens, spans, progress, blocks
 block_manager.py     paged KV blocks: reference counts, prefix cache
+block_hash.py        a KV block's prefix-cache hash (shared with the API's cache-aware router)
 kv_event_log.py      the prefix cache's changes as vLLM's KV events, for the worker to publish
 kv_cache_sizer.py    how many KV blocks fit
 state_cache.py       per-request state beside the KV (Gated DeltaNet layers): one slot per running request, snapshots

@@ -24,52 +24,14 @@ Invariants
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-import msgpack
-
+from epd.engine.block_hash import prompt_block_hashes, root_block_hash
 from epd.engine.kv_event_log import KVEventLog
 from epd.engine.request import Request
 from epd.engine.scheduler_output import ScheduledRequest
 from epd.engine.state_snapshots import SnapshotPlan, StateSnapshots
-from epd.transport.wire.mm_span import MMSpan
-
-# Parent hash of a prompt's first block: any fixed value works, it only has to
-# differ from every real digest.
-_ROOT_BLOCK_HASH = b"\x00" * 32
-
-
-def hash_block(parent_block_hash: bytes, token_ids: Sequence[int], block_start: int,
-               mm_spans: Sequence[MMSpan]) -> bytes:
-    """Chained hash of one full block.
-
-    Covers the parent block's hash (so equal blocks match only after equal
-    prefixes, and with the same adapter: `root_block_hash`), the block's token ids, and for every image span overlapping
-    the block its `mm_hash` plus the overlap range as rows of the item's entry
-    (`MMSpan.first_row` on): all images share one placeholder token id, so token ids
-    alone would let the same text with a different image match.
-    """
-    block_end = block_start + len(token_ids)
-    mm_keys = [[span.mm_hash, span.first_row + max(span.offset, block_start) - span.offset,
-                span.first_row + min(span.end, block_end) - span.offset]
-               for span in mm_spans if span.offset < block_end and span.end > block_start]
-    # msgpack of ints/strings is byte-stable across processes (Python's hash() is not).
-    payload = msgpack.packb([list(token_ids), mm_keys])
-    return hashlib.sha256(parent_block_hash + payload).digest()
-
-
-def root_block_hash(lora_key: tuple[str, str, str | None] | None) -> bytes:
-    """The parent hash of a prompt's first block: the fixed root for the base
-    model, one derived from the adapter's name, path and the digest of the files
-    the worker read (`Request.lora_key`) otherwise, so no block computed with one
-    adapter (or none, or its weights before a retraining in place) ever matches a
-    request with another."""
-    if lora_key is None:
-        return _ROOT_BLOCK_HASH
-    return hashlib.sha256(b"lora" + msgpack.packb(list(lora_key))).digest()
-
 
 class BlockManager:
     """Allocates KV blocks to requests; shares full blocks by prefix hash.
@@ -173,13 +135,9 @@ class BlockManager:
     def _get_block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         """Chained hashes of the request's first `num_full_blocks` blocks."""
         block_hashes = self._request_block_hashes.setdefault(request.request_id, [])
-        if len(block_hashes) < num_full_blocks:
-            token_ids = request.all_token_ids
-            for i in range(len(block_hashes), num_full_blocks):
-                start = i * self.block_size
-                parent = block_hashes[-1] if block_hashes else root_block_hash(request.lora_key)
-                block_hashes.append(hash_block(parent, token_ids[start:start + self.block_size],
-                                               start, request.mm_spans))
+        if len(block_hashes) < num_full_blocks:  # the hash the API's cache-aware router computes too
+            block_hashes[:] = prompt_block_hashes(request.all_token_ids, request.mm_spans, self.block_size,
+                                                  num_full_blocks, root_block_hash(request.lora_key), block_hashes)
         return block_hashes[:num_full_blocks]
 
     # -------------------------------------------------------- state snapshots

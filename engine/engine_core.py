@@ -86,8 +86,11 @@ class StepResult:
 
 class EngineCore(EngineAdapters):
     def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
-                 hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None):
-        """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`)."""
+                 hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None,
+                 kv_events: bool = False):
+        """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`).
+        `kv_events`: record the prefix cache's changes (`take_kv_events`) even without
+        --kv-events-config (the worker reports them to a cache-aware router)."""
         from transformers import AutoConfig
 
         hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
@@ -143,7 +146,8 @@ class EngineCore(EngineAdapters):
                                    early_prefill=self.early_prefill,
                                    whole_mm_spans=getattr(model, "bidirectional_mm", False),
                                    num_state_snapshots=num_snapshots,
-                                   kv_events=config.kv_events_config is not None and config.kv_events_config.is_on)
+                                   kv_events=kv_events or (config.kv_events_config is not None
+                                                           and config.kv_events_config.is_on))
         eagle3 = None
         if head is not None:  # every role feeds it (a prefill worker hands its KV over); decode-side ones draft
             (pack_linears if spec.method == "eagle3" else pack_cpu_linears)(head[1])  # MTP: the target's layer kind
@@ -468,7 +472,7 @@ class EngineCore(EngineAdapters):
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The prefix cache's changes since the last call, as vLLM's KV events
-        (none unless --kv-events-config turned them on)."""
+        (none unless --kv-events-config or `kv_events` turned them on)."""
         log = self.scheduler.block_manager.kv_events
         return [] if log is None else log.take()
 

@@ -6,7 +6,7 @@ prefix hit resumes from; the runner's `SnapshotPool` (engine/state_cache.py) hol
 index for index.
 
 A snapshot is one request's state (every state-carrying layer's conv and recurrent state) after
-the last token of a full block, keyed by that block's chained hash (block_manager.py
+the last token of a full block, keyed by that block's chained hash (engine/block_hash.py
 `hash_block`): a later request whose hash chain reaches that block may start its slot from it.
 Invariants
 * An index is in exactly one place: free, pending (taken this step, its copy written after the

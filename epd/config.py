@@ -333,6 +333,7 @@ class WorkerConfig:
     # as the API's `epd serve --tokenizer / --mm-processor-kwargs`: the worker must count and encode alike
     tokenizer: str | None = None
     mm_processor_kwargs: tuple[tuple[str, Any], ...] = ()
+    report_kv_blocks: bool = False  # an engine worker's prefix-cache changes to the API (its --router cache_aware)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))

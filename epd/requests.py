@@ -66,6 +66,7 @@ class GenerateRequest:
     chat_template_kwargs: dict | None = None  # chat: more variables for the template (vLLM's), e.g. enable_thinking
     lora: LoRARequest | None = None  # the adapter the request's `model` names (None: the base model)
     mm_processor_kwargs: dict | None = None  # chat: the video processor's settings (vLLM's), checked at the edge
+    session_id: str | None = None  # its conversation, for --router cache_aware: x-session-id, else `user`
 
 
 @dataclass

@@ -8,6 +8,8 @@
            -> WorkerStats every `stats_interval_s`
            -> with --kv-events-config: the step's KV events, one EventBatch on a PUB
               socket (transport/wire/kv_event_publisher.py); replay requests answered
+           -> with --router cache_aware: the same changes, one KVBlocks to every API
+              process (its prefix index, epd/serve/prefix_index.py)
 
 Roles:
   prefill     computes prompts, streams the first token, ships KV blocks to the
@@ -47,8 +49,8 @@ from epd.engine.early_prefill import gave_up_error
 from epd.engine.worker.image_arrivals import Admit, Failed, ImageArrivals, Outcome
 from epd.engine.worker.kv_handover import KVHandover
 from epd.engine.request import Request
-from epd.transport.wire.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message,
-                                PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
+from epd.transport.wire.messages import (Abort, LoRAUpdate, EncodeDone, EncodeRequest, KVAck, KVBlocks, KVTransfer,
+                                         Message, PrefillRequest, Shutdown, TokenOutput, TokenOutputs, WorkerStats)
 from epd.transport.host.core_lease import CoreLease
 from epd.transport.embedding_cache.mm_entry import MMEntry
 from epd.transport.wire.wire_values import EncoderCounters, EngineCounters
@@ -111,6 +113,7 @@ class EngineWorker(KVHandover, WorkerIO):
         self._ended: OrderedDict[str, None] = OrderedDict()  # failed or aborted here, newest last
         kv_events = core.config.kv_events_config
         self.kv_events = KVEventPublisher(kv_events) if kv_events is not None and kv_events.is_on else None
+        self._num_kv_blocks_sent = 0  # KVBlocks batches sent (their `seq`), with spec.reports_kv_blocks
 
     # ------------------------------------------------------------------ loop
 
@@ -379,9 +382,18 @@ class EngineWorker(KVHandover, WorkerIO):
                 self._fail(request.request_id, "could not send the KV cache to the decode worker", is_internal=True)
 
     def _publish_kv_events(self) -> None:
-        """The step's prefix-cache changes, one batch (none when events are off or nothing changed)."""
+        """The step's prefix-cache changes: one batch on the PUB socket (--kv-events-config) and one
+        KVBlocks to every API process (`spec.reports_kv_blocks`); none when off or nothing changed."""
+        if self.kv_events is None and not self.spec.reports_kv_blocks:
+            return
+        events = self.core.take_kv_events()
         if self.kv_events is not None:
-            self.kv_events.publish(self.core.take_kv_events())
+            self.kv_events.publish(events)
+        if self.spec.reports_kv_blocks and events:
+            blocks = KVBlocks.of_events(self.spec.worker_id, self._num_kv_blocks_sent, events, self.session)
+            self._num_kv_blocks_sent += 1
+            for api in self.apis:
+                self.outbox.send(api, blocks)
 
     def _hold(self, state: _RequestState | None, out: TokenOutput, stream_interval: int) -> TokenOutput | None:
         """`out` joined to what is held for its request: returned to be sent when

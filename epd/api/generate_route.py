@@ -136,6 +136,7 @@ class GenerateRoute:
                                                max_videos_per_prompt=self.settings.max_videos_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             request.lora = lora
+            request.session_id = session_id(scope, body)
             self._checked(request, "top_logprobs")
             extras = self._extras(body, request, (body.echo_text(),), role=body.response_role)
             return [request], ChatFormat(request_id, model, int(time.time()), decode, bool(body.logprobs),
@@ -146,6 +147,7 @@ class GenerateRoute:
         requests = body.to_generate_requests(request_id, defaults=self.settings.sampling_defaults)
         for request in requests:
             request.lora = lora
+            request.session_id = session_id(scope, body)
             self._checked(request, "logprobs")
         # vLLM echoes the prompt's text (token ids decoded), and nothing when token ids are returned
         echo = tuple(r.prompt if isinstance(r.prompt, str) else self.orchestrator.detokenize(r.prompt)
@@ -245,6 +247,12 @@ def parse_body(path: str, body: bytes, content_type: str | None,
     if max_items is not None:
         check_json_items(body, max_items)
     return parse_json_body(_ADAPTERS[path], body, content_type)
+
+
+def session_id(scope, body) -> str | None:
+    """The conversation `--router cache_aware` keeps on one worker, keyed as vLLM's router
+    keys it: the x-session-id header, else the body's `user`."""
+    return header(scope, b"x-session-id") or body.user
 
 
 def token_id_text(token_id: int) -> str:

@@ -67,7 +67,7 @@ REFUSED_COMPLETION: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # Fields vLLM accepts and ignores on these endpoints (its own comments say so): the same here.
 AS_VLLM_IGNORES = frozenset({
-    "user",  # "NOTE this will be ignored by vLLM"
+    "user",  # "NOTE this will be ignored by vLLM" (EPD's --router cache_aware keys sessions by it)
     "return_token_offsets", "return_mm_kwargs",  # only the /render endpoints read them
     "include_reasoning",  # only with a --reasoning-parser, which EPD does not have
 })

@@ -37,6 +37,9 @@ def add_worker_parsers(sub) -> None:
                         "spinning on cores other processes need (as `epd serve`); split: OpenMP's default")
     p.add_argument("--worker-keys", required=True, metavar="DIR",
                    help="worker-plane keys made by `epd keys DIR` (this host needs worker.key_secret)")
+    p.add_argument("--report-kv-blocks", action="store_true",
+                   help="an engine worker tells the API its prefix cache's changes, for an API served with "
+                        "--router cache_aware (its workers started by `epd serve` do so by themselves)")
     add_input_processing_args(p)  # as the API's: the two must agree on a prompt's and an image's tokens
     add_engine_args(p)
     p.set_defaults(func=_worker)
@@ -55,7 +58,8 @@ def worker_config(args) -> WorkerConfig:
                         **video_limits(args), num_threads=args.threads,
                         cpu_sharing=args.cpu_sharing, worker_keys=args.worker_keys, engine=engine_config(args),
                         tokenizer=args.tokenizer, mm_processor_kwargs=tuple(
-                            json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items()))
+                            json_object("--mm-processor-kwargs", args.mm_processor_kwargs).items()),
+                        report_kv_blocks=args.report_kv_blocks)
 
 
 def _keys(args) -> int:

@@ -109,7 +109,8 @@ def run_external_worker(config: WorkerConfig) -> int:
     media = config.media()  # the image and video limits of `epd worker`'s flags, as `epd serve`'s
     spec = WorkerSpec(f"{config.role}@{socket.gethostname()}:{port}", config.role, tcp_address(config.host, port),
                       apis, config.mm_cache_dir, config.mm_cache_bytes, keys_dir=config.worker_keys,
-                      max_image_bytes=media.max_blob_bytes)
+                      max_image_bytes=media.max_blob_bytes,
+                      reports_kv_blocks=config.role.holds_kv and config.report_kv_blocks)
     launch = WorkerLaunch(spec, config.model, config.engine, max_image_pixels=config.max_image_pixels,
                           num_threads=config.num_worker_threads(), tokenizer=config.tokenizer,
                           mm_processor_kwargs=config.mm_processor_kwargs, decode_limits=media.decode_limits())

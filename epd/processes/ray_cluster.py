@@ -113,7 +113,8 @@ def start_ray_plane(config: ServeConfig, run_dir: str) -> RayPlane:
                              * min(1.0, resources["GPU"]))
         spec = WorkerSpec(make_worker_id(role, index), role, inbox="", apis=(collector,), mm_cache_dir=cache_root,
                           mm_cache_bytes=config.mm_cache_bytes, keys_dir=config.worker_keys,
-                          max_image_bytes=config.media.max_blob_bytes)
+                          max_image_bytes=config.media.max_blob_bytes,
+                          reports_kv_blocks=role.holds_kv and config.router == "cache_aware")
         return WorkerLaunch(spec, config.model, engine, max_image_pixels=config.media.max_image_pixels,
                             mm_processor_kwargs=config.files.mm_processor_kwargs, tokenizer=config.files.tokenizer,
                             num_threads=config.threads_per_worker or max(1, int(resources.get("CPU", 1))),

@@ -158,7 +158,7 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
 
     role = launch.spec.role
     core = EngineCore(launch.model, launch.engine, role=role.scheduler_role, hf_config=hf_config, info=info,
-                      tokenizer_dir=launch.tokenizer)
+                      tokenizer_dir=launch.tokenizer, kv_events=launch.spec.reports_kv_blocks)
     encode_fn = None
     if role.encodes:  # aggregated: the vision encoder in-process
         encode_fn = _in_process_encode_fn(launch, hf_config, info, core.dtype, core.device)

@@ -39,7 +39,8 @@ def worker_launches(config: ServeConfig, addresses: Addresses, collectors: tuple
             engine = replace(engine, kv_events_config=engine.kv_events_config.for_rank(num_kv_workers))
             num_kv_workers += 1
         spec = WorkerSpec(worker_id(role, index), role, addresses.worker(role, index), collectors,
-                          mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_blob_bytes)
+                          mm_cache_dir, config.mm_cache_bytes, max_image_bytes=config.media.max_blob_bytes,
+                          reports_kv_blocks=role.holds_kv and config.router == "cache_aware")
         if engine.device.startswith("cuda"):
             print(f"EPD: {spec.worker_id} on {engine.device}"
                   + (f", KV cache up to {engine.gpu_memory_utilization:.0%} of its memory"

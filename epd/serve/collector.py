@@ -4,7 +4,9 @@ the worker faults it sees: `Collector`.
     read():  TokenOutputs -> each output into its attempt's queue (an output no
              attempt waits for: Abort to its worker if the attempt was abandoned)
              WorkerStats / Alive -> the registry (load, heartbeats, working_on)
-             Ready -> the registry, the encoder router, the embedding cache opened
+             KVBlocks -> the prefix index (--router cache_aware), from the registered session only
+             Ready -> the registry, the encoder router, the embedding cache opened; a new
+                      process: the prefix index forgets what its predecessor held
              WorkerExited (several API processes: the launcher's word) -> on_worker_exit
     watch_heartbeats(): a worker silent past the heartbeat timeout, or busy past the
              request timeout, is failed over as if it had died
@@ -23,10 +25,11 @@ from typing import Callable
 from epd.serve.attempt import Attempt, Lost
 from epd.serve.encoder_router import EncoderRouter
 from epd.serve.placement import PREFILL_ROLES
+from epd.serve.prefix_index import PrefixIndex
 from epd.serve.registry import WorkerRegistry
 from epd.transport.wire.channels import AsyncOutbox, AsyncReceiver
-from epd.transport.wire.messages import (Abort, Alive, Ready, TokenOutput, TokenOutputs, WireError, WorkerExited,
-                                         WorkerStats)
+from epd.transport.wire.messages import (Abort, Alive, KVBlocks, Ready, TokenOutput, TokenOutputs, WireError,
+                                         WorkerExited, WorkerStats)
 from epd.transport.wire.roles import Role
 
 log = logging.getLogger("epd.api")
@@ -42,9 +45,11 @@ class Collector:
     own table (attempt id -> Attempt), shared, not copied."""
 
     def __init__(self, registry: WorkerRegistry, attempts: dict[str, Attempt], encoder_router: EncoderRouter,
-                 on_new_worker: Callable[[], None]):
-        """`on_new_worker`: called when a worker registers (the embedding cache opens once one exists)."""
+                 on_new_worker: Callable[[], None], prefix_index: PrefixIndex | None = None):
+        """`on_new_worker`: called when a worker registers (the embedding cache opens once one exists).
+        `prefix_index`: where engine workers' KVBlocks go (--router cache_aware; None: dropped)."""
         self.registry = registry
+        self.prefix_index = prefix_index
         self.attempts = attempts
         self.encoder_router = encoder_router
         self._on_new_worker = on_new_worker
@@ -110,6 +115,11 @@ class Collector:
         elif isinstance(msg, WorkerStats):
             self.registry.on_stats(msg)
             self._silent.discard(msg.worker_id)
+        elif isinstance(msg, KVBlocks):
+            info = self.registry.workers.get(msg.worker_id)
+            if self.prefix_index is not None and info is not None and not info.is_dead \
+                    and msg.session == info.session:
+                self.prefix_index.apply(msg)
         elif isinstance(msg, Alive):
             info = self.registry.on_alive(msg)
             if info is not None and not self.registry.is_stuck(info):  # a stuck one is failed over once
@@ -125,6 +135,8 @@ class Collector:
                 return
             if info is not known:  # registered now; re-announcements of a live worker change nothing
                 self._silent.discard(msg.worker_id)
+                if self.prefix_index is not None:  # a new process: its prefix cache starts empty
+                    self.prefix_index.forget(msg.worker_id)
                 self.encoder_router.on_ready(msg.worker_id)
                 log.info("worker %s (%s) ready at %s", info.worker_id, info.role, info.inbox)
                 self._on_new_worker()
@@ -151,6 +163,8 @@ class Collector:
         soon (else, given up for now, the role may be down: requests needing it
         are refused at once)."""
         info = self.registry.mark_dead(worker_id, restarting)
+        if self.prefix_index is not None:  # a restart starts with an empty prefix cache
+            self.prefix_index.forget(worker_id)
         log.warning("worker %s exited (code %s)%s", worker_id, exit_code, "" if restarting else ", not restarted")
         if info is not None:
             try:
@@ -165,6 +179,8 @@ class Collector:
             self._fail_over(worker_id, is_death=False)
         self.registry.forget(worker_id)
         self._silent.discard(worker_id)
+        if self.prefix_index is not None:
+            self.prefix_index.forget(worker_id)
 
     def _fail_over(self, worker_id: str, is_death: bool) -> None:
         """Every try that needs `worker_id` is sent again, or failed if its request is a

@@ -89,7 +89,9 @@ class Orchestrator:
         self.placement = Placement(config, self.info, self.registry, self.metrics, self.attempts, mm_cache_dir,
                                    api_index)
         self.encoder_router = self.placement.encoder_router  # told of every encoder's Ready
-        self.collector = Collector(self.registry, self.attempts, self.encoder_router, self.placement.open_cache)
+        self.metrics.prefix_index = self.placement.prefix_index  # /metrics: epd:router_cached_blocks
+        self.collector = Collector(self.registry, self.attempts, self.encoder_router, self.placement.open_cache,
+                                   self.placement.prefix_index)
         # the supervisor's and the encoder pool's word that a worker exited or was removed
         self.on_worker_exit = self.collector.on_worker_exit
         self.forget_worker = self.collector.forget_worker
@@ -287,7 +289,7 @@ class Orchestrator:
             raise RequestError(status=503, message="the server is shutting down", type="service_unavailable",
                                retry_after_s=5)
         placed = await self.placement.place(prep, emitted, attempt_no, deadline,
-                                            None if req.lora is None else req.lora.lora_name)
+                                            None if req.lora is None else req.lora.lora_name, req.session_id)
         attempt_id = req.request_id if attempt_no == 0 else f"{req.request_id}~retry{attempt_no}"
         attempt = Attempt(attempt_id, asyncio.Queue(), placed.prefill, placed.decode, len(prep.token_ids) + len(emitted),
                           alone=alone)

@@ -1,8 +1,11 @@
 """Where one attempt of a request runs, and the messages that start it there: `Placement`.
 
     routers           prefill (or pd / aggregated) worker, decode worker           epd/serve/router.py
+                      (cache_aware: the request's block hashes looked up in the prefix index,
+                      epd/serve/cache_aware_router.py, epd/serve/prefix_index.py)
     local prefill     e-p-d: a short text-only prompt to a decode worker alone, which prefills it
-                      (or, when no decode worker has room, to an idle prefill worker)
+                      (or, when no decode worker has room, to an idle prefill worker); with
+                      cache_aware, short is what a decode worker does not hold of it (a chat's next turn)
     cache lookup      an image the prefill worker can read from the cache needs no encoder
     encoders          every missing image, video or video chunk to the encoder where it finishes first
                       (a video's cost: frames x patches, its patches over every temporal group;
@@ -25,16 +28,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from epd.config import ServeConfig
+from epd.engine.block_hash import prompt_block_hashes, root_block_hash
 from epd.engine.model_info import ModelInfo
 from epd.inputs.media_item import MediaItem
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.attempt import Attempt
+from epd.serve.cache_aware_router import CacheAwareRouter, RouteQuery
 from epd.serve.encoder_router import EncoderRouter
+from epd.serve.prefix_index import PrefixIndex
 from epd.serve.preparer import Prepared
 from epd.serve.registry import WorkerInfo, WorkerRegistry
 from epd.serve.router import LeastRequestsRouter, idle_prefill_workers, make_router, prefer_adapter
 from epd.serve.worker_metrics import WorkerMetrics
 from epd.transport.wire.channels import AsyncOutbox
+from epd.transport.wire.kv_events import external_block_hash
 from epd.transport.wire.messages import EncodeRequest, PrefillRequest
 from epd.transport.embedding_cache.mm_cache import MMCache
 from epd.transport.wire.roles import Role
@@ -68,8 +75,12 @@ class Placement:
         self.mm_cache_dir = mm_cache_dir
         self.api_index = api_index
         self.host = socket.gethostname()
-        self.prefill_router = make_router(config.router)
-        self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded")
+        # cache_aware: what each engine worker holds, from its KVBlocks (the collector applies them)
+        self.prefix_index = PrefixIndex() if config.router == "cache_aware" else None
+        self.block_size = config.engine.scheduler.block_size
+        self.prefill_router = make_router(config.router, self.prefix_index)
+        self.decode_router = make_router(config.router if config.router != "prefix_hash" else "least_loaded",
+                                         self.prefix_index)
         # text-only requests wait for no encoder: the least busy prefill worker starts them first
         self.text_prefill_router = LeastRequestsRouter() if config.router == "least_loaded" else self.prefill_router
         # conditional disaggregation: short text-only prompts go to the least busy decode worker
@@ -101,10 +112,10 @@ class Placement:
     # -------------------------------------------------------------- place
 
     async def place(self, prep: Prepared, emitted: list[int], attempt_no: int, deadline: float,
-                    lora_name: str | None = None) -> Placed:
-        """Live workers for one try of a request (prompt + `emitted`, adapter `lora_name`):
-        prefill and decode worker, the images no cache they read holds, and each one's encoder."""
-        prefill, decode = await self._route(prep, emitted, deadline, lora_name)
+                    lora_name: str | None = None, session_id: str | None = None) -> Placed:
+        """Live workers for one try of a request (prompt + `emitted`, adapter `lora_name`, conversation
+        `session_id`): prefill and decode worker, the images no cache they read holds, and each one's encoder."""
+        prefill, decode = await self._route(prep, emitted, deadline, lora_name, session_id)
         misses = self._cache_misses(prep, prefill, count=attempt_no == 0)
         if prefill.role == Role.AGGREGATED:
             encoders = [prefill] * len(misses)
@@ -117,17 +128,21 @@ class Placement:
         return Placed(prefill, decode, misses, encoders)
 
     async def _route(self, prep: Prepared, emitted: list[int], deadline: float,
-                     lora_name: str | None) -> tuple[WorkerInfo, WorkerInfo | None]:
+                     lora_name: str | None, session_id: str | None) -> tuple[WorkerInfo, WorkerInfo | None]:
         """(prefill worker, decode worker or None) of one try."""
         decode = None
+        query = self._route_query(prep, emitted, lora_name, session_id)
 
         def choose(router, workers: list[WorkerInfo]) -> WorkerInfo:
+            if isinstance(router, CacheAwareRouter):
+                return router.choose(prefer_adapter(workers, lora_name), prep.token_ids, query)
             return router.choose(prefer_adapter(workers, lora_name), prep.token_ids)
 
-        if self._prefills_locally(prep, emitted):
+        num_local = self._local_prefill_tokens(prep, emitted, query)
+        if num_local is not None:
             decoders = await self._live((Role.DECODE,), deadline)
             idle = idle_prefill_workers(decoders, self.registry.live(Role.PREFILL), self._pending_prefill_tokens(),
-                                        len(prep.token_ids) + len(emitted), self.max_local_prefill_tokens)
+                                        num_local, self.max_local_prefill_tokens)
             if idle:  # no decode worker can start it in its next step: an idle prefill worker starts it now
                 prefill = choose(self.text_prefill_router, idle)
                 decode = choose(self.decode_router, decoders)
@@ -173,11 +188,34 @@ class Placement:
                                    type="service_unavailable", retry_after_s=5)
             await asyncio.sleep(NO_WORKER_POLL_S)
 
-    def _prefills_locally(self, prep: Prepared, emitted: list[int]) -> bool:
-        """Conditional disaggregation (`--max-local-prefill-tokens`, e-p-d): a
-        text-only prompt this short is prefilled on a decode worker, so it never
-        queues behind image prompts' chunks at the prefill worker."""
-        return not prep.mm_spans and 0 < len(prep.token_ids) + len(emitted) <= self.max_local_prefill_tokens
+    def _local_prefill_tokens(self, prep: Prepared, emitted: list[int], query: RouteQuery | None) -> int | None:
+        """Conditional disaggregation (`--max-local-prefill-tokens`, e-p-d): a text-only
+        prompt this short is prefilled on a decode worker, so it never queues behind
+        image prompts' chunks at the prefill worker. Short: its tokens, or with
+        cache_aware those past the longest prefix a decode worker holds (a chat's next
+        turn, prefilled where its conversation's KV is). None: not short."""
+        if prep.mm_spans or not self.max_local_prefill_tokens:
+            return None
+        num_tokens = len(prep.token_ids) + len(emitted)
+        if query is not None and query.block_hashes:
+            num_tokens -= self.block_size * max((self.prefix_index.match(w.worker_id, query.block_hashes)
+                                                 for w in self.registry.live(Role.DECODE)), default=0)
+        return num_tokens if 0 < num_tokens <= self.max_local_prefill_tokens else None
+
+    def _route_query(self, prep: Prepared, emitted: list[int], lora_name: str | None,
+                     session_id: str | None) -> RouteQuery | None:
+        """What the cache-aware router reads of one try (None under another router): the hashes of
+        the blocks a worker could hit (every full block but one token: engine/block_hash.py, as
+        the block manager computes them) and the conversation. An adapter's blocks are keyed by
+        the files the worker read, which this process does not see: its own root makes them
+        match only what this process sent (`insert_speculative`), never another request's."""
+        if self.prefix_index is None:
+            return None
+        token_ids = prep.token_ids + emitted
+        root = root_block_hash(None if lora_name is None else (lora_name, "", None))
+        block_hashes = prompt_block_hashes(token_ids, prep.mm_spans, self.block_size,
+                                           (len(token_ids) - 1) // self.block_size, root)
+        return RouteQuery([external_block_hash(h) for h in block_hashes], session_id)
 
     def _pending_prefill_tokens(self) -> Counter[str]:
         """Worker id -> prompt tokens of this API process's requests it is prefilling (sent, first token not back)."""

@@ -5,6 +5,9 @@ least_loaded  power of two choices: of two workers drawn at random, the one
               with fewer running + waiting requests in its latest stats.
 prefix_hash   consistent hashing of the prompt's first block-aligned tokens,
               so requests sharing a prefix land where its KV is cached.
+cache_aware   the longest prefix a worker holds (known from its prefix cache's
+              changes), weighed against load, with session affinity
+              (epd/serve/cache_aware_router.py).
 
 Under `least_loaded` (the default), text-only requests go to the worker with
 the fewest requests (`LeastRequestsRouter`): they wait for no encoder, so the
@@ -23,6 +26,9 @@ import itertools
 import random
 import struct
 from collections.abc import Mapping
+
+from epd.serve.cache_aware_router import CacheAwareRouter
+from epd.serve.prefix_index import PrefixIndex
 
 PREFIX_TOKENS = 64  # tokens of the prompt that pick the worker (4 KV blocks)
 VIRTUAL_NODES = 64  # ring points per worker, for an even spread
@@ -121,10 +127,14 @@ class PrefixHashRouter:
         return next(w for w in workers if w.worker_id == wid)
 
 
-ROUTERS = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_hash": PrefixHashRouter}
+ROUTERS = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter, "prefix_hash": PrefixHashRouter,
+           "cache_aware": CacheAwareRouter}
 
 
-def make_router(name: str):
+def make_router(name: str, index: PrefixIndex | None = None):
+    """`index`: what the cache-aware router reads (shared by an API process's routers; None: its own)."""
     if name not in ROUTERS:
         raise ValueError(f"unknown router {name!r}")
+    if name == "cache_aware":
+        return CacheAwareRouter(index if index is not None else PrefixIndex())
     return ROUTERS[name]()

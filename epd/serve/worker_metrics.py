@@ -203,6 +203,7 @@ class WorkerMetrics:
         shared metric files), so this one does not."""
         self.registry = registry
         self.worker_restarts = worker_restarts
+        self.prefix_index = None  # --router cache_aware: its PrefixIndex (the blocks it knows each worker holds)
         self._api = CollectorRegistry()
         self.mm_cache_queries = Count(Counter("epd:mm_cache_queries", "Images looked up in the embedding cache.",
                                               registry=self._api))
@@ -254,6 +255,7 @@ class WorkerMetrics:
         cache = _Families(CACHE_COUNTERS, (), gauges=CACHE_GAUGES)
         lora = GaugeMetricFamily(*LORA_INFO, labels=[*LABELS, *LORA_INFO_LABELS])
         lora_cpu = GaugeMetricFamily(*LORA_CPU, labels=LABELS)
+        index_blocks = GaugeMetricFamily(*ROUTER_CACHED_BLOCKS, labels=LABELS)
         for w in self.registry.workers.values():
             s = w.stats
             if s is None or not self.registry.reports(w):  # a dead worker's last numbers describe nothing
@@ -273,6 +275,8 @@ class WorkerMetrics:
                 encoder_extras.add(labels, s.encoder)
             if s.cache is not None:
                 cache.add(labels, s.cache)
+            if self.prefix_index is not None and s.engine is not None:
+                index_blocks.add_metric(labels, self.prefix_index.num_blocks(w.worker_id))
             if s.lora is not None and s.engine is not None:  # encoders report tower adapters for the router only
                 lora.add_metric([*labels, ",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_lora)],
                                 time.time() - (time.monotonic() - w.last_seen_s))
@@ -288,6 +292,8 @@ class WorkerMetrics:
         yield from cache
         yield lora
         yield lora_cpu
+        if self.prefix_index is not None:
+            yield index_blocks
         restarts = self.worker_restarts()
         if restarts is not None:
             yield _labelled(WORKER_RESTARTS[0], WORKER_RESTARTS[1], "role", restarts)
@@ -301,6 +307,8 @@ LORA_INFO_LABELS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora"
 LORA_CPU = ("epd:lora_cpu_adapters", "LoRA adapters an engine worker holds in host memory (at most "
             "--max-cpu-loras, beside those its running requests still use).")
 WORKER_RESTARTS = ("epd:worker_restarts", "Worker processes restarted after they exited.")
+ROUTER_CACHED_BLOCKS = ("epd:router_cached_blocks", "KV blocks the cache-aware router knows an engine worker holds "
+                        "(from its prefix cache's changes; not the blocks just routed there).")
 
 
 def metrics_worker_name(worker_id: str) -> str:

@@ -1,5 +1,5 @@
-"""The worker plane's control messages: registration, load and heartbeats
-(worker -> API), exits (launcher -> API), Abort and Shutdown (API or launcher
+"""The worker plane's control messages: registration, load, heartbeats and the
+prefix cache's block changes (worker -> API), exits (launcher -> API), Abort and Shutdown (API or launcher
 -> worker). transport/wire/message.py frames them; transport/wire/messages.py holds the
 table of every tag."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from epd.transport.wire.codec import Fields, WireError
+from epd.transport.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.message import Message, need, read_address, read_api_index
 from epd.transport.wire.roles import Role
@@ -134,6 +135,47 @@ class Alive(Message):
 
 
 MAX_WORKING_ON = 4096  # request ids in one Alive: more than an encoder batch holds
+
+
+BLOCK_CHANGES = ("stored", "removed", "cleared")
+MAX_BLOCK_HASH = (1 << 64) - 1  # a block hash on the wire: 8 bytes (kv_events.external_block_hash)
+
+
+@dataclass
+class KVBlocks(Message):
+    """Engine worker -> every API collector, after a step that changed its prefix cache
+    (`--router cache_aware`): the changes in order, each `(kind, block hashes)`: "stored"
+    and "removed" as vLLM's BlockStored / BlockRemoved name them (hashes in their 8-byte
+    form), "cleared" (no hashes) for AllBlocksCleared. `seq` counts this worker process's
+    batches from 0: a gap tells the API's index (epd/serve/prefix_index.py) it missed some."""
+
+    TYPE: ClassVar[str] = "kv_blocks"
+    worker_id: str
+    seq: int
+    changes: list[tuple[str, list[int]]]
+    session: str = ""  # as in its Ready
+
+    @classmethod
+    def of_events(cls, worker_id: str, seq: int, events: list[KVCacheEvent], session: str = "") -> KVBlocks:
+        kinds = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
+        return cls(worker_id, seq, [(kinds[type(e)], list(getattr(e, "block_hashes", ()))) for e in events], session)
+
+    def _fields(self):
+        return {"worker_id": self.worker_id, "seq": self.seq, "session": self.session,
+                "changes": [[kind, list(hashes)] for kind, hashes in self.changes]}
+
+    @classmethod
+    def _build(cls, f, payload):
+        seq = f.int("seq")
+        need(seq >= 0, cls.TYPE, f"seq must be >= 0, got {seq}")
+        changes = []
+        for change in f.list_of("changes", list):
+            need(len(change) == 2 and change[0] in BLOCK_CHANGES and isinstance(change[1], list), cls.TYPE,
+                 f"a change is [kind, hashes] with kind one of {', '.join(BLOCK_CHANGES)}, got {change!r:.80}")
+            need(all(type(h) is int and 0 <= h <= MAX_BLOCK_HASH for h in change[1]), cls.TYPE,
+                 "block hashes are ints of 8 bytes")
+            changes.append((change[0], change[1]))
+        return cls(f.str("worker_id"), seq, changes, _session(f))
 
 
 @dataclass

@@ -4,8 +4,8 @@ of tag -> class, and `decode_message`.
 The classes live by plane: transport/wire/request_messages.py (EncodeRequest,
 EncodeDone, PrefillRequest, KVTransfer, KVAck, TokenOutput, TokenOutputs: a
 request's way through the workers) and transport/wire/control_messages.py
-(WorkerStats, Ready, Alive, WorkerExited, Abort, LoRAUpdate, Shutdown: the worker plane's
-control); transport/wire/message.py holds their base `Message` and the wire
+(WorkerStats, Ready, Alive, KVBlocks, WorkerExited, Abort, LoRAUpdate, Shutdown: the worker
+plane's control); transport/wire/message.py holds their base `Message` and the wire
 layout. Import them all from here.
 
 Values nested in a message have explicit forms too: MMSpan and TokenLogprobs as
@@ -22,7 +22,8 @@ from dataclasses import fields as dataclass_fields
 from typing import Any, Sequence
 
 from epd.transport.wire.codec import WireError
-from epd.transport.wire.control_messages import Abort, Alive, LoRAUpdate, Ready, Shutdown, WorkerExited, WorkerStats
+from epd.transport.wire.control_messages import (Abort, Alive, KVBlocks, LoRAUpdate, Ready, Shutdown, WorkerExited,
+                                                 WorkerStats)
 from epd.transport.wire.message import RESERVED, Message, decode_as, header_of
 from epd.transport.wire.mm_span import MMSpan
 from epd.transport.wire.request_messages import (EncodeDone, EncodeRequest, KVAck, KVTransfer, PrefillRequest,
@@ -31,7 +32,7 @@ from epd.transport.wire.request_messages import (EncodeDone, EncodeRequest, KVAc
 __all__ = [
     "WireError", "Message", "MMSpan", "EncodeRequest", "EncodeDone", "PrefillRequest",
     "KVTransfer", "KVAck", "TokenOutput", "TokenOutputs", "WorkerStats", "Ready", "Abort", "Shutdown",
-    "WorkerExited", "Alive", "LoRAUpdate",
+    "WorkerExited", "Alive", "LoRAUpdate", "KVBlocks",
     "MESSAGE_TYPES", "decode_message",
 ]
 
@@ -51,6 +52,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     "worker_exited": WorkerExited,
     "alive": Alive,
     "lora_update": LoRAUpdate,
+    "kv_blocks": KVBlocks,
 }
 assert all(cls.TYPE == tag for tag, cls in MESSAGE_TYPES.items())
 assert not any(f.name in RESERVED for cls in MESSAGE_TYPES.values() for f in dataclass_fields(cls))

@@ -49,6 +49,8 @@ class WorkerSpec:
     stats_interval_s: float = 0.25
     keys_dir: str | None = None  # worker-plane keys (`epd keys`): CURVE on tcp sockets; None on one host
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # the largest image or video an EncodeRequest carries (inbox cap)
+    # an engine worker tells every API process its prefix cache's changes (KVBlocks): --router cache_aware
+    reports_kv_blocks: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))  # a role's name is accepted too

@@ -4,7 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from epd.engine.block_manager import BlockManager, hash_block
+from epd.engine.block_hash import hash_block
+from epd.engine.block_manager import BlockManager
 from epd.transport.wire.mm_span import MMSpan
 
 from testkit.engine_factories import make_image_prompt, make_request

@@ -7,10 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from epd.transport.wire.messages import (
-    MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVTransfer, Message, MMSpan,
-    Alive, LoRAUpdate, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats,
-    decode_message,
-)
+    MESSAGE_TYPES, Abort, EncodeDone, EncodeRequest, KVAck, KVBlocks, KVTransfer, Message, MMSpan, decode_message,
+    Alive, LoRAUpdate, PrefillRequest, Ready, Shutdown, TokenOutput, TokenOutputs, WireError, WorkerExited, WorkerStats)
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.media.video_geometry import VideoPlan
 from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams, TokenLogprobs
@@ -122,6 +120,7 @@ def make_messages() -> list[Message]:
         Alive("encoder-0", 12.5),
         Alive("encoder-0", 0.0, working_on=["req-1", "req-2~retry1"]),  # an encoder's batch starts
         Alive("encoder-0", 0.0, working_on=[]),  # ... and ends
+        KVBlocks("prefill-0", 3, [("removed", [7]), ("stored", [1, 2**64 - 1]), ("cleared", [])], session="ab"),
     ]
 
 
