@@ -6,7 +6,8 @@ with continuous batching. A chat's messages and media become its prompt, spans
 and media items through the server's own input processor
 (epd/inputs/input_processor.py: a video planned from its header as the API
 plans it), then each item is decoded and encoded (encoders/encode_items.py,
-encoders/video_encoder.py); each sequence's outputs become text, stop strings
+encoders/video_encoder.py); `generate` takes audio clips as vLLM's does
+(encoders/audio_encoder.py: decoded, keyed by content, one tower pass); each sequence's outputs become text, stop strings
 and logprobs in the server's own output processor (epd/output_processor.py).
 With `enable_tower_lora=True` an adapter's vision tower weights run on its
 requests' images and videos (keyed apart, as the server keys them:
@@ -19,6 +20,7 @@ import logging
 import operator
 from dataclasses import dataclass, field
 
+from epd.encoders.audio_encoder import AudioEncoder
 from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.tower_lora import TowerLoRASettings
@@ -31,15 +33,17 @@ from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
+from epd.families.registry import family_of
 from epd.inputs.input_processor import InputProcessor, ProcessedPrompt
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
-from epd.inputs.prompt import image_parts, video_parts
+from epd.inputs.prompt import image_parts, token_id, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.output_processor import OutputProcessor
 from epd.requests import RequestError
 from epd.transport.embedding_cache.mm_entry import MMEntry
+from epd.transport.wire.mm_span import MMSpan
 
 log = logging.getLogger("epd.llm")
 MAX_VIDEO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
@@ -101,6 +105,9 @@ class LLM:
             processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
         self.video = None if self.encoder is None or self.files.video_geometry is None else VideoEncoder(
             model, self.encoder.vision, self.engine.device, geometry=self.files.video_geometry)
+        self.family = family_of(self.files.hf_config)
+        self.audio = None if self.family.audio is None else AudioEncoder(
+            model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint)
         # chat messages -> prompt, spans and media items, as the server's (no media flags: the caller's own files)
         self.inputs = InputProcessor(self.files, info, TowerAdapters(self.config.lora.enable_tower_lora))
         # offline: the caller's own files; videos under their own cap, errors naming "video"
@@ -155,15 +162,24 @@ class LLM:
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Plain text prompts (no chat template) or token ids, in vLLM's forms: a str, a
         list of ids, `{"prompt": str}` (TextPrompt) or `{"prompt_token_ids": [...]}`
-        (TokensPrompt), one or a list of them. `lora_request` (vLLM's): one adapter for
+        (TokensPrompt), one or a list of them; audio as vLLM's: `{"prompt": str,
+        "multi_modal_data": {"audio": [clip, ...]}}`, a clip the bytes of an audio file or
+        (samples, sampling_rate), each written in the prompt as the family's placeholder
+        (Qwen2.5-Omni: `<|audio_bos|><|AUDIO|><|audio_eos|>`). `lora_request` (vLLM's): one adapter for
         every prompt, or one per prompt (None: the base model); needs `enable_lora=True`."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         requests = []
+        audio_entries: dict[str, MMEntry] = {}
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
+            if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+                processed, entries = self._audio_prompt(prompt)
+                audio_entries.update(entries)
+                requests.append((processed, p, lora))
+                continue
             requests.append((ProcessedPrompt(self._prompt_ids(prompt), [], []), p, lora))
-        return self._run(requests)
+        return self._run(requests, audio_entries)
 
     def stats(self) -> dict[str, int | float]:
         return self.engine.stats()
@@ -182,8 +198,6 @@ class LLM:
     def _prompt_ids(self, prompt) -> list[int]:
         """One `generate` prompt's token ids; ValueError naming what is wrong with it."""
         if isinstance(prompt, dict):
-            if "multi_modal_data" in prompt:
-                raise ValueError("generate takes text prompts only; pass images and videos to LLM.chat")
             unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if unknown or not prompt:
                 raise ValueError(f"a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt, "
@@ -201,6 +215,41 @@ class LLM:
             return self.inputs.process_prompt(prompt)
         except RequestError as exc:
             raise ValueError(f"{exc.message}, got {str(prompt)[:80]}") from None
+
+    def _audio_prompt(self, prompt: dict) -> tuple[ProcessedPrompt, dict[str, MMEntry]]:
+        """A text prompt with audio placeholders and its clips -> its ids and spans, and each clip's entry."""
+        data, text = prompt["multi_modal_data"], prompt.get("prompt")
+        if not isinstance(data, dict) or set(data) != {"audio"}:
+            raise ValueError("generate's multi_modal_data takes \"audio\"; pass images and videos to LLM.chat")
+        if not isinstance(text, str) or set(prompt) - {"prompt", "multi_modal_data"}:
+            raise ValueError("a prompt with multi_modal_data holds its text in 'prompt'")
+        fmt = self.family.prompt_format
+        if self.audio is None:
+            raise ValueError(f"{self.family.name} takes no audio")
+        given = data["audio"] if isinstance(data["audio"], list) else [data["audio"]]
+        clips = [self.audio.clip(a) for a in given]
+        pieces = text.split(fmt.audio_placeholder)
+        if len(pieces) - 1 != len(clips):
+            raise ValueError(f"the prompt holds {len(pieces) - 1} audio placeholders ({fmt.audio_placeholder}), "
+                             f"{len(clips)} clips were given")
+        entries = self.audio.encode(clips)
+        lengths = [entries[c.mm_hash].embeddings.shape[0] for c in clips]
+        expanded = pieces[0] + "".join(fmt.expand_audio(n) + piece for n, piece in zip(lengths, pieces[1:]))
+        ids = self.inputs.process_prompt(expanded)
+        audio_id = token_id(self.tokenizer, fmt.audio_token)
+        spans, i, clip_it = [], 0, iter(zip(clips, lengths))
+        while i < len(ids):
+            if ids[i] != audio_id:
+                i += 1
+                continue
+            clip, n = next(clip_it, (None, 0))
+            if clip is None or ids[i:i + n] != [audio_id] * n:
+                raise ValueError("the prompt's audio placeholder tokens do not match its clips")
+            spans.append(MMSpan(i, n, clip.mm_hash, entries[clip.mm_hash].meta))
+            i += n
+        if next(clip_it, None) is not None:
+            raise ValueError("fewer audio placeholder tokens in the prompt than its clips take")
+        return ProcessedPrompt(ids, spans, []), entries
 
     def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
@@ -220,8 +269,10 @@ class LLM:
                 raise entry
         return dict(zip(wanted, entries))
 
-    def _run(self, requests: list[tuple[ProcessedPrompt, SamplingParams, LoRARequest | None]]) -> list[RequestOutput]:
-        """Each (prompt, its sampling params, its language-model adapter) run to the end, as vLLM's LLM does."""
+    def _run(self, requests: list[tuple[ProcessedPrompt, SamplingParams, LoRARequest | None]],
+             audio_entries: dict[str, MMEntry] | None = None) -> list[RequestOutput]:
+        """Each (prompt, its sampling params, its language-model adapter) run to the end, as vLLM's LLM does;
+        `audio_entries`: the clips' entries, encoded already, by key."""
         for _, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
@@ -234,6 +285,7 @@ class LLM:
                 (images if item.video is None else videos)[item.key] = (item, prompt.tower_lora)
         embeddings = self._encode_images(images)
         embeddings.update(self._encode_videos(videos))
+        embeddings.update(audio_entries or {})
 
         outputs: list[RequestOutput] = []
         pending: dict[str, OutputProcessor] = {}  # every sequence of the call, by its engine request id

@@ -45,9 +45,20 @@ class ModelFamily:
     # whether an adapter's vision tower tensors can run on its tower (--enable-tower-lora: the names and
     # (in, out) of encoders/tower_adapter.py TowerShapes); False: such an adapter is refused by name
     tower_lora: bool = False
+    # "module:attr" of (model_dir, hf_config, dtype, device) -> its audio side: `features(samples, sampling_rate)`
+    # (the log-mel its feature extractor gives), forward(features) -> embeddings; None: the family takes no audio
+    audio: str | None = None
+    # transformers' config of a whole checkpoint -> the part EPD serves (a Qwen2.5-Omni checkpoint: its thinker's,
+    # the speech talker left out); None: all of it
+    served_config: Callable[[object], object] | None = None
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)
 
     def load_vision(self, model_dir, hf_config, dtype, device="cpu", processor_kwargs=None):
         return resolve(self.vision)(model_dir, hf_config, dtype, device, processor_kwargs)
+
+    def load_audio(self, model_dir, hf_config, dtype, device="cpu"):
+        if self.audio is None:
+            raise UnsupportedModelError(f"{self.name} takes no audio")
+        return resolve(self.audio)(model_dir, hf_config, dtype, device)

@@ -20,7 +20,7 @@ import torch
 
 from epd.families.qwen_vl.family import mrope_positions
 from epd.families.qwen_vl.text_configs import text_config
-from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
+from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, TextConfig, rotary_embedding
 from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_tensors, load_weights, materialize,
                                               piece_name)
 
@@ -58,11 +58,13 @@ def _describe(param: str, shard: int | None) -> str:
     return name if shard is None else piece_name(name, shard)
 
 
-def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
-                        device: str | torch.device = "cpu") -> Qwen3VLForCausalLM:
-    cfg = text_config(hf_config)
+def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", *,
+                    cfg: TextConfig | None = None, positions=None, rename=None) -> Qwen3VLForCausalLM:
+    """A family built on this decoder (Qwen2.5-Omni's thinker) gives its `cfg`, its position
+    rule and `rename` (its checkpoint name -> the name a Qwen-VL checkpoint gives it, or None)."""
+    cfg = cfg or text_config(hf_config)
     with torch.device("meta"):
-        model = Qwen3VLForCausalLM(cfg, mrope_positions(hf_config))
+        model = Qwen3VLForCausalLM(cfg, positions or mrope_positions(hf_config))
     model = materialize(model, device, dtype)
     model.model.rotary = rotary_embedding(cfg, device=device)  # float32 tables, not weights
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -72,7 +74,11 @@ def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
         if cfg.attention_bias:
             fused[f"model.layers.{i}.self_attn.qkv_proj.bias"] = [q, kv, kv]
         fused[f"model.layers.{i}.mlp.gate_up_proj.weight"] = [cfg.intermediate_size] * 2
-    load_weights(model, model_dir, _text_rule, fused=fused,
+    def rule(name: str):
+        ours = name if rename is None else rename(name)
+        return None if ours is None else _text_rule(ours)
+
+    load_weights(model, model_dir, rule, fused=fused,
                  fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
     if cfg.moe_layer_ids:
         _load_experts(model, model_dir)
