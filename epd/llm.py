@@ -15,6 +15,7 @@ epd/lora_modules.TowerAdapters).
 """
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import operator
@@ -38,12 +39,11 @@ from epd.inputs.input_processor import InputProcessor, ProcessedPrompt
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
-from epd.inputs.prompt import image_parts, token_id, video_parts
+from epd.inputs.prompt import AudioRef, audio_parts, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.output_processor import OutputProcessor
 from epd.requests import RequestError
 from epd.transport.embedding_cache.mm_entry import MMEntry
-from epd.transport.wire.mm_span import MMSpan
 
 log = logging.getLogger("epd.llm")
 MAX_VIDEO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
@@ -135,28 +135,34 @@ class LLM:
         {"url": "file://..." or "data:video/..."}}` parts, sampled as the checkpoint's
         video processor says, or as `mm_processor_kwargs` (fps, num_frames,
         do_sample_frames, min/max_pixels, min/max_frames;
-        epd/transport/media/video_geometry.VideoOptions) override it."""
+        epd/transport/media/video_geometry.VideoOptions) override it. Audio (a family that
+        takes it: Qwen2.5-Omni): OpenAI's `{"type": "input_audio", "input_audio": {"data":
+        base64, "format": "wav"}}` or vLLM's `{"type": "audio_url", "audio_url": {"url":
+        "file://..." or "data:audio/..."}}` parts."""
         VideoOptions.from_kwargs(mm_processor_kwargs)  # a bad key or value: ValueError before any work
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
         loras = _per_prompt(lora_request, len(conversations))
-        requests = []
+        requests, audio_entries = [], {}
         for messages, p, lora in zip(conversations, params, loras):
             parts, videos = image_parts(messages), video_parts(messages)
             if (parts or videos) and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             video_bytes = [load_image_bytes(_video_source(part), self.media, modality="video") for part in videos]
+            clips = [_audio_bytes(part, self.media) for part in audio_parts(messages)]
+            audios, entries = self._encode_audio(clips) if clips else ([], {})
+            audio_entries.update(entries)
             try:  # the server's chat path (epd/inputs/input_processor.py), without its media flags
-                prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, lora=lora,
+                prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, audios=audios, lora=lora,
                                                   mm_processor_kwargs=mm_processor_kwargs,
                                                   add_generation_prompt=add_generation_prompt, tools=tools,
                                                   template_kwargs=chat_template_kwargs)
             except RequestError as exc:
                 raise ValueError(exc.message) from None
             requests.append((prompt, p, lora))
-        return self._run(requests)
+        return self._run(requests, audio_entries)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -223,33 +229,19 @@ class LLM:
             raise ValueError("generate's multi_modal_data takes \"audio\"; pass images and videos to LLM.chat")
         if not isinstance(text, str) or set(prompt) - {"prompt", "multi_modal_data"}:
             raise ValueError("a prompt with multi_modal_data holds its text in 'prompt'")
-        fmt = self.family.prompt_format
+        refs, entries = self._encode_audio(data["audio"] if isinstance(data["audio"], list) else [data["audio"]])
+        built = self.inputs.prompts.expand(text, [], [], refs)  # the chat path's expansion and spans
+        return ProcessedPrompt(built.token_ids, built.mm_spans, []), entries
+
+    def _encode_audio(self, given: list) -> tuple[list[AudioRef], dict[str, MMEntry]]:
+        """Clips (file bytes, or (samples, sampling_rate)) -> each one's ref, and the entries by key."""
         if self.audio is None:
             raise ValueError(f"{self.family.name} takes no audio")
-        given = data["audio"] if isinstance(data["audio"], list) else [data["audio"]]
         clips = [self.audio.clip(a) for a in given]
-        pieces = text.split(fmt.audio_placeholder)
-        if len(pieces) - 1 != len(clips):
-            raise ValueError(f"the prompt holds {len(pieces) - 1} audio placeholders ({fmt.audio_placeholder}), "
-                             f"{len(clips)} clips were given")
         entries = self.audio.encode(clips)
-        lengths = [entries[c.mm_hash].embeddings.shape[0] for c in clips]
-        expanded = pieces[0] + "".join(fmt.expand_audio(n) + piece for n, piece in zip(lengths, pieces[1:]))
-        ids = self.inputs.process_prompt(expanded)
-        audio_id = token_id(self.tokenizer, fmt.audio_token)
-        spans, i, clip_it = [], 0, iter(zip(clips, lengths))
-        while i < len(ids):
-            if ids[i] != audio_id:
-                i += 1
-                continue
-            clip, n = next(clip_it, (None, 0))
-            if clip is None or ids[i:i + n] != [audio_id] * n:
-                raise ValueError("the prompt's audio placeholder tokens do not match its clips")
-            spans.append(MMSpan(i, n, clip.mm_hash, entries[clip.mm_hash].meta))
-            i += n
-        if next(clip_it, None) is not None:
-            raise ValueError("fewer audio placeholder tokens in the prompt than its clips take")
-        return ProcessedPrompt(ids, spans, []), entries
+        refs = [AudioRef(entries[c.mm_hash].embeddings.shape[0], c.mm_hash, dict(entries[c.mm_hash].meta))
+                for c in clips]
+        return refs, entries
 
     def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
@@ -345,3 +337,21 @@ def _video_source(part: dict) -> str:
     if not isinstance(url, str) or not url:
         raise ValueError("a video part needs a non-empty URL (data: or file://)")
     return url
+
+
+def _audio_bytes(part: dict, media: MediaConfig) -> bytes:
+    """The bytes of an audio part's file: OpenAI's `input_audio` (base64 data), vLLM's `audio_url`."""
+    if part.get("type") == "input_audio":
+        value = part.get("input_audio")
+        data = value.get("data") if isinstance(value, dict) else None
+        if not isinstance(data, str) or not data:
+            raise ValueError("an input_audio part needs base64 'data'")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ValueError("input_audio data is not base64") from None
+    value = part.get("audio_url") if part.get("type") == "audio_url" else part.get("audio")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError("an audio part needs a non-empty URL (data: or file://)")
+    return load_image_bytes(url, media, modality="audio")

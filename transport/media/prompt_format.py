@@ -97,4 +97,5 @@ class PromptFormat:
     @property
     def placeholders(self) -> tuple[str, ...]:
         """Every placeholder a rendered prompt may hold, a longer one before any it starts with."""
-        return tuple(sorted((*self.video_placeholders, self.image_placeholder), key=len, reverse=True))
+        audio = (self.audio_placeholder,) if self.audio_placeholder else ()
+        return tuple(sorted((*self.video_placeholders, self.image_placeholder, *audio), key=len, reverse=True))

@@ -1,5 +1,6 @@
 """Qwen2.5-Omni's thinker (the `qwen2.5-omni-tiny` preset, float32) gives transformers'
-greedy tokens and top-5 logprobs for text, an image and audio clips offline; its audio
+greedy tokens and top-5 logprobs offline for text, for two audio clips (`generate`, vLLM's
+multi_modal_data) and for a clip beside an image (`chat`, OpenAI's input_audio part); its audio
 tower gives transformers' embeddings on the same features; a clip's token count from its
 samples alone is the processor's."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from epd import LLM, SamplingParams
 from epd.families.qwen_omni.prompt_format import num_audio_tokens
 from epd.tools.make_model import make_model
 
-NUM_TOKENS = 6
+NUM_TOKENS = 4
 AUDIO_PROMPT = "<|im_start|>user\n{audio}What is this sound?<|im_end|>\n<|im_start|>assistant\n"
 CLIP = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
@@ -81,26 +82,6 @@ def test_text_matches_transformers(omni):
     _assert_same(out, _hf_greedy(ref, out.prompt_token_ids))
 
 
-def test_image_matches_transformers(omni):
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    model_dir, llm, ref = omni
-    image = image_bytes(150, 98, seed=3)
-    messages = [{"role": "user", "content": [image_part(image), {"type": "text", "text": "What is shown?"}]}]
-    out = llm.chat(messages, PARAMS)[0]
-    from PIL import Image
-
-    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(io.BytesIO(image)).convert("RGB")],
-                                                           return_tensors="pt")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    num = int(pixels["image_grid_thw"][0].prod()) // 4
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok.encode(text.replace("<|IMAGE|>", "<|IMAGE|>" * num), add_special_tokens=False)
-    assert out.prompt_token_ids == ids
-    _assert_same(out, _hf_greedy(ref, ids, pixel_values=pixels["pixel_values"],
-                                 image_grid_thw=pixels["image_grid_thw"]))
-
-
 def _wav(samples: np.ndarray) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
@@ -153,7 +134,7 @@ def test_bad_audio_is_refused_by_name(omni, tmp_path):
     _, llm, _ = omni
     video = tmp_path / "x.mp4"
     video.write_bytes(b"\0" * 64)
-    with pytest.raises(ValueError, match="1 audio placeholders"):
+    with pytest.raises(ValueError, match="1 audio clips, 0 were given"):
         llm.generate({"prompt": AUDIO_PROMPT.format(audio=CLIP), "multi_modal_data": {"audio": []}}, PARAMS)
     with pytest.raises(ValueError, match="cannot be decoded|no audio stream"):
         llm.generate({"prompt": AUDIO_PROMPT.format(audio=CLIP), "multi_modal_data": {"audio": [b"not audio"]}},
@@ -161,3 +142,31 @@ def test_bad_audio_is_refused_by_name(omni, tmp_path):
     with pytest.raises(ValueError, match="takes no video"):
         llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{video}"}}]}],
                  PARAMS)
+
+
+def test_chat_with_audio_and_image_matches_transformers(omni):
+    """OpenAI's input_audio part beside an image in one chat message: the image on its M-RoPE grid
+    after the clip's text-like positions."""
+    import base64
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    model_dir, llm, ref = omni
+    clip = np.round(_clip(6100, seed=4) * 32767) / 32767  # what its 16-bit wav holds
+    image = image_bytes(120, 90, seed=4)
+    audio_part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav(clip)).decode(), "format": "wav"}}
+    messages = [{"role": "user", "content": [audio_part, image_part(image), {"type": "text", "text": "Both?"}]}]
+    out = llm.chat(messages, PARAMS)[0]
+    pixels = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(io.BytesIO(image)).convert("RGB")],
+                                                           return_tensors="pt")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "audio"}, {"type": "image"},
+                                                                 {"type": "text", "text": "Both?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|AUDIO|>", "<|AUDIO|>" * num_audio_tokens(len(clip)))
+    ids = tok.encode(text.replace("<|IMAGE|>", "<|IMAGE|>" * (int(pixels["image_grid_thw"][0].prod()) // 4)),
+                     add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    _assert_same(out, _hf_greedy(ref, ids, pixel_values=pixels["pixel_values"],
+                                 image_grid_thw=pixels["image_grid_thw"], **_features(model_dir, [clip])))
