@@ -29,7 +29,7 @@ from epd.families.registry import get_family
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import AudioRef, ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens
+from epd.inputs.prompt import AudioRef, ImageRef, PromptBuilder, PromptTooLong, audio_parts, exceeds_tokens
 from epd.inputs.video_inputs import VideoInputs
 from epd.lora_modules import TowerAdapters
 from epd.requests import RequestError
@@ -93,6 +93,10 @@ class InputProcessor:
         order; `audios`: their audio clips, counted and keyed (offline: encoded already, the
         caller holds their entries). RequestError for an input refused; PromptTooLong past
         `max_prompt_tokens`."""
+        if len(audio_parts(messages)) != len(audios):  # never dropped silently
+            family = get_family(self.info.family)
+            raise RequestError(status=400, param="messages", message=f"{family.name} takes no audio"
+                               if family.audio is None else "audio parts are served by the offline LLM only, so far")
         tower_digest = self._tower_digest(lora) if images or videos else None
         image_items, refs = self._images(images, tower_digest)
         planned = self.videos.plan(list(videos), mm_processor_kwargs, tower_digest)

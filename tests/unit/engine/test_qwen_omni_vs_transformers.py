@@ -139,6 +139,11 @@ def test_bad_audio_is_refused_by_name(omni, tmp_path):
     with pytest.raises(ValueError, match="cannot be decoded|no audio stream"):
         llm.generate({"prompt": AUDIO_PROMPT.format(audio=CLIP), "multi_modal_data": {"audio": [b"not audio"]}},
                      PARAMS)
+    from epd.requests import RequestError
+
+    audio_part = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}
+    with pytest.raises(RequestError, match="offline LLM only"):  # the served path: refused, never dropped
+        llm.inputs.process_chat([{"role": "user", "content": [audio_part]}], [], [])
     with pytest.raises(ValueError, match="takes no video"):
         llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{video}"}}]}],
                  PARAMS)
