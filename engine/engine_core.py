@@ -86,9 +86,9 @@ class EngineCore(EngineAdapters):
     def __init__(self, model_dir: str, config: EngineConfig, role: str = "pd",
                  hf_config=None, info: ModelInfo | None = None, tokenizer_dir: str | None = None):
         """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`)."""
-        from epd.families.registry import load_hf_config
+        from epd.families.registry import load_hf_config, served_config
 
-        hf_config = hf_config or load_hf_config(model_dir)
+        hf_config = served_config(hf_config) if hf_config is not None else load_hf_config(model_dir)
         self.info = info or ModelInfo.from_pretrained(model_dir, hf_config)
         self.config = config
         self.device = config.resolved_device()

@@ -175,3 +175,18 @@ def test_chat_with_audio_and_image_matches_transformers(omni):
     assert out.prompt_token_ids == ids
     _assert_same(out, _hf_greedy(ref, ids, pixel_values=pixels["pixel_values"],
                                  image_grid_thw=pixels["image_grid_thw"], **_features(model_dir, [clip])))
+
+
+def test_other_rates_are_resampled_to_16k(omni):
+    """An 8 kHz tone becomes the same tone at 16 kHz (twice the samples), counted as 16 kHz audio."""
+    from epd.families.qwen_omni.audio import resample
+
+    _, llm, _ = omni
+    t = np.arange(8000) / 8000
+    tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    up = resample(tone, 8000)
+    assert abs(len(up) - 16000) <= 32
+    spectrum = np.abs(np.fft.rfft(up[:16000]))
+    assert abs(int(spectrum.argmax()) - 440) <= 1  # 1 Hz bins over one second
+    features = llm.audio.audio.features(tone, 8000)
+    assert features.shape[1] == -(-len(up) // 160)
