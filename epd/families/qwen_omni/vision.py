@@ -27,7 +27,14 @@ def load_omni_tower(model_dir, hf_config, dtype, device="cpu"):
     fused = {f"blocks.{i}.attn.qkv.{kind}": [vc.hidden_size] * 3 for i in range(vc.depth)
              for kind in ("weight", "bias")}
     return load_vision_tower(model_dir, thinker, dtype, device, model_type="qwen2_5_vl", rule=_vision_rule,
-                             fused=fused)
+                             fused=fused, describe=_describe)
+
+
+def _describe(param: str, shard: int | None) -> str:
+    """The release's name of (our parameter, fused piece): q / k / v apart under `thinker.visual.`."""
+    if shard is not None:
+        param = param.replace(".attn.qkv.", f".attn.{'qkv'[shard]}.")
+    return "thinker.visual." + param
 
 
 def load_vision(model_dir, hf_config, dtype, device="cpu", processor_kwargs=None) -> QwenVision:

@@ -59,9 +59,10 @@ def _describe(param: str, shard: int | None) -> str:
 
 
 def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", *,
-                    cfg: TextConfig | None = None, positions=None, rename=None) -> Qwen3VLForCausalLM:
+                    cfg: TextConfig | None = None, positions=None, rename=None, describe=None) -> Qwen3VLForCausalLM:
     """A family built on this decoder (Qwen2.5-Omni's thinker) gives its `cfg`, its position
-    rule and `rename` (its checkpoint name -> the name a Qwen-VL checkpoint gives it, or None)."""
+    rule, `rename` (its checkpoint name -> the name a Qwen-VL checkpoint gives it, or None) and
+    `describe` (our parameter, fused piece -> its checkpoint name, for errors)."""
     cfg = cfg or text_config(hf_config)
     with torch.device("meta"):
         model = Qwen3VLForCausalLM(cfg, positions or mrope_positions(hf_config))
@@ -79,7 +80,7 @@ def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device
         return None if ours is None else _text_rule(ours)
 
     load_weights(model, model_dir, rule, fused=fused,
-                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe)
+                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=describe or _describe)
     if cfg.moe_layer_ids:
         _load_experts(model, model_dir)
     return model.eval()

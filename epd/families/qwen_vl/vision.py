@@ -39,9 +39,10 @@ def _vision_rule(name: str):
 
 
 def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", *,
-                      model_type: str | None = None, rule=None, fused: dict[str, list[int]] | None = None) -> nn.Module:
+                      model_type: str | None = None, rule=None, fused: dict[str, list[int]] | None = None,
+                      describe=None) -> nn.Module:
     """A family with one of these towers under its own names (Qwen2.5-Omni's thinker) gives the
-    `model_type` whose tower it is, its name `rule` and its `fused` pieces (load_weights')."""
+    `model_type` whose tower it is, its name `rule`, its `fused` pieces and `describe` (load_weights')."""
     model_type = model_type or getattr(hf_config, "model_type", None)
     if model_type not in TOWERS:
         raise ValueError(f"no vision tower for model_type {model_type!r}; known: {', '.join(TOWERS)}")
@@ -51,7 +52,8 @@ def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype, devi
         tower = tower_cls(cfg)
     tower = materialize(tower, device, dtype)
     tower.reset_rotary(device)
-    load_weights(tower, model_dir, rule or _vision_rule, fused=fused, describe=lambda p, s: "model.visual." + p)
+    load_weights(tower, model_dir, rule or _vision_rule, fused=fused,
+                 describe=describe or (lambda p, s: "model.visual." + p))
     return tower.eval()
 
 

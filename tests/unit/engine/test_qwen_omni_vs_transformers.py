@@ -190,3 +190,24 @@ def test_other_rates_are_resampled_to_16k(omni):
     assert abs(int(spectrum.argmax()) - 440) <= 1  # 1 Hz bins over one second
     features = llm.audio.audio.features(tone, 8000)
     assert features.shape[1] == -(-len(up) // 160)
+
+
+def test_a_missing_thinker_tensor_is_named_as_the_release_names_it(omni, tmp_path):
+    """The talker is never read; a thinker tensor that is missing is named with its `thinker.` prefix."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from epd.engine.loader import load_language_model
+    from epd.families.registry import load_hf_config
+    from epd.transport.weights.checkpoint import CheckpointError
+
+    model_dir, _, _ = omni
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(f"{model_dir}/{name}", tmp_path / name)
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    tensors["talker.model.layers.0.mlp.up_proj.weight"] = torch.zeros(2, 2)  # never read
+    del tensors["thinker.model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"thinker\.model\.layers\.1\.self_attn\.k_proj\.weight"):
+        load_language_model(str(tmp_path), load_hf_config(tmp_path), torch.float32)
