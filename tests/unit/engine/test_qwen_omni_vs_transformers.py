@@ -211,3 +211,26 @@ def test_a_missing_thinker_tensor_is_named_as_the_release_names_it(omni, tmp_pat
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"thinker\.model\.layers\.1\.self_attn\.k_proj\.weight"):
         load_language_model(str(tmp_path), load_hf_config(tmp_path), torch.float32)
+
+
+def test_a_repeated_clip_is_a_prefix_hit_and_another_is_not(omni):
+    """An audio span is keyed by its clip's content: the same clip again reuses the KV past it,
+    a different clip of the same length reuses only the text before it."""
+    _, llm, _ = omni
+    prompt = AUDIO_PROMPT.format(audio=CLIP)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    def hits(clip) -> tuple[int, list[int]]:
+        before = llm.stats()["prefix_cache_hits"]
+        out = llm.generate({"prompt": prompt, "multi_modal_data": {"audio": [(clip, 16000)]}}, params)[0]
+        return llm.stats()["prefix_cache_hits"] - before, out
+
+    first = _clip(9000, seed=5)
+    _, out = hits(first)
+    ids = out.prompt_token_ids
+    before_clip = ids.index(llm.tokenizer.convert_tokens_to_ids("<|AUDIO|>"))
+    again, repeat = hits(first)
+    other, _ = hits(_clip(9000, seed=6))
+    assert repeat.outputs[0].token_ids == out.outputs[0].token_ids
+    assert again > before_clip + num_audio_tokens(9000) - 1  # the blocks past the clip too
+    assert other <= before_clip  # the text before the clip, at most
