@@ -6,8 +6,8 @@ with continuous batching. A chat's messages and media become its prompt, spans
 and media items through the server's own input processor
 (epd/inputs/input_processor.py: a video planned from its header as the API
 plans it), then each item is decoded and encoded (encoders/encode_items.py,
-encoders/video_encoder.py); `generate` takes audio clips as vLLM's does
-(encoders/audio_encoder.py: decoded, keyed by content, one tower pass); each sequence's outputs become text, stop strings
+encoders/video_encoder.py); audio clips are decoded, keyed by content and
+encoded once per call (encoders/audio_encoder.py); each sequence's outputs become text, stop strings
 and logprobs in the server's own output processor (epd/output_processor.py).
 With `enable_tower_lora=True` an adapter's vision tower weights run on its
 requests' images and videos (keyed apart, as the server keys them:
@@ -152,8 +152,7 @@ class LLM:
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             video_bytes = [load_image_bytes(_video_source(part), self.media, modality="video") for part in videos]
             clips = [_audio_bytes(part, self.media) for part in audio_parts(messages)]
-            audios, entries = self._encode_audio(clips) if clips else ([], {})
-            audio_entries.update(entries)
+            audios = self._encode_audio(clips, audio_entries) if clips else []
             try:  # the server's chat path (epd/inputs/input_processor.py), without its media flags
                 prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, audios=audios, lora=lora,
                                                   mm_processor_kwargs=mm_processor_kwargs,
@@ -180,9 +179,7 @@ class LLM:
         audio_entries: dict[str, MMEntry] = {}
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
             if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-                processed, entries = self._audio_prompt(prompt)
-                audio_entries.update(entries)
-                requests.append((processed, p, lora))
+                requests.append((self._audio_prompt(prompt, audio_entries), p, lora))
                 continue
             requests.append((ProcessedPrompt(self._prompt_ids(prompt), [], []), p, lora))
         return self._run(requests, audio_entries)
@@ -222,26 +219,26 @@ class LLM:
         except RequestError as exc:
             raise ValueError(f"{exc.message}, got {str(prompt)[:80]}") from None
 
-    def _audio_prompt(self, prompt: dict) -> tuple[ProcessedPrompt, dict[str, MMEntry]]:
-        """A text prompt with audio placeholders and its clips -> its ids and spans, and each clip's entry."""
+    def _audio_prompt(self, prompt: dict, known: dict[str, MMEntry]) -> ProcessedPrompt:
+        """A text prompt with audio placeholders and its clips -> its ids and spans (the clips' entries
+        added to `known`)."""
         data, text = prompt["multi_modal_data"], prompt.get("prompt")
         if not isinstance(data, dict) or set(data) != {"audio"}:
             raise ValueError("generate's multi_modal_data takes \"audio\"; pass images and videos to LLM.chat")
         if not isinstance(text, str) or set(prompt) - {"prompt", "multi_modal_data"}:
             raise ValueError("a prompt with multi_modal_data holds its text in 'prompt'")
-        refs, entries = self._encode_audio(data["audio"] if isinstance(data["audio"], list) else [data["audio"]])
+        refs = self._encode_audio(data["audio"] if isinstance(data["audio"], list) else [data["audio"]], known)
         built = self.inputs.prompts.expand(text, [], [], refs)  # the chat path's expansion and spans
-        return ProcessedPrompt(built.token_ids, built.mm_spans, []), entries
+        return ProcessedPrompt(built.token_ids, built.mm_spans, [])
 
-    def _encode_audio(self, given: list) -> tuple[list[AudioRef], dict[str, MMEntry]]:
-        """Clips (file bytes, or (samples, sampling_rate)) -> each one's ref, and the entries by key."""
+    def _encode_audio(self, given: list, known: dict[str, MMEntry]) -> list[AudioRef]:
+        """Clips (file bytes, or (samples, sampling_rate)) -> each one's ref; the entries of those not
+        in `known` (the call's, by key) encoded in one pass and added to it."""
         if self.audio is None:
             raise ValueError(f"{self.family.name} takes no audio")
         clips = [self.audio.clip(a) for a in given]
-        entries = self.audio.encode(clips)
-        refs = [AudioRef(entries[c.mm_hash].embeddings.shape[0], c.mm_hash, dict(entries[c.mm_hash].meta))
-                for c in clips]
-        return refs, entries
+        known.update(self.audio.encode([c for c in clips if c.mm_hash not in known]))
+        return [AudioRef(known[c.mm_hash].embeddings.shape[0], c.mm_hash, dict(known[c.mm_hash].meta)) for c in clips]
 
     def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""

@@ -57,13 +57,17 @@ def expand_audio(num_tokens: int) -> str:
     return AUDIO_PAD * num_tokens
 
 
+def refuse_video(plan, placeholder: str) -> str:
+    raise ValueError("Qwen2.5-Omni videos are not served yet")
+
+
 QWEN_OMNI_FORMAT = PromptFormat(
     image_placeholder=IMAGE_PAD,
     video_placeholders=(VIDEO_PAD,),
     image_token=IMAGE_PAD,
     video_token=VIDEO_PAD,
     expand_image=expand_image,
-    expand_video=lambda plan, placeholder: "",  # never asked: no video rules
+    expand_video=refuse_video,  # never asked: without video rules a video is refused before
     image_geometry=ImageGeometry.from_pretrained,
     image_kwargs=PROCESSOR_KWARGS,
     check_image_kwargs=check_processor_kwargs,

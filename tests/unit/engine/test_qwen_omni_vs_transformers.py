@@ -234,3 +234,18 @@ def test_a_repeated_clip_is_a_prefix_hit_and_another_is_not(omni):
     assert repeat.outputs[0].token_ids == out.outputs[0].token_ids
     assert again > before_clip + num_audio_tokens(9000) - 1  # the blocks past the clip too
     assert other <= before_clip  # the text before the clip, at most
+
+
+def test_a_clip_in_several_prompts_of_a_call_is_encoded_once(omni):
+    _, llm, _ = omni
+    side = llm.audio.audio
+    passes = []
+    original = side.forward
+    side.forward = lambda features: passes.append(len(features)) or original(features)
+    try:
+        prompt = {"prompt": AUDIO_PROMPT.format(audio=CLIP), "multi_modal_data": {"audio": [(_clip(4000, seed=7), 16000)]}}
+        outs = llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    finally:
+        del side.forward  # the class's again
+    assert passes == [1]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
