@@ -8,6 +8,7 @@ encode_items.py          a batch of images split by tower adapter, each group en
 image_io.py              reading images: the header only (API) or full pixels (encoder)
 video_encoder.py         one video's bytes + the API's plan -> the embeddings its spans take
 video_request.py         one video EncodeRequest -> the (key, entry) pairs its spans wait for
+audio_encoder.py         audio clips (file bytes or samples) -> embeddings: decode, key, the family's audio side
 video_io.py              reading videos with PyAV: the header only (API) or sampled frames
 video_processor.py       decoded frames -> the tower's input
 tower_adapter.py         a LoRA adapter's tower weights, read and checked (torch-free)

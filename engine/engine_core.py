@@ -91,9 +91,9 @@ class EngineCore(EngineAdapters):
         """`tokenizer_dir`: where the grammar compiler's tokenizer is (--tokenizer; None: `model_dir`).
         `kv_events`: record the prefix cache's changes (`take_kv_events`) even without
         --kv-events-config (the worker reports them to a cache-aware router)."""
-        from transformers import AutoConfig
+        from epd.families.registry import load_hf_config, served_config
 
-        hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
+        hf_config = served_config(hf_config) if hf_config is not None else load_hf_config(model_dir)
         self.info = info or ModelInfo.from_pretrained(model_dir, hf_config)
         self.config = config
         self.device = config.resolved_device()

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from epd.families.registry import check_family, family_of
+from epd.families.registry import check_family, family_of, load_hf_config, served_config
 
 FINGERPRINT_SAMPLE_BYTES = 1 << 20
 
@@ -36,12 +36,10 @@ class ModelInfo:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_config=None) -> "ModelInfo":
-        from transformers import AutoConfig
-
         model_dir = Path(model_dir)
         if hf_config is None:
             check_family(model_dir)  # before transformers, which may not know the type either
-        cfg = hf_config or AutoConfig.from_pretrained(str(model_dir))
+        cfg = served_config(hf_config) if hf_config is not None else load_hf_config(model_dir)
         family = family_of(cfg)
         tc = cfg.text_config
         return cls(

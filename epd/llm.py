@@ -6,7 +6,8 @@ with continuous batching. A chat's messages and media become its prompt, spans
 and media items through the server's own input processor
 (epd/inputs/input_processor.py: a video planned from its header as the API
 plans it), then each item is decoded and encoded (encoders/encode_items.py,
-encoders/video_encoder.py); each sequence's outputs become text, stop strings
+encoders/video_encoder.py); audio clips are decoded, keyed by content and
+encoded once per call (encoders/audio_encoder.py); each sequence's outputs become text, stop strings
 and logprobs in the server's own output processor (epd/output_processor.py).
 With `enable_tower_lora=True` an adapter's vision tower weights run on its
 requests' images and videos (keyed apart, as the server keys them:
@@ -14,11 +15,13 @@ epd/lora_modules.TowerAdapters).
 """
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
 
+from epd.encoders.audio_encoder import AudioEncoder
 from epd.encoders.encode_items import encode_items
 from epd.encoders.image_encoder import ImageEncoder
 from epd.encoders.tower_lora import TowerLoRASettings
@@ -31,11 +34,12 @@ from epd.engine.spec.check import check_speculative_model
 from epd.engine.structured_output import check_constraint
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.sampling import SamplingParams, TokenLogprobs
+from epd.families.registry import family_of
 from epd.inputs.input_processor import InputProcessor, ProcessedPrompt
 from epd.inputs.media import MediaConfig, image_part_source, load_image_bytes
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles, ModelFilesConfig
-from epd.inputs.prompt import image_parts, video_parts
+from epd.inputs.prompt import AudioRef, audio_parts, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.output_processor import OutputProcessor
 from epd.requests import RequestError
@@ -101,6 +105,9 @@ class LLM:
             processor_kwargs=mm_processor_kwargs, tower_lora=TowerLoRASettings.of(self.config.lora))
         self.video = None if self.encoder is None or self.files.video_geometry is None else VideoEncoder(
             model, self.encoder.vision, self.engine.device, geometry=self.files.video_geometry)
+        self.family = family_of(self.files.hf_config)
+        self.audio = None if self.family.audio is None else AudioEncoder(
+            model, self.files.hf_config, self.engine.dtype, self.engine.device, model_fingerprint=info.fingerprint)
         # chat messages -> prompt, spans and media items, as the server's (no media flags: the caller's own files)
         self.inputs = InputProcessor(self.files, info, TowerAdapters(self.config.lora.enable_tower_lora))
         # offline: the caller's own files; videos under their own cap, errors naming "video"
@@ -128,42 +135,54 @@ class LLM:
         {"url": "file://..." or "data:video/..."}}` parts, sampled as the checkpoint's
         video processor says, or as `mm_processor_kwargs` (fps, num_frames,
         do_sample_frames, min/max_pixels, min/max_frames;
-        epd/transport/media/video_geometry.VideoOptions) override it."""
+        epd/transport/media/video_geometry.VideoOptions) override it. Audio (a family that
+        takes it: Qwen2.5-Omni): OpenAI's `{"type": "input_audio", "input_audio": {"data":
+        base64, "format": "wav"}}` or vLLM's `{"type": "audio_url", "audio_url": {"url":
+        "file://..." or "data:audio/..."}}` parts."""
         VideoOptions.from_kwargs(mm_processor_kwargs)  # a bad key or value: ValueError before any work
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = self._params_list(sampling_params, len(conversations))
         loras = _per_prompt(lora_request, len(conversations))
-        requests = []
+        requests, audio_entries = [], {}
         for messages, p, lora in zip(conversations, params, loras):
             parts, videos = image_parts(messages), video_parts(messages)
             if (parts or videos) and self.encoder is None:
                 raise ValueError(self.files.no_images_reason)
             image_bytes = [load_image_bytes(image_part_source(part), self.media) for part in parts]
             video_bytes = [load_image_bytes(_video_source(part), self.media, modality="video") for part in videos]
+            clips = [_audio_bytes(part, self.media) for part in audio_parts(messages)]
+            audios = self._encode_audio(clips, audio_entries) if clips else []
             try:  # the server's chat path (epd/inputs/input_processor.py), without its media flags
-                prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, lora=lora,
+                prompt = self.inputs.process_chat(messages, image_bytes, video_bytes, audios=audios, lora=lora,
                                                   mm_processor_kwargs=mm_processor_kwargs,
                                                   add_generation_prompt=add_generation_prompt, tools=tools,
                                                   template_kwargs=chat_template_kwargs)
             except RequestError as exc:
                 raise ValueError(exc.message) from None
             requests.append((prompt, p, lora))
-        return self._run(requests)
+        return self._run(requests, audio_entries)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Plain text prompts (no chat template) or token ids, in vLLM's forms: a str, a
         list of ids, `{"prompt": str}` (TextPrompt) or `{"prompt_token_ids": [...]}`
-        (TokensPrompt), one or a list of them. `lora_request` (vLLM's): one adapter for
+        (TokensPrompt), one or a list of them; audio as vLLM's: `{"prompt": str,
+        "multi_modal_data": {"audio": [clip, ...]}}`, a clip the bytes of an audio file or
+        (samples, sampling_rate), each written in the prompt as the family's placeholder
+        (Qwen2.5-Omni: `<|audio_bos|><|AUDIO|><|audio_eos|>`). `lora_request` (vLLM's): one adapter for
         every prompt, or one per prompt (None: the base model); needs `enable_lora=True`."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_list(sampling_params, len(prompts))
         requests = []
+        audio_entries: dict[str, MMEntry] = {}
         for prompt, p, lora in zip(prompts, params, _per_prompt(lora_request, len(prompts))):
+            if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+                requests.append((self._audio_prompt(prompt, audio_entries), p, lora))
+                continue
             requests.append((ProcessedPrompt(self._prompt_ids(prompt), [], []), p, lora))
-        return self._run(requests)
+        return self._run(requests, audio_entries)
 
     def stats(self) -> dict[str, int | float]:
         return self.engine.stats()
@@ -182,8 +201,6 @@ class LLM:
     def _prompt_ids(self, prompt) -> list[int]:
         """One `generate` prompt's token ids; ValueError naming what is wrong with it."""
         if isinstance(prompt, dict):
-            if "multi_modal_data" in prompt:
-                raise ValueError("generate takes text prompts only; pass images and videos to LLM.chat")
             unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
             if unknown or not prompt:
                 raise ValueError(f"a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt, "
@@ -201,6 +218,27 @@ class LLM:
             return self.inputs.process_prompt(prompt)
         except RequestError as exc:
             raise ValueError(f"{exc.message}, got {str(prompt)[:80]}") from None
+
+    def _audio_prompt(self, prompt: dict, known: dict[str, MMEntry]) -> ProcessedPrompt:
+        """A text prompt with audio placeholders and its clips -> its ids and spans (the clips' entries
+        added to `known`)."""
+        data, text = prompt["multi_modal_data"], prompt.get("prompt")
+        if not isinstance(data, dict) or set(data) != {"audio"}:
+            raise ValueError("generate's multi_modal_data takes \"audio\"; pass images and videos to LLM.chat")
+        if not isinstance(text, str) or set(prompt) - {"prompt", "multi_modal_data"}:
+            raise ValueError("a prompt with multi_modal_data holds its text in 'prompt'")
+        refs = self._encode_audio(data["audio"] if isinstance(data["audio"], list) else [data["audio"]], known)
+        built = self.inputs.prompts.expand(text, [], [], refs)  # the chat path's expansion and spans
+        return ProcessedPrompt(built.token_ids, built.mm_spans, [])
+
+    def _encode_audio(self, given: list, known: dict[str, MMEntry]) -> list[AudioRef]:
+        """Clips (file bytes, or (samples, sampling_rate)) -> each one's ref; the entries of those not
+        in `known` (the call's, by key) encoded in one pass and added to it."""
+        if self.audio is None:
+            raise ValueError(f"{self.family.name} takes no audio")
+        clips = [self.audio.clip(a) for a in given]
+        known.update(self.audio.encode([c for c in clips if c.mm_hash not in known]))
+        return [AudioRef(known[c.mm_hash].embeddings.shape[0], c.mm_hash, dict(known[c.mm_hash].meta)) for c in clips]
 
     def _encode_videos(self, wanted: dict[str, tuple[MediaItem, LoRARequest | None]]) -> dict[str, MMEntry]:
         """Each video's entries (a Qwen3-VL video: one per temporal group), by the keys its spans name."""
@@ -220,8 +258,10 @@ class LLM:
                 raise entry
         return dict(zip(wanted, entries))
 
-    def _run(self, requests: list[tuple[ProcessedPrompt, SamplingParams, LoRARequest | None]]) -> list[RequestOutput]:
-        """Each (prompt, its sampling params, its language-model adapter) run to the end, as vLLM's LLM does."""
+    def _run(self, requests: list[tuple[ProcessedPrompt, SamplingParams, LoRARequest | None]],
+             audio_entries: dict[str, MMEntry] | None = None) -> list[RequestOutput]:
+        """Each (prompt, its sampling params, its language-model adapter) run to the end, as vLLM's LLM does;
+        `audio_entries`: the clips' entries, encoded already, by key."""
         for _, params, _ in requests:  # a schema xgrammar refuses: ValueError before any work
             if params.structured_outputs is not None:
                 check_constraint(params.structured_outputs)
@@ -234,6 +274,7 @@ class LLM:
                 (images if item.video is None else videos)[item.key] = (item, prompt.tower_lora)
         embeddings = self._encode_images(images)
         embeddings.update(self._encode_videos(videos))
+        embeddings.update(audio_entries or {})
 
         outputs: list[RequestOutput] = []
         pending: dict[str, OutputProcessor] = {}  # every sequence of the call, by its engine request id
@@ -293,3 +334,21 @@ def _video_source(part: dict) -> str:
     if not isinstance(url, str) or not url:
         raise ValueError("a video part needs a non-empty URL (data: or file://)")
     return url
+
+
+def _audio_bytes(part: dict, media: MediaConfig) -> bytes:
+    """The bytes of an audio part's file: OpenAI's `input_audio` (base64 data), vLLM's `audio_url`."""
+    if part.get("type") == "input_audio":
+        value = part.get("input_audio")
+        data = value.get("data") if isinstance(value, dict) else None
+        if not isinstance(data, str) or not data:
+            raise ValueError("an input_audio part needs base64 'data'")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ValueError("input_audio data is not base64") from None
+    value = part.get("audio_url") if part.get("type") == "audio_url" else part.get("audio")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError("an audio part needs a non-empty URL (data: or file://)")
+    return load_image_bytes(url, media, modality="audio")

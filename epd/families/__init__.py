@@ -8,6 +8,7 @@
     glm4v/           GLM-4.1V and GLM-4.5V
     qwen3_5/         Qwen3.5 and Qwen3.5-MoE (hybrid Gated DeltaNet: per-request state)
     gemma3/          Gemma 3
+    qwen_omni/       Qwen2.5-Omni's thinker (text, images and audio in; text out)
 
 A family's package holds everything that is its own: its registry entries
 (torch-free), its prompt format and image geometry (torch-free, the API's),

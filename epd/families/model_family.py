@@ -48,6 +48,12 @@ class ModelFamily:
     # "module:attr" of (model_dir, hf_config, dtype, device, shard) -> one tensor-parallel rank's part of
     # its language model (engine/parallel/shard.py `Shard`); None: --tensor-parallel-size > 1 is refused by name
     text_shard: str | None = None
+    # "module:attr" of (model_dir, hf_config, dtype, device) -> its audio side: `features(samples, sampling_rate)`
+    # (the log-mel its feature extractor gives), forward(features) -> embeddings; None: the family takes no audio
+    audio: str | None = None
+    # transformers' config of a whole checkpoint -> the part EPD serves (a Qwen2.5-Omni checkpoint: its thinker's,
+    # the speech talker left out); None: all of it
+    served_config: Callable[[object], object] | None = None
 
     def load_text_model(self, model_dir, hf_config, dtype, device="cpu"):
         return resolve(self.text_model)(model_dir, hf_config, dtype, device)
@@ -59,3 +65,8 @@ class ModelFamily:
 
     def load_vision(self, model_dir, hf_config, dtype, device="cpu", processor_kwargs=None):
         return resolve(self.vision)(model_dir, hf_config, dtype, device, processor_kwargs)
+
+    def load_audio(self, model_dir, hf_config, dtype, device="cpu"):
+        if self.audio is None:
+            raise UnsupportedModelError(f"{self.name} takes no audio")
+        return resolve(self.audio)(model_dir, hf_config, dtype, device)

@@ -14,9 +14,9 @@ from pathlib import Path
 from epd.families.model_family import ModelFamily, UnsupportedModelError
 
 __all__ = ["FAMILIES", "ModelFamily", "UnsupportedModelError", "check_family", "family_of", "get_family",
-           "supported_families"]
+           "load_hf_config", "served_config", "supported_families"]
 
-PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v", "qwen3_5")
+PACKAGES = ("qwen_vl", "gemma3", "internvl", "glm4v", "qwen3_5", "qwen_omni")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for package in PACKAGES
                                     for f in import_module(f"epd.families.{package}.family").FAMILIES}
@@ -57,3 +57,17 @@ def check_family(model_dir: str | Path) -> ModelFamily:
 def family_of(hf_config) -> ModelFamily:
     """The family of a loaded transformers config."""
     return get_family(getattr(hf_config, "model_type", None), tuple(getattr(hf_config, "architectures", None) or ()))
+
+
+def served_config(hf_config):
+    """The part of a loaded transformers config EPD serves: a whole Qwen2.5-Omni
+    checkpoint's thinker (`ModelFamily.served_config`), else the config itself."""
+    family = family_of(hf_config)
+    return hf_config if family.served_config is None else family.served_config(hf_config)
+
+
+def load_hf_config(model_dir: str | Path):
+    """transformers' config of a checkpoint, the part EPD serves (`served_config`)."""
+    from transformers import AutoConfig
+
+    return served_config(AutoConfig.from_pretrained(str(model_dir)))

@@ -29,7 +29,7 @@ from epd.families.registry import get_family
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import ImageRef, PromptBuilder, PromptTooLong, exceeds_tokens
+from epd.inputs.prompt import AudioRef, ImageRef, PromptBuilder, PromptTooLong, audio_parts, exceeds_tokens
 from epd.inputs.video_inputs import VideoInputs
 from epd.lora_modules import TowerAdapters
 from epd.requests import RequestError
@@ -88,16 +88,23 @@ class InputProcessor:
                      lora: LoRARequest | None = None, mm_processor_kwargs: dict | None = None,
                      add_generation_prompt: bool = True, tools: list[dict] | None = None,
                      template_kwargs: dict | None = None, continue_final_message: bool = False,
-                     max_prompt_tokens: int | None = None) -> ProcessedPrompt:
+                     max_prompt_tokens: int | None = None, audios: list[AudioRef] = ()) -> ProcessedPrompt:
         """`images` and `videos`: the raw bytes of the messages' image and video parts, in
-        order. RequestError for an input refused; PromptTooLong past `max_prompt_tokens`."""
+        order; `audios`: their audio clips, counted and keyed (offline: encoded already, the
+        caller holds their entries). RequestError for an input refused; PromptTooLong past
+        `max_prompt_tokens`."""
+        if len(audio_parts(messages)) != len(audios):  # never dropped silently
+            family = get_family(self.info.family)
+            raise RequestError(status=400, param="messages", message=f"{family.name} takes no audio"
+                               if family.audio is None else "audio parts are served by the offline LLM only, so far")
         tower_digest = self._tower_digest(lora) if images or videos else None
         image_items, refs = self._images(images, tower_digest)
         planned = self.videos.plan(list(videos), mm_processor_kwargs, tower_digest)
         try:
             prompt = self.prompts.build(messages, refs, add_generation_prompt, tools, max_tokens=max_prompt_tokens,
                                         continue_final_message=continue_final_message,
-                                        template_kwargs=template_kwargs, videos=[v.ref for v in planned])
+                                        template_kwargs=template_kwargs, videos=[v.ref for v in planned],
+                                        audios=audios)
         except PromptTooLong:
             raise
         except ValueError as exc:

@@ -30,7 +30,7 @@ from typing import Any
 from epd.transport.media.image_geometry import NO_IMAGE_PROCESSOR, PROCESSOR_CONFIG
 from epd.transport.media.prompt_format import ItemGeometry, PromptFormat, VideoRules
 from epd.transport.media.video_geometry import IMAGE_CONFIG, REQUEST_KEYS, VIDEO_CONFIG, VideoOptions
-from epd.families.registry import FAMILIES, check_family, family_of
+from epd.families.registry import FAMILIES, check_family, family_of, served_config
 from epd.inputs.prompt import NO_CHAT_TEMPLATE
 from epd.inputs.sampling_defaults import GENERATION_CONFIG_MODES, SamplingDefaults, read_json_object
 from epd.transport.weights.checkpoint_error import CheckpointError
@@ -284,7 +284,7 @@ def _hf_config(directory: Path):
         read_quant_config(raw)  # a quantization EPD does not serve is refused here, by name
     check_family(directory)  # UnsupportedModelError (a ValueError) names the families we serve
     try:
-        return AutoConfig.from_pretrained(str(directory))
+        return served_config(AutoConfig.from_pretrained(str(directory)))
     except Exception as exc:  # transformers raises what it likes for a config it cannot build
         raise CheckpointError(f"{path}: transformers cannot read it ({type(exc).__name__}: {exc})") from None
 

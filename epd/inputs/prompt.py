@@ -25,6 +25,7 @@ from epd.transport.wire.mm_span import MMSpan
 
 IMAGE_PART_TYPES = ("image_url", "image", "image_pil", "input_image")
 VIDEO_PART_TYPES = ("video_url", "video")
+AUDIO_PART_TYPES = ("input_audio", "audio_url", "audio")
 PIECE_CHARS = 1 << 16  # `exceeds_tokens` tokenizes a long text this many characters at a time
 BOUNDARY_SLACK_TOKENS = 16  # tokens a cut between two pieces may add, at most
 NO_CHAT_TEMPLATE = ("this model has no chat template (no chat_template.json, chat_template.jinja or "
@@ -91,6 +92,16 @@ class VideoRef:
 
 
 @dataclass(frozen=True)
+class AudioRef:
+    """What the prompt needs to know of one audio clip: its placeholder tokens, content key
+    and span metadata (the family's: what its position rule reads)."""
+
+    num_tokens: int
+    mm_hash: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
     mm_spans: list[MMSpan]
@@ -114,6 +125,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     parts.append({"type": "image"})
                 elif kind in VIDEO_PART_TYPES:
                     parts.append({"type": "video"})
+                elif kind in AUDIO_PART_TYPES:
+                    parts.append({"type": "audio"})
                 elif kind == "text":
                     parts.append({"type": "text", "text": part.get("text", "")})
                 else:
@@ -130,6 +143,11 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 def image_parts(messages: list[dict]) -> list[dict]:
     """The image content parts of `messages`, in prompt order."""
     return _parts(messages, IMAGE_PART_TYPES)
+
+
+def audio_parts(messages: list[dict]) -> list[dict]:
+    """The audio content parts of `messages` (`input_audio`, `audio_url`), in prompt order."""
+    return _parts(messages, AUDIO_PART_TYPES)
 
 
 def video_parts(messages: list[dict]) -> list[dict]:
@@ -166,6 +184,7 @@ class PromptBuilder:
         if self.format.video_token == self.format.image_token:  # GLM-4.1V, InternVL: a video's positions
             self.video_token_id = image_token_id  # hold the image token, whatever config.json names
         self.chat_template = chat_template
+        self.audio_token_id = token_id(tokenizer, self.format.audio_token) if self.format.audio_token else -1
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                tools: list[dict] | None = None, continue_final_message: bool = False,
@@ -188,41 +207,47 @@ class PromptBuilder:
     def build(self, messages: list[dict], images: list[ImageRef], add_generation_prompt: bool = True,
               tools: list[dict] | None = None, max_tokens: int | None = None,
               continue_final_message: bool = False, template_kwargs: dict | None = None,
-              videos: list[VideoRef] = ()) -> Prompt:
-        """`images` and `videos` each in the order their parts appear in `messages`.
+              videos: list[VideoRef] = (), audios: list[AudioRef] = ()) -> Prompt:
+        """`images`, `videos` and `audios` each in the order their parts appear in `messages`.
         `max_tokens`: a rendered prompt surely longer is refused (PromptTooLong) before
         it is tokenized whole."""
         text = self.render(messages, add_generation_prompt, tools, continue_final_message, template_kwargs)
         if max_tokens is not None:
-            self.check_length(text, images, videos, max_tokens)
-        return self.expand(text, images, videos)
+            self.check_length(text, images, videos, max_tokens, audios)
+        return self.expand(text, images, videos, audios)
 
-    def check_length(self, text: str, images: list[ImageRef], videos: list[VideoRef], max_tokens: int) -> None:
+    def check_length(self, text: str, images: list[ImageRef], videos: list[VideoRef], max_tokens: int,
+                     audios: list[AudioRef] = ()) -> None:
         """PromptTooLong when `text` (one placeholder per image and video) surely expands past
         `max_tokens`, counted from the plans' arithmetic, before any expansion: each pad
         becomes at least its media's placeholder tokens (a video's `plan.num_tokens`)."""
         num_media = sum(self.geometry.num_image_tokens(img.width, img.height) for img in images) \
-            + sum(video.plan.num_tokens for video in videos)
+            + sum(video.plan.num_tokens for video in videos) + sum(audio.num_tokens for audio in audios)
         if num_media > max_tokens:
-            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens (its images and videos take "
-                                f"{num_media})")
-        if exceeds_tokens(self.tokenizer, text, max_tokens - num_media + len(images) + len(videos)):
+            media = "images, videos and audio clips" if audios else "images and videos"
+            raise PromptTooLong(f"the prompt has more than {max_tokens} tokens (its {media} take {num_media})")
+        if exceeds_tokens(self.tokenizer, text, max_tokens - num_media + len(images) + len(videos) + len(audios)):
             raise PromptTooLong(f"the prompt has more than {max_tokens} tokens")
 
-    def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = ()) -> Prompt:
-        """A rendered prompt's one placeholder per image and video expanded, tokenized, its spans found."""
+    def expand(self, text: str, images: list[ImageRef], videos: list[VideoRef] = (),
+               audios: list[AudioRef] = ()) -> Prompt:
+        """A rendered prompt's one placeholder per image, video and audio clip expanded, tokenized,
+        its spans found."""
         fmt = self.format
         pieces = self._placeholders.split(text)  # text, placeholder, text, placeholder, ..., text
         pads = pieces[1::2]
         counts = {"images": (pads.count(fmt.image_placeholder), images),
-                  "videos": (sum(pads.count(p) for p in fmt.video_placeholders), videos)}
+                  "videos": (sum(pads.count(p) for p in fmt.video_placeholders), videos),
+                  "audio clips": (pads.count(fmt.audio_placeholder) if fmt.audio_placeholder else 0, audios)}
         for name, (count, given) in counts.items():
             if count != len(given):
                 raise ValueError(f"the chat template rendered {count} {name}, {len(given)} were given")
-        image_it, video_it = iter(images), iter(videos)
+        image_it, video_it, audio_it = iter(images), iter(videos), iter(audios)
         expanded = [pieces[0]]
         for pad, piece in zip(pads, pieces[2::2]):
-            if pad == fmt.image_placeholder:
+            if pad == fmt.audio_placeholder:
+                expanded.append(fmt.expand_audio(next(audio_it).num_tokens))
+            elif pad == fmt.image_placeholder:
                 img = next(image_it)
                 runs = self._runs(img)
                 expanded.append(fmt.expand_image(runs[0]) if fmt.expand_image_runs is None
@@ -231,8 +256,8 @@ class PromptBuilder:
                 expanded.append(fmt.expand_video(next(video_it).plan, pad))
             expanded.append(piece)
         token_ids = self.tokenizer.encode("".join(expanded), add_special_tokens=False)
-        kinds = ["image" if pad == fmt.image_placeholder else "video" for pad in pads]
-        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos, kinds))
+        kinds = ["image" if pad == fmt.image_placeholder else "video" for pad in pads if pad != fmt.audio_placeholder]
+        return Prompt(token_ids=token_ids, mm_spans=self.spans(token_ids, images, videos, kinds, audios))
 
     def _runs(self, img: ImageRef) -> tuple[int, ...]:
         """The lengths of an image's runs of pads: one run unless the format writes several."""
@@ -249,21 +274,24 @@ class PromptBuilder:
                 row += length
 
     def spans(self, token_ids: list[int], images: list[ImageRef], videos: list[VideoRef] = (),
-              kinds: list[str] | None = None) -> list[MMSpan]:
+              kinds: list[str] | None = None, audios: list[AudioRef] = ()) -> list[MMSpan]:
         """One span per run of image pads (one image, or one of its runs: a Gemma 3 pan-and-scan
         crop's) and per run of video pads (a temporal group between text, or a whole Qwen2.5-VL
         video), in prompt order. `kinds`: "image" or "video" per placeholder, in prompt order;
         what tells the runs apart where a video's positions hold the image token (GLM-4.1V,
-        InternVL; their images are one run each)."""
+        InternVL; their images are one run each). An audio clip is one span, of its own token."""
         spans = []
         i, n = 0, len(token_ids)
-        image_it, video_runs = self._image_runs(images), iter(_video_runs(videos))
+        image_it, video_runs, audio_it = self._image_runs(images), iter(_video_runs(videos)), iter(audios)
         shared = self.video_token_id == self.image_token_id
         if shared and kinds is None:
             raise ValueError("images and videos share a token here: their order must be given")
         run_kinds = iter(_run_kinds(kinds, videos)) if shared else None
         while i < n:
             token = token_ids[i]
+            if token == self.audio_token_id:
+                i = _audio_span(token_ids, i, next(audio_it, None), spans)
+                continue
             if token != self.image_token_id and token != self.video_token_id:
                 i += 1
                 continue
@@ -279,6 +307,8 @@ class PromptBuilder:
             raise ValueError("fewer image placeholders in the prompt than images")
         if next(video_runs, None) is not None:
             raise ValueError("fewer video placeholders in the prompt than the videos take")
+        if next(audio_it, None) is not None:
+            raise ValueError("fewer audio placeholders in the prompt than audio clips")
         return spans
 
     def _image_span(self, offset: int, length: int, run: tuple[ImageRef, int, int] | None) -> MMSpan:
@@ -289,6 +319,17 @@ class PromptBuilder:
             raise ValueError(f"image placeholder run of {length} tokens, expected {expected}")
         return MMSpan(offset=offset, length=length, mm_hash=img.mm_hash,
                       meta=self.geometry.span_meta(img.width, img.height), first_row=first_row)
+
+
+def _audio_span(token_ids: list[int], offset: int, audio: AudioRef | None, spans: list[MMSpan]) -> int:
+    """The clip's span at `offset` appended to `spans` (its tokens all the audio token); its end."""
+    if audio is None:
+        raise ValueError("the prompt holds more audio placeholders than audio clips")
+    end = offset + audio.num_tokens
+    if token_ids[offset:end] != [token_ids[offset]] * audio.num_tokens:
+        raise ValueError(f"audio placeholder run shorter than the clip's {audio.num_tokens} tokens")
+    spans.append(MMSpan(offset, audio.num_tokens, audio.mm_hash, audio.meta))
+    return end
 
 
 def span_meta(grid_thw: tuple[int, int, int], second_per_grid_t: float = 0.0, first_group: int = 0) -> dict:

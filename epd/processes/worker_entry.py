@@ -107,11 +107,10 @@ def run_worker(launch: WorkerLaunch, spawned: bool = True) -> None:
     if not spawned:  # `epd worker`: what it runs with (the CPU discipline of epd/processes/threads.py)
         print(f"EPD worker {launch.spec.worker_id}: {torch.get_num_threads()} torch threads, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}", flush=True)
-    from transformers import AutoConfig
-
     from epd.engine.model_info import ModelInfo
+    from epd.families.registry import load_hf_config
 
-    hf_config = AutoConfig.from_pretrained(launch.model)
+    hf_config = load_hf_config(launch.model)
     info = ModelInfo.from_pretrained(launch.model, hf_config)
     worker = _engine_worker(launch, hf_config, info) if launch.spec.role.holds_kv else \
         _encoder_worker(launch, hf_config, info)

@@ -54,7 +54,8 @@ SUPPORTED = ("Qwen3-VL (model_type 'qwen3_vl')", "Qwen3-VL-MoE (model_type 'qwen
              "Qwen2.5-VL (model_type 'qwen2_5_vl')", "Gemma 3 (model_type 'gemma3')",
              "InternVL (model_type 'internvl')", "GLM-4.1V (model_type 'glm4v')",
              "GLM-4.5V (model_type 'glm4v_moe')", "Qwen3.5 (model_type 'qwen3_5')",
-             "Qwen3.5-MoE (model_type 'qwen3_5_moe')")
+             "Qwen3.5-MoE (model_type 'qwen3_5_moe')", "Qwen2.5-Omni (model_type 'qwen2_5_omni')",
+             "Qwen2.5-Omni thinker (model_type 'qwen2_5_omni_thinker')")
 
 
 def config_only_checkpoint(path, config: dict) -> str:

@@ -15,6 +15,8 @@ generic code names no placeholder of its own.
     geometry       how an image's size gives its token count, from the checkpoint's processor files
                    (`image_geometry`: an `ItemGeometry`), and a video's plan from its header
                    (`video_geometry`: `VideoRules`; None: the family takes no video)
+    audio          a clip's placeholder, its token and its expansion (`audio_placeholder`, `audio_token`,
+                   `expand_audio`; None: the family takes no audio)
 """
 from __future__ import annotations
 
@@ -86,8 +88,14 @@ class PromptFormat:
     # the checkpoint's directory -> its video rules (FileNotFoundError: no video processor config; ValueError,
     # TypeError, KeyError: one it cannot read); None: the family takes no video, a request with one is refused
     video_geometry: Callable[[str | Path], VideoRules] | None = None
+    # audio (a family with an audio side): what the template writes once per clip, the token of each of a clip's
+    # placeholder positions, and its number of tokens -> the text replacing the placeholder; None: no audio
+    audio_placeholder: str | None = None
+    audio_token: str | None = None
+    expand_audio: Callable[[int], str] | None = None
 
     @property
     def placeholders(self) -> tuple[str, ...]:
         """Every placeholder a rendered prompt may hold, a longer one before any it starts with."""
-        return tuple(sorted((*self.video_placeholders, self.image_placeholder), key=len, reverse=True))
+        audio = (self.audio_placeholder,) if self.audio_placeholder else ()
+        return tuple(sorted((*self.video_placeholders, self.image_placeholder, *audio), key=len, reverse=True))

@@ -22,7 +22,7 @@ import torch
 
 from epd.families.qwen_vl.family import mrope_positions
 from epd.families.qwen_vl.text_configs import text_config
-from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, rotary_embedding
+from epd.families.qwen_vl.text_model import Qwen3VLForCausalLM, TextConfig, rotary_embedding
 from epd.engine.parallel.layers import parallelize
 from epd.engine.parallel.shard import Shard, TensorParallelError
 from epd.transport.weights.checkpoint import (CheckpointError, fused_name, iter_tensors, load_weights, materialize,
@@ -62,9 +62,13 @@ def _describe(param: str, shard: int | None) -> str:
     return name if shard is None else piece_name(name, shard)
 
 
-def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype,
-                        device: str | torch.device = "cpu") -> Qwen3VLForCausalLM:
-    return _load(model_dir, hf_config, dtype, device, None)
+def load_text_model(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", *,
+                    cfg: TextConfig | None = None, positions=None, rename=None, describe=None) -> Qwen3VLForCausalLM:
+    """A family built on this decoder (Qwen2.5-Omni's thinker) gives its `cfg`, its position
+    rule, `rename` (its checkpoint name -> the name a Qwen-VL checkpoint gives it, or None) and
+    `describe` (our parameter, fused piece -> its checkpoint name, for errors)."""
+    return _load(model_dir, hf_config, dtype, device, None, cfg=cfg, positions=positions, rename=rename,
+                 describe=describe)
 
 
 def load_text_shard(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device,
@@ -78,11 +82,12 @@ def load_text_shard(model_dir: str | Path, hf_config, dtype: torch.dtype, device
     return _load(model_dir, hf_config, dtype, device, shard)
 
 
-def _load(model_dir, hf_config, dtype, device, shard: Shard | None) -> Qwen3VLForCausalLM:
-    whole = text_config(hf_config)
+def _load(model_dir, hf_config, dtype, device, shard: Shard | None, *, cfg: TextConfig | None = None,
+          positions=None, rename=None, describe=None) -> Qwen3VLForCausalLM:
+    whole = cfg or text_config(hf_config)
     cfg = whole if shard is None else shard.local_config(whole)  # this rank's head and MLP row counts
     with torch.device("meta"):
-        model = Qwen3VLForCausalLM(cfg, mrope_positions(hf_config))
+        model = Qwen3VLForCausalLM(cfg, positions or mrope_positions(hf_config))
         if shard is not None:
             parallelize(model, shard)
     model = materialize(model, device, dtype)
@@ -94,8 +99,12 @@ def _load(model_dir, hf_config, dtype, device, shard: Shard | None) -> Qwen3VLFo
         if cfg.attention_bias:
             fused[f"model.layers.{i}.self_attn.qkv_proj.bias"] = [q, kv, kv]
         fused[f"model.layers.{i}.mlp.gate_up_proj.weight"] = [cfg.intermediate_size] * 2
-    load_weights(model, model_dir, _text_rule, fused=fused,
-                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=_describe,
+    def rule(name: str):
+        ours = name if rename is None else rename(name)
+        return None if ours is None else _text_rule(ours)
+
+    load_weights(model, model_dir, rule, fused=fused,
+                 fallbacks={"lm_head.weight": "model.embed_tokens.weight"}, describe=describe or _describe,
                  narrowing=None if shard is None else shard.narrowing(whole))
     if cfg.moe_layer_ids:
         _load_experts(model, model_dir)

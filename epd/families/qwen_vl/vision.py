@@ -38,9 +38,12 @@ def _vision_rule(name: str):
     return None
 
 
-def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype,
-                      device: str | torch.device = "cpu") -> nn.Module:
-    model_type = getattr(hf_config, "model_type", None)
+def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype, device: str | torch.device = "cpu", *,
+                      model_type: str | None = None, rule=None, fused: dict[str, list[int]] | None = None,
+                      describe=None) -> nn.Module:
+    """A family with one of these towers under its own names (Qwen2.5-Omni's thinker) gives the
+    `model_type` whose tower it is, its name `rule`, its `fused` pieces and `describe` (load_weights')."""
+    model_type = model_type or getattr(hf_config, "model_type", None)
     if model_type not in TOWERS:
         raise ValueError(f"no vision tower for model_type {model_type!r}; known: {', '.join(TOWERS)}")
     config_cls, tower_cls = TOWERS[model_type]
@@ -49,7 +52,8 @@ def load_vision_tower(model_dir: str | Path, hf_config, dtype: torch.dtype,
         tower = tower_cls(cfg)
     tower = materialize(tower, device, dtype)
     tower.reset_rotary(device)
-    load_weights(tower, model_dir, _vision_rule, describe=lambda p, s: "model.visual." + p)
+    load_weights(tower, model_dir, rule or _vision_rule, fused=fused,
+                 describe=describe or (lambda p, s: "model.visual." + p))
     return tower.eval()
 
 
@@ -57,10 +61,11 @@ class QwenVision:
     """Decoded images -> one MMEntry each (embeddings, deepstack extras, {"grid_thw": (t, h, w)})."""
 
     def __init__(self, model_dir: str | Path, hf_config, dtype: torch.dtype, device: str = "cpu",
-                 processor_kwargs: dict | None = None):
+                 processor_kwargs: dict | None = None, load_tower=load_vision_tower):
+        """`load_tower`: a family with its own names for one of these towers gives its loader."""
         self.preprocessor = ImagePreprocessor(model_dir, processor_kwargs)
         self.geometry = self.preprocessor.geometry
-        self.tower = load_vision_tower(model_dir, hf_config, dtype, device)
+        self.tower = load_tower(model_dir, hf_config, dtype, device)
         self.dtype, self.device = dtype, device
 
     def patches(self, width: int, height: int) -> int:

@@ -61,3 +61,19 @@ def test_generic_prompt_and_serving_code_names_no_glm4v_placeholder():
     named = {str(p.relative_to(ROOT)): found for p in files
              if (found := sorted({s for s in GLM4V_STRINGS if s in p.read_text()}))}
     assert named == {}
+
+
+def test_generic_code_names_no_qwen_omni_placeholder():
+    """Qwen2.5-Omni's image and audio strings: the prompt builder reaches them through its format's
+    `audio_placeholder`, `audio_token` and `expand_audio`, the encoders through `ModelFamily.audio`."""
+    from epd.families.qwen_omni.prompt_format import AUDIO_BOS, AUDIO_EOS, QWEN_OMNI_FORMAT, VISION_BOS, VISION_EOS
+
+    strings = {QWEN_OMNI_FORMAT.image_placeholder, QWEN_OMNI_FORMAT.audio_placeholder, *QWEN_OMNI_FORMAT.placeholders,
+               AUDIO_BOS, AUDIO_EOS, VISION_BOS, VISION_EOS}
+    assert {"<|IMAGE|>", "<|AUDIO|>", "<|audio_bos|>", "<|vision_bos|>"} <= strings
+    assert {name for name, family in FAMILIES.items() if family.prompt_format is QWEN_OMNI_FORMAT} == \
+        {"qwen2_5_omni", "qwen2_5_omni_thinker"}
+    files = [p for d in (*GENERIC_DIRS, "encoders") for p in sorted((ROOT / d).rglob("*.py"))]
+    named = {str(p.relative_to(ROOT)): found for p in files
+             if (found := sorted({s for s in strings if s in p.read_text()}))}
+    assert named == {}
