@@ -40,12 +40,10 @@ def loaded_key(rank: int) -> str:
 
 def load_shard(model_dir: str, dtype: torch.dtype, shard):
     """This rank's shard of the checkpoint's language model, filled and packed."""
-    from transformers import AutoConfig
-
     from epd.engine.layers.mlp import pack_cpu_linears
-    from epd.families.registry import family_of
+    from epd.families.registry import family_of, load_hf_config
 
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = load_hf_config(model_dir)
     model = family_of(hf_config).load_text_shard(model_dir, hf_config, dtype, "cpu", shard)
     pack_cpu_linears(model)
     return model
