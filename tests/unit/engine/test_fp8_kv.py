@@ -1,0 +1,75 @@
+"""The FP8 KV cache (engine/attention/fp8_kv.py): the packed rows, the torch backend's gather
+path and the CPU kernel reading them, against dense attention over the dequantized K/V."""
+from __future__ import annotations
+
+import pytest
+import torch
+from unit.engine.test_attention import CASES, SCALE, make_batch, naive_attention
+
+from epd.engine.attention import cpu_kernel, fp8_kv, torch_attention
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _fp8_batch(case: str, dtype: torch.dtype, heads=(8, 2), block_size=16, head_dim=32, k_offset=0.0):
+    """test_attention's batch with its caches quantized (unused slots stay NaN) and its dense K/V
+    replaced by what the cache now holds; `k_offset` shifts every key (a model with large K)."""
+    q_lens, prefix_lens = CASES[case]
+    batch = make_batch(q_lens, prefix_lens, *heads, head_dim=head_dim, block_size=block_size,
+                       seed=list(CASES).index(case))
+    batch.k_cache = fp8_kv.quantize(batch.k_cache + k_offset, dtype)
+    batch.v_cache = fp8_kv.quantize(batch.v_cache, dtype)
+    batch.keys = [fp8_kv.dequantize(fp8_kv.quantize(k + k_offset, dtype), torch.float32) for k in batch.keys]
+    batch.values = [fp8_kv.dequantize(fp8_kv.quantize(v, dtype), torch.float32) for v in batch.values]
+    return batch
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_quantize_keeps_every_range_within_the_formats_step(dtype):
+    """Rows of any magnitude (vLLM's per-layer 1.0 saturates e4m3 past 448) come back within the
+    format's relative step of their largest value: 2^-4 (e4m3, 3 mantissa bits), 2^-3 (e5m2)."""
+    x = torch.randn(64, 4, 32) * torch.tensor([1e-3, 1.0, 600.0, 1e5])[None, :, None]
+    packed = fp8_kv.quantize(x, dtype)
+    assert packed.dtype == dtype and packed.shape == (64, 4, 32 + fp8_kv.SCALE_BYTES)
+    error = (fp8_kv.dequantize(packed, torch.float32) - x).abs() / x.abs().amax(-1, keepdim=True)
+    assert float(error.max()) <= (2 ** -4 if dtype == torch.float8_e4m3fn else 2 ** -3)
+    assert bool(torch.isfinite(x.to(dtype).float()).all()) == (dtype == torch.float8_e4m3fn)  # e5m2: 1e5 -> inf
+    assert float((x.to(dtype).float() - x).abs().max()) > 1e4  # scale 1.0: clipped at 448 / inf
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["prefill_prefix", "decode", "mixed", "verify"])
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_fp8_cache_attention_matches_dense_over_what_it_holds(path, case, dtype, monkeypatch):
+    if path == "kernel" and cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU kernel is not built")
+    monkeypatch.setattr(torch_attention, "use_cpu_kernel", path == "kernel")
+    batch = _fp8_batch(case, dtype, k_offset=500.0)  # past e4m3's 448: only a row's own scale holds it
+    out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE / 100)
+    torch.testing.assert_close(out.double(), naive_attention(batch, SCALE / 100), atol=2e-5, rtol=2e-5)
+    assert any(p.kernel_seqs is not None for p in batch.meta.plans.values()) == (path == "kernel")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_cpu_kernel_and_gather_path_agree_on_fp8(head_dim, monkeypatch):
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU kernel is not built")
+    outs = []
+    for use_kernel in (True, False):
+        monkeypatch.setattr(torch_attention, "use_cpu_kernel", use_kernel)
+        batch = _fp8_batch("long_decode", torch.float8_e4m3fn, head_dim=head_dim)
+        outs.append(torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_store_kv_quantizes_into_the_slots_and_skips_padding(dtype):
+    cache = torch.zeros(2, 4, 2, 2, 8 + fp8_kv.SCALE_BYTES, dtype=dtype)  # [k/v, blocks, block_size, Hkv, D + 4]
+    key, value = torch.randn(3, 2, 8) * 300, torch.randn(3, 2, 8)
+    torch_attention.store_kv(key, value, cache[0], cache[1], torch.tensor([5, -1, 0]))
+    got = fp8_kv.dequantize(cache.view(2, 8, 2, -1), torch.float32)  # [k/v, slots, Hkv, D]
+    step = 2 ** -4 if dtype == torch.float8_e4m3fn else 2 ** -3
+    for slot, token in ((5, 0), (0, 2)):
+        for kv, x in enumerate((key, value)):
+            assert float((got[kv, slot] - x[token]).abs().max()) <= step * float(x[token].abs().max())
+    assert not bool(got[:, 1:5].any()) and not bool(got[:, 6:].any())  # only the two slots written
