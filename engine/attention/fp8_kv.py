@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's --kv-cache-dtype values
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_BYTES = 4  # one float32 scale after each row's head_dim values
@@ -23,7 +22,7 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be auto or one of {', '.join(FP8_DTYPES)}, got {kv_cache_dtype!r}")
     return FP8_DTYPES[kv_cache_dtype]
 
 
