@@ -73,3 +73,17 @@ def test_store_kv_quantizes_into_the_slots_and_skips_padding(dtype):
         for kv, x in enumerate((key, value)):
             assert float((got[kv, slot] - x[token]).abs().max()) <= step * float(x[token].abs().max())
     assert not bool(got[:, 1:5].any()) and not bool(got[:, 6:].any())  # only the two slots written
+
+
+def test_kv_cache_dtype_names_and_the_backends_that_refuse_it():
+    from epd.engine.config import EngineConfig
+    from epd.engine.engine_core import kv_cache_dtype
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
+        EngineConfig(kv_cache_dtype="int8")
+    assert kv_cache_dtype(EngineConfig(), torch.bfloat16, "cpu") == torch.bfloat16
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8"), torch.float32, "cpu") == torch.float8_e4m3fn
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8_e5m2"), torch.float32, "cpu") == torch.float8_e5m2
+    with pytest.raises(ValueError, match="served by the torch attention backend only .* not by triton"):
+        kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8", attention_backend="triton"), torch.bfloat16, "cpu")
+    assert fp8_kv.row_width(128, torch.float8_e4m3fn) == 132 and fp8_kv.row_width(128, torch.bfloat16) == 128
