@@ -87,3 +87,21 @@ def test_kv_cache_dtype_names_and_the_backends_that_refuse_it():
     with pytest.raises(ValueError, match="served by the torch attention backend only .* not by triton"):
         kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8", attention_backend="triton"), torch.bfloat16, "cpu")
     assert fp8_kv.row_width(128, torch.float8_e4m3fn) == 132 and fp8_kv.row_width(128, torch.bfloat16) == 128
+
+
+@pytest.mark.parametrize("case", ["window_mixed", "softcap_window", "bidir_window"])
+@pytest.mark.parametrize("path", ["kernel", "gather"])
+def test_fp8_cache_under_windows_softcaps_and_bidirectional_ranges(path, case, monkeypatch):
+    from unit.engine.test_attention_masks import _batch, dense_reference
+
+    if path == "kernel" and cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU kernel is not built")
+    monkeypatch.setattr(torch_attention, "use_cpu_kernel", path == "kernel")
+    batch, (window, softcap, ranges) = _batch(case, (8, 2), 8)
+    batch.k_cache = fp8_kv.quantize(batch.k_cache, torch.float8_e4m3fn)
+    batch.v_cache = fp8_kv.quantize(batch.v_cache, torch.float8_e4m3fn)
+    batch.keys = [fp8_kv.dequantize(fp8_kv.quantize(k, torch.float8_e4m3fn), torch.float32) for k in batch.keys]
+    batch.values = [fp8_kv.dequantize(fp8_kv.quantize(v, torch.float8_e4m3fn), torch.float32) for v in batch.values]
+    out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE,
+                                    window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), dense_reference(batch, window, softcap, ranges), atol=2e-5, rtol=2e-5)
