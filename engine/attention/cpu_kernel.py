@@ -19,14 +19,14 @@ from pathlib import Path
 import torch
 
 from epd.engine import c_library
-from epd.engine.attention import fp8_kv
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # the kernel's `fp8` (0: float32 caches)
 _KERNEL = c_library.Kernel(
     SOURCE, "epd_paged_decode_attention",
     [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_float, _P,
-     ctypes.c_int, _P], ctypes.c_int,
+     ctypes.c_int, ctypes.c_int], ctypes.c_int,
     switch="EPD_CPU_ATTENTION_KERNEL", what="CPU attention kernel",
     fallback="CPU decode attention gathers K/V for SDPA")
 
@@ -53,18 +53,7 @@ def decode_attention(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     rc = fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
             seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_ids.data_ptr(), seq_ids.numel(),
             num_q_heads, num_kv_heads, head_dim, block_size, window or 0, scale, softcap or 0.0, out.data_ptr(),
-            torch.get_num_threads(), _lookup_table(k_cache.dtype))
+            torch.get_num_threads(), _FP8_FORMATS.get(k_cache.dtype, 0))
     if rc != 0:
         raise MemoryError("CPU attention kernel: no memory for its scores")
 
-
-_tables: dict[torch.dtype, torch.Tensor] = {}  # fp8 dtype -> its [256] float32 values, kept for the process
-
-
-def _lookup_table(dtype: torch.dtype) -> int | None:
-    """The address of `dtype`'s byte -> float32 table for an fp8 cache, None (NULL) for a float32 one."""
-    if not fp8_kv.is_fp8(dtype):
-        return None
-    if dtype not in _tables:
-        _tables[dtype] = fp8_kv.lookup_table(dtype)
-    return _tables[dtype].data_ptr()

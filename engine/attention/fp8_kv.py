@@ -52,7 +52,3 @@ def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     scale = raw[..., head_dim:].contiguous().view(torch.float32)  # [..., 1]
     return (packed[..., :head_dim].float() * scale).to(dtype)
 
-
-def lookup_table(dtype: torch.dtype) -> torch.Tensor:
-    """[256] float32: the value of each fp8 byte (the CPU kernel converts through it)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()

@@ -1,6 +1,6 @@
 /* Paged decode attention on CPU, float32 (engine/attention/cpu_kernel.py builds and loads it),
  * over a float32 cache or an fp8 one (engine/attention/fp8_kv.py's packed rows: head_dim fp8
- * bytes and a float32 scale per token and kv head, turned into floats through a 256-entry table).
+ * bytes and a float32 scale per token and kv head, turned into floats with shifts and a select).
  *
  * For each listed sequence and kv head: the q heads of that kv head (and, for a
  * draft's verification, each of the sequence's few query tokens) against the
@@ -12,8 +12,8 @@
  *
  * Layouts (all contiguous):
  *   query, out     [num_tokens, num_q_heads, head_dim]
- *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] float32, or with `lut`
- *                  [num_blocks, block_size, num_kv_heads, head_dim + 4] bytes (fp8 values, scale)
+ *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] float32, or with `fp8` 1 / 2
+ *                  [num_blocks, block_size, num_kv_heads, head_dim + 4] bytes (e4m3 / e5m2 values, scale)
  *   block_tables   [num_seqs, table_width] int32
  *   seq_lens       [num_seqs] int32: context length after this step
  *   cu_seqlens_q   [num_seqs + 1] int32: the sequence's query rows
@@ -30,7 +30,7 @@
 typedef struct {
     const float *query;
     const void *k_cache, *v_cache;
-    const float *lut; /* NULL: float32 caches; else the value of each fp8 byte */
+
     const int32_t *block_tables, *seq_lens, *cu_seqlens_q;
     int64_t table_width, num_q_heads, num_kv_heads, head_dim, block_size, window;
     float scale, softcap;
@@ -178,17 +178,29 @@ static inline int attend(const Args *a, int64_t b, int64_t h0, int64_t h1, const
 }
 
 
+/* One fp8 byte's value (finite ones: the cache never holds another). The byte's exponent and
+ * mantissa bits moved into float32's, the exponent rebased (e4m3: bias 7, e5m2: 15, float32:
+ * 127); a subnormal byte (exponent 0) is its mantissa times the smallest step. Branch-free, so
+ * a row's loop vectorises. */
+static inline float fp8_value(uint32_t b, const int e5m2) {
+    const uint32_t bits = e5m2 ? ((b & 0x7fu) << 21) + (112u << 23) : ((b & 0x7fu) << 20) + (120u << 23);
+    float f;
+    memcpy(&f, &bits, sizeof(float));
+    const float sub = e5m2 ? (float)(b & 0x3u) * 0x1p-16f : (float)(b & 0x7u) * 0x1p-9f;
+    f = (b & (e5m2 ? 0x7cu : 0x78u)) == 0 ? sub : f;
+    return (b & 0x80u) ? -f : f;
+}
+
 /* attend() over fp8 caches: each (token, kv head) row is D fp8 bytes then its float32 scale.
- * A row is turned into floats once (through the table) and read by all its query rows; the
+ * A row is turned into floats once and read by all its query rows; the
  * K scale multiplies the dot product, the V scale the row. */
-static inline int attend_fp8(const Args *a, int64_t b, int64_t h0, int64_t h1, const int64_t D) {
+static inline int attend_fp8(const Args *a, int64_t b, int64_t h0, int64_t h1, const int64_t D, const int e5m2) {
     const int64_t G = a->num_q_heads / a->num_kv_heads, Hkv = a->num_kv_heads, bs = a->block_size;
     const int64_t q_start = a->cu_seqlens_q[b], q_len = a->cu_seqlens_q[b + 1] - q_start, L = a->seq_lens[b];
     const int64_t per_head = q_len * G, heads = h1 - h0, rows = heads * per_head;
     const int64_t W = D + 4, stride = Hkv * W; /* bytes of one row, of one token's rows */
     const int32_t *table = a->block_tables + b * a->table_width;
     const uint8_t *k_cache = (const uint8_t *)a->k_cache, *v_cache = (const uint8_t *)a->v_cache;
-    const float *lut = a->lut;
     const int64_t first_key = a->window > 0 && L - q_len - a->window + 1 > 0 ? L - q_len - a->window + 1 : 0;
     const int64_t first_block = first_key / bs * bs;
     float *s = scratch_for(rows * L + rows * D + rows + D);
@@ -207,7 +219,7 @@ static inline int attend_fp8(const Args *a, int64_t b, int64_t h0, int64_t h1, c
                 const uint8_t *k8 = kb + i * stride + hh * W;
                 float scale;
                 memcpy(&scale, k8 + D, sizeof(float));
-                for (int64_t d = 0; d < D; d++) row[d] = lut[k8[d]];
+                for (int64_t d = 0; d < D; d++) row[d] = fp8_value(k8[d], e5m2);
                 scale *= a->scale;
                 for (int64_t rr = 0; rr < per_head; rr++) {
                     const int64_t r = hh * per_head + rr;
@@ -228,7 +240,7 @@ static inline int attend_fp8(const Args *a, int64_t b, int64_t h0, int64_t h1, c
                 const uint8_t *v8 = vb + i * stride + hh * W;
                 float scale;
                 memcpy(&scale, v8 + D, sizeof(float));
-                for (int64_t d = 0; d < D; d++) row[d] = lut[v8[d]] * scale;
+                for (int64_t d = 0; d < D; d++) row[d] = fp8_value(v8[d], e5m2) * scale;
                 for (int64_t rr = 0; rr < per_head; rr++) {
                     const int64_t r = hh * per_head + rr;
                     const float p = s[r * L + t0 + i];
@@ -244,11 +256,12 @@ static inline int attend_fp8(const Args *a, int64_t b, int64_t h0, int64_t h1, c
 static int attend_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend(a, b, h0, h1, 64); }
 static int attend_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend(a, b, h0, h1, 128); }
 static int attend_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend(a, b, h0, h1, a->head_dim); }
-static int attend_fp8_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 64); }
-static int attend_fp8_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 128); }
-static int attend_fp8_any(const Args *a, int64_t b, int64_t h0, int64_t h1) {
-    return attend_fp8(a, b, h0, h1, a->head_dim);
-}
+static int e4m3_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 64, 0); }
+static int e4m3_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 128, 0); }
+static int e4m3_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, a->head_dim, 0); }
+static int e5m2_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 64, 1); }
+static int e5m2_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 128, 1); }
+static int e5m2_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, a->head_dim, 1); }
 
 /* 0 on success, -1 if a work item could not get its scratch memory. */
 int epd_paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
@@ -256,12 +269,13 @@ int epd_paged_decode_attention(const float *query, const void *k_cache, const vo
                                const int32_t *cu_seqlens_q, const int64_t *seq_ids, int64_t num_work,
                                int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                int64_t window, float scale, float softcap, float *out, int num_threads,
-                               const float *lut) {
-    const Args a = {query, k_cache, v_cache, lut, block_tables, seq_lens, cu_seqlens_q, table_width,
+                               int fp8) {
+    const Args a = {query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, table_width,
                     num_q_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, out};
     int (*fn)(const Args *, int64_t, int64_t, int64_t) =
-        lut != NULL ? (head_dim == 64 ? attend_fp8_64 : head_dim == 128 ? attend_fp8_128 : attend_fp8_any)
-                    : (head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any);
+        fp8 == 1   ? (head_dim == 64 ? e4m3_64 : head_dim == 128 ? e4m3_128 : e4m3_any)
+        : fp8 == 2 ? (head_dim == 64 ? e5m2_64 : head_dim == 128 ? e5m2_128 : e5m2_any)
+                   : (head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any);
     /* a work item is a whole sequence (its blocks read once, in order) when there are enough
      * of them to keep every thread busy, else one kv head of a sequence */
     const int64_t split = num_work >= 4 * (int64_t)num_threads ? 1 : num_kv_heads;

@@ -6,7 +6,7 @@ import pytest
 import torch
 from unit.engine.test_attention import CASES, SCALE, make_batch, naive_attention
 
-from epd.engine.attention import cpu_kernel, fp8_kv, torch_attention
+from epd.engine.attention import AttentionMetadata, cpu_kernel, fp8_kv, torch_attention
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -105,3 +105,23 @@ def test_fp8_cache_under_windows_softcaps_and_bidirectional_ranges(path, case, m
     out = torch_attention.attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, SCALE,
                                     window=window, softcap=softcap)
     torch.testing.assert_close(out.double(), dense_reference(batch, window, softcap, ranges), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_cpu_kernel_reads_every_finite_fp8_byte_as_torch_does(dtype):
+    """A one-token context: the output is its V row, so each byte's value comes back (subnormals too)."""
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: the CPU kernel is not built")
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()  # [256] every byte
+    values = torch.where(torch.isfinite(values), values, torch.zeros(()))
+    v = values.view(2, 1, 128)  # two one-token sequences, one kv head of 128
+    cache = fp8_kv.quantize(torch.ones(2, 1, 1, 128), dtype)  # [blocks, block_size 1, Hkv, D + 4]
+    v_cache = cache.clone()
+    raw = v_cache.view(torch.uint8)
+    raw[:, 0, 0, :128] = v.to(dtype).view(torch.uint8)[:, 0]
+    raw[:, 0, 0, 128:] = torch.ones(2, 1).view(torch.uint8)  # scale 1.0: the bytes' own values
+    meta = AttentionMetadata.build([1, 1], [1, 1], [[0], [1]], 1)
+    out = torch.empty(2, 1, 128)
+    cpu_kernel.decode_attention(cpu_kernel.load(), torch.randn(2, 1, 128), cache, v_cache, meta.block_tables,
+                                meta.seq_lens, meta.cu_seqlens_q, torch.tensor([0, 1]), 0.1, out)
+    assert torch.equal(out.view(256), values)
