@@ -258,10 +258,14 @@ static int attend_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return
 static int attend_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend(a, b, h0, h1, a->head_dim); }
 static int e4m3_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 64, 0); }
 static int e4m3_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 128, 0); }
-static int e4m3_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, a->head_dim, 0); }
+static int e4m3_any(const Args *a, int64_t b, int64_t h0, int64_t h1) {
+    return attend_fp8(a, b, h0, h1, a->head_dim, 0);
+}
 static int e5m2_64(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 64, 1); }
 static int e5m2_128(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, 128, 1); }
-static int e5m2_any(const Args *a, int64_t b, int64_t h0, int64_t h1) { return attend_fp8(a, b, h0, h1, a->head_dim, 1); }
+static int e5m2_any(const Args *a, int64_t b, int64_t h0, int64_t h1) {
+    return attend_fp8(a, b, h0, h1, a->head_dim, 1);
+}
 
 /* 0 on success, -1 if a work item could not get its scratch memory. */
 int epd_paged_decode_attention(const float *query, const void *k_cache, const void *v_cache,
