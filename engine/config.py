@@ -24,6 +24,8 @@ from epd.transport.wire.kv_events import KVEventsConfig
 
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's --kv-cache-dtype: auto (the model's dtype) or an fp8 format (engine/attention/fp8_kv.py; fp8 = fp8_e4m3)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 VLLM_DTYPES = {"half": "float16", "float": "float32"}  # vLLM's other --dtype names -> ours
 # every other name taken for a precision -> ours (one name per precision in the config)
 DTYPE_ALIASES = {**VLLM_DTYPES, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -44,6 +46,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"  # torch on CPU, triton on GPU
     # A worker admits a request before all its images are here and prefills
@@ -68,6 +71,8 @@ class EngineConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's half, float), got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:

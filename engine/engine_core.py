@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epd.engine.attention import fp8_kv
 from epd.engine.config import EngineConfig
 from epd.engine.cuda_graphs import capture_sizes
 from epd.engine.early_prefill import EarlyPrefill
@@ -120,9 +121,12 @@ class EngineCore(EngineAdapters):
         # a draft model (decode-side engines): its KV shares the target's block ids, so a block costs both
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
+        # --kv-cache-dtype fp8: a row of head_dim bytes and a scale per token and kv head (engine/attention/fp8_kv.py)
+        kv_dtype = kv_cache_dtype(config, self.dtype, self.device)
         num_kv_heads = model.cfg.num_kv_heads if self.tensor_parallel else self.info.num_kv_heads  # this rank's
-        block_bytes = bytes_per_block(num_kv_layers(model), num_kv_heads, self.info.head_dim,
-                                      config.scheduler.block_size, self.dtype)
+        block_bytes = bytes_per_block(num_kv_layers(model), num_kv_heads,
+                                      fp8_kv.row_width(self.info.head_dim, kv_dtype), config.scheduler.block_size,
+                                      kv_dtype)
         head = None  # EAGLE-3 or MTP: its KV shares the target's blocks, so it counts in each block's bytes
         if spec is not None and spec.method in ("eagle3", "mtp"):
             head = load_head(spec.model, model.cfg, self.dtype, self.device) if spec.method == "eagle3" \
@@ -159,8 +163,13 @@ class EngineCore(EngineAdapters):
         self.runner = ModelRunner(model, num_blocks, config.scheduler.block_size,
                                   self.info.image_token_id, self.images, config.resolved_backend(self.device),
                                   self.device, lora=self.lora, eagle3=eagle3, num_state_slots=num_state_slots,
-                                  num_state_snapshots=num_snapshots)
+                                  num_state_snapshots=num_snapshots, kv_dtype=kv_dtype)
         self.num_blocks = num_blocks
+        self.kv_block_bytes = block_bytes
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB a 1,000 tokens), %s", num_blocks,
+                 config.scheduler.block_size, num_blocks * config.scheduler.block_size,
+                 block_bytes * 1000 / config.scheduler.block_size / (1 << 20),
+                 str(kv_dtype).removeprefix("torch."))
         self.graph_capture_s = self._capture_decode_graphs(role, sched_cfg, eagle3)
         self.grammars = GrammarCompilerPool(tokenizer_dir or model_dir, self.info.vocab_size,
                                             self.info.eos_token_ids)
@@ -488,3 +497,14 @@ class EngineCore(EngineAdapters):
     def num_free_state_slots(self) -> int:
         cache = self.runner.state_cache
         return 0 if cache is None else cache.num_free
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV cache's element dtype (--kv-cache-dtype); ValueError where the attention backend
+    cannot read an fp8 cache (the Triton kernels do not yet: engine/attention/__init__.py)."""
+    dtype = fp8_kv.cache_dtype(config.kv_cache_dtype, model_dtype)
+    backend = config.resolved_backend(device)
+    if fp8_kv.is_fp8(dtype) and backend != "torch":
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is served by the torch attention backend only "
+                         f"(CPU, or --attention-backend torch on GPU), not by {backend}")
+    return dtype

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epd.engine.attention import get_backend
+from epd.engine.attention import fp8_kv, get_backend
 from epd.engine.attention.metadata import AttentionMetadata
 from epd.engine.cuda_graphs import DecodeGraphs
 from epd.engine.image_ledger import ImageLedger
@@ -78,11 +78,12 @@ class ModelRunner:
                  image_token_id: int, images: ImageLedger,
                  attention_backend: str = "torch", device: str | torch.device = "cpu",
                  lora: LoRAManager | None = None, eagle3: Eagle3Proposer | None = None, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0):
+                 num_state_snapshots: int = 0, kv_dtype: torch.dtype | None = None):
         """`model.positions` places each request's tokens (engine/models/positions.py);
         `eagle3`: an EAGLE-3 head to feed after every forward (engine/spec/eagle3_proposer.py);
         `num_state_slots`: the state cache's slots, for a model that declares per-request state;
-        `num_state_snapshots`: copies of them kept at block boundaries for prefix hits."""
+        `num_state_snapshots`: copies of them kept at block boundaries for prefix hits;
+        `kv_dtype`: the KV cache's (None: the model's; fp8: engine/attention/fp8_kv.py's packed rows)."""
         self.model = model
         self.positions = model.positions
         self.bidirectional_mm = getattr(model, "bidirectional_mm", False)  # the model says (default False: causal only)
@@ -97,9 +98,10 @@ class ModelRunner:
         cfg = model.cfg
         dtype = model.model.embed_tokens.weight.dtype
         num_layers = num_kv_layers(model)  # the layers that hold KV
-        # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one allocation.
+        kv_dtype = kv_dtype or dtype
+        # [2 (k, v), num_layers, num_blocks, block_size, num_kv_heads, head_dim (+ fp8's scale)], one allocation.
         self.kv_cache = torch.zeros(2, num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=self.device)
+                                    fp8_kv.row_width(cfg.head_dim, kv_dtype), dtype=kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[0, i], self.kv_cache[1, i]) for i in range(num_layers)]
         self.backend.prepare(self.kv_caches[0][0], cfg.num_heads)
         shapes = state_shapes(model)
@@ -118,7 +120,8 @@ class ModelRunner:
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
         """(num_layers, block_size, num_kv_heads, head_dim) of one block's K (or V) as it is handed
-        over: every K/V head of the model, also where this cache holds a tensor-parallel rank's."""
+        over: every K/V head of the model, also where this cache holds a tensor-parallel rank's; an
+        fp8 cache's head_dim counts its scale's bytes (engine/attention/fp8_kv.py)."""
         _, num_layers, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
         return num_layers, block_size, getattr(self.model, "handover_kv_heads", num_kv_heads), head_dim
 
@@ -127,7 +130,8 @@ class ModelRunner:
         [num_layers, len(block_ids), block_size, num_kv_heads, head_dim]. A tensor-parallel
         model (engine/parallel/leader.py) gathers the other ranks' heads into them."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        k, v = self.kv_cache[0][:, index], self.kv_cache[1][:, index]
+        raw = self.kv_cache.view(torch.uint8) if fp8_kv.is_fp8(self.kv_cache.dtype) else self.kv_cache
+        k, v = raw[0][:, index].view(self.kv_cache.dtype), raw[1][:, index].view(self.kv_cache.dtype)
         return self.model.gather_kv(block_ids, k, v) if hasattr(self.model, "gather_kv") else (k, v)
 
     def write_blocks(self, block_ids: list[int], k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
@@ -139,6 +143,11 @@ class ModelRunner:
         if hasattr(self.model, "scatter_kv"):
             k_blocks, v_blocks = self.model.scatter_kv(block_ids, k_blocks[:, :num_blocks], v_blocks[:, :num_blocks])
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if fp8_kv.is_fp8(self.kv_cache.dtype):  # packed rows, copied as bytes (check_blocks: the same format)
+            raw = self.kv_cache.view(torch.uint8)
+            raw[0][:, index] = k_blocks[:, :num_blocks].to(self.device).view(torch.uint8)
+            raw[1][:, index] = v_blocks[:, :num_blocks].to(self.device).view(torch.uint8)
+            return
         self.kv_cache[0][:, index] = k_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
         self.kv_cache[1][:, index] = v_blocks[:, :num_blocks].to(self.device, self.kv_cache.dtype)
 
@@ -146,7 +155,11 @@ class ModelRunner:
         """ValueError unless K and V are [num_layers, >= num_blocks, block_size,
         num_kv_heads, head_dim] of this cache (e.g. a peer with another block size)."""
         num_layers, block_size, num_kv_heads, head_dim = self.block_shape
+        fp8 = fp8_kv.is_fp8(self.kv_cache.dtype)
         for name, t in (("k_blocks", k_blocks), ("v_blocks", v_blocks)):
+            if (fp8 or fp8_kv.is_fp8(t.dtype)) and t.dtype != self.kv_cache.dtype:
+                raise ValueError(f"{name} are {t.dtype} but this KV cache holds {self.kv_cache.dtype} "
+                                 "(--kv-cache-dtype differs between the workers)")
             if t.ndim != 5 or t.shape[1] < num_blocks \
                     or (t.shape[0], *t.shape[2:]) != (num_layers, block_size, num_kv_heads, head_dim):
                 raise ValueError(f"{name} {list(t.shape)} do not fit this KV cache: want "

@@ -7,7 +7,8 @@ heads of 64, float32, blocks of 16 shuffled over a 4,500-block cache) for decode
 8-128 sequences of 20-2,000 tokens. The first setting is the gather + SDPA path with the
 first batch cap (`_DECODE_BATCH_MAX_BYTES`) and its kept gather buffers; then the same cap
 with a new tensor each gather (`_MAX_KEPT_BUFFER_BYTES` 0), any other caps, and the CPU
-kernel (engine/attention/paged_attention_cpu.c, K and V read in place). Rounds run every
+kernel (engine/attention/paged_attention_cpu.c, K and V read in place), and the kernel over the
+same K and V in an fp8 e4m3 cache (`--kv-cache-dtype fp8`: engine/attention/fp8_kv.py). Rounds run every
 setting in turn; each line gives the first setting's median ms a step and every other's
 median ratio to it in the same round (these machines are noisy: compare within a round).
 """
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from epd.engine.attention import cpu_kernel, torch_attention
+from epd.engine.attention import cpu_kernel, fp8_kv, torch_attention
 from epd.engine.attention.metadata import AttentionMetadata
 
 LAYERS, CACHE_BLOCKS, BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 14, 4500, 16, 4, 12, 64
@@ -65,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     settings = {f"{cap >> 20} MiB, kept buffers": (cap, kept, False) for cap in caps}
     settings[f"{caps[0] >> 20} MiB, fresh buffers"] = (caps[0], 0, False)
     settings["CPU kernel"] = (caps[0], kept, True)
+    settings["CPU kernel, fp8 cache"] = (caps[0], kept, True, "fp8")
     torch.manual_seed(0)
     caches = [(torch.randn(CACHE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM), torch.randn(CACHE_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM))
               for _ in range(LAYERS)]
+    fp8_caches = [tuple(fp8_kv.quantize(c, torch.float8_e4m3fn) for c in pair) for pair in caches]
     names = list(settings)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             times = {name: [] for name in names}
             for _ in range(args.rounds):
                 for name in names:
-                    times[name].append(step_seconds(query, meta, caches, *settings[name]))
+                    cap, keep, kernel, *fp8 = settings[name]
+                    times[name].append(step_seconds(query, meta, fp8_caches if fp8 else caches, cap, keep, kernel))
             base = times[names[0]]
             ratios = "  ".join(f"{name}: {statistics.median(t / b for t, b in zip(times[name], base)):.2f}"
                                for name in names[1:])

@@ -7,10 +7,13 @@ and per layer:
   attention(query, k_cache, v_cache, meta, scale, window=None, softcap=None) -> out
 (`window`: the layer's sliding window, `softcap`: its attention logit soft-cap; the
 metadata's bidirectional ranges apply in every layer).
+An fp8 cache (`--kv-cache-dtype fp8`) is quantized in `store_kv` and dequantized on read
+by the torch backend (its gather path and the CPU kernel); triton refuses it.
 `torch` is the reference and the CPU path; `triton` the GPU path (imported
 lazily, so CPU-only installs and TRITON_INTERPRET set late both work).
 
     metadata.py          `AttentionMetadata`: where new K/V goes and what each query sees
+    fp8_kv.py            the FP8 KV cache's packed rows (fp8 values + a scale per token and kv head)
     torch_attention.py   plain torch: the reference and the CPU serving path
     cpu_kernel.py        the CPU paged decode kernel (paged_attention_cpu.c), built once, loaded with ctypes
     triton_attention.py  the Triton backend: the GPU serving path

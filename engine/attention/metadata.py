@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from epd.engine.attention.fp8_kv import FORMATS as FP8_DTYPES
+from epd.engine.attention.fp8_kv import SCALE_BYTES as FP8_SCALE_BYTES
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -153,13 +156,15 @@ def check_attention_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if query.dtype not in SUPPORTED_DTYPES or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"query/k_cache/v_cache dtypes must match and be one of {SUPPORTED_DTYPES}, "
-                         f"got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    is_fp8 = k_cache.dtype in FP8_DTYPES  # engine/attention/fp8_kv.py's packed rows
+    if query.dtype not in SUPPORTED_DTYPES or v_cache.dtype != k_cache.dtype \
+            or (k_cache.dtype != query.dtype and not is_fp8):
+        raise ValueError(f"query/k_cache/v_cache dtypes must match and be one of {SUPPORTED_DTYPES} (or the caches "
+                         f"fp8), got {query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     num_q_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {k_cache.shape[3]}")
+    if k_cache.shape[3] != head_dim + (FP8_SCALE_BYTES if is_fp8 else 0):
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {k_cache.shape[3]} ({k_cache.dtype})")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     num_seqs = meta.seq_lens.shape[0]

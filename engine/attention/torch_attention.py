@@ -1,7 +1,8 @@
 """Paged attention in plain torch: the reference and the CPU serving path.
 
 Each sequence's K/V is gathered from its blocks and handed to
-`scaled_dot_product_attention`. GQA folds the q heads of one kv head into the
+`scaled_dot_product_attention` (an fp8 cache's rows dequantized on the way:
+engine/attention/fp8_kv.py). GQA folds the q heads of one kv head into the
 query rows ([num_kv_heads, group * q_len, head_dim]) so K/V are never
 repeated. Decodes of similar length are batched into one call with a
 key-padding mask: one query token each, or (speculative decoding) the last
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from epd.engine.attention import cpu_kernel
+from epd.engine.attention import cpu_kernel, fp8_kv
 from epd.engine.attention.metadata import AttentionMetadata, check_attention_inputs, check_options
 
 # A decode batch pads every sequence to its longest one; start a new batch
@@ -49,7 +50,11 @@ _MAX_DECODE_QUERY_LEN = 16
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Writes key/value [num_tokens, num_kv_heads, head_dim] at `slot_mapping`;
-    slots < 0 are padding and skipped."""
+    slots < 0 are padding and skipped. An fp8 cache gets them quantized (engine/attention/fp8_kv.py)."""
+    if fp8_kv.is_fp8(k_cache.dtype):  # packed rows, copied as bytes (CPU index_copy_ has no fp8)
+        key = fp8_kv.quantize(key, k_cache.dtype).view(torch.uint8)
+        value = fp8_kv.quantize(value, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     num_kv_heads, head_dim = k_cache.shape[2:]
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -91,7 +96,8 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def prepare(k_cache: torch.Tensor, num_q_heads: int) -> None:
     """Builds (or loads) the CPU kernel before the first step where it will serve: a first
     request does not wait for the compiler, and a missing one is reported at start-up."""
-    if use_cpu_kernel and k_cache.device.type == "cpu" and k_cache.dtype == torch.float32:
+    if use_cpu_kernel and k_cache.device.type == "cpu" \
+            and (k_cache.dtype == torch.float32 or fp8_kv.is_fp8(k_cache.dtype)):
         cpu_kernel.load()
 
 
@@ -100,7 +106,8 @@ use_cpu_kernel = True
 
 
 def _cpu_kernel(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """engine/attention/cpu_kernel.py's function where it applies (float32 on CPU, built), else None."""
+    """engine/attention/cpu_kernel.py's function where it applies (float32 on CPU, a float32 or fp8
+    cache, built), else None."""
     if not (use_cpu_kernel and query.device.type == "cpu" and query.dtype == torch.float32
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
@@ -194,13 +201,15 @@ def _decode_group_plan(meta, group, cu, seq_lens, q_len, block_size, num_groups,
     return _DecodeGroup(len(group), q_len, max_len, rows, block_ids, padding, mask)
 
 
-def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_tokens, Hkv, D] cache rows in order."""
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_tokens, Hkv, D] cache rows in order, of `dtype`
+    (an fp8 cache's rows dequantized)."""
     # index_select on [num_blocks, block_size*Hkv*D] rows: a plain row copy, several
     # times faster on CPU than advanced indexing of the 4-D cache.
     rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids.reshape(-1))
     blocks = rows.view(*block_ids.shape, *cache.shape[1:])  # [..., num_blocks, block_size, Hkv, D]
-    return blocks.flatten(-4, -3)[..., :num_tokens, :, :]
+    tokens = blocks.flatten(-4, -3)[..., :num_tokens, :, :]
+    return fp8_kv.dequantize(tokens, dtype) if fp8_kv.is_fp8(cache.dtype) else tokens
 
 
 _buffers = threading.local()
@@ -228,13 +237,14 @@ def _gather_rows(cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> tor
 
 def _prefill_one(query, k_cache, v_cache, meta, scale, out, b, q_start, q_end, seq_len, window, softcap,
                  key_ends) -> None:
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[2], query.shape[2]
+    block_size = k_cache.shape[1]
     q_len = q_end - q_start
     num_groups = query.shape[1] // num_kv_heads
     num_blocks = -(-seq_len // block_size)
     block_ids = meta.block_tables[b, :num_blocks].to(torch.long)
-    k = _gather_kv(k_cache, block_ids, seq_len).transpose(0, 1)  # [Hkv, seq_len, D]
-    v = _gather_kv(v_cache, block_ids, seq_len).transpose(0, 1)
+    k = _gather_kv(k_cache, block_ids, seq_len, query.dtype).transpose(0, 1)  # [Hkv, seq_len, D]
+    v = _gather_kv(v_cache, block_ids, seq_len, query.dtype).transpose(0, 1)
     if q_len == seq_len and window is None and softcap is None and key_ends is None:
         # No cached prefix: plain causal attention, which SDPA runs without
         # materialising a mask (about twice as fast on CPU for long prompts).
@@ -286,11 +296,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _decode_group(query, k_cache, v_cache, scale, out, group: _DecodeGroup, softcap: float | None) -> None:
     """The sequences of `group`, each with `q_len` query tokens at the end of its context, in one call."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
+    num_kv_heads, head_dim = k_cache.shape[2], query.shape[2]
     num_groups = query.shape[1] // num_kv_heads
     num_seqs, q_len = group.num_seqs, group.q_len
     k_rows = _gather_rows(k_cache, group.block_ids, 0)  # [B * num_blocks, block_size * Hkv * D], a copy
     v_rows = _gather_rows(v_cache, group.block_ids, 1)
+    if fp8_kv.is_fp8(k_cache.dtype):  # packed rows -> [B * num_blocks, block_size * Hkv * D] of query's dtype
+        k_rows = fp8_kv.dequantize(k_rows.view(-1, k_cache.shape[-1]), query.dtype).view(k_rows.shape[0], -1)
+        v_rows = fp8_kv.dequantize(v_rows.view(-1, v_cache.shape[-1]), query.dtype).view(v_rows.shape[0], -1)
     if group.padding is not None:
         # padding rows are stale cache memory (maybe NaN): 0 * NaN would leak through
         # softmax, so zero them — only them (a full masked_fill cost a third of the call)

@@ -43,6 +43,8 @@ def check_supported(config, device: str) -> None:
         refused.append("--enable-lora")
     if config.speculative_config is not None:
         refused.append("--speculative-config")
+    if config.kv_cache_dtype != "auto":
+        refused.append(f"--kv-cache-dtype {config.kv_cache_dtype}")
     if refused:
         raise TensorParallelError(f"--tensor-parallel-size {size} does not serve " + "; ".join(refused) + " yet")
 

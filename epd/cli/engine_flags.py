@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from epd.engine.config import DTYPES, VLLM_DTYPES, EngineConfig
+from epd.engine.config import DTYPES, KV_CACHE_DTYPES, VLLM_DTYPES, EngineConfig
 from epd.engine.lora.config import MAX_LORA_RANKS
 from epd.engine.scheduler_config import PREFILL_PRIORITIES
 
 # flag (without --) -> the engine setting it fills (EngineConfig.from_flat)
 ENGINE_FLAGS = ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-                "max_model_len", "enable_prefix_caching", "dtype", "device", "attention_backend",
+                "max_model_len", "enable_prefix_caching", "dtype", "kv_cache_dtype", "device", "attention_backend",
                 "early_prefill", "prefill_priority", "max_local_prefill_tokens", "block_size", "seed",
                 "speculative_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
                 "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size", "kv_events_config",
@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=defaults["dtype"], choices=[*DTYPES, *VLLM_DTYPES],
                    help="weights and activations: auto (the checkpoint's own dtype), float32, float16, bfloat16; "
                         "vLLM's half (float16) and float (float32) too")
+    g.add_argument("--kv-cache-dtype", default=defaults["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2, one byte a value "
+                        "with a scale per token and kv head: twice bf16's tokens per GiB, four times float32's "
+                        "(torch attention backend: CPU, or --attention-backend torch on GPU)")
     g.add_argument("--seed", type=int, default=defaults["seed"],
                    help="torch seed of every engine worker, as vLLM's: requests with no seed sample from it "
                         "(a request's own seed gives the same tokens whatever else runs)")

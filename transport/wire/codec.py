@@ -36,6 +36,8 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # an fp8 KV cache's blocks (engine/attention/fp8_kv.py)
+    "float8_e5m2": torch.float8_e5m2,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_NDIM = 16

@@ -106,7 +106,8 @@ def test_engine_flags_fill_the_scheduler_inside_the_engine_config(tiny_model):
     assert set(EngineConfig.flat_defaults()) == {
         "block_size", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_model_len",
         "prefill_priority", "prefill_aging", "max_num_image_waits", "max_local_prefill_tokens",
-        "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "device", "attention_backend",
+        "num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization", "dtype", "kv_cache_dtype", "device",
+        "attention_backend",
         "early_prefill", "seed", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
         "max_cpu_loras", "enable_tower_lora", "enforce_eager", "max_cudagraph_capture_size", "kv_events_config",
         "tensor_parallel_size"}
