@@ -122,7 +122,7 @@ class EngineCore(EngineAdapters):
         draft = load_draft_model(spec.model, tokenizer_dir or model_dir, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" and role != "prefill" else None
         # --kv-cache-dtype fp8: a row of head_dim bytes and a scale per token and kv head (engine/attention/fp8_kv.py)
-        kv_dtype = kv_cache_dtype(config, self.dtype, self.device)
+        kv_dtype = fp8_kv.kv_cache_dtype(config, self.dtype, self.device)
         num_kv_heads = model.cfg.num_kv_heads if self.tensor_parallel else self.info.num_kv_heads  # this rank's
         block_bytes = bytes_per_block(num_kv_layers(model), num_kv_heads,
                                       fp8_kv.row_width(self.info.head_dim, kv_dtype), config.scheduler.block_size,
@@ -498,13 +498,3 @@ class EngineCore(EngineAdapters):
         cache = self.runner.state_cache
         return 0 if cache is None else cache.num_free
 
-
-def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype, device: str) -> torch.dtype:
-    """The KV cache's element dtype (--kv-cache-dtype); ValueError where the attention backend
-    cannot read an fp8 cache (the Triton kernels do not yet: engine/attention/__init__.py)."""
-    dtype = fp8_kv.cache_dtype(config.kv_cache_dtype, model_dtype)
-    backend = config.resolved_backend(device)
-    if fp8_kv.is_fp8(dtype) and backend != "torch":
-        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is served by the torch attention backend only "
-                         f"(CPU, or --attention-backend torch on GPU), not by {backend}")
-    return dtype

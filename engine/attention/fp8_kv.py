@@ -29,6 +29,17 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FORMATS
 
+def kv_cache_dtype(config, model_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The KV cache's element dtype (an EngineConfig's --kv-cache-dtype); ValueError where the attention backend
+    cannot read an fp8 cache (the Triton kernels do not yet: engine/attention/__init__.py)."""
+    dtype = cache_dtype(config.kv_cache_dtype, model_dtype)
+    backend = config.resolved_backend(device)
+    if is_fp8(dtype) and backend != "torch":
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is served by the torch attention backend only "
+                         f"(CPU, or --attention-backend torch on GPU), not by {backend}")
+    return dtype
+
+
 
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one (token, kv head) row of the cache: head_dim, plus the scale's bytes in fp8."""

@@ -77,7 +77,7 @@ def test_store_kv_quantizes_into_the_slots_and_skips_padding(dtype):
 
 def test_kv_cache_dtype_names_and_the_backends_that_refuse_it():
     from epd.engine.config import EngineConfig
-    from epd.engine.engine_core import kv_cache_dtype
+    from epd.engine.attention.fp8_kv import kv_cache_dtype
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         EngineConfig(kv_cache_dtype="int8")
