@@ -31,7 +31,7 @@ from epd.serve.prefix_index import PrefixIndex
 
 IMBALANCE_ABS = 64  # SGLang's balance_abs_threshold: requests
 IMBALANCE_REL = 1.5  # SGLang's balance_rel_threshold
-CACHE_THRESHOLD = 0.5  # SGLang's cache_threshold: the fraction of a request's blocks cached that follows the cache
+CACHE_THRESHOLD = 0.5  # SGLang's cache_threshold: follow the cache when more than this fraction of the blocks is there
 MAX_SESSIONS = 65536  # conversations (and prompts' last blocks) remembered, least recently routed forgotten first
 
 
