@@ -69,8 +69,9 @@ def _add_worker_flags(p: argparse.ArgumentParser, serve: dict) -> None:
     p.add_argument("--router", default=serve["router"], choices=list(ROUTERS),
                    help="how a request picks its prefill and decode workers: least_loaded (power of two "
                         "choices); round_robin; prefix_hash (its first 64 tokens); cache_aware (where the "
-                        "longest prefix of it is cached, weighed against load, a session kept on its worker "
-                        "by x-session-id or `user`; the engine workers report their prefix caches)")
+                        "longest prefix of it is cached when that is over half of it, else the least loaded, a "
+                        "session kept on its worker by x-session-id or `user`; the engine workers report their "
+                        "prefix caches)")
     p.add_argument("--encoder-router", default=serve["encoder_router"], choices=list(ENCODER_ROUTERS),
                    help="cost: each image to the encoder where it finishes first; round_robin: in turn")
 

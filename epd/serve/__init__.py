@@ -9,7 +9,7 @@ attempt.py         one try of a request on one set of workers, and its events
 attempt_stream.py  token outputs, attempt after attempt, as `Delta`s
 token_order.py     token outputs put back in output order
 router.py          choosing a prefill / decode worker (`--router`)
-cache_aware_router.py  `--router cache_aware`: the longest cached prefix weighed against load, sessions
+cache_aware_router.py  `--router cache_aware`: the longest cached prefix, else the least loaded; sessions
 prefix_index.py    which KV blocks each engine worker holds, from its KVBlocks (cache_aware)
 encoder_router.py  choosing the encoder of each image or video (`--encoder-router`)
 registry.py        the workers as the API sees them: addresses, roles, load, life

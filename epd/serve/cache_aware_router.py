@@ -1,21 +1,25 @@
 """CacheAwareRouter (`--router cache_aware`): the worker holding the longest cached
-prefix of a request, weighed against load, from this API process's PrefixIndex
-(epd/serve/prefix_index.py; docs/decisions/cache-aware-routing.md).
+prefix of a request, unless too little of it is cached or the loads are too far
+apart, from this API process's PrefixIndex (epd/serve/prefix_index.py;
+docs/decisions/cache-aware-routing.md). SGLang's cache-aware rule, with sessions:
 
     imbalance guard   loads (running + waiting + queued, plus the requests sent since
                       the worker's last stats) too far apart, SGLang's rule: max - min
                       > 64 and max > 1.5 x min -> the least loaded worker
     session           a request naming its conversation (`x-session-id`, else `user`)
                       goes where that conversation went before, while that worker lives
-    nothing cached    no worker holds a block of it -> the least loaded (a new session)
-    else              the best score: 3 x the fraction of its blocks cached there,
-                      - 2 x its load above the least loaded's (1: the most loaded, or
-                      LOAD_SPAN requests more when they are closer), - 2 x its KV usage
-                      (llm-d's weights for its prefix, queue and KV-usage scorers)
+    cache             more than CACHE_THRESHOLD of its blocks cached on some worker, or
+                      a cached prefix that is a whole earlier prompt this router sent
+                      (a conversation's next turn without a session) -> the worker
+                      holding the most of them (ties: the less loaded)
+    least loaded      else (a new conversation, whose only cached blocks may be a
+                      system prompt every conversation shares) -> the least loaded,
+                      ties to the one holding the fewest blocks (SGLang: the smallest
+                      tree), so a shared prefix does not pull new work onto its holder
 
 The chosen worker is credited with the request's blocks at once (`insert_speculative`),
 so the next request of a burst finds them before the worker's events come back.
-Ties go in turn.
+Remaining ties go in turn.
 """
 from __future__ import annotations
 
@@ -27,9 +31,8 @@ from epd.serve.prefix_index import PrefixIndex
 
 IMBALANCE_ABS = 64  # SGLang's balance_abs_threshold: requests
 IMBALANCE_REL = 1.5  # SGLang's balance_rel_threshold
-PREFIX_WEIGHT, LOAD_WEIGHT, KV_USAGE_WEIGHT = 3.0, 2.0, 2.0
-LOAD_SPAN = 8  # requests: loads closer than this weigh in proportion (one request more is not the most loaded)
-MAX_SESSIONS = 65536  # conversations remembered, least recently routed forgotten first
+CACHE_THRESHOLD = 0.5  # SGLang's cache_threshold: follow the cache when more than this fraction of the blocks is there
+MAX_SESSIONS = 65536  # conversations (and prompts' last blocks) remembered, least recently routed forgotten first
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class CacheAwareRouter:
         self._turn = itertools.count()
         self._sent: dict[str, tuple[object, int]] = {}  # worker id -> (stats it was counted against, sent since)
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker id, newest last
+        self._prompt_ends: OrderedDict[int, None] = OrderedDict()  # the last block of each prompt routed, newest last
         self.num_choices = {"imbalance": 0, "session": 0, "least_loaded": 0, "cache": 0}  # why each was chosen
 
     def choose(self, workers: list, prompt_token_ids: list[int], query: RouteQuery | None = None):
@@ -66,28 +70,30 @@ class CacheAwareRouter:
             best, why = sticky, "session"
         else:
             matched = {w.worker_id: self.index.match(w.worker_id, query.block_hashes) for w in order}
-            if not any(matched.values()):
-                best, why = least, "least_loaded"
+            holder = max(order, key=lambda w: (matched[w.worker_id], -loads[w.worker_id]))
+            cached = query.block_hashes[:matched[holder.worker_id]]
+            if len(cached) > CACHE_THRESHOLD * len(query.block_hashes) or any(h in self._prompt_ends for h in cached):
+                best, why = holder, "cache"
             else:
-                best, why = max(order, key=lambda w: self._score(w, matched, loads, len(query.block_hashes))), "cache"
+                best = min(order, key=lambda w: (loads[w.worker_id], self.index.num_blocks(w.worker_id)))
+                why = "least_loaded"
         self.num_choices[why] += 1
         self._sent[best.worker_id] = (best.stats, self._sent_since_stats(best) + 1)
         if query.session_id is not None:
-            self._sessions[query.session_id] = best.worker_id
-            self._sessions.move_to_end(query.session_id)
-            if len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            _remember(self._sessions, query.session_id, best.worker_id)
+        if query.block_hashes:
+            _remember(self._prompt_ends, query.block_hashes[-1], None)
         self.index.insert_speculative(best.worker_id, query.block_hashes)
         return best
-
-    @staticmethod
-    def _score(worker, matched: dict[str, int], loads: dict[str, int], num_blocks: int) -> float:
-        low, high = min(loads.values()), max(loads.values())
-        load = (loads[worker.worker_id] - low) / max(high - low, LOAD_SPAN)
-        stats = worker.stats
-        kv_usage = 1.0 - stats.num_free_blocks / stats.num_total_blocks if stats and stats.num_total_blocks else 0.0
-        return PREFIX_WEIGHT * matched[worker.worker_id] / num_blocks - LOAD_WEIGHT * load - KV_USAGE_WEIGHT * kv_usage
 
     def _sent_since_stats(self, worker) -> int:
         stats, num_sent = self._sent.get(worker.worker_id, (None, 0))
         return num_sent if stats is worker.stats else 0  # a new report counts what it has received
+
+
+def _remember(recent: OrderedDict, key, value) -> None:
+    """`key` -> `value`, newest; the oldest forgotten past MAX_SESSIONS."""
+    recent[key] = value
+    recent.move_to_end(key)
+    if len(recent) > MAX_SESSIONS:
+        recent.popitem(last=False)

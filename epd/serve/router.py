@@ -5,9 +5,9 @@ least_loaded  power of two choices: of two workers drawn at random, the one
               with fewer running + waiting requests in its latest stats.
 prefix_hash   consistent hashing of the prompt's first block-aligned tokens,
               so requests sharing a prefix land where its KV is cached.
-cache_aware   the longest prefix a worker holds (known from its prefix cache's
-              changes), weighed against load, with session affinity
-              (epd/serve/cache_aware_router.py).
+cache_aware   the worker holding the most of the prompt (known from its prefix
+              cache's changes) when that is over half of it, else the least
+              loaded, with session affinity (epd/serve/cache_aware_router.py).
 
 Under `least_loaded` (the default), text-only requests go to the worker with
 the fewest requests (`LeastRequestsRouter`): they wait for no encoder, so the

@@ -151,7 +151,7 @@ def test_the_longest_cached_prefix_wins_and_a_burst_sticks_before_any_event():
     assert router.num_choices == {"imbalance": 0, "session": 0, "least_loaded": 1, "cache": 4}
 
 
-def test_load_and_kv_usage_outweigh_a_short_hit():
+def test_a_short_hit_goes_to_the_least_loaded_a_long_one_to_its_holder():
     index = PrefixIndex()
     router = CacheAwareRouter(index)
     index.insert_speculative("w0", [1])
@@ -160,6 +160,32 @@ def test_load_and_kv_usage_outweigh_a_short_hit():
     index.insert_speculative("w0", [11, 12, 13, 14])  # most of it, one request more than w1
     workers = _workers([1, 0])
     assert router.choose(workers, [], RouteQuery([11, 12, 13, 14, 15])).worker_id == "w0"
+
+
+def test_a_shared_system_prompt_does_not_pull_new_conversations_onto_its_holder():
+    index = PrefixIndex()
+    router = CacheAwareRouter(index)
+    workers, seqs = _workers([0, 0, 0, 0], free=(100,) * 4), {}
+    system = [1, 2]  # every conversation's first two blocks
+
+    def route(blocks, session_id):
+        worker = router.choose(workers, [], RouteQuery(blocks, session_id))
+        # the turn runs and ends: its worker's events confirm the blocks, its next stats show it idle
+        index.apply(KVBlocks(worker.worker_id, seqs.get(worker.worker_id, 0), [("stored", blocks)], "ab"))
+        seqs[worker.worker_id] = seqs.get(worker.worker_id, 0) + 1
+        worker.stats = WorkerStats(worker.worker_id, "aggregated", 0, 0, 100, 100, 0)
+        return worker.worker_id
+
+    first_turns = {f"chat-{c}": system + [100 * c + k for k in range(4)] for c in range(8)}
+    homes = {chat: route(blocks, chat) for chat, blocks in first_turns.items()}
+    assert sorted(list(homes.values()).count(w.worker_id) for w in workers) == [2, 2, 2, 2]
+    assert router.num_choices["least_loaded"] == 8  # 2 of 6 blocks cached is not enough to follow
+    for chat, blocks in first_turns.items():  # each follow-up (the history and a new message) sticks
+        assert route(blocks + [7000, 7001], chat) == homes[chat]
+    for chat, blocks in first_turns.items():  # no session named, a long new message (8 of 18 blocks cached):
+        # the cached part is the whole previous prompt, so the conversation still goes home
+        assert route(blocks + [7000, 7001] + list(range(8000, 8010)), None) == homes[chat]
+    assert router.num_choices == {"imbalance": 0, "session": 8, "least_loaded": 8, "cache": 8}
 
 
 def test_the_imbalance_guard_sends_to_the_least_loaded():
