@@ -236,6 +236,7 @@ class EncoderWorker(WorkerIO):
         finally:
             self.counters.encode_seconds_sum += time.perf_counter() - start
         self.counters.num_images += 1
+        self.counters.audio.num_items += 1
         self._store(job.msg, job.msg.mm_hash, entry)
 
     def _video_results(self, job: _Job) -> list:

@@ -102,9 +102,12 @@ class InputProcessor:
         audio_items = []
         if audio_bytes:
             audio_items, audios = self._audios(list(audio_bytes))
-        if len(audio_parts(messages)) != len(audios):  # never dropped silently
-            raise RequestError(status=400, param="messages", message=f"{get_family(self.info.family).name} "
-                               "takes no audio")
+        num_parts = len(audio_parts(messages))
+        if num_parts != len(audios):  # never dropped silently
+            family = get_family(self.info.family)
+            raise RequestError(status=400, param="messages", message=f"{family.name} takes no audio"
+                               if family.audio is None else f"the messages hold {num_parts} audio parts; "
+                               f"{len(audios)} clips were given")
         tower_digest = self._tower_digest(lora) if images or videos else None
         image_items, refs = self._images(images, tower_digest)
         planned = self.videos.plan(list(videos), mm_processor_kwargs, tower_digest)

@@ -116,3 +116,18 @@ def _post(server, content: list[dict]) -> httpx.Response:
 def test_a_bad_clip_is_a_400_and_the_server_serves_on(server, offline, content, message):
     assert_error(_post(server, content), 400, message)
     assert _answer(_chat(server, [input_audio(CLIPS["16k"]), QUESTION])) == offline["16k"]
+
+
+@pytest.mark.slow
+def test_e_p_d_encodes_the_clip_on_an_encoder_worker(omni_model, offline, tmp_path):
+    """The clip's embeddings come from the encoder worker, through the cache, to the prefill worker."""
+    srv = start_server(omni_model, tmp_path, "e-p-d", "--max-model-len", "512")
+    try:
+        for name, clip in CLIPS.items():
+            assert _answer(_chat(srv, [input_audio(clip), QUESTION])) == offline[name], name
+        metrics = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    finally:
+        assert srv.stop() == 0, srv.log()
+    audio_items = [line for line in metrics.splitlines()
+                   if line.startswith("epd:encoder_items") and 'modality="audio"' in line and 'role="encoder"' in line]
+    assert audio_items and sum(float(line.split()[-1]) for line in audio_items) == len(CLIPS), audio_items
