@@ -3,12 +3,13 @@ aggregated mode: a chat with OpenAI's `input_audio` clip, sent with the real ope
 answers what the offline `LLM.chat` answers (greedy text, prompt and output token ids, each
 token's top-5 logprobs; offline equals transformers' thinker, tests/unit/engine/
 test_qwen_omni_vs_transformers.py), for a 16 kHz clip and one the encoder resamples; vLLM's
-`audio_url` part gives the same. A corrupt clip, one past --max-audio-seconds and one past
+`audio_url` part gives the same, and /tokenize counts the clip's prompt as the chat does. A corrupt clip, one past --max-audio-seconds and one past
 --limit-mm-per-prompt are each a 400 with an OpenAI error body, and the server keeps serving."""
 from __future__ import annotations
 
 import base64
 import io
+import time
 import wave
 
 import httpx
@@ -98,6 +99,11 @@ def test_an_audio_chat_answers_as_offline(server, offline):
         assert _answer(_chat(server, [input_audio(clip), QUESTION])) == offline[name], name
     url = "data:audio/wav;base64," + base64.b64encode(CLIPS["16k"]).decode()
     assert _answer(_chat(server, [{"type": "audio_url", "audio_url": {"url": url}}, QUESTION])) == offline["16k"]
+    model = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    tokenized = httpx.post(server.base_url + "/tokenize", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": [input_audio(CLIPS["22k"]), QUESTION]}]})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == offline["22k"][1]
 
 
 def _post(server, content: list[dict]) -> httpx.Response:
@@ -125,9 +131,18 @@ def test_e_p_d_encodes_the_clip_on_an_encoder_worker(omni_model, offline, tmp_pa
     try:
         for name, clip in CLIPS.items():
             assert _answer(_chat(srv, [input_audio(clip), QUESTION])) == offline[name], name
-        metrics = httpx.get(srv.base_url + "/metrics", timeout=30).text
+        for _ in range(100):  # the encoder's counters reach the API with its next stats
+            num_encoded = _encoder_audio_items(srv)
+            if num_encoded >= len(CLIPS):
+                break
+            time.sleep(0.1)
     finally:
         assert srv.stop() == 0, srv.log()
-    audio_items = [line for line in metrics.splitlines()
-                   if line.startswith("epd:encoder_items") and 'modality="audio"' in line and 'role="encoder"' in line]
-    assert audio_items and sum(float(line.split()[-1]) for line in audio_items) == len(CLIPS), audio_items
+    assert num_encoded == len(CLIPS)
+
+
+def _encoder_audio_items(server) -> float:
+    """epd:encoder_items of modality "audio" over the encoder workers."""
+    metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("epd:encoder_items")
+               and 'modality="audio"' in line and 'role="encoder"' in line)
