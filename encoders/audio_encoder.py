@@ -11,36 +11,15 @@ an entry (docs/decisions/audio-items.md). The family's audio side
 """
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import torch
 
 from epd.families.registry import family_of
+from epd.transport.media.audio_samples import decode_audio
 from epd.transport.embedding_cache.mm_cache import mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
 MAX_AUDIO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
-
-
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    """An audio file's bytes -> (mono float32 samples, sampling rate); ValueError naming what failed."""
-    import av
-
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = next((s for s in container.streams if s.type == "audio"), None)
-            if stream is None:
-                raise ValueError("the audio file holds no audio stream")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=stream.rate)
-            chunks = [f.to_ndarray()[0] for frame in container.decode(stream) for f in resampler.resample(frame)]
-            chunks += [f.to_ndarray()[0] for f in resampler.resample(None)]
-            rate = stream.rate
-    except av.FFmpegError as exc:
-        raise ValueError(f"the audio file cannot be decoded ({exc})") from None
-    if not chunks:
-        raise ValueError("the audio file holds no samples")
-    return np.concatenate(chunks).astype(np.float32, copy=False), int(rate)
 
 
 class AudioClip:
@@ -76,6 +55,18 @@ class AudioEncoder:
         key = mm_hash(samples.tobytes(), self.model_fingerprint, {**self._key_config, "sampling_rate": int(rate),
                                                                    "shape": list(samples.shape)})
         return AudioClip(samples, int(rate), key)
+
+    def encode_served(self, data: bytes, key: str, num_tokens: int) -> MMEntry:
+        """A served clip (an EncodeRequest's file bytes) -> its entry, checked against what the API
+        counted and keyed (epd/inputs/audio_header.py); ValueError naming a mismatch or a bad file."""
+        clip = self.clip(data)
+        if clip.mm_hash != key:
+            raise ValueError("the API keyed this audio clip under other feature settings than this encoder's")
+        entry = self.encode([clip])[key]
+        if entry.embeddings.shape[0] != num_tokens:
+            raise ValueError(f"the audio clip gives {entry.embeddings.shape[0]} embeddings; the API counted "
+                             f"{num_tokens} placeholder tokens")
+        return entry
 
     def encode(self, clips: list[AudioClip]) -> dict[str, MMEntry]:
         """Each distinct clip's entry by its key: features, then one tower pass over them all."""

@@ -14,6 +14,9 @@ encoder (encoders/video_encoder.py); each entry its spans name (a Qwen3-VL
 temporal group, or the whole Qwen2.5-VL video) goes to the cache and gets its
 own EncodeDone, as an image's does. A video that fails sends one EncodeDone
 with the error, for its first entry: the request waits for all of them.
+An audio clip (`audio_tokens`, the count the API gave) is a batch of its own
+too: its file decoded and resampled, the family's audio side's features and
+tower (encoders/audio_encoder.py), one entry checked against that count.
 
 With a tower adapter (EncodeRequest.lora, --enable-tower-lora) the tower runs
 its weights (ImageEncoder.adapted, encoders/tower_lora.py): a batch's images
@@ -53,6 +56,7 @@ from epd.transport.wire.wire_values import EncoderCounters
 from epd.transport.wire.worker_io import WorkerIO, WorkerSpec
 
 log = logging.getLogger("epd.encoder")
+NO_AUDIO_ENCODER = "this encoder has no audio side (the model takes no audio)"
 
 @dataclass
 class _Job:
@@ -63,21 +67,23 @@ class _Job:
 
 
 def _is_alone(job: _Job) -> bool:
-    """A video, or an item whose request was a suspect of an encoder's death: a batch of its own."""
-    return job.msg.video is not None or job.msg.alone
+    """A video, an audio clip, or an item whose request was a suspect of an encoder's death: a
+    batch of its own."""
+    return job.msg.video is not None or job.msg.audio_tokens > 0 or job.msg.alone
 
 
 class EncoderWorker(WorkerIO):
     def __init__(self, spec: WorkerSpec, encoder: ImageEncoder, video=None,
-                 decode_limits: DecodeLimits | None = None):
+                 decode_limits: DecodeLimits | None = None, audio=None):
         """`video`: the checkpoint's VideoEncoder (None: videos refused); `decode_limits`:
-        what decoding one may cost."""
+        what decoding one may cost; `audio`: the family's AudioEncoder (None: clips refused)."""
         if spec.role != Role.ENCODER:
             raise ValueError(f"an encoder worker cannot take the role '{spec.role}'")
         super().__init__(spec, encoder.model_fingerprint,
                          max_frame_bytes=encoder_inbox_frame_bytes(spec.max_image_bytes))
         self.encoder = encoder
         self.video = video
+        self.audio = audio
         self.decode_limits = decode_limits
         self.queue: list[_Job] = []
         self.running = True
@@ -115,6 +121,12 @@ class EncoderWorker(WorkerIO):
                 log.warning("%s: unexpected %s", self.spec.worker_id, type(msg).__name__)
 
     def _enqueue(self, msg: EncodeRequest, arrived_s: float) -> None:
+        if msg.audio_tokens > 0:
+            if self.audio is None:
+                self._done(msg, error=NO_AUDIO_ENCODER)
+            else:  # the tower's work and its rows: the clip's tokens, as counted by the API
+                self.queue.append(_Job(msg, arrived_s, msg.audio_tokens, msg.audio_tokens))
+            return
         if msg.video is not None:
             if self.video is None:
                 self._done(msg, self._keys(msg)[0], error=NO_VIDEO_ENCODER)
@@ -162,6 +174,9 @@ class EncoderWorker(WorkerIO):
         if batch[0].msg.video is not None:
             self._encode_video(batch[0])
             return
+        if batch[0].msg.audio_tokens > 0:
+            self._encode_audio(batch[0])
+            return
         self._encode_images(batch)
 
     def _encode_images(self, batch: list[_Job]) -> None:
@@ -208,6 +223,21 @@ class EncoderWorker(WorkerIO):
         self.counters.video.num_items += 1
         for key, entry in results:
             self._store(job.msg, key, entry)
+
+    def _encode_audio(self, job: _Job) -> None:
+        """One audio clip: decoded, encoded and stored (encoders/audio_encoder.py); a bad file, or
+        embeddings that do not fill the API's count, fail its request."""
+        start = time.perf_counter()
+        try:
+            entry = self.audio.encode_served(job.msg.image, job.msg.mm_hash, job.msg.audio_tokens)
+        except ValueError as exc:
+            self._done(job.msg, error=str(exc))
+            return
+        finally:
+            self.counters.encode_seconds_sum += time.perf_counter() - start
+        self.counters.num_images += 1
+        self.counters.audio.num_items += 1
+        self._store(job.msg, job.msg.mm_hash, entry)
 
     def _video_results(self, job: _Job) -> list:
         """(key, MMEntry or error) per entry of a video (a failure: its first entry's error)."""

@@ -9,15 +9,16 @@ from epd.config import field_default
 from epd.inputs.media import MediaConfig
 from epd.transport.wire.flag_json import json_object as read_json_object
 
-MODALITIES = ("image", "video")  # --limit-mm-per-prompt keys
+MODALITIES = ("image", "video", "audio")  # --limit-mm-per-prompt keys
 VIDEO_IO_KEYS = ("num_frames",)  # --media-io-kwargs' video keys EPD applies (vLLM's loader)
 
 
 def limit_mm_per_prompt(value: str | None) -> dict[str, int]:
     """--limit-mm-per-prompt as vLLM writes it, '{"image": 4, "video": 0}', or EPD's
-    image=N[,video=M] -> {"image": ..., "video": ...} (a modality left out: its default)."""
+    image=N[,video=M][,audio=K] -> {"image": ..., "video": ..., "audio": ...} (a modality left out: its default)."""
     limits = {"image": field_default(MediaConfig, "limit_images_per_prompt"),
-              "video": field_default(MediaConfig, "limit_videos_per_prompt")}
+              "video": field_default(MediaConfig, "limit_videos_per_prompt"),
+              "audio": field_default(MediaConfig, "limit_audios_per_prompt")}
     if value is None:
         return limits
     if value.lstrip().startswith("{"):

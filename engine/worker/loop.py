@@ -234,7 +234,8 @@ class EngineWorker(KVHandover, WorkerIO):
                 self.encoder_counters.num_errors += 1
             else:
                 self.encoder_counters.num_images += 1  # a video counts one, as on an encoder worker
-                self.encoder_counters.modality("image" if msg.video is None else "video").num_items += 1
+                kind = "video" if msg.video is not None else "audio" if msg.audio_tokens else "image"
+                self.encoder_counters.modality(kind).num_items += 1
             for key, result in pairs:
                 if isinstance(result, str):
                     self._on_encode_done(EncodeDone(msg.request_id, key, ok=False, error=result))

@@ -1,7 +1,9 @@
 """OpenAI chat messages, checked at the edge: roles, content parts, images,
-videos, assistant `tool_calls` and `tool` messages -> the form the chat template reads."""
+videos, audio clips, assistant `tool_calls` and `tool` messages -> the form the chat template reads."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any
 
@@ -11,17 +13,20 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 
 def validate_messages(messages: list[dict[str, Any]], max_images: int | None = None,
-                      max_videos: int | None = None) -> list[dict]:
+                      max_videos: int | None = None, max_audios: int = 0) -> list[dict]:
     """OpenAI chat messages -> [{"role", "content"}] with role in system/user/assistant/tool
     ("developer" becomes "system") or any other name, which the chat template renders
     (vLLM's custom roles), and content a string or a list of
     {"type": "text", "text"} / {"type": "image_url", "image_url": {"url"}} /
     {"type": "video_url", "video_url": {"url"}} parts; an assistant message keeps its
     `tool_calls` (arguments parsed, for the template) and a tool message its
-    `tool_call_id`. More than `max_images` images or `max_videos` videos: 400
-    (--limit-mm-per-prompt), before anything is fetched."""
+    `tool_call_id`. Audio clips, where the model takes them (`max_audios` > 0):
+    {"type": "input_audio", "input_audio": {"data": base64, "format"}} (OpenAI's) and
+    {"type": "audio_url", "audio_url": {"url"}} (vLLM's); else such a part is refused by
+    its type. More than `max_images` images, `max_videos` videos or `max_audios` clips:
+    400 (--limit-mm-per-prompt), before anything is fetched."""
     out = []
-    num_images = num_videos = 0
+    num_images = num_videos = num_audios = 0
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         role = msg.get("role")
@@ -38,7 +43,9 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
                 raise RequestError(f"{where}.content: field required", param=f"{where}.content")
             content = ""
         elif isinstance(content, list):
-            content = [_content_part(part, role, f"{where}.content[{j}]") for j, part in enumerate(content)]
+            content = [_content_part(part, role, f"{where}.content[{j}]", max_audios > 0)
+                       for j, part in enumerate(content)]
+            num_audios += sum(1 for part in content if part["type"] in ("input_audio", "audio_url"))
             num_images += sum(1 for part in content if part["type"] == "image_url")
             num_videos += sum(1 for part in content if part["type"] == "video_url")
         elif not isinstance(content, str):
@@ -58,6 +65,10 @@ def validate_messages(messages: list[dict[str, Any]], max_images: int | None = N
     if max_videos is not None and num_videos > max_videos:
         raise RequestError(f"at most {max_videos} video{'s' if max_videos != 1 else ''} per request "
                            f"{'are' if max_videos != 1 else 'is'} allowed, got {num_videos} "
+                           "(--limit-mm-per-prompt)", param="messages")
+    if num_audios > max_audios:
+        raise RequestError(f"at most {max_audios} audio clip{'s' if max_audios != 1 else ''} per request "
+                           f"{'are' if max_audios != 1 else 'is'} allowed, got {num_audios} "
                            "(--limit-mm-per-prompt)", param="messages")
     return out
 
@@ -112,7 +123,33 @@ def _video_part(part: dict, where: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
-def _content_part(part: Any, role: str, where: str) -> dict:
+def _audio_part(part: dict, where: str) -> dict:
+    """OpenAI's {"type": "input_audio", "input_audio": {"data": base64, "format"}} or vLLM's
+    {"type": "audio_url", "audio_url": {"url"}} (data:audio/...;base64, file:// or http(s)://)."""
+    kind = part["type"]
+    value = part.get(kind)
+    if not isinstance(value, dict):
+        raise RequestError(f"{where}.{kind}: must be an object", param=f"{where}.{kind}")
+    if kind == "audio_url":
+        url = value.get("url")
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where}.audio_url.url: must be a non-empty string", param=f"{where}.audio_url.url")
+        return {"type": "audio_url", "audio_url": {"url": url}}
+    data, fmt = value.get("data"), value.get("format")
+    if not isinstance(data, str) or not data:
+        raise RequestError(f"{where}.input_audio.data: must be a non-empty base64 string",
+                           param=f"{where}.input_audio.data")
+    try:
+        base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(f"{where}.input_audio.data: not base64", param=f"{where}.input_audio.data") from None
+    if fmt is not None and not isinstance(fmt, str):
+        raise RequestError(f"{where}.input_audio.format: must be a string (\"wav\", \"mp3\", ...)",
+                           param=f"{where}.input_audio.format")
+    return {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}
+
+
+def _content_part(part: Any, role: str, where: str, takes_audio: bool = False) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
         if not isinstance(part.get("text"), str):
@@ -126,6 +163,11 @@ def _content_part(part: Any, role: str, where: str) -> dict:
         if role != "user":
             raise RequestError(f"{where}.type: videos are only allowed in user messages", param=f"{where}.type")
         return _video_part(part, where)
-    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected 'text', 'image_url' "
-                       "or 'video_url'", param=f"{where}.type")
-
+    if kind in ("input_audio", "audio_url") and takes_audio:
+        if role != "user":
+            raise RequestError(f"{where}.type: audio is only allowed in user messages", param=f"{where}.type")
+        return _audio_part(part, where)
+    expected = ("'text', 'image_url', 'video_url', 'input_audio' or 'audio_url'" if takes_audio else
+                "'text', 'image_url' or 'video_url' (audio: only where the model takes it)")
+    raise RequestError(f"{where}.type: unsupported content part type {kind!r}; expected {expected}",
+                       param=f"{where}.type")

@@ -134,6 +134,7 @@ class GenerateRoute:
             request_id = internal_request_id(scope, "chatcmpl")
             request = body.to_generate_request(request_id, max_images_per_prompt=self.settings.max_images_per_prompt,
                                                max_videos_per_prompt=self.settings.max_videos_per_prompt,
+                                               max_audios_per_prompt=self.settings.max_audios_per_prompt,
                                                defaults=self.settings.sampling_defaults)
             request.lora = lora
             request.session_id = session_id(scope, body)

@@ -344,7 +344,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return content if isinstance(content, str) else ""
 
     def to_generate_request(self, request_id: str, *, max_images_per_prompt: int | None = None,
-                            max_videos_per_prompt: int | None = None,
+                            max_videos_per_prompt: int | None = None, max_audios_per_prompt: int = 0,
                             defaults: SamplingDefaults = NEUTRAL) -> GenerateRequest:
         """Raises RequestError for what the schema alone cannot catch. `defaults`:
         the sampling values of the fields the request leaves out."""
@@ -366,7 +366,7 @@ class ChatCompletionRequest(_GenerationRequest):
                                "named tool_choice may constrain the output", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        messages = validate_messages(self.messages, max_images_per_prompt, max_videos_per_prompt)
+        messages = validate_messages(self.messages, max_images_per_prompt, max_videos_per_prompt, max_audios_per_prompt)
         check_mm_processor_kwargs(self.mm_processor_kwargs)
         check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         check_chat_template_kwargs(self.chat_template_kwargs)

@@ -17,6 +17,7 @@ class ApiSettings:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>"
     max_images_per_prompt: int | None = None  # None: no limit
     max_videos_per_prompt: int | None = None  # None: no limit
+    max_audios_per_prompt: int = 0  # 0: audio parts refused (a model without an audio side, or the limit 0)
     max_request_body_bytes: int = 64 << 20  # larger bodies get 413 before they are read (--max-request-body-mb)
     metrics_require_key: bool = False  # --metrics-require-key: /metrics behind the API key too (vLLM leaves it open)
     metrics_model_name: str | None = None  # the model_name label of /metrics (None: served_model_name); never a path

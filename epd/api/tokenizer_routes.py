@@ -114,7 +114,8 @@ def _chat_request(chat: TokenizeChatRequest, settings: ApiSettings) -> GenerateR
         tools = validate_tools(chat.tools or [])
     except ToolError as exc:
         raise RequestError(str(exc), param=exc.param) from None
-    messages = validate_messages(chat.messages, settings.max_images_per_prompt, settings.max_videos_per_prompt)
+    messages = validate_messages(chat.messages, settings.max_images_per_prompt, settings.max_videos_per_prompt,
+                                 settings.max_audios_per_prompt)
     check_continue_final_message(chat.continue_final_message, chat.add_generation_prompt)
     check_chat_template_kwargs(chat.chat_template_kwargs)
     check_mm_processor_kwargs(chat.mm_processor_kwargs)

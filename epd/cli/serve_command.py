@@ -174,7 +174,11 @@ def _add_media_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON|image=N",
                    help="items of each modality a request may hold, as vLLM's '{\"image\": 4, \"video\": 1}' or "
                         f"image=N (default: image {field_default(MediaConfig, 'limit_images_per_prompt')}, "
-                        f"video {field_default(MediaConfig, 'limit_videos_per_prompt')})")
+                        f"video {field_default(MediaConfig, 'limit_videos_per_prompt')}, "
+                        f"audio {field_default(MediaConfig, 'limit_audios_per_prompt')}: a model that takes audio)")
+    p.add_argument("--max-audio-seconds", type=float, default=field_default(MediaConfig, "max_audio_seconds"),
+                   help="refuse longer audio clips (from the header, else the decoded samples); Qwen2.5-Omni's "
+                        "processor keeps a clip's first 30 s, as transformers' does")
     _add_video_flags(p)
     add_input_processing_args(p)
     p.add_argument("--max-request-pixels", type=int, default=field_default(MediaConfig, "max_request_pixels"),
@@ -279,6 +283,7 @@ def serve_config(args) -> ServeConfig:
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           fetch_timeout_s=args.media_fetch_timeout,
                           limit_images_per_prompt=limits["image"], limit_videos_per_prompt=limits["video"],
+                          limit_audios_per_prompt=limits["audio"], max_audio_seconds=args.max_audio_seconds,
                           max_request_pixels=args.max_request_pixels,
                           video_chunk_frames=args.video_chunk_frames,
                           **video_limits(args), **media_io_kwargs(args.media_io_kwargs)),

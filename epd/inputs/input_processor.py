@@ -7,9 +7,11 @@ items: `InputProcessor` (vLLM's), one for the server's Preparer
     images         header size -> grid and patches, mm_hash            encoders/image_io.py,
                                                                        transport/embedding_cache/mm_cache.py
     videos         header -> plan (frames, size, tokens), mm_hash, chunks   epd/inputs/video_inputs.py
+    audio clips    samples counted as the encoder will hold them -> the family's tokens, mm_hash
+                                                                       epd/inputs/audio_header.py
     prompt         chat template + the family's placeholder expansion  epd/inputs/prompt.py,
                                                                        epd/families/registry.py (PromptFormat)
-    items          one MediaItem per distinct image, video or chunk    epd/inputs/media_item.py
+    items          one MediaItem per distinct image, video, chunk or clip   epd/inputs/media_item.py
 
 Fetching the bytes stays with each caller (the server fetches asynchronously,
 the LLM reads its caller's files), as do the server's pending-bytes budget and
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from epd.encoders.image_io import DEFAULT_MAX_IMAGE_PIXELS, ImageError, read_image_size
 from epd.engine.model_info import ModelInfo
 from epd.families.registry import get_family
+from epd.inputs.audio_header import AudioError, read_audio_samples
 from epd.inputs.media import MediaConfig
 from epd.inputs.media_item import MediaItem
 from epd.inputs.model_files import ModelFiles
@@ -64,6 +67,7 @@ class InputProcessor:
                                      video_token_id=info.video_token_id if info.video_token_id >= 0 else None,
                                      prompt_format=get_family(info.family).prompt_format)
         self.videos = VideoInputs(files, limits, dict(server_kwargs or {}), info.fingerprint)
+        self._audio_key_config: dict | None = None  # a clip's key config, once a clip comes (reads the extractor)
 
     def process_prompt(self, prompt: str | list[int], add_special_tokens: bool = False,
                        max_prompt_tokens: int | None = None) -> list[int]:
@@ -88,15 +92,22 @@ class InputProcessor:
                      lora: LoRARequest | None = None, mm_processor_kwargs: dict | None = None,
                      add_generation_prompt: bool = True, tools: list[dict] | None = None,
                      template_kwargs: dict | None = None, continue_final_message: bool = False,
-                     max_prompt_tokens: int | None = None, audios: list[AudioRef] = ()) -> ProcessedPrompt:
+                     max_prompt_tokens: int | None = None, audios: list[AudioRef] = (),
+                     audio_bytes: list[bytes] = ()) -> ProcessedPrompt:
         """`images` and `videos`: the raw bytes of the messages' image and video parts, in
-        order; `audios`: their audio clips, counted and keyed (offline: encoded already, the
-        caller holds their entries). RequestError for an input refused; PromptTooLong past
-        `max_prompt_tokens`."""
-        if len(audio_parts(messages)) != len(audios):  # never dropped silently
+        order; their audio clips either as `audios`, counted and keyed (offline: encoded already,
+        the caller holds their entries), or as `audio_bytes`, the files' bytes (the server's:
+        each becomes an item for an encoder). RequestError for an input refused; PromptTooLong
+        past `max_prompt_tokens`."""
+        audio_items = []
+        if audio_bytes:
+            audio_items, audios = self._audios(list(audio_bytes))
+        num_parts = len(audio_parts(messages))
+        if num_parts != len(audios):  # never dropped silently
             family = get_family(self.info.family)
             raise RequestError(status=400, param="messages", message=f"{family.name} takes no audio"
-                               if family.audio is None else "audio parts are served by the offline LLM only, so far")
+                               if family.audio is None else f"the messages hold {num_parts} audio parts; "
+                               f"{len(audios)} clips were given")
         tower_digest = self._tower_digest(lora) if images or videos else None
         image_items, refs = self._images(images, tower_digest)
         planned = self.videos.plan(list(videos), mm_processor_kwargs, tower_digest)
@@ -110,6 +121,7 @@ class InputProcessor:
         except ValueError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         items = image_items + [item for video, data in zip(planned, videos) for item in video.items(data)]
+        items += audio_items
         return ProcessedPrompt(prompt.token_ids, prompt.mm_spans, list({item.key: item for item in items}.values()),
                                lora if tower_digest else None)
 
@@ -145,3 +157,26 @@ class InputProcessor:
             images.append(MediaItem(key, data, patches, num_tokens))
             refs.append(ImageRef(width, height, key))
         return images, refs
+
+    def _audios(self, raw_audios: list[bytes]) -> tuple[list[MediaItem], list[AudioRef]]:
+        """Each clip's item and ref: its samples counted as the encoder will hold them, the family's
+        tokens and span metadata, keyed as the encoder's audio side keys it (encoders/audio_encoder.py);
+        RequestError for a clip refused."""
+        family = get_family(self.info.family)
+        fmt = family.prompt_format
+        if family.audio is None or fmt.audio_span is None:
+            raise RequestError(status=400, message=f"{family.name} takes no audio", param="messages")
+        if self._audio_key_config is None:
+            self._audio_key_config = {"modality": "audio", "family": family.model_type,
+                                      "features": fmt.audio_settings(self.files.model_dir)}
+        max_seconds = self.limits.max_audio_seconds if self.limits is not None else float("inf")
+        items, refs = [], []
+        for data in raw_audios:
+            try:
+                num_tokens, meta = fmt.audio_span(read_audio_samples(data, fmt.audio_sampling_rate, max_seconds))
+            except (AudioError, ValueError) as exc:
+                raise RequestError(status=400, message=str(exc), param="messages") from None
+            key = mm_hash(data, self.info.fingerprint, self._audio_key_config)
+            items.append(MediaItem(key, data, num_tokens, num_tokens, is_audio=True))
+            refs.append(AudioRef(num_tokens, key, dict(meta)))
+        return items, refs

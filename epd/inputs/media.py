@@ -78,6 +78,8 @@ class MediaConfig:
     video_num_frames: int = -1
     video_decode_timeout_s: float = DEFAULT_VIDEO_DECODE_TIMEOUT_S  # the encoder's, per video
     video_chunk_frames: int = 0  # a longer video is encoded in chunks of this many sampled frames (0: whole)
+    limit_audios_per_prompt: int = 1  # audio clips (a family with an audio side; others refuse any)
+    max_audio_seconds: float = 600.0  # a clip's duration from its header; its bytes capped as a video's
 
     def __post_init__(self) -> None:
         for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels", "max_video_bytes",
@@ -95,6 +97,10 @@ class MediaConfig:
             raise ValueError(f"--media-fetch-timeout must be positive, got {self.fetch_timeout_s}")
         if self.limit_images_per_prompt is not None and self.limit_images_per_prompt < 0:
             raise ValueError(f"--limit-mm-per-prompt image=N needs N >= 0, got {self.limit_images_per_prompt}")
+        if self.limit_audios_per_prompt < 0:
+            raise ValueError(f"--limit-mm-per-prompt audio=N needs N >= 0, got {self.limit_audios_per_prompt}")
+        if not self.max_audio_seconds > 0:
+            raise ValueError(f"--max-audio-seconds must be positive, got {self.max_audio_seconds}")
         if self.limit_videos_per_prompt < 0:
             raise ValueError(f"--limit-mm-per-prompt video=N needs N >= 0, got {self.limit_videos_per_prompt}")
         if any(not d or d != d.strip().lower() or "/" in d or d.count(":") == 1 for d in self.allowed_media_domains):
@@ -104,8 +110,8 @@ class MediaConfig:
             raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path} is not a directory")
 
     def max_bytes(self, modality: str) -> int:
-        """The encoded-size cap of one item of `modality`."""
-        return self.max_video_bytes if modality == "video" else self.max_image_bytes
+        """The encoded-size cap of one item of `modality` (an audio file's: a video's)."""
+        return self.max_video_bytes if modality in ("video", "audio") else self.max_image_bytes
 
     def decode_limits(self) -> DecodeLimits:
         """What an encoder may spend decoding one video (it checks them again: a peer's plan)."""

@@ -1,4 +1,4 @@
-"""One image, video or video chunk of a request, from its preparation to its
+"""One image, video, video chunk or audio clip of a request, from its preparation to its
 encoder: `MediaItem`.
 
 The preparer makes one per distinct item (epd/serve/preparer.py), placement
@@ -14,8 +14,8 @@ from epd.transport.media.video_geometry import VideoPlan
 
 @dataclass(frozen=True)
 class MediaItem:
-    """What one EncodeRequest encodes: an image, a whole video, or one chunk of a
-    video (`--video-chunk-frames`)."""
+    """What one EncodeRequest encodes: an image, a whole video, one chunk of a
+    video (`--video-chunk-frames`), or an audio clip (its file's bytes)."""
 
     key: str  # at the API (cache lookup, router): an image's or video's mm_hash, a chunk's first entry's
     data: bytes  # the raw bytes, never pixels
@@ -24,10 +24,13 @@ class MediaItem:
     video: VideoPlan | None = None  # a video's or chunk's plan: the frames to decode and their size (None: an image)
     entry_keys: tuple[str, ...] = ()  # a video's or chunk's: the keys of the entries it writes, in prompt order
     video_hash: str | None = None  # a chunk's: its video's mm_hash, which its EncodeRequest carries
+    is_audio: bool = False  # an audio clip (its cost and tokens: its placeholder count)
 
     @property
     def kind(self) -> str:
-        """"image", "video" or "video chunk"."""
+        """"image", "video", "video chunk" or "audio"."""
+        if self.is_audio:
+            return "audio"
         if self.video is None:
             return "image"
         return "video" if self.video_hash is None else "video chunk"

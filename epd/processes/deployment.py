@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from epd.config import ServeConfig
+from epd.families.registry import family_of
 from epd.multiprocess_metrics import MULTIPROC_DIR_ENV  # read by prometheus_client when imported (not yet, here)
 from epd.processes.local_supervisor import LocalSupervisor, worker_context
 from epd.processes.supervisor import Supervisor, WorkerWatch
@@ -116,7 +117,8 @@ def build_api(config: ServeConfig, collector: str, mm_cache_dir: str, supervisor
 
     orchestrator = Orchestrator(config, collector, mm_cache_dir, keys_dir=keys_dir, api_index=api_index,
                                 supervisor=supervisor)
-    settings = api_settings(config, orchestrator.files.sampling_defaults, lora_registry_path)
+    settings = api_settings(config, orchestrator.files.sampling_defaults, lora_registry_path,
+                            takes_audio=family_of(orchestrator.files.hf_config).audio is not None)
     app = build_app(orchestrator, settings, lifespan=None if lifespan is None else lifespan(orchestrator))
     return orchestrator, app
 

@@ -11,13 +11,15 @@ from epd.inputs.sampling_defaults import SamplingDefaults
 
 
 def api_settings(config: ServeConfig, sampling_defaults: SamplingDefaults | None = None,
-                 lora_registry_path: str | None = None) -> ApiSettings:
+                 lora_registry_path: str | None = None, takes_audio: bool = False) -> ApiSettings:
     """What the HTTP app of `epd serve` serves and whom, from its one config and the
     checkpoint's sampling defaults (the orchestrator's `ModelFiles`; None: neutral);
-    `lora_registry_path`: the adapters' registry file of --api-servers N (None: the process's own)."""
+    `lora_registry_path`: the adapters' registry file of --api-servers N (None: the process's own);
+    `takes_audio`: the model's family has an audio side (else every audio part is refused by its type)."""
     return ApiSettings(served_model_name=config.model_name, api_key=config.api_key,
                        max_images_per_prompt=config.media.limit_images_per_prompt,
                        max_videos_per_prompt=config.media.limit_videos_per_prompt,
+                       max_audios_per_prompt=config.media.limit_audios_per_prompt if takes_audio else 0,
                        max_request_body_bytes=config.limits.max_request_body_bytes,
                        metrics_require_key=config.metrics_require_key, metrics_model_name=config.metrics_model_name,
                        sampling_defaults=sampling_defaults or SamplingDefaults(),

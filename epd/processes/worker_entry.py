@@ -135,7 +135,17 @@ def _encoder_worker(launch: WorkerLaunch, hf_config, info):
     dtype = resolve_dtype(launch.engine.dtype, info.checkpoint_dtype)
     encoder = _image_encoder(launch, hf_config, info, dtype, device)
     return EncoderWorker(launch.spec, encoder, video=_video_encoder(launch, encoder, dtype, device),
-                         decode_limits=launch.decode_limits)
+                         decode_limits=launch.decode_limits, audio=_audio_encoder(launch, hf_config, info, dtype, device))
+
+
+def _audio_encoder(launch: WorkerLaunch, hf_config, info, dtype, device):
+    """The family's audio side (encoders/audio_encoder.py); None for a family that takes no audio."""
+    from epd.encoders.audio_encoder import AudioEncoder
+    from epd.families.registry import family_of
+
+    if family_of(hf_config).audio is None:
+        return None
+    return AudioEncoder(launch.model, hf_config, dtype, device, model_fingerprint=info.fingerprint)
 
 
 def _video_encoder(launch: WorkerLaunch, encoder, dtype, device):
@@ -172,22 +182,34 @@ def _engine_worker(launch: WorkerLaunch, hf_config, info):
 def _in_process_encode_fn(launch: WorkerLaunch, hf_config, info, dtype, device):
     """The aggregated worker's encoder (engine/worker/loop.py's EncodeFn): images batched, each
     video decoded and encoded as an encoder worker does it (encoders/video_request.py),
-    under the launch's decode limits."""
+    under the launch's decode limits, each audio clip likewise (encoders/audio_encoder.py)."""
     encoder = _image_encoder(launch, hf_config, info, dtype, device)
     video = _video_encoder(launch, encoder, dtype, device)
+    audio = _audio_encoder(launch, hf_config, info, dtype, device)
 
     def encode_fn(msgs, counters):
         from epd.encoders.encode_items import encode_items
 
-        images = [m for m in msgs if m.video is None]  # one tower forward per adapter (--enable-tower-lora)
+        images = [m for m in msgs if m.video is None and m.audio_tokens == 0]  # one tower forward per adapter (--enable-tower-lora)
         entries = encode_items(encoder, [m.image for m in images], [m.lora for m in images],
                                on_decode=counters.image.observe_decode)
         image_results = {id(m): entry if not isinstance(entry, ValueError) else str(entry)
                          for m, entry in zip(images, entries)}
         return [_encode_video(encoder, video, m, launch.decode_limits, counters.video.observe_decode)
-                if m.video is not None else [(m.mm_hash, image_results[id(m)])] for m in msgs]
+                if m.video is not None else _encode_audio(audio, m) if m.audio_tokens
+                else [(m.mm_hash, image_results[id(m)])] for m in msgs]
 
     return encode_fn
+
+
+def _encode_audio(audio, msg) -> list:
+    """[(key, MMEntry or error)] of one clip (encoders/audio_encoder.py)."""
+    if audio is None:
+        return [(msg.mm_hash, "this model takes no audio")]
+    try:
+        return [(msg.mm_hash, audio.encode_served(msg.image, msg.mm_hash, msg.audio_tokens))]
+    except ValueError as exc:
+        return [(msg.mm_hash, str(exc))]
 
 
 def _encode_video(encoder, video, msg, limits, on_decode) -> list:

@@ -7,11 +7,12 @@
                       (or, when no decode worker has room, to an idle prefill worker); with
                       cache_aware, short is what a decode worker does not hold of it (a chat's next turn)
     cache lookup      an image the prefill worker can read from the cache needs no encoder
-    encoders          every missing image, video or video chunk to the encoder where it finishes first
+    encoders          every missing image, video, video chunk or audio clip to the encoder where it finishes first
                       (a video's cost: frames x patches, its patches over every temporal group;
                       a long video's chunks spread over the encoders)   epd/serve/encoder_router.py
     send              PrefillRequest at once (the worker waits for its images), then one
-                      EncodeRequest per missing image, video or chunk (a video's with its VideoPlan)
+                      EncodeRequest per missing image, video, chunk or clip (a video's with its VideoPlan,
+                      a clip's with its token count)
 
 A request's placement is decided per attempt: a retry is placed again, on
 live workers. With a LoRA adapter, each router chooses among the workers that
@@ -245,6 +246,7 @@ class Placement:
             await outbox.send(enc.inbox, EncodeRequest(  # a video chunk carries its video's mm_hash
                 attempt.attempt_id, item.mm_hash, item.data, reply_to=prefill.inbox,
                 with_tensors=enc is not prefill and not enc.shares_cache_with(prefill),
-                video=item.video, lora=prep.tower_lora, alone=attempt.alone))
+                video=item.video, lora=prep.tower_lora, alone=attempt.alone,
+                audio_tokens=item.num_tokens if item.is_audio else 0))
             if enc is not prefill:
                 self.encoder_router.on_sent(enc, item.key, item.num_patches)

@@ -1,10 +1,11 @@
 """A request's media and prompt made ready for the workers: `Preparer`.
 
-    load media        image and video parts -> raw bytes (never pixels), fetched concurrently   epd/inputs/media.py
+    load media        image, video and audio parts -> raw bytes (never pixels), fetched concurrently
+                                                                          epd/inputs/media.py
     admit their bytes  --max-pending-image-mb: refused with 503 beyond it, released once prefilled
     prepare           in a thread unless the prompt is token ids
       chat            the input processor shared with the offline LLM, under the server's media
-                      flags: tower adapter, images, videos, prompt, media items
+                      flags: tower adapter, images, videos, audio clips, prompt, media items
                                                                           epd/inputs/input_processor.py
       completion      the prompt's text or ids, through the same input processor (a text past
                       max_model_len refused after tokenizing one piece past it)
@@ -13,12 +14,13 @@
     check length      the max_tokens to use within max_model_len
 
 The `Prepared` holds the prompt, its spans and its items (epd/inputs/media_item.py:
-an image, a video or a video chunk, each with its bytes, key, patches and, a
-video's, the `VideoPlan` its EncodeRequest carries).
+an image, a video, a video chunk or an audio clip, each with its bytes, key,
+patches and, a video's, the `VideoPlan` its EncodeRequest carries).
 """
 from __future__ import annotations
 
 import asyncio
+import base64
 from dataclasses import dataclass, replace
 
 from epd.config import ServeConfig
@@ -28,7 +30,7 @@ from epd.inputs.media import MediaError, MediaFetcher, image_part_source
 from epd.inputs.media_item import MediaItem
 from epd.inputs.media_uuids import ImagesByUuid
 from epd.inputs.model_files import ModelFiles
-from epd.inputs.prompt import PromptTooLong, image_parts, video_parts
+from epd.inputs.prompt import PromptTooLong, audio_parts, image_parts, video_parts
 from epd.lora_modules import TowerAdapters
 from epd.requests import GenerateRequest, RequestError
 from epd.serve.worker_metrics import WorkerMetrics
@@ -76,13 +78,13 @@ class Preparer:
         """Everything a request's attempts send; RequestError for bad input (400) or
         too many image bytes waiting (503). Holds the request's image bytes until
         `release` (the caller's, once prefilled or done)."""
-        raw_images, raw_videos = await self._load_media(req)
-        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images)) + sum(map(len, raw_videos)))
+        raw_images, raw_videos, raw_audios = await self._load_media(req)
+        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images + raw_videos + raw_audios)))
         try:
             if req.messages is None and not isinstance(req.prompt, str):
                 prep = self._prepare(req, raw_images)  # token ids: nothing to tokenize, no thread hop
             else:
-                prep = await asyncio.to_thread(self._prepare, req, raw_images, raw_videos)
+                prep = await asyncio.to_thread(self._prepare, req, raw_images, raw_videos, raw_audios=raw_audios)
             prep.max_tokens = self._check_length(req, len(prep.token_ids))
         except BaseException:
             self._release_image_bytes(held_image_bytes)
@@ -94,10 +96,11 @@ class Preparer:
         """The prompt `prepare(req)` would build (its images fetched for their sizes and hashes,
         each one's placeholders counted), without holding its images or sizing max_tokens:
         what /tokenize answers. `add_special_tokens`: a text prompt's, as the tokenizer adds them."""
-        raw_images, raw_videos = await self._load_media(req)
-        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images)) + sum(map(len, raw_videos)))
+        raw_images, raw_videos, raw_audios = await self._load_media(req)
+        held_image_bytes = self._admit_image_bytes(sum(map(len, raw_images + raw_videos + raw_audios)))
         try:
-            return (await asyncio.to_thread(self._prepare, req, raw_images, raw_videos, add_special_tokens)).token_ids
+            return (await asyncio.to_thread(self._prepare, req, raw_images, raw_videos, add_special_tokens,
+                                            raw_audios)).token_ids
         finally:
             self._release_image_bytes(held_image_bytes)
 
@@ -111,23 +114,24 @@ class Preparer:
 
     # ------------------------------------------------------------- media
 
-    async def _load_media(self, req: GenerateRequest) -> tuple[list[bytes], list[bytes]]:
-        """Raw bytes of every image part and every video part, in order, fetched
-        concurrently; RequestError for a refused one (the others are cancelled). The
-        per-prompt limits were checked by the API layer (protocol.validate_messages)
-        before any fetch."""
+    async def _load_media(self, req: GenerateRequest) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """Raw bytes of every image, video and audio part, in order, fetched concurrently;
+        RequestError for a refused one (the others are cancelled). The per-prompt limits
+        were checked by the API layer (protocol.validate_messages) before any fetch."""
         if req.messages is None:
-            return [], []
-        parts, videos = image_parts(req.messages), video_parts(req.messages)
+            return [], [], []
+        parts, videos, audios = image_parts(req.messages), video_parts(req.messages), audio_parts(req.messages)
         if parts and self.files.no_images_reason:  # a text-only checkpoint: nothing fetched
             raise RequestError(status=400, message=self.files.no_images_reason, param="messages")
         if videos and self.files.no_video_reason:
             raise RequestError(status=400, message=self.files.no_video_reason, param="messages")
         loads = [asyncio.ensure_future(self._load_image(part)) for part in parts]
         loads += [asyncio.ensure_future(self.media.load(image_part_source(part), "video")) for part in videos]
+        loads += [asyncio.ensure_future(self._load_audio(part)) for part in audios]
         try:
             loaded = list(await asyncio.gather(*loads))
-            return loaded[:len(parts)], loaded[len(parts):]
+            first_audio = len(parts) + len(videos)
+            return loaded[:len(parts)], loaded[len(parts):first_audio], loaded[first_audio:]
         except MediaError as exc:
             raise RequestError(status=400, message=str(exc), param="messages") from None
         finally:
@@ -148,6 +152,17 @@ class Preparer:
             self.images_by_uuid.put(uuid, data)
         return data
 
+    async def _load_audio(self, part: dict) -> bytes:
+        """One audio part's file bytes: OpenAI's `input_audio` (base64 data, checked by the API
+        layer) or vLLM's `audio_url` (data:, file:// or http(s), under the media policy)."""
+        if part["type"] == "input_audio":
+            data = base64.b64decode(part["input_audio"]["data"])
+            if len(data) > self.config.media.max_bytes("audio"):
+                raise MediaError(f"audio of {len(data)} bytes exceeds the limit of "
+                                 f"{self.config.media.max_bytes('audio')} bytes")
+            return data
+        return await self.media.load(part["audio_url"]["url"], "audio")
+
     def _admit_image_bytes(self, num_bytes: int) -> int:
         limit = self.config.limits.max_pending_image_bytes
         if num_bytes and self.pending_image_bytes + num_bytes > limit:
@@ -164,7 +179,7 @@ class Preparer:
     # ------------------------------------------------------------ prompt
 
     def _prepare(self, req: GenerateRequest, raw_images: list[bytes], raw_videos: list[bytes] = (),
-                 add_special_tokens: bool = False) -> Prepared:
+                 add_special_tokens: bool = False, raw_audios: list[bytes] = ()) -> Prepared:
         """Tokens, image and video spans and distinct media; RequestError for bad input."""
         # one token at least is left to generate; a prompt to be truncated is tokenized whole
         max_prompt_tokens = self.max_model_len - 1 if req.truncate_prompt_tokens is None else None
@@ -180,7 +195,7 @@ class Preparer:
                 req.messages, raw_images, list(raw_videos), lora=req.lora, mm_processor_kwargs=req.mm_processor_kwargs,
                 add_generation_prompt=req.add_generation_prompt, tools=req.tools,
                 template_kwargs=req.chat_template_kwargs, continue_final_message=req.continue_final_message,
-                max_prompt_tokens=max_prompt_tokens)
+                max_prompt_tokens=max_prompt_tokens, audio_bytes=list(raw_audios))
         except PromptTooLong as exc:
             raise self._too_long(exc, "messages") from None
         return self._truncated(req, Prepared(processed.token_ids, processed.mm_spans, processed.items,

@@ -8,4 +8,5 @@ video_geometry.py     which frames of a video are sampled, their size, groups an
 video_plan_fields.py  a VideoPlan as an EncodeRequest carries it to the encoder
 video_chunks.py       one long video's plan cut into chunks of whole temporal groups
 video_keys.py         a video's content keys: the video's mm_hash and its entries'
+audio_samples.py      an audio file decoded to mono samples, and resampled (PyAV): the API's count, the encoder's clip
 """

@@ -93,6 +93,11 @@ class PromptFormat:
     audio_placeholder: str | None = None
     audio_token: str | None = None
     expand_audio: Callable[[int], str] | None = None
+    # a served clip: the rate its samples are counted at, their count -> (tokens, span meta), and the checkpoint
+    # dir -> its feature extractor's settings (in the clip's key, as the encoder's audio side keys it)
+    audio_sampling_rate: int = 0
+    audio_span: Callable[[int], tuple[int, dict]] | None = None
+    audio_settings: Callable[[str], dict] | None = None
 
     @property
     def placeholders(self) -> tuple[str, ...]:

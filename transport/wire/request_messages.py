@@ -48,14 +48,15 @@ def _lora(f: Fields, name: str) -> LoRARequest | None:
 
 @dataclass
 class EncodeRequest(Message):
-    """API -> encoder: encode one image, or one video when `video` is set (the
-    frames and size the API counted); send EncodeDone to the address `reply_to`
+    """API -> encoder: encode one image, one video when `video` is set (the
+    frames and size the API counted), or one audio clip when `audio_tokens` is
+    (the placeholder tokens the API counted, which its embeddings must fill); send EncodeDone to the address `reply_to`
     (with the tensors when `with_tensors`: the prefill worker shares no cache dir).
     `alone`: encode it in a batch of its own (its request was among several
     suspects of an encoder's death: alone, a second death names it)."""
 
     TYPE: ClassVar[str] = "encode_request"
-    VERSION: ClassVar[int] = 2  # 2: alone
+    VERSION: ClassVar[int] = 3  # 2: alone; 3: audio_tokens
     HAS_PAYLOAD: ClassVar[bool] = True
     request_id: str
     mm_hash: str
@@ -67,11 +68,12 @@ class EncodeRequest(Message):
     # of the language model only); `mm_hash` is then its key (transport/embedding_cache/mm_cache.adapted_mm_hash)
     lora: LoRARequest | None = None
     alone: bool = False
+    audio_tokens: int = 0  # an audio clip's placeholder tokens (`image` holds the audio file); 0: not audio
 
     def _fields(self):
         return {"request_id": self.request_id, "mm_hash": self.mm_hash, "reply_to": self.reply_to,
                 "with_tensors": self.with_tensors, "video": None if self.video is None else video_to_map(self.video),
-                "lora": _lora_to_wire(self.lora), "alone": self.alone}
+                "lora": _lora_to_wire(self.lora), "alone": self.alone, "audio_tokens": self.audio_tokens}
 
     def _payload(self):
         return [self.image]
@@ -82,7 +84,7 @@ class EncodeRequest(Message):
         video = f.opt_map("video")
         return cls(f.str("request_id"), f.mm_hash("mm_hash"), payload[0], read_address(f, "reply_to"),
                    f.bool("with_tensors"), None if video is None else video_from_fields(video),
-                   _lora(f, "lora"), f.bool("alone"))
+                   _lora(f, "lora"), f.bool("alone"), f.int("audio_tokens"))
 
 
 @dataclass

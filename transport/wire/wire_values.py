@@ -19,7 +19,7 @@ from epd.transport.wire.sampling import SamplingParams, StructuredOutputsParams,
 
 __all__ = ["MODALITIES", "CacheFaults", "EncoderCounters", "EngineCounters", "ModalityCounters",
            "logprobs_from_list", "logprobs_to_list", "sampling_from_map", "sampling_to_map"]
-MODALITIES = ("image", "video")  # the `modality` label of the encoder's per-modality metrics
+MODALITIES = ("image", "video", "audio")  # the `modality` label of the encoder's per-modality metrics
 
 
 def sampling_to_map(p: SamplingParams) -> dict[str, Any]:
@@ -198,6 +198,7 @@ class EncoderCounters:
     # per modality (MODALITIES): items encoded, frames decoded, decode seconds
     image: ModalityCounters = field(default_factory=ModalityCounters)
     video: ModalityCounters = field(default_factory=ModalityCounters)
+    audio: ModalityCounters = field(default_factory=ModalityCounters)  # a clip: one item, no frames
 
     def modality(self, name: str) -> ModalityCounters:
         """The counters of `name`, one of MODALITIES."""

@@ -16,8 +16,9 @@ import torch
 
 from epd.families.qwen_omni.audio_tower import AudioConfig, AudioTower
 from epd.families.qwen_omni.positions import audio_span_meta
-from epd.families.qwen_omni.prompt_format import SAMPLING_RATE, num_audio_frames
+from epd.families.qwen_omni.prompt_format import SAMPLING_RATE, feature_settings, num_audio_frames
 from epd.families.qwen_omni.thinker_config import strip_thinker, thinker_config
+from epd.transport.media.audio_samples import resample as resample_samples
 from epd.transport.weights.checkpoint import load_weights, materialize
 
 _PREFIXES = ("model.audio_tower.", "audio_tower.")
@@ -45,17 +46,9 @@ def load_audio_tower(model_dir: str | Path, hf_config, dtype: torch.dtype,
 
 
 def resample(samples: np.ndarray, rate: int, target: int = SAMPLING_RATE) -> np.ndarray:
-    """Mono float32 samples at `rate` -> at `target` (band-limited, PyAV's libswresample)."""
-    if rate == target:
-        return samples
-    import av
-
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32)[None, :], format="flt",
-                                       layout="mono")
-    frame.sample_rate = rate
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=target)
-    out = [f.to_ndarray()[0] for f in (*resampler.resample(frame), *resampler.resample(None))]
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+    """Mono float32 samples at `rate` -> at `target`: the API counts a served clip's samples
+    with this same function (epd/inputs/audio_header.py, transport/media/audio_samples.py)."""
+    return resample_samples(samples, rate, target)
 
 
 class OmniAudio:
@@ -71,7 +64,7 @@ class OmniAudio:
         self.tower = load_audio_tower(model_dir, hf_config, dtype, device)
         self.dtype, self.device = dtype, device
         # what the key of a clip's embeddings includes beside its samples: the feature settings
-        self.settings = {k: v for k, v in self.extractor.to_dict().items() if k != "mel_filters"}
+        self.settings = feature_settings(self.extractor)
 
     def features(self, samples: np.ndarray, sampling_rate: int) -> torch.Tensor:
         """Mono samples -> [num_mel_bins, frames], the features Qwen2_5OmniProcessor gives the thinker."""

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from epd.families.qwen_omni.prompt_format import audio_tokens_of_frames
+from epd.families.qwen_omni.prompt_format import AUDIO_FRAMES, audio_tokens_of_frames
 from epd.families.qwen_vl.positions import MRopePositions
-
-AUDIO_FRAMES = "audio_frames"  # an audio span's meta: the clip's log-mel frames
 
 
 def audio_span_meta(num_frames: int) -> dict:

@@ -28,6 +28,7 @@ AUDIO_EOS = "<|audio_eos|>"
 SAMPLING_RATE = 16_000  # the feature extractor's; other rates are resampled to it
 HOP_LENGTH = 160  # samples per log-mel frame
 MAX_FRAMES = 3000  # 30 s: the processor's padding, and its cut
+AUDIO_FRAMES = "audio_frames"  # an audio span's meta: the clip's log-mel frames (positions.py)
 
 
 def num_audio_frames(num_samples: int) -> int:
@@ -46,6 +47,24 @@ def num_audio_tokens(num_samples: int) -> int:
     """The placeholder tokens of a clip of `num_samples` samples at 16 kHz
     (Qwen2_5OmniProcessor._get_num_audio_tokens)."""
     return audio_tokens_of_frames(num_audio_frames(num_samples))
+
+
+def audio_span(num_samples: int) -> tuple[int, dict]:
+    """A clip of `num_samples` samples at 16 kHz -> (its placeholder tokens, its span metadata)."""
+    num_frames = num_audio_frames(num_samples)
+    return audio_tokens_of_frames(num_frames), {AUDIO_FRAMES: num_frames}
+
+
+def feature_settings(extractor) -> dict:
+    """What a clip's key includes beside its bytes: the feature extractor's settings."""
+    return {k: v for k, v in extractor.to_dict().items() if k != "mel_filters"}
+
+
+def checkpoint_feature_settings(model_dir: str) -> dict:
+    """`feature_settings` of a checkpoint's own feature extractor (transformers', torch-free)."""
+    from transformers import WhisperFeatureExtractor
+
+    return feature_settings(WhisperFeatureExtractor.from_pretrained(str(model_dir)))
 
 
 def expand_image(num_tokens: int) -> str:
@@ -74,4 +93,7 @@ QWEN_OMNI_FORMAT = PromptFormat(
     audio_placeholder=AUDIO_PAD,
     audio_token=AUDIO_PAD,
     expand_audio=expand_audio,
+    audio_sampling_rate=SAMPLING_RATE,
+    audio_span=audio_span,
+    audio_settings=checkpoint_feature_settings,
 )

@@ -142,7 +142,7 @@ def test_bad_audio_is_refused_by_name(omni, tmp_path):
     from epd.requests import RequestError
 
     audio_part = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}
-    with pytest.raises(RequestError, match="offline LLM only"):  # the served path: refused, never dropped
+    with pytest.raises(RequestError, match="hold 1 audio parts; 0 clips"):  # no clip given: refused, never dropped
         llm.inputs.process_chat([{"role": "user", "content": [audio_part]}], [], [])
     with pytest.raises(ValueError, match="takes no video"):
         llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"file://{video}"}}]}],

@@ -295,7 +295,7 @@ def test_vllm_flags_fill_the_config_they_name(tiny_model):
 
 @pytest.mark.parametrize("flags, message", [
     (["--limit-mm-per-prompt", '{"image": 2, "video": -1}'], "video must be a count"),
-    (["--limit-mm-per-prompt", '{"audio": 1}'], "EPD serves image, video, not audio"),
+    (["--limit-mm-per-prompt", '{"speech": 1}'], "EPD serves image, video, audio, not speech"),
     (["--limit-mm-per-prompt", '{"image": -1}'], "image must be a count"),
     (["--limit-mm-per-prompt", "images=2"], None),
     (["--tool-call-parser", "mistral"], "with the parsers hermes, pythonic, glm45"),
