@@ -16,7 +16,7 @@ import torch
 
 from epd.families.registry import family_of
 from epd.transport.media.audio_samples import decode_audio
-from epd.transport.embedding_cache.mm_cache import mm_hash
+from epd.transport.embedding_cache.mm_cache import audio_key_config, mm_hash
 from epd.transport.embedding_cache.mm_entry import MMEntry
 
 MAX_AUDIO_BYTES = 1 << 30  # offline: the caller's own files, bounded only against a mistake
@@ -34,7 +34,7 @@ class AudioEncoder:
                  model_fingerprint: str):
         family = family_of(hf_config)
         self.audio = family.load_audio(model_dir, hf_config, dtype, device)
-        self._key_config = {"modality": "audio", "family": family.model_type, "features": self.audio.settings}
+        self._key_config = audio_key_config(family.model_type, self.audio.settings)
         self.model_fingerprint = model_fingerprint
 
     def clip(self, audio) -> AudioClip:

@@ -36,7 +36,7 @@ from epd.inputs.prompt import AudioRef, ImageRef, PromptBuilder, PromptTooLong, 
 from epd.inputs.video_inputs import VideoInputs
 from epd.lora_modules import TowerAdapters
 from epd.requests import RequestError
-from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, mm_hash
+from epd.transport.embedding_cache.mm_cache import adapted_mm_hash, audio_key_config, mm_hash
 from epd.transport.wire.lora_request import LoRARequest
 from epd.transport.wire.mm_span import MMSpan
 
@@ -167,8 +167,7 @@ class InputProcessor:
         if family.audio is None or fmt.audio_span is None:
             raise RequestError(status=400, message=f"{family.name} takes no audio", param="messages")
         if self._audio_key_config is None:
-            self._audio_key_config = {"modality": "audio", "family": family.model_type,
-                                      "features": fmt.audio_settings(self.files.model_dir)}
+            self._audio_key_config = audio_key_config(family.model_type, fmt.audio_settings(self.files.model_dir))
         max_seconds = self.limits.max_audio_seconds if self.limits is not None else float("inf")
         items, refs = [], []
         for data in raw_audios:

@@ -11,6 +11,7 @@ token_order.py     token outputs put back in output order
 router.py          choosing a prefill / decode worker (`--router`)
 cache_aware_router.py  `--router cache_aware`: the longest cached prefix, else the least loaded; sessions
 prefix_index.py    which KV blocks each engine worker holds, from its KVBlocks (cache_aware)
+sent_since_stats.py  requests sent to each worker since its latest stats (the load-choosing routers)
 encoder_router.py  choosing the encoder of each image or video (`--encoder-router`)
 registry.py        the workers as the API sees them: addresses, roles, load, life
 worker_metrics.py  Prometheus text for what the workers report

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from epd.serve.prefix_index import PrefixIndex
+from epd.serve.sent_since_stats import SentSinceStats
 
 IMBALANCE_ABS = 64  # SGLang's balance_abs_threshold: requests
 IMBALANCE_REL = 1.5  # SGLang's balance_rel_threshold
@@ -52,7 +53,7 @@ class CacheAwareRouter:
     def __init__(self, index: PrefixIndex):
         self.index = index
         self._turn = itertools.count()
-        self._sent: dict[str, tuple[object, int]] = {}  # worker id -> (stats it was counted against, sent since)
+        self._sent = SentSinceStats()
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session id -> worker id, newest last
         self._prompt_ends: OrderedDict[int, None] = OrderedDict()  # the last block of each prompt routed, newest last
         self.num_choices = {"imbalance": 0, "session": 0, "least_loaded": 0, "cache": 0}  # why each was chosen
@@ -61,7 +62,7 @@ class CacheAwareRouter:
         query = query or RouteQuery()
         start = next(self._turn)
         order = [workers[(start + k) % len(workers)] for k in range(len(workers))]
-        loads = {w.worker_id: w.load + self._sent_since_stats(w) for w in order}
+        loads = {w.worker_id: w.load + self._sent.count(w) for w in order}
         least = min(order, key=lambda w: loads[w.worker_id])
         session = self._sessions.get(query.session_id) if query.session_id is not None else None
         if is_imbalanced(list(loads.values())):
@@ -78,18 +79,13 @@ class CacheAwareRouter:
                 best = min(order, key=lambda w: (loads[w.worker_id], self.index.num_blocks(w.worker_id)))
                 why = "least_loaded"
         self.num_choices[why] += 1
-        self._sent[best.worker_id] = (best.stats, self._sent_since_stats(best) + 1)
+        self._sent.add(best)
         if query.session_id is not None:
             _remember(self._sessions, query.session_id, best.worker_id)
         if query.block_hashes:
             _remember(self._prompt_ends, query.block_hashes[-1], None)
         self.index.insert_speculative(best.worker_id, query.block_hashes)
         return best
-
-    def _sent_since_stats(self, worker) -> int:
-        stats, num_sent = self._sent.get(worker.worker_id, (None, 0))
-        return num_sent if stats is worker.stats else 0  # a new report counts what it has received
-
 
 def _remember(recent: OrderedDict, key, value) -> None:
     """`key` -> `value`, newest; the oldest forgotten past MAX_SESSIONS."""

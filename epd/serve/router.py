@@ -29,6 +29,7 @@ from collections.abc import Mapping
 
 from epd.serve.cache_aware_router import CacheAwareRouter
 from epd.serve.prefix_index import PrefixIndex
+from epd.serve.sent_since_stats import SentSinceStats
 
 PREFIX_TOKENS = 64  # tokens of the prompt that pick the worker (4 KV blocks)
 VIRTUAL_NODES = 64  # ring points per worker, for an even spread
@@ -89,18 +90,14 @@ class LeastRequestsRouter:
 
     def __init__(self):
         self._turn = itertools.count()
-        self._sent: dict[str, tuple[object, int]] = {}  # worker id -> (stats it was counted against, sent since)
+        self._sent = SentSinceStats()
 
     def choose(self, workers: list, prompt_token_ids: list[int]):
         start = next(self._turn)
         order = [workers[(start + k) % len(workers)] for k in range(len(workers))]
-        best = min(order, key=lambda w: w.load + self._sent_since_stats(w))
-        self._sent[best.worker_id] = (best.stats, self._sent_since_stats(best) + 1)
+        best = min(order, key=lambda w: w.load + self._sent.count(w))
+        self._sent.add(best)
         return best
-
-    def _sent_since_stats(self, worker) -> int:
-        stats, num_sent = self._sent.get(worker.worker_id, (None, 0))
-        return num_sent if stats is worker.stats else 0  # a new report counts what it has received
 
 
 class PrefixHashRouter:

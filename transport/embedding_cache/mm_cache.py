@@ -80,6 +80,13 @@ def adapted_mm_hash(mm_hash: str, adapter_digest: str) -> str:
     return hashlib.blake2b(f"epd-mm-tower-lora-v1:{mm_hash}:{adapter_digest}".encode(), digest_size=32).hexdigest()
 
 
+def audio_key_config(family: str, features: dict) -> dict:
+    """The config an audio clip's `mm_hash` is taken with: its modality, the family (model_type)
+    and its feature extractor's settings (docs/decisions/audio-items.md). The API keys a served
+    clip with it and the encoder checks the key it computes the same way."""
+    return {"modality": "audio", "family": family, "features": features}
+
+
 @dataclass
 class CacheStats:
     """Counters of one MMCache instance (this process only)."""

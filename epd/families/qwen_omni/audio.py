@@ -18,7 +18,7 @@ from epd.families.qwen_omni.audio_tower import AudioConfig, AudioTower
 from epd.families.qwen_omni.positions import audio_span_meta
 from epd.families.qwen_omni.prompt_format import SAMPLING_RATE, feature_settings, num_audio_frames
 from epd.families.qwen_omni.thinker_config import strip_thinker, thinker_config
-from epd.transport.media.audio_samples import resample as resample_samples
+from epd.transport.media.audio_samples import resample
 from epd.transport.weights.checkpoint import load_weights, materialize
 
 _PREFIXES = ("model.audio_tower.", "audio_tower.")
@@ -45,12 +45,6 @@ def load_audio_tower(model_dir: str | Path, hf_config, dtype: torch.dtype,
     return tower.eval()
 
 
-def resample(samples: np.ndarray, rate: int, target: int = SAMPLING_RATE) -> np.ndarray:
-    """Mono float32 samples at `rate` -> at `target`: the API counts a served clip's samples
-    with this same function (epd/inputs/audio_header.py, transport/media/audio_samples.py)."""
-    return resample_samples(samples, rate, target)
-
-
 class OmniAudio:
     """Clips -> log-mel features [num_mel_bins, frames] -> embeddings [num_tokens, hidden] each."""
 
@@ -73,7 +67,7 @@ class OmniAudio:
             raise ValueError(f"an audio clip is one channel of samples, got shape {samples.shape}")
         if not np.isfinite(samples).all():
             raise ValueError("an audio clip holds NaN or infinite samples")
-        samples = resample(samples, int(sampling_rate))
+        samples = resample(samples, int(sampling_rate), SAMPLING_RATE)  # as the API counts a served clip's
         out = self.extractor(samples, sampling_rate=SAMPLING_RATE, padding="max_length", return_attention_mask=True,
                              return_tensors="np")
         frames = num_audio_frames(len(samples))

@@ -179,12 +179,12 @@ def test_chat_with_audio_and_image_matches_transformers(omni):
 
 def test_other_rates_are_resampled_to_16k(omni):
     """An 8 kHz tone becomes the same tone at 16 kHz (twice the samples), counted as 16 kHz audio."""
-    from epd.families.qwen_omni.audio import resample
+    from epd.transport.media.audio_samples import resample
 
     _, llm, _ = omni
     t = np.arange(8000) / 8000
     tone = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-    up = resample(tone, 8000)
+    up = resample(tone, 8000, 16000)
     assert abs(len(up) - 16000) <= 32
     spectrum = np.abs(np.fft.rfft(up[:16000]))
     assert abs(int(spectrum.argmax()) - 440) <= 1  # 1 Hz bins over one second
